@@ -1,0 +1,157 @@
+"""oncely: effectively-once message processing on top of at-least-once delivery.
+
+The public API lives here and nowhere else; every name below is stable. Start with
+:class:`Inbox` (or :class:`AsyncInbox`) on a store from :func:`open`::
+
+    import oncely
+
+    inbox = oncely.Inbox(oncely.open("sqlite:///oncely.db"), consumer="billing")
+    handled = inbox.handle(message_id, payment, charge)   # two-phase mode (R10)
+    handled = inbox.handle_in_transaction(message_id, payment, book)  # transactional (R7)
+    if handled.outcome is oncely.Outcome.KEY_CONFLICT: ...
+"""
+
+from oncely._async.inbox import AsyncInbox
+from oncely._async.memory import AsyncMemoryStore
+from oncely._async.protocols import AsyncStore, AsyncTransactionalStore
+from oncely._async.sqlite import AsyncSQLiteStore
+from oncely._core.clock import Clock, FakeClock, SystemClock
+from oncely._core.codec import Codec, JSONCodec, RawCodec
+from oncely._core.context import Current, current
+from oncely._core.fingerprint import Fingerprint, Fingerprinter, canonical_json, fingerprint
+from oncely._core.keys import (
+    BusinessKey,
+    CloudEventsKey,
+    Envelope,
+    FirstOf,
+    HeaderKey,
+    KeySource,
+    MessageIdKey,
+)
+from oncely._core.observe import Hook
+from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.policy import (
+    Lease,
+    Limits,
+    OnStale,
+    RedeliveryHorizon,
+    Resolution,
+    Retention,
+    StaleClaim,
+    format_duration,
+)
+from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
+from oncely._drivers.sqlite import SQLiteSettings
+from oncely._sync.inbox import Inbox
+from oncely._sync.memory import MemoryStore
+from oncely._sync.protocols import Store, TransactionalStore
+from oncely._sync.sqlite import SQLiteStore
+from oncely.errors import (
+    ConfigurationError,
+    Escalated,
+    InFlight,
+    InvalidIdentifier,
+    InvalidKey,
+    KeyConflict,
+    KeyTooLong,
+    LeaseLost,
+    MissingKey,
+    OncelyError,
+    OutcomeError,
+    PayloadError,
+    Reject,
+    Rejected,
+    ResultTooLarge,
+    RetentionTooShort,
+    SchemaError,
+    SchemaMissing,
+    SchemaTooNew,
+    StoreError,
+    StoreUnavailable,
+    TransactionRequired,
+    TransactionsUnsupported,
+    UnfingerprintablePayload,
+)
+from oncely.stores import open_async_store as open_async
+from oncely.stores import open_store as open  # noqa: A004 - `oncely.open(url)` mirrors the URL API
+from oncely.stores import redact
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "AsyncInbox",
+    "AsyncMemoryStore",
+    "AsyncSQLiteStore",
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "BusinessKey",
+    "Claim",
+    "ClaimStatus",
+    "Clock",
+    "CloudEventsKey",
+    "Codec",
+    "ConfigurationError",
+    "Current",
+    "Envelope",
+    "Escalated",
+    "FakeClock",
+    "Fingerprint",
+    "Fingerprinter",
+    "FirstOf",
+    "Handled",
+    "HeaderKey",
+    "Hook",
+    "InFlight",
+    "Inbox",
+    "InvalidIdentifier",
+    "InvalidKey",
+    "JSONCodec",
+    "KeyConflict",
+    "KeySource",
+    "KeyTooLong",
+    "Lease",
+    "LeaseLost",
+    "Limits",
+    "MemoryStore",
+    "MessageIdKey",
+    "MissingKey",
+    "OnStale",
+    "OncelyError",
+    "Outcome",
+    "OutcomeError",
+    "PayloadError",
+    "RawCodec",
+    "Record",
+    "RedeliveryHorizon",
+    "Reject",
+    "Rejected",
+    "Resolution",
+    "ResultTooLarge",
+    "Retention",
+    "RetentionTooShort",
+    "SQLiteSettings",
+    "SQLiteStore",
+    "SchemaError",
+    "SchemaMissing",
+    "SchemaTooNew",
+    "StaleClaim",
+    "Status",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "StoreUnavailable",
+    "SystemClock",
+    "TransactionRequired",
+    "TransactionalStore",
+    "TransactionsUnsupported",
+    "UnfingerprintablePayload",
+    "__version__",
+    "canonical_json",
+    "current",
+    "fingerprint",
+    "format_duration",
+    "open",
+    "open_async",
+    "redact",
+]

@@ -1,0 +1,1 @@
+"""The asyncio implementation: the source from which ``oncely._sync`` is generated."""

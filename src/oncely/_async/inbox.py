@@ -1,0 +1,791 @@
+"""The inbox: runs a handler for each logical message effectively once (R1).
+
+Two modes, one decision table (:mod:`oncely._core.flows`):
+
+* **Transactional** (:meth:`AsyncInbox.handle_in_transaction`, R7, R8): the dedup marker is
+  inserted inside the transaction the handler writes in, so marker, business writes and result
+  commit together or not at all. A crash anywhere leaves either everything or nothing.
+* **Two-phase** (:meth:`AsyncInbox.handle`, R10): for effects outside any transaction (an HTTP
+  call, an e-mail). The key is claimed ``in_progress`` under a lease that a heartbeat renews; the
+  result is recorded under the claim's fencing token; a failure releases the claim so a
+  redelivery retries; a lapsed lease goes through the ``on_stale`` policy.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Literal, ParamSpec, TypeVar, cast
+
+from oncely._async._concurrency import AsyncHeartbeats, sleep
+from oncely._async._types import AsyncFunction, AsyncHandler, AsyncTxHandler
+from oncely._async.protocols import AsyncStore, AsyncTransactionalStore
+from oncely._core.codec import Codec, JSONCodec
+from oncely._core.context import _CURRENT, Current
+from oncely._core.fingerprint import Fingerprinter
+from oncely._core.fingerprint import fingerprint as payload_fingerprint
+from oncely._core.flows import Step, decide
+from oncely._core.keys import Envelope, KeySource, MessageIdKey, validate_consumer, validate_key
+from oncely._core.observe import Hook, Observer
+from oncely._core.outcomes import Handled, Outcome
+from oncely._core.policy import (
+    AsyncReconciler,
+    Lease,
+    Limits,
+    OnStale,
+    Retention,
+    StaleClaim,
+)
+from oncely._core.records import Claim, ClaimStatus, Record, Status
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    PayloadError,
+    Reject,
+    ResultTooLarge,
+    StoreError,
+    StoreUnavailable,
+    TransactionsUnsupported,
+)
+
+__all__ = ["AsyncInbox"]
+
+P = TypeVar("P")
+R = TypeVar("R")
+Tx = TypeVar("Tx")
+PS = ParamSpec("PS")
+
+_COMPLETE_RETRIES = (0.05, 0.2, 0.8)
+_MAX_ROUNDS = 8
+
+
+def _new_token() -> str:
+    return os.urandom(16).hex()
+
+
+def _shown(key: object) -> str | None:
+    if not isinstance(key, str):
+        return None
+    return key if len(key) <= 80 else key[:77] + "..."
+
+
+class _HandlerError(Exception):
+    """Carries a handler's exception out of a transaction block so the block rolls back."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class AsyncInbox:
+    """Processes each logical message once for one consumer, on top of a store.
+
+    ``consumer`` scopes every record (R5): give each independent subscriber of a channel its
+    own name and they never stop one another. The store may be shared by many inboxes.
+
+    Raises :class:`~oncely.ConfigurationError` for a policy that cannot work (a lease longer
+    than retention, a blank consumer). Message-level problems never raise: they come back as
+    outcomes (:class:`~oncely.Handled`). A store failure raises :class:`~oncely.StoreError`,
+    after which nothing was acknowledged and retrying the message later is safe.
+    """
+
+    __slots__ = (
+        "_codec",
+        "_consumer",
+        "_fingerprint",
+        "_heartbeats",
+        "_keep_failed_ms",
+        "_keep_ms",
+        "_lease",
+        "_lease_ms",
+        "_limits",
+        "_observer",
+        "_reconciler",
+        "_renew_every",
+        "_retention",
+        "_store",
+        "_takeover",
+    )
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        *,
+        consumer: str,
+        retention: Retention | None = None,
+        lease: Lease | None = None,
+        on_stale: OnStale | Literal["retry", "escalate"] | AsyncReconciler = OnStale.RETRY,
+        fingerprint: Fingerprinter = payload_fingerprint,
+        limits: Limits | None = None,
+        codec: Codec | None = None,
+        hooks: tuple[Hook, ...] | list[Hook] = (),
+        logger: logging.Logger | None = None,
+        log_keys: Literal["plain", "hash"] = "plain",
+    ) -> None:
+        self._store = store
+        self._consumer = validate_consumer(consumer)
+        self._retention = retention if retention is not None else Retention()
+        self._lease = lease if lease is not None else Lease()
+        if self._lease.duration >= self._retention.keep:
+            raise ConfigurationError(
+                "the lease must be shorter than retention: a record must outlive its claim"
+            )
+        self._lease_ms = self._lease.duration_ms
+        self._keep_ms = self._retention.keep_ms
+        self._keep_failed_ms = self._retention.keep_failed_ms
+        self._renew_every = self._lease.renew_every_s
+        if callable(on_stale) and not isinstance(on_stale, str):
+            self._reconciler: AsyncReconciler | None = on_stale
+            self._takeover = False
+        else:
+            self._reconciler = None
+            self._takeover = OnStale(on_stale) is OnStale.RETRY
+        self._fingerprint = fingerprint
+        self._limits = limits if limits is not None else Limits()
+        self._codec: Codec = codec if codec is not None else JSONCodec()
+        self._observer = Observer(hooks=hooks, logger=logger, log_keys=log_keys)
+        self._heartbeats = AsyncHeartbeats()
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    # ------------------------------------------------------------------ two-phase mode (R10)
+
+    async def handle(
+        self,
+        key: str,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        *,
+        correlation_id: str | None = None,
+        wait: timedelta | None = None,
+    ) -> Handled[R]:
+        """Run ``handler(payload)`` unless ``key`` was processed before (two-phase mode).
+
+        Returns ``processed`` (or ``stale_reclaimed``) with the handler's result, ``duplicate``
+        with the result stored the first time, ``in_flight`` while another worker holds a live
+        claim, ``key_conflict`` when the key was used for other content, ``escalated`` when a
+        lapsed claim needs a person, ``failed`` when the handler raised (the claim is released
+        so a redelivery retries) and ``rejected`` for a bad key or a poison message (the handler
+        raised :class:`~oncely.Reject`, or did so for this key before).
+
+        With ``wait``, a caller that is not a broker waits up to that long for an in-flight
+        claim to finish and receives its result (or takes over its work if it is released).
+        """
+        started = time.perf_counter()
+        try:
+            key = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._done(
+                Outcome.REJECTED,
+                _shown(key),
+                started,
+                reason=str(exc),
+                correlation_id=correlation_id,
+            )
+        deadline = None if wait is None else started + wait.total_seconds()
+        pause = 0.005
+        store = self._store
+        rounds = 0
+        while rounds < _MAX_ROUNDS:
+            claim = await store.claim(
+                self._consumer,
+                key,
+                fingerprint=fp,
+                token=_new_token(),
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+                takeover=self._takeover,
+            )
+            step = decide(claim, fp)
+            if step is Step.PROCEED:
+                return await self._run(claim, payload, handler, correlation_id, started)
+            if step is Step.STALE:
+                handled = await self._stale(claim, fp, payload, handler, correlation_id, started)
+                if handled is not None:
+                    return handled
+                rounds += 1
+                continue
+            if step is Step.IN_FLIGHT and deadline is not None:
+                remaining = deadline - time.perf_counter()
+                if remaining > 0:
+                    await sleep(min(pause, remaining))
+                    pause = min(pause * 2, 0.25)
+                    continue
+            return self._settle(step, claim, correlation_id, started)
+        raise StoreUnavailable(f"claim for key {key!r} kept changing hands; try again later")
+
+    async def handle_message(
+        self,
+        envelope: Envelope,
+        handler: AsyncHandler[object, R],
+        *,
+        key: KeySource | None = None,
+        wait: timedelta | None = None,
+    ) -> Handled[R]:
+        """:meth:`handle` for a broker message: the key comes from ``key`` (default: the
+        producer's message id). A message without a usable key is ``rejected`` with the reason
+        (dead-lettered by adapters), never processed unprotected (R2-R4)."""
+        started = time.perf_counter()
+        source = key if key is not None else _MESSAGE_ID
+        try:
+            found = source(envelope)
+        except Exception as exc:
+            return self._done(
+                Outcome.REJECTED,
+                None,
+                started,
+                reason=str(exc),
+                correlation_id=envelope.correlation_id,
+            )
+        return await self.handle(
+            found, envelope.body, handler, correlation_id=envelope.correlation_id, wait=wait
+        )
+
+    def idempotent(
+        self, *, key: Callable[..., str], wait: timedelta | None = timedelta(seconds=10)
+    ) -> Callable[[AsyncFunction[PS, R]], AsyncFunction[PS, R]]:
+        """Decorate a function so each key runs once; repeats return the first result.
+
+        ``key`` receives the function's arguments and returns the idempotency key; the bound
+        arguments are the payload that is fingerprinted, so the same key with other arguments
+        raises :class:`~oncely.KeyConflict`. A call that finds the key in flight waits up to
+        ``wait`` for it, then raises :class:`~oncely.InFlight`. A raising function releases
+        the key and its exception propagates unchanged.
+        """
+
+        def decorate(fn: AsyncFunction[PS, R]) -> AsyncFunction[PS, R]:
+            signature = inspect.signature(fn)
+
+            @functools.wraps(fn)
+            async def once(*args: PS.args, **kwargs: PS.kwargs) -> R:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+
+                async def run(_payload: object) -> R:
+                    return await fn(*args, **kwargs)
+
+                handled = await self.handle(
+                    key(*args, **kwargs), dict(bound.arguments), run, wait=wait
+                )
+                return cast(R, handled.unwrap())
+
+            return once
+
+        return decorate
+
+    # --------------------------------------------------------------- transactional mode (R7)
+
+    async def handle_in_transaction(
+        self,
+        key: str,
+        payload: P,
+        handler: AsyncTxHandler[Tx, P, R],
+        *,
+        tx: Tx | None = None,
+        correlation_id: str | None = None,
+    ) -> Handled[R]:
+        """Run ``handler(tx, payload)`` and record ``key`` in the same transaction (R7).
+
+        Without ``tx``, oncely opens a transaction on one of the store's connections and commits
+        it. With ``tx`` (a connection of yours with an open transaction on the store's
+        database), oncely works inside a savepoint and *you* commit: until then ``processed``
+        is tentative, and if you roll back nothing was recorded.
+
+        Outcomes are those of :meth:`handle`; ``failed`` means the handler raised and its
+        writes were rolled back with the marker, so a redelivery retries. A result that cannot
+        be stored also fails the transaction (nothing happened, so nothing is lost).
+        """
+        started = time.perf_counter()
+        try:
+            key = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._done(
+                Outcome.REJECTED,
+                _shown(key),
+                started,
+                reason=str(exc),
+                correlation_id=correlation_id,
+            )
+        store: AsyncTransactionalStore[Tx] = self._transactional()
+        token = _new_token()
+        try:
+            if tx is not None:
+                store.check_transaction(tx)
+                async with store.savepoint(tx):
+                    step, claim, record, value = await self._in_tx(
+                        store, tx, key, fp, payload, handler, token, correlation_id
+                    )
+            else:
+                async with store.transaction() as own:
+                    step, claim, record, value = await self._in_tx(
+                        store, own, key, fp, payload, handler, token, correlation_id
+                    )
+        except _HandlerError as failure:
+            error = failure.error
+            if isinstance(error, Reject):
+                await self._reject_in(store, tx, key, fp, error.reason)
+                return self._done(
+                    Outcome.REJECTED,
+                    key,
+                    started,
+                    reason=f"handler rejected the message: {error.reason}",
+                    correlation_id=correlation_id,
+                )
+            return self._done(
+                Outcome.FAILED,
+                key,
+                started,
+                reason=f"handler raised {type(error).__name__}: {error}",
+                error=error,
+                correlation_id=correlation_id,
+            )
+        if step is not Step.PROCEED:
+            return self._settle(step, claim, correlation_id, started)
+        outcome = Outcome.PROCESSED if claim.status is ClaimStatus.NEW else Outcome.STALE_RECLAIMED
+        return self._done(
+            outcome,
+            key,
+            started,
+            value=value,
+            record=record,
+            correlation_id=correlation_id,
+            reason=None if outcome is Outcome.PROCESSED else _reclaim_reason(claim),
+        )
+
+    async def _in_tx(
+        self,
+        store: AsyncTransactionalStore[Tx],
+        tx: Tx,
+        key: str,
+        fp: str | None,
+        payload: P,
+        handler: AsyncTxHandler[Tx, P, R],
+        token: str,
+        correlation_id: str | None,
+    ) -> tuple[Step, Claim, Record, R | None]:
+        claim = await store.claim_in(
+            tx,
+            self._consumer,
+            key,
+            fingerprint=fp,
+            token=token,
+            keep_ms=self._keep_ms,
+            takeover=self._takeover,
+        )
+        step = decide(claim, fp)
+        if step is not Step.PROCEED:
+            return step, claim, claim.record, None
+        context = _CURRENT.set(
+            Current(self._consumer, key, claim.record.attempt, correlation_id, "transactional")
+        )
+        try:
+            result = await handler(tx, payload)
+            data = self._encode(result, strict=True)[0]
+        except Exception as exc:
+            raise _HandlerError(exc) from exc
+        finally:
+            _CURRENT.reset(context)
+        record = claim.record
+        if data is not None:
+            await store.set_result_in(tx, self._consumer, key, token=token, result=data)
+            record = replace(record, result=data)
+        return step, claim, record, result
+
+    async def _reject_in(
+        self,
+        store: AsyncTransactionalStore[Tx],
+        tx: Tx | None,
+        key: str,
+        fp: str | None,
+        reason: str,
+    ) -> None:
+        # The handler's writes were rolled back; record the poison key so redeliveries are
+        # rejected without running the handler again.
+        error = reason[: self._limits.max_error_chars]
+        if tx is not None:
+            await store.claim_in(
+                tx,
+                self._consumer,
+                key,
+                fingerprint=fp,
+                token=_new_token(),
+                keep_ms=self._keep_failed_ms,
+                takeover=self._takeover,
+                initial=Status.FAILED,
+                error=error,
+            )
+            return
+        async with store.transaction() as own:
+            await store.claim_in(
+                own,
+                self._consumer,
+                key,
+                fingerprint=fp,
+                token=_new_token(),
+                keep_ms=self._keep_failed_ms,
+                takeover=self._takeover,
+                initial=Status.FAILED,
+                error=error,
+            )
+
+    def _transactional(self) -> AsyncTransactionalStore[Tx]:
+        store = self._store
+        if not isinstance(store, AsyncTransactionalStore):
+            raise TransactionsUnsupported(
+                f"{type(store).__name__} cannot join a transaction; use the two-phase mode "
+                "(Inbox.handle) for it, or a SQL store for the transactional mode"
+            )
+        return cast(AsyncTransactionalStore[Tx], store)
+
+    # ------------------------------------------------------------------------ records
+
+    async def get(self, key: str) -> Record | None:
+        """This consumer's unexpired record for ``key``."""
+        return await self._store.get(self._consumer, validate_key(key, self._limits))
+
+    async def forget(self, key: str) -> bool:
+        """Delete this consumer's record for ``key`` (an operator's decision: the next delivery
+        is processed again). True if there was one."""
+        return await self._store.forget(self._consumer, validate_key(key, self._limits))
+
+    async def aclose(self) -> None:
+        """Stop background heartbeats. The store stays open (it is yours)."""
+        self._heartbeats.close()
+
+    # ------------------------------------------------------------------------ internals
+
+    async def _run(
+        self,
+        claim: Claim,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        correlation_id: str | None,
+        started: float,
+    ) -> Handled[R]:
+        record = claim.record
+        key = record.key
+        token = record.token
+        beat = None
+        if self._lease.heartbeat:
+            beat = self._heartbeats.start(
+                functools.partial(self._renew, key, token), self._renew_every
+            )
+        context = _CURRENT.set(
+            Current(self._consumer, key, record.attempt, correlation_id, "two_phase")
+        )
+        error: BaseException | None = None
+        result: R | None = None
+        try:
+            result = await handler(payload)
+        except BaseException as exc:
+            error = exc
+        finally:
+            _CURRENT.reset(context)
+            if beat is not None:
+                await beat.stop()
+        if error is not None:
+            if isinstance(error, Reject):
+                return await self._reject(record, error.reason, correlation_id, started)
+            await self._release_quietly(key, token)
+            if not isinstance(error, Exception):
+                raise error
+            return self._done(
+                Outcome.FAILED,
+                key,
+                started,
+                reason=f"handler raised {type(error).__name__}: {error}",
+                error=error,
+                record=record,
+                correlation_id=correlation_id,
+            )
+        data, note = self._encode(result, strict=False)
+        try:
+            done = await self._complete(key, token, data, note)
+        except LeaseLost as lost:
+            return self._done(
+                Outcome.IN_FLIGHT,
+                key,
+                started,
+                reason=_lost_reason(lost),
+                record=lost.current,
+                correlation_id=correlation_id,
+            )
+        reclaimed = claim.status is ClaimStatus.TAKEN_OVER
+        return self._done(
+            Outcome.STALE_RECLAIMED if reclaimed else Outcome.PROCESSED,
+            key,
+            started,
+            value=result,
+            record=done,
+            reason=note or (_reclaim_reason(claim) if reclaimed else None),
+            correlation_id=correlation_id,
+        )
+
+    async def _complete(self, key: str, token: str, data: bytes | None, note: str | None) -> Record:
+        # The effects are done: losing the completion would let a redelivery repeat them, so
+        # a short outage is ridden out (complete is idempotent for the same token).
+        for pause in (*_COMPLETE_RETRIES, None):
+            try:
+                return await self._store.complete(
+                    self._consumer, key, token=token, result=data, keep_ms=self._keep_ms, note=note
+                )
+            except StoreUnavailable:
+                if pause is None:
+                    raise
+                await sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _renew(self, key: str, token: str) -> None:
+        try:
+            await self._store.renew(
+                self._consumer, key, token=token, lease_ms=self._lease_ms, keep_ms=self._keep_ms
+            )
+        except LeaseLost as lost:
+            self._observer.logger.warning(
+                "oncely lease lost consumer=%s key=%s: %s", self._consumer, key, _lost_reason(lost)
+            )
+        except Exception as exc:
+            self._observer.logger.warning(
+                "oncely could not renew the lease consumer=%s key=%s: %s", self._consumer, key, exc
+            )
+
+    async def _release_quietly(self, key: str, token: str) -> None:
+        try:
+            await self._store.release(self._consumer, key, token=token)
+        except LeaseLost:
+            pass  # another worker owns the key now; nothing of ours to release
+        except StoreError as exc:
+            self._observer.logger.warning(
+                "oncely could not release the claim consumer=%s key=%s (%s); a redelivery "
+                "retries once the lease lapses",
+                self._consumer,
+                key,
+                exc,
+            )
+
+    async def _reject(
+        self, record: Record, reason: str, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        key = record.key
+        try:
+            done = await self._store.fail(
+                self._consumer,
+                key,
+                token=record.token,
+                error=reason[: self._limits.max_error_chars],
+                keep_ms=self._keep_failed_ms,
+            )
+        except LeaseLost as lost:
+            return self._done(
+                Outcome.IN_FLIGHT,
+                key,
+                started,
+                reason=_lost_reason(lost),
+                record=lost.current,
+                correlation_id=correlation_id,
+            )
+        return self._done(
+            Outcome.REJECTED,
+            key,
+            started,
+            reason=f"handler rejected the message: {reason}",
+            record=done,
+            correlation_id=correlation_id,
+        )
+
+    async def _stale(
+        self,
+        claim: Claim,
+        fp: str | None,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        correlation_id: str | None,
+        started: float,
+    ) -> Handled[R] | None:
+        """Apply ``on_stale`` to a lapsed claim. None: the record moved on; decide again."""
+        record = claim.record
+        key = record.key
+        if self._reconciler is None:
+            return self._settle(Step.STALE, claim, correlation_id, started)
+        try:
+            resolution = await self._reconciler(StaleClaim(record, payload))
+        except Exception as exc:
+            return self._done(
+                Outcome.FAILED,
+                key,
+                started,
+                reason=f"reconciler raised {type(exc).__name__}: {exc}",
+                error=exc,
+                record=record,
+                correlation_id=correlation_id,
+            )
+        if resolution.action == "retry":
+            taken = await self._store.takeover(
+                self._consumer,
+                key,
+                expected_token=record.token,
+                fingerprint=fp,
+                token=_new_token(),
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+            )
+            if taken.won:
+                return await self._run(taken, payload, handler, correlation_id, started)
+            return None
+        if resolution.action == "completed":
+            data, note = self._encode(resolution.result, strict=False)
+            try:
+                done = await self._store.complete(
+                    self._consumer,
+                    key,
+                    token=record.token,
+                    result=data,
+                    keep_ms=self._keep_ms,
+                    note=note or "reconciled: the external system showed the effect done",
+                )
+            except LeaseLost:
+                return None
+            return self._done(
+                Outcome.DUPLICATE,
+                key,
+                started,
+                value=cast(R, resolution.result),
+                record=done,
+                reason="stale claim reconciled as completed",
+                correlation_id=correlation_id,
+            )
+        return self._done(
+            Outcome.ESCALATED,
+            key,
+            started,
+            reason=resolution.reason or "the reconciler escalated the stale claim",
+            record=record,
+            correlation_id=correlation_id,
+        )
+
+    def _settle(
+        self, step: Step, claim: Claim, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        record = claim.record
+        key = record.key
+        if step is Step.DUPLICATE:
+            value, reason = self._decode(record)
+            return self._done(
+                Outcome.DUPLICATE,
+                key,
+                started,
+                value=value,
+                reason=reason,
+                record=record,
+                correlation_id=correlation_id,
+            )
+        if step is Step.CONFLICT:
+            reason = (
+                f"key reused for different content: the {record.status} record has fingerprint "
+                f"{record.fingerprint}, this message another; dead-letter it and check the "
+                "producer (R20 step 6)"
+            )
+            outcome = Outcome.KEY_CONFLICT
+        elif step is Step.FAILED_BEFORE:
+            reason = f"rejected before: {record.error}"
+            outcome = Outcome.REJECTED
+        elif step is Step.IN_FLIGHT:
+            left = max(0, record.lease_until_ms - claim.now_ms)
+            reason = f"attempt {record.attempt} holds the claim for another {left}ms"
+            outcome = Outcome.IN_FLIGHT
+        else:
+            reason = (
+                f"the claim of attempt {record.attempt} lapsed at "
+                f"{record.lease_until.isoformat()} without completing and on_stale does not "
+                "retry it: check whether its effects happened, then complete or forget the key"
+            )
+            outcome = Outcome.ESCALATED
+        return self._done(
+            outcome, key, started, reason=reason, record=record, correlation_id=correlation_id
+        )
+
+    def _encode(self, result: object, *, strict: bool) -> tuple[bytes | None, str | None]:
+        if result is None:
+            return None, None
+        try:
+            data = self._codec.encode(result)
+        except Exception as exc:
+            if strict:
+                raise PayloadError(f"the result cannot be encoded: {exc}") from exc
+            note = f"result not stored: {type(result).__name__} cannot be encoded ({exc})"
+            self._observer.logger.error("oncely %s consumer=%s", note, self._consumer)
+            return None, note
+        limit = self._limits.max_result_bytes
+        if len(data) > limit:
+            note = f"result not stored: {len(data)} bytes is over the limit of {limit}"
+            if strict:
+                raise ResultTooLarge(note)
+            self._observer.logger.error("oncely %s consumer=%s", note, self._consumer)
+            return None, note
+        return data, None
+
+    def _decode(self, record: Record) -> tuple[R | None, str | None]:
+        if record.result is None:
+            return None, record.error
+        try:
+            return cast(R, self._codec.decode(record.result)), None
+        except Exception as exc:
+            return None, f"the stored result cannot be decoded: {exc}"
+
+    def _done(
+        self,
+        outcome: Outcome,
+        key: str | None,
+        started: float,
+        *,
+        value: R | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+        record: Record | None = None,
+        correlation_id: str | None = None,
+    ) -> Handled[R]:
+        handled: Handled[R] = Handled(
+            outcome,
+            self._consumer,
+            key,
+            value,
+            reason,
+            error,
+            record,
+            record.attempt if record is not None else 0,
+            time.perf_counter() - started,
+            correlation_id,
+        )
+        self._observer.emit(cast(Handled[object], handled))
+        return handled
+
+
+_MESSAGE_ID = MessageIdKey()
+
+
+def _lost_reason(lost: LeaseLost) -> str:
+    current = lost.current
+    if current is None:
+        return "lease lost: the record is gone (expired, purged or forgotten)"
+    return (
+        f"lease lost: attempt {current.attempt} took the key over after this claim's lease "
+        f"lapsed and now holds it ({current.status}); its result wins"
+    )
+
+
+def _reclaim_reason(claim: Claim) -> str:
+    return f"took over a lapsed claim (attempt {claim.record.attempt - 1} did not complete)"

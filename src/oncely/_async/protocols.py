@@ -1,0 +1,171 @@
+"""The store contract, written once. Every store implements it; the contract suite proves it.
+
+Two capability levels. Every store can claim, take over, complete, fail, renew, release, get and
+purge (two-phase mode, R10). A *transactional* store can also claim inside a transaction the
+caller's code writes in, so the marker and the business writes commit together (R7): SQL stores.
+
+All times are epoch milliseconds from the store's clock, never the worker's. Every fenced write
+(complete, fail, renew, release) carries the claim's token and raises :class:`~oncely.LeaseLost`,
+changing nothing, when the record is no longer that claim's. The rules are
+:mod:`oncely._core.state`; a store behaves exactly like that table.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol, TypeVar, runtime_checkable
+
+from oncely._core.records import Claim, Record, Status, StoreStats
+
+__all__ = ["AsyncStore", "AsyncTransactionalStore"]
+
+Tx = TypeVar("Tx")
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """The operations every store offers."""
+
+    @property
+    def url(self) -> str:
+        """Where the store lives, with any password replaced by ``***``."""
+        ...
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        """Atomically insert an in-progress record for ``(consumer, key)`` unless a live one
+        exists, and return the winner (R8, R9). With ``takeover``, a stale in-progress record
+        whose fingerprint agrees is taken over (new token, attempt + 1)."""
+        ...
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        """Take over a stale record only while it still carries ``expected_token``; claim
+        afresh if it is gone. Used after a reconciler decided to retry."""
+        ...
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        """Mark the claim completed with ``result``. Idempotent for the same token."""
+        ...
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        """Mark the claim failed for good (a poison message). Idempotent for the same token."""
+        ...
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        """Extend the claim's lease to ``now + lease``."""
+        ...
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        """Delete the claim so a redelivery starts afresh. False if there was nothing to
+        release (already gone or expired)."""
+        ...
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        """The unexpired record for ``(consumer, key)``, or None."""
+        ...
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        """Delete expired records in batches of ``batch_size`` (each its own short write) and
+        return how many were deleted."""
+        ...
+
+    async def stats(self) -> StoreStats:
+        """Record counts per consumer and status."""
+        ...
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Unexpired records in ``(consumer, key)`` order, starting after ``after``."""
+        ...
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        """Delete a record whatever its state (an operator's decision). True if one existed."""
+        ...
+
+    async def migrate(self) -> int:
+        """Create or upgrade the schema; return its version."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections. The store cannot be used afterwards."""
+        ...
+
+
+@runtime_checkable
+class AsyncTransactionalStore(AsyncStore, Protocol[Tx]):
+    """A store that can put the dedup marker inside a transaction with the caller's writes."""
+
+    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """A new transaction on one of the store's connections: committed when the block ends,
+        rolled back when it raises."""
+        ...
+
+    def savepoint(self, tx: Tx) -> AbstractAsyncContextManager[None]:
+        """A savepoint inside ``tx``: released at the end of the block, rolled back to (and
+        released) when it raises, leaving ``tx`` usable."""
+        ...
+
+    def check_transaction(self, tx: Tx) -> None:
+        """Raise :class:`~oncely.TransactionRequired` unless ``tx`` has an open transaction."""
+        ...
+
+    async def claim_in(
+        self,
+        tx: Tx,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status = Status.COMPLETED,
+        error: str | None = None,
+    ) -> Claim:
+        """:meth:`claim` on ``tx``, inserting the record directly as ``initial`` (completed:
+        it commits with the business writes or not at all)."""
+        ...
+
+    async def set_result_in(
+        self, tx: Tx, consumer: str, key: str, *, token: str, result: bytes | None
+    ) -> None:
+        """Store the result on the marker this transaction inserted."""
+        ...

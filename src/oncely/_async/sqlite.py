@@ -1,0 +1,560 @@
+"""The SQLite store: one file, any number of threads and processes, both modes.
+
+WAL journal, ``BEGIN IMMEDIATE`` for every transaction oncely opens (so a reader never has to
+upgrade to a writer and deadlock), a busy timeout for the single-writer lock, and one
+``INSERT ... ON CONFLICT ... RETURNING`` per claim (:mod:`oncely._dialects.sqlite`). Several
+processes may share the file on one host; a network file system is not supported (SQLite's
+locking does not hold there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiosqlite
+
+from oncely._async._sqlite_io import Params, close, connect, fetchall
+from oncely._core.clock import Clock, SystemClock
+from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
+from oncely._core.state import Lost
+from oncely._core.table import lease_lost
+from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
+from oncely._drivers.sqlite import SQLiteSettings, translate
+from oncely.errors import (
+    SchemaMissing,
+    SchemaTooNew,
+    StoreError,
+    StoreUnavailable,
+    TransactionRequired,
+)
+
+__all__ = ["AsyncSQLiteStore"]
+
+_STATUS = {s.value: s for s in Status}
+
+
+class AsyncSQLiteStore:
+    """A dedup store in a SQLite database file (transactional and two-phase modes).
+
+    ``path`` is a file path, ``":memory:"`` (one connection; for tests) or a ``file:`` URI.
+    The schema is created on first use unless ``migrate=False``, in which case a missing
+    schema raises :class:`~oncely.SchemaMissing`; a schema written by a newer oncely raises
+    :class:`~oncely.SchemaTooNew`. At most ``pool_size`` connections are open at once.
+    """
+
+    supports_transactions = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        table: str = "oncely_inbox",
+        settings: SQLiteSettings | None = None,
+        pool_size: int = 4,
+        clock: Clock | None = None,
+        migrate: bool = True,
+    ) -> None:
+        self._path = os.fspath(path)
+        self._uri = self._path.startswith("file:")
+        self._memory = self._path == ":memory:"
+        self._dialect = SQLiteDialect(table)
+        self._settings = settings if settings is not None else SQLiteSettings()
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._auto_migrate = migrate
+        size = 1 if self._memory else pool_size
+        if size < 1:
+            raise ValueError("pool_size must be at least 1")
+        self._slots = asyncio.Semaphore(size)
+        self._ready_lock = asyncio.Lock()
+        self._idle: list[aiosqlite.Connection] = []
+        self._ready = False
+        self._closed = False
+        self._pid = os.getpid()
+
+    @property
+    def url(self) -> str:
+        return f"sqlite:///{self._path}"
+
+    @property
+    def table(self) -> str:
+        return self._dialect.table
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._path!r}, table={self._dialect.table!r})"
+
+    # ------------------------------------------------------------------ connections
+
+    async def _open(self) -> aiosqlite.Connection:
+        try:
+            conn = await connect(
+                self._path, timeout=self._settings.busy_timeout.total_seconds(), uri=self._uri
+            )
+            for pragma in self._settings.pragmas():
+                await fetchall(conn, pragma)
+        except sqlite3.Error as exc:
+            raise translate(exc, f"opening {self._path}") from exc
+        return conn
+
+    async def _prepare(self) -> None:
+        async with self._ready_lock:
+            if self._ready:
+                return
+            conn = await self._open()
+            try:
+                if not self._memory:
+                    await self._wal(conn)
+                version = await self._version(conn)
+                if version is None:
+                    if not self._auto_migrate:
+                        raise SchemaMissing(
+                            f"no oncely tables in {self._path} (table {self._dialect.table}); "
+                            "run `oncely migrate --store URL` or open the store with migrate=True"
+                        )
+                    await self._create(conn)
+                elif version > SCHEMA_VERSION:
+                    raise SchemaTooNew(
+                        f"{self._path} holds oncely schema version {version}; this oncely "
+                        f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+                    )
+                self._ready = True
+            finally:
+                self._idle.append(conn)
+
+    async def _wal(self, conn: aiosqlite.Connection) -> None:
+        try:
+            await fetchall(conn, "PRAGMA journal_mode = WAL")
+        except sqlite3.Error as exc:
+            raise translate(exc, "switching to WAL") from exc
+
+    async def _version(self, conn: aiosqlite.Connection) -> int | None:
+        try:
+            rows = await fetchall(conn, self._dialect.read_version)
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc).lower():
+                return None
+            raise translate(exc, "reading the schema version") from exc
+        except sqlite3.Error as exc:
+            raise translate(exc, "reading the schema version") from exc
+        return int(rows[0][0]) if rows else None
+
+    async def _create(self, conn: aiosqlite.Connection) -> None:
+        try:
+            await fetchall(conn, "BEGIN IMMEDIATE")
+            try:
+                for statement in self._dialect.create:
+                    await fetchall(conn, statement)
+                await fetchall(conn, "COMMIT")
+            except BaseException:
+                await fetchall(conn, "ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise translate(exc, "creating the schema") from exc
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[aiosqlite.Connection]:
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        if self._pid != os.getpid():
+            # A forked child must not touch the parent's connections: start a pool of its own.
+            self._idle = []
+            self._pid = os.getpid()
+        if not self._ready:
+            await self._prepare()
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else await self._open()
+            healthy = True
+            try:
+                yield conn
+            except BaseException:
+                healthy = await self._reset(conn)
+                raise
+            finally:
+                if healthy and not self._closed:
+                    self._idle.append(conn)
+                else:
+                    await close(conn)
+
+    async def _reset(self, conn: aiosqlite.Connection) -> bool:
+        """Roll back what an interrupted operation left open. False: drop the connection."""
+        if not conn.in_transaction:
+            return True
+        try:
+            await fetchall(conn, "ROLLBACK")
+        except sqlite3.Error:
+            return False
+        return True
+
+    def _now(self) -> int:
+        return self._clock.now_ms()
+
+    # ------------------------------------------------------------------ the contract
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        async with self._connection() as conn:
+            return await self._claim(
+                conn, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
+                Status.IN_PROGRESS, None,
+            )  # fmt: skip
+
+    async def _claim(
+        self,
+        conn: aiosqlite.Connection,
+        consumer: str,
+        key: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status,
+        error: str | None,
+    ) -> Claim:
+        dialect = self._dialect
+        for _ in range(5):
+            now = self._now()
+            params = {
+                "consumer": consumer,
+                "key": key,
+                "status": initial.value,
+                "fingerprint": fingerprint,
+                "token": token,
+                "now": now,
+                "lease_until": now + lease_ms if initial is Status.IN_PROGRESS else now,
+                "expires": now + max(keep_ms, lease_ms),
+                "error": error,
+                "takeover": takeover,
+            }
+            try:
+                rows = await fetchall(conn, dialect.claim, params)
+                if rows:
+                    record = parse_record(consumer, key, rows[0])
+                    won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
+                    return Claim(won, record, now)
+                rows = await fetchall(
+                    conn, dialect.get, {"consumer": consumer, "key": key, "now": now}
+                )
+            except sqlite3.Error as exc:
+                raise translate(exc, "claim") from exc
+            if rows:
+                return Claim(ClaimStatus.EXISTING, parse_record(consumer, key, rows[0]), now)
+            # The winner's record vanished between the two statements (released): claim again.
+        raise StoreUnavailable(f"claim of key {key!r} kept racing with releases; retry later")
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        async with self._connection() as conn:
+            now = self._now()
+            params = {
+                "consumer": consumer,
+                "key": key,
+                "token": expected_token,
+                "new_token": token,
+                "fingerprint": fingerprint,
+                "now": now,
+                "lease_until": now + lease_ms,
+                "expires": now + max(keep_ms, lease_ms),
+            }
+            try:
+                rows = await fetchall(conn, self._dialect.takeover, params)
+            except sqlite3.Error as exc:
+                raise translate(exc, "takeover") from exc
+            if rows:
+                return Claim(ClaimStatus.TAKEN_OVER, parse_record(consumer, key, rows[0]), now)
+            return await self._claim(
+                conn, consumer, key, fingerprint, token, lease_ms, keep_ms, False,
+                Status.IN_PROGRESS, None,
+            )  # fmt: skip
+
+    async def _fenced(
+        self,
+        op: str,
+        sql: str,
+        params: dict[str, Any],
+        done: Status | None,
+    ) -> Record:
+        consumer, key, token = params["consumer"], params["key"], params["token"]
+        async with self._connection() as conn:
+            try:
+                rows = await fetchall(conn, sql, params)
+                if rows:
+                    return parse_record(consumer, key, rows[0])
+                rows = await fetchall(
+                    conn,
+                    self._dialect.get,
+                    {"consumer": consumer, "key": key, "now": params["now"]},
+                )
+            except sqlite3.Error as exc:
+                raise translate(exc, op) from exc
+        current = parse_record(consumer, key, rows[0]) if rows else None
+        if current is not None and current.token == token and current.status is done:
+            return current  # the same write landed before (a retry): idempotent
+        raise lease_lost(op, consumer, key, Lost(current))
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        now = self._now()
+        params = {
+            "consumer": consumer,
+            "key": key,
+            "token": token,
+            "now": now,
+            "expires": now + keep_ms,
+            "result": result,
+            "note": note,
+        }
+        return await self._fenced("complete", self._dialect.complete, params, Status.COMPLETED)
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        now = self._now()
+        params = {
+            "consumer": consumer,
+            "key": key,
+            "token": token,
+            "now": now,
+            "expires": now + keep_ms,
+            "error": error,
+        }
+        return await self._fenced("fail", self._dialect.fail, params, Status.FAILED)
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        now = self._now()
+        params = {
+            "consumer": consumer,
+            "key": key,
+            "token": token,
+            "now": now,
+            "lease_until": now + lease_ms,
+            "expires": now + max(keep_ms, lease_ms),
+        }
+        return await self._fenced("renew", self._dialect.renew, params, None)
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        now = self._now()
+        params = {"consumer": consumer, "key": key, "token": token, "now": now}
+        async with self._connection() as conn:
+            try:
+                if await fetchall(conn, self._dialect.release, params):
+                    return True
+                rows = await fetchall(conn, self._dialect.get, params)
+            except sqlite3.Error as exc:
+                raise translate(exc, "release") from exc
+        if not rows:
+            return False
+        raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        params = {"consumer": consumer, "key": key, "now": self._now()}
+        async with self._connection() as conn:
+            try:
+                rows = await fetchall(conn, self._dialect.get, params)
+            except sqlite3.Error as exc:
+                raise translate(exc, "get") from exc
+        return parse_record(consumer, key, rows[0]) if rows else None
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        deleted = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            params = {"now": self._now(), "limit": batch_size}
+            async with self._connection() as conn:
+                try:
+                    rows = await fetchall(conn, self._dialect.purge, params)
+                except sqlite3.Error as exc:
+                    raise translate(exc, "purge") from exc
+            deleted += len(rows)
+            batches += 1
+            if len(rows) < batch_size:
+                break
+        return deleted
+
+    async def stats(self) -> StoreStats:
+        now = self._now()
+        async with self._connection() as conn:
+            try:
+                rows = await fetchall(conn, self._dialect.stats, {"now": now})
+                expired = await fetchall(conn, self._dialect.expired_count, {"now": now})
+            except sqlite3.Error as exc:
+                raise translate(exc, "stats") from exc
+        counts: dict[str, dict[Status, int]] = {}
+        for consumer, status, count in rows:
+            counts.setdefault(consumer, {})[_STATUS[status]] = count
+        return StoreStats(counts=counts, expired=expired[0][0])
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        after_consumer, after_key = after if after is not None else ("", "")
+        params = {
+            "now": self._now(),
+            "consumer": consumer,
+            "status": status.value if status is not None else None,
+            "after_consumer": after_consumer,
+            "after_key": after_key,
+            "limit": limit,
+        }
+        async with self._connection() as conn:
+            try:
+                rows = await fetchall(conn, self._dialect.scan, params)
+            except sqlite3.Error as exc:
+                raise translate(exc, "scan") from exc
+        return [parse_record(row[0], row[1], row[2:]) for row in rows]
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        async with self._connection() as conn:
+            try:
+                rows = await fetchall(
+                    conn, self._dialect.forget, {"consumer": consumer, "key": key}
+                )
+            except sqlite3.Error as exc:
+                raise translate(exc, "forget") from exc
+        return bool(rows)
+
+    async def migrate(self) -> int:
+        conn = await self._open()
+        try:
+            if not self._memory:
+                await self._wal(conn)
+            version = await self._version(conn)
+            if version is not None and version > SCHEMA_VERSION:
+                raise SchemaTooNew(
+                    f"{self._path} holds oncely schema version {version}; this oncely "
+                    f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+                )
+            await self._create(conn)
+            self._ready = True
+        finally:
+            self._idle.append(conn)
+        return SCHEMA_VERSION
+
+    async def schema_version(self) -> int | None:
+        """The schema version in the database, or None when there are no tables yet."""
+        conn = await self._open()
+        try:
+            return await self._version(conn)
+        finally:
+            await close(conn)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await close(conn)
+
+    # ------------------------------------------------------------ transactional mode (R7)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._connection() as conn:
+            try:
+                await fetchall(conn, "BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise translate(exc, "begin") from exc
+            try:
+                yield conn
+            except BaseException:
+                await self._rollback(conn)
+                raise
+            try:
+                await fetchall(conn, "COMMIT")
+            except sqlite3.Error as exc:
+                await self._rollback(conn)
+                raise translate(exc, "commit") from exc
+
+    async def _rollback(self, conn: aiosqlite.Connection) -> None:
+        if conn.in_transaction:
+            try:
+                await fetchall(conn, "ROLLBACK")
+            except sqlite3.Error as exc:
+                raise translate(exc, "rollback") from exc
+
+    @asynccontextmanager
+    async def savepoint(self, tx: aiosqlite.Connection) -> AsyncIterator[None]:
+        await self._run(tx, "SAVEPOINT oncely", (), "savepoint")
+        try:
+            yield
+        except BaseException:
+            await self._run(tx, "ROLLBACK TO oncely", (), "rollback to savepoint")
+            await self._run(tx, "RELEASE oncely", (), "release savepoint")
+            raise
+        await self._run(tx, "RELEASE oncely", (), "release savepoint")
+
+    async def _run(self, conn: aiosqlite.Connection, sql: str, params: Params, op: str) -> None:
+        try:
+            await fetchall(conn, sql, params)
+        except sqlite3.Error as exc:
+            raise translate(exc, op) from exc
+
+    def check_transaction(self, tx: aiosqlite.Connection) -> None:
+        if not tx.in_transaction:
+            raise TransactionRequired(
+                "the connection has no open transaction: run BEGIN (or BEGIN IMMEDIATE) first, "
+                "or call without tx= to let oncely open and commit one"
+            )
+
+    async def claim_in(
+        self,
+        tx: aiosqlite.Connection,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status = Status.COMPLETED,
+        error: str | None = None,
+    ) -> Claim:
+        if not self._ready:
+            await self._prepare()
+        return await self._claim(
+            tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
+        )
+
+    async def set_result_in(
+        self, tx: aiosqlite.Connection, consumer: str, key: str, *, token: str, result: bytes | None
+    ) -> None:
+        params = {"consumer": consumer, "key": key, "token": token, "result": result}
+        await self._run(tx, self._dialect.set_result, params, "storing the result")

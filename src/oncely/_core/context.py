@@ -1,0 +1,38 @@
+"""What a running handler can learn about its own message, and the key to pass downstream (R17)."""
+
+from __future__ import annotations
+
+import hashlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+__all__ = ["Current", "current"]
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """The message a handler is processing right now."""
+
+    consumer: str
+    key: str
+    attempt: int
+    correlation_id: str | None
+    mode: str
+
+    def downstream_key(self, step: str = "") -> str:
+        """A stable idempotency key for a call this handler makes to another service (R17).
+
+        The same message gives the same key on every redelivery and every attempt, so the
+        downstream service can deduplicate the call; ``step`` tells apart several calls made by
+        one handler (``downstream_key("charge")``, ``downstream_key("email")``).
+        """
+        raw = f"{self.consumer}\x1f{self.key}\x1f{step}".encode()
+        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+_CURRENT: ContextVar[Current | None] = ContextVar("oncely_current", default=None)
+
+
+def current() -> Current | None:
+    """The message being processed by the calling handler, or ``None`` outside a handler."""
+    return _CURRENT.get()

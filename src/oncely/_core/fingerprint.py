@@ -1,0 +1,145 @@
+"""Canonical fingerprints of payloads (R20 steps 4-6).
+
+A fingerprint tells a duplicate (same key, same content) from a key conflict (same key, other
+content: the producer reused an id, or the details changed after the first processing). It must
+not change when a payload is re-serialised: dict order, JSON whitespace, a tuple that came back
+as a list, or a ``datetime`` that came back as its ISO string give the same fingerprint.
+
+Format: ``"v1:" + blake2b-128 hex`` of a canonical JSON text (sorted keys, no white space,
+UTF-8). The version prefix names the algorithm, so a later one can be introduced deliberately.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import date, datetime, time
+from decimal import Decimal
+from enum import Enum
+from typing import Final
+from uuid import UUID
+
+from oncely.errors import ConfigurationError, UnfingerprintablePayload
+
+__all__ = ["Fingerprint", "Fingerprinter", "canonical_json", "fingerprint"]
+
+VERSION: Final = "v1:"
+
+Fingerprinter = Callable[[object], str | None]
+"""Maps a payload to its fingerprint, or ``None`` to skip the conflict check."""
+
+
+def _default(value: object) -> object:
+    # Values JSON has no type for, mapped to what they re-serialise as.
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, Decimal | UUID):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return sorted(canonical_json(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    dump = getattr(value, "model_dump", None)  # pydantic v2 models
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(f"no canonical form for {type(value).__name__}")
+
+
+_canonical = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True, default=_default
+).encode
+
+
+def canonical_json(value: object) -> str:
+    """The canonical JSON text of ``value`` (sorted keys, no white space)."""
+    try:
+        return _canonical(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnfingerprintablePayload(
+            f"cannot fingerprint the payload: {exc}; fingerprint selected fields "
+            "(Fingerprint.fields(...)) or pass a fingerprint function"
+        ) from exc
+
+
+def _digest(data: bytes) -> str:
+    return VERSION + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def fingerprint(payload: object) -> str:
+    """The fingerprint of a whole payload.
+
+    Raw ``bytes`` are hashed as they are; text that is JSON is hashed in canonical form, so a
+    body re-serialised with other spacing or key order keeps its fingerprint; anything else is
+    hashed in canonical JSON form.
+    """
+    if isinstance(payload, bytes | bytearray | memoryview):
+        raw = bytes(payload)
+        parsed = _try_json(raw)
+        return _digest(raw if parsed is _NOT_JSON else canonical_json(parsed).encode("utf-8"))
+    if isinstance(payload, str):
+        parsed = _try_json(payload)
+        text = payload if parsed is _NOT_JSON else canonical_json(parsed)
+        return _digest(text.encode("utf-8"))
+    return _digest(canonical_json(payload).encode("utf-8"))
+
+
+_NOT_JSON: Final = object()
+
+
+def _try_json(data: bytes | str) -> object:
+    head = data[:1]
+    if head not in (b"{", b"[", "{", "["):
+        return _NOT_JSON
+    try:
+        return json.loads(data)
+    except ValueError:
+        return _NOT_JSON
+
+
+def _pick(payload: object, path: Sequence[str]) -> object:
+    value = payload
+    for part in path:
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+class Fingerprint:
+    """Ready-made fingerprinters. Pass one as ``Inbox(fingerprint=...)``."""
+
+    @staticmethod
+    def payload() -> Fingerprinter:
+        """The whole payload, canonically (the default)."""
+        return fingerprint
+
+    @staticmethod
+    def fields(*paths: str) -> Fingerprinter:
+        """Only the named immutable fields; dotted paths reach into nested mappings
+        (``"customer.id"``). Fields that may legitimately change between copies (a send
+        timestamp, a trace id) are left out, so they never cause a key conflict."""
+        if not paths:
+            raise ConfigurationError("Fingerprint.fields needs at least one field")
+        split = [(p, p.split(".")) for p in paths]
+
+        def by_fields(payload: object) -> str:
+            picked = {name: _pick(payload, parts) for name, parts in split}
+            return _digest(canonical_json(picked).encode("utf-8"))
+
+        return by_fields
+
+    @staticmethod
+    def none() -> Fingerprinter:
+        """No fingerprint: a reused key is always a duplicate (no conflict detection)."""
+        return _no_fingerprint
+
+
+def _no_fingerprint(_payload: object) -> None:
+    return None

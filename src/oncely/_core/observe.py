@@ -1,0 +1,81 @@
+"""Observability (R16): one structured log record per outcome, and hooks for metric exporters.
+
+Log records go to the ``oncely`` logger with flat ``extra`` fields (``oncely_consumer``,
+``oncely_key``, ``oncely_outcome``, ``oncely_attempt``, ``oncely_duration_ms``,
+``oncely_correlation_id``, ``oncely_reason``), so a JSON formatter picks them up as they are.
+A rising rate of ``duplicate`` signals producer retries or too short an ack/lock window; every
+``key_conflict``, ``rejected`` and ``escalated`` is logged at ERROR because a person must look.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from oncely._core.outcomes import Handled
+
+__all__ = ["Hook", "Observer", "key_for_logs"]
+
+Hook = Callable[[Handled[object]], None]
+"""Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
+
+LOGGER = logging.getLogger("oncely")
+
+
+def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
+    if key is None or mode == "plain":
+        return key
+    return "h:" + hashlib.blake2b(key.encode("utf-8"), digest_size=8).hexdigest()
+
+
+class Observer:
+    """Logs and fans out outcomes. One per inbox."""
+
+    __slots__ = ("hooks", "log_keys", "logger")
+
+    def __init__(
+        self,
+        *,
+        hooks: Sequence[Hook] = (),
+        logger: logging.Logger | None = None,
+        log_keys: Literal["plain", "hash"] = "plain",
+    ) -> None:
+        self.hooks = tuple(hooks)
+        self.logger = logger if logger is not None else LOGGER
+        self.log_keys: Literal["plain", "hash"] = log_keys
+
+    def emit(self, handled: Handled[object]) -> None:
+        level = handled.outcome.log_level
+        if self.logger.isEnabledFor(level):
+            key = key_for_logs(handled.key, self.log_keys)
+            duration_ms = round(handled.duration_s * 1000, 3)
+            extra = {
+                "oncely_consumer": handled.consumer,
+                "oncely_key": key,
+                "oncely_outcome": handled.outcome.value,
+                "oncely_action": handled.action.value,
+                "oncely_attempt": handled.attempt,
+                "oncely_duration_ms": duration_ms,
+                "oncely_correlation_id": handled.correlation_id,
+                "oncely_reason": handled.reason,
+            }
+            text = "%s consumer=%s key=%s attempt=%d duration_ms=%s correlation_id=%s"
+            args: list[object] = [
+                handled.outcome.value,
+                handled.consumer,
+                key,
+                handled.attempt,
+                duration_ms,
+                handled.correlation_id,
+            ]
+            if handled.reason:
+                text += " reason=%s"
+                args.append(handled.reason)
+            self.logger.log(level, text, *args, extra=extra, exc_info=handled.error)
+        for hook in self.hooks:
+            try:
+                hook(handled)
+            except Exception:
+                self.logger.exception("oncely hook %r failed; the message is unaffected", hook)

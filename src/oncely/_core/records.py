@@ -1,0 +1,116 @@
+"""The dedup record and the result of a claim.
+
+A record is keyed by ``(consumer, key)`` (R5): independent consumers of one channel each keep
+their own completion, so the first one never stops the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from oncely._core.clock import ms_to_datetime
+
+__all__ = ["Claim", "ClaimStatus", "Record", "Status", "StoreStats"]
+
+
+class Status(StrEnum):
+    """Where a record stands.
+
+    ``in_progress``: a worker claimed the key and holds a lease until ``lease_until``.
+    ``completed``: the effects are done; ``result`` holds the encoded result, if any.
+    ``failed``: a handler refused the message for good (poison); ``error`` says why.
+    """
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One processed (or being processed) logical message, as the store holds it.
+
+    Times are epoch milliseconds read from the store's clock; the ``*_at`` properties give
+    aware ``datetime`` values. ``token`` is the fencing token of the claim that owns (or last
+    owned) the record; ``attempt`` counts claims, takeovers included.
+    """
+
+    consumer: str
+    key: str
+    status: Status
+    fingerprint: str | None
+    token: str
+    attempt: int
+    created_ms: int
+    updated_ms: int
+    lease_until_ms: int
+    expires_ms: int
+    result: bytes | None = None
+    error: str | None = None
+
+    def is_live(self, now_ms: int) -> bool:
+        """In progress under a lease that has not lapsed."""
+        return self.status is Status.IN_PROGRESS and self.lease_until_ms > now_ms
+
+    def is_stale(self, now_ms: int) -> bool:
+        """In progress under a lease that has lapsed: its worker may have died."""
+        return self.status is Status.IN_PROGRESS and self.lease_until_ms <= now_ms
+
+    def is_expired(self, now_ms: int) -> bool:
+        """Past retention. An expired record counts as absent everywhere and may be purged."""
+        return self.expires_ms <= now_ms
+
+    @property
+    def created_at(self) -> datetime:
+        return ms_to_datetime(self.created_ms)
+
+    @property
+    def updated_at(self) -> datetime:
+        return ms_to_datetime(self.updated_ms)
+
+    @property
+    def lease_until(self) -> datetime:
+        return ms_to_datetime(self.lease_until_ms)
+
+    @property
+    def expires_at(self) -> datetime:
+        return ms_to_datetime(self.expires_ms)
+
+
+class ClaimStatus(StrEnum):
+    """What a claim did: ``new`` inserted the record, ``taken_over`` replaced the token of a
+    stale in-progress record, ``existing`` changed nothing and returns the record that won."""
+
+    NEW = "new"
+    TAKEN_OVER = "taken_over"
+    EXISTING = "existing"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer of one atomic claim: the winner's record, whether it is ours, and the store's
+    clock reading used to decide (so the caller judges lease liveness on the same clock)."""
+
+    status: ClaimStatus
+    record: Record
+    now_ms: int
+
+    @property
+    def won(self) -> bool:
+        """True when this claim owns the record (new or taken over)."""
+        return self.status is not ClaimStatus.EXISTING
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counts of live (unexpired) records per consumer and status, and of expired records
+    waiting for a purge."""
+
+    counts: dict[str, dict[Status, int]]
+    expired: int
+
+    @property
+    def total(self) -> int:
+        return sum(sum(by_status.values()) for by_status in self.counts.values())

@@ -1,0 +1,287 @@
+"""The record state machine: every store operation as a pure function of (record, event, now).
+
+This module is the specification. The memory store executes it directly; every other store
+(SQL, Lua) implements the same table in its own language, and the contract suite plus a
+hypothesis state-machine test check each of them against this code.
+
+Rules
+=====
+
+A record is *absent* when there is none or it is expired (``expires <= now``): an expired record
+behaves exactly like a missing one for every operation, and ``purge`` may delete it at any time.
+A record is *live* when in progress with ``lease_until > now``, *stale* when in progress with
+``lease_until <= now``.
+
+::
+
+    event          absent          in_progress live   in_progress stale     completed/failed
+    -------------  --------------  -----------------  --------------------  ----------------
+    claim          insert: NEW     EXISTING           if takeover and the   EXISTING
+                                                      fingerprints agree:
+                                                      new token, attempt+1
+                                                      TAKEN_OVER; else
+                                                      EXISTING
+    takeover(t0)   as claim        EXISTING           as claim, only if     EXISTING
+                                                      token == t0
+    complete(t)    Lost            token == t: completed (result),      same token and
+                                   else Lost                            completed: reply
+                                                                        as is; else Lost
+    fail(t)        Lost            token == t: failed (error),          same token and
+                                   else Lost                            failed: reply as
+                                                                        is; else Lost
+    renew(t)       Lost            token == t: lease_until = now+lease  Lost
+                                   else Lost
+    release(t)     False           token == t: delete, True; else Lost  Lost
+
+Fencing is by token, not by time: the owner of a lapsed lease that nobody has taken over can still
+complete, fail, renew or release it. Only a takeover (which changes the token) ends its rights.
+"Lost" changes nothing and carries the current record so the caller can see who owns it.
+
+Fingerprints "agree" when either side is ``None`` or both are equal. A claim never takes over a
+record whose fingerprint differs: that is a key conflict, decided by the caller.
+
+Every write sets ``updated = now``. Claim, takeover, renew, complete and fail set
+``expires = now + max(keep, lease)``, so a record always outlives its lease. A claim may insert the
+record directly as ``completed`` (transactional mode: the marker commits with the business writes,
+so there is nothing to lease).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Final
+
+from oncely._core.records import Claim, ClaimStatus, Record, Status
+
+__all__ = [
+    "DELETE",
+    "UNCHANGED",
+    "ClaimEvent",
+    "CompleteEvent",
+    "FailEvent",
+    "Lost",
+    "NewState",
+    "ReleaseEvent",
+    "RenewEvent",
+    "TakeoverEvent",
+    "apply_claim",
+    "apply_complete",
+    "apply_fail",
+    "apply_release",
+    "apply_renew",
+    "apply_takeover",
+    "fingerprints_agree",
+]
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+UNCHANGED: Final = _Marker("UNCHANGED")
+"""The store keeps the record as it is."""
+
+DELETE: Final = _Marker("DELETE")
+"""The store deletes the record."""
+
+NewState = Record | _Marker
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A fenced operation that did not apply; ``current`` is the record now (None if absent)."""
+
+    current: Record | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimEvent:
+    consumer: str
+    key: str
+    fingerprint: str | None
+    token: str
+    lease_ms: int
+    keep_ms: int
+    takeover: bool
+    initial: Status = Status.IN_PROGRESS
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TakeoverEvent:
+    claim: ClaimEvent
+    expected_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteEvent:
+    token: str
+    result: bytes | None
+    keep_ms: int
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FailEvent:
+    token: str
+    error: str
+    keep_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RenewEvent:
+    token: str
+    lease_ms: int
+    keep_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseEvent:
+    token: str
+
+
+def fingerprints_agree(a: str | None, b: str | None) -> bool:
+    """Two fingerprints agree when either is unknown or both are equal."""
+    return a is None or b is None or a == b
+
+
+def _live(current: Record | None, now: int) -> Record | None:
+    """The record, or None when it is absent (missing or expired)."""
+    if current is None or current.expires_ms <= now:
+        return None
+    return current
+
+
+def _expires(now: int, keep_ms: int, lease_ms: int) -> int:
+    return now + max(keep_ms, lease_ms)
+
+
+def _insert(ev: ClaimEvent, now: int) -> Record:
+    in_progress = ev.initial is Status.IN_PROGRESS
+    return Record(
+        consumer=ev.consumer,
+        key=ev.key,
+        status=ev.initial,
+        fingerprint=ev.fingerprint,
+        token=ev.token,
+        attempt=1,
+        created_ms=now,
+        updated_ms=now,
+        lease_until_ms=now + ev.lease_ms if in_progress else now,
+        expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
+        error=ev.error,
+    )
+
+
+def _take(current: Record, ev: ClaimEvent, now: int) -> Record:
+    in_progress = ev.initial is Status.IN_PROGRESS
+    return replace(
+        current,
+        status=ev.initial,
+        fingerprint=ev.fingerprint if ev.fingerprint is not None else current.fingerprint,
+        token=ev.token,
+        attempt=current.attempt + 1,
+        updated_ms=now,
+        lease_until_ms=now + ev.lease_ms if in_progress else now,
+        expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
+        result=None,
+        error=ev.error,
+    )
+
+
+def apply_claim(current: Record | None, ev: ClaimEvent, now: int) -> tuple[NewState, Claim]:
+    """Insert if absent; take over a stale claim when allowed; otherwise report the winner."""
+    rec = _live(current, now)
+    if rec is None:
+        new = _insert(ev, now)
+        return new, Claim(ClaimStatus.NEW, new, now)
+    if ev.takeover and rec.is_stale(now) and fingerprints_agree(rec.fingerprint, ev.fingerprint):
+        new = _take(rec, ev, now)
+        return new, Claim(ClaimStatus.TAKEN_OVER, new, now)
+    return UNCHANGED, Claim(ClaimStatus.EXISTING, rec, now)
+
+
+def apply_takeover(current: Record | None, ev: TakeoverEvent, now: int) -> tuple[NewState, Claim]:
+    """Take over a stale claim only if it still carries ``expected_token`` (a reconciler looked at
+    exactly that attempt). An absent record is claimed afresh."""
+    rec = _live(current, now)
+    if rec is None:
+        return apply_claim(None, ev.claim, now)
+    if (
+        rec.token == ev.expected_token
+        and rec.is_stale(now)
+        and fingerprints_agree(rec.fingerprint, ev.claim.fingerprint)
+    ):
+        new = _take(rec, ev.claim, now)
+        return new, Claim(ClaimStatus.TAKEN_OVER, new, now)
+    return UNCHANGED, Claim(ClaimStatus.EXISTING, rec, now)
+
+
+def apply_complete(
+    current: Record | None, ev: CompleteEvent, now: int
+) -> tuple[NewState, Record | Lost]:
+    rec = _live(current, now)
+    if rec is None or rec.token != ev.token:
+        return UNCHANGED, Lost(rec)
+    if rec.status is Status.COMPLETED:
+        return UNCHANGED, rec
+    if rec.status is not Status.IN_PROGRESS:
+        return UNCHANGED, Lost(rec)
+    new = replace(
+        rec,
+        status=Status.COMPLETED,
+        updated_ms=now,
+        expires_ms=now + ev.keep_ms,
+        result=ev.result,
+        error=ev.note,
+    )
+    return new, new
+
+
+def apply_fail(current: Record | None, ev: FailEvent, now: int) -> tuple[NewState, Record | Lost]:
+    rec = _live(current, now)
+    if rec is None or rec.token != ev.token:
+        return UNCHANGED, Lost(rec)
+    if rec.status is Status.FAILED:
+        return UNCHANGED, rec
+    if rec.status is not Status.IN_PROGRESS:
+        return UNCHANGED, Lost(rec)
+    new = replace(
+        rec,
+        status=Status.FAILED,
+        updated_ms=now,
+        expires_ms=now + ev.keep_ms,
+        result=None,
+        error=ev.error,
+    )
+    return new, new
+
+
+def apply_renew(current: Record | None, ev: RenewEvent, now: int) -> tuple[NewState, Record | Lost]:
+    rec = _live(current, now)
+    if rec is None or rec.token != ev.token or rec.status is not Status.IN_PROGRESS:
+        return UNCHANGED, Lost(rec)
+    new = replace(
+        rec,
+        updated_ms=now,
+        lease_until_ms=now + ev.lease_ms,
+        expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
+    )
+    return new, new
+
+
+def apply_release(
+    current: Record | None, ev: ReleaseEvent, now: int
+) -> tuple[NewState, bool | Lost]:
+    rec = _live(current, now)
+    if rec is None:
+        return UNCHANGED, False
+    if rec.token != ev.token or rec.status is not Status.IN_PROGRESS:
+        return UNCHANGED, Lost(rec)
+    return DELETE, True

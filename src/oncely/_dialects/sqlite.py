@@ -1,0 +1,174 @@
+"""SQLite: the schema and every statement of the store contract, as text, plus the row parser.
+
+Each claim is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` statement: it
+inserts when the key is absent (or expired), takes over a stale claim when allowed, and returns a
+row only when this claim won; SQLite's single writer makes it the arbiter (R8, R9). The rules
+are those of :mod:`oncely._core.state`, written in SQL.
+
+Times are integer epoch milliseconds passed in as ``:now`` from the store's clock, so one
+statement never reads the clock twice and tests can drive time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from oncely._core.records import Record, Status
+from oncely._dialects.identifiers import check_identifier
+
+__all__ = ["SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
+
+SCHEMA_VERSION: Final = 1
+
+_COLUMNS: Final = (
+    "status, fingerprint, token, attempt, created_ms, updated_ms, lease_until_ms, expires_ms, "
+    "result, error"
+)
+
+_STATUS = {s.value: s for s in Status}
+
+
+def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
+    """A record from a row of ``_COLUMNS``."""
+    result = row[8]
+    return Record(
+        consumer=consumer,
+        key=key,
+        status=_STATUS[row[0]],
+        fingerprint=row[1],
+        token=row[2],
+        attempt=row[3],
+        created_ms=row[4],
+        updated_ms=row[5],
+        lease_until_ms=row[6],
+        expires_ms=row[7],
+        result=bytes(result) if result is not None else None,
+        error=row[9],
+    )
+
+
+class SQLiteDialect:
+    """Every statement for one inbox table, built once."""
+
+    __slots__ = (
+        "claim",
+        "complete",
+        "create",
+        "expired_count",
+        "fail",
+        "forget",
+        "get",
+        "meta_table",
+        "purge",
+        "read_version",
+        "release",
+        "renew",
+        "scan",
+        "set_result",
+        "stats",
+        "table",
+        "takeover",
+    )
+
+    def __init__(self, table: str = "oncely_inbox") -> None:
+        t = check_identifier(table)
+        self.table = t
+        self.meta_table = check_identifier(f"{t}_meta")
+        m = self.meta_table
+        self.create = (
+            f"""CREATE TABLE IF NOT EXISTS {t} (
+                consumer TEXT NOT NULL,
+                key TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('in_progress', 'completed', 'failed')),
+                fingerprint TEXT,
+                token TEXT NOT NULL,
+                attempt INTEGER NOT NULL,
+                created_ms INTEGER NOT NULL,
+                updated_ms INTEGER NOT NULL,
+                lease_until_ms INTEGER NOT NULL,
+                expires_ms INTEGER NOT NULL,
+                result BLOB,
+                error TEXT,
+                PRIMARY KEY (consumer, key)
+            ) WITHOUT ROWID""",
+            f"CREATE INDEX IF NOT EXISTS {t}_expires ON {t} (expires_ms)",
+            f"CREATE TABLE IF NOT EXISTS {m} (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            f"INSERT INTO {m} (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
+            "ON CONFLICT (name) DO NOTHING",
+        )
+        self.read_version = f"SELECT value FROM {m} WHERE name = 'schema_version'"
+        agree = (
+            f"(excluded.fingerprint IS NULL OR {t}.fingerprint IS NULL "
+            f"OR excluded.fingerprint = {t}.fingerprint)"
+        )
+        expired = f"{t}.expires_ms <= :now"
+        self.claim = f"""INSERT INTO {t} (consumer, key, status, fingerprint, token, attempt,
+                created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+            VALUES (:consumer, :key, :status, :fingerprint, :token, 1,
+                :now, :now, :lease_until, :expires, NULL, :error)
+            ON CONFLICT (consumer, key) DO UPDATE SET
+                status = excluded.status,
+                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint
+                    ELSE COALESCE(excluded.fingerprint, {t}.fingerprint) END,
+                token = excluded.token,
+                attempt = CASE WHEN {expired} THEN 1 ELSE {t}.attempt + 1 END,
+                created_ms = CASE WHEN {expired} THEN excluded.created_ms ELSE {t}.created_ms END,
+                updated_ms = excluded.updated_ms,
+                lease_until_ms = excluded.lease_until_ms,
+                expires_ms = excluded.expires_ms,
+                result = NULL,
+                error = excluded.error
+            WHERE {expired}
+                OR (:takeover AND {t}.status = 'in_progress' AND {t}.lease_until_ms <= :now
+                    AND {agree})
+            RETURNING {_COLUMNS}"""
+        mine = "consumer = :consumer AND key = :key AND token = :token"
+        live = "expires_ms > :now"
+        self.takeover = f"""UPDATE {t} SET
+                status = 'in_progress',
+                fingerprint = COALESCE(:fingerprint, fingerprint),
+                token = :new_token,
+                attempt = attempt + 1,
+                updated_ms = :now,
+                lease_until_ms = :lease_until,
+                expires_ms = :expires,
+                result = NULL,
+                error = NULL
+            WHERE {mine} AND status = 'in_progress' AND lease_until_ms <= :now AND {live}
+                AND (:fingerprint IS NULL OR fingerprint IS NULL OR fingerprint = :fingerprint)
+            RETURNING {_COLUMNS}"""
+        self.complete = f"""UPDATE {t} SET status = 'completed', updated_ms = :now,
+                expires_ms = :expires, result = :result, error = :note
+            WHERE {mine} AND status = 'in_progress' AND {live}
+            RETURNING {_COLUMNS}"""
+        self.fail = f"""UPDATE {t} SET status = 'failed', updated_ms = :now,
+                expires_ms = :expires, result = NULL, error = :error
+            WHERE {mine} AND status = 'in_progress' AND {live}
+            RETURNING {_COLUMNS}"""
+        self.renew = f"""UPDATE {t} SET updated_ms = :now, lease_until_ms = :lease_until,
+                expires_ms = :expires
+            WHERE {mine} AND status = 'in_progress' AND {live}
+            RETURNING {_COLUMNS}"""
+        self.release = f"""DELETE FROM {t}
+            WHERE {mine} AND status = 'in_progress' AND {live}
+            RETURNING 1"""
+        self.set_result = f"UPDATE {t} SET result = :result WHERE {mine}"
+        self.get = (
+            f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key AND {live}"
+        )
+        self.forget = f"DELETE FROM {t} WHERE consumer = :consumer AND key = :key RETURNING 1"
+        self.purge = f"""DELETE FROM {t} WHERE (consumer, key) IN (
+                SELECT consumer, key FROM {t} WHERE expires_ms <= :now LIMIT :limit)
+            RETURNING 1"""
+        self.stats = (
+            f"SELECT consumer, status, count(*) FROM {t} WHERE {live} GROUP BY consumer, status"
+        )
+        self.expired_count = f"SELECT count(*) FROM {t} WHERE expires_ms <= :now"
+        self.scan = f"""SELECT consumer, key, {_COLUMNS} FROM {t}
+            WHERE {live}
+                AND (:consumer IS NULL OR consumer = :consumer)
+                AND (:status IS NULL OR status = :status)
+                AND (consumer, key) > (:after_consumer, :after_key)
+            ORDER BY consumer, key
+            LIMIT :limit"""

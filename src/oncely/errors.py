@@ -1,0 +1,192 @@
+"""Every exception oncely raises, in one tree.
+
+::
+
+    OncelyError
+    ├── ConfigurationError             a policy or name that cannot work; fix the code
+    │   ├── RetentionTooShort          retention below the declared redelivery horizon (R13)
+    │   └── InvalidIdentifier          a table or schema name that is not a plain identifier
+    ├── InvalidKey                     no usable dedup key on a message (R2-R4)
+    │   ├── MissingKey                 the key source found nothing
+    │   └── KeyTooLong                 over the configured size limit
+    ├── PayloadError                   a payload or result oncely cannot handle
+    │   ├── UnfingerprintablePayload   a value the canonical fingerprint cannot encode
+    │   └── ResultTooLarge             an encoded result over the configured size limit
+    ├── StoreError                     the dedup store failed; no driver exception escapes
+    │   ├── StoreUnavailable           cannot reach or lock the store now; retry later
+    │   ├── SchemaError                tables missing or of an unknown version
+    │   │   ├── SchemaMissing          run ``oncely migrate``
+    │   │   └── SchemaTooNew           written by a newer oncely; upgrade
+    │   ├── TransactionRequired        transactional mode outside an open transaction
+    │   └── TransactionsUnsupported    the store cannot join a caller's transaction
+    ├── LeaseLost                      a fenced write found another owner (or nothing)
+    ├── Reject                         raised BY A HANDLER: the message is poison (R20.6)
+    └── OutcomeError                   raised by the call-style API for a non-success outcome
+        ├── InFlight                   another worker holds a live claim on the key
+        ├── KeyConflict                same key, different payload (R20 step 6)
+        ├── Escalated                  a stale claim was parked for a person (R10)
+        └── Rejected                   the message was refused (poison, failed before)
+
+Expected outcomes of processing (a duplicate, a conflict, a message in flight elsewhere) are
+*values* (:class:`oncely.Handled`), never exceptions, on the message path. The call-style API
+(:meth:`oncely.Inbox.idempotent`) turns them into :class:`OutcomeError` subclasses because a plain
+function call has no other way to say "not processed".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oncely._core.outcomes import Handled
+    from oncely._core.records import Record
+
+__all__ = [
+    "ConfigurationError",
+    "Escalated",
+    "InFlight",
+    "InvalidIdentifier",
+    "InvalidKey",
+    "KeyConflict",
+    "KeyTooLong",
+    "LeaseLost",
+    "MissingKey",
+    "OncelyError",
+    "OutcomeError",
+    "PayloadError",
+    "Reject",
+    "Rejected",
+    "ResultTooLarge",
+    "RetentionTooShort",
+    "SchemaError",
+    "SchemaMissing",
+    "SchemaTooNew",
+    "StoreError",
+    "StoreUnavailable",
+    "TransactionRequired",
+    "TransactionsUnsupported",
+    "UnfingerprintablePayload",
+]
+
+
+class OncelyError(Exception):
+    """Base class of every exception oncely raises."""
+
+
+class ConfigurationError(OncelyError, ValueError):
+    """A configuration that cannot keep oncely's guarantees. Raised at construction time."""
+
+
+class RetentionTooShort(ConfigurationError):
+    """Retention is shorter than the redelivery horizon the broker was declared to have (R13).
+
+    Deleting a record before the broker has stopped redelivering the message reopens the door to
+    duplicates, so oncely refuses the configuration instead of failing silently later.
+    """
+
+
+class InvalidIdentifier(ConfigurationError):
+    """A table, schema or consumer name that is not safe to use."""
+
+
+class InvalidKey(OncelyError, ValueError):
+    """The message has no usable dedup key (R2-R4). The message is rejected, never processed."""
+
+
+class MissingKey(InvalidKey):
+    """The configured key source found no key on the message."""
+
+
+class KeyTooLong(InvalidKey):
+    """The key is longer than the configured limit."""
+
+
+class PayloadError(OncelyError, ValueError):
+    """A payload or result that oncely cannot fingerprint, encode or store."""
+
+
+class UnfingerprintablePayload(PayloadError):
+    """The payload holds a value with no canonical encoding (a set of mixed types, an object)."""
+
+
+class ResultTooLarge(PayloadError):
+    """The handler's encoded result is larger than the configured limit."""
+
+
+class StoreError(OncelyError):
+    """The dedup store failed. Driver exceptions are translated into this tree at the boundary."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, or stayed locked past its timeout. Retrying later is safe:
+    nothing was acknowledged and no record was written on oncely's behalf."""
+
+
+class SchemaError(StoreError):
+    """The store's tables are missing or were written by an incompatible version."""
+
+
+class SchemaMissing(SchemaError):
+    """The tables do not exist. Run ``oncely migrate --store URL`` (or open with migrate=True)."""
+
+
+class SchemaTooNew(SchemaError):
+    """The tables were created by a newer oncely than this one; upgrade oncely to use them."""
+
+
+class TransactionRequired(StoreError):
+    """Transactional mode was asked to join a connection that has no open transaction."""
+
+
+class TransactionsUnsupported(StoreError):
+    """This store cannot join a caller's transaction (Redis, memory). Use the two-phase mode."""
+
+
+class LeaseLost(OncelyError):
+    """A fenced write (complete, renew, release, fail) carried a token that no longer owns the
+    record: another worker took it over after the lease expired, or the record is gone.
+
+    Nothing was changed. ``current`` is the record as the store holds it now (``None`` if absent).
+    """
+
+    def __init__(self, message: str, current: Record | None) -> None:
+        super().__init__(message)
+        self.current = current
+
+
+class Reject(OncelyError):
+    """Raise from a handler to refuse a poison message for good.
+
+    oncely records the key as ``failed`` with ``reason`` and returns the ``rejected`` outcome, so
+    the adapter dead-letters it; redeliveries of the same key are rejected again without running
+    the handler. Any other exception is treated as transient (the claim is released and a
+    redelivery retries).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class OutcomeError(OncelyError):
+    """The call-style API could not return a result. ``handled`` carries the full outcome."""
+
+    def __init__(self, message: str, handled: Handled[object]) -> None:
+        super().__init__(message)
+        self.handled = handled
+
+
+class InFlight(OutcomeError):
+    """Another worker holds a live claim on this key. Retry later for its result."""
+
+
+class KeyConflict(OutcomeError):
+    """The key was already used for a different payload (fingerprints differ)."""
+
+
+class Escalated(OutcomeError):
+    """A stale claim could not be resolved automatically and was parked for a person."""
+
+
+class Rejected(OutcomeError):
+    """The message was refused: it has no usable key, or it failed for good before."""

@@ -1,0 +1,10 @@
+"""The store contract suite (needs pytest and pytest-asyncio for the async half).
+
+Subclass :class:`StoreContract` (sync stores) or :class:`AsyncStoreContract` (asyncio stores)
+and provide the ``make_store`` and ``business`` fixtures; see :mod:`oncely._async.contract`.
+"""
+
+from oncely._async.contract import AsyncBusiness, AsyncStoreContract
+from oncely._sync.contract import Business, StoreContract
+
+__all__ = ["AsyncBusiness", "AsyncStoreContract", "Business", "StoreContract"]
