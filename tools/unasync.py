@@ -41,6 +41,7 @@ RENAMES = {
     "AsyncMemoryStore": "MemoryStore",
     "AsyncSQLiteStore": "SQLiteStore",
     "AsyncHeartbeats": "Heartbeats",
+    "AsyncPool": "Pool",
     "AsyncTicket": "Ticket",
     "AsyncHandler": "Handler",
     "AsyncTxHandler": "TxHandler",

@@ -1,13 +1,21 @@
-"""Hand-written: aiosqlite calls whose shape differs from sqlite3's (twin: ``_sync``)."""
+"""Hand-written: aiosqlite calls and the connection pool (twin: ``_sync/_sqlite_io.py``).
+
+The shapes differ from sqlite3's (``execute_fetchall`` is one hop to the connection's thread;
+the pool waits on an asyncio semaphore), so both halves are written by hand and kept small.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import contextlib
+import os
+import sqlite3
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiosqlite
 
-__all__ = ["close", "connect", "fetchall"]
+__all__ = ["AsyncPool", "Params", "close", "connect", "execute", "fetchall"]
 
 Params = Mapping[str, object] | Sequence[object]
 
@@ -23,5 +31,61 @@ async def fetchall(conn: aiosqlite.Connection, sql: str, params: Params = ()) ->
     return list(await conn.execute_fetchall(sql, params))
 
 
+async def execute(conn: aiosqlite.Connection, sql: str, params: Params = ()) -> None:
+    """Run one statement whose rows do not matter."""
+    await conn.execute_fetchall(sql, params)
+
+
 async def close(conn: aiosqlite.Connection) -> None:
-    await conn.close()
+    with contextlib.suppress(sqlite3.Error, ValueError):
+        await conn.close()
+
+
+class AsyncPool:
+    """At most ``size`` connections in use at once; idle ones are reused, newest first.
+
+    After a fork the child starts with an empty pool: it must never touch the parent's
+    connections (SQLite forbids carrying a connection across ``fork``).
+    """
+
+    __slots__ = ("_closed", "_connect", "_idle", "_pid", "_size", "_slots")
+
+    def __init__(self, connect: Callable[[], Awaitable[aiosqlite.Connection]], size: int) -> None:
+        self._connect = connect
+        self._size = size
+        self._idle: list[aiosqlite.Connection] = []
+        self._slots: asyncio.Semaphore | None = None
+        self._pid = os.getpid()
+        self._closed = False
+
+    async def acquire(self) -> aiosqlite.Connection:
+        if self._pid != os.getpid():
+            self._idle, self._slots, self._pid = [], None, os.getpid()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._size)
+        await self._slots.acquire()
+        try:
+            return self._idle.pop() if self._idle else await self._connect()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def release(self, conn: aiosqlite.Connection, *, discard: bool = False) -> None:
+        try:
+            if discard or self._closed:
+                await close(conn)
+            else:
+                self._idle.append(conn)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+
+    def adopt(self, conn: aiosqlite.Connection) -> None:
+        """Keep a connection opened outside :meth:`acquire` for later use."""
+        self._idle.append(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await close(conn)

@@ -100,6 +100,7 @@ class AsyncInbox:
         "_consumer",
         "_fingerprint",
         "_heartbeats",
+        "_joins_transactions",
         "_keep_failed_ms",
         "_keep_ms",
         "_lease",
@@ -129,6 +130,8 @@ class AsyncInbox:
         log_keys: Literal["plain", "hash"] = "plain",
     ) -> None:
         self._store = store
+        # Checked once: a runtime Protocol check costs tens of microseconds per call.
+        self._joins_transactions = isinstance(store, AsyncTransactionalStore)
         self._consumer = validate_consumer(consumer)
         self._retention = retention if retention is not None else Retention()
         self._lease = lease if lease is not None else Lease()
@@ -444,7 +447,7 @@ class AsyncInbox:
 
     def _transactional(self) -> AsyncTransactionalStore[Tx]:
         store = self._store
-        if not isinstance(store, AsyncTransactionalStore):
+        if not self._joins_transactions:
             raise TransactionsUnsupported(
                 f"{type(store).__name__} cannot join a transaction; use the two-phase mode "
                 "(Inbox.handle) for it, or a SQL store for the transactional mode"

@@ -14,14 +14,15 @@ import os
 import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import Any
 
 import aiosqlite
 
-from oncely._async._sqlite_io import Params, close, connect, fetchall
+from oncely._async._sqlite_io import AsyncPool, Params, close, connect, execute, fetchall
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
-from oncely._core.state import Lost
+from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
 from oncely._drivers.sqlite import SQLiteSettings, translate
@@ -69,12 +70,10 @@ class AsyncSQLiteStore:
         size = 1 if self._memory else pool_size
         if size < 1:
             raise ValueError("pool_size must be at least 1")
-        self._slots = asyncio.Semaphore(size)
+        self._pool = AsyncPool(self._open, size)
         self._ready_lock = asyncio.Lock()
-        self._idle: list[aiosqlite.Connection] = []
         self._ready = False
         self._closed = False
-        self._pid = os.getpid()
 
     @property
     def url(self) -> str:
@@ -123,7 +122,7 @@ class AsyncSQLiteStore:
                     )
                 self._ready = True
             finally:
-                self._idle.append(conn)
+                self._pool.adopt(conn)
 
     async def _wal(self, conn: aiosqlite.Connection) -> None:
         try:
@@ -155,39 +154,30 @@ class AsyncSQLiteStore:
         except sqlite3.Error as exc:
             raise translate(exc, "creating the schema") from exc
 
-    @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[aiosqlite.Connection]:
+    async def _acquire(self) -> aiosqlite.Connection:
         if self._closed:
             raise StoreError(f"{self!r} is closed")
-        if self._pid != os.getpid():
-            # A forked child must not touch the parent's connections: start a pool of its own.
-            self._idle = []
-            self._pid = os.getpid()
         if not self._ready:
             await self._prepare()
-        async with self._slots:
-            conn = self._idle.pop() if self._idle else await self._open()
-            healthy = True
-            try:
-                yield conn
-            except BaseException:
-                healthy = await self._reset(conn)
-                raise
-            finally:
-                if healthy and not self._closed:
-                    self._idle.append(conn)
-                else:
-                    await close(conn)
+        return await self._pool.acquire()
 
-    async def _reset(self, conn: aiosqlite.Connection) -> bool:
-        """Roll back what an interrupted operation left open. False: drop the connection."""
-        if not conn.in_transaction:
-            return True
+    async def _release(self, conn: aiosqlite.Connection) -> None:
+        """Return a connection, rolling back anything an interrupted operation left open."""
+        discard = False
+        if conn.in_transaction:
+            try:
+                await execute(conn, "ROLLBACK")
+            except sqlite3.Error:
+                discard = True
+        await self._pool.release(conn, discard=discard)
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[aiosqlite.Connection]:
+        conn = await self._acquire()
         try:
-            await fetchall(conn, "ROLLBACK")
-        except sqlite3.Error:
-            return False
-        return True
+            yield conn
+        finally:
+            await self._release(conn)
 
     def _now(self) -> int:
         return self._clock.now_ms()
@@ -205,11 +195,14 @@ class AsyncSQLiteStore:
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        async with self._connection() as conn:
+        conn = await self._acquire()
+        try:
             return await self._claim(
                 conn, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
                 Status.IN_PROGRESS, None,
             )  # fmt: skip
+        finally:
+            await self._release(conn)
 
     async def _claim(
         self,
@@ -227,6 +220,8 @@ class AsyncSQLiteStore:
         dialect = self._dialect
         for _ in range(5):
             now = self._now()
+            lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+            expires = now + max(keep_ms, lease_ms)
             params = {
                 "consumer": consumer,
                 "key": key,
@@ -234,26 +229,40 @@ class AsyncSQLiteStore:
                 "fingerprint": fingerprint,
                 "token": token,
                 "now": now,
-                "lease_until": now + lease_ms if initial is Status.IN_PROGRESS else now,
-                "expires": now + max(keep_ms, lease_ms),
+                "lease_until": lease_until,
+                "expires": expires,
                 "error": error,
-                "takeover": takeover,
             }
             try:
-                rows = await fetchall(conn, dialect.claim, params)
-                if rows:
-                    record = parse_record(consumer, key, rows[0])
-                    won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-                    return Claim(won, record, now)
-                rows = await fetchall(
-                    conn, dialect.get, {"consumer": consumer, "key": key, "now": now}
-                )
+                before = conn.total_changes
+                await execute(conn, dialect.insert, params)
+                if conn.total_changes != before:
+                    record = Record(
+                        consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
+                        expires, None, error,
+                    )  # fmt: skip
+                    return Claim(ClaimStatus.NEW, record, now)
+                rows = await fetchall(conn, dialect.current, params)
+                if not rows:
+                    continue  # the winner's record vanished (released): claim again
+                current = parse_record(consumer, key, rows[0])
+                if current.expires_ms > now and not (
+                    takeover
+                    and current.is_stale(now)
+                    and fingerprints_agree(current.fingerprint, fingerprint)
+                ):
+                    return Claim(ClaimStatus.EXISTING, current, now)
+                params["seen"] = current.token
+                params["takeover"] = takeover
+                rows = await fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "claim") from exc
             if rows:
-                return Claim(ClaimStatus.EXISTING, parse_record(consumer, key, rows[0]), now)
-            # The winner's record vanished between the two statements (released): claim again.
-        raise StoreUnavailable(f"claim of key {key!r} kept racing with releases; retry later")
+                record = parse_record(consumer, key, rows[0])
+                won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
+                return Claim(won, record, now)
+            # Another claim changed the record between the read and the write: look again.
+        raise StoreUnavailable(f"claim of key {key!r} kept racing with other claims; retry later")
 
     async def takeover(
         self,
@@ -268,7 +277,7 @@ class AsyncSQLiteStore:
     ) -> Claim:
         async with self._connection() as conn:
             now = self._now()
-            params = {
+            params: dict[str, object] = {
                 "consumer": consumer,
                 "key": key,
                 "token": expected_token,
@@ -466,7 +475,7 @@ class AsyncSQLiteStore:
             await self._create(conn)
             self._ready = True
         finally:
-            self._idle.append(conn)
+            self._pool.adopt(conn)
         return SCHEMA_VERSION
 
     async def schema_version(self) -> int | None:
@@ -479,36 +488,12 @@ class AsyncSQLiteStore:
 
     async def aclose(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await close(conn)
+        await self._pool.close()
 
     # ------------------------------------------------------------ transactional mode (R7)
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[aiosqlite.Connection]:
-        async with self._connection() as conn:
-            try:
-                await fetchall(conn, "BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise translate(exc, "begin") from exc
-            try:
-                yield conn
-            except BaseException:
-                await self._rollback(conn)
-                raise
-            try:
-                await fetchall(conn, "COMMIT")
-            except sqlite3.Error as exc:
-                await self._rollback(conn)
-                raise translate(exc, "commit") from exc
-
-    async def _rollback(self, conn: aiosqlite.Connection) -> None:
-        if conn.in_transaction:
-            try:
-                await fetchall(conn, "ROLLBACK")
-            except sqlite3.Error as exc:
-                raise translate(exc, "rollback") from exc
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
 
     @asynccontextmanager
     async def savepoint(self, tx: aiosqlite.Connection) -> AsyncIterator[None]:
@@ -523,7 +508,7 @@ class AsyncSQLiteStore:
 
     async def _run(self, conn: aiosqlite.Connection, sql: str, params: Params, op: str) -> None:
         try:
-            await fetchall(conn, sql, params)
+            await execute(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
@@ -558,3 +543,45 @@ class AsyncSQLiteStore:
     ) -> None:
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         await self._run(tx, self._dialect.set_result, params, "storing the result")
+
+
+class _Transaction:
+    """``async with store.transaction() as tx``: BEGIN IMMEDIATE on a pooled connection;
+    COMMIT when the block ends, ROLLBACK when it raises. A class, not a generator: it is on
+    the hot path of every transactional message."""
+
+    __slots__ = ("_conn", "_store")
+
+    def __init__(self, store: AsyncSQLiteStore) -> None:
+        self._store = store
+        self._conn: aiosqlite.Connection | None = None
+
+    async def __aenter__(self) -> aiosqlite.Connection:
+        conn = await self._store._acquire()
+        try:
+            await execute(conn, "BEGIN IMMEDIATE")
+        except BaseException as exc:
+            await self._store._release(conn)
+            if isinstance(exc, sqlite3.Error):
+                raise translate(exc, "begin") from exc
+            raise
+        self._conn = conn
+        return conn
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conn = self._conn
+        assert conn is not None
+        self._conn = None
+        try:
+            if exc_type is None:
+                try:
+                    await execute(conn, "COMMIT")
+                except sqlite3.Error as error:
+                    raise translate(error, "commit") from error
+        finally:
+            await self._store._release(conn)  # rolls back whatever is still open

@@ -1,9 +1,10 @@
 """SQLite: the schema and every statement of the store contract, as text, plus the row parser.
 
-Each claim is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE ... RETURNING`` statement: it
-inserts when the key is absent (or expired), takes over a stale claim when allowed, and returns a
-row only when this claim won; SQLite's single writer makes it the arbiter (R8, R9). The rules
-are those of :mod:`oncely._core.state`, written in SQL.
+A claim is one ``INSERT ... ON CONFLICT DO NOTHING`` for a new key (the unique primary key makes
+the database the arbiter, R8, R9); only when the key exists does it read the winner, and only
+when that record is expired or a stale claim it may take over does it write again, with a
+compare-and-set on the token it read. The rules are those of :mod:`oncely._core.state`,
+written in SQL.
 
 Times are integer epoch milliseconds passed in as ``:now`` from the store's clock, so one
 statement never reads the clock twice and tests can drive time.
@@ -52,18 +53,20 @@ class SQLiteDialect:
     """Every statement for one inbox table, built once."""
 
     __slots__ = (
-        "claim",
         "complete",
         "create",
+        "current",
         "expired_count",
         "fail",
         "forget",
         "get",
+        "insert",
         "meta_table",
         "purge",
         "read_version",
         "release",
         "renew",
+        "replace",
         "scan",
         "set_result",
         "stats",
@@ -98,30 +101,32 @@ class SQLiteDialect:
             "ON CONFLICT (name) DO NOTHING",
         )
         self.read_version = f"SELECT value FROM {m} WHERE name = 'schema_version'"
-        agree = (
-            f"(excluded.fingerprint IS NULL OR {t}.fingerprint IS NULL "
-            f"OR excluded.fingerprint = {t}.fingerprint)"
-        )
-        expired = f"{t}.expires_ms <= :now"
-        self.claim = f"""INSERT INTO {t} (consumer, key, status, fingerprint, token, attempt,
+        self.insert = f"""INSERT INTO {t} (consumer, key, status, fingerprint, token, attempt,
                 created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
             VALUES (:consumer, :key, :status, :fingerprint, :token, 1,
                 :now, :now, :lease_until, :expires, NULL, :error)
-            ON CONFLICT (consumer, key) DO UPDATE SET
-                status = excluded.status,
-                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint
-                    ELSE COALESCE(excluded.fingerprint, {t}.fingerprint) END,
-                token = excluded.token,
-                attempt = CASE WHEN {expired} THEN 1 ELSE {t}.attempt + 1 END,
-                created_ms = CASE WHEN {expired} THEN excluded.created_ms ELSE {t}.created_ms END,
-                updated_ms = excluded.updated_ms,
-                lease_until_ms = excluded.lease_until_ms,
-                expires_ms = excluded.expires_ms,
+            ON CONFLICT (consumer, key) DO NOTHING"""
+        self.current = f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key"
+        expired = "expires_ms <= :now"
+        # Replace an expired record, or take over a stale claim, but only if the record still
+        # carries the token the caller saw (compare-and-set: tokens are never reused).
+        self.replace = f"""UPDATE {t} SET
+                status = :status,
+                fingerprint = CASE WHEN {expired} THEN :fingerprint
+                    ELSE COALESCE(:fingerprint, fingerprint) END,
+                token = :token,
+                attempt = CASE WHEN {expired} THEN 1 ELSE attempt + 1 END,
+                created_ms = CASE WHEN {expired} THEN :now ELSE created_ms END,
+                updated_ms = :now,
+                lease_until_ms = :lease_until,
+                expires_ms = :expires,
                 result = NULL,
-                error = excluded.error
-            WHERE {expired}
-                OR (:takeover AND {t}.status = 'in_progress' AND {t}.lease_until_ms <= :now
-                    AND {agree})
+                error = :error
+            WHERE consumer = :consumer AND key = :key AND token = :seen
+                AND ({expired}
+                    OR (:takeover AND status = 'in_progress' AND lease_until_ms <= :now
+                        AND (:fingerprint IS NULL OR fingerprint IS NULL
+                            OR fingerprint = :fingerprint)))
             RETURNING {_COLUMNS}"""
         mine = "consumer = :consumer AND key = :key AND token = :token"
         live = "expires_ms > :now"

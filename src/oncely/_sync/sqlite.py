@@ -16,15 +16,16 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
-from oncely._core.state import Lost
+from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
 from oncely._drivers.sqlite import SQLiteSettings, translate
-from oncely._sync._sqlite_io import Params, close, connect, fetchall
+from oncely._sync._sqlite_io import Params, Pool, close, connect, execute, fetchall
 from oncely.errors import (
     SchemaMissing,
     SchemaTooNew,
@@ -69,12 +70,10 @@ class SQLiteStore:
         size = 1 if self._memory else pool_size
         if size < 1:
             raise ValueError("pool_size must be at least 1")
-        self._slots = threading.Semaphore(size)
+        self._pool = Pool(self._open, size)
         self._ready_lock = threading.Lock()
-        self._idle: list[sqlite3.Connection] = []
         self._ready = False
         self._closed = False
-        self._pid = os.getpid()
 
     @property
     def url(self) -> str:
@@ -123,7 +122,7 @@ class SQLiteStore:
                     )
                 self._ready = True
             finally:
-                self._idle.append(conn)
+                self._pool.adopt(conn)
 
     def _wal(self, conn: sqlite3.Connection) -> None:
         try:
@@ -155,39 +154,30 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise translate(exc, "creating the schema") from exc
 
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
+    def _acquire(self) -> sqlite3.Connection:
         if self._closed:
             raise StoreError(f"{self!r} is closed")
-        if self._pid != os.getpid():
-            # A forked child must not touch the parent's connections: start a pool of its own.
-            self._idle = []
-            self._pid = os.getpid()
         if not self._ready:
             self._prepare()
-        with self._slots:
-            conn = self._idle.pop() if self._idle else self._open()
-            healthy = True
-            try:
-                yield conn
-            except BaseException:
-                healthy = self._reset(conn)
-                raise
-            finally:
-                if healthy and not self._closed:
-                    self._idle.append(conn)
-                else:
-                    close(conn)
+        return self._pool.acquire()
 
-    def _reset(self, conn: sqlite3.Connection) -> bool:
-        """Roll back what an interrupted operation left open. False: drop the connection."""
-        if not conn.in_transaction:
-            return True
+    def _release(self, conn: sqlite3.Connection) -> None:
+        """Return a connection, rolling back anything an interrupted operation left open."""
+        discard = False
+        if conn.in_transaction:
+            try:
+                execute(conn, "ROLLBACK")
+            except sqlite3.Error:
+                discard = True
+        self._pool.release(conn, discard=discard)
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        conn = self._acquire()
         try:
-            fetchall(conn, "ROLLBACK")
-        except sqlite3.Error:
-            return False
-        return True
+            yield conn
+        finally:
+            self._release(conn)
 
     def _now(self) -> int:
         return self._clock.now_ms()
@@ -205,11 +195,14 @@ class SQLiteStore:
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        with self._connection() as conn:
+        conn = self._acquire()
+        try:
             return self._claim(
                 conn, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
                 Status.IN_PROGRESS, None,
             )  # fmt: skip
+        finally:
+            self._release(conn)
 
     def _claim(
         self,
@@ -227,6 +220,8 @@ class SQLiteStore:
         dialect = self._dialect
         for _ in range(5):
             now = self._now()
+            lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+            expires = now + max(keep_ms, lease_ms)
             params = {
                 "consumer": consumer,
                 "key": key,
@@ -234,24 +229,40 @@ class SQLiteStore:
                 "fingerprint": fingerprint,
                 "token": token,
                 "now": now,
-                "lease_until": now + lease_ms if initial is Status.IN_PROGRESS else now,
-                "expires": now + max(keep_ms, lease_ms),
+                "lease_until": lease_until,
+                "expires": expires,
                 "error": error,
-                "takeover": takeover,
             }
             try:
-                rows = fetchall(conn, dialect.claim, params)
-                if rows:
-                    record = parse_record(consumer, key, rows[0])
-                    won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-                    return Claim(won, record, now)
-                rows = fetchall(conn, dialect.get, {"consumer": consumer, "key": key, "now": now})
+                before = conn.total_changes
+                execute(conn, dialect.insert, params)
+                if conn.total_changes != before:
+                    record = Record(
+                        consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
+                        expires, None, error,
+                    )  # fmt: skip
+                    return Claim(ClaimStatus.NEW, record, now)
+                rows = fetchall(conn, dialect.current, params)
+                if not rows:
+                    continue  # the winner's record vanished (released): claim again
+                current = parse_record(consumer, key, rows[0])
+                if current.expires_ms > now and not (
+                    takeover
+                    and current.is_stale(now)
+                    and fingerprints_agree(current.fingerprint, fingerprint)
+                ):
+                    return Claim(ClaimStatus.EXISTING, current, now)
+                params["seen"] = current.token
+                params["takeover"] = takeover
+                rows = fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "claim") from exc
             if rows:
-                return Claim(ClaimStatus.EXISTING, parse_record(consumer, key, rows[0]), now)
-            # The winner's record vanished between the two statements (released): claim again.
-        raise StoreUnavailable(f"claim of key {key!r} kept racing with releases; retry later")
+                record = parse_record(consumer, key, rows[0])
+                won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
+                return Claim(won, record, now)
+            # Another claim changed the record between the read and the write: look again.
+        raise StoreUnavailable(f"claim of key {key!r} kept racing with other claims; retry later")
 
     def takeover(
         self,
@@ -266,7 +277,7 @@ class SQLiteStore:
     ) -> Claim:
         with self._connection() as conn:
             now = self._now()
-            params = {
+            params: dict[str, object] = {
                 "consumer": consumer,
                 "key": key,
                 "token": expected_token,
@@ -458,7 +469,7 @@ class SQLiteStore:
             self._create(conn)
             self._ready = True
         finally:
-            self._idle.append(conn)
+            self._pool.adopt(conn)
         return SCHEMA_VERSION
 
     def schema_version(self) -> int | None:
@@ -471,36 +482,12 @@ class SQLiteStore:
 
     def close(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            close(conn)
+        self._pool.close()
 
     # ------------------------------------------------------------ transactional mode (R7)
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._connection() as conn:
-            try:
-                fetchall(conn, "BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise translate(exc, "begin") from exc
-            try:
-                yield conn
-            except BaseException:
-                self._rollback(conn)
-                raise
-            try:
-                fetchall(conn, "COMMIT")
-            except sqlite3.Error as exc:
-                self._rollback(conn)
-                raise translate(exc, "commit") from exc
-
-    def _rollback(self, conn: sqlite3.Connection) -> None:
-        if conn.in_transaction:
-            try:
-                fetchall(conn, "ROLLBACK")
-            except sqlite3.Error as exc:
-                raise translate(exc, "rollback") from exc
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
 
     @contextmanager
     def savepoint(self, tx: sqlite3.Connection) -> Iterator[None]:
@@ -515,7 +502,7 @@ class SQLiteStore:
 
     def _run(self, conn: sqlite3.Connection, sql: str, params: Params, op: str) -> None:
         try:
-            fetchall(conn, sql, params)
+            execute(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
@@ -550,3 +537,45 @@ class SQLiteStore:
     ) -> None:
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         self._run(tx, self._dialect.set_result, params, "storing the result")
+
+
+class _Transaction:
+    """``async with store.transaction() as tx``: BEGIN IMMEDIATE on a pooled connection;
+    COMMIT when the block ends, ROLLBACK when it raises. A class, not a generator: it is on
+    the hot path of every transactional message."""
+
+    __slots__ = ("_conn", "_store")
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+        self._conn: sqlite3.Connection | None = None
+
+    def __enter__(self) -> sqlite3.Connection:
+        conn = self._store._acquire()
+        try:
+            execute(conn, "BEGIN IMMEDIATE")
+        except BaseException as exc:
+            self._store._release(conn)
+            if isinstance(exc, sqlite3.Error):
+                raise translate(exc, "begin") from exc
+            raise
+        self._conn = conn
+        return conn
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        conn = self._conn
+        assert conn is not None
+        self._conn = None
+        try:
+            if exc_type is None:
+                try:
+                    execute(conn, "COMMIT")
+                except sqlite3.Error as error:
+                    raise translate(error, "commit") from error
+        finally:
+            self._store._release(conn)  # rolls back whatever is still open

@@ -1,0 +1,58 @@
+"""The public door: one import, sorted exports, sync and async twins with the same methods."""
+
+from __future__ import annotations
+
+import inspect
+
+import oncely
+import oncely.testing
+import oncely.testing.contract
+
+
+def test_all_is_sorted_and_importable() -> None:
+    assert oncely.__all__ == sorted(oncely.__all__)
+    for name in oncely.__all__:
+        assert getattr(oncely, name) is not None, name
+
+
+def _public_methods(cls: type) -> set[str]:
+    return {n for n, v in vars(cls).items() if not n.startswith("_") and callable(v)} | {
+        n for n, v in vars(cls).items() if isinstance(v, property)
+    }
+
+
+def test_sync_and_async_twins_offer_the_same_methods() -> None:
+    pairs = [
+        (oncely.Inbox, oncely.AsyncInbox),
+        (oncely.MemoryStore, oncely.AsyncMemoryStore),
+        (oncely.SQLiteStore, oncely.AsyncSQLiteStore),
+        (oncely.testing.contract.StoreContract, oncely.testing.contract.AsyncStoreContract),
+    ]
+    for sync, asynchronous in pairs:
+        sync_names = {n.replace("close", "aclose") if n == "close" else n for n in _public_methods(sync)}
+        assert sync_names == _public_methods(asynchronous), (sync, asynchronous)
+        for name in _public_methods(asynchronous):
+            method = getattr(asynchronous, name)
+            if inspect.isfunction(method) and name.startswith("test_"):
+                assert inspect.iscoroutinefunction(method)
+
+
+def test_stores_satisfy_their_protocols(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert isinstance(oncely.MemoryStore(), oncely.Store)
+    assert not isinstance(oncely.MemoryStore(), oncely.TransactionalStore)
+    sqlite = oncely.SQLiteStore(tmp_path / "o.db")
+    assert isinstance(sqlite, oncely.TransactionalStore)
+    assert isinstance(oncely.AsyncSQLiteStore(tmp_path / "o.db"), oncely.AsyncTransactionalStore)
+    assert isinstance(oncely.AsyncMemoryStore(), oncely.AsyncStore)
+
+
+def test_no_public_name_shadows_a_builtin_except_open() -> None:
+    import builtins
+
+    shadowing = {n for n in oncely.__all__ if hasattr(builtins, n)}
+    assert shadowing == {"open"}  # oncely.open(url), never imported bare in oncely's own code
+
+
+def test_errors_form_one_tree() -> None:
+    for name in oncely.errors.__all__:
+        assert issubclass(getattr(oncely.errors, name), oncely.OncelyError), name

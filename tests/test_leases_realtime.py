@@ -1,0 +1,233 @@
+"""Leases on the real clock: heartbeats, waiting for an in-flight claim, thread and task races.
+
+These use real threads, real asyncio tasks and real time (short leases). They assert on what
+happened (outcomes, effects), never on how long it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import oncely
+from oncely import Lease, Outcome
+
+SHORT = Lease(duration=timedelta(milliseconds=300), renew_every=timedelta(milliseconds=50))
+NO_BEAT = Lease(duration=timedelta(milliseconds=300), heartbeat=False)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> oncely.Store:
+    if request.param == "memory":
+        return oncely.MemoryStore()
+    return oncely.SQLiteStore(tmp_path / "oncely.db")
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def async_store(request: pytest.FixtureRequest, tmp_path: Path) -> oncely.AsyncStore:
+    if request.param == "memory":
+        return oncely.AsyncMemoryStore()
+    return oncely.AsyncSQLiteStore(tmp_path / "oncely.db")
+
+
+def _in_thread(fn: object) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(fn()))  # type: ignore[operator]
+    thread.start()
+    return thread, out
+
+
+def test_r10_heartbeat_keeps_a_long_handler_s_claim(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    started = threading.Event()
+    release = threading.Event()
+
+    def long_handler(payload: object) -> str:
+        started.set()
+        release.wait(10)
+        return "slow result"
+
+    thread, out = _in_thread(lambda: inbox.handle("k", {"a": 1}, long_handler))
+    assert started.wait(5)
+    time.sleep(0.9)  # three leases: without renewals the claim would be stale by now
+    other = oncely.Inbox(store, consumer="c", lease=SHORT)
+    ran: list[int] = []
+    busy = other.handle("k", {"a": 1}, lambda p: ran.append(1))
+    assert busy.outcome is Outcome.IN_FLIGHT and not ran
+    release.set()
+    thread.join(10)
+    assert out[0].outcome is Outcome.PROCESSED  # type: ignore[attr-defined]
+    again = other.handle("k", {"a": 1}, lambda p: ran.append(1))
+    assert again.outcome is Outcome.DUPLICATE and again.value == "slow result" and not ran
+
+
+def test_r10_without_heartbeat_a_lapsed_claim_is_taken_over(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=NO_BEAT)
+    started = threading.Event()
+    release = threading.Event()
+
+    def stuck(payload: object) -> str:
+        started.set()
+        release.wait(10)
+        return "zombie"
+
+    thread, out = _in_thread(lambda: inbox.handle("k", {"a": 1}, stuck))
+    assert started.wait(5)
+    time.sleep(0.6)
+    rescued = inbox.handle("k", {"a": 1}, lambda p: "rescuer")
+    assert rescued.outcome is Outcome.STALE_RECLAIMED and rescued.value == "rescuer"
+    release.set()
+    thread.join(10)
+    zombie = out[0]
+    assert zombie.outcome is Outcome.IN_FLIGHT  # type: ignore[attr-defined]
+    assert "lease lost" in zombie.reason  # type: ignore[attr-defined]
+    assert inbox.handle("k", {"a": 1}, lambda p: "x").value == "rescuer"
+
+
+def test_callers_can_wait_for_an_in_flight_result(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    started = threading.Event()
+
+    def first(payload: object) -> dict[str, int]:
+        started.set()
+        time.sleep(0.4)
+        return {"id": 7}
+
+    thread, out = _in_thread(lambda: inbox.handle("k", {"a": 1}, first))
+    assert started.wait(5)
+    ran: list[int] = []
+    waited = inbox.handle("k", {"a": 1}, lambda p: ran.append(1), wait=timedelta(seconds=10))
+    thread.join(10)
+    assert waited.outcome is Outcome.DUPLICATE and waited.value == {"id": 7} and not ran
+    assert out[0].outcome is Outcome.PROCESSED  # type: ignore[attr-defined]
+
+
+def test_a_waiter_takes_over_work_that_was_released(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    started = threading.Event()
+
+    def fails(payload: object) -> None:
+        started.set()
+        time.sleep(0.3)
+        raise RuntimeError("downstream 503")
+
+    thread, out = _in_thread(lambda: inbox.handle("k", {"a": 1}, fails))
+    assert started.wait(5)
+    waited = inbox.handle("k", {"a": 1}, lambda p: "second try", wait=timedelta(seconds=10))
+    thread.join(10)
+    assert out[0].outcome is Outcome.FAILED  # type: ignore[attr-defined]
+    assert waited.outcome is Outcome.PROCESSED and waited.value == "second try"
+
+
+def test_waiting_gives_up_with_in_flight(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow(payload: object) -> None:
+        started.set()
+        release.wait(10)
+
+    thread, _ = _in_thread(lambda: inbox.handle("k", {"a": 1}, slow))
+    assert started.wait(5)
+    try:
+        waited = inbox.handle("k", {"a": 1}, lambda p: None, wait=timedelta(milliseconds=100))
+        assert waited.outcome is Outcome.IN_FLIGHT
+        with pytest.raises(oncely.InFlight):
+            once = inbox.idempotent(key=lambda a: "k", wait=timedelta(milliseconds=50))
+            once(lambda a: None)(a=1)
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_r8_threads_racing_on_one_key_have_one_winner(store: oncely.Store) -> None:
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    gate = threading.Barrier(16)
+    effects: list[int] = []
+    lock = threading.Lock()
+    outcomes: list[Outcome] = []
+
+    def effect(payload: object) -> str:
+        with lock:
+            effects.append(1)
+        time.sleep(0.05)
+        return "won"
+
+    def worker() -> None:
+        gate.wait(5)
+        handled = inbox.handle("k", {"a": 1}, effect, wait=timedelta(seconds=10))
+        with lock:
+            outcomes.append(handled.outcome)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(effects) == 1
+    assert sorted(outcomes).count(Outcome.PROCESSED) == 1
+    assert outcomes.count(Outcome.DUPLICATE) == 15
+
+
+async def test_r10_async_heartbeat_and_wait(async_store: oncely.AsyncStore) -> None:
+    inbox = oncely.AsyncInbox(async_store, consumer="c", lease=SHORT)
+    started = asyncio.Event()
+
+    async def long_handler(payload: object) -> str:
+        started.set()
+        await asyncio.sleep(0.9)
+        return "async result"
+
+    first = asyncio.create_task(inbox.handle("k", {"a": 1}, long_handler))
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.sleep(0.6)
+    ran: list[int] = []
+
+    async def second(payload: object) -> None:
+        ran.append(1)
+
+    busy = await inbox.handle("k", {"a": 1}, second)
+    assert busy.outcome is Outcome.IN_FLIGHT  # renewed: not stale after two lease lengths
+    waited = await inbox.handle("k", {"a": 1}, second, wait=timedelta(seconds=10))
+    assert (await first).outcome is Outcome.PROCESSED
+    assert waited.outcome is Outcome.DUPLICATE and waited.value == "async result" and not ran
+    await async_store.aclose()
+
+
+async def test_r8_concurrent_async_claims_have_one_winner(async_store: oncely.AsyncStore) -> None:
+    claims = await asyncio.gather(
+        *(
+            async_store.claim(
+                "c", "k", fingerprint=None, token=f"t{i}", lease_ms=30_000, keep_ms=60_000,
+                takeover=True,
+            )
+            for i in range(40)
+        )
+    )
+    winners = [c for c in claims if c.won]
+    assert len(winners) == 1
+    assert {c.record.token for c in claims} == {winners[0].record.token}
+    await async_store.aclose()
+
+
+async def test_cancelled_handler_releases_its_claim(async_store: oncely.AsyncStore) -> None:
+    inbox = oncely.AsyncInbox(async_store, consumer="c", lease=SHORT)
+    started = asyncio.Event()
+
+    async def hangs(payload: object) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    task = asyncio.create_task(inbox.handle("k", {"a": 1}, hangs))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await async_store.get("c", "k") is None  # released: a redelivery starts afresh
+    await async_store.aclose()

@@ -1,0 +1,151 @@
+"""SQLite-specific behaviour: schema versions, failures translated, files shared by processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import stat
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import oncely
+from oncely import Outcome
+
+
+def test_schema_is_created_on_first_use_with_wal(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    store = oncely.SQLiteStore(path)
+    assert store.get("c", "k") is None
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        version = conn.execute("SELECT value FROM oncely_inbox_meta").fetchone()[0]
+    assert version == "1"
+    store.close()
+
+
+def test_missing_schema_is_a_clear_error_when_migration_is_off(tmp_path: Path) -> None:
+    store = oncely.SQLiteStore(tmp_path / "o.db", migrate=False)
+    with pytest.raises(oncely.SchemaMissing, match="oncely migrate"):
+        store.get("c", "k")
+    assert store.migrate() == 1
+    assert store.get("c", "k") is None
+    store.close()
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    oncely.SQLiteStore(path).migrate()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE oncely_inbox_meta SET value = '9' WHERE name = 'schema_version'")
+    store = oncely.SQLiteStore(path)
+    with pytest.raises(oncely.SchemaTooNew, match="version 9"):
+        store.get("c", "k")
+    with pytest.raises(oncely.SchemaTooNew):
+        store.migrate()
+
+
+def test_table_names_are_checked_and_used(tmp_path: Path) -> None:
+    with pytest.raises(oncely.InvalidIdentifier):
+        oncely.SQLiteStore(tmp_path / "o.db", table="inbox; DROP TABLE x")
+    store = oncely.SQLiteStore(tmp_path / "o.db", table="billing_inbox")
+    inbox = oncely.Inbox(store, consumer="c")
+    assert inbox.handle("k", 1, lambda p: p).outcome is Outcome.PROCESSED
+    with sqlite3.connect(tmp_path / "o.db") as conn:
+        assert conn.execute("SELECT count(*) FROM billing_inbox").fetchone()[0] == 1
+    store.close()
+
+
+def test_store_unavailable_when_the_database_stays_locked(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    settings = oncely.SQLiteSettings(busy_timeout=timedelta(milliseconds=200))
+    store = oncely.SQLiteStore(path, settings=settings)
+    store.migrate()
+    inbox = oncely.Inbox(store, consumer="c")
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    ran: list[int] = []
+    try:
+        with pytest.raises(oncely.StoreUnavailable, match="locked"):
+            inbox.handle("k", {"a": 1}, lambda p: ran.append(1))
+        with pytest.raises(oncely.StoreUnavailable):
+            inbox.handle_in_transaction("k2", {"a": 1}, lambda tx, p: ran.append(1))
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert not ran  # nothing ran, nothing was recorded: the message is simply retried later
+    assert inbox.handle("k", {"a": 1}, lambda p: ran.append(1)).outcome is Outcome.PROCESSED
+    store.close()
+
+
+def test_an_unreadable_file_gives_a_typed_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        path = tmp_path / "missing-dir" / "o.db"  # root ignores permissions: use a bad path
+    else:
+        path = tmp_path / "o.db"
+        path.write_bytes(b"")
+        path.chmod(stat.S_IRUSR)
+    store = oncely.SQLiteStore(path)
+    with pytest.raises(oncely.StoreError) as raised:
+        store.get("c", "k")
+    assert not isinstance(raised.value, sqlite3.Error)
+
+
+def test_a_file_that_is_not_a_database_gives_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    path.write_bytes(b"this is not a sqlite database, just text" * 100)
+    with pytest.raises(oncely.StoreError):
+        oncely.SQLiteStore(path).get("c", "k")
+
+
+def test_the_handler_gets_the_store_s_transaction(tmp_path: Path) -> None:
+    store = oncely.SQLiteStore(tmp_path / "o.db")
+    inbox = oncely.Inbox(store, consumer="c")
+    seen: list[bool] = []
+
+    def book(tx: sqlite3.Connection, payload: object) -> None:
+        seen.append(tx.in_transaction)
+        tx.execute("CREATE TABLE IF NOT EXISTS t (x)")
+
+    inbox.handle_in_transaction("k", 1, book)
+    assert seen == [True]
+    store.close()
+
+
+def _child_claims(path: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    store = oncely.SQLiteStore(path)
+    inbox = oncely.Inbox(store, consumer="c")
+    queue.put(inbox.handle("from-child", 1, lambda p: os.getpid()).outcome.value)
+    store.close()
+
+
+def test_a_forked_child_opens_its_own_connections(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    store = oncely.SQLiteStore(path)
+    inbox = oncely.Inbox(store, consumer="c")
+    assert inbox.handle("from-parent", 1, lambda p: 1).outcome is Outcome.PROCESSED
+
+    def child(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+        # Inherits the parent's store object and pool; must not reuse its connections.
+        queue.put(inbox.handle("from-parent", 1, lambda p: 2).outcome.value)
+        queue.put(inbox.handle("child-key", 1, lambda p: 3).outcome.value)
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert [queue.get(timeout=5), queue.get(timeout=5)] == ["duplicate", "processed"]
+    assert inbox.handle("child-key", 1, lambda p: 4).outcome is Outcome.DUPLICATE
+    store.close()
+
+
+def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
+    store = oncely.SQLiteStore(tmp_path / "o.db")
+    store.migrate()
+    store.close()
+    with pytest.raises(oncely.StoreError, match="closed"):
+        store.get("c", "k")
