@@ -49,3 +49,10 @@ def test_passwords_are_redacted() -> None:
     with pytest.raises(oncely.ConfigurationError) as raised:
         oncely.open("weird://user:hunter2@host/db")
     assert "hunter2" not in str(raised.value)
+
+
+def test_malformed_urls_are_configuration_errors_and_never_leak() -> None:
+    with pytest.raises(oncely.ConfigurationError, match="not a valid URL") as raised:
+        oncely.open("postgresql://u:pw@[bad/x")
+    assert "pw" not in str(raised.value)
+    assert oncely.redact("sqlite://u:pw@[bad/x") == "sqlite://***(unparsable URL)"

@@ -94,7 +94,9 @@ class Handled(Generic[R]):
     ``value`` is the handler's result (``processed``, ``stale_reclaimed``) or the result stored
     the first time (``duplicate``). ``reason`` explains every outcome other than processed and
     duplicate; ``error`` is the handler's exception for ``failed``. ``key`` is ``None`` only when
-    the message was rejected for having no usable key.
+    the message was rejected for having no usable key. ``attempt`` is the claim's attempt number
+    (1 for the first claim of the key; 0 when no claim was made); ``record`` is the record as the
+    store holds it now, which after a lost lease belongs to the new owner.
     """
 
     outcome: Outcome

@@ -525,6 +525,7 @@ class Inbox:
                 started,
                 reason=_lost_reason(lost),
                 record=lost.current,
+                attempt=record.attempt,
                 correlation_id=correlation_id,
             )
         reclaimed = claim.status is ClaimStatus.TAKEN_OVER
@@ -599,6 +600,7 @@ class Inbox:
                 started,
                 reason=_lost_reason(lost),
                 record=lost.current,
+                attempt=record.attempt,
                 correlation_id=correlation_id,
             )
         return self._done(
@@ -759,8 +761,13 @@ class Inbox:
         reason: str | None = None,
         error: BaseException | None = None,
         record: Record | None = None,
+        attempt: int | None = None,
         correlation_id: str | None = None,
     ) -> Handled[R]:
+        """Build, log and hand out the outcome. ``attempt`` defaults to the record's; a claim
+        that lost its lease reports its own attempt, not the new owner's."""
+        if attempt is None:
+            attempt = record.attempt if record is not None else 0
         handled: Handled[R] = Handled(
             outcome,
             self._consumer,
@@ -769,7 +776,7 @@ class Inbox:
             reason,
             error,
             record,
-            record.attempt if record is not None else 0,
+            attempt,
             time.perf_counter() - started,
             correlation_id,
         )

@@ -39,9 +39,15 @@ _SYNCHRONOUS: tuple[str, ...] = get_args(Synchronous)
 
 
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with any password replaced by ``***``. Never raises: a URL too malformed to
+    parse keeps only its scheme."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme = url.split(":", 1)[0] if ":" in url else ""
+        return f"{scheme}://***(unparsable URL)"
+    if password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)
     userinfo = netloc[0].split(":", 1)[0] + ":***"
@@ -129,7 +135,11 @@ def _boolean(url: str, name: str, value: str) -> bool:
 
 
 def _scheme(url: str) -> str:
-    scheme = urlsplit(url).scheme.lower()
+    try:
+        scheme = urlsplit(url).scheme.lower()
+        urlsplit(url).port  # noqa: B018 - validates the host and port part
+    except ValueError as exc:
+        raise ConfigurationError(f"{redact(url)}: not a valid URL ({exc})") from None
     if scheme not in SCHEMES:
         raise ConfigurationError(
             f"{redact(url)}: unsupported store URL scheme {scheme!r}; supported: "
