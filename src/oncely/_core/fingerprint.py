@@ -72,6 +72,12 @@ def _digest(data: bytes) -> str:
     return VERSION + hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def _utf8(text: str) -> bytes:
+    # "surrogatepass": JSON may carry a lone surrogate ("\\ud800"); it still has one stable
+    # encoding, so such a payload is fingerprinted rather than refused.
+    return text.encode("utf-8", "surrogatepass")
+
+
 def fingerprint(payload: object) -> str:
     """The fingerprint of a whole payload.
 
@@ -82,23 +88,35 @@ def fingerprint(payload: object) -> str:
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
         parsed = _try_json(raw)
-        return _digest(raw if parsed is _NOT_JSON else canonical_json(parsed).encode("utf-8"))
+        return _digest(raw if parsed is _NOT_JSON else _utf8(canonical_json(parsed)))
     if isinstance(payload, str):
         parsed = _try_json(payload)
         text = payload if parsed is _NOT_JSON else canonical_json(parsed)
-        return _digest(text.encode("utf-8"))
-    return _digest(canonical_json(payload).encode("utf-8"))
+        return _digest(_utf8(text))
+    return _digest(_utf8(canonical_json(payload)))
 
 
 _NOT_JSON: Final = object()
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def _try_json(data: bytes | str) -> object:
-    head = data[:1]
-    if head not in (b"{", b"[", "{", "["):
-        return _NOT_JSON
+    # JSON text may start with white space or a byte-order mark; both are re-serialisation
+    # noise, so they are skipped before deciding whether the text is a JSON object or array.
+    if isinstance(data, str):
+        stripped: bytes | str = data.lstrip(" \t\r\n\ufeff")
+        head: bytes | str = stripped[:1]
+        if head not in ("{", "["):
+            return _NOT_JSON
+    else:
+        stripped = data.removeprefix(_BOM).lstrip(b" \t\r\n")
+        head = stripped[:1]
+        if head not in (b"{", b"["):
+            return _NOT_JSON
     try:
-        return json.loads(data)
+        return json.loads(stripped)
     except ValueError:
         return _NOT_JSON
 
@@ -131,7 +149,7 @@ class Fingerprint:
 
         def by_fields(payload: object) -> str:
             picked = {name: _pick(payload, parts) for name, parts in split}
-            return _digest(canonical_json(picked).encode("utf-8"))
+            return _digest(_utf8(canonical_json(picked)))
 
         return by_fields
 

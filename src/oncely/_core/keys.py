@@ -90,7 +90,15 @@ def validate_key(key: object, limits: Limits) -> str:
         )
     if not key:
         raise MissingKey("the dedup key is empty")
-    size = len(key) if key.isascii() else len(key.encode("utf-8"))
+    if key.isascii():
+        size = len(key)
+    else:
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidKey(
+                "a dedup key must be valid Unicode text; this one holds a lone surrogate"
+            ) from None
     if size > limits.max_key_bytes:
         if limits.hash_long_keys:
             return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
@@ -137,6 +145,13 @@ def _header(headers: Mapping[str, object], *names: str) -> object:
     return None
 
 
+def _text(value: object) -> object:
+    # Binary-mode headers often arrive as bytes (Kafka always sends them so).
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class MessageIdKey:
     """The producer-assigned message id (R2, R20 step 1)."""
@@ -158,8 +173,8 @@ class CloudEventsKey:
     pair is recovered unambiguously."""
 
     def __call__(self, envelope: Envelope) -> str:
-        source = _header(envelope.headers, "ce-source", "ce_source", "cloudEvents:source")
-        event_id = _header(envelope.headers, "ce-id", "ce_id", "cloudEvents:id")
+        source = _text(_header(envelope.headers, "ce-source", "ce_source", "cloudEvents:source"))
+        event_id = _text(_header(envelope.headers, "ce-id", "ce_id", "cloudEvents:id"))
         body = envelope.body
         structured = isinstance(body, Mapping) and "specversion" in body
         if (source is None or event_id is None) and isinstance(body, Mapping) and structured:
@@ -188,11 +203,9 @@ class HeaderKey:
             )
 
     def __call__(self, envelope: Envelope) -> str:
-        value = _header(envelope.headers, self.name)
+        value = _text(_header(envelope.headers, self.name))
         if value is None or value == "":
             raise MissingKey(f"the message has no {self.name!r} header")
-        if isinstance(value, bytes):
-            return value.decode("utf-8", "replace")
         return str(value)
 
 

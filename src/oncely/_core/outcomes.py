@@ -26,7 +26,7 @@ from enum import StrEnum
 from typing import Generic, NoReturn, TypeVar
 
 from oncely._core.records import Record
-from oncely.errors import Escalated, InFlight, KeyConflict, Rejected
+from oncely.errors import Escalated, InFlight, KeyConflict, OutcomeError, Rejected
 
 __all__ = ["Action", "Handled", "Outcome"]
 
@@ -135,8 +135,10 @@ class Handled(Generic[R]):
         text = f"{self.outcome} for key {self.key!r} (consumer {self.consumer!r})"
         if self.reason:
             text += f": {self.reason}"
-        if self.outcome is Outcome.FAILED and self.error is not None:
-            raise self.error
+        if self.outcome is Outcome.FAILED:
+            if self.error is not None:
+                raise self.error
+            raise OutcomeError(text, self)  # type: ignore[arg-type]
         handled: Handled[object] = self  # type: ignore[assignment]
         if self.outcome is Outcome.IN_FLIGHT:
             raise InFlight(text, handled)

@@ -40,8 +40,9 @@ complete, fail, renew or release it. Only a takeover (which changes the token) e
 Fingerprints "agree" when either side is ``None`` or both are equal. A claim never takes over a
 record whose fingerprint differs: that is a key conflict, decided by the caller.
 
-Every write sets ``updated = now``. Claim, takeover, renew, complete and fail set
-``expires = now + max(keep, lease)``, so a record always outlives its lease. A claim may insert the
+Every write sets ``updated = now``. Claim, takeover and renew set
+``expires = now + max(keep, lease)``, so a record always outlives its lease; complete and fail
+(which end the lease) set ``expires = now + keep``. A claim may insert the
 record directly as ``completed`` (transactional mode: the marker commits with the business writes,
 so there is nothing to lease).
 """

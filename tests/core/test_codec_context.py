@@ -1,0 +1,120 @@
+"""Result codecs (R1: a duplicate gets the first result back) and the downstream idempotency
+key a handler passes on (R17)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oncely._core.codec import JSONCodec, RawCodec
+from oncely._core.context import Current, current
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+def test_r1_json_codec_round_trips(value: Any) -> None:
+    codec = JSONCodec()
+    data = codec.encode(value)
+    assert isinstance(data, bytes)
+    assert codec.decode(data) == value
+    assert codec.encode(codec.decode(data)) == data
+
+
+def test_r1_json_codec_stores_json_forms() -> None:
+    codec = JSONCodec()
+    at = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    got = codec.decode(codec.encode({"at": at, "amount": Decimal("9.99"), "t": (1, 2)}))
+    assert got == {"at": at.isoformat(), "amount": "9.99", "t": [1, 2]}
+
+
+def test_json_codec_is_canonical_utf8() -> None:
+    data = JSONCodec().encode({"b": 1, "a": "è"})
+    assert data == '{"a":"è","b":1}'.encode()
+    assert json.loads(data) == {"a": "è", "b": 1}
+
+
+@pytest.mark.parametrize("value", [b"", b"\x00\xff", bytearray(b"ab"), memoryview(b"cd")])
+def test_raw_codec_round_trips_bytes(value: bytes | bytearray | memoryview) -> None:
+    codec = RawCodec()
+    data = codec.encode(value)
+    assert type(data) is bytes
+    assert data == bytes(value)
+    assert codec.decode(data) == bytes(value)
+
+
+@pytest.mark.parametrize("value", ["text", 1, None, [b"a"], {"a": b"b"}])
+def test_raw_codec_refuses_non_bytes(value: object) -> None:
+    with pytest.raises(TypeError, match="RawCodec stores bytes"):
+        RawCodec().encode(value)
+
+
+# ------------------------------------------------------------------ Current.downstream_key
+
+
+def _current(**kw: Any) -> Current:
+    base: dict[str, Any] = {
+        "consumer": "billing",
+        "key": "order-1",
+        "attempt": 1,
+        "correlation_id": "corr-1",
+        "mode": "two_phase",
+    }
+    return Current(**{**base, **kw})
+
+
+def test_r17_downstream_key_is_stable_across_attempts_and_redeliveries() -> None:
+    first = _current().downstream_key("charge")
+    again = _current(attempt=3, correlation_id="corr-9", mode="transactional")
+    assert again.downstream_key("charge") == first
+    assert _current().downstream_key("charge") == first
+
+
+def test_r17_downstream_key_is_distinct_per_step_key_and_consumer() -> None:
+    keys = {
+        _current().downstream_key(),
+        _current().downstream_key("charge"),
+        _current().downstream_key("email"),
+        _current(key="order-2").downstream_key("charge"),
+        _current(consumer="shipping").downstream_key("charge"),
+    }
+    assert len(keys) == 5
+
+
+def test_r17_downstream_key_fields_do_not_run_together() -> None:
+    # ("a", "bc") and ("ab", "c") must not give the same key.
+    assert (
+        _current(consumer="a", key="bc").downstream_key()
+        != _current(consumer="ab", key="c").downstream_key()
+    )
+    assert _current(key="k").downstream_key("s1") != _current(key="ks").downstream_key("1")
+
+
+@given(st.text(min_size=1), st.text(min_size=1), st.text(), st.text())
+def test_r17_downstream_key_property(key: str, other_key: str, step: str, other_step: str) -> None:
+    a = _current(key=key).downstream_key(step)
+    assert a == _current(key=key, attempt=7).downstream_key(step)
+    assert len(a) == 32
+    int(a, 16)
+    if "\x1f" not in key + other_key + step + other_step and (key, step) != (other_key, other_step):
+        assert a != _current(key=other_key).downstream_key(other_step)
+
+
+def test_current_is_none_outside_a_handler() -> None:
+    assert current() is None
