@@ -149,3 +149,23 @@ def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(oncely.StoreError, match="closed"):
         store.get("c", "k")
+
+
+def test_an_async_store_nobody_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    script = (
+        "import asyncio, oncely, sys\n"
+        "async def main():\n"
+        f"    store = oncely.AsyncSQLiteStore({str(tmp_path / 'o.db')!r})\n"
+        "    inbox = oncely.AsyncInbox(store, consumer='c')\n"
+        "    async def handler(payload): return None\n"
+        "    print((await inbox.handle('k', {'a': 1}, handler)).outcome)\n"
+        "asyncio.run(main())\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "processed"

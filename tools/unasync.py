@@ -9,7 +9,8 @@ comments and layout, then formatted with ruff so both trees read alike:
 * ``await x`` -> ``x``; ``async def`` / ``async with`` / ``async for`` -> plain;
 * ``Awaitable[X]`` -> ``X``;
 * the names in ``RENAMES`` (``AsyncInbox`` -> ``Inbox``, ``aiosqlite`` -> ``sqlite3``,
-  ``asyncio`` -> ``threading`` for the locks, ``_async`` -> ``_sync`` in imports, ...).
+  ``asyncio`` -> ``threading`` for the locks, ``_async`` -> ``_sync`` in imports, ...), and
+  the ``Async...`` class names inside strings too (``__all__``, string annotations, docs).
 
 Modules whose sync and async halves really differ are written by hand on both sides and listed
 in ``HAND_WRITTEN``; everything else under ``_async`` is generated. Generated files start with a
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +65,11 @@ RENAMES = {
 }
 
 
+_CLASS_NAMES = re.compile(
+    r"\b(" + "|".join(sorted((k for k in RENAMES if "Async" in k), key=len, reverse=True)) + r")\b"
+)
+
+
 def _offsets(text: str) -> list[int]:
     starts = [0]
     for line in text.splitlines(keepends=True):
@@ -89,9 +96,11 @@ def rewrite(text: str) -> str:
                 closing.pop()
                 edits.append((at(tok.start), at(tok.end), ""))
             depth -= 1
-        if tok.type == tokenize.STRING and tok.string[1:-1] in RENAMES and tok.string[0] in "\"'":
-            # names listed in __all__
-            edits.append((at(tok.start), at(tok.end), f'"{RENAMES[tok.string[1:-1]]}"'))
+        if tok.type == tokenize.STRING:
+            # Class names inside strings: __all__ entries, string annotations, docstrings.
+            renamed = _CLASS_NAMES.sub(lambda m: RENAMES[m.group(0)], tok.string)
+            if renamed != tok.string:
+                edits.append((at(tok.start), at(tok.end), renamed))
             continue
         if tok.type != tokenize.NAME:
             continue

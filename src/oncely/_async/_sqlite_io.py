@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,9 +22,16 @@ Params = Mapping[str, object] | Sequence[object]
 
 
 async def connect(path: str, *, timeout: float, uri: bool) -> aiosqlite.Connection:
-    return await aiosqlite.connect(
+    pending = aiosqlite.connect(
         path, isolation_level=None, timeout=timeout, check_same_thread=False, uri=uri
     )
+    # aiosqlite runs each connection on a non-daemon thread, so a store nobody closed would
+    # keep the process from exiting. Dying mid-write is safe for SQLite (the WAL rolls the
+    # transaction back), so the worker may be a daemon.
+    worker = getattr(pending, "_thread", None)
+    if isinstance(worker, threading.Thread) and not worker.is_alive():
+        worker.daemon = True
+    return await pending
 
 
 async def fetchall(conn: aiosqlite.Connection, sql: str, params: Params = ()) -> list[Any]:

@@ -27,7 +27,7 @@ from oncely._async._concurrency import AsyncHeartbeats, sleep
 from oncely._async._types import AsyncFunction, AsyncHandler, AsyncTxHandler
 from oncely._async.protocols import AsyncStore, AsyncTransactionalStore
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.context import _CURRENT, Current
+from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
@@ -393,7 +393,7 @@ class AsyncInbox:
         if step is not Step.PROCEED:
             return step, claim, claim.record, None
         context = _CURRENT.set(
-            Current(self._consumer, key, claim.record.attempt, correlation_id, "transactional")
+            (self._consumer, key, claim.record.attempt, correlation_id, "transactional")
         )
         try:
             result = await handler(tx, payload)
@@ -452,7 +452,7 @@ class AsyncInbox:
                 f"{type(store).__name__} cannot join a transaction; use the two-phase mode "
                 "(Inbox.handle) for it, or a SQL store for the transactional mode"
             )
-        return cast(AsyncTransactionalStore[Tx], store)
+        return cast("AsyncTransactionalStore[Tx]", store)
 
     # ------------------------------------------------------------------------ records
 
@@ -487,9 +487,7 @@ class AsyncInbox:
             beat = self._heartbeats.start(
                 functools.partial(self._renew, key, token), self._renew_every
             )
-        context = _CURRENT.set(
-            Current(self._consumer, key, record.attempt, correlation_id, "two_phase")
-        )
+        context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
         error: BaseException | None = None
         result: R | None = None
         try:
@@ -780,7 +778,7 @@ class AsyncInbox:
             time.perf_counter() - started,
             correlation_id,
         )
-        self._observer.emit(cast(Handled[object], handled))
+        self._observer.emit(cast("Handled[object]", handled))
         return handled
 
 

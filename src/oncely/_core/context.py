@@ -30,9 +30,14 @@ class Current:
         return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-_CURRENT: ContextVar[Current | None] = ContextVar("oncely_current", default=None)
+# The inboxes set a plain tuple (consumer, key, attempt, correlation_id, mode): building the
+# Current object only when a handler asks for it keeps it off the hot path.
+_CURRENT: ContextVar[tuple[str, str, int, str | None, str] | None] = ContextVar(
+    "oncely_current", default=None
+)
 
 
 def current() -> Current | None:
     """The message being processed by the calling handler, or ``None`` outside a handler."""
-    return _CURRENT.get()
+    fields = _CURRENT.get()
+    return None if fields is None else Current(*fields)

@@ -52,12 +52,13 @@ class Heartbeats:
     """One daemon thread renews every registered claim when it falls due; it exits when idle
     and starts again with the next claim."""
 
-    __slots__ = ("_cond", "_thread", "_tickets")
+    __slots__ = ("_cond", "_thread", "_tickets", "_wake_at")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._tickets: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
+        self._wake_at = 0.0  # monotonic time the thread plans to wake (under the lock)
 
     def start(self, renew: Callable[[], None], every: float) -> Ticket:
         ticket = Ticket(self, renew, every)
@@ -68,7 +69,9 @@ class Heartbeats:
                     target=self._run, name="oncely-heartbeat", daemon=True
                 )
                 self._thread.start()
-            else:
+            elif ticket.due < self._wake_at:
+                # Only when the thread sleeps past this ticket's first renewal: waking it for
+                # every claim would cost more than the claim.
                 self._cond.notify()
         return ticket
 
@@ -91,14 +94,17 @@ class Heartbeats:
                     if now - idle_since >= _IDLE_EXIT_S:
                         self._thread = None
                         return
+                    self._wake_at = now + _IDLE_EXIT_S
                     self._cond.wait(_IDLE_EXIT_S)
                     continue
                 idle_since = None
                 due = [t for t in self._tickets.values() if t.due <= now]
                 if not due:
                     wait = min(t.due for t in self._tickets.values()) - now
+                    self._wake_at = now + wait
                     self._cond.wait(wait)
                     continue
+                self._wake_at = now  # renewing: a new ticket is seen on the next pass
             for ticket in due:
                 try:
                     ticket.beat()

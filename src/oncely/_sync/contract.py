@@ -5,9 +5,9 @@
 oncely runs it against each of its stores, sync and async; a user certifies a store of their
 own the same way. Subclass it and give two fixtures::
 
-    from oncely.testing.contract import AsyncStoreContract
+    from oncely.testing.contract import StoreContract
 
-    class TestMyStore(AsyncStoreContract):
+    class TestMyStore(StoreContract):
         @pytest.fixture
         def make_store(self):
             return lambda clock: MyStore(clock=clock)   # a fresh, empty store on that clock

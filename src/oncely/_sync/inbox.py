@@ -4,10 +4,10 @@
 
 Two modes, one decision table (:mod:`oncely._core.flows`):
 
-* **Transactional** (:meth:`AsyncInbox.handle_in_transaction`, R7, R8): the dedup marker is
+* **Transactional** (:meth:`Inbox.handle_in_transaction`, R7, R8): the dedup marker is
   inserted inside the transaction the handler writes in, so marker, business writes and result
   commit together or not at all. A crash anywhere leaves either everything or nothing.
-* **Two-phase** (:meth:`AsyncInbox.handle`, R10): for effects outside any transaction (an HTTP
+* **Two-phase** (:meth:`Inbox.handle`, R10): for effects outside any transaction (an HTTP
   call, an e-mail). The key is claimed ``in_progress`` under a lease that a heartbeat renews; the
   result is recorded under the claim's fencing token; a failure releases the claim so a
   redelivery retries; a lapsed lease goes through the ``on_stale`` policy.
@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Literal, ParamSpec, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.context import _CURRENT, Current
+from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
@@ -393,7 +393,7 @@ class Inbox:
         if step is not Step.PROCEED:
             return step, claim, claim.record, None
         context = _CURRENT.set(
-            Current(self._consumer, key, claim.record.attempt, correlation_id, "transactional")
+            (self._consumer, key, claim.record.attempt, correlation_id, "transactional")
         )
         try:
             result = handler(tx, payload)
@@ -452,7 +452,7 @@ class Inbox:
                 f"{type(store).__name__} cannot join a transaction; use the two-phase mode "
                 "(Inbox.handle) for it, or a SQL store for the transactional mode"
             )
-        return cast(TransactionalStore[Tx], store)
+        return cast("TransactionalStore[Tx]", store)
 
     # ------------------------------------------------------------------------ records
 
@@ -487,9 +487,7 @@ class Inbox:
             beat = self._heartbeats.start(
                 functools.partial(self._renew, key, token), self._renew_every
             )
-        context = _CURRENT.set(
-            Current(self._consumer, key, record.attempt, correlation_id, "two_phase")
-        )
+        context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
         error: BaseException | None = None
         result: R | None = None
         try:
@@ -780,7 +778,7 @@ class Inbox:
             time.perf_counter() - started,
             correlation_id,
         )
-        self._observer.emit(cast(Handled[object], handled))
+        self._observer.emit(cast("Handled[object]", handled))
         return handled
 
 
