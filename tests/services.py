@@ -15,7 +15,9 @@ import pytest
 
 REQUIRED = os.environ.get("ONCELY_REQUIRE_SERVICES") == "1"
 
-POSTGRES_DSN = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+POSTGRES_DSN = os.environ.get(
+    "ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"
+)
 MYSQL_URL = os.environ.get("ONCELY_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 REDIS_URL = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -25,7 +27,9 @@ NATS_URL = os.environ.get("ONCELY_TEST_NATS_URL", "nats://127.0.0.1:4222")
 def _answers(url: str, default_port: int) -> bool:
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), 2):
+        with socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or default_port), 2
+        ):
             return True
     except OSError:
         return False

@@ -29,7 +29,9 @@ def test_sync_and_async_twins_offer_the_same_methods() -> None:
         (oncely.testing.contract.StoreContract, oncely.testing.contract.AsyncStoreContract),
     ]
     for sync, asynchronous in pairs:
-        sync_names = {n.replace("close", "aclose") if n == "close" else n for n in _public_methods(sync)}
+        sync_names = {
+            n.replace("close", "aclose") if n == "close" else n for n in _public_methods(sync)
+        }
         assert sync_names == _public_methods(asynchronous), (sync, asynchronous)
         for name in _public_methods(asynchronous):
             method = getattr(asynchronous, name)

@@ -204,7 +204,12 @@ async def test_r8_concurrent_async_claims_have_one_winner(async_store: oncely.As
     claims = await asyncio.gather(
         *(
             async_store.claim(
-                "c", "k", fingerprint=None, token=f"t{i}", lease_ms=30_000, keep_ms=60_000,
+                "c",
+                "k",
+                fingerprint=None,
+                token=f"t{i}",
+                lease_ms=30_000,
+                keep_ms=60_000,
                 takeover=True,
             )
             for i in range(40)

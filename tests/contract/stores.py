@@ -37,7 +37,9 @@ class SQLiteLedger:
 
     def count(self, key: str) -> int:
         with sqlite3.connect(self.path) as conn:
-            return int(conn.execute("SELECT count(*) FROM ledger WHERE key = ?", (key,)).fetchone()[0])
+            return int(
+                conn.execute("SELECT count(*) FROM ledger WHERE key = ?", (key,)).fetchone()[0]
+            )
 
 
 class SyncSQLiteLedger(SQLiteLedger):

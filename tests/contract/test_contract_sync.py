@@ -25,7 +25,9 @@ class TestStoreContract(StoreContract):
         return lambda clock: factory(tmp_path, clock)
 
     @pytest.fixture
-    def business(self, store_kind: str, tmp_path: Path, store: oncely.Store) -> SyncSQLiteLedger | None:
+    def business(
+        self, store_kind: str, tmp_path: Path, store: oncely.Store
+    ) -> SyncSQLiteLedger | None:
         ledgers = LEDGERS[store_kind]
         if ledgers is None:
             return None

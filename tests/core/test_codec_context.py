@@ -118,3 +118,13 @@ def test_r17_downstream_key_property(key: str, other_key: str, step: str, other_
 
 def test_current_is_none_outside_a_handler() -> None:
     assert current() is None
+
+
+def test_r17_a_reconciler_sees_the_key_the_lapsed_attempt_sent_downstream() -> None:
+    from oncely import Record, StaleClaim, Status
+    from oncely._core.context import Current
+
+    record = Record("billing", "order-1", Status.IN_PROGRESS, None, "t", 1, 0, 0, 0, 1)
+    sent = Current("billing", "order-1", 1, None, "two_phase").downstream_key("charge")
+    assert StaleClaim(record, {"a": 1}).downstream_key("charge") == sent
+    assert StaleClaim(record, None).downstream_key("email") != sent

@@ -6,7 +6,7 @@ import hashlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["Current", "current"]
+__all__ = ["Current", "current", "downstream_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,13 @@ class Current:
         downstream service can deduplicate the call; ``step`` tells apart several calls made by
         one handler (``downstream_key("charge")``, ``downstream_key("email")``).
         """
-        raw = f"{self.consumer}\x1f{self.key}\x1f{step}".encode()
-        return hashlib.blake2b(raw, digest_size=16).hexdigest()
+        return downstream_key(self.consumer, self.key, step)
+
+
+def downstream_key(consumer: str, key: str, step: str = "") -> str:
+    """The downstream idempotency key of ``(consumer, key)`` for ``step`` (R17)."""
+    raw = f"{consumer}\x1f{key}\x1f{step}".encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 # The inboxes set a plain tuple (consumer, key, attempt, correlation_id, mode): building the

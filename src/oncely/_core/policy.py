@@ -8,6 +8,7 @@ from datetime import timedelta
 from enum import StrEnum
 
 from oncely._core.clock import to_ms
+from oncely._core.context import downstream_key
 from oncely._core.records import Record
 from oncely.errors import ConfigurationError, RetentionTooShort
 
@@ -215,6 +216,11 @@ class StaleClaim:
 
     record: Record
     payload: object
+
+    def downstream_key(self, step: str = "") -> str:
+        """The idempotency key the lapsed attempt passed downstream for ``step`` (R17): look
+        the work up in the external system by exactly the key it was sent with."""
+        return downstream_key(self.record.consumer, self.record.key, step)
 
 
 Reconciler = Callable[[StaleClaim], Resolution]

@@ -1,0 +1,296 @@
+"""``oncely inbox``: look at the dedup records, purge the expired ones, forget one by hand."""
+
+from __future__ import annotations
+
+import shlex
+
+import click
+from rich.table import Table
+
+import oncely
+from oncely import Record, Status, Store
+from oncely.cli._errors import CHECK_FAILED, CliError
+from oncely.cli._output import (
+    console,
+    echo_json,
+    iso,
+    lease_state,
+    now_ms,
+    preview,
+    record_dict,
+    relative,
+    safe,
+    text,
+)
+from oncely.cli._stores import opened, store_option
+
+__all__ = ["inbox"]
+
+_STATUSES = tuple(s.value for s in Status)
+
+
+@click.group()
+def inbox() -> None:
+    """Inspect and maintain the dedup records (the inbox) of a store.
+
+    Records are keyed by consumer and message key (R5). Expired records count as absent
+    everywhere; `purge` deletes them. Nothing here creates tables: run `oncely migrate` first.
+    """
+
+
+# ------------------------------------------------------------------------------ stats
+
+
+@inbox.command()
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def stats(store_url: str, as_json: bool) -> None:
+    """Count live records per consumer and status, and expired records awaiting a purge."""
+    with opened(store_url) as store:
+        found = store.stats()
+    consumers = {
+        consumer: {s.value: by_status.get(s, 0) for s in Status}
+        | {"total": sum(by_status.values())}
+        for consumer, by_status in sorted(found.counts.items())
+    }
+    if as_json:
+        echo_json(
+            {
+                "store": oncely.redact(store_url),
+                "consumers": consumers,
+                "total": found.total,
+                "expired": found.expired,
+            }
+        )
+        return
+    out = console()
+    out.print(text(f"Store {oncely.redact(store_url)}"))
+    if consumers:
+        table = Table(*("consumer", *_STATUSES, "total"))
+        for consumer, counts in consumers.items():
+            table.add_row(
+                text(consumer, "bold"),
+                *(str(counts[s]) for s in _STATUSES),
+                str(counts["total"]),
+            )
+        out.print(table)
+    else:
+        out.print(text("no live records"))
+    out.print(text(f"live records: {found.total}; expired, awaiting purge: {found.expired}"))
+
+
+# ------------------------------------------------------------------------------- list
+
+
+def _after(
+    after: str | None, after_consumer: str | None, after_key: str | None
+) -> tuple[str, str] | None:
+    if after is not None and (after_consumer is not None or after_key is not None):
+        raise click.UsageError("give either --after CONSUMER/KEY or --after-consumer/--after-key")
+    if after is not None:
+        consumer, slash, key = after.partition("/")
+        if not slash or not consumer:
+            raise click.BadParameter(
+                "write CONSUMER/KEY (split at the first '/'); for a consumer name that holds a "
+                "'/', use --after-consumer and --after-key",
+                param_hint="'--after'",
+            )
+        return consumer, key
+    if after_consumer is None and after_key is None:
+        return None
+    if after_consumer is None:
+        raise click.UsageError("--after-key needs --after-consumer")
+    return after_consumer, after_key or ""
+
+
+def _next_options(record: Record) -> str:
+    if "/" not in record.consumer:
+        return "--after " + shlex.quote(f"{record.consumer}/{record.key}")
+    return f"--after-consumer {shlex.quote(record.consumer)} --after-key {shlex.quote(record.key)}"
+
+
+@inbox.command(name="list")
+@store_option
+@click.option("--consumer", help="Only this consumer's records.")
+@click.option("--status", type=click.Choice(_STATUSES), help="Only records in this status.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 10_000),
+    default=50,
+    show_default=True,
+    help="At most this many records per page.",
+)
+@click.option(
+    "--after",
+    metavar="CONSUMER/KEY",
+    help="Start after this record (the cursor the previous page printed).",
+)
+@click.option("--after-consumer", metavar="CONSUMER", help="Start after this consumer ...")
+@click.option("--after-key", metavar="KEY", help="... and this key (with --after-consumer).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def list_records(
+    store_url: str,
+    consumer: str | None,
+    status: str | None,
+    limit: int,
+    after: str | None,
+    after_consumer: str | None,
+    after_key: str | None,
+    as_json: bool,
+) -> None:
+    """List live records in (consumer, key) order, one page at a time.
+
+    When more records follow, the page ends with the cursor for the next one, e.g.
+    `--after billing/order-41`.
+    """
+    start = _after(after, after_consumer, after_key)
+    with opened(store_url) as store:
+        # One more than asked for tells whether a next page exists without a second query.
+        page = store.scan(
+            consumer=consumer,
+            status=Status(status) if status is not None else None,
+            after=start,
+            limit=limit + 1,
+        )
+    more = len(page) > limit
+    page = page[:limit]
+    now = now_ms()
+    last = page[-1] if more else None
+    if as_json:
+        echo_json(
+            {
+                "store": oncely.redact(store_url),
+                "records": [record_dict(r, full=False, now=now) for r in page],
+                "next": None if last is None else {"consumer": last.consumer, "key": last.key},
+            }
+        )
+        return
+    out = console()
+    if not page:
+        out.print(text("no records"))
+        return
+    table = Table("consumer", "key", "status", "attempt", "updated", "expires", "result")
+    for record in page:
+        table.add_row(
+            text(record.consumer),
+            text(record.key, "bold"),
+            text(record.status.value),
+            str(record.attempt),
+            iso(record.updated_ms),
+            relative(record.expires_ms, now),
+            "-" if record.result is None else f"{len(record.result)} B",
+        )
+    out.print(table)
+    if last is not None:
+        out.print(text(f"more records follow; next page: {_next_options(last)}"))
+
+
+# ------------------------------------------------------------------------------- show
+
+
+def _get(store: Store, consumer: str, key: str) -> Record:
+    record = store.get(consumer, key)
+    if record is None:
+        raise CliError(
+            f"no live record for consumer {safe(consumer)!r} and key {safe(key)!r} "
+            "(never processed, forgotten, or expired)",
+            CHECK_FAILED,
+        )
+    return record
+
+
+@inbox.command()
+@store_option
+@click.option("--consumer", required=True, help="The consumer the record belongs to.")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def show(store_url: str, consumer: str, key: str, as_json: bool) -> None:
+    """Show one record in full: status, attempt, times, lease, expiry, fingerprint, error and
+    a safe preview of the stored result (binary is shown as hex, never raw).
+
+    Exits 1 when the consumer has no live record for KEY.
+    """
+    with opened(store_url) as store:
+        record = _get(store, consumer, key)
+    now = now_ms()
+    if as_json:
+        echo_json(record_dict(record, full=True, now=now))
+        return
+    rows: list[tuple[str, str]] = [
+        ("consumer", record.consumer),
+        ("key", record.key),
+        ("status", record.status.value),
+        ("attempt", str(record.attempt)),
+        ("created", iso(record.created_ms)),
+        ("updated", iso(record.updated_ms)),
+        ("lease", lease_state(record, now)),
+        ("expires", f"{iso(record.expires_ms)} ({relative(record.expires_ms, now)})"),
+        ("fingerprint", record.fingerprint or "-"),
+        ("token", record.token),
+        ("error", record.error if record.error is not None else "-"),
+    ]
+    if record.result is None:
+        rows.append(("result", "-"))
+    else:
+        encoding, shown = preview(record.result)
+        rows.append(("result", f"{len(record.result)} bytes, {encoding}"))
+        rows.append(("preview", shown))
+    width = max(len(name) for name, _ in rows) + 2
+    for name, value in rows:
+        click.echo(name.ljust(width) + safe(value))
+
+
+# ------------------------------------------------------------------------------ purge
+
+
+@inbox.command()
+@store_option
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Records deleted per short write transaction.",
+)
+@click.option(
+    "--max-batches",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many batches (default: until none are left).",
+)
+def purge(store_url: str, batch_size: int, max_batches: int | None) -> None:
+    """Delete expired records, in batches, and print how many were deleted.
+
+    Safe to run at any time (from cron, say): expired records already count as absent.
+    """
+    with opened(store_url) as store:
+        deleted = store.purge_expired(batch_size=batch_size, max_batches=max_batches)
+    click.echo(f"purged {deleted} expired record{'s' if deleted != 1 else ''}")
+
+
+# ----------------------------------------------------------------------------- forget
+
+
+@inbox.command()
+@store_option
+@click.option("--consumer", required=True, help="The consumer the record belongs to.")
+@click.argument("key")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def forget(store_url: str, consumer: str, key: str, yes: bool) -> None:
+    """Delete one record, whatever its state (an operator's decision).
+
+    The next delivery of KEY to this consumer is processed again as new: do this only when
+    you know its effects did not happen (or must happen again). Exits 1 if there was no record.
+    """
+    shown = f"consumer {safe(consumer)!r}, key {safe(key)!r}"
+    if not yes:
+        click.confirm(
+            f"Delete the record of {shown}? Its next delivery will be processed again",
+            abort=True,
+            err=True,
+        )
+    with opened(store_url) as store:
+        existed = store.forget(consumer, key)
+    if not existed:
+        raise CliError(f"no record for {shown}", CHECK_FAILED)
+    click.echo(f"forgot the record of {shown}")

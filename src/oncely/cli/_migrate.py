@@ -1,0 +1,39 @@
+"""``oncely migrate``: create or upgrade the store's tables."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import click
+
+import oncely
+from oncely.cli._stores import opened, store_option
+
+__all__ = ["migrate"]
+
+
+@runtime_checkable
+class _Versioned(Protocol):
+    """Stores that can tell their schema version before migrating (SQL stores)."""
+
+    def schema_version(self) -> int | None: ...
+
+
+@click.command()
+@store_option
+def migrate(store_url: str) -> None:
+    """Create or upgrade the dedup tables, then print the schema version.
+
+    Safe to run repeatedly and while consumers are running. A schema written by a newer oncely
+    is left alone and reported (exit 4): upgrade oncely instead.
+    """
+    with opened(store_url, create=True) as store:
+        shown = oncely.redact(store_url)
+        before = store.schema_version() if isinstance(store, _Versioned) else None
+        version = store.migrate()
+    if before is None:
+        click.echo(f"schema version {version} ready in {shown}")
+    elif before == version:
+        click.echo(f"schema version {version} already in place in {shown}")
+    else:
+        click.echo(f"schema upgraded from version {before} to {version} in {shown}")

@@ -1,0 +1,91 @@
+"""``--store URL``: where it comes from and how a command opens (and always closes) it.
+
+The URL comes from ``--store``, else the ``ONCELY_STORE`` environment variable, else
+``sqlite:///oncely.db``. Inspection commands never create anything: they open SQLite with
+``migrate=false`` and refuse a file that does not exist, so a mistyped path says so instead of
+leaving an empty database behind. Only ``oncely migrate`` creates or upgrades tables.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Final, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+import click
+
+import oncely
+from oncely import Store
+from oncely.cli._errors import SCHEMA, CliError, remember_secrets
+from oncely.errors import ConfigurationError
+
+__all__ = ["DEFAULT_STORE", "ENV_STORE", "opened", "store_option"]
+
+ENV_STORE: Final = "ONCELY_STORE"
+DEFAULT_STORE: Final = "sqlite:///oncely.db"
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def store_option(fn: F) -> F:
+    """The ``--store`` option, shared by every command that opens a store."""
+    return click.option(
+        "--store",
+        "store_url",
+        metavar="URL",
+        envvar=ENV_STORE,
+        show_envvar=True,
+        default=DEFAULT_STORE,
+        show_default=True,
+        help="The dedup store: sqlite:///relative.db, sqlite:////absolute.db or memory://.",
+    )(fn)
+
+
+def _sqlite_path(url: str) -> str | None:
+    """The file a ``sqlite:`` URL names, or None when it names no plain file."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "sqlite":
+        return None
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return path
+
+
+def _without_auto_migrate(url: str) -> str:
+    # A SQLite store creates its tables on first use unless told otherwise; an inspection
+    # command must not, or `oncely inbox stats` on a typo would leave a new database behind.
+    if urlsplit(url).scheme.lower() != "sqlite" or "migrate" in parse_qs(urlsplit(url).query):
+        return url
+    return url + ("&" if "?" in url else "?") + "migrate=false"
+
+
+@contextmanager
+def opened(url: str, *, create: bool = False) -> Iterator[Store]:
+    """The store at ``url``, closed when the block ends.
+
+    Without ``create``, a SQLite file that does not exist is a schema problem (exit 4) whose
+    message names the fix. A URL oncely cannot use is a usage error (exit 2).
+    """
+    remember_secrets(url)
+    try:
+        store = oncely.open(url if create else _without_auto_migrate(url))
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--store'") from None
+    except ValueError as exc:
+        # urlsplit's own complaint (a malformed host); the URL itself is not repeated here
+        # because it could not be parsed, hence not redacted.
+        raise click.BadParameter(f"not a valid URL ({exc})", param_hint="'--store'") from None
+    try:
+        path = _sqlite_path(url)
+        if not create and path is not None and not os.path.exists(path):
+            raise CliError(
+                f"no SQLite database at {path}; create it with "
+                f"`oncely migrate --store {oncely.redact(url)}`",
+                SCHEMA,
+            )
+        yield store
+    finally:
+        store.close()
