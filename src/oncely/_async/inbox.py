@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import os
 import time
@@ -65,8 +66,26 @@ _COMPLETE_RETRIES = (0.05, 0.2, 0.8)
 _MAX_ROUNDS = 8
 
 
-def _new_token() -> str:
-    return os.urandom(16).hex()
+class _Tokens:
+    """Fencing tokens: a random per-process prefix and a counter. Unique across processes
+    (64 random bits, drawn again after a fork) and within one (the counter), and cheaper than
+    reading the OS's randomness for every claim."""
+
+    __slots__ = ("_count", "_pid", "_prefix")
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._count = itertools.count()
+
+    def __call__(self) -> str:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._prefix = os.urandom(8).hex()
+        return f"{self._prefix}{next(self._count):016x}"
+
+
+_new_token = _Tokens()
 
 
 def _shown(key: object) -> str | None:

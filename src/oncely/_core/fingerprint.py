@@ -52,9 +52,32 @@ def _default(value: object) -> object:
     raise TypeError(f"no canonical form for {type(value).__name__}")
 
 
-_canonical = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=True, default=_default
-).encode
+def _make_canonical() -> Callable[[object], str]:
+    # One C encoder built once: json.dumps (and JSONEncoder.encode) build a new one per call,
+    # a fifth of the cost of fingerprinting a small payload. Circular structures are caught
+    # as RecursionError instead of by the encoder's marker dict.
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - interpreters without the C accelerator
+        return json.JSONEncoder(
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+            allow_nan=True,
+            default=_default,
+        ).encode
+    encode = make(
+        None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, True
+    )
+
+    def canonical(value: object) -> str:
+        if isinstance(value, str):
+            return json.encoder.encode_basestring(value)
+        return "".join(encode(value, 0))
+
+    return canonical
+
+
+_canonical = _make_canonical()
 
 
 def canonical_json(value: object) -> str:

@@ -62,7 +62,7 @@ class SQLiteDialect:
         "get",
         "insert",
         "meta_table",
-        "purge",
+        "purge_candidates",
         "read_version",
         "release",
         "renew",
@@ -95,7 +95,6 @@ class SQLiteDialect:
                 error TEXT,
                 PRIMARY KEY (consumer, key)
             ) WITHOUT ROWID""",
-            f"CREATE INDEX IF NOT EXISTS {t}_expires ON {t} (expires_ms)",
             f"CREATE TABLE IF NOT EXISTS {m} (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
             f"INSERT INTO {m} (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
             "ON CONFLICT (name) DO NOTHING",
@@ -163,9 +162,14 @@ class SQLiteDialect:
             f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key AND {live}"
         )
         self.forget = f"DELETE FROM {t} WHERE consumer = :consumer AND key = :key RETURNING 1"
-        self.purge = f"""DELETE FROM {t} WHERE (consumer, key) IN (
-                SELECT consumer, key FROM {t} WHERE expires_ms <= :now LIMIT :limit)
-            RETURNING 1"""
+        # Purging sweeps the primary key in order: candidates are read without the write lock
+        # (WAL readers never block writers), then deleted by key in one short write. There is
+        # deliberately no index on expires_ms: it would cost every claim and completion a
+        # second B-tree write, to speed up only the background purge.
+        self.purge_candidates = f"""SELECT consumer, key FROM {t}
+            WHERE (consumer, key) > (:after_consumer, :after_key) AND expires_ms <= :now
+            ORDER BY consumer, key
+            LIMIT :limit"""
         self.stats = (
             f"SELECT consumer, status, count(*) FROM {t} WHERE {live} GROUP BY consumer, status"
         )
@@ -177,3 +181,12 @@ class SQLiteDialect:
                 AND (consumer, key) > (:after_consumer, :after_key)
             ORDER BY consumer, key
             LIMIT :limit"""
+
+    def purge_delete(self, count: int) -> str:
+        """Delete ``count`` (consumer, key) pairs given as ``?`` parameters, still expired at
+        the last parameter (``now``)."""
+        pairs = ", ".join(["(?, ?)"] * count)
+        return (
+            f"DELETE FROM {self.table} WHERE (consumer, key) IN (VALUES {pairs}) "
+            "AND expires_ms <= ? RETURNING 1"
+        )

@@ -66,6 +66,7 @@ class SQLiteStore:
         self._dialect = SQLiteDialect(table)
         self._settings = settings if settings is not None else SQLiteSettings()
         self._clock: Clock = clock if clock is not None else SystemClock()
+        self._now = self._clock.now_ms
         self._auto_migrate = migrate
         size = 1 if self._memory else pool_size
         if size < 1:
@@ -179,9 +180,6 @@ class SQLiteStore:
         finally:
             self._release(conn)
 
-    def _now(self) -> int:
-        return self._clock.now_ms()
-
     # ------------------------------------------------------------------ the contract
 
     def claim(
@@ -225,7 +223,7 @@ class SQLiteStore:
             params = {
                 "consumer": consumer,
                 "key": key,
-                "status": initial.value,
+                "status": initial,  # a str enum: binds as its text
                 "fingerprint": fingerprint,
                 "token": token,
                 "now": now,
@@ -393,20 +391,33 @@ class SQLiteStore:
         return parse_record(consumer, key, rows[0]) if rows else None
 
     def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
         deleted = 0
         batches = 0
+        after = ("", "")
         while max_batches is None or batches < max_batches:
-            params = {"now": self._now(), "limit": batch_size}
+            now = self._now()
+            params = {
+                "now": now,
+                "limit": batch_size,
+                "after_consumer": after[0],
+                "after_key": after[1],
+            }
             with self._connection() as conn:
                 try:
-                    rows = fetchall(conn, self._dialect.purge, params)
+                    found = fetchall(conn, self._dialect.purge_candidates, params)
+                    if not found:
+                        break
+                    flat: list[object] = [part for pair in found for part in pair]
+                    flat.append(now)
+                    rows = fetchall(conn, self._dialect.purge_delete(len(found)), flat)
                 except sqlite3.Error as exc:
                     raise translate(exc, "purge") from exc
             deleted += len(rows)
             batches += 1
-            if len(rows) < batch_size:
+            after = (found[-1][0], found[-1][1])
+            if len(found) < batch_size:
                 break
         return deleted
 
