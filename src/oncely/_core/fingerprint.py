@@ -65,9 +65,7 @@ def _make_canonical() -> Callable[[object], str]:
             allow_nan=True,
             default=_default,
         ).encode
-    encode = make(
-        None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, True
-    )
+    encode = make(None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, True)
 
     def canonical(value: object) -> str:
         if isinstance(value, str):
