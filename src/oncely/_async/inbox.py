@@ -206,17 +206,12 @@ class AsyncInbox:
         claim to finish and receives its result (or takes over its work if it is released).
         """
         started = time.perf_counter()
-        try:
-            key = validate_key(key, self._limits)
-            fp = self._fingerprint(payload)
-        except Exception as exc:
-            return self._done(
-                Outcome.REJECTED,
-                _shown(key),
-                started,
-                reason=str(exc),
-                correlation_id=correlation_id,
-            )
+        admitted: tuple[str, str | None] | Handled[R] = self._admit(
+            key, payload, started, correlation_id
+        )
+        if isinstance(admitted, Handled):
+            return admitted
+        key, fp = admitted
         deadline = None if wait is None else started + wait.total_seconds()
         pause = 0.005
         store = self._store
@@ -331,17 +326,12 @@ class AsyncInbox:
         be stored also fails the transaction (nothing happened, so nothing is lost).
         """
         started = time.perf_counter()
-        try:
-            key = validate_key(key, self._limits)
-            fp = self._fingerprint(payload)
-        except Exception as exc:
-            return self._done(
-                Outcome.REJECTED,
-                _shown(key),
-                started,
-                reason=str(exc),
-                correlation_id=correlation_id,
-            )
+        admitted: tuple[str, str | None] | Handled[R] = self._admit(
+            key, payload, started, correlation_id
+        )
+        if isinstance(admitted, Handled):
+            return admitted
+        key, fp = admitted
         store: AsyncTransactionalStore[Tx] = self._transactional()
         token = _new_token()
         try:
@@ -698,6 +688,22 @@ class AsyncInbox:
             record=record,
             correlation_id=correlation_id,
         )
+
+    def _admit(
+        self, key: object, payload: object, started: float, correlation_id: str | None
+    ) -> tuple[str, str | None] | Handled[R]:
+        """The checked key and the payload's fingerprint, or the ``rejected`` outcome for a
+        message that cannot be processed safely (R2-R4): it is never run unprotected."""
+        try:
+            return validate_key(key, self._limits), self._fingerprint(payload)
+        except Exception as exc:
+            return self._done(
+                Outcome.REJECTED,
+                _shown(key),
+                started,
+                reason=str(exc),
+                correlation_id=correlation_id,
+            )
 
     def _settle(
         self, step: Step, claim: Claim, correlation_id: str | None, started: float

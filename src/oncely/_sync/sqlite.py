@@ -300,22 +300,27 @@ class SQLiteStore:
         self,
         op: str,
         sql: str,
-        params: dict[str, Any],
         done: Status | None,
+        consumer: str,
+        key: str,
+        token: str,
+        now: int,
+        values: dict[str, Any],
     ) -> Record:
-        consumer, key, token = params["consumer"], params["key"], params["token"]
-        with self._connection() as conn:
-            try:
-                rows = fetchall(conn, sql, params)
-                if rows:
-                    return parse_record(consumer, key, rows[0])
-                rows = fetchall(
-                    conn,
-                    self._dialect.get,
-                    {"consumer": consumer, "key": key, "now": params["now"]},
-                )
-            except sqlite3.Error as exc:
-                raise translate(exc, op) from exc
+        """Run a write that only applies while ``token`` owns the record; otherwise raise
+        :class:`~oncely.LeaseLost` with the current record. A repeat of a write that already
+        landed (same token, status ``done``) returns the record unchanged."""
+        params = {"consumer": consumer, "key": key, "token": token, "now": now, **values}
+        conn = self._acquire()
+        try:
+            rows = fetchall(conn, sql, params)
+            if rows:
+                return parse_record(consumer, key, rows[0])
+            rows = fetchall(conn, self._dialect.get, params)
+        except sqlite3.Error as exc:
+            raise translate(exc, op) from exc
+        finally:
+            self._release(conn)
         current = parse_record(consumer, key, rows[0]) if rows else None
         if current is not None and current.token == token and current.status is done:
             return current  # the same write landed before (a retry): idempotent
@@ -332,40 +337,22 @@ class SQLiteStore:
         note: str | None = None,
     ) -> Record:
         now = self._now()
-        params = {
-            "consumer": consumer,
-            "key": key,
-            "token": token,
-            "now": now,
-            "expires": now + keep_ms,
-            "result": result,
-            "note": note,
-        }
-        return self._fenced("complete", self._dialect.complete, params, Status.COMPLETED)
+        values = {"expires": now + keep_ms, "result": result, "note": note}
+        return self._fenced(
+            "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, now, values
+        )
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
         now = self._now()
-        params = {
-            "consumer": consumer,
-            "key": key,
-            "token": token,
-            "now": now,
-            "expires": now + keep_ms,
-            "error": error,
-        }
-        return self._fenced("fail", self._dialect.fail, params, Status.FAILED)
+        values = {"expires": now + keep_ms, "error": error}
+        return self._fenced(
+            "fail", self._dialect.fail, Status.FAILED, consumer, key, token, now, values
+        )
 
     def renew(self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int) -> Record:
         now = self._now()
-        params = {
-            "consumer": consumer,
-            "key": key,
-            "token": token,
-            "now": now,
-            "lease_until": now + lease_ms,
-            "expires": now + max(keep_ms, lease_ms),
-        }
-        return self._fenced("renew", self._dialect.renew, params, None)
+        values = {"lease_until": now + lease_ms, "expires": now + max(keep_ms, lease_ms)}
+        return self._fenced("renew", self._dialect.renew, None, consumer, key, token, now, values)
 
     def release(self, consumer: str, key: str, *, token: str) -> bool:
         now = self._now()
