@@ -68,20 +68,20 @@ _MAX_ROUNDS = 8
 
 class _Tokens:
     """Fencing tokens: a random per-process prefix and a counter. Unique across processes
-    (64 random bits, drawn again after a fork) and within one (the counter), and cheaper than
-    reading the OS's randomness for every claim."""
+    (64 random bits, drawn again in a forked child) and within one (the counter), and cheaper
+    than reading the OS's randomness for every claim."""
 
-    __slots__ = ("_count", "_pid", "_prefix")
+    __slots__ = ("_count", "_prefix")
 
     def __init__(self) -> None:
-        self._pid = -1
-        self._prefix = ""
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = os.urandom(8).hex()
         self._count = itertools.count()
 
     def __call__(self) -> str:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._prefix = os.urandom(8).hex()
         return f"{self._prefix}{next(self._count):016x}"
 
 

@@ -106,6 +106,8 @@ def fingerprint(payload: object) -> str:
     body re-serialised with other spacing or key order keeps its fingerprint; anything else is
     hashed in canonical JSON form.
     """
+    if type(payload) is dict:  # the common case first
+        return _digest(_utf8(canonical_json(payload)))
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
         parsed = _try_json(raw)

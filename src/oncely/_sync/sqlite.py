@@ -45,7 +45,12 @@ class SQLiteStore:
     ``path`` is a file path, ``":memory:"`` (one connection; for tests) or a ``file:`` URI.
     The schema is created on first use unless ``migrate=False``, in which case a missing
     schema raises :class:`~oncely.SchemaMissing`; a schema written by a newer oncely raises
-    :class:`~oncely.SchemaTooNew`. At most ``pool_size`` connections are open at once.
+    :class:`~oncely.SchemaTooNew`. At most ``pool_size`` connections are in use at once.
+
+    The asyncio variant belongs to the event loop that first uses it (its pool waits on an
+    asyncio semaphore): open one store per loop. The threaded variant may be shared by any
+    number of threads. After ``fork`` a child opens connections of its own; never fork in the
+    middle of a transaction.
     """
 
     supports_transactions = True
