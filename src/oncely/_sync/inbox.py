@@ -519,7 +519,7 @@ class Inbox:
                 started,
                 reason=f"handler raised {type(error).__name__}: {error}",
                 error=error,
-                record=record,
+                attempt=record.attempt,  # the record itself was released
                 correlation_id=correlation_id,
             )
         data, note = self._encode(result, strict=False)
