@@ -122,7 +122,11 @@ def rewrite(text: str) -> str:
 
 
 def _ruff() -> list[str]:
-    exe = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    exe = (
+        shutil.which("ruff", path=str(Path(sys.executable).parent))
+        or shutil.which("ruff", path=str(ROOT / ".venv" / "bin"))
+        or shutil.which("ruff")
+    )
     if exe is None:
         sys.exit("unasync: ruff is needed to format the generated code (pip install ruff)")
     return [exe]
