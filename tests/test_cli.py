@@ -638,7 +638,7 @@ def test_debug_shows_the_exception_instead(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["postgresql://admin@db.example/app", "redis://localhost:6379/0", "ftp://x/y", "oncely.db"],
+    ["mongodb://admin@db.example/app", "kafka://localhost:9092", "ftp://x/y", "oncely.db"],
 )
 def test_unsupported_url_scheme_is_a_usage_error(url: str) -> None:
     result = run("inbox", "stats", "--store", url)

@@ -1,34 +1,29 @@
-"""The whole store contract against every store, through the asyncio API."""
+"""The whole store contract against every backend in tests/backends, through the asyncio API."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 import oncely
+from oncely import FakeClock
 from oncely.testing.contract import AsyncStoreContract
-
-from .stores import LEDGERS, STORES, AsyncSQLiteLedger
-
-
-@pytest.fixture(params=sorted(STORES))
-def store_kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+from tests.backends import AsyncLedger, Backend, Scope
 
 
 class TestAsyncStoreContract(AsyncStoreContract):
     @pytest.fixture
-    def make_store(self, store_kind: str, tmp_path: Path):  # type: ignore[no-untyped-def]
-        factory = STORES[store_kind][1]
-        return lambda clock: factory(tmp_path, clock)
+    def make_store(
+        self, backend: Backend, scope: Scope
+    ) -> Callable[[FakeClock], oncely.AsyncStore]:
+        return lambda clock: backend.make_async(scope, clock)
 
     @pytest.fixture
     async def business(
-        self, store_kind: str, tmp_path: Path, store: oncely.AsyncStore
-    ) -> AsyncSQLiteLedger | None:
-        ledgers = LEDGERS[store_kind]
-        if ledgers is None:
+        self, backend: Backend, scope: Scope, store: oncely.AsyncStore
+    ) -> AsyncLedger | None:
+        if backend.async_ledger is None:
             return None
         await store.migrate()
-        return ledgers[1](tmp_path / "oncely.db")
+        return backend.async_ledger(scope, store)

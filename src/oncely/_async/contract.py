@@ -35,7 +35,7 @@ from oncely._core.context import current
 from oncely._core.keys import CloudEventsKey, Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.policy import Lease, Limits, Resolution, Retention, StaleClaim
-from oncely._core.records import ClaimStatus, Status
+from oncely._core.records import ClaimRequest, ClaimStatus, Status
 from oncely.errors import (
     InFlight,
     KeyConflict,
@@ -221,6 +221,46 @@ class AsyncStoreContract:
             keep_ms=KEEP_MS,
         )
         assert gone.status is ClaimStatus.NEW and gone.record.token == "t4"
+
+    async def test_r8_batch_claims_answer_like_claims_made_one_by_one(
+        self, store: AsyncStore, clock: FakeClock
+    ) -> None:
+        await self._claim(store, "done", token="d")
+        await store.complete("billing", "done", token="d", result=b"r", keep_ms=KEEP_MS)
+        await self._claim(store, "stale", token="s")
+        clock.advance(timedelta(milliseconds=LEASE_MS + 1))
+        await self._claim(store, "live", token="l")
+        requests = [
+            ClaimRequest("new-1", "f", "n1"),
+            ClaimRequest("done", "f", "x1"),
+            ClaimRequest("stale", "f", "x2"),
+            ClaimRequest("live", "f", "x3"),
+            ClaimRequest("new-2", None, "n2"),
+            ClaimRequest("new-1", "f", "x4"),  # repeated within the batch: won once
+        ]
+        claims = await store.claim_many(
+            "billing", requests, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=True
+        )
+        assert [c.status for c in claims] == [
+            ClaimStatus.NEW,
+            ClaimStatus.EXISTING,
+            ClaimStatus.TAKEN_OVER,
+            ClaimStatus.EXISTING,
+            ClaimStatus.NEW,
+            ClaimStatus.EXISTING,
+        ]
+        assert [c.record.token for c in claims] == ["n1", "d", "x2", "l", "n2", "n1"]
+        assert claims[1].record.result == b"r" and claims[2].record.attempt == 2
+        assert (
+            await store.claim_many("billing", [], lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=True)
+            == []
+        )
+        many = [ClaimRequest(f"bulk-{i}", None, f"b{i}") for i in range(250)]
+        bulk = await store.claim_many(
+            "billing", many, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
+        )
+        assert all(c.status is ClaimStatus.NEW for c in bulk)
+        assert (await store.get("billing", "bulk-249")).token == "b249"  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ store: fenced writes
 
@@ -629,6 +669,35 @@ class AsyncStoreContract:
         assert (
             record is not None and record.token == "owner" and record.status is Status.IN_PROGRESS
         )
+
+    async def test_r1_batches_are_claimed_together_and_answered_per_item(
+        self, inbox: AsyncInbox
+    ) -> None:
+        handler = _Calls("ok")
+        await inbox.handle("seen", {"n": 0}, handler)
+        handled = await inbox.handle_batch(
+            [
+                ("a", {"n": 1}),
+                ("seen", {"n": 0}),
+                ("", {"n": 2}),
+                ("seen", {"n": 99}),
+                ("b", {"n": 3}),
+                ("a", {"n": 1}),
+            ],
+            handler,
+        )
+        assert [h.outcome for h in handled] == [
+            Outcome.PROCESSED,
+            Outcome.DUPLICATE,
+            Outcome.REJECTED,
+            Outcome.KEY_CONFLICT,
+            Outcome.PROCESSED,
+            Outcome.IN_FLIGHT,  # its first copy held the claim when the batch was claimed
+        ]
+        assert [h.key for h in handled] == ["a", "seen", None, "seen", "b", "a"]
+        assert handler.count == 3
+        again = await inbox.handle_batch([("a", {"n": 1}), ("b", {"n": 3})], handler)
+        assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.DUPLICATE]
 
     async def test_r2_r4_messages_without_a_usable_key_are_rejected(
         self, store: AsyncStore

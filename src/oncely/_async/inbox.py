@@ -19,7 +19,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Literal, ParamSpec, TypeVar, cast
@@ -43,7 +43,7 @@ from oncely._core.policy import (
     Retention,
     StaleClaim,
 )
-from oncely._core.records import Claim, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely.errors import (
     ConfigurationError,
     LeaseLost,
@@ -89,7 +89,7 @@ _new_token = _Tokens()
 
 
 def _shown(key: object) -> str | None:
-    if not isinstance(key, str):
+    if not isinstance(key, str) or not key:
         return None
     return key if len(key) <= 80 else key[:77] + "..."
 
@@ -243,6 +243,60 @@ class AsyncInbox:
                     continue
             return self._settle(step, claim, correlation_id, started)
         raise StoreUnavailable(f"claim for key {key!r} kept changing hands; try again later")
+
+    async def handle_batch(
+        self,
+        items: Sequence[tuple[str, P]],
+        handler: AsyncHandler[P, R],
+        *,
+        correlation_id: str | None = None,
+    ) -> list[Handled[R]]:
+        """:meth:`handle` for a batch of ``(key, payload)`` pairs, as a batch consumer receives
+        them (a Redis Streams read with ``COUNT``, a Kafka-style poll).
+
+        All keys are claimed in one round trip (:meth:`~oncely.AsyncStore.claim_many`); then the
+        handler runs for each key this call won, one after the other, each completed (or
+        released) on its own. Returns one outcome per item, in the order given. A key repeated
+        within the batch is processed once; its later copies are ``in_flight`` or
+        ``duplicate`` like any concurrent copy.
+        """
+        started = time.perf_counter()
+        admitted: list[tuple[str, str | None] | Handled[R]] = [
+            self._admit(key, payload, started, correlation_id) for key, payload in items
+        ]
+        requests = [
+            ClaimRequest(entry[0], entry[1], _new_token())
+            for entry in admitted
+            if not isinstance(entry, Handled)
+        ]
+        claims = iter(
+            await self._store.claim_many(
+                self._consumer,
+                requests,
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+                takeover=self._takeover,
+            )
+            if requests
+            else []
+        )
+        results: list[Handled[R]] = []
+        for entry, (_key, payload) in zip(admitted, items, strict=True):
+            if isinstance(entry, Handled):
+                results.append(entry)
+                continue
+            claim = next(claims)
+            step = decide(claim, entry[1])
+            if step is Step.PROCEED:
+                results.append(await self._run(claim, payload, handler, correlation_id, started))
+            elif step is Step.STALE:
+                # Rare: a reconciler decides; the single-message path has that logic.
+                results.append(
+                    await self.handle(entry[0], payload, handler, correlation_id=correlation_id)
+                )
+            else:
+                results.append(self._settle(step, claim, correlation_id, started))
+        return results
 
     async def handle_message(
         self,

@@ -12,10 +12,11 @@ changing nothing, when the record is no longer that claim's. The rules are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar, runtime_checkable
 
-from oncely._core.records import Claim, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
 
 __all__ = ["AsyncStore", "AsyncTransactionalStore"]
 
@@ -45,6 +46,21 @@ class AsyncStore(Protocol):
         """Atomically insert an in-progress record for ``(consumer, key)`` unless a live one
         exists, and return the winner (R8, R9). With ``takeover``, a stale in-progress record
         whose fingerprint agrees is taken over (new token, attempt + 1)."""
+        ...
+
+    async def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        """:meth:`claim` for many keys in one round trip where the backend allows, for batch
+        consumers. The answers come in request order and equal those of the same claims made
+        one after the other; a key repeated in one batch is won at most once (the later request
+        sees the earlier one's record)."""
         ...
 
     async def takeover(

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from oncely._core.clock import ms_to_datetime
 
-__all__ = ["Claim", "ClaimStatus", "Record", "Status", "StoreStats"]
+__all__ = ["Claim", "ClaimRequest", "ClaimStatus", "Record", "Status", "StoreStats"]
 
 
 class Status(StrEnum):
@@ -86,6 +86,15 @@ class ClaimStatus(StrEnum):
     NEW = "new"
     TAKEN_OVER = "taken_over"
     EXISTING = "existing"
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """One key of a batch claim: the key, the payload's fingerprint and the claim's token."""
+
+    key: str
+    fingerprint: str | None
+    token: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,10 @@ class RecordTable:
         self._write(ident, new)
         return reply
 
+    def claim_many(self, events: list[ClaimEvent], now: int) -> list[Claim]:
+        """Each claim in order, at one clock reading."""
+        return [self.claim(ev, now) for ev in events]
+
     def takeover(self, ev: TakeoverEvent, now: int) -> Claim:
         ident = (ev.claim.consumer, ev.claim.key)
         new, reply = apply_takeover(self.records.get(ident), ev, now)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, cast, get_args
 
-from oncely.errors import SchemaMissing, StoreError, StoreUnavailable
+from oncely._urls import UrlOptions, path_of, redact, split
+from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
 
-__all__ = ["SQLiteSettings", "translate"]
+__all__ = ["SQLiteOptions", "SQLiteSettings", "parse_url", "translate"]
 
 Synchronous = Literal["off", "normal", "full", "extra"]
 
@@ -51,3 +52,47 @@ def translate(exc: sqlite3.Error, doing: str) -> StoreError:
     ):
         return StoreUnavailable(f"{doing}: {text}")
     return StoreError(f"{doing}: {text}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SQLiteOptions:
+    """What a ``sqlite:///`` URL says."""
+
+    path: str
+    table: str = "oncely_inbox"
+    pool_size: int = 4
+    migrate: bool = True
+    settings: SQLiteSettings = SQLiteSettings()
+
+
+_KNOWN = ("table", "synchronous", "busy_timeout", "pool_size", "migrate")
+
+
+def parse_url(url: str) -> SQLiteOptions:
+    """``sqlite:///relative.db``, ``sqlite:////absolute.db`` or ``sqlite:///:memory:``, with
+    the options ``table``, ``synchronous``, ``busy_timeout`` (seconds), ``pool_size`` and
+    ``migrate`` in the query string."""
+    parts = split(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ConfigurationError(
+            f"{redact(url)}: a SQLite URL has no host; write sqlite:///relative.db or "
+            "sqlite:////absolute/path.db"
+        )
+    path = path_of(parts)
+    if not path:
+        raise ConfigurationError(f"{redact(url)}: the SQLite URL names no file")
+    options = UrlOptions(url)
+    found = SQLiteOptions(
+        path=path,
+        table=options.text("table", "oncely_inbox"),
+        pool_size=options.integer("pool_size", 4),
+        migrate=options.boolean("migrate", True),
+        settings=SQLiteSettings(
+            synchronous=cast(
+                Synchronous, options.choice("synchronous", "full", get_args(Synchronous))
+            ),
+            busy_timeout=options.seconds("busy_timeout", timedelta(seconds=30)),
+        ),
+    )
+    options.done(_KNOWN)
+    return found

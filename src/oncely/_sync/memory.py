@@ -10,9 +10,11 @@ with): use the two-phase mode, or a SQL store.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
 from oncely._core.state import (
     ClaimEvent,
     CompleteEvent,
@@ -22,6 +24,8 @@ from oncely._core.state import (
     TakeoverEvent,
 )
 from oncely._core.table import RecordTable
+from oncely._urls import redact, split
+from oncely.errors import ConfigurationError
 
 __all__ = ["MemoryStore"]
 
@@ -39,6 +43,13 @@ class MemoryStore:
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._lock = threading.Lock()
         self._table = RecordTable()
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for ``memory://`` (no options)."""
+        if split(url).netloc or split(url).path.strip("/") or split(url).query:
+            raise ConfigurationError(f"{redact(url)}: memory:// takes no host, path or options")
+        return cls(clock=clock)
 
     @property
     def url(self) -> str:
@@ -61,6 +72,22 @@ class MemoryStore:
         event = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
         with self._lock:
             return self._table.claim(event, self._clock.now_ms())
+
+    def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        events = [
+            ClaimEvent(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
+            for r in requests
+        ]
+        with self._lock:
+            return self._table.claim_many(events, self._clock.now_ms())
 
     def takeover(
         self,

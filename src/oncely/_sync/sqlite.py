@@ -14,17 +14,17 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
-from oncely._drivers.sqlite import SQLiteSettings, translate
+from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
 from oncely._sync._sqlite_io import Params, Pool, close, connect, execute, fetchall
 from oncely.errors import (
     SchemaMissing,
@@ -80,6 +80,19 @@ class SQLiteStore:
         self._ready_lock = threading.Lock()
         self._ready = False
         self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for a ``sqlite:///`` URL (see :func:`oncely.open`)."""
+        options = parse_url(url)
+        return cls(
+            options.path,
+            table=options.table,
+            settings=options.settings,
+            pool_size=options.pool_size,
+            clock=clock,
+            migrate=options.migrate,
+        )
 
     @property
     def url(self) -> str:
@@ -206,6 +219,27 @@ class SQLiteStore:
             )  # fmt: skip
         finally:
             self._release(conn)
+
+    def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        # One write transaction for the whole batch: one commit (one fsync) instead of one per
+        # key, and the claims are made in request order as if one after the other.
+        claims: list[Claim] = []
+        with self.transaction() as conn:
+            for r in requests:
+                claim = self._claim(
+                    conn, consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover,
+                    Status.IN_PROGRESS, None,
+                )  # fmt: skip
+                claims.append(claim)
+        return claims
 
     def _claim(
         self,

@@ -1,0 +1,108 @@
+"""Store URLs: parsing helpers shared by every store's ``from_url``, and password redaction.
+
+Every message that shows a URL goes through :func:`redact`; option errors name the option and
+the expected form, never the password.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
+
+from oncely.errors import ConfigurationError
+
+__all__ = ["UrlOptions", "redact", "split"]
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``. Never raises: a URL too malformed to
+    parse keeps only its scheme."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme = url.split(":", 1)[0] if ":" in url else ""
+        return f"{scheme}://***(unparsable URL)"
+    if password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    userinfo = netloc[0].split(":", 1)[0] + ":***"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{netloc[1]}"))
+
+
+def split(url: str) -> SplitResult:
+    """``urlsplit`` that raises :class:`~oncely.ConfigurationError` (without the password)
+    for a URL it cannot parse, including a bad port."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - validates the host and port part
+    except ValueError as exc:
+        raise ConfigurationError(f"{redact(url)}: not a valid URL ({exc})") from None
+    return parts
+
+
+class UrlOptions:
+    """The query-string options of a store URL, read one by one with their type; whatever is
+    left unread at :meth:`done` is an unknown option and an error."""
+
+    __slots__ = ("_url", "_values")
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        query = split(url).query
+        self._values = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+
+    def _error(self, text: str) -> ConfigurationError:
+        return ConfigurationError(f"{redact(self._url)}: {text}")
+
+    def text(self, name: str, default: str) -> str:
+        return self._values.pop(name, default)
+
+    def optional_text(self, name: str) -> str | None:
+        return self._values.pop(name, None)
+
+    def choice(self, name: str, default: str, choices: Iterable[str]) -> str:
+        allowed = tuple(choices)
+        value = self._values.pop(name, default).lower()
+        if value not in allowed:
+            raise self._error(f"{name} must be one of {', '.join(allowed)}")
+        return value
+
+    def integer(self, name: str, default: int) -> int:
+        if name not in self._values:
+            return default
+        try:
+            return int(self._values.pop(name))
+        except ValueError:
+            raise self._error(f"{name} must be a whole number") from None
+
+    def seconds(self, name: str, default: timedelta) -> timedelta:
+        if name not in self._values:
+            return default
+        try:
+            return timedelta(seconds=float(self._values.pop(name)))
+        except ValueError:
+            raise self._error(f"{name} must be a number of seconds") from None
+
+    def boolean(self, name: str, default: bool) -> bool:
+        if name not in self._values:
+            return default
+        lowered = self._values.pop(name).lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise self._error(f"{name} must be true or false")
+
+    def done(self, known: Iterable[str]) -> None:
+        """Refuse any option nobody read."""
+        if self._values:
+            unknown = ", ".join(repr(k) for k in sorted(self._values))
+            raise self._error(f"unknown option {unknown} (known: {', '.join(known)})")
+
+
+def path_of(parts: SplitResult) -> str:
+    """The unquoted path after the leading slash (a database name, a file path)."""
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    return unquote(path)
