@@ -13,8 +13,9 @@ comments and layout, then formatted with ruff so both trees read alike:
   the ``Async...`` class names inside strings too (``__all__``, string annotations, docs).
 
 Modules whose sync and async halves really differ are written by hand on both sides (those
-whose names start with an underscore); everything else under ``_async`` is generated. Generated files start with a
-``# Generated`` line and must never be edited: CI fails when they are stale.
+whose names start with an underscore); everything else under ``_async`` is generated.
+Generated files start with a ``# Generated`` line and must never be edited: CI fails when they
+are stale.
 """
 
 from __future__ import annotations
