@@ -41,6 +41,7 @@ TARGET = ROOT / "src" / "oncely" / "_sync"
 def hand_written(name: str) -> bool:
     return name.startswith("_")
 
+
 RENAMES = {
     "AsyncInbox": "Inbox",
     "AsyncStoreContract": "StoreContract",
