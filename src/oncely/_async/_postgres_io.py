@@ -1,0 +1,109 @@
+"""Hand-written: psycopg's asyncio classes and calls (twin: ``_sync/_postgres_io.py``).
+
+psycopg's sync and asyncio APIs have the same method names, so the store itself is generated;
+only the class names, connecting, and a background pool check differ, and live here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+import psycopg
+from psycopg.rows import tuple_row
+from psycopg_pool import AsyncConnectionPool
+
+__all__ = [
+    "ConnPool",
+    "Connection",
+    "Params",
+    "connect",
+    "execute",
+    "fetchall",
+    "is_connection",
+    "is_pool",
+    "make_pool",
+    "open_pool",
+    "recheck_soon",
+]
+
+Connection: TypeAlias = psycopg.AsyncConnection[Any]
+ConnPool: TypeAlias = AsyncConnectionPool[Any]
+Params = Mapping[str, object] | None
+
+
+def make_pool(
+    conninfo: str, *, min_size: int, max_size: int, connect_timeout: timedelta
+) -> ConnPool:
+    """A closed pool of autocommit connections: each statement oncely runs outside a
+    transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
+    seconds = connect_timeout.total_seconds()
+    return AsyncConnectionPool(
+        conninfo,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=seconds,
+        open=False,
+        kwargs={"autocommit": True, "connect_timeout": max(1, round(seconds))},
+        name="oncely",
+    )
+
+
+async def open_pool(pool: ConnPool) -> None:
+    await pool.open(wait=False)
+
+
+async def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
+    """One autocommit connection outside the pool (schema checks: its errors say exactly
+    why the server refused, where a pool would only time out)."""
+    return await psycopg.AsyncConnection.connect(
+        conninfo,
+        autocommit=True,
+        connect_timeout=max(1, round(connect_timeout.total_seconds())),
+    )
+
+
+async def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[Any, ...]]:
+    """Run one statement and return its rows as tuples (whatever the connection's row
+    factory: a caller's connection may have another)."""
+    cursor = conn.cursor(row_factory=tuple_row)
+    await cursor.execute(sql, params)
+    return await cursor.fetchall()
+
+
+async def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
+    """Run one statement (or, without parameters, several) whose rows do not matter."""
+    await conn.cursor(row_factory=tuple_row).execute(sql, params)
+
+
+def is_connection(obj: object) -> bool:
+    return isinstance(obj, psycopg.AsyncConnection)
+
+
+def is_pool(obj: object) -> bool:
+    return isinstance(obj, AsyncConnectionPool)
+
+
+_checking: dict[int, asyncio.Task[None]] = {}
+
+
+def recheck_soon(pool: ConnPool) -> None:
+    """Test the pool's idle connections in the background and replace the dead ones (after
+    a server restart every idle connection is dead; without this each would fail one call).
+    At most one check per pool at a time; never raises."""
+    if id(pool) in _checking:
+        return
+    try:
+        task = asyncio.get_running_loop().create_task(_check(pool))
+    except RuntimeError:
+        return
+    _checking[id(pool)] = task
+    task.add_done_callback(lambda _: _checking.pop(id(pool), None))
+
+
+async def _check(pool: ConnPool) -> None:
+    with contextlib.suppress(Exception):
+        await pool.check()

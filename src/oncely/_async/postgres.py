@@ -1,0 +1,750 @@
+"""The PostgreSQL store: any number of processes and hosts, both modes, on psycopg 3.
+
+A pool (psycopg_pool) of autocommit connections: outside a transaction each operation is one
+statement that commits on its own. A claim is one ``INSERT ... ON CONFLICT DO NOTHING`` that
+returns the winner's row in the same statement (:mod:`oncely._dialects.postgres` explains
+the statement and the READ COMMITTED snapshot trap it avoids). Lease times come from the
+server's ``clock_timestamp()``, never the worker's, unless the store is given a clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Self
+
+import psycopg
+from psycopg import pq
+
+from oncely._async._postgres_io import (
+    Connection,
+    ConnPool,
+    connect,
+    execute,
+    fetchall,
+    is_connection,
+    is_pool,
+    make_pool,
+    open_pool,
+    recheck_soon,
+)
+from oncely._core.clock import Clock
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.state import Lost, fingerprints_agree
+from oncely._core.table import lease_lost
+from oncely._dialects.postgres import SCHEMA_VERSION, PostgresDialect, parse_record
+from oncely._drivers.postgres import describe, is_disconnect, parse_url, translate
+from oncely.errors import (
+    ConfigurationError,
+    SchemaMissing,
+    SchemaTooNew,
+    StoreError,
+    StoreUnavailable,
+    TransactionRequired,
+)
+
+__all__ = ["AsyncPostgresStore"]
+
+_STATUS = {s.value: s for s in Status}
+_TX = pq.TransactionStatus
+# How often one claim looks again after a concurrent writer changed the record under it.
+_ATTEMPTS = 5
+# A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
+# cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
+_MAX_IDENTITY_BYTES = 2600
+
+
+def _server_time() -> None:
+    """No fixed time: the statement reads the server's clock."""
+    return None
+
+
+def _claimable(current: Record, now: int, fingerprint: str | None, takeover: bool) -> bool:
+    """Whether a claim may replace ``current``: expired, or stale and taken over (state.py)."""
+    return current.expires_ms <= now or (
+        takeover and current.is_stale(now) and fingerprints_agree(current.fingerprint, fingerprint)
+    )
+
+
+def _check_size(consumer: str, key: str) -> None:
+    if len(consumer.encode()) + len(key.encode()) > _MAX_IDENTITY_BYTES:
+        raise StoreError(
+            f"consumer and key take over {_MAX_IDENTITY_BYTES} bytes, more than a PostgreSQL "
+            "index entry holds; lower Limits(max_key_bytes=...) or set hash_long_keys=True"
+        )
+
+
+class AsyncPostgresStore:
+    """A dedup store in a PostgreSQL table (transactional and two-phase modes).
+
+    ``conninfo`` is a libpq connection string (``postgresql://user:password@host/db`` or
+    ``host=... dbname=...``) for a pool the store opens and closes itself, or a psycopg_pool
+    pool of yours (the async store takes an ``AsyncConnectionPool``, the threaded one a
+    ``ConnectionPool``), which the store uses but never closes. The inbox table is
+    ``schema.table``; both names are checked and used exactly as given (quoted).
+
+    The schema is created on first use unless ``migrate=False``, in which case a missing
+    schema raises :class:`~oncely.SchemaMissing`; a schema written by a newer oncely raises
+    :class:`~oncely.SchemaTooNew`. Connection loss, a server restart, timeouts, deadlocks and
+    serialization failures raise :class:`~oncely.StoreUnavailable` (retry later); the pool
+    replaces broken connections by itself. ``connect_timeout`` bounds both a connection
+    attempt and the wait for a free connection of the pool.
+
+    The asyncio variant belongs to the event loop that first uses it: open one store per loop.
+    The threaded variant may be shared by any number of threads. After ``fork`` a child opens
+    a pool of its own (never fork in the middle of a transaction).
+    """
+
+    supports_transactions = True
+
+    def __init__(
+        self,
+        conninfo: str | ConnPool,
+        *,
+        schema: str = "public",
+        table: str = "oncely_inbox",
+        pool_min: int = 1,
+        pool_max: int = 10,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        clock: Clock | None = None,
+        migrate: bool = True,
+    ) -> None:
+        self._dialect = PostgresDialect(schema, table)
+        if isinstance(conninfo, str):
+            self._conninfo = conninfo
+            self._given_pool: ConnPool | None = None
+            where = describe(conninfo)
+        elif is_pool(conninfo):
+            self._conninfo = ""
+            self._given_pool = conninfo
+            where = describe(conninfo.conninfo) if isinstance(conninfo.conninfo, str) else ""
+        else:
+            raise ConfigurationError(
+                f"{type(self).__name__} takes a connection string or a psycopg_pool "
+                f"pool of its kind, not {type(conninfo).__name__}"
+            )
+        if pool_min < 0 or pool_max < 1 or pool_min > pool_max:
+            raise ConfigurationError("need 0 <= pool_min <= pool_max and pool_max >= 1")
+        self._where = where or "PostgreSQL"
+        self._url = where
+        self._pool_min = pool_min
+        self._pool_max = pool_max
+        self._connect_timeout = connect_timeout
+        self._now: Callable[[], int | None] = clock.now_ms if clock is not None else _server_time
+        self._auto_migrate = migrate
+        self._pool: ConnPool | None = self._given_pool
+        self._pid = os.getpid()
+        # Connections of a caller's pool in autocommit=False mode, switched for oncely's use.
+        self._restore: set[int] = set()
+        self._ready_lock = asyncio.Lock()
+        self._ready = False
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for a ``postgresql://`` or ``postgres://`` URL (see :func:`oncely.open`)."""
+        options = parse_url(url)
+        store = cls(
+            options.conninfo,
+            schema=options.schema,
+            table=options.table,
+            pool_min=options.pool_min,
+            pool_max=options.pool_max,
+            connect_timeout=options.connect_timeout,
+            clock=clock,
+            migrate=options.migrate,
+        )
+        store._url = describe(url)  # with oncely's options, as given
+        return store
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def table(self) -> str:
+        """The inbox table as ``schema.table``."""
+        return f"{self._dialect.schema}.{self._dialect.table}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r}, table={self.table!r})"
+
+    # ------------------------------------------------------------------ connections
+
+    def _error(self, exc: psycopg.Error, doing: str) -> StoreError:
+        if is_disconnect(exc) and self._pool is not None:
+            recheck_soon(self._pool)
+        return translate(exc, doing, self._where)
+
+    @asynccontextmanager
+    async def _admin(self) -> AsyncIterator[Connection]:
+        """A connection for schema work: the caller's pool, or a direct connection whose
+        errors say why the server refused (a pool would only time out)."""
+        if self._given_pool is not None:
+            conn = await self._checkout(self._given_pool)
+            try:
+                yield conn
+            finally:
+                await self._checkin(self._given_pool, conn)
+            return
+        conn = await connect(self._conninfo, connect_timeout=self._connect_timeout)
+        try:
+            yield conn
+        finally:
+            await conn.close()
+
+    async def _prepare(self) -> None:
+        async with self._ready_lock:
+            if self._closed:
+                raise StoreError(f"{self._url}: the store is closed")
+            if not self._ready:
+                try:
+                    async with self._admin() as conn:
+                        version = await self._version(conn)
+                        if version is None:
+                            if not self._auto_migrate:
+                                raise SchemaMissing(
+                                    f"no oncely table {self.table} in {self._where}; run "
+                                    "`oncely migrate --store URL` or open the store with "
+                                    "migrate=True"
+                                )
+                            await self._create(conn)
+                        elif version > SCHEMA_VERSION:
+                            raise self._too_new(version)
+                except psycopg.Error as exc:
+                    raise self._error(exc, "opening the store") from exc
+                self._ready = True
+            forked, self._pid = self._pid != os.getpid(), os.getpid()
+            if self._given_pool is None and (self._pool is None or forked):
+                # A forked child never touches its parent's connections (they share sockets
+                # with the parent); psycopg does not close them when they are collected.
+                self._pool = make_pool(
+                    self._conninfo,
+                    min_size=self._pool_min,
+                    max_size=self._pool_max,
+                    connect_timeout=self._connect_timeout,
+                )
+                await open_pool(self._pool)
+
+    def _too_new(self, version: int) -> SchemaTooNew:
+        return SchemaTooNew(
+            f"{self.table} in {self._where} holds oncely schema version {version}; this "
+            f"oncely understands up to {SCHEMA_VERSION}: upgrade oncely"
+        )
+
+    async def _version(self, conn: Connection) -> int | None:
+        d = self._dialect
+        table, meta, _ = (await fetchall(conn, d.regclass, d.names))[0]
+        rows = await fetchall(conn, d.read_version) if meta else []
+        return int(rows[0][0]) if rows and table else None
+
+    async def _create(self, conn: Connection) -> None:
+        """Create the tables under an advisory lock, so that processes migrating at the same
+        moment take turns; the second finds the work done."""
+        d = self._dialect
+        async with conn.transaction():
+            await execute(conn, b"SELECT pg_advisory_xact_lock(%(key)s)", {"key": d.lock_key})
+            schema_exists = (await fetchall(conn, d.regclass, d.names))[0][2]
+            # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege on the database even when
+            # the schema exists: only ask for it when the schema is really missing.
+            for statement in d.create[1:] if schema_exists else d.create:
+                await execute(conn, statement)
+
+    async def _acquire(self, doing: str) -> Connection:
+        if not self._ready or self._pool is None or self._pid != os.getpid():
+            await self._prepare()
+        pool = self._pool
+        assert pool is not None
+        try:
+            return await self._checkout(pool)
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    async def _release(self, conn: Connection) -> None:
+        pool = self._pool
+        if pool is not None:
+            await self._checkin(pool, conn)
+
+    async def _checkout(self, pool: ConnPool) -> Connection:
+        conn: Connection = await pool.getconn()
+        if not conn.autocommit:  # a caller's pool: oncely's statements commit on their own
+            try:
+                await conn.set_autocommit(True)
+            except BaseException:
+                await pool.putconn(conn)
+                raise
+            self._restore.add(id(conn))
+        return conn
+
+    async def _checkin(self, pool: ConnPool, conn: Connection) -> None:
+        if self._restore and id(conn) in self._restore:
+            self._restore.discard(id(conn))
+            if conn.info.transaction_status == _TX.IDLE:
+                # A broken connection cannot switch back: the pool discards it anyway.
+                with contextlib.suppress(psycopg.Error):
+                    await conn.set_autocommit(False)
+        await pool.putconn(conn)  # rolls back anything left open, drops it if broken
+
+    @asynccontextmanager
+    async def _connection(self, doing: str) -> AsyncIterator[Connection]:
+        conn = await self._acquire(doing)
+        try:
+            yield conn
+        finally:
+            await self._release(conn)
+
+    async def _rows(self, doing: str, sql: bytes, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """One statement on a pooled connection (one round trip)."""
+        async with self._connection(doing) as conn:
+            try:
+                return await fetchall(conn, sql, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, doing) from exc
+
+    # ------------------------------------------------------------------ the contract
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        async with self._connection("claim") as conn:
+            return await self._claim(
+                conn, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
+                Status.IN_PROGRESS, None,
+            )  # fmt: skip
+
+    async def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        if not requests:
+            return []
+        for r in requests:
+            _check_size(consumer, r.key)
+        params = {
+            "now": self._now(),
+            "consumer": consumer,
+            "keys": [r.key for r in requests],
+            "fingerprints": [r.fingerprint for r in requests],
+            "tokens": [r.token for r in requests],
+            "lease": lease_ms,
+            "span": max(keep_ms, lease_ms),
+        }
+        claims: list[Claim] = []
+        won: dict[str, Record] = {}  # keys a request of this batch won, and their records
+        async with self._connection("claim_many") as conn:
+            try:
+                rows = await fetchall(conn, self._dialect.claim_many, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, "claim_many") from exc
+            # A row: request number, the row this statement inserted for the key (its key and
+            # 10 columns, or NULLs), the row visible before the statement (10), and now.
+            for r, row in zip(requests, rows, strict=True):
+                now: int = row[22]
+                if r.key in won:  # an earlier request of the batch holds a fresh lease
+                    claims.append(Claim(ClaimStatus.EXISTING, won[r.key], now))
+                    continue
+                if row[1] is not None and row[4] == r.token:
+                    claim = Claim(ClaimStatus.NEW, parse_record(consumer, r.key, row[2:12]), now)
+                elif row[12] is not None and not _claimable(
+                    current := parse_record(consumer, r.key, row[12:22]), now, r.fingerprint,
+                    takeover,
+                ):  # fmt: skip
+                    claim = Claim(ClaimStatus.EXISTING, current, now)
+                else:
+                    # Expired, stale, or inserted by a transaction that committed while this
+                    # statement waited (invisible to its snapshot): the one-key path decides.
+                    claim = await self._claim(
+                        conn, consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms,
+                        takeover, Status.IN_PROGRESS, None,
+                    )  # fmt: skip
+                if claim.won:
+                    won[r.key] = claim.record
+                claims.append(claim)
+        return claims
+
+    async def _claim(
+        self,
+        conn: Connection,
+        consumer: str,
+        key: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status,
+        error: str | None,
+    ) -> Claim:
+        _check_size(consumer, key)
+        dialect = self._dialect
+        params: dict[str, Any] = {
+            "consumer": consumer,
+            "key": key,
+            "status": initial.value,
+            "fingerprint": fingerprint,
+            "token": token,
+            "lease": lease_ms if initial is Status.IN_PROGRESS else 0,
+            "span": max(keep_ms, lease_ms),
+            "error": error,
+        }
+        try:
+            for _ in range(_ATTEMPTS):
+                params["now"] = self._now()
+                rows = await fetchall(conn, dialect.claim, params)
+                if not rows:
+                    # The key's row was inserted by a transaction that committed while this
+                    # statement waited for it (invisible to the statement's snapshot), or it
+                    # vanished: a new statement takes a new snapshot.
+                    continue
+                row = rows[0]
+                now: int = row[11]
+                current = parse_record(consumer, key, row[1:11])
+                if row[0]:
+                    return Claim(ClaimStatus.NEW, current, now)
+                if not _claimable(current, now, fingerprint, takeover):
+                    return Claim(ClaimStatus.EXISTING, current, now)
+                params["seen"] = current.token
+                params["takeover"] = takeover
+                rows = await fetchall(conn, dialect.replace, params)
+                if rows:
+                    record = parse_record(consumer, key, rows[0][:10])
+                    won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
+                    return Claim(won, record, rows[0][10])
+                # Another claim changed the record between the read and the write: look again.
+        except psycopg.Error as exc:
+            raise self._error(exc, "claim") from exc
+        raise StoreUnavailable(f"claim of key {key!r} kept racing with other claims; retry later")
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        params = {
+            "now": self._now(),
+            "consumer": consumer,
+            "key": key,
+            "token": expected_token,
+            "new_token": token,
+            "fingerprint": fingerprint,
+            "lease": lease_ms,
+            "span": max(keep_ms, lease_ms),
+        }
+        async with self._connection("takeover") as conn:
+            try:
+                rows = await fetchall(conn, self._dialect.takeover, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, "takeover") from exc
+            if rows:
+                record = parse_record(consumer, key, rows[0][:10])
+                return Claim(ClaimStatus.TAKEN_OVER, record, rows[0][10])
+            return await self._claim(
+                conn, consumer, key, fingerprint, token, lease_ms, keep_ms, False,
+                Status.IN_PROGRESS, None,
+            )  # fmt: skip
+
+    async def _fenced(
+        self,
+        op: str,
+        sql: bytes,
+        done: Status | None,
+        consumer: str,
+        key: str,
+        token: str,
+        values: dict[str, Any],
+    ) -> Record:
+        """Run a write that only applies while ``token`` owns the record; otherwise raise
+        :class:`~oncely.LeaseLost` with the current record. A repeat of a write that already
+        landed (same token, status ``done``) returns the record unchanged."""
+        params = {"now": self._now(), "consumer": consumer, "key": key, "token": token, **values}
+        async with self._connection(op) as conn:
+            try:
+                rows = await fetchall(conn, sql, params)
+                if rows:
+                    return parse_record(consumer, key, rows[0])
+                params["now"] = self._now()
+                rows = await fetchall(conn, self._dialect.get, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, op) from exc
+        current = parse_record(consumer, key, rows[0]) if rows else None
+        if current is not None and current.token == token and current.status is done:
+            return current  # the same write landed before (a retry): idempotent
+        raise lease_lost(op, consumer, key, Lost(current))
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        values = {"keep": keep_ms, "result": result, "note": note}
+        return await self._fenced(
+            "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, values
+        )
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        values = {"keep": keep_ms, "error": error}
+        return await self._fenced(
+            "fail", self._dialect.fail, Status.FAILED, consumer, key, token, values
+        )
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        values = {"lease": lease_ms, "span": max(keep_ms, lease_ms)}
+        return await self._fenced("renew", self._dialect.renew, None, consumer, key, token, values)
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        params = {"now": self._now(), "consumer": consumer, "key": key, "token": token}
+        async with self._connection("release") as conn:
+            try:
+                if await fetchall(conn, self._dialect.release, params):
+                    return True
+                params["now"] = self._now()
+                rows = await fetchall(conn, self._dialect.get, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, "release") from exc
+        if not rows:
+            return False
+        raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        params = {"now": self._now(), "consumer": consumer, "key": key}
+        rows = await self._rows("get", self._dialect.get, params)
+        return parse_record(consumer, key, rows[0]) if rows else None
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
+        deleted = 0
+        batches = 0
+        after = ("", "")
+        while max_batches is None or batches < max_batches:
+            params = {
+                "now": self._now(),
+                "limit": batch_size,
+                "after_consumer": after[0],
+                "after_key": after[1],
+            }
+            rows = await self._rows("purge", self._dialect.purge, params)
+            if not rows:
+                break
+            count, last_consumer, last_key = rows[0]
+            deleted += count
+            batches += 1
+            after = (last_consumer, last_key)
+            if count < batch_size:
+                break
+        return deleted
+
+    async def stats(self) -> StoreStats:
+        rows = await self._rows("stats", self._dialect.stats, {"now": self._now()})
+        counts: dict[str, dict[Status, int]] = {}
+        expired = 0
+        for consumer, status, live, dead in rows:
+            if live:
+                counts.setdefault(consumer, {})[_STATUS[status]] = live
+            expired += dead
+        return StoreStats(counts=counts, expired=expired)
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        after_consumer, after_key = after if after is not None else ("", "")
+        params = {
+            "now": self._now(),
+            "consumer": consumer,
+            "status": status.value if status is not None else None,
+            "after_consumer": after_consumer,
+            "after_key": after_key,
+            "limit": limit,
+        }
+        rows = await self._rows("scan", self._dialect.scan, params)
+        return [parse_record(row[0], row[1], row[2:]) for row in rows]
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        rows = await self._rows("forget", self._dialect.forget, {"consumer": consumer, "key": key})
+        return bool(rows)
+
+    async def migrate(self) -> int:
+        if self._closed:
+            raise StoreError(f"{self._url}: the store is closed")
+        try:
+            async with self._admin() as conn:
+                version = await self._version(conn)
+                if version is not None and version > SCHEMA_VERSION:
+                    raise self._too_new(version)
+                if version != SCHEMA_VERSION:
+                    await self._create(conn)
+        except psycopg.Error as exc:
+            raise self._error(exc, "migrate") from exc
+        self._ready = True
+        return SCHEMA_VERSION
+
+    async def schema_version(self) -> int | None:
+        """The schema version in the database, or None when there are no tables yet."""
+        try:
+            async with self._admin() as conn:
+                return await self._version(conn)
+        except psycopg.Error as exc:
+            raise self._error(exc, "reading the schema version") from exc
+
+    async def aclose(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None and self._given_pool is None and self._pid == os.getpid():
+            await pool.close()
+
+    # ------------------------------------------------------------ transactional mode (R7)
+
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
+
+    @asynccontextmanager
+    async def savepoint(self, tx: Connection) -> AsyncIterator[None]:
+        await self._run(tx, b"SAVEPOINT oncely", "savepoint")
+        try:
+            yield
+        except BaseException:
+            await self._run(
+                tx,
+                b"ROLLBACK TO SAVEPOINT oncely; RELEASE SAVEPOINT oncely",
+                "rollback to savepoint",
+            )
+            raise
+        await self._run(tx, b"RELEASE SAVEPOINT oncely", "release savepoint")
+
+    async def _run(self, tx: Connection, sql: bytes, op: str, params: Any = None) -> None:
+        try:
+            await execute(tx, sql, params)
+        except psycopg.Error as exc:
+            raise self._error(exc, op) from exc
+
+    def check_transaction(self, tx: Connection) -> None:
+        if not is_connection(tx):
+            raise TransactionRequired(
+                f"{type(self).__name__} joins a psycopg connection of its kind (sync or "
+                f"asyncio), not {type(tx).__name__}"
+            )
+        status = tx.info.transaction_status
+        if status == _TX.INTRANS or (status == _TX.IDLE and not tx.autocommit):
+            return  # without autocommit, psycopg opens the transaction at the first statement
+        if status == _TX.INERROR:
+            raise TransactionRequired(
+                "the connection's transaction failed earlier (a statement raised): roll it back"
+            )
+        if status == _TX.UNKNOWN or tx.closed:
+            raise StoreUnavailable("the connection is closed or broken")
+        if status == _TX.ACTIVE:
+            raise TransactionRequired("a statement is still running on the connection")
+        raise TransactionRequired(
+            "the connection is in autocommit mode with no open transaction: open one with "
+            "`conn.transaction()`, or call without tx= to let oncely open and commit one"
+        )
+
+    async def claim_in(
+        self,
+        tx: Connection,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status = Status.COMPLETED,
+        error: str | None = None,
+    ) -> Claim:
+        if not self._ready:
+            await self._prepare()
+        return await self._claim(
+            tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
+        )
+
+    async def set_result_in(
+        self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
+    ) -> None:
+        params = {"consumer": consumer, "key": key, "token": token, "result": result}
+        await self._run(tx, self._dialect.set_result, "storing the result", params)
+
+
+class _Transaction:
+    """``async with store.transaction() as tx``: a psycopg transaction block on a pooled
+    connection; committed when the block ends, rolled back when it raises. psycopg forbids
+    ``tx.commit()`` inside the block, so a handler cannot split the marker from its writes.
+    A class, not a generator: it is on the hot path of every transactional message."""
+
+    __slots__ = ("_block", "_conn", "_store")
+
+    def __init__(self, store: AsyncPostgresStore) -> None:
+        self._store = store
+        self._conn: Connection | None = None
+        self._block: Any = None
+
+    async def __aenter__(self) -> Connection:
+        conn = await self._store._acquire("begin")
+        block = conn.transaction()
+        try:
+            await block.__aenter__()
+        except BaseException as exc:
+            await self._store._release(conn)
+            if isinstance(exc, psycopg.Error):
+                raise self._store._error(exc, "begin") from exc
+            raise
+        self._conn, self._block = conn, block
+        return conn
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        conn, block = self._conn, self._block
+        assert conn is not None
+        self._conn = self._block = None
+        try:
+            try:
+                suppressed: bool | None = await block.__aexit__(exc_type, exc, tb)
+            except psycopg.Error as error:
+                if exc is None:
+                    raise self._store._error(error, "commit") from error
+                return None  # the block's own error wins; the pool drops a broken connection
+            return suppressed
+        finally:
+            await self._store._release(conn)

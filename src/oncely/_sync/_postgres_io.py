@@ -1,0 +1,111 @@
+"""Hand-written: psycopg's sync classes and calls (twin: ``_async/_postgres_io.py``).
+
+psycopg's sync and asyncio APIs have the same method names, so the store itself is generated;
+only the class names, connecting, and a background pool check differ, and live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+import psycopg
+from psycopg.rows import tuple_row
+from psycopg_pool import ConnectionPool
+
+__all__ = [
+    "ConnPool",
+    "Connection",
+    "Params",
+    "connect",
+    "execute",
+    "fetchall",
+    "is_connection",
+    "is_pool",
+    "make_pool",
+    "open_pool",
+    "recheck_soon",
+]
+
+Connection: TypeAlias = psycopg.Connection[Any]
+ConnPool: TypeAlias = ConnectionPool[Any]
+Params = Mapping[str, object] | None
+
+
+def make_pool(
+    conninfo: str, *, min_size: int, max_size: int, connect_timeout: timedelta
+) -> ConnPool:
+    """A closed pool of autocommit connections: each statement oncely runs outside a
+    transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
+    seconds = connect_timeout.total_seconds()
+    return ConnectionPool(
+        conninfo,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=seconds,
+        open=False,
+        kwargs={"autocommit": True, "connect_timeout": max(1, round(seconds))},
+        name="oncely",
+    )
+
+
+def open_pool(pool: ConnPool) -> None:
+    pool.open(wait=False)
+
+
+def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
+    """One autocommit connection outside the pool (schema checks: its errors say exactly
+    why the server refused, where a pool would only time out)."""
+    return psycopg.Connection.connect(
+        conninfo,
+        autocommit=True,
+        connect_timeout=max(1, round(connect_timeout.total_seconds())),
+    )
+
+
+def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[Any, ...]]:
+    """Run one statement and return its rows as tuples (whatever the connection's row
+    factory: a caller's connection may have another)."""
+    cursor = conn.cursor(row_factory=tuple_row)
+    cursor.execute(sql, params)
+    return cursor.fetchall()
+
+
+def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
+    """Run one statement (or, without parameters, several) whose rows do not matter."""
+    conn.cursor(row_factory=tuple_row).execute(sql, params)
+
+
+def is_connection(obj: object) -> bool:
+    return isinstance(obj, psycopg.Connection)
+
+
+def is_pool(obj: object) -> bool:
+    return isinstance(obj, ConnectionPool)
+
+
+_checking: set[int] = set()
+_lock = threading.Lock()
+
+
+def recheck_soon(pool: ConnPool) -> None:
+    """Test the pool's idle connections in the background and replace the dead ones (after
+    a server restart every idle connection is dead; without this each would fail one call).
+    At most one check per pool at a time; never raises."""
+    with _lock:
+        if id(pool) in _checking:
+            return
+        _checking.add(id(pool))
+    threading.Thread(target=_check, args=(pool,), name="oncely-pool-check", daemon=True).start()
+
+
+def _check(pool: ConnPool) -> None:
+    try:
+        with contextlib.suppress(Exception):
+            pool.check()
+    finally:
+        with _lock:
+            _checking.discard(id(pool))
