@@ -56,3 +56,10 @@ def test_malformed_urls_are_configuration_errors_and_never_leak() -> None:
         oncely.open("postgresql://u:pw@[bad/x")
     assert "pw" not in str(raised.value)
     assert oncely.redact("sqlite://u:pw@[bad/x") == "sqlite://***(unparsable URL)"
+
+
+def test_passwords_in_query_options_are_redacted_too() -> None:
+    url = "postgresql://u@h/db?sslmode=require&password=s3cret&Password=two"
+    assert oncely.redact(url) == "postgresql://u@h/db?sslmode=require&password=***&Password=***"
+    assert oncely.redact("redis://h/0?password=s3cret") == "redis://h/0?password=***"
+    assert oncely.redact("redis://h/0?db=1") == "redis://h/0?db=1"

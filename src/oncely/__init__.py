@@ -11,6 +11,8 @@ The public API lives here and nowhere else; every name below is stable. Start wi
     if handled.outcome is oncely.Outcome.KEY_CONFLICT: ...
 """
 
+from typing import TYPE_CHECKING
+
 from oncely._async.inbox import AsyncInbox
 from oncely._async.memory import AsyncMemoryStore
 from oncely._async.protocols import AsyncStore, AsyncTransactionalStore
@@ -40,7 +42,7 @@ from oncely._core.policy import (
     StaleClaim,
     format_duration,
 )
-from oncely._core.records import Claim, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._drivers.sqlite import SQLiteSettings
 from oncely._sync.inbox import Inbox
 from oncely._sync.memory import MemoryStore
@@ -78,6 +80,39 @@ from oncely.stores import redact
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # the optional stores, for type checkers; imported lazily at run time
+    from oncely._async.mysql import AsyncMySQLStore as AsyncMySQLStore
+    from oncely._async.postgres import AsyncPostgresStore as AsyncPostgresStore
+    from oncely._async.redis import AsyncRedisStore as AsyncRedisStore
+    from oncely._sync.mysql import MySQLStore as MySQLStore
+    from oncely._sync.postgres import PostgresStore as PostgresStore
+    from oncely._sync.redis import RedisStore as RedisStore
+
+# Stores whose drivers are optional extras are imported on first use, so `import oncely` never
+# needs psycopg, PyMySQL or redis-py: `oncely.PostgresStore` works once `oncely[postgres]` is in.
+_OPTIONAL = {
+    "PostgresStore": ("oncely._sync.postgres", "postgres"),
+    "AsyncPostgresStore": ("oncely._async.postgres", "postgres"),
+    "MySQLStore": ("oncely._sync.mysql", "mysql"),
+    "AsyncMySQLStore": ("oncely._async.mysql", "mysql"),
+    "RedisStore": ("oncely._sync.redis", "redis"),
+    "AsyncRedisStore": ("oncely._async.redis", "redis"),
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _OPTIONAL:
+        raise AttributeError(f"module 'oncely' has no attribute {name!r}")
+    module_name, extra = _OPTIONAL[name]
+    try:
+        module = __import__(module_name, fromlist=[name])
+    except ModuleNotFoundError as exc:
+        raise ImportError(
+            f"oncely.{name} needs the {exc.name!r} package: pip install 'oncely[{extra}]'"
+        ) from exc
+    return getattr(module, name)
+
+
 __all__ = [
     "Action",
     "AsyncInbox",
@@ -87,6 +122,7 @@ __all__ = [
     "AsyncTransactionalStore",
     "BusinessKey",
     "Claim",
+    "ClaimRequest",
     "ClaimStatus",
     "Clock",
     "CloudEventsKey",

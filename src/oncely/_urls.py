@@ -15,20 +15,33 @@ from oncely.errors import ConfigurationError
 __all__ = ["UrlOptions", "redact", "split"]
 
 
+_SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "sslpassword"})
+
+
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``. Never raises: a URL too malformed to
-    parse keeps only its scheme."""
+    """``url`` with any password replaced by ``***``: in the user-info part and in query
+    options that carry one (``?password=...``, as libpq and Redis accept). Never raises: a URL
+    too malformed to parse keeps only its scheme."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
         scheme = url.split(":", 1)[0] if ":" in url else ""
         return f"{scheme}://***(unparsable URL)"
-    if password is None:
+    if password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        userinfo = netloc[0].split(":", 1)[0] + ":***"
+        parts = parts._replace(netloc=f"{userinfo}@{netloc[1]}")
+    if parts.query:
+        pairs = []
+        for pair in parts.query.split("&"):
+            name, sep, _value = pair.partition("=")
+            secret = unquote(name).lower() in _SECRET_OPTIONS
+            pairs.append(f"{name}{sep}***" if secret and sep else pair)
+        parts = parts._replace(query="&".join(pairs))
+    if password is None and not parts.query:
         return url
-    netloc = parts.netloc.rsplit("@", 1)
-    userinfo = netloc[0].split(":", 1)[0] + ":***"
-    return urlunsplit(parts._replace(netloc=f"{userinfo}@{netloc[1]}"))
+    return urlunsplit(parts)
 
 
 def split(url: str) -> SplitResult:

@@ -934,6 +934,32 @@ class AsyncStoreContract:
         assert await ledger.count("bad") == 0 and await inbox.get("bad") is None
         assert (await inbox.handle_in_transaction("k", {"a": 1}, book)).outcome is Outcome.DUPLICATE
 
+    async def test_r7_without_a_savepoint_handler_errors_reach_the_caller(
+        self, store: AsyncStore, inbox: AsyncInbox, business: AsyncBusiness | None
+    ) -> None:
+        ledger = self._transactional(store, business)
+        assert isinstance(store, AsyncTransactionalStore)
+
+        async def fails(tx: Any, payload: object) -> None:
+            await ledger.write(tx, "k", 1)
+            raise ValueError("broken handler")
+
+        async def book(tx: Any, payload: object) -> str:
+            await ledger.write(tx, "k", 1)
+            return "booked"
+
+        with pytest.raises(ValueError, match="broken handler"):
+            async with store.transaction() as tx:
+                await inbox.handle_in_transaction("k", {"a": 1}, fails, tx=tx, savepoint=False)
+        assert await inbox.get("k") is None and await ledger.count("k") == 0
+        async with store.transaction() as tx:
+            handled = await inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx, savepoint=False)
+            assert handled.outcome is Outcome.PROCESSED
+        assert await ledger.count("k") == 1
+        async with store.transaction() as tx:
+            again = await inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx, savepoint=False)
+        assert again.outcome is Outcome.DUPLICATE and await ledger.count("k") == 1
+
     async def test_r7_joining_needs_an_open_transaction(
         self, store: AsyncStore, inbox: AsyncInbox, business: AsyncBusiness | None
     ) -> None:

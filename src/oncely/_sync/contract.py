@@ -909,6 +909,32 @@ class StoreContract:
         assert ledger.count("bad") == 0 and inbox.get("bad") is None
         assert (inbox.handle_in_transaction("k", {"a": 1}, book)).outcome is Outcome.DUPLICATE
 
+    def test_r7_without_a_savepoint_handler_errors_reach_the_caller(
+        self, store: Store, inbox: Inbox, business: Business | None
+    ) -> None:
+        ledger = self._transactional(store, business)
+        assert isinstance(store, TransactionalStore)
+
+        def fails(tx: Any, payload: object) -> None:
+            ledger.write(tx, "k", 1)
+            raise ValueError("broken handler")
+
+        def book(tx: Any, payload: object) -> str:
+            ledger.write(tx, "k", 1)
+            return "booked"
+
+        with pytest.raises(ValueError, match="broken handler"):
+            with store.transaction() as tx:
+                inbox.handle_in_transaction("k", {"a": 1}, fails, tx=tx, savepoint=False)
+        assert inbox.get("k") is None and ledger.count("k") == 0
+        with store.transaction() as tx:
+            handled = inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx, savepoint=False)
+            assert handled.outcome is Outcome.PROCESSED
+        assert ledger.count("k") == 1
+        with store.transaction() as tx:
+            again = inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx, savepoint=False)
+        assert again.outcome is Outcome.DUPLICATE and ledger.count("k") == 1
+
     def test_r7_joining_needs_an_open_transaction(
         self, store: Store, inbox: Inbox, business: Business | None
     ) -> None:

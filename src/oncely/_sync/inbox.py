@@ -366,14 +366,19 @@ class Inbox:
         handler: TxHandler[Tx, P, R],
         *,
         tx: Tx | None = None,
+        savepoint: bool = True,
         correlation_id: str | None = None,
     ) -> Handled[R]:
         """Run ``handler(tx, payload)`` and record ``key`` in the same transaction (R7).
 
         Without ``tx``, oncely opens a transaction on one of the store's connections and commits
         it. With ``tx`` (a connection of yours with an open transaction on the store's
-        database), oncely works inside a savepoint and *you* commit: until then ``processed``
-        is tentative, and if you roll back nothing was recorded.
+        database), *you* commit: until then ``processed`` is tentative, and if you roll back
+        nothing was recorded. oncely then works inside a savepoint, so a failing handler is
+        rolled back alone and your transaction stays usable; with ``savepoint=False`` it adds
+        only the claim to your transaction (one round trip), and a handler's exception
+        (:class:`~oncely.Reject` included) propagates unchanged: your transaction must then
+        roll back, as a ``with`` block does.
 
         Outcomes are those of :meth:`handle`; ``failed`` means the handler raised and its
         writes were rolled back with the marker, so a redelivery retries. A result that cannot
@@ -391,10 +396,18 @@ class Inbox:
         try:
             if tx is not None:
                 store.check_transaction(tx)
-                with store.savepoint(tx):
-                    step, claim, record, value = self._in_tx(
-                        store, tx, key, fp, payload, handler, token, correlation_id
-                    )
+                if savepoint:
+                    with store.savepoint(tx):
+                        step, claim, record, value = self._in_tx(
+                            store, tx, key, fp, payload, handler, token, correlation_id
+                        )
+                else:
+                    try:
+                        step, claim, record, value = self._in_tx(
+                            store, tx, key, fp, payload, handler, token, correlation_id
+                        )
+                    except _HandlerError as failure:
+                        raise failure.error from None  # the caller's transaction rolls back
             else:
                 with store.transaction() as own:
                     step, claim, record, value = self._in_tx(
