@@ -1,0 +1,545 @@
+"""The Redis store: one Lua script per operation, on a single Redis or a Redis Cluster.
+
+Every operation of the contract is one atomic script (:mod:`oncely._dialects.redis`) sent with
+``EVALSHA``: a new key costs one round trip to claim and one to complete, a duplicate one. A
+batch claim is one round trip on a single Redis and one per node, sent to all at once, on a
+cluster. Time is the server's (``TIME`` inside each script) unless the store is given a clock;
+retention is Redis's own key expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Self
+
+from oncely._async._redis_io import (
+    SCAN_START,
+    Client,
+    close,
+    connect,
+    decodes_responses,
+    describe,
+    evalsha,
+    evalsha_many,
+    hget,
+    hmget_many,
+    hsetnx,
+    is_client,
+    is_cluster,
+    scan_page,
+    server_time_ms,
+    unlink,
+)
+from oncely._core.clock import Clock
+from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.state import Lost
+from oncely._core.table import lease_lost
+from oncely._dialects.redis import (
+    CLAIM,
+    COMPLETE,
+    FAIL,
+    GET,
+    PURGE,
+    RECORD_FIELDS,
+    RELEASE,
+    RENEW,
+    SCHEMA_VERSION,
+    RedisKeys,
+    Script,
+    opt,
+    parse_claims,
+    parse_fields,
+    parse_reply,
+)
+from oncely._drivers.redis import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
+from oncely._urls import redact
+from oncely.errors import ConfigurationError, SchemaMissing, SchemaTooNew, StoreError
+
+__all__ = ["AsyncRedisStore"]
+
+_STATUS = {s.value.encode(): s for s in Status}
+_VERSION_FIELD = b"schema_version"
+# Keys per script in a batch on a single Redis (a longer script blocks the server longer), and
+# keys per SCAN step for stats, scan and purge (memory stays bounded by this and ``limit``).
+_BATCH = 500
+
+
+class AsyncRedisStore:
+    """A dedup store in Redis or a Redis Cluster (two-phase mode only).
+
+    ``client`` is a redis-py ``Redis`` or ``RedisCluster`` (from ``redis.asyncio`` for the
+    asyncio store) made with ``decode_responses=False`` (results are bytes); the caller keeps
+    owning it and closes it. :meth:`from_url` builds and owns one. Every key starts with
+    ``prefix`` (a plain identifier), so several stores can share a server.
+
+    Redis cannot join a SQL transaction, so this store has no transactional mode:
+    ``Inbox.handle_in_transaction`` raises :class:`~oncely.TransactionsUnsupported`. Use the
+    two-phase mode (``Inbox.handle``, R10): a claim, the handler, then a completion, with a
+    reconciler (``on_stale``) for a worker that died in between.
+
+    Time is Redis's own clock, read inside every script, and each record expires by itself
+    (``PEXPIREAT``) at the end of its retention. With ``clock`` (a :class:`~oncely.FakeClock`
+    in tests) that clock decides instead, records get no Redis expiry (it would follow the
+    wrong clock) and :meth:`purge_expired` deletes them.
+
+    Durability is the server's. A Redis without persistence forgets every record when it
+    restarts: a message redelivered after that, or one whose handler ran while it went down,
+    is processed again. ``appendonly yes`` with ``appendfsync always`` keeps every record a
+    reply confirmed (``everysec`` may lose the last second), and a failover may lose the
+    writes the replica had not yet received (replication is asynchronous).
+
+    A schema marker (``<prefix>:meta``) is written on first use unless ``migrate=False``, in
+    which case its absence raises :class:`~oncely.SchemaMissing`. The asyncio variant belongs
+    to the event loop that first uses it (as its client does): open one store per loop. The
+    threaded variant may be shared by any number of threads.
+    """
+
+    supports_transactions = False
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        prefix: str = "oncely",
+        clock: Clock | None = None,
+        migrate: bool = True,
+    ) -> None:
+        self._setup(prefix, clock, migrate)
+        if not is_client(client):
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a redis-py client of its own kind (sync or "
+                f"asyncio, single or cluster), not {type(client).__name__}; for a URL use "
+                f"{type(self).__name__}.from_url"
+            )
+        if decodes_responses(client):
+            raise ConfigurationError(
+                "the Redis client decodes replies (decode_responses=True), but results are "
+                "bytes: give the store a client made with decode_responses=False"
+            )
+        self._client = client
+        self._has_client = True
+        self._cluster = is_cluster(client)
+        base = describe(client)
+        self._url = f"{base}{'&' if '?' in base else '?'}prefix={prefix}"
+
+    def _setup(self, prefix: str, clock: Clock | None, migrate: bool) -> None:
+        self._keys = RedisKeys(prefix)
+        self._clock = clock
+        self._auto_migrate = migrate
+        self._options: RedisOptions | None = None  # set when the store builds its own client
+        self._has_client = False
+        self._ready_lock = asyncio.Lock()
+        self._ready = False
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for a ``redis://`` or ``rediss://`` URL, with the options ``prefix``,
+        ``cluster`` (true: a Redis Cluster, the host is any node), ``migrate``,
+        ``max_connections``, ``timeout``, ``connect_timeout`` and ``ssl_ca_certs``. The store
+        builds and owns its client, on first use: opening a store never waits for the
+        server."""
+        options = parse_url(url)
+        store = cls.__new__(cls)
+        store._setup(options.prefix, clock, options.migrate)
+        store._options = options
+        store._cluster = options.cluster
+        store._url = redact(url)
+        return store
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def prefix(self) -> str:
+        return self._keys.prefix
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r})"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _now(self) -> bytes:
+        """The scripts' first argument: the clock's reading, or empty for the server's."""
+        return b"" if self._clock is None else str(self._clock.now_ms()).encode()
+
+    async def _time(self) -> int:
+        if self._clock is not None:
+            return self._clock.now_ms()
+        try:
+            return await server_time_ms(self._client)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "reading the server's clock") from exc
+
+    async def _check(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        if not self._ready:
+            await self._prepare()
+
+    async def _run(self, script: Script, name: bytes, args: Sequence[Any], op: str) -> Any:
+        await self._check()
+        try:
+            return await evalsha(self._client, script, (name,), args)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, op) from exc
+
+    def _connect(self) -> None:
+        """Build the client of a store opened from a URL (a cluster client asks a node for
+        the slot map here, in the threaded variant)."""
+        if self._options is not None and not self._has_client:
+            try:
+                self._client = connect(self._options)
+                self._has_client = True
+            except DRIVER_ERRORS as exc:
+                raise translate(exc, f"connecting to {self._url}") from exc
+
+    async def _prepare(self) -> None:
+        async with self._ready_lock:
+            if self._ready:
+                return
+            self._connect()
+            version = await self._version()
+            if version is None:
+                if not self._auto_migrate:
+                    raise SchemaMissing(
+                        f"no oncely marker {self._keys.meta.decode()!r} at {self._url}; run "
+                        "`oncely migrate --store URL` or open the store with migrate=True "
+                        "(a Redis without persistence loses it on restart)"
+                    )
+                await self._create()
+            elif version > SCHEMA_VERSION:
+                raise SchemaTooNew(
+                    f"{self._url} holds oncely schema version {version}; this oncely "
+                    f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+                )
+            self._ready = True
+
+    async def _version(self) -> int | None:
+        try:
+            value = await hget(self._client, self._keys.meta, _VERSION_FIELD)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "reading the schema version") from exc
+        return None if value is None else int(value)
+
+    async def _create(self) -> None:
+        # HSETNX: several processes migrating at once write the marker once.
+        try:
+            await hsetnx(self._client, self._keys.meta, _VERSION_FIELD, b"%d" % SCHEMA_VERSION)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "writing the schema version") from exc
+
+    def _groups(self, names: Sequence[bytes]) -> list[list[int]]:
+        """Indexes of ``names`` in groups that one script may touch together, each in request
+        order: runs of ``_BATCH`` on a single Redis (the pipeline runs them in order, so a
+        repeated key still meets its earlier copy first); one group per hash slot on a
+        cluster (a repeated key is in its copy's group; other slots are other keys)."""
+        if not self._cluster:
+            return [
+                list(range(i, min(i + _BATCH, len(names)))) for i in range(0, len(names), _BATCH)
+            ]
+        by_slot: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            by_slot.setdefault(slot_of(name), []).append(i)
+        return list(by_slot.values())
+
+    async def _run_groups(
+        self, script: Script, calls: list[tuple[list[bytes], list[Any]]], op: str
+    ) -> list[Any]:
+        await self._check()
+        try:
+            if len(calls) == 1:
+                return [await evalsha(self._client, script, calls[0][0], calls[0][1])]
+            return await evalsha_many(self._client, script, calls)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, op) from exc
+
+    # ------------------------------------------------------------------ the contract
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        args = (self._now(), lease_ms, keep_ms, b"1" if takeover else b"0", b"")
+        reply = await self._run(
+            CLAIM, self._keys.record(consumer, key), (*args, opt(fingerprint), token), "claim"
+        )
+        return parse_claims(consumer, (key,), (token,), reply)[0]
+
+    async def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        if not requests:
+            return []
+        names = [self._keys.record(consumer, r.key) for r in requests]
+        head = [self._now(), lease_ms, keep_ms, b"1" if takeover else b"0", b""]
+        groups = self._groups(names)
+        calls: list[tuple[list[bytes], list[Any]]] = []
+        for group in groups:
+            args = list(head)
+            for i in group:
+                args += (opt(requests[i].fingerprint), requests[i].token)
+            calls.append(([names[i] for i in group], args))
+        replies = await self._run_groups(CLAIM, calls, "claim_many")
+        claims: list[Claim | None] = [None] * len(requests)
+        for group, reply in zip(groups, replies, strict=True):
+            keys = [requests[i].key for i in group]
+            tokens = [requests[i].token for i in group]
+            for i, claim in zip(group, parse_claims(consumer, keys, tokens, reply), strict=True):
+                claims[i] = claim
+        return [claim for claim in claims if claim is not None]
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        args = (self._now(), lease_ms, keep_ms, b"1", opt(expected_token), opt(fingerprint), token)
+        reply = await self._run(CLAIM, self._keys.record(consumer, key), args, "takeover")
+        return parse_claims(consumer, (key,), (token,), reply)[0]
+
+    async def _fenced(
+        self, op: str, script: Script, consumer: str, key: str, args: Sequence[Any]
+    ) -> Record:
+        """Run a write that applies only while ``args``' token owns the record (the script
+        also answers ``ok`` for a repeat of a write that already landed); otherwise raise
+        :class:`~oncely.LeaseLost` with the current record."""
+        reply = await self._run(script, self._keys.record(consumer, key), args, op)
+        code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"ok" and record is not None:
+            return record
+        raise lease_lost(op, consumer, key, Lost(record))
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        args = (self._now(), token, keep_ms, opt(result), opt(note))
+        return await self._fenced("complete", COMPLETE, consumer, key, args)
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        args = (self._now(), token, keep_ms, error)
+        return await self._fenced("fail", FAIL, consumer, key, args)
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        args = (self._now(), token, lease_ms, keep_ms)
+        return await self._fenced("renew", RENEW, consumer, key, args)
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        reply = await self._run(
+            RELEASE, self._keys.record(consumer, key), (self._now(), token), "release"
+        )
+        code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"true":
+            return True
+        if code == b"false":
+            return False
+        raise lease_lost("release", consumer, key, Lost(record))
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        reply = await self._run(GET, self._keys.record(consumer, key), (self._now(),), "get")
+        return parse_reply(consumer, key, reply)[2]
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        """Delete expired records in batches of ``batch_size`` and return how many went.
+
+        With the server's clock there is nothing to do and this returns 0 at once: Redis
+        deletes every record itself at its ``expires`` time (``PEXPIREAT``), on the same
+        clock the scripts judge expiry by. With a clock given to the store, records carry no
+        Redis expiry: this scans the store's keys (every primary of a cluster) and deletes,
+        one script per batch, those the clock says are expired."""
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
+        await self._check()
+        if self._clock is None:
+            return 0
+        now = self._clock.now_ms()
+        deleted = batches = 0
+        expired: list[bytes] = []
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None or expired:
+            if where is not None:
+                where, names = await self._scan_page(where, self._keys.pattern)
+                if names:
+                    rows = await self._read(names, (b"e",))
+                    expired += [n for n, (e,) in zip(names, rows, strict=True) if _due(e, now)]
+            while len(expired) >= batch_size or (where is None and expired):
+                if max_batches is not None and batches >= max_batches:
+                    return deleted
+                deleted += await self._purge(expired[:batch_size], now)
+                del expired[:batch_size]
+                batches += 1
+        return deleted
+
+    async def _purge(self, names: list[bytes], now: int) -> int:
+        args: list[Any] = [str(now).encode()]
+        calls = [([names[i] for i in group], args) for group in self._groups(names)]
+        return sum(int(n) for n in await self._run_groups(PURGE, calls, "purge"))
+
+    async def _scan_page(
+        self, where: tuple[int, int], pattern: bytes
+    ) -> tuple[tuple[int, int] | None, list[bytes]]:
+        try:
+            return await scan_page(self._client, where, pattern, _BATCH)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "scanning keys") from exc
+
+    async def _read(self, names: list[bytes], fields: Sequence[bytes]) -> list[list[Any]]:
+        try:
+            return await hmget_many(self._client, names, fields)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "reading records") from exc
+
+    async def stats(self) -> StoreStats:
+        """Record counts per consumer and status, from a ``SCAN`` of the store's keys (every
+        primary of a cluster): O(records), for operators. A record written meanwhile may be
+        counted twice or not at all, as ``SCAN`` allows."""
+        await self._check()
+        now = await self._time()
+        counts: dict[str, dict[Status, int]] = {}
+        expired = 0
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None:
+            where, names = await self._scan_page(where, self._keys.pattern)
+            if not names:
+                continue
+            for name, (status, expires) in zip(
+                names, await self._read(names, (b"s", b"e")), strict=True
+            ):
+                ident = self._keys.ident(name)
+                if ident is None or status is None or expires is None:
+                    continue  # not a record, or gone meanwhile
+                if int(expires) <= now:
+                    expired += 1
+                    continue
+                by_status = counts.setdefault(ident[0], {})
+                state = _STATUS[bytes(status)]
+                by_status[state] = by_status.get(state, 0) + 1
+        return StoreStats(counts=counts, expired=expired)
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Unexpired records in ``(consumer, key)`` order, starting after ``after``.
+
+        Redis keeps no order, so every page visits every key of the store (of ``consumer``
+        when given) and keeps only the ``limit`` smallest: O(records) per page, memory
+        O(limit). For operators, not for the message path."""
+        await self._check()
+        if limit <= 0:
+            return []
+        now = await self._time()
+        pattern = self._keys.pattern if consumer is None else self._keys.consumer_pattern(consumer)
+        found: dict[tuple[str, str], Record] = {}
+        bound: tuple[str, str] | None = None  # the largest kept, once ``limit`` are kept
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None:
+            where, names = await self._scan_page(where, pattern)
+            wanted: list[tuple[tuple[str, str], bytes]] = []
+            for name in names:
+                ident = self._keys.ident(name)
+                if (
+                    ident is None
+                    or ident in found
+                    or (consumer is not None and ident[0] != consumer)
+                    or (after is not None and ident <= after)
+                    or (bound is not None and ident >= bound)
+                ):
+                    continue
+                wanted.append((ident, name))
+            if not wanted:
+                continue
+            rows = await self._read([name for _, name in wanted], RECORD_FIELDS)
+            for (ident, _name), row in zip(wanted, rows, strict=True):
+                record = parse_fields(ident[0], ident[1], row)
+                if record is None or record.expires_ms <= now:
+                    continue
+                if status is None or record.status is status:
+                    found[ident] = record
+            if len(found) >= limit:
+                kept = sorted(found)[:limit]
+                found = {ident: found[ident] for ident in kept}
+                bound = kept[-1]
+        return [found[ident] for ident in sorted(found)[:limit]]
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        await self._check()
+        try:
+            return await unlink(self._client, self._keys.record(consumer, key))
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "forget") from exc
+
+    async def migrate(self) -> int:
+        """Write the schema marker if it is missing (idempotent, safe to run from several
+        processes at once) and return the schema version."""
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        async with self._ready_lock:
+            self._connect()
+        await self._create()
+        version = await self._version()
+        if version is not None and version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"{self._url} holds oncely schema version {version}; this oncely "
+                f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+            )
+        self._ready = True
+        return SCHEMA_VERSION
+
+    async def schema_version(self) -> int | None:
+        """The schema version marked in Redis, or None when there is no marker yet."""
+        async with self._ready_lock:
+            self._connect()
+        return await self._version()
+
+    async def aclose(self) -> None:
+        """Close the client if the store built it (:meth:`from_url`); a client given to the
+        store stays open for its owner."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._options is not None and self._has_client:
+            try:
+                await close(self._client)
+            except DRIVER_ERRORS as exc:
+                raise translate(exc, "closing") from exc
+
+
+def _due(expires: Any, now: int) -> bool:
+    return expires is not None and int(expires) <= now

@@ -1,0 +1,141 @@
+"""The redis-py boundary: URL options and the translation of redis-py errors.
+
+redis-py raises the same exception classes from its sync, asyncio and cluster clients, so one
+translation serves both twins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Final
+from urllib.parse import urlunsplit
+
+from redis.crc import key_slot
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from oncely._dialects.identifiers import check_identifier
+from oncely._urls import UrlOptions, path_of, redact, split
+from oncely.errors import ConfigurationError, StoreError, StoreUnavailable
+
+__all__ = ["DRIVER_ERRORS", "RedisOptions", "parse_url", "slot_of", "translate"]
+
+DRIVER_ERRORS: Final = (RedisError, RedisClusterException, OSError)
+"""Everything redis-py raises for a failed call (``OSError`` covers socket errors and
+``TimeoutError`` that escape its own wrappers)."""
+
+# Errors that mean "not now, retry later": the connection (refused, lost, timed out, or the
+# server LOADING its data set, which redis-py reports as a connection error), a replica or a
+# demoted primary (READONLY), a cluster moving or missing slots (TRYAGAIN, CLUSTERDOWN,
+# MASTERDOWN), memory full until retention frees some (OOM). redis-py strips the code from
+# those it has a class for; the others keep it in the text (BUSY: a script is running long).
+_UNAVAILABLE: Final = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    TryAgainError,
+    ClusterError,
+    OutOfMemoryError,
+    SlotNotCoveredError,
+    OSError,
+)
+_TRANSIENT_CODES: Final = ("BUSY", "LOADING", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
+
+
+def slot_of(name: bytes) -> int:
+    """The Redis Cluster hash slot of a key (its hash tag's, when it has one)."""
+    return int(key_slot(name))
+
+
+def translate(exc: BaseException, doing: str) -> StoreError:
+    """The oncely error for a redis-py error raised while ``doing`` something."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, AuthenticationError | AuthorizationError | NoPermissionError):
+        return StoreError(f"{doing}: {text}; check the user and password of the Redis URL")
+    if isinstance(exc, _UNAVAILABLE):
+        return StoreUnavailable(f"{doing}: {text}")
+    if isinstance(exc, ResponseError) and text.startswith(_TRANSIENT_CODES):
+        return StoreUnavailable(f"{doing}: {text}")
+    if isinstance(exc, RedisClusterException) and "connect" in text.lower():
+        return StoreUnavailable(f"{doing}: {text}")
+    return StoreError(f"{doing}: {text}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedisOptions:
+    """What a ``redis://`` / ``rediss://`` URL says. ``server`` is the URL redis-py connects
+    to (scheme, credentials, host, port, database), without oncely's options."""
+
+    server: str
+    prefix: str = "oncely"
+    cluster: bool = False
+    migrate: bool = True
+    max_connections: int = 16
+    timeout: timedelta = timedelta(seconds=5)
+    connect_timeout: timedelta = timedelta(seconds=5)
+    ssl_ca_certs: str | None = None
+
+
+_KNOWN = (
+    "prefix",
+    "cluster",
+    "migrate",
+    "max_connections",
+    "timeout",
+    "connect_timeout",
+    "ssl_ca_certs",
+)
+
+
+def parse_url(url: str) -> RedisOptions:
+    """``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS), with the options
+    ``prefix`` (of every key, default ``oncely``), ``cluster`` (true: a Redis Cluster, the
+    host is any node), ``migrate``, ``max_connections`` (per server), ``timeout`` and
+    ``connect_timeout`` (seconds) and ``ssl_ca_certs`` (a CA bundle file, ``rediss://``
+    only) in the query string."""
+    parts = split(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss"):
+        raise ConfigurationError(f"{redact(url)}: not a redis:// or rediss:// URL")
+    if not parts.hostname:
+        raise ConfigurationError(f"{redact(url)}: the Redis URL names no host")
+    database = path_of(parts) or "0"
+    if not database.isdigit():
+        raise ConfigurationError(f"{redact(url)}: the database must be a number, as in /0")
+    options = UrlOptions(url)
+    prefix = options.text("prefix", "oncely")
+    check_identifier(prefix)
+    found = RedisOptions(
+        server=urlunsplit((scheme, parts.netloc, f"/{int(database)}", "", "")),
+        prefix=prefix,
+        cluster=options.boolean("cluster", False),
+        migrate=options.boolean("migrate", True),
+        max_connections=options.integer("max_connections", 16),
+        timeout=options.seconds("timeout", timedelta(seconds=5)),
+        connect_timeout=options.seconds("connect_timeout", timedelta(seconds=5)),
+        ssl_ca_certs=options.optional_text("ssl_ca_certs"),
+    )
+    options.done(_KNOWN)
+    if found.max_connections < 1:
+        raise ConfigurationError(f"{redact(url)}: max_connections must be at least 1")
+    if found.timeout <= timedelta(0) or found.connect_timeout <= timedelta(0):
+        raise ConfigurationError(f"{redact(url)}: timeouts must be positive")
+    if found.cluster and int(database) != 0:
+        raise ConfigurationError(f"{redact(url)}: a Redis Cluster has only database 0")
+    if found.ssl_ca_certs is not None and scheme != "rediss":
+        raise ConfigurationError(f"{redact(url)}: ssl_ca_certs needs a rediss:// URL")
+    return found
