@@ -1,0 +1,7 @@
+"""Integrations of oncely with the libraries around it.
+
+- :mod:`oncely.integrations.entity`: the business entity as the dedup marker on SQLAlchemy 2
+  (R6, R20-R22): no inbox table, the entity's unique key is the dedup key.
+
+Each module imports its library on import; install the matching extra (``oncely[sqlalchemy]``).
+"""

@@ -1,0 +1,446 @@
+"""The entity-as-marker flow without I/O: plan, statements, decision (R6, R20-R22).
+
+Everything here is pure: it builds SQLAlchemy statements and decides from rows, and the
+step-by-step flow is a generator that *yields* each statement and is *sent* what the database
+answered. :mod:`oncely.integrations.entity` drives it with a sync or an async connection, so the
+logic exists once and the two shells only execute.
+
+The flow (R20 steps 2-6, R21)::
+
+    INSERT the row, so that a conflict on the key does not raise (or is caught, MySQL)
+      inserted            -> created  (then the batch's other rows, R22)
+      conflict on the key -> read the row by key
+          found           -> compare fingerprint / immutable fields: duplicate | key_conflict
+          not found       -> MySQL: the duplicate was on another unique key: re-raise it
+                             ON CONFLICT: the row vanished in between (a concurrent delete): retry
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from enum import StrEnum
+from typing import Final, TypeAlias
+
+from sqlalchemy import (
+    Column,
+    Index,
+    Insert,
+    Label,
+    Table,
+    UniqueConstraint,
+    and_,
+    insert,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import IntegrityError, NoInspectionAvailable
+from sqlalchemy.sql import Executable
+
+from oncely._core.fingerprint import Fingerprinter, canonical_json
+from oncely._core.outcomes import Action, Handled, Outcome
+from oncely.errors import ConfigurationError, InvalidKey, StoreUnavailable
+
+__all__ = ["EntityOutcome", "EntityResult"]
+
+Entity: TypeAlias = Table | type[object]
+"""A Core :class:`~sqlalchemy.Table` or an ORM-mapped class (its names are attribute names)."""
+
+Values: TypeAlias = Mapping[str, object]
+Rows: TypeAlias = Sequence[tuple[Entity, Values]]
+RowsOrFactory: TypeAlias = Rows | Callable[[Mapping[str, object]], Rows]
+
+
+class Missing(enum.Enum):
+    """Marks an argument that was not given (``None`` is a valid payload)."""
+
+    MISSING = enum.auto()
+
+
+MISSING: Final = Missing.MISSING
+
+# MySQL/MariaDB error numbers that mean "duplicate key": ER_DUP_KEY, ER_DUP_ENTRY,
+# ER_DUP_ENTRY_WITH_KEY_NAME.
+_MYSQL_DUPLICATE: Final = frozenset({1022, 1062, 1586})
+_ON_CONFLICT_DIALECTS: Final = frozenset({"postgresql", "sqlite"})
+_MYSQL_DIALECTS: Final = frozenset({"mysql", "mariadb"})
+_ATTEMPTS: Final = 3
+
+
+class EntityOutcome(StrEnum):
+    """What became of one create: ``created``, ``duplicate`` or ``key_conflict``.
+
+    =============  =====================  =================================================
+    outcome        :class:`oncely.Outcome`  broker action
+    =============  =====================  =================================================
+    created        processed              ack: the row (the marker) is new
+    duplicate      duplicate              ack: the same content was created before (R20.5)
+    key_conflict   key_conflict           dead-letter + alert, never a silent ack (R20.6)
+    =============  =====================  =================================================
+    """
+
+    CREATED = "created"
+    DUPLICATE = "duplicate"
+    KEY_CONFLICT = "key_conflict"
+
+    @property
+    def as_outcome(self) -> Outcome:
+        """The :class:`oncely.Outcome` a broker adapter acts on."""
+        return _AS_OUTCOME[self]
+
+    @property
+    def action(self) -> Action:
+        """What the broker should do with the delivery."""
+        return _AS_OUTCOME[self].action
+
+
+_AS_OUTCOME: Final = {
+    EntityOutcome.CREATED: Outcome.PROCESSED,
+    EntityOutcome.DUPLICATE: Outcome.DUPLICATE,
+    EntityOutcome.KEY_CONFLICT: Outcome.KEY_CONFLICT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EntityResult:
+    """The result of :func:`~oncely.integrations.entity.create_once` and its kin.
+
+    ``row`` is the row as the database holds it (for ``created``: as inserted, with server
+    defaults; otherwise the first copy's row), keyed by the names the caller used (column keys,
+    or attribute names of an ORM class). ``differing`` names the compared fields whose stored
+    value differs (``key_conflict`` only); ``reason`` says why in one line that names fields,
+    never values of the payload.
+    """
+
+    outcome: EntityOutcome
+    key: Mapping[str, object]
+    row: Mapping[str, object]
+    differing: tuple[str, ...] = ()
+    reason: str | None = None
+
+    @property
+    def action(self) -> Action:
+        """What the broker should do with the delivery (ack, or dead-letter on a conflict)."""
+        return self.outcome.action
+
+    def handled(self, consumer: str) -> Handled[Mapping[str, object]]:
+        """This result as the :class:`oncely.Handled` every adapter, log line and metric takes.
+
+        The key is the key's single value as text, or canonical JSON for a composite key.
+        """
+        key = next(iter(self.key.values())) if len(self.key) == 1 else self.key
+        return Handled(
+            outcome=self.outcome.as_outcome,
+            consumer=consumer,
+            key=key if isinstance(key, str) else canonical_json(key),
+            value=None if self.outcome is EntityOutcome.KEY_CONFLICT else self.row,
+            reason=self.reason,
+            attempt=1 if self.outcome is EntityOutcome.CREATED else 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A table and the caller's names for its columns."""
+
+    table: Table
+    columns: Mapping[str, Column[object]]
+
+
+def shape_of(entity: Entity) -> Shape:
+    """The table behind a Core table or an ORM class; raises ConfigurationError otherwise."""
+    if isinstance(entity, Table):
+        return Shape(entity, {c.key: c for c in entity.columns})
+    try:
+        mapper = inspect(entity)
+    except NoInspectionAvailable:
+        raise ConfigurationError(
+            f"{entity!r} is neither a sqlalchemy Table nor an ORM-mapped class"
+        ) from None
+    table = mapper.local_table
+    if not isinstance(table, Table):
+        raise ConfigurationError(f"{entity!r} is not mapped to a single table")
+    columns: dict[str, Column[object]] = {
+        name: col
+        for name, col in mapper.columns.items()
+        if isinstance(col, Column) and col.table is table
+    }
+    return Shape(table, columns)
+
+
+def _column_dict(shape: Shape, values: Values, what: str) -> dict[Column[object], object]:
+    unknown = [name for name in values if name not in shape.columns]
+    if unknown:
+        raise ConfigurationError(
+            f"{what}: table {shape.table.name} has no column {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(shape.columns)}"
+        )
+    return {shape.columns[name]: value for name, value in values.items()}
+
+
+def _unique_sets(table: Table) -> list[frozenset[str]]:
+    sets = [frozenset(c.name for c in table.primary_key.columns)]
+    for constraint in table.constraints:
+        if isinstance(constraint, UniqueConstraint):
+            sets.append(frozenset(c.name for c in constraint.columns))
+    for index in table.indexes:
+        if isinstance(index, Index) and index.unique:
+            sets.append(frozenset(c.name for c in index.columns))
+    sets.extend(frozenset({c.name}) for c in table.columns if c.unique)
+    return sets
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One create, validated: what to insert, how, and what to compare on a conflict."""
+
+    shape: Shape
+    dialect: str
+    returning: bool
+    key: Mapping[str, object]
+    row: Mapping[str, object]
+    compared: tuple[str, ...]
+    rows: RowsOrFactory = ()
+    batch: bool = False
+
+    @property
+    def on_conflict(self) -> bool:
+        return self.dialect in _ON_CONFLICT_DIALECTS
+
+    def insert(self) -> Executable:
+        table = self.shape.table
+        values = _column_dict(self.shape, self.row, "values")
+        keys = [self.shape.columns[name] for name in self.key]
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert  # noqa: PLC0415
+
+            statement: Insert = (
+                pg_insert(table).values(values).on_conflict_do_nothing(index_elements=keys)
+            )
+        elif self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert  # noqa: PLC0415
+
+            statement = (
+                sqlite_insert(table).values(values).on_conflict_do_nothing(index_elements=keys)
+            )
+        else:
+            statement = insert(table).values(values)
+        if self.returning:
+            return statement.returning(*self._labelled())
+        return statement
+
+    def read(self) -> Executable:
+        where = and_(*(self.shape.columns[name] == value for name, value in self.key.items()))
+        statement = select(*self._labelled()).where(where)
+        if self.dialect in _MYSQL_DIALECTS:
+            # InnoDB's REPEATABLE READ would answer a plain SELECT from the transaction's
+            # snapshot, which may predate the winner's commit; a locking read sees the latest
+            # committed row. PostgreSQL needs none: ON CONFLICT only returns once the
+            # conflicting row is committed and visible (or raises a serialization failure).
+            statement = statement.with_for_update(read=True)
+        return statement
+
+    def _labelled(self) -> list[Label[object]]:
+        return [col.label(name) for name, col in self.shape.columns.items()]
+
+    def batch_steps(self, created: Mapping[str, object]) -> list[Step]:
+        """The inserts of the batch's other rows, in order; consecutive rows of one table with
+        the same columns go as one executemany."""
+        rows = self.rows(created) if callable(self.rows) else self.rows
+        groups: list[tuple[Table, list[dict[str, object]]]] = []
+        for entity, values in rows:
+            shape = shape_of(entity)
+            params = {col.key: value for col, value in _column_dict(shape, values, "rows").items()}
+            if groups and groups[-1][0] is shape.table and groups[-1][1][0].keys() == params.keys():
+                groups[-1][1].append(params)
+            else:
+                groups.append((shape.table, [params]))
+        return [Step(insert(table), params=params) for table, params in groups]
+
+    def created(self, row: Mapping[str, object]) -> EntityResult:
+        return EntityResult(EntityOutcome.CREATED, dict(self.key), row)
+
+    def decide(self, stored: Mapping[str, object]) -> EntityResult:
+        """Duplicate when every compared field equals the stored one, else key_conflict."""
+        differing = tuple(
+            name for name in self.compared if not same_value(self.row.get(name), stored.get(name))
+        )
+        if not differing:
+            return EntityResult(EntityOutcome.DUPLICATE, dict(self.key), stored)
+        shown = ", ".join(f"{name}={value!r}"[:120] for name, value in self.key.items())
+        reason = (
+            f"{self.shape.table.name} row ({shown}) exists with a different "
+            f"{', '.join(differing)}: the key was reused for other content, or the content "
+            "changed after the first processing (R20 step 6); dead-letter and alert"
+        )
+        return EntityResult(EntityOutcome.KEY_CONFLICT, dict(self.key), stored, differing, reason)
+
+
+def same_value(given: object, stored: object) -> bool:
+    """Python equality, except that numbers compare by decimal value (a ``Numeric(10, 2)``
+    column answers ``Decimal("5.00")`` for ``5`` and ``Decimal("0.10")`` for ``0.1``).
+
+    Anything else that the database changes on the way (a time zone dropped, a CHAR padded)
+    compares unequal: a false key_conflict is loud, a false duplicate would drop a message.
+    """
+    if given == stored:
+        return True
+    numbers = (int, float, Decimal)
+    if (
+        isinstance(given, numbers)
+        and isinstance(stored, numbers)
+        and not isinstance(given, bool)
+        and not isinstance(stored, bool)
+    ):
+        try:
+            return Decimal(str(given)) == Decimal(str(stored))
+        except InvalidOperation:
+            return False
+    return False
+
+
+def make_plan(
+    entity: Entity,
+    *,
+    dialect: Dialect,
+    key: Values,
+    values: Values | None,
+    compare: Sequence[str],
+    fingerprint_column: str | None,
+    payload: object,
+    fingerprinter: Fingerprinter,
+    rows: RowsOrFactory = (),
+    batch: bool = False,
+) -> Plan:
+    """Validate one create and compute its fingerprint; raises ConfigurationError or InvalidKey."""
+    if dialect.name not in _ON_CONFLICT_DIALECTS | _MYSQL_DIALECTS:
+        raise ConfigurationError(
+            f"the entity marker supports sqlite, postgresql, mysql and mariadb, not {dialect.name}"
+        )
+    shape = shape_of(entity)
+    if isinstance(compare, str):
+        raise ConfigurationError(f"compare must be a sequence of names, not the string {compare!r}")
+    if not key:
+        raise ConfigurationError("key must name at least one column")
+    missing = [name for name, value in key.items() if value is None]
+    if missing:
+        raise InvalidKey(f"key column {', '.join(missing)} is None; a dedup key needs a value")
+    _column_dict(shape, key, "key")
+    key_names = frozenset(shape.columns[name].name for name in key)
+    if key_names not in _unique_sets(shape.table):
+        raise ConfigurationError(
+            f"key ({', '.join(key)}) is not the primary key nor a unique constraint or index of "
+            f"table {shape.table.name}; the entity's unique key IS the dedup key (R6, R20), so "
+            "declare it on the Table or model"
+        )
+    row: dict[str, object] = dict(values or {})
+    clash = [name for name in key if name in row and row[name] != key[name]]
+    if clash:
+        raise ConfigurationError(f"values give {', '.join(clash)} other than the key does")
+    row.update(key)
+    if not compare and fingerprint_column is None:
+        raise ConfigurationError(
+            "say how to tell a duplicate from a key conflict (R20 step 5): compare=(immutable "
+            "business fields) and/or fingerprint_column=(a column that stores the fingerprint)"
+        )
+    not_written = [name for name in compare if name not in row]
+    if not_written:
+        raise ConfigurationError(
+            f"compare names {', '.join(not_written)}, which values do not give; only written "
+            "fields can be compared"
+        )
+    compared = list(key) + [name for name in compare if name not in key]
+    if fingerprint_column is not None:
+        if payload is MISSING:
+            raise ConfigurationError("fingerprint_column needs the payload to fingerprint")
+        if fingerprint_column in row:
+            raise ConfigurationError(
+                f"values give {fingerprint_column}, which oncely computes from the payload"
+            )
+        print_ = fingerprinter(payload)
+        row[fingerprint_column] = print_
+        if print_ is not None:  # Fingerprint.none(): no content check on the fingerprint
+            compared.append(fingerprint_column)
+    elif payload is not MISSING:
+        raise ConfigurationError("a payload is only used with fingerprint_column")
+    _column_dict(shape, row, "values")
+    return Plan(
+        shape=shape,
+        dialect=dialect.name,
+        returning=dialect.insert_returning,
+        key=dict(key),
+        row=row,
+        compared=tuple(compared),
+        rows=rows,
+        batch=batch,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One statement for a shell to execute; ``duplicate_ok`` asks it to send back a
+    duplicate-key IntegrityError instead of raising it."""
+
+    statement: Executable
+    params: list[dict[str, object]] | None = None
+    fetch: bool = False
+    duplicate_ok: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the database answered to a Step: rows (when fetched) and the row count."""
+
+    rows: list[dict[str, object]]
+    rowcount: int = -1
+
+
+Reply: TypeAlias = Answer | IntegrityError
+Flow: TypeAlias = Generator[Step, Reply, EntityResult]
+
+
+def is_duplicate_key(error: IntegrityError) -> bool:
+    """True for a MySQL/MariaDB duplicate-key error (on any unique key: the flow re-reads)."""
+    args: tuple[object, ...] = getattr(error.orig, "args", ())
+    return bool(args) and args[0] in _MYSQL_DUPLICATE
+
+
+def flow(plan: Plan) -> Flow:
+    """The create as a generator of Steps; returns the result or raises what the database
+    raised (anything but a duplicate on the key)."""
+    for _ in range(_ATTEMPTS):
+        reply = yield Step(plan.insert(), fetch=plan.returning, duplicate_ok=not plan.on_conflict)
+        duplicate = reply if isinstance(reply, IntegrityError) else None
+        if isinstance(reply, Answer):
+            if plan.returning:
+                inserted = bool(reply.rows)
+            else:
+                inserted = reply.rowcount == 1 if plan.on_conflict else True
+            if inserted:
+                row = reply.rows[0] if plan.returning else None
+                if row is None:
+                    answer = yield Step(plan.read(), fetch=True)
+                    row = _only(answer).rows[0]
+                if plan.batch:
+                    for step in plan.batch_steps(row):
+                        _only((yield step))
+                return plan.created(row)
+        stored = _only((yield Step(plan.read(), fetch=True)))
+        if stored.rows:
+            return plan.decide(stored.rows[0])
+        if duplicate is not None:
+            # The duplicate was on another unique key: an error of the caller's data.
+            raise duplicate
+    raise StoreUnavailable(
+        f"{plan.shape.table.name}: the row conflicted on its key but was gone when read, "
+        f"{_ATTEMPTS} times (concurrent deletes?); retry the message later"
+    )
+
+
+def _only(reply: Reply) -> Answer:
+    if isinstance(reply, IntegrityError):  # pragma: no cover - shells only send it back
+        raise reply  # for a Step with duplicate_ok
+    return reply
