@@ -1,0 +1,340 @@
+"""MariaDB / MySQL (InnoDB): the schema and every statement of the store contract, as text.
+
+Layout. ``consumer``, ``key``, ``token`` and ``fingerprint`` are ``VARBINARY`` holding UTF-8:
+comparisons are byte for byte, so keys are case-sensitive and ``"k"`` and ``"k "`` are two
+keys (every ``utf8mb4_*`` collation but the ``nopad`` ones, whose names differ between MariaDB
+and MySQL, ignores trailing spaces; the default ones also ignore case and accents); every
+valid Unicode character round-trips, 4-byte ones included; and ``ORDER BY consumer, key`` is
+code point order, as Python sorts strings. An InnoDB index key holds at most 3072 bytes
+(DYNAMIC rows, 16 KiB pages), and a utf8mb4 column counts 4 bytes per character there: the
+primary key ``(consumer VARBINARY(800), key VARBINARY(2048))`` needs 2848, so it covers a
+200-character consumer of 4-byte characters (oncely's limit) and keys up to 2048 bytes, four
+times ``Limits.max_key_bytes``' default of 512 (``Limits`` allows up to 4096: a longer key is
+refused with :class:`~oncely.KeyTooLong` before any statement; ``hash_long_keys`` fits it).
+Times are BIGINT epoch milliseconds; the result is a LONGBLOB (its real bound is the server's
+``max_allowed_packet``).
+
+Claims. A new key is one ``INSERT ... ON DUPLICATE KEY UPDATE``: the unique primary key makes
+InnoDB the arbiter (R8, R9), and a claimer of a key whose first claimer has not committed yet
+waits on that row's lock, then inserts (the first rolled back) or finds it (it committed).
+``LAST_INSERT_ID(expr)`` reports which branch ran in the OK packet, whatever
+``CLIENT_FOUND_ROWS`` the connection was opened with: ``now + 1`` from the insert, ``0`` from
+the duplicate branch, which changes nothing. Only a duplicate reads the row (with ``now``);
+the store decides in Python with :mod:`oncely._core.state` and writes any change with a
+compare-and-set on the row version it read.
+
+Time. ``now`` is the server's clock, ``UTC_TIMESTAMP(3)`` counted from the epoch: constant
+within a statement, and independent of the session time zone (``UNIX_TIMESTAMP(NOW(3))``
+converts through the session zone and is ambiguous in the hour a DST change repeats). A store
+given a clock binds ``%(now)s`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+from oncely._core.records import Record, Status
+from oncely._core.state import ClaimEvent
+from oncely._dialects.identifiers import check_identifier
+from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
+
+__all__ = [
+    "MAX_CONSUMER_BYTES",
+    "MAX_KEY_BYTES",
+    "MAX_TOKEN_BYTES",
+    "SCHEMA_VERSION",
+    "SERVER_NOW",
+    "MySQLDialect",
+    "batch_params",
+    "claim_params",
+    "parse_record",
+    "utf8",
+    "who",
+    "write_params",
+]
+
+SCHEMA_VERSION: Final = 1
+MAX_CONSUMER_BYTES: Final = 800
+MAX_KEY_BYTES: Final = 2048
+MAX_TOKEN_BYTES: Final = 255  # tokens and fingerprints
+
+SERVER_NOW: Final = (
+    "(TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', UTC_TIMESTAMP(3)) DIV 1000)"
+)
+
+_COLUMNS: Final = (
+    "status, fingerprint, token, attempt, created_ms, updated_ms, lease_until_ms, expires_ms, "
+    "result, error"
+)
+_STATUS = {s.value: s for s in Status}
+_WHO = "consumer = %(consumer)s AND `key` = %(key)s"
+
+
+def utf8(text: str, what: str, limit: int | None = None) -> bytes:
+    """``text`` as the UTF-8 bytes a VARBINARY column holds; refused (before any statement,
+    so a session that is not strict never truncates it) when over ``limit``."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKey(
+            f"a {what} must be valid Unicode text; this one holds a lone surrogate"
+        ) from None
+    if limit is not None and len(data) > limit:
+        message = f"the {what} is {len(data)} bytes, over this store's column of {limit}"
+        if what == "key":
+            raise KeyTooLong(f"{message}: lower Limits.max_key_bytes or set hash_long_keys=True")
+        if what == "consumer":
+            raise InvalidIdentifier(message)
+        raise StoreError(message)
+    return data
+
+
+def _fingerprint(text: str | None) -> bytes | None:
+    return None if text is None else utf8(text, "fingerprint", MAX_TOKEN_BYTES)
+
+
+def who(consumer: str, key: str) -> dict[str, Any]:
+    """The parameters naming one record (and ``now``, bound when a clock is given)."""
+    return {"consumer": utf8(consumer, "consumer"), "key": utf8(key, "key"), "now": None}
+
+
+def claim_params(ev: ClaimEvent) -> dict[str, Any]:
+    """The parameters of :attr:`MySQLDialect.insert` for one claim."""
+    return {
+        "consumer": utf8(ev.consumer, "consumer", MAX_CONSUMER_BYTES),
+        "key": utf8(ev.key, "key", MAX_KEY_BYTES),
+        "status": ev.initial.value,
+        "fingerprint": _fingerprint(ev.fingerprint),
+        "token": utf8(ev.token, "token", MAX_TOKEN_BYTES),
+        "lease": ev.lease_ms if ev.initial is Status.IN_PROGRESS else 0,
+        "span": max(ev.keep_ms, ev.lease_ms),
+        "error": ev.error,
+        "now": None,
+    }
+
+
+def write_params(names: dict[str, Any], seen: Record, new: Record | None) -> dict[str, Any]:
+    """The parameters of :attr:`MySQLDialect.write` (or, without ``new``, of
+    :attr:`MySQLDialect.delete`): the row ``names`` names, only while it is ``seen``."""
+    values: dict[str, Any] = {
+        "consumer": names["consumer"],
+        "key": names["key"],
+        "token": seen.token.encode("utf-8"),
+        "status": seen.status.value,
+        "updated": seen.updated_ms,
+        "lease_until": seen.lease_until_ms,
+        "expires": seen.expires_ms,
+    }
+    if new is not None:
+        values.update(
+            n_status=new.status.value,
+            n_fingerprint=_fingerprint(new.fingerprint),
+            n_token=utf8(new.token, "token", MAX_TOKEN_BYTES),
+            n_attempt=new.attempt,
+            n_created=new.created_ms,
+            n_updated=new.updated_ms,
+            n_lease_until=new.lease_until_ms,
+            n_expires=new.expires_ms,
+            n_result=new.result,
+            n_error=new.error,
+        )
+    return values
+
+
+def batch_params(events: Sequence[ClaimEvent]) -> tuple[dict[str, int], dict[str, Any]]:
+    """For a batch of one consumer's claims: the index of each key's first request, and the
+    parameters of :meth:`MySQLDialect.claim_many_insert` / ``claim_many_read`` for the keys
+    in byte order, the order every batch locks rows in (so overlapping batches queue instead
+    of deadlocking)."""
+    first: dict[str, int] = {}
+    for i, ev in enumerate(events):
+        first.setdefault(ev.key, i)
+    ev0 = events[0]
+    params: dict[str, Any] = {
+        "consumer": utf8(ev0.consumer, "consumer", MAX_CONSUMER_BYTES),
+        "lease": ev0.lease_ms,
+        "span": max(ev0.keep_ms, ev0.lease_ms),
+        "now": None,
+    }
+    encoded = sorted((utf8(key, "key", MAX_KEY_BYTES), key) for key in first)
+    for i, (data, key) in enumerate(encoded):
+        ev = events[first[key]]
+        params[f"k{i}"] = data
+        params[f"f{i}"] = _fingerprint(ev.fingerprint)
+        params[f"t{i}"] = utf8(ev.token, "token", MAX_TOKEN_BYTES)
+    return first, params
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else bytes(value).decode("utf-8")
+
+
+def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
+    """A record from a row that starts with ``_COLUMNS``."""
+    result = row[8]
+    return Record(
+        consumer=consumer,
+        key=key,
+        status=_STATUS[row[0]],
+        fingerprint=_text(row[1]),
+        token=bytes(row[2]).decode("utf-8"),
+        attempt=int(row[3]),
+        created_ms=int(row[4]),
+        updated_ms=int(row[5]),
+        lease_until_ms=int(row[6]),
+        expires_ms=int(row[7]),
+        result=bytes(result) if result is not None else None,
+        error=row[9],
+    )
+
+
+class MySQLDialect:
+    """Every statement for one inbox table, built once. Parameters are PyMySQL's
+    ``%(name)s``; ``consumer``, ``key``, ``token`` and ``fingerprint`` bind as UTF-8 bytes."""
+
+    __slots__ = (
+        "create",
+        "delete",
+        "forget",
+        "forget_token",
+        "get",
+        "insert",
+        "meta_table",
+        "now",
+        "read",
+        "read_locked",
+        "read_version",
+        "set_result",
+        "stats",
+        "table",
+        "write",
+    )
+
+    def __init__(self, table: str = "oncely_inbox", *, server_clock: bool = True) -> None:
+        t = check_identifier(table)
+        self.table = t
+        self.meta_table = m = check_identifier(f"{t}_meta")
+        self.now = now = SERVER_NOW if server_clock else "%(now)s"
+        self.create = (
+            f"""CREATE TABLE IF NOT EXISTS `{t}` (
+                consumer VARBINARY({MAX_CONSUMER_BYTES}) NOT NULL,
+                `key` VARBINARY({MAX_KEY_BYTES}) NOT NULL,
+                status ENUM('in_progress', 'completed', 'failed') NOT NULL,
+                fingerprint VARBINARY({MAX_TOKEN_BYTES}) NULL,
+                token VARBINARY({MAX_TOKEN_BYTES}) NOT NULL,
+                attempt INT NOT NULL,
+                created_ms BIGINT NOT NULL,
+                updated_ms BIGINT NOT NULL,
+                lease_until_ms BIGINT NOT NULL,
+                expires_ms BIGINT NOT NULL,
+                result LONGBLOB NULL,
+                error MEDIUMTEXT NULL,
+                PRIMARY KEY (consumer, `key`)
+            ) ENGINE=InnoDB ROW_FORMAT=DYNAMIC DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
+            f"""CREATE TABLE IF NOT EXISTS `{m}` (
+                name VARCHAR(64) NOT NULL PRIMARY KEY,
+                value VARCHAR(64) NOT NULL
+            ) ENGINE=InnoDB DEFAULT CHARSET=ascii COLLATE=ascii_bin""",
+            f"INSERT INTO `{m}` (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
+            "ON DUPLICATE KEY UPDATE name = name",
+        )
+        self.read_version = f"SELECT value FROM `{m}` WHERE name = 'schema_version'"
+        # Not INSERT IGNORE: IGNORE also turns a too-long value or a bad status into a warning
+        # and stores a truncated key. The duplicate branch adds 0 and changes nothing.
+        self.insert = f"""INSERT INTO `{t}` (consumer, `key`, status, fingerprint, token,
+                attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+            VALUES (%(consumer)s, %(key)s, %(status)s, %(fingerprint)s, %(token)s, 1,
+                LAST_INSERT_ID({now} + 1) - 1, {now}, {now} + %(lease)s, {now} + %(span)s,
+                NULL, %(error)s)
+            ON DUPLICATE KEY UPDATE created_ms = created_ms + LAST_INSERT_ID(0)"""
+        self.read = f"SELECT {_COLUMNS}, {now} FROM `{t}` WHERE {_WHO}"
+        # Inside a caller's transaction (REPEATABLE READ) a plain SELECT reads the snapshot of
+        # the transaction's first read: a row another transaction committed since then (the
+        # winner the INSERT just waited for) is invisible to it. A locking read returns the
+        # latest committed version, and the INSERT's duplicate branch already holds that
+        # row's exclusive lock, so it never waits.
+        self.read_locked = f"{self.read} FOR UPDATE"
+        seen = (
+            "token = %(token)s AND status = %(status)s AND updated_ms = %(updated)s "
+            "AND lease_until_ms = %(lease_until)s AND expires_ms = %(expires)s"
+        )
+        # Compare-and-set on the version read: every write changes the token, the status or
+        # the times, so a row still equal to them is the row the decision was made on.
+        self.write = f"""UPDATE `{t}` SET status = %(n_status)s,
+                fingerprint = %(n_fingerprint)s, token = %(n_token)s, attempt = %(n_attempt)s,
+                created_ms = %(n_created)s, updated_ms = %(n_updated)s,
+                lease_until_ms = %(n_lease_until)s, expires_ms = %(n_expires)s,
+                result = %(n_result)s, error = %(n_error)s
+            WHERE {_WHO} AND {seen}"""
+        self.delete = f"DELETE FROM `{t}` WHERE {_WHO} AND {seen}"
+        self.set_result = f"UPDATE `{t}` SET result = %(result)s WHERE {_WHO} AND token = %(token)s"
+        self.get = f"SELECT {_COLUMNS} FROM `{t}` WHERE {_WHO} AND expires_ms > {now}"
+        self.forget = f"DELETE FROM `{t}` WHERE {_WHO}"
+        self.forget_token = f"DELETE FROM `{t}` WHERE {_WHO} AND token = %(token)s"
+        self.stats = f"""SELECT consumer, status, SUM(expires_ms > {now}), SUM(expires_ms <= {now})
+            FROM `{t}` GROUP BY consumer, status"""
+
+    def claim_many_insert(self, count: int) -> str:
+        """Insert ``count`` keys of one consumer (``%(k<i>)s``, ``%(f<i>)s``, ``%(t<i>)s``)
+        where absent; existing rows are left as they are."""
+        now = self.now
+        rows = ",\n".join(
+            f"(%(consumer)s, %(k{i})s, 'in_progress', %(f{i})s, %(t{i})s, 1, {now}, {now}, "
+            f"{now} + %(lease)s, {now} + %(span)s, NULL, NULL)"
+            for i in range(count)
+        )
+        return f"""INSERT INTO `{self.table}` (consumer, `key`, status, fingerprint, token,
+                attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+            VALUES {rows}
+            ON DUPLICATE KEY UPDATE created_ms = created_ms"""
+
+    def claim_many_read(self, count: int) -> str:
+        """The rows of ``count`` keys of one consumer, each led by its key, and ``now``."""
+        keys = ", ".join(f"%(k{i})s" for i in range(count))
+        return (
+            f"SELECT `key`, {_COLUMNS}, {self.now} FROM `{self.table}` "
+            f"WHERE consumer = %(consumer)s AND `key` IN ({keys})"
+        )
+
+    def purge_candidates(self, *, first: bool) -> str:
+        """Up to ``%(limit)s`` expired keys in primary-key order, after ``(%(after_consumer)s,
+        %(after_key)s)`` unless ``first``. Written as OR/AND, which the range optimizer of
+        both servers turns into an index range (a row comparison may not be)."""
+        after = (
+            ""
+            if first
+            else "(consumer > %(after_consumer)s OR "
+            "(consumer = %(after_consumer)s AND `key` > %(after_key)s)) AND "
+        )
+        return (
+            f"SELECT consumer, `key` FROM `{self.table}` WHERE {after}expires_ms <= {self.now} "
+            "ORDER BY consumer, `key` LIMIT %(limit)s"
+        )
+
+    def purge_delete(self, count: int) -> str:
+        """Delete ``count`` (``%(c<i>)s``, ``%(k<i>)s``) rows that are still expired."""
+        pairs = ", ".join(f"(%(c{i})s, %(k{i})s)" for i in range(count))
+        return (
+            f"DELETE FROM `{self.table}` WHERE (consumer, `key`) IN ({pairs}) "
+            f"AND expires_ms <= {self.now}"
+        )
+
+    def scan(self, *, consumer: bool, status: bool, after: bool) -> str:
+        """Unexpired rows in primary-key order, led by consumer and key, filtered only by
+        what is given (so the primary key serves the consumer filter)."""
+        where = [f"expires_ms > {self.now}"]
+        if consumer:
+            where.append("consumer = %(consumer)s")
+        if status:
+            where.append("status = %(status)s")
+        if after:
+            where.append(
+                "(consumer > %(after_consumer)s OR "
+                "(consumer = %(after_consumer)s AND `key` > %(after_key)s))"
+            )
+        return (
+            f"SELECT consumer, `key`, {_COLUMNS} FROM `{self.table}` WHERE "
+            + " AND ".join(where)
+            + " ORDER BY consumer, `key` LIMIT %(limit)s"
+        )
