@@ -650,7 +650,8 @@ def test_unsupported_url_scheme_is_a_usage_error(url: str) -> None:
 @pytest.mark.parametrize(
     "url",
     [
-        f"postgresql://admin:{SECRET}@db.example:5432/app",
+        f"postgresql://admin:{SECRET}@db.invalid:5432/app?connect_timeout=1",
+        f"redis://admin:{SECRET}@db.invalid:6379/0?password={SECRET}",
         f"sqlite://admin:{SECRET}@db.example/x.db",
         f"mysql://admin:{SECRET}@db.example/app?x=1",
         f"postgresql://admin:{SECRET}@[db.example/app",  # malformed: cannot even be parsed
@@ -668,11 +669,14 @@ def test_a_password_in_the_url_is_never_printed(url: str) -> None:
     ]
     for command in commands:
         result = run(*command)
-        assert result.exit_code == 2, (command, result.stderr)
-        assert SECRET not in result.stdout + result.stderr
+        assert SECRET not in result.stdout + result.stderr + str(result.exception)
+        if command[0] == "--debug" and result.exit_code == 1:
+            continue  # --debug raises the store error for its traceback
+        # A usage error (bad URL, unknown option) or an unreachable server: never a crash.
+        assert result.exit_code in (2, 3), (command, result.stderr)
         assert "***" in result.stderr or "not a valid URL" in result.stderr
     from_env = run("inbox", "stats", env={"ONCELY_STORE": url})
-    assert from_env.exit_code == 2
+    assert from_env.exit_code in (2, 3)
     assert SECRET not in from_env.stdout + from_env.stderr
 
 

@@ -39,7 +39,11 @@ def store_option(fn: F) -> F:
         show_envvar=True,
         default=DEFAULT_STORE,
         show_default=True,
-        help="The dedup store: sqlite:///relative.db, sqlite:////absolute.db or memory://.",
+        help=(
+            "The dedup store: sqlite:///relative.db, sqlite:////absolute.db, "
+            "postgresql://user@host/db, mysql://user@host/db (or mariadb://), "
+            "redis://host:6379/0 or memory://."
+        ),
     )(fn)
 
 
@@ -55,9 +59,10 @@ def _sqlite_path(url: str) -> str | None:
 
 
 def _without_auto_migrate(url: str) -> str:
-    # A SQLite store creates its tables on first use unless told otherwise; an inspection
-    # command must not, or `oncely inbox stats` on a typo would leave a new database behind.
-    if urlsplit(url).scheme.lower() != "sqlite" or "migrate" in parse_qs(urlsplit(url).query):
+    # Stores create their tables on first use unless told otherwise; an inspection command
+    # must not, or `oncely inbox stats` on a typo would leave new tables behind.
+    scheme = urlsplit(url).scheme.lower()
+    if scheme in ("memory",) or "migrate" in parse_qs(urlsplit(url).query):
         return url
     return url + ("&" if "?" in url else "?") + "migrate=false"
 
