@@ -6,6 +6,7 @@ import json
 from typing import Protocol
 
 from oncely._core.fingerprint import canonical_json
+from oncely.errors import PayloadError, UnfingerprintablePayload
 
 __all__ = ["Codec", "JSONCodec", "RawCodec"]
 
@@ -26,7 +27,13 @@ class JSONCodec:
     __slots__ = ()
 
     def encode(self, value: object) -> bytes:
-        return canonical_json(value).encode("utf-8")
+        try:
+            return canonical_json(value).encode("utf-8", "surrogatepass")
+        except UnfingerprintablePayload as exc:
+            raise PayloadError(
+                f"the result is not JSON: {exc.__cause__}; return JSON-compatible values "
+                "or give the inbox another codec (codec=...)"
+            ) from exc
 
     def decode(self, data: bytes) -> object:
         return json.loads(data)
