@@ -14,6 +14,7 @@ from typing import Any
 import aiosqlite
 from cases import TARGET_CORE_US, TARGET_TX_RATIO, med
 from matplotlib.figure import Figure
+from servers_report import server_chart, server_tables
 
 import oncely
 
@@ -205,6 +206,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
                 ],
             )
         )
+    if "servers" in results:
+        out += server_tables(results, Table)
     return out
 
 
@@ -252,6 +255,11 @@ def write_markdown(path: Path, results: dict[str, Any], ts: list[Table]) -> None
         f"- load average (1 min) before/after: {m['load_before'][0]:.2f} / "
         f"{m['load_after'][0]:.2f}",
         f"- database files in: {results['dir_fs']}",
+        *(
+            [f"- servers section: {results['server_messages']} messages per batch"]
+            if "servers" in results
+            else []
+        ),
         "",
         "See `bench/README.md` for what each figure means. Chart: `latest.png`.",
         "",
@@ -262,14 +270,27 @@ def write_markdown(path: Path, results: dict[str, Any], ts: list[Table]) -> None
 
 
 def chart(path: Path, results: dict[str, Any]) -> None:
-    fig = Figure(figsize=(15, 10.5))
-    axes = fig.subplots(2, 2)
+    sqlite_sections = any(k in results for k in ("twophase", "tx", "core"))
+    servers = "servers" in results and bool(results["servers"]["rows"])
+    rows = (2 if sqlite_sections or not servers else 0) + (1 if servers else 0)
+    fig = Figure(figsize=(15, 5.25 * rows))
+    axes = fig.subplots(rows, 2, squeeze=False)
     fig.suptitle(
         f"oncely benchmark  ({results['date']}, {results['machine']['cpus']} CPUs, "
         f"Python {results['machine']['python']}, SQLite {results['machine']['sqlite']}, "
         f"load {results['machine']['load_before'][0]:.1f})",
         fontsize=12,
     )
+    if rows != 1:
+        sqlite_panels(axes, results)
+    if servers:
+        server_chart(axes[-1][0], axes[-1][1], results)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def sqlite_panels(axes: Any, results: dict[str, Any]) -> None:
+    """The SQLite sections' four panels (two-phase, transactional time and ratio, core)."""
     ax = axes[0][0]
     if "twophase" in results:
         stores = list(dict.fromkeys(r["store"] for r in results["twophase"]))
@@ -365,8 +386,6 @@ def chart(path: Path, results: dict[str, Any]) -> None:
         ax.set_title("3. Pure-core decision path")
     else:
         not_run(ax, "core")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def not_run(ax: Any, what: str) -> None:

@@ -16,6 +16,12 @@ Three sections, measured side by side in one run:
 ``core``
     The pure decision path per message: key validation, payload fingerprint, claim decision
     (``apply_claim`` + ``decide``).
+``servers``
+    The PostgreSQL, MariaDB and Redis stores against their raw floors (the same driver running
+    the store's own statements or Lua scripts by hand), both modes, batch claims, round trips
+    per message counted on the wire, client CPU per message, and Redis against AWS Lambda
+    Powertools' idempotency utility (``servers.py``). A server that does not answer is
+    skipped with the reason.
 
 Every batch checks its outcomes (and the tx section checks the ledger and balances at the end),
 so a broken path fails the run instead of reporting a fast number. ``--profile`` also runs
@@ -42,8 +48,9 @@ from typing import Any
 
 from cases import Resources, profile, run_core, run_twophase, run_tx, trace_twophase, trace_tx
 from report import chart, filesystem_of, machine, machine_text, tables, write_markdown
+from servers import profile_redis, run_servers
 
-SECTIONS = ("twophase", "tx", "core")
+SECTIONS = ("twophase", "tx", "core", "servers")
 HERE = Path(__file__).resolve().parent
 
 # --------------------------------------------------------------------------- main
@@ -59,12 +66,21 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--messages", type=int, help="messages per batch (default 1000; quick: 100)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 7; quick: 3)")
     p.add_argument(
+        "--server-messages",
+        type=int,
+        help="messages per batch in the servers section (default: --messages, at most 500)",
+    )
+    p.add_argument(
         "--only",
         action="append",
         choices=SECTIONS,
         help="run only this section (repeatable)",
     )
-    p.add_argument("--profile", action="store_true", help="also cProfile the sync SQLite paths")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also cProfile the sync SQLite paths (and, with servers, the Redis path)",
+    )
     p.add_argument("--top", type=int, default=25, help="profile rows to show per path")
     p.add_argument(
         "--dir", type=Path, help="where the database files go (default: a fresh temp dir)"
@@ -76,9 +92,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.messages = 100 if args.quick else 1000
     if args.rounds is None:
         args.rounds = 3 if args.quick else 7
-    if args.messages < 1 or args.rounds < 1:
-        p.error("--messages and --rounds must be at least 1")
+    if args.server_messages is None:
+        args.server_messages = min(args.messages, 500)
+    if args.messages < 1 or args.rounds < 1 or args.server_messages < 1:
+        p.error("--messages, --server-messages and --rounds must be at least 1")
     args.warmup = min(args.messages, 50 if args.quick else 200)
+    args.server_warmup = min(args.server_messages, 20 if args.quick else 100)
     return args
 
 
@@ -127,10 +146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("running pure core ...", flush=True)
             results["core_n"] = args.messages * 10
             results["core"] = run_core(args.messages * 10, args.rounds)
+        if "servers" in sections:
+            print("running server stores ...", flush=True)
+            results["server_messages"] = args.server_messages
+            results["servers"] = run_servers(
+                res, args.server_messages, args.rounds, args.server_warmup
+            )
         prof = None
         if args.profile:
             print("profiling ...", flush=True)
             prof = profile(d, res, args.messages, args.top)
+            if "servers" in sections:
+                prof += profile_redis(res, args.server_messages, args.top)
     results["machine"]["load_after"] = os.getloadavg()
     results["seconds"] = round(time.perf_counter() - started, 1)
     ts = tables(results)
