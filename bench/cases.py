@@ -472,22 +472,12 @@ async def book_async(conn: Any, payload: dict[str, Any]) -> None:
     await conn.execute(UPDATE_BALANCE, (payload["amount_cents"], payload["account"]))
 
 
-def marker_params(key: str, token: str, fp: str) -> dict[str, Any]:
+def marker_params(key: str, token: str, fp: str) -> tuple[object, ...]:
     """Parameters of oncely's claim statement for a transactional marker (status completed),
-    as the store builds them, for the hand-run "raw + marker" variant."""
+    as the store binds them (positionally: consumer, key, status, fingerprint, token, now,
+    lease_until, expires, error), for the hand-run "raw + marker" variant."""
     now = time.time_ns() // 1_000_000
-    return {
-        "consumer": "ledger",
-        "key": key,
-        "status": "completed",
-        "fingerprint": fp,
-        "token": token,
-        "now": now,
-        "lease_until": now,
-        "expires": now + 7 * 86_400_000,
-        "error": None,
-        "takeover": True,
-    }
+    return ("ledger", key, "completed", fp, token, now, now, now + 7 * 86_400_000, None)
 
 
 # Precomputed for the marker variant: it measures the statement, not oncely's Python.

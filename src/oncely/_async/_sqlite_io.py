@@ -1,7 +1,9 @@
 """Hand-written: aiosqlite calls and the connection pool (twin: ``_sync/_sqlite_io.py``).
 
 The shapes differ from sqlite3's (``execute_fetchall`` is one hop to the connection's thread;
-the pool waits on an asyncio semaphore), so both halves are written by hand and kept small.
+the pool waits on an asyncio semaphore), so both halves are written by hand and kept small. A
+forked child empties every pool in a fork hook, so acquiring a connection does not ask the OS
+for the process id.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,19 +59,32 @@ class AsyncPool:
     connections (SQLite forbids carrying a connection across ``fork``).
     """
 
-    __slots__ = ("_closed", "_connect", "_idle", "_pid", "_size", "_slots")
+    __slots__ = ("__weakref__", "_closed", "_connect", "_idle", "_size", "_slots")
 
     def __init__(self, connect: Callable[[], Awaitable[aiosqlite.Connection]], size: int) -> None:
         self._connect = connect
         self._size = size
         self._idle: list[aiosqlite.Connection] = []
         self._slots: asyncio.Semaphore | None = None
-        self._pid = os.getpid()
         self._closed = False
+        _POOLS.add(self)
+
+    def _forget_parent(self) -> None:
+        # In a forked child: the parent's connections are never used here.
+        self._idle, self._slots = [], None
+
+    async def execute(self, conn: aiosqlite.Connection, sql: str, params: Params = ()) -> None:
+        """:func:`execute` (the threaded twin runs it on a cursor the pool keeps per
+        connection; aiosqlite has no cheaper path than one hop to the connection's thread)."""
+        await conn.execute_fetchall(sql, params)
+
+    async def fetchall(
+        self, conn: aiosqlite.Connection, sql: str, params: Params = ()
+    ) -> list[Any]:
+        """:func:`fetchall`, like :meth:`execute`."""
+        return list(await conn.execute_fetchall(sql, params))
 
     async def acquire(self) -> aiosqlite.Connection:
-        if self._pid != os.getpid():
-            self._idle, self._slots, self._pid = [], None, os.getpid()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._size)
         await self._slots.acquire()
@@ -78,7 +94,7 @@ class AsyncPool:
             self._slots.release()
             raise
 
-    async def release(self, conn: aiosqlite.Connection, *, discard: bool = False) -> None:
+    async def release(self, conn: aiosqlite.Connection, discard: bool = False) -> None:
         try:
             if discard or self._closed:
                 await close(conn)
@@ -97,3 +113,14 @@ class AsyncPool:
         idle, self._idle = self._idle, []
         for conn in idle:
             await close(conn)
+
+
+_POOLS: weakref.WeakSet[AsyncPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -18,11 +18,11 @@ import inspect
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
-from typing import Literal, ParamSpec, TypeVar, cast
+from time import perf_counter
+from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 from oncely._async._concurrency import AsyncHeartbeats, sleep
 from oncely._async._types import AsyncFunction, AsyncHandler, AsyncTxHandler
@@ -34,7 +34,7 @@ from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
 from oncely._core.keys import Envelope, KeySource, MessageIdKey, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
-from oncely._core.outcomes import Handled, Outcome
+from oncely._core.outcomes import Handled, Outcome, new_handled
 from oncely._core.policy import (
     AsyncReconciler,
     Lease,
@@ -43,7 +43,7 @@ from oncely._core.policy import (
     Retention,
     StaleClaim,
 )
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, new_record
 from oncely.errors import (
     ConfigurationError,
     LeaseLost,
@@ -62,8 +62,9 @@ R = TypeVar("R")
 Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
 
-_COMPLETE_RETRIES = (0.05, 0.2, 0.8)
+_COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
+_PROCESSED_LEVEL = Outcome.PROCESSED.log_level
 
 
 class _Tokens:
@@ -79,13 +80,16 @@ class _Tokens:
 
     def _reseed(self) -> None:
         self._prefix = os.urandom(8).hex()
-        self._count = itertools.count()
+        # Counting from 2**64: hex() then always spells "0x1" and 16 digits, and dropping
+        # the first three characters is the counter zero-padded to 16 digits, without the
+        # cost of a format specification.
+        self._count = itertools.count(1 << 64)
 
-    def __call__(self) -> str:
-        return f"{self._prefix}{next(self._count):016x}"
+    def new(self) -> str:
+        return self._prefix + hex(next(self._count))[3:]
 
 
-_new_token = _Tokens()
+_new_token = _Tokens().new  # a bound method: calling it skips the instance's __call__ slot
 
 
 def _shown(key: object) -> str | None:
@@ -119,7 +123,6 @@ class AsyncInbox:
         "_consumer",
         "_fingerprint",
         "_heartbeats",
-        "_joins_transactions",
         "_keep_failed_ms",
         "_keep_ms",
         "_lease",
@@ -131,6 +134,7 @@ class AsyncInbox:
         "_retention",
         "_store",
         "_takeover",
+        "_tx_store",
     )
 
     def __init__(
@@ -150,7 +154,9 @@ class AsyncInbox:
     ) -> None:
         self._store = store
         # Checked once: a runtime Protocol check costs tens of microseconds per call.
-        self._joins_transactions = isinstance(store, AsyncTransactionalStore)
+        self._tx_store: AsyncTransactionalStore[Any] | None = (
+            store if isinstance(store, AsyncTransactionalStore) else None
+        )
         self._consumer = validate_consumer(consumer)
         self._retention = retention if retention is not None else Retention()
         self._lease = lease if lease is not None else Lease()
@@ -205,13 +211,12 @@ class AsyncInbox:
         With ``wait``, a caller that is not a broker waits up to that long for an in-flight
         claim to finish and receives its result (or takes over its work if it is released).
         """
-        started = time.perf_counter()
-        admitted: tuple[str, str | None] | Handled[R] = self._admit(
-            key, payload, started, correlation_id
-        )
-        if isinstance(admitted, Handled):
-            return admitted
-        key, fp = admitted
+        started = perf_counter()
+        try:  # _admit, inline: this runs for every message
+            checked = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._refused(key, exc, started, correlation_id)
         deadline = None if wait is None else started + wait.total_seconds()
         pause = 0.005
         store = self._store
@@ -219,7 +224,7 @@ class AsyncInbox:
         while rounds < _MAX_ROUNDS:
             claim = await store.claim(
                 self._consumer,
-                key,
+                checked,
                 fingerprint=fp,
                 token=_new_token(),
                 lease_ms=self._lease_ms,
@@ -236,13 +241,13 @@ class AsyncInbox:
                 rounds += 1
                 continue
             if step is Step.IN_FLIGHT and deadline is not None:
-                remaining = deadline - time.perf_counter()
+                remaining = deadline - perf_counter()
                 if remaining > 0:
                     await sleep(min(pause, remaining))
                     pause = min(pause * 2, 0.25)
                     continue
             return self._settle(step, claim, correlation_id, started)
-        raise StoreUnavailable(f"claim for key {key!r} kept changing hands; try again later")
+        raise StoreUnavailable(f"claim for key {checked!r} kept changing hands; try again later")
 
     async def handle_batch(
         self,
@@ -260,7 +265,7 @@ class AsyncInbox:
         within the batch is processed once; its later copies are ``in_flight`` or
         ``duplicate`` like any concurrent copy.
         """
-        started = time.perf_counter()
+        started = perf_counter()
         admitted: list[tuple[str, str | None] | Handled[R]] = [
             self._admit(key, payload, started, correlation_id) for key, payload in items
         ]
@@ -309,7 +314,7 @@ class AsyncInbox:
         """:meth:`handle` for a broker message: the key comes from ``key`` (default: the
         producer's message id). A message without a usable key is ``rejected`` with the reason
         (dead-lettered by adapters), never processed unprotected (R2-R4)."""
-        started = time.perf_counter()
+        started = perf_counter()
         source = key if key is not None else _MESSAGE_ID
         try:
             found = source(envelope)
@@ -384,49 +389,78 @@ class AsyncInbox:
         writes were rolled back with the marker, so a redelivery retries. A result that cannot
         be stored also fails the transaction (nothing happened, so nothing is lost).
         """
-        started = time.perf_counter()
-        admitted: tuple[str, str | None] | Handled[R] = self._admit(
-            key, payload, started, correlation_id
-        )
-        if isinstance(admitted, Handled):
-            return admitted
-        key, fp = admitted
-        store: AsyncTransactionalStore[Tx] = self._transactional()
-        token = _new_token()
+        # The hot path of the transactional mode: every call layer and temporary object here
+        # costs a fixed share of each message's time, so the admission step and the outcome
+        # of a new key are written inline (the rules stay in validate_key, the fingerprinter
+        # and decide).
+        started = perf_counter()
         try:
-            if tx is not None:
-                store.check_transaction(tx)
-                if savepoint:
-                    async with store.savepoint(tx):
-                        step, claim, record, value = await self._in_tx(
-                            store, tx, key, fp, payload, handler, token, correlation_id
-                        )
-                else:
-                    try:
-                        step, claim, record, value = await self._in_tx(
-                            store, tx, key, fp, payload, handler, token, correlation_id
-                        )
-                    except _HandlerError as failure:
-                        raise failure.error from None  # the caller's transaction rolls back
-            else:
-                async with store.transaction() as own:
-                    step, claim, record, value = await self._in_tx(
-                        store, own, key, fp, payload, handler, token, correlation_id
+            checked = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._refused(key, exc, started, correlation_id)
+        store: AsyncTransactionalStore[Tx] | None = self._tx_store
+        if store is None:
+            raise TransactionsUnsupported(
+                f"{type(self._store).__name__} cannot join a transaction; use the two-phase "
+                "mode (Inbox.handle) for it, or a SQL store for the transactional mode"
+            )
+        token = _new_token()
+        consumer = self._consumer
+        # One body for the three ways in: oncely's own transaction, a savepoint in the
+        # caller's, or the caller's transaction as it is.
+        block: AbstractAsyncContextManager[Any]
+        if tx is None:
+            block = store.transaction()
+        else:
+            store.check_transaction(tx)
+            block = store.savepoint(tx) if savepoint else nullcontext()
+        try:
+            async with block as opened:
+                # Any: mypy does not narrow ``Tx | None`` here; ``opened`` is the Tx then.
+                conn: Any = tx if tx is not None else opened
+                claim = await store.claim_in(
+                    conn,
+                    consumer,
+                    checked,
+                    fingerprint=fp,
+                    token=token,
+                    keep_ms=self._keep_ms,
+                    takeover=self._takeover,
+                )
+                step = decide(claim, fp)
+                record = claim.record
+                value: R | None = None
+                if step is Step.PROCEED:
+                    context = _CURRENT.set(
+                        (consumer, checked, record.attempt, correlation_id, "transactional")
                     )
+                    try:
+                        value = await handler(conn, payload)
+                        data = None if value is None else self._encode(value, strict=True)[0]
+                    except Exception as exc:
+                        raise _HandlerError(exc) from exc
+                    finally:
+                        _CURRENT.reset(context)
+                    if data is not None:
+                        await store.set_result_in(conn, consumer, checked, token=token, result=data)
+                        record = _with_result(record, data)
         except _HandlerError as failure:
             error = failure.error
+            if tx is not None and not savepoint:
+                raise error from None  # the caller's transaction rolls back
             if isinstance(error, Reject):
-                await self._reject_in(store, tx, key, fp, error.reason)
+                await self._reject_in(store, tx, checked, fp, error.reason)
                 return self._done(
                     Outcome.REJECTED,
-                    key,
+                    checked,
                     started,
                     reason=f"handler rejected the message: {error.reason}",
                     correlation_id=correlation_id,
                 )
             return self._done(
                 Outcome.FAILED,
-                key,
+                checked,
                 started,
                 reason=f"handler raised {type(error).__name__}: {error}",
                 error=error,
@@ -434,55 +468,32 @@ class AsyncInbox:
             )
         if step is not Step.PROCEED:
             return self._settle(step, claim, correlation_id, started)
-        outcome = Outcome.PROCESSED if claim.status is ClaimStatus.NEW else Outcome.STALE_RECLAIMED
+        if claim.status is ClaimStatus.NEW:
+            handled: Handled[R] = new_handled(
+                Outcome.PROCESSED,
+                consumer,
+                checked,
+                value,
+                None,
+                None,
+                record,
+                record.attempt,
+                perf_counter() - started,
+                correlation_id,
+            )
+            observer = self._observer
+            if observer.hooks or observer.logger.isEnabledFor(_PROCESSED_LEVEL):
+                observer.emit(handled)  # (skipped when nothing would come of it)
+            return handled
         return self._done(
-            outcome,
-            key,
+            Outcome.STALE_RECLAIMED,
+            checked,
             started,
             value=value,
             record=record,
             correlation_id=correlation_id,
-            reason=None if outcome is Outcome.PROCESSED else _reclaim_reason(claim),
+            reason=_reclaim_reason(claim),
         )
-
-    async def _in_tx(
-        self,
-        store: AsyncTransactionalStore[Tx],
-        tx: Tx,
-        key: str,
-        fp: str | None,
-        payload: P,
-        handler: AsyncTxHandler[Tx, P, R],
-        token: str,
-        correlation_id: str | None,
-    ) -> tuple[Step, Claim, Record, R | None]:
-        claim = await store.claim_in(
-            tx,
-            self._consumer,
-            key,
-            fingerprint=fp,
-            token=token,
-            keep_ms=self._keep_ms,
-            takeover=self._takeover,
-        )
-        step = decide(claim, fp)
-        if step is not Step.PROCEED:
-            return step, claim, claim.record, None
-        context = _CURRENT.set(
-            (self._consumer, key, claim.record.attempt, correlation_id, "transactional")
-        )
-        try:
-            result = await handler(tx, payload)
-            data = self._encode(result, strict=True)[0]
-        except Exception as exc:
-            raise _HandlerError(exc) from exc
-        finally:
-            _CURRENT.reset(context)
-        record = claim.record
-        if data is not None:
-            await store.set_result_in(tx, self._consumer, key, token=token, result=data)
-            record = replace(record, result=data)
-        return step, claim, record, result
 
     async def _reject_in(
         self,
@@ -520,15 +531,6 @@ class AsyncInbox:
                 initial=Status.FAILED,
                 error=error,
             )
-
-    def _transactional(self) -> AsyncTransactionalStore[Tx]:
-        store = self._store
-        if not self._joins_transactions:
-            raise TransactionsUnsupported(
-                f"{type(store).__name__} cannot join a transaction; use the two-phase mode "
-                "(Inbox.handle) for it, or a SQL store for the transactional mode"
-            )
-        return cast("AsyncTransactionalStore[Tx]", store)
 
     # ------------------------------------------------------------------------ records
 
@@ -589,7 +591,7 @@ class AsyncInbox:
                 attempt=record.attempt,  # the record itself was released
                 correlation_id=correlation_id,
             )
-        data, note = self._encode(result, strict=False)
+        data, note = (None, None) if result is None else self._encode(result, strict=False)
         try:
             done = await self._complete(key, token, data, note)
         except LeaseLost as lost:
@@ -602,21 +604,18 @@ class AsyncInbox:
                 attempt=record.attempt,
                 correlation_id=correlation_id,
             )
-        reclaimed = claim.status is ClaimStatus.TAKEN_OVER
-        return self._done(
-            Outcome.STALE_RECLAIMED if reclaimed else Outcome.PROCESSED,
-            key,
-            started,
-            value=result,
-            record=done,
-            reason=note or (_reclaim_reason(claim) if reclaimed else None),
-            correlation_id=correlation_id,
-        )
+        outcome = Outcome.PROCESSED
+        reason = note
+        if claim.status is ClaimStatus.TAKEN_OVER:
+            outcome = Outcome.STALE_RECLAIMED
+            reason = note or _reclaim_reason(claim)
+        # Positional: the hot path (value, reason, error, record, attempt, correlation_id).
+        return self._done(outcome, key, started, result, reason, None, done, None, correlation_id)
 
     async def _complete(self, key: str, token: str, data: bytes | None, note: str | None) -> Record:
         # The effects are done: losing the completion would let a redelivery repeat them, so
         # a short outage is ridden out (complete is idempotent for the same token).
-        for pause in (*_COMPLETE_RETRIES, None):
+        for pause in _COMPLETE_PAUSES:
             try:
                 return await self._store.complete(
                     self._consumer, key, token=token, result=data, keep_ms=self._keep_ms, note=note
@@ -764,13 +763,14 @@ class AsyncInbox:
         try:
             return validate_key(key, self._limits), self._fingerprint(payload)
         except Exception as exc:
-            return self._done(
-                Outcome.REJECTED,
-                _shown(key),
-                started,
-                reason=str(exc),
-                correlation_id=correlation_id,
-            )
+            return self._refused(key, exc, started, correlation_id)
+
+    def _refused(
+        self, key: object, exc: Exception, started: float, correlation_id: str | None
+    ) -> Handled[R]:
+        return self._done(
+            Outcome.REJECTED, _shown(key), started, reason=str(exc), correlation_id=correlation_id
+        )
 
     def _settle(
         self, step: Step, claim: Claim, correlation_id: str | None, started: float
@@ -779,14 +779,9 @@ class AsyncInbox:
         key = record.key
         if step is Step.DUPLICATE:
             value, reason = self._decode(record)
+            # Positional: the hot path (value, reason, error, record, attempt, correlation_id).
             return self._done(
-                Outcome.DUPLICATE,
-                key,
-                started,
-                value=value,
-                reason=reason,
-                record=record,
-                correlation_id=correlation_id,
+                Outcome.DUPLICATE, key, started, value, reason, None, record, None, correlation_id
             )
         if step is Step.CONFLICT:
             reason = (
@@ -846,7 +841,6 @@ class AsyncInbox:
         outcome: Outcome,
         key: str | None,
         started: float,
-        *,
         value: R | None = None,
         reason: str | None = None,
         error: BaseException | None = None,
@@ -858,7 +852,7 @@ class AsyncInbox:
         that lost its lease reports its own attempt, not the new owner's."""
         if attempt is None:
             attempt = record.attempt if record is not None else 0
-        handled: Handled[R] = Handled(
+        handled: Handled[R] = new_handled(
             outcome,
             self._consumer,
             key,
@@ -867,10 +861,10 @@ class AsyncInbox:
             error,
             record,
             attempt,
-            time.perf_counter() - started,
+            perf_counter() - started,
             correlation_id,
         )
-        self._observer.emit(cast("Handled[object]", handled))
+        self._observer.emit(handled)
         return handled
 
 
@@ -884,6 +878,24 @@ def _lost_reason(lost: LeaseLost) -> str:
     return (
         f"lease lost: attempt {current.attempt} took the key over after this claim's lease "
         f"lapsed and now holds it ({current.status}); its result wins"
+    )
+
+
+def _with_result(record: Record, result: bytes) -> Record:
+    # dataclasses.replace, without its field introspection (it is on the hot path).
+    return new_record(
+        record.consumer,
+        record.key,
+        record.status,
+        record.fingerprint,
+        record.token,
+        record.attempt,
+        record.created_ms,
+        record.updated_ms,
+        record.lease_until_ms,
+        record.expires_ms,
+        result,
+        record.error,
     )
 
 

@@ -19,9 +19,18 @@ from typing import Any, Self
 
 import aiosqlite
 
-from oncely._async._sqlite_io import AsyncPool, Params, close, connect, execute, fetchall
+from oncely._async._sqlite_io import AsyncPool, Params, close, connect, fetchall
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Record,
+    Status,
+    StoreStats,
+    new_claim,
+    new_record,
+)
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
@@ -182,13 +191,15 @@ class AsyncSQLiteStore:
 
     async def _release(self, conn: aiosqlite.Connection) -> None:
         """Return a connection, rolling back anything an interrupted operation left open."""
+        if not conn.in_transaction:
+            await self._pool.release(conn)
+            return
         discard = False
-        if conn.in_transaction:
-            try:
-                await execute(conn, "ROLLBACK")
-            except sqlite3.Error:
-                discard = True
-        await self._pool.release(conn, discard=discard)
+        try:
+            await self._pool.execute(conn, "ROLLBACK")
+        except sqlite3.Error:
+            discard = True
+        await self._pool.release(conn, discard)
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[aiosqlite.Connection]:
@@ -254,32 +265,83 @@ class AsyncSQLiteStore:
         initial: Status,
         error: str | None,
     ) -> Claim:
+        # The first INSERT is the whole claim of a new key (the common case), so it runs
+        # before, and apart from, the retry loop of a contested one.
+        now = self._now()
+        lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+        expires = now + (keep_ms if keep_ms >= lease_ms else lease_ms)
+        status = initial._value_  # plain text: sqlite3 adapts an enum member slowly
+        try:
+            before = conn.total_changes
+            await self._pool.execute(
+                conn,
+                self._dialect.insert,
+                (consumer, key, status, fingerprint, token, now, lease_until, expires, error),
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "claim") from exc
+        if conn.total_changes != before:
+            record = new_record(
+                consumer, key, initial, fingerprint, token, 1, now, now, lease_until, expires,
+                None, error,
+            )  # fmt: skip
+            return new_claim(ClaimStatus.NEW, record, now)
+        params = {
+            "consumer": consumer,
+            "key": key,
+            "status": status,
+            "fingerprint": fingerprint,
+            "token": token,
+            "now": now,
+            "lease_until": lease_until,
+            "expires": expires,
+            "error": error,
+        }
+        return await self._claim_contested(
+            conn, params, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
+            initial, error,
+        )  # fmt: skip
+
+    async def _claim_contested(
+        self,
+        conn: aiosqlite.Connection,
+        params: dict[str, Any],
+        consumer: str,
+        key: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status,
+        error: str | None,
+    ) -> Claim:
+        """The rest of :meth:`_claim` once its INSERT (with ``params``) found the key taken:
+        read the winner, and replace it if it is expired or a stale claim this one may take
+        over; if the record changes meanwhile, claim again."""
         dialect = self._dialect
-        for _ in range(5):
-            now = self._now()
-            lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
-            expires = now + max(keep_ms, lease_ms)
-            params = {
-                "consumer": consumer,
-                "key": key,
-                "status": initial,  # a str enum: binds as its text
-                "fingerprint": fingerprint,
-                "token": token,
-                "now": now,
-                "lease_until": lease_until,
-                "expires": expires,
-                "error": error,
-            }
+        now: int = params["now"]
+        for attempt in range(5):
             try:
-                before = conn.total_changes
-                await execute(conn, dialect.insert, params)
-                if conn.total_changes != before:
-                    record = Record(
-                        consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
-                        expires, None, error,
+                if attempt:  # the winner vanished or changed: claim again, on a fresh clock
+                    now = self._now()
+                    lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+                    expires = now + max(keep_ms, lease_ms)
+                    params.update(now=now, lease_until=lease_until, expires=expires)
+                    before = conn.total_changes
+                    await self._pool.execute(
+                        conn,
+                        dialect.insert,
+                        (consumer, key, params["status"], fingerprint, token, now, lease_until,
+                         expires, error),
                     )  # fmt: skip
-                    return Claim(ClaimStatus.NEW, record, now)
-                rows = await fetchall(conn, dialect.current, params)
+                    if conn.total_changes != before:
+                        record = new_record(
+                            consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
+                            expires, None, error,
+                        )  # fmt: skip
+                        return new_claim(ClaimStatus.NEW, record, now)
+                rows = await self._pool.fetchall(conn, dialect.current, params)
                 if not rows:
                     continue  # the winner's record vanished (released): claim again
                 current = parse_record(consumer, key, rows[0])
@@ -288,16 +350,16 @@ class AsyncSQLiteStore:
                     and current.is_stale(now)
                     and fingerprints_agree(current.fingerprint, fingerprint)
                 ):
-                    return Claim(ClaimStatus.EXISTING, current, now)
+                    return new_claim(ClaimStatus.EXISTING, current, now)
                 params["seen"] = current.token
                 params["takeover"] = takeover
-                rows = await fetchall(conn, dialect.replace, params)
+                rows = await self._pool.fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "claim") from exc
             if rows:
                 record = parse_record(consumer, key, rows[0])
                 won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-                return Claim(won, record, now)
+                return new_claim(won, record, now)
             # Another claim changed the record between the read and the write: look again.
         raise StoreUnavailable(f"claim of key {key!r} kept racing with other claims; retry later")
 
@@ -325,7 +387,7 @@ class AsyncSQLiteStore:
                 "expires": now + max(keep_ms, lease_ms),
             }
             try:
-                rows = await fetchall(conn, self._dialect.takeover, params)
+                rows = await self._pool.fetchall(conn, self._dialect.takeover, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "takeover") from exc
             if rows:
@@ -352,10 +414,10 @@ class AsyncSQLiteStore:
         params = {"consumer": consumer, "key": key, "token": token, "now": now, **values}
         conn = await self._acquire()
         try:
-            rows = await fetchall(conn, sql, params)
+            rows = await self._pool.fetchall(conn, sql, params)
             if rows:
                 return parse_record(consumer, key, rows[0])
-            rows = await fetchall(conn, self._dialect.get, params)
+            rows = await self._pool.fetchall(conn, self._dialect.get, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
         finally:
@@ -404,9 +466,9 @@ class AsyncSQLiteStore:
         params = {"consumer": consumer, "key": key, "token": token, "now": now}
         async with self._connection() as conn:
             try:
-                if await fetchall(conn, self._dialect.release, params):
+                if await self._pool.fetchall(conn, self._dialect.release, params):
                     return True
-                rows = await fetchall(conn, self._dialect.get, params)
+                rows = await self._pool.fetchall(conn, self._dialect.get, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "release") from exc
         if not rows:
@@ -417,7 +479,7 @@ class AsyncSQLiteStore:
         params = {"consumer": consumer, "key": key, "now": self._now()}
         async with self._connection() as conn:
             try:
-                rows = await fetchall(conn, self._dialect.get, params)
+                rows = await self._pool.fetchall(conn, self._dialect.get, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "get") from exc
         return parse_record(consumer, key, rows[0]) if rows else None
@@ -438,12 +500,14 @@ class AsyncSQLiteStore:
             }
             async with self._connection() as conn:
                 try:
-                    found = await fetchall(conn, self._dialect.purge_candidates, params)
+                    found = await self._pool.fetchall(conn, self._dialect.purge_candidates, params)
                     if not found:
                         break
                     flat: list[object] = [part for pair in found for part in pair]
                     flat.append(now)
-                    rows = await fetchall(conn, self._dialect.purge_delete(len(found)), flat)
+                    rows = await self._pool.fetchall(
+                        conn, self._dialect.purge_delete(len(found)), flat
+                    )
                 except sqlite3.Error as exc:
                     raise translate(exc, "purge") from exc
             deleted += len(rows)
@@ -457,8 +521,8 @@ class AsyncSQLiteStore:
         now = self._now()
         async with self._connection() as conn:
             try:
-                rows = await fetchall(conn, self._dialect.stats, {"now": now})
-                expired = await fetchall(conn, self._dialect.expired_count, {"now": now})
+                rows = await self._pool.fetchall(conn, self._dialect.stats, {"now": now})
+                expired = await self._pool.fetchall(conn, self._dialect.expired_count, {"now": now})
             except sqlite3.Error as exc:
                 raise translate(exc, "stats") from exc
         counts: dict[str, dict[Status, int]] = {}
@@ -485,7 +549,7 @@ class AsyncSQLiteStore:
         }
         async with self._connection() as conn:
             try:
-                rows = await fetchall(conn, self._dialect.scan, params)
+                rows = await self._pool.fetchall(conn, self._dialect.scan, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "scan") from exc
         return [parse_record(row[0], row[1], row[2:]) for row in rows]
@@ -493,7 +557,7 @@ class AsyncSQLiteStore:
     async def forget(self, consumer: str, key: str) -> bool:
         async with self._connection() as conn:
             try:
-                rows = await fetchall(
+                rows = await self._pool.fetchall(
                     conn, self._dialect.forget, {"consumer": consumer, "key": key}
                 )
             except sqlite3.Error as exc:
@@ -547,7 +611,7 @@ class AsyncSQLiteStore:
 
     async def _run(self, conn: aiosqlite.Connection, sql: str, params: Params, op: str) -> None:
         try:
-            await execute(conn, sql, params)
+            await self._pool.execute(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
@@ -596,11 +660,14 @@ class _Transaction:
         self._conn: aiosqlite.Connection | None = None
 
     async def __aenter__(self) -> aiosqlite.Connection:
-        conn = await self._store._acquire()
+        store = self._store
+        # _acquire's checks written inline for the common case (a ready, open store).
+        ready = store._ready and not store._closed
+        conn = await (store._pool.acquire() if ready else store._acquire())
         try:
-            await execute(conn, "BEGIN IMMEDIATE")
+            await store._pool.execute(conn, "BEGIN IMMEDIATE")
         except BaseException as exc:
-            await self._store._release(conn)
+            await store._release(conn)
             if isinstance(exc, sqlite3.Error):
                 raise translate(exc, "begin") from exc
             raise
@@ -616,11 +683,16 @@ class _Transaction:
         conn = self._conn
         assert conn is not None
         self._conn = None
-        try:
-            if exc_type is None:
-                try:
-                    await execute(conn, "COMMIT")
-                except sqlite3.Error as error:
+        store = self._store
+        if exc_type is None:
+            try:
+                await store._pool.execute(conn, "COMMIT")
+            except BaseException as error:
+                await store._release(conn)  # rolls back whatever is still open
+                if isinstance(error, sqlite3.Error):
                     raise translate(error, "commit") from error
-        finally:
-            await self._store._release(conn)  # rolls back whatever is still open
+                raise
+            if not conn.in_transaction:  # committed: nothing to roll back (the common case)
+                await store._pool.release(conn)
+                return
+        await store._release(conn)  # rolls back whatever is still open

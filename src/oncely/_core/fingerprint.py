@@ -83,10 +83,14 @@ def canonical_json(value: object) -> str:
     try:
         return _canonical(value)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise UnfingerprintablePayload(
-            f"cannot fingerprint the payload: {exc}; fingerprint selected fields "
-            "(Fingerprint.fields(...)) or pass a fingerprint function"
-        ) from exc
+        raise _unfingerprintable(exc) from exc
+
+
+def _unfingerprintable(exc: Exception) -> UnfingerprintablePayload:
+    return UnfingerprintablePayload(
+        f"cannot fingerprint the payload: {exc}; fingerprint selected fields "
+        "(Fingerprint.fields(...)) or pass a fingerprint function"
+    )
 
 
 def _digest(data: bytes) -> str:
@@ -106,8 +110,15 @@ def fingerprint(payload: object) -> str:
     body re-serialised with other spacing or key order keeps its fingerprint; anything else is
     hashed in canonical JSON form.
     """
-    if type(payload) is dict:  # the common case first
-        return _digest(_utf8(canonical_json(payload)))
+    if type(payload) is dict:
+        # The common case first, with canonical_json, _utf8 and _digest written inline (the
+        # same steps, three calls fewer): it runs for every message.
+        try:
+            text = _canonical(payload)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise _unfingerprintable(exc) from exc
+        data = text.encode("utf-8", "surrogatepass")
+        return VERSION + hashlib.blake2b(data, digest_size=16).hexdigest()
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
         parsed = _try_json(raw)

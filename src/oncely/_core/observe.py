@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
-from oncely._core.outcomes import Handled
+from oncely._core.outcomes import Handled, Outcome
 
 __all__ = ["Hook", "Observer", "key_for_logs"]
 
@@ -22,6 +22,10 @@ Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
 
 LOGGER = logging.getLogger("oncely")
+
+# Keyed by the outcome's text: an enum member hashes through a Python-level __hash__, a str
+# through its cached hash, and this lookup runs for every message.
+_LEVELS = {outcome.value: outcome.log_level for outcome in Outcome}
 
 
 def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
@@ -46,8 +50,9 @@ class Observer:
         self.logger = logger if logger is not None else LOGGER
         self.log_keys: Literal["plain", "hash"] = log_keys
 
-    def emit(self, handled: Handled[object]) -> None:
-        level = handled.outcome.log_level
+    def emit(self, handled: Handled[Any]) -> None:
+        """Log ``handled`` (if the logger is enabled for its level) and call every hook."""
+        level = _LEVELS[handled.outcome._value_]
         if self.logger.isEnabledFor(level):
             key = key_for_logs(handled.key, self.log_keys)
             duration_ms = round(handled.duration_s * 1000, 3)

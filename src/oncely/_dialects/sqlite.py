@@ -100,10 +100,12 @@ class SQLiteDialect:
             "ON CONFLICT (name) DO NOTHING",
         )
         self.read_version = f"SELECT value FROM {m} WHERE name = 'schema_version'"
+        # Numbered parameters, bound from a tuple (consumer, key, status, fingerprint, token,
+        # now, lease_until, expires, error): sqlite3 binds a named parameter by building a
+        # str per name and looking it up in the dict, which costs ~2 us per claim.
         self.insert = f"""INSERT INTO {t} (consumer, key, status, fingerprint, token, attempt,
                 created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
-            VALUES (:consumer, :key, :status, :fingerprint, :token, 1,
-                :now, :now, :lease_until, :expires, NULL, :error)
+            VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?6, ?7, ?8, NULL, ?9)
             ON CONFLICT (consumer, key) DO NOTHING"""
         self.current = f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key"
         expired = "expires_ms <= :now"

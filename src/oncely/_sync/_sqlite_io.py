@@ -2,7 +2,10 @@
 
 The pool's common path is one ``list.pop`` and one ``list.append`` (atomic under the GIL): a
 semaphore round trip costs as much as a small SQLite statement. Only an exhausted pool takes
-the lock and waits.
+the lock and waits. A forked child empties every pool in a fork hook, so the common path does
+not ask the OS for its process id either. The pool keeps one cursor per connection for
+oncely's own statements (:meth:`Pool.execute`): ``Connection.execute`` builds a new cursor
+for every statement, which costs more than running a small statement.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -51,21 +55,49 @@ class Pool:
     connections (SQLite forbids carrying a connection across ``fork``).
     """
 
-    __slots__ = ("_closed", "_cond", "_connect", "_idle", "_opened", "_pid", "_size")
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_cond",
+        "_connect",
+        "_cursors",
+        "_idle",
+        "_opened",
+        "_size",
+    )
 
     def __init__(self, connect: Callable[[], sqlite3.Connection], size: int) -> None:
         self._connect = connect
         self._size = size
         self._idle: list[sqlite3.Connection] = []
+        self._cursors: dict[sqlite3.Connection, sqlite3.Cursor] = {}
         self._opened = 0
         self._cond = threading.Condition(threading.Lock())
-        self._pid = os.getpid()
         self._closed = False
+        _POOLS.add(self)
+
+    def _forget_parent(self) -> None:
+        # In a forked child: the parent's connections are never used here.
+        self._idle, self._cursors, self._opened = [], {}, 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def execute(self, conn: sqlite3.Connection, sql: str, params: Params = ()) -> None:
+        """:func:`execute` on the pool's cursor for ``conn`` (any connection is accepted:
+        one the pool did not open runs the statement on a cursor of its own)."""
+        cursor = self._cursors.get(conn)
+        if cursor is None:
+            conn.execute(sql, params).close()
+        else:
+            cursor.execute(sql, params)
+
+    def fetchall(self, conn: sqlite3.Connection, sql: str, params: Params = ()) -> list[Any]:
+        """:func:`fetchall` on the pool's cursor for ``conn``, like :meth:`execute`."""
+        cursor = self._cursors.get(conn)
+        if cursor is None:
+            return fetchall(conn, sql, params)
+        return cursor.execute(sql, params).fetchall()
 
     def acquire(self) -> sqlite3.Connection:
-        if self._pid != os.getpid():
-            self._idle, self._opened, self._pid = [], 0, os.getpid()
-            self._cond = threading.Condition(threading.Lock())
         try:
             return self._idle.pop()
         except IndexError:
@@ -83,14 +115,17 @@ class Pool:
                 # the lock on its fast path, so a wake-up could be missed.
                 self._cond.wait(0.01)
         try:
-            return self._connect()
+            conn = self._connect()
         except BaseException:
             with self._cond:
                 self._opened -= 1
             raise
+        self._cursors[conn] = conn.cursor()
+        return conn
 
-    def release(self, conn: sqlite3.Connection, *, discard: bool = False) -> None:
+    def release(self, conn: sqlite3.Connection, discard: bool = False) -> None:
         if discard or self._closed:
+            self._cursors.pop(conn, None)
             close(conn)
             with self._cond:
                 self._opened -= 1
@@ -101,10 +136,23 @@ class Pool:
         """Keep a connection opened outside :meth:`acquire` for later use."""
         with self._cond:
             self._opened += 1
+        self._cursors[conn] = conn.cursor()
         self._idle.append(conn)
 
     def close(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
         for conn in idle:
+            self._cursors.pop(conn, None)
             close(conn)
+
+
+_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -20,12 +20,21 @@ from types import TracebackType
 from typing import Any, Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Record,
+    Status,
+    StoreStats,
+    new_claim,
+    new_record,
+)
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
 from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
-from oncely._sync._sqlite_io import Params, Pool, close, connect, execute, fetchall
+from oncely._sync._sqlite_io import Params, Pool, close, connect, fetchall
 from oncely.errors import (
     SchemaMissing,
     SchemaTooNew,
@@ -182,13 +191,15 @@ class SQLiteStore:
 
     def _release(self, conn: sqlite3.Connection) -> None:
         """Return a connection, rolling back anything an interrupted operation left open."""
+        if not conn.in_transaction:
+            self._pool.release(conn)
+            return
         discard = False
-        if conn.in_transaction:
-            try:
-                execute(conn, "ROLLBACK")
-            except sqlite3.Error:
-                discard = True
-        self._pool.release(conn, discard=discard)
+        try:
+            self._pool.execute(conn, "ROLLBACK")
+        except sqlite3.Error:
+            discard = True
+        self._pool.release(conn, discard)
 
     @contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
@@ -254,32 +265,83 @@ class SQLiteStore:
         initial: Status,
         error: str | None,
     ) -> Claim:
+        # The first INSERT is the whole claim of a new key (the common case), so it runs
+        # before, and apart from, the retry loop of a contested one.
+        now = self._now()
+        lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+        expires = now + (keep_ms if keep_ms >= lease_ms else lease_ms)
+        status = initial._value_  # plain text: sqlite3 adapts an enum member slowly
+        try:
+            before = conn.total_changes
+            self._pool.execute(
+                conn,
+                self._dialect.insert,
+                (consumer, key, status, fingerprint, token, now, lease_until, expires, error),
+            )
+        except sqlite3.Error as exc:
+            raise translate(exc, "claim") from exc
+        if conn.total_changes != before:
+            record = new_record(
+                consumer, key, initial, fingerprint, token, 1, now, now, lease_until, expires,
+                None, error,
+            )  # fmt: skip
+            return new_claim(ClaimStatus.NEW, record, now)
+        params = {
+            "consumer": consumer,
+            "key": key,
+            "status": status,
+            "fingerprint": fingerprint,
+            "token": token,
+            "now": now,
+            "lease_until": lease_until,
+            "expires": expires,
+            "error": error,
+        }
+        return self._claim_contested(
+            conn, params, consumer, key, fingerprint, token, lease_ms, keep_ms, takeover,
+            initial, error,
+        )  # fmt: skip
+
+    def _claim_contested(
+        self,
+        conn: sqlite3.Connection,
+        params: dict[str, Any],
+        consumer: str,
+        key: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status,
+        error: str | None,
+    ) -> Claim:
+        """The rest of :meth:`_claim` once its INSERT (with ``params``) found the key taken:
+        read the winner, and replace it if it is expired or a stale claim this one may take
+        over; if the record changes meanwhile, claim again."""
         dialect = self._dialect
-        for _ in range(5):
-            now = self._now()
-            lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
-            expires = now + max(keep_ms, lease_ms)
-            params = {
-                "consumer": consumer,
-                "key": key,
-                "status": initial,  # a str enum: binds as its text
-                "fingerprint": fingerprint,
-                "token": token,
-                "now": now,
-                "lease_until": lease_until,
-                "expires": expires,
-                "error": error,
-            }
+        now: int = params["now"]
+        for attempt in range(5):
             try:
-                before = conn.total_changes
-                execute(conn, dialect.insert, params)
-                if conn.total_changes != before:
-                    record = Record(
-                        consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
-                        expires, None, error,
+                if attempt:  # the winner vanished or changed: claim again, on a fresh clock
+                    now = self._now()
+                    lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
+                    expires = now + max(keep_ms, lease_ms)
+                    params.update(now=now, lease_until=lease_until, expires=expires)
+                    before = conn.total_changes
+                    self._pool.execute(
+                        conn,
+                        dialect.insert,
+                        (consumer, key, params["status"], fingerprint, token, now, lease_until,
+                         expires, error),
                     )  # fmt: skip
-                    return Claim(ClaimStatus.NEW, record, now)
-                rows = fetchall(conn, dialect.current, params)
+                    if conn.total_changes != before:
+                        record = new_record(
+                            consumer, key, initial, fingerprint, token, 1, now, now, lease_until,
+                            expires, None, error,
+                        )  # fmt: skip
+                        return new_claim(ClaimStatus.NEW, record, now)
+                rows = self._pool.fetchall(conn, dialect.current, params)
                 if not rows:
                     continue  # the winner's record vanished (released): claim again
                 current = parse_record(consumer, key, rows[0])
@@ -288,16 +350,16 @@ class SQLiteStore:
                     and current.is_stale(now)
                     and fingerprints_agree(current.fingerprint, fingerprint)
                 ):
-                    return Claim(ClaimStatus.EXISTING, current, now)
+                    return new_claim(ClaimStatus.EXISTING, current, now)
                 params["seen"] = current.token
                 params["takeover"] = takeover
-                rows = fetchall(conn, dialect.replace, params)
+                rows = self._pool.fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "claim") from exc
             if rows:
                 record = parse_record(consumer, key, rows[0])
                 won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-                return Claim(won, record, now)
+                return new_claim(won, record, now)
             # Another claim changed the record between the read and the write: look again.
         raise StoreUnavailable(f"claim of key {key!r} kept racing with other claims; retry later")
 
@@ -325,7 +387,7 @@ class SQLiteStore:
                 "expires": now + max(keep_ms, lease_ms),
             }
             try:
-                rows = fetchall(conn, self._dialect.takeover, params)
+                rows = self._pool.fetchall(conn, self._dialect.takeover, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "takeover") from exc
             if rows:
@@ -352,10 +414,10 @@ class SQLiteStore:
         params = {"consumer": consumer, "key": key, "token": token, "now": now, **values}
         conn = self._acquire()
         try:
-            rows = fetchall(conn, sql, params)
+            rows = self._pool.fetchall(conn, sql, params)
             if rows:
                 return parse_record(consumer, key, rows[0])
-            rows = fetchall(conn, self._dialect.get, params)
+            rows = self._pool.fetchall(conn, self._dialect.get, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
         finally:
@@ -398,9 +460,9 @@ class SQLiteStore:
         params = {"consumer": consumer, "key": key, "token": token, "now": now}
         with self._connection() as conn:
             try:
-                if fetchall(conn, self._dialect.release, params):
+                if self._pool.fetchall(conn, self._dialect.release, params):
                     return True
-                rows = fetchall(conn, self._dialect.get, params)
+                rows = self._pool.fetchall(conn, self._dialect.get, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "release") from exc
         if not rows:
@@ -411,7 +473,7 @@ class SQLiteStore:
         params = {"consumer": consumer, "key": key, "now": self._now()}
         with self._connection() as conn:
             try:
-                rows = fetchall(conn, self._dialect.get, params)
+                rows = self._pool.fetchall(conn, self._dialect.get, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "get") from exc
         return parse_record(consumer, key, rows[0]) if rows else None
@@ -432,12 +494,12 @@ class SQLiteStore:
             }
             with self._connection() as conn:
                 try:
-                    found = fetchall(conn, self._dialect.purge_candidates, params)
+                    found = self._pool.fetchall(conn, self._dialect.purge_candidates, params)
                     if not found:
                         break
                     flat: list[object] = [part for pair in found for part in pair]
                     flat.append(now)
-                    rows = fetchall(conn, self._dialect.purge_delete(len(found)), flat)
+                    rows = self._pool.fetchall(conn, self._dialect.purge_delete(len(found)), flat)
                 except sqlite3.Error as exc:
                     raise translate(exc, "purge") from exc
             deleted += len(rows)
@@ -451,8 +513,8 @@ class SQLiteStore:
         now = self._now()
         with self._connection() as conn:
             try:
-                rows = fetchall(conn, self._dialect.stats, {"now": now})
-                expired = fetchall(conn, self._dialect.expired_count, {"now": now})
+                rows = self._pool.fetchall(conn, self._dialect.stats, {"now": now})
+                expired = self._pool.fetchall(conn, self._dialect.expired_count, {"now": now})
             except sqlite3.Error as exc:
                 raise translate(exc, "stats") from exc
         counts: dict[str, dict[Status, int]] = {}
@@ -479,7 +541,7 @@ class SQLiteStore:
         }
         with self._connection() as conn:
             try:
-                rows = fetchall(conn, self._dialect.scan, params)
+                rows = self._pool.fetchall(conn, self._dialect.scan, params)
             except sqlite3.Error as exc:
                 raise translate(exc, "scan") from exc
         return [parse_record(row[0], row[1], row[2:]) for row in rows]
@@ -487,7 +549,9 @@ class SQLiteStore:
     def forget(self, consumer: str, key: str) -> bool:
         with self._connection() as conn:
             try:
-                rows = fetchall(conn, self._dialect.forget, {"consumer": consumer, "key": key})
+                rows = self._pool.fetchall(
+                    conn, self._dialect.forget, {"consumer": consumer, "key": key}
+                )
             except sqlite3.Error as exc:
                 raise translate(exc, "forget") from exc
         return bool(rows)
@@ -539,7 +603,7 @@ class SQLiteStore:
 
     def _run(self, conn: sqlite3.Connection, sql: str, params: Params, op: str) -> None:
         try:
-            execute(conn, sql, params)
+            self._pool.execute(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
@@ -588,11 +652,14 @@ class _Transaction:
         self._conn: sqlite3.Connection | None = None
 
     def __enter__(self) -> sqlite3.Connection:
-        conn = self._store._acquire()
+        store = self._store
+        # _acquire's checks written inline for the common case (a ready, open store).
+        ready = store._ready and not store._closed
+        conn = store._pool.acquire() if ready else store._acquire()
         try:
-            execute(conn, "BEGIN IMMEDIATE")
+            store._pool.execute(conn, "BEGIN IMMEDIATE")
         except BaseException as exc:
-            self._store._release(conn)
+            store._release(conn)
             if isinstance(exc, sqlite3.Error):
                 raise translate(exc, "begin") from exc
             raise
@@ -608,11 +675,16 @@ class _Transaction:
         conn = self._conn
         assert conn is not None
         self._conn = None
-        try:
-            if exc_type is None:
-                try:
-                    execute(conn, "COMMIT")
-                except sqlite3.Error as error:
+        store = self._store
+        if exc_type is None:
+            try:
+                store._pool.execute(conn, "COMMIT")
+            except BaseException as error:
+                store._release(conn)  # rolls back whatever is still open
+                if isinstance(error, sqlite3.Error):
                     raise translate(error, "commit") from error
-        finally:
-            self._store._release(conn)  # rolls back whatever is still open
+                raise
+            if not conn.in_transaction:  # committed: nothing to roll back (the common case)
+                store._pool.release(conn)
+                return
+        store._release(conn)  # rolls back whatever is still open
