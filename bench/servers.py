@@ -324,7 +324,12 @@ def counting_redis_client(url: str, trips: Trips, *, decode_responses: bool = Fa
     redis = driver("redis")
     scripts = {
         s.sha.encode(): s.name
-        for s in (redis_dialect.CLAIM, redis_dialect.COMPLETE, redis_dialect.RELEASE)
+        for s in (
+            redis_dialect.CLAIM,
+            redis_dialect.CLAIM_MANY,
+            redis_dialect.COMPLETE,
+            redis_dialect.RELEASE,
+        )
     }
 
     class Counting(redis.Connection):

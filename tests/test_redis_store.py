@@ -9,6 +9,7 @@ The whole contract suite runs on both through ``tests/backends/redis.py`` and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -38,7 +39,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from redis._parsers.base import BaseParser
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as ConnError
+from redis.retry import Retry
 
 import oncely
 from oncely import (
@@ -57,7 +62,7 @@ from oncely import (
 from oncely._async.redis import AsyncRedisStore
 from oncely._core.records import ClaimRequest
 from oncely._dialects.redis import RedisKeys
-from oncely._drivers.redis import parse_url, slot_of, translate
+from oncely._drivers.redis import pack_evalsha, parse_url, slot_of, translate
 from oncely._sync.redis import RedisStore
 from tests import redis_cluster
 from tests.backends.redis import drop_prefix, with_options
@@ -546,6 +551,8 @@ def test_a_new_key_takes_two_round_trips_and_a_duplicate_one(
     store = oncely.open(f"redis://127.0.0.1:{private_port}/0?prefix={prefix}")
     inbox = oncely.Inbox(store, consumer="billing")
     inbox.handle("warm-up", {"a": 0}, _charge)  # schema marker, scripts loaded, pool filled
+    warm = [ClaimRequest("warm-up-batch", None, "w")]  # the batch claim's own script
+    store.claim_many("billing", warm, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False)
     admin = redis.Redis(port=private_port)
     admin.config_resetstat()
     sends.clear()
@@ -560,7 +567,7 @@ def test_a_new_key_takes_two_round_trips_and_a_duplicate_one(
     }
     # Three scripts sent; the rest are the commands those scripts ran inside the server.
     assert calls.pop("evalsha") == 3
-    assert set(calls) <= {"time", "hmget", "hset", "hdel", "pexpireat", "del"}, calls
+    assert set(calls) <= {"time", "exists", "hmget", "hset", "pexpireat", "del"}, calls
     sends.clear()
     batch = [ClaimRequest(f"b{i}", None, f"t{i}") for i in range(1200)]  # over one script's 500
     claims = store.claim_many("billing", batch, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False)
@@ -580,6 +587,8 @@ async def test_the_asyncio_store_takes_the_same_round_trips(
         return payload
 
     await inbox.handle("warm-up", {"a": 0}, charge)
+    warm = [ClaimRequest("warm-up-batch", None, "w")]  # the batch claim's own script
+    await store.claim_many("billing", warm, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False)
     sends.clear()
     assert (await inbox.handle("order-1", {"a": 1}, charge)).outcome is Outcome.PROCESSED
     assert sends[private_port] == 2
@@ -612,6 +621,305 @@ def test_on_a_cluster_a_batch_is_one_round_trip_per_node(
     claims = store.claim_many("billing", batch, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False)
     assert [c.status for c in claims] == [ClaimStatus.NEW] * 300
     assert set(sends) == set(cluster.ports) and set(sends.values()) == {1}
+    store.close()
+
+
+# --------------------------------------------------------------- compact replies, own packing
+
+# Values that could confuse a reply format: spaces, newlines, separators, any script, empty.
+_AWKWARD = st.text(
+    alphabet=st.sampled_from([*" \n\r\t-1e+%:{}ab", "\u00e9", "\u4e2d", "\U0001f600"]),
+    max_size=10,
+)
+_BYTES = st.binary(max_size=12) | st.sampled_from([b"", b" ", b"\n", b"1 2 3\n", b"\r\n"])
+
+
+def _rebuilt_scenario(
+    store: RedisStore,
+    clock: FakeClock | None,
+    key: str,
+    values: tuple[str | None, str, bytes | None, str | None, str | None, bool],
+) -> None:
+    """Every reply shape against the record Redis holds (read back whole by ``get``)."""
+    fingerprint, token, result, note, other, fail = values
+    c = "replies"
+
+    def held() -> oncely.Record | None:
+        return store.get(c, key)
+
+    # lease 0: stale at once on any clock, so the takeover needs no waiting
+    first = store.claim(
+        c, key, fingerprint=fingerprint, token=f"{token}#1", lease_ms=0, keep_ms=KEEP_MS,
+        takeover=True,
+    )  # fmt: skip
+    assert first.status is ClaimStatus.NEW and first.record == held()
+    again = store.claim(
+        c, key, fingerprint=other, token=f"{token}#2", lease_ms=LEASE_MS, keep_ms=KEEP_MS,
+        takeover=False,
+    )  # fmt: skip
+    assert again.status is ClaimStatus.EXISTING and again.record == held() == first.record
+    if clock is not None:
+        clock.advance(timedelta(milliseconds=5))
+    taken = store.claim(
+        c, key, fingerprint=None, token=f"{token}#3", lease_ms=LEASE_MS, keep_ms=KEEP_MS,
+        takeover=True,
+    )  # fmt: skip
+    assert taken.status is ClaimStatus.TAKEN_OVER and taken.record == held()
+    assert taken.record.fingerprint == fingerprint and taken.record.attempt == 2
+    with pytest.raises(oncely.LeaseLost) as lost:
+        store.renew(c, key, token=f"{token}#1", lease_ms=LEASE_MS, keep_ms=KEEP_MS)
+    assert lost.value.current == held()
+    renewed = store.renew(c, key, token=f"{token}#3", lease_ms=2 * LEASE_MS, keep_ms=KEEP_MS)
+    assert renewed == held() and renewed.lease_until_ms == renewed.updated_ms + 2 * LEASE_MS
+    if fail:
+        done = store.fail(c, key, token=f"{token}#3", error=note or "", keep_ms=KEEP_MS)
+        repeat = store.fail(c, key, token=f"{token}#3", error="other", keep_ms=1)
+    else:
+        done = store.complete(c, key, token=f"{token}#3", result=result, keep_ms=KEEP_MS, note=note)
+        repeat = store.complete(c, key, token=f"{token}#3", result=b"x", keep_ms=1)
+    assert done == held() == repeat
+    store.claim(
+        c, f"{key}-c", fingerprint=other, token=f"{token}#7", lease_ms=0, keep_ms=KEEP_MS,
+        takeover=False,
+    )  # fmt: skip
+    batch = store.claim_many(
+        c,
+        [
+            ClaimRequest(key, fingerprint, f"{token}#4"),
+            ClaimRequest(f"{key}-c", None, f"{token}#8"),
+            ClaimRequest(f"{key}-b", other, f"{token}#5"),
+            ClaimRequest(f"{key}-b", other, f"{token}#6"),
+        ],
+        lease_ms=LEASE_MS,
+        keep_ms=1,  # shorter than the lease: the record lives as long as its lease
+        takeover=True,
+    )
+    assert [claim.status for claim in batch] == [
+        ClaimStatus.EXISTING, ClaimStatus.TAKEN_OVER, ClaimStatus.NEW, ClaimStatus.EXISTING,
+    ]  # fmt: skip
+    assert batch[0].record == done
+    assert batch[1].record == store.get(c, f"{key}-c") and batch[1].record.fingerprint == other
+    assert batch[2].record == batch[3].record == store.get(c, f"{key}-b")
+    assert batch[2].record.fingerprint == other and batch[3].record.token == f"{token}#5"
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("clocked", [False, True], ids=["server-clock", "given-clock"])
+def test_replies_rebuild_exactly_the_record_redis_holds(
+    redis_url: str, prefix: str, clocked: bool
+) -> None:
+    """Scripts answer a new claim with a code and a write with a few fields (the store builds
+    the rest from what it sent), and a record the caller cannot know as two values. Whatever the
+    fingerprints, tokens, results and notes hold, every record a call returns equals the one
+    Redis then holds, field for field."""
+    client = redis.Redis.from_url(redis_url)
+    clock = FakeClock() if clocked else None
+    store = RedisStore(client, prefix=prefix, clock=clock)
+    optional = st.none() | _AWKWARD
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.tuples(optional, _AWKWARD, st.none() | _BYTES, optional, optional, st.booleans()))
+    def check(values: tuple[str | None, str, bytes | None, str | None, str | None, bool]) -> None:
+        _rebuilt_scenario(store, clock, uuid.uuid4().hex, values)
+
+    try:
+        check()
+    finally:
+        store.close()
+        client.close()
+
+
+@pytest.mark.services
+async def test_the_asyncio_store_rebuilds_the_same_records(redis_url: str, prefix: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    store = AsyncRedisStore(client, prefix=prefix)
+    c, key, fp = "replies", "k", "f 1\n\u00e9"
+    claim = await store.claim(
+        c, key, fingerprint=fp, token="t 1", lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
+    )
+    assert claim.status is ClaimStatus.NEW and claim.record == await store.get(c, key)
+    renewed = await store.renew(c, key, token="t 1", lease_ms=LEASE_MS, keep_ms=KEEP_MS)
+    assert renewed == await store.get(c, key)
+    done = await store.complete(c, key, token="t 1", result=b"\n1 2\n", keep_ms=1_000, note="a\nb")
+    assert done == await store.get(c, key) and done.result == b"\n1 2\n"
+    batch = await store.claim_many(
+        c, [ClaimRequest(key, fp, "t 2"), ClaimRequest("k2", None, "t 3")],
+        lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=True,
+    )  # fmt: skip
+    assert [b.status for b in batch] == [ClaimStatus.EXISTING, ClaimStatus.NEW]
+    assert batch[0].record == done and batch[1].record == await store.get(c, "k2")
+    await store.aclose()
+    await client.aclose()
+
+
+@given(
+    st.lists(st.binary(max_size=40), min_size=1, max_size=4),
+    st.lists(st.binary(max_size=40), max_size=9),
+)
+def test_the_stores_own_packing_is_the_redis_protocol(keys: list[bytes], args: list[bytes]) -> None:
+    """The store packs EVALSHA itself; byte for byte what redis-py would send."""
+    sha = b"0123456789abcdef0123456789abcdef01234567"
+    sent = redis.connection.Connection().pack_command("EVALSHA", sha, len(keys), *keys, *args)
+    assert pack_evalsha(sha, keys, args) == b"".join(sent)
+
+
+@pytest.mark.services
+def test_every_client_kind_reloads_flushed_scripts_and_survives_killed_connections(
+    private_port: int, prefix: str
+) -> None:
+    """A single Redis client goes through the store's own send path, a single-connection client
+    through redis-py's: both load the scripts again after SCRIPT FLUSH (a restarted server), and
+    a connection the server dropped is replaced without an error reaching the caller."""
+    admin = redis.Redis(port=private_port)
+    # One resend on a dropped connection, as the store's own clients do (redis-py 5 needs
+    # retry_on_error for it; later versions retry by default).
+    resend: dict[str, Any] = {"retry": Retry(NoBackoff(), 1), "retry_on_error": [ConnError]}
+    for client in (
+        redis.Redis(port=private_port, **resend),
+        redis.Redis(port=private_port, single_connection_client=True, **resend),
+    ):
+        store = RedisStore(client, prefix=prefix)
+        inbox = oncely.Inbox(store, consumer=f"kind-{id(client)}")
+        for step in range(3):
+            admin.script_flush()
+            admin.client_kill_filter(_type="normal", skipme=True)
+            assert inbox.handle(f"k{step}", {"a": step}, _charge).outcome is Outcome.PROCESSED
+            admin.script_flush()
+            assert inbox.handle(f"k{step}", {"a": step}, _charge).outcome is Outcome.DUPLICATE
+            admin.script_flush()
+            batch = [ClaimRequest(f"b{step}-{i}", None, f"t{step}-{i}") for i in range(3)]
+            claims = store.claim_many(
+                inbox.consumer, batch, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
+            )
+            assert [claim.status for claim in claims] == [ClaimStatus.NEW] * 3
+        store.close()
+        client.close()
+    admin.close()
+
+
+@pytest.mark.services
+async def test_the_asyncio_clients_reload_flushed_scripts_and_survive_killed_connections(
+    private_port: int, prefix: str
+) -> None:
+    admin = redis.Redis(port=private_port)
+
+    async def charge(payload: object) -> object:
+        return payload
+
+    resend: dict[str, Any] = {"retry": AsyncRetry(NoBackoff(), 1), "retry_on_error": [ConnError]}
+    for client in (
+        redis.asyncio.Redis(port=private_port, **resend),
+        redis.asyncio.Redis(port=private_port, single_connection_client=True, **resend),
+    ):
+        store = AsyncRedisStore(client, prefix=prefix)
+        inbox = oncely.AsyncInbox(store, consumer=f"kind-{id(client)}")
+        for step in range(3):
+            admin.script_flush()
+            admin.client_kill_filter(_type="normal", skipme=True)
+            handled = await inbox.handle(f"k{step}", {"a": step}, charge)
+            assert handled.outcome is Outcome.PROCESSED
+            admin.script_flush()
+            handled = await inbox.handle(f"k{step}", {"a": step}, charge)
+            assert handled.outcome is Outcome.DUPLICATE
+        await store.aclose()
+        await client.aclose()
+    admin.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+def test_the_stores_own_connections_are_bounded_and_shared_by_every_thread(
+    private_port: int, prefix: str
+) -> None:
+    """A store that built its client runs its scripts on at most ``max_connections``
+    connections of its own: more threads than that take turns, none fails; a caller that finds
+    every one busy for ``timeout`` gets StoreUnavailable."""
+    url = f"redis://127.0.0.1:{private_port}/0?prefix={prefix}&max_connections=2&timeout=0.3"
+    store = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="pool")
+    admin = redis.Redis(port=private_port)
+    failures: list[BaseException] = []
+
+    def work(thread: int) -> None:
+        try:
+            for i in range(40):
+                handled = inbox.handle(f"{thread}-{i}", {"i": i}, _charge)
+                assert handled.outcome is Outcome.PROCESSED
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not failures, failures
+    scripts = [c for c in admin.client_list() if c["cmd"] == "evalsha"]
+    assert 1 <= len(scripts) <= 2, scripts
+    runner = store._runner  # white box: hold both connections, as two calls in flight would
+    held = [runner._take(), runner._take()]
+    with pytest.raises(StoreUnavailable, match="No connection available"):
+        store.get("pool", "0-0")
+    runner._idle += held
+    assert store.get("pool", "0-0") is not None
+    drop_prefix(admin, prefix)
+    store.close()
+    admin.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+async def test_the_asyncio_stores_own_connections_are_bounded_and_shared_by_every_task(
+    private_port: int, prefix: str
+) -> None:
+    url = f"redis://127.0.0.1:{private_port}/0?prefix={prefix}&max_connections=2"
+    store = oncely.open_async(url)
+    inbox = oncely.AsyncInbox(store, consumer="pool")
+
+    async def charge(payload: object) -> object:
+        return payload
+
+    async def work(task: int) -> list[Outcome]:
+        return [(await inbox.handle(f"{task}-{i}", {"i": i}, charge)).outcome for i in range(20)]
+
+    done = await asyncio.gather(*(work(t) for t in range(12)))
+    assert [outcome for outcomes in done for outcome in outcomes] == [Outcome.PROCESSED] * 240
+    admin = redis.Redis(port=private_port)
+    scripts = [c for c in admin.client_list() if c["cmd"] == "evalsha"]
+    assert 1 <= len(scripts) <= 2, scripts
+    await store.aclose()
+    drop_prefix(admin, prefix)
+    admin.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_on_connections_of_its_own(private_port: int, prefix: str) -> None:
+    """A child process forked from a worker must not share the parent's sockets (two processes
+    reading one socket steal each other's replies): it opens its own; the parent's stay."""
+    store = oncely.open(f"redis://127.0.0.1:{private_port}/0?prefix={prefix}")
+    inbox = oncely.Inbox(store, consumer="fork")
+    assert inbox.handle("parent-1", {"a": 1}, _charge).outcome is Outcome.PROCESSED
+    parents = {conn._sock.fileno() for conn in store._runner._made}  # white box
+    assert parents
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code, never return into pytest
+        code = 1
+        try:
+            new = inbox.handle("child-1", {"a": 2}, _charge).outcome is Outcome.PROCESSED
+            seen = inbox.handle("parent-1", {"a": 1}, _charge).outcome is Outcome.DUPLICATE
+            own = {conn._sock.fileno() for conn in store._runner._made}
+            code = 0 if new and seen and own and not own & parents else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert inbox.handle("parent-2", {"a": 3}, _charge).outcome is Outcome.PROCESSED
+    assert inbox.handle("child-1", {"a": 2}, _charge).outcome is Outcome.DUPLICATE
+    assert {conn._sock.fileno() for conn in store._runner._made} == parents
+    drop_prefix(redis.Redis(port=private_port), prefix)
     store.close()
 
 

@@ -23,6 +23,14 @@ slot, which a cluster can never split). A script touches one key, except a batch
 single Redis (no slots) and a cluster batch's per-slot groups. Consumer and key are escaped
 (``%`` ``{`` ``}`` ``:`` as ``%XX``), so the name is unambiguous and reversible and no key can
 open or close a hash tag of its own. The schema version lives in ``<prefix>:meta``.
+
+Replies are short, because the client's parser costs far more per reply element than the
+server does (redis-py parses RESP in Python unless hiredis is installed). A script answers
+``{code, now}`` and at most two more values: nothing for a new claim (the client knows the
+record it asked for), a *brief* (``"attempt created lease_until[ fingerprint]"``, the fields a
+write leaves the client not knowing) after a write, and the whole record as two values,
+``status`` and one *packed* string, where the client cannot know it (an existing record, a
+lost lease, ``get``). A batch claim answers ``{now, codes, extras...}``: one letter per key.
 """
 
 from __future__ import annotations
@@ -33,11 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import unquote
 
-from oncely._core.records import Claim, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely._dialects.identifiers import check_identifier
 
 __all__ = [
     "CLAIM",
+    "CLAIM_MANY",
     "COMPLETE",
     "FAIL",
     "GET",
@@ -49,34 +58,40 @@ __all__ = [
     "RedisKeys",
     "Script",
     "opt",
-    "parse_claims",
+    "parse_batch",
+    "parse_claim",
     "parse_fields",
+    "parse_record",
     "parse_reply",
+    "parse_written",
 ]
 
 SCHEMA_VERSION: Final = 1
 
 RECORD_FIELDS: Final = (b"s", b"f", b"t", b"a", b"c", b"u", b"l", b"e", b"r", b"x")
-"""The hash fields of a record, in the order every reply carries them."""
+"""The hash fields of a record, in ``HMGET`` order."""
 
 _STATUS = {s.value.encode(): s for s in Status}
 
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """A Lua script and its SHA-1 (what ``EVALSHA`` names it by)."""
+    """A Lua script and its SHA-1 (what ``EVALSHA`` names it by; ``sha_bytes`` as sent)."""
 
     name: str
     text: str
     sha: str = field(init=False)
+    sha_bytes: bytes = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
+        sha = hashlib.sha1(self.text.encode()).hexdigest()
+        object.__setattr__(self, "sha", sha)
+        object.__setattr__(self, "sha_bytes", sha.encode())
 
 
-# Shared by every script: the clock, the record as a 10-slot table (false for a missing field),
-# writing it back, and the reply {code, now, fields...}. Lua numbers are doubles: epoch
-# milliseconds stay exact, and Redis turns them into integers in the reply.
+# Shared by every script: the clock, reading a record as a 10-slot table (false for a missing
+# field) and the replies. Lua numbers are doubles: epoch milliseconds stay exact; int() writes
+# them as plain digits (Lua's own tostring switches to 1e+15 notation past 14 digits).
 _PRELUDE = """
 local F = {'s', 'f', 't', 'a', 'c', 'u', 'l', 'e', 'r', 'x'}
 local server = ARGV[1] == ''
@@ -87,6 +102,11 @@ if server then
 else
   now = tonumber(ARGV[1])
 end
+
+local function int(n)
+  return string.format('%d', n)
+end
+local NOW = int(now)
 
 -- The record's fields (v[1] is false when there is none); live when unexpired (expires > now).
 local function load(k)
@@ -106,34 +126,38 @@ local function live(k)
   return nil
 end
 
--- Write every field of v (false ones deleted, unless the key held nothing before).
-local function save(k, v, existed)
-  local set, del = {}, {}
-  for i = 1, 10 do
-    if v[i] then
-      set[#set + 1] = F[i]
-      set[#set + 1] = v[i]
-    else
-      del[#del + 1] = F[i]
-    end
-  end
-  redis.call('HSET', k, unpack(set))
-  if existed and #del > 0 then
-    redis.call('HDEL', k, unpack(del))
-  end
+-- Redis deletes the record at its expiry, on the clock the scripts judge expiry by.
+local function expire(k, e)
   if server then
-    redis.call('PEXPIREAT', k, v[8])
+    redis.call('PEXPIREAT', k, e)
   end
 end
 
-local function reply(code, v)
-  local out = {code, now}
-  if v then
-    for i = 1, 10 do
-      out[i + 2] = v[i]
-    end
+-- The whole record as two values: the status, and 'a c u l e #f #t #r #x' (-1: missing), a
+-- newline, then f, t, r and x back to back.
+local function packed(v)
+  local f, r, x = v[2] or '', v[9] or '', v[10] or ''
+  local head = table.concat({v[4], v[5], v[6], v[7], v[8], v[2] and #f or -1, #v[3],
+                             v[9] and #r or -1, v[10] and #x or -1}, ' ')
+  return v[1], head .. '\\n' .. f .. v[3] .. r .. x
+end
+
+-- What a write leaves the client not knowing: 'attempt created lease_until[ fingerprint]'.
+local function brief(v)
+  local b = v[4] .. ' ' .. v[5] .. ' ' .. v[7]
+  if v[2] then
+    b = b .. ' ' .. v[2]
   end
-  return out
+  return b
+end
+
+-- {code, now} and, with a record, {code, now, status, packed}.
+local function reply(code, v)
+  if v then
+    local s, p = packed(v)
+    return {code, now, s, p}
+  end
+  return {code, now}
 end
 
 -- An optional argument: '' is None, anything else carries one leading marker byte.
@@ -145,68 +169,124 @@ local function opt(a)
 end
 """
 
-_CLAIM = """
--- KEYS: one record per request. ARGV: now, lease, keep, takeover ('1'/'0'), expected token
--- ('' for any), then (fingerprint, token) per request. Requests run in order, as claims made
--- one after the other; the reply holds one {code, now, fields...} per request.
-local lease, keep = tonumber(ARGV[2]), tonumber(ARGV[3])
+# ARGV: now, lease, keep, takeover ('1'/'0'), expected token ('' for any), then (fingerprint,
+# token) per key of KEYS; keys are claimed in order, as claims made one after the other.
+_CLAIM_ONE = """
+local lease = tonumber(ARGV[2])
+local LEASE, EXPIRES = int(now + lease), int(now + math.max(tonumber(ARGV[3]), lease))
 local takeover, expected = ARGV[4] == '1', opt(ARGV[5])
+
+-- 'new' (the record is the one asked for), 'taken' or 'existing', and the record.
+local function claim(k, fp, token)
+  if redis.call('EXISTS', k) == 1 then
+    local v = load(k)
+    if alive(v) then
+      if not (takeover and v[1] == 'in_progress' and tonumber(v[7]) <= now
+              and (not fp or not v[2] or v[2] == fp) and (not expected or v[3] == expected)) then
+        return 'existing', v
+      end
+      -- In progress, so no result or error to clear; created and status stay.
+      v[2], v[3], v[4], v[6], v[7], v[8] = fp or v[2], token, int(tonumber(v[4]) + 1), NOW,
+                                           LEASE, EXPIRES
+      local set = {'t', token, 'a', v[4], 'u', NOW, 'l', LEASE, 'e', EXPIRES}
+      if v[2] then
+        set[#set + 1], set[#set + 2] = 'f', v[2]
+      end
+      redis.call('HSET', k, unpack(set))
+      expire(k, EXPIRES)
+      return 'taken', v
+    end
+    redis.call('DEL', k)  -- expired, so absent (a given clock: Redis keeps it)
+  end
+  if fp then
+    redis.call('HSET', k, 's', 'in_progress', 'f', fp, 't', token, 'a', '1', 'c', NOW,
+               'u', NOW, 'l', LEASE, 'e', EXPIRES)
+  else
+    redis.call('HSET', k, 's', 'in_progress', 't', token, 'a', '1', 'c', NOW, 'u', NOW,
+               'l', LEASE, 'e', EXPIRES)
+  end
+  expire(k, EXPIRES)
+  return 'new', nil
+end
+"""
+
+_CLAIM = """
+-- One {code, now, ...} per key: nothing more when new, the brief when taken, the record when
+-- existing.
 local out = {}
 for n, k in ipairs(KEYS) do
-  local fp, token = opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n]
-  local v = load(k)
-  local code = 'existing'
-  if not alive(v) then
-    local existed = v[1]
-    v = {'in_progress', fp, token, 1, now, now, now + lease, now + math.max(keep, lease),
-         false, false}
-    save(k, v, existed)
-    code = 'new'
-  elseif takeover and v[1] == 'in_progress' and tonumber(v[7]) <= now
-      and (not fp or not v[2] or v[2] == fp) and (not expected or v[3] == expected) then
-    v = {'in_progress', fp or v[2], token, tonumber(v[4]) + 1, v[5], now, now + lease,
-         now + math.max(keep, lease), false, false}
-    save(k, v, true)
-    code = 'taken'
+  local code, v = claim(k, opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n])
+  if code == 'taken' then
+    out[n] = {code, now, brief(v)}
+  else
+    out[n] = reply(code, v)
   end
-  out[n] = reply(code, v)
 end
 return out
 """
 
+_CLAIM_MANY = """
+-- {now, codes, extras...}: codes holds a letter per key, n (new), t (taken: one extra, the
+-- brief) or e (existing: two extras, status and packed record).
+local codes, out = {}, {now, ''}
+for n, k in ipairs(KEYS) do
+  local code, v = claim(k, opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n])
+  codes[n] = string.sub(code, 1, 1)
+  if code == 'taken' then
+    out[#out + 1] = brief(v)
+  elseif code == 'existing' then
+    local s, p = packed(v)
+    out[#out + 1] = s
+    out[#out + 1] = p
+  end
+end
+out[2] = table.concat(codes)
+return out
+"""
+
 _COMPLETE = """
--- ARGV: now, token, keep, result (optional), note (optional).
+-- ARGV: now, token, keep, result (optional), note (optional). 'ok' wrote it, 'done' found it
+-- done already by this token, 'lost' found another's or none.
 local v = live(KEYS[1])
 if not v or v[3] ~= ARGV[2] then
   return reply('lost', v)
 end
 if v[1] == 'completed' then
-  return reply('ok', v)
+  return reply('done', v)
 end
 if v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
-v[1], v[6], v[8] = 'completed', now, now + tonumber(ARGV[3])
-v[9], v[10] = opt(ARGV[4]), opt(ARGV[5])
-save(KEYS[1], v, true)
-return reply('ok', v)
+local e = int(now + tonumber(ARGV[3]))
+local set = {'s', 'completed', 'u', NOW, 'e', e}
+local result, note = opt(ARGV[4]), opt(ARGV[5])
+if result then
+  set[#set + 1], set[#set + 2] = 'r', result
+end
+if note then
+  set[#set + 1], set[#set + 2] = 'x', note
+end
+redis.call('HSET', KEYS[1], unpack(set))
+expire(KEYS[1], e)
+return {'ok', now, brief(v)}
 """
 
 _FAIL = """
--- ARGV: now, token, keep, error.
+-- ARGV: now, token, keep, error. Codes as for complete.
 local v = live(KEYS[1])
 if not v or v[3] ~= ARGV[2] then
   return reply('lost', v)
 end
 if v[1] == 'failed' then
-  return reply('ok', v)
+  return reply('done', v)
 end
 if v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
-v[1], v[6], v[8], v[9], v[10] = 'failed', now, now + tonumber(ARGV[3]), false, ARGV[4]
-save(KEYS[1], v, true)
-return reply('ok', v)
+local e = int(now + tonumber(ARGV[3]))
+redis.call('HSET', KEYS[1], 's', 'failed', 'u', NOW, 'e', e, 'x', ARGV[4])
+expire(KEYS[1], e)
+return {'ok', now, brief(v)}
 """
 
 _RENEW = """
@@ -216,9 +296,10 @@ if not v or v[3] ~= ARGV[2] or v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
 local lease = tonumber(ARGV[3])
-v[6], v[7], v[8] = now, now + lease, now + math.max(tonumber(ARGV[4]), lease)
-save(KEYS[1], v, true)
-return reply('ok', v)
+local e = int(now + math.max(tonumber(ARGV[4]), lease))
+redis.call('HSET', KEYS[1], 'u', NOW, 'l', int(now + lease), 'e', e)
+expire(KEYS[1], e)
+return {'ok', now, brief(v)}
 """
 
 _RELEASE = """
@@ -253,7 +334,8 @@ end
 return n
 """
 
-CLAIM: Final = Script("claim", _PRELUDE + _CLAIM)
+CLAIM: Final = Script("claim", _PRELUDE + _CLAIM_ONE + _CLAIM)
+CLAIM_MANY: Final = Script("claim_many", _PRELUDE + _CLAIM_ONE + _CLAIM_MANY)
 COMPLETE: Final = Script("complete", _PRELUDE + _COMPLETE)
 FAIL: Final = Script("fail", _PRELUDE + _FAIL)
 RENEW: Final = Script("renew", _PRELUDE + _RENEW)
@@ -276,18 +358,24 @@ def _glob(text: str) -> str:
 class RedisKeys:
     """The key names of one store: ``<prefix>:{<consumer>:<key>}`` and ``<prefix>:meta``."""
 
-    __slots__ = ("_head", "meta", "pattern", "prefix")
+    __slots__ = ("_head", "_heads", "meta", "pattern", "prefix")
 
     def __init__(self, prefix: str = "oncely") -> None:
         # A plain identifier: no braces (a hash tag of its own), no glob characters.
         self.prefix = check_identifier(prefix)
         self._head = f"{prefix}:{{"
+        self._heads: dict[str, str] = {}  # consumer -> "<prefix>:{<consumer>:" (few consumers)
         self.meta = f"{prefix}:meta".encode()
         self.pattern = f"{prefix}:{{*".encode()
         """``SCAN MATCH`` pattern of every record of the store."""
 
     def record(self, consumer: str, key: str) -> bytes:
-        return f"{self._head}{_quote(consumer)}:{_quote(key)}}}".encode()
+        head = self._heads.get(consumer)
+        if head is None:
+            head = f"{self._head}{_quote(consumer)}:"
+            if len(self._heads) < 1024:
+                self._heads[consumer] = head
+        return f"{head}{_quote(key)}}}".encode()
 
     def consumer_pattern(self, consumer: str) -> bytes:
         """``SCAN MATCH`` pattern of one consumer's records."""
@@ -336,34 +424,139 @@ def parse_fields(consumer: str, key: str, v: Sequence[Any]) -> Record | None:
     )
 
 
+def parse_record(consumer: str, key: str, status: bytes, packed: bytes) -> Record:
+    """The record of a script's ``status`` and ``packed`` values."""
+    head, _, body = packed.partition(b"\n")
+    attempt, created, updated, lease, expires, nf, nt, nr, nx = map(int, head.split(b" "))
+    fingerprint = None
+    if nf >= 0:
+        fingerprint = body[:nf].decode()
+    i = max(nf, 0)
+    token = body[i : i + nt].decode()
+    i += nt
+    result = None
+    if nr >= 0:
+        result = body[i : i + nr]
+        i += nr
+    error = None if nx < 0 else body[i : i + nx].decode()
+    return Record(
+        consumer, key, _STATUS[status], fingerprint, token, attempt, created, updated, lease,
+        expires, result, error,
+    )  # fmt: skip
+
+
 def parse_reply(consumer: str, key: str, reply: Sequence[Any]) -> tuple[bytes, int, Record | None]:
-    """``(code, now, record)`` of a script's ``{code, now, fields...}`` reply."""
-    record = parse_fields(consumer, key, reply[2:]) if len(reply) > 2 else None
-    return bytes(reply[0]), int(reply[1]), record
+    """``(code, now, record)`` of a ``{code, now[, status, packed]}`` reply."""
+    record = parse_record(consumer, key, reply[2], reply[3]) if len(reply) > 3 else None
+    return reply[0], int(reply[1]), record
 
 
-_CLAIM_STATUS = {b"new": ClaimStatus.NEW, b"taken": ClaimStatus.TAKEN_OVER}
+def _brief(brief: bytes) -> tuple[int, int, int, str | None]:
+    """``(attempt, created, lease_until, fingerprint)`` of a brief."""
+    parts = brief.split(b" ", 3)
+    fingerprint = parts[3].decode() if len(parts) > 3 else None
+    return int(parts[0]), int(parts[1]), int(parts[2]), fingerprint
 
 
-def parse_claims(
-    consumer: str, keys: Sequence[str], tokens: Sequence[str], replies: Sequence[Any]
-) -> list[Claim]:
-    """The claims of a ``CLAIM`` reply, one per requested key.
+def parse_written(
+    consumer: str,
+    key: str,
+    brief: bytes,
+    *,
+    status: Status,
+    token: str,
+    now: int,
+    expires: int,
+    lease_until: int | None = None,
+    result: bytes | None = None,
+    error: str | None = None,
+) -> Record:
+    """The record a fenced write (complete, fail, renew) just wrote: what the call sent, plus
+    the fields of ``brief``. ``lease_until`` None keeps the record's."""
+    attempt, created, lease, fingerprint = _brief(brief)
+    return Record(
+        consumer, key, status, fingerprint, token, attempt, created, now,
+        lease if lease_until is None else lease_until, expires, result, error,
+    )  # fmt: skip
+
+
+def _claimed(
+    consumer: str,
+    key: str,
+    fingerprint: str | None,
+    token: str,
+    lease_ms: int,
+    keep_ms: int,
+    now: int,
+    code: int,
+    extra: Sequence[Any],
+) -> Claim:
+    """The claim of one key: ``code`` is the reply code's first letter, ``extra`` its values.
 
     Tokens are unique per claim, so an ``existing`` in-progress record that carries the claim's
     own token means an earlier send of this very claim landed (the driver resent it after a
     lost reply): the claim won, and says so.
     """
+    if code == _NEW:
+        attempt, created, status = 1, now, ClaimStatus.NEW
+    elif code == _TAKEN:
+        attempt, created, _lease, fingerprint = _brief(extra[0])
+        status = ClaimStatus.TAKEN_OVER
+    else:
+        record = parse_record(consumer, key, extra[0], extra[1])
+        if record.token == token and record.status is Status.IN_PROGRESS:
+            won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
+            return Claim(won, record, now)
+        return Claim(ClaimStatus.EXISTING, record, now)
+    record = Record(
+        consumer, key, Status.IN_PROGRESS, fingerprint, token, attempt, created, now,
+        now + lease_ms, now + max(keep_ms, lease_ms),
+    )  # fmt: skip
+    return Claim(status, record, now)
+
+
+_NEW, _TAKEN = ord("n"), ord("t")
+
+
+def parse_claim(
+    consumer: str,
+    key: str,
+    fingerprint: str | None,
+    token: str,
+    lease_ms: int,
+    keep_ms: int,
+    reply: Sequence[Any],
+) -> Claim:
+    """The claim of a one-key ``CLAIM`` reply (``{{code, now, ...}}``)."""
+    code, now, *extra = reply[0]
+    return _claimed(consumer, key, fingerprint, token, lease_ms, keep_ms, now, code[0], extra)
+
+
+def parse_batch(
+    consumer: str,
+    requests: Sequence[ClaimRequest],
+    lease_ms: int,
+    keep_ms: int,
+    reply: Sequence[Any],
+) -> list[Claim]:
+    """The claims of a ``CLAIM_MANY`` reply (``{now, codes, extras...}``), in request order."""
+    now = int(reply[0])
+    lease_until, expires = now + lease_ms, now + max(keep_ms, lease_ms)
+    new, in_progress = ClaimStatus.NEW, Status.IN_PROGRESS
     claims: list[Claim] = []
-    for key, token, reply in zip(keys, tokens, replies, strict=True):
-        code, now, record = parse_reply(consumer, key, reply)
-        assert record is not None
-        status = _CLAIM_STATUS.get(code, ClaimStatus.EXISTING)
-        if (
-            status is ClaimStatus.EXISTING
-            and record.token == token
-            and record.status is Status.IN_PROGRESS
-        ):
-            status = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-        claims.append(Claim(status, record, now))
+    j = 2
+    for r, code in zip(requests, reply[1], strict=True):
+        if code == _NEW:  # most of a batch: the record is the one asked for
+            record = Record(
+                consumer, r.key, in_progress, r.fingerprint, r.token, 1, now, now, lease_until,
+                expires,
+            )  # fmt: skip
+            claims.append(Claim(new, record, now))
+            continue
+        taken = 1 if code == _TAKEN else 2
+        extra = reply[j : j + taken]
+        j += taken
+        claims.append(
+            _claimed(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, now, code, extra)
+        )
     return claims

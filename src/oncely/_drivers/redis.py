@@ -1,4 +1,5 @@
-"""The redis-py boundary: URL options and the translation of redis-py errors.
+"""The redis-py boundary: URL options, the translation of redis-py errors, and the store's own
+packing of ``EVALSHA``.
 
 redis-py raises the same exception classes from its sync, asyncio and cluster clients, so one
 translation serves both twins.
@@ -6,11 +7,13 @@ translation serves both twins.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Final
 from urllib.parse import urlunsplit
 
+import redis
 from redis.crc import key_slot
 from redis.exceptions import (
     AuthenticationError,
@@ -32,7 +35,15 @@ from oncely._dialects.identifiers import check_identifier
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, StoreError, StoreUnavailable
 
-__all__ = ["DRIVER_ERRORS", "RedisOptions", "parse_url", "slot_of", "translate"]
+__all__ = [
+    "DRIVER_ERRORS",
+    "POOL_ARGS",
+    "RedisOptions",
+    "pack_evalsha",
+    "parse_url",
+    "slot_of",
+    "translate",
+]
 
 DRIVER_ERRORS: Final = (RedisError, RedisClusterException, OSError)
 """Everything redis-py raises for a failed call (``OSError`` covers socket errors and
@@ -54,6 +65,32 @@ _UNAVAILABLE: Final = (
     OSError,
 )
 _TRANSIENT_CODES: Final = ("BUSY", "LOADING", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+POOL_ARGS: Final[tuple[str, ...]] = ("EVALSHA",) if _version(redis.__version__) < (5, 3) else ()
+"""What ``pool.get_connection`` takes: a command name before redis-py 5.3, nothing since
+(which warns when given one)."""
+
+
+def pack_evalsha(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> bytes:
+    """``EVALSHA sha len(keys) *keys *args`` in the Redis protocol, as one buffer.
+
+    The store's own packer: redis-py's is general (any type, any encoding, chunking) and costs
+    about as much per argument as a short reply costs to parse; every argument here is bytes
+    already."""
+    count = b"%d" % len(keys)
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        len(keys) + len(args) + 3, len(sha), sha, len(count), count,
+    )  # fmt: skip
+    return head + b"".join([b"$%d\r\n%s\r\n" % (len(p), p) for p in (*keys, *args)])
 
 
 def slot_of(name: bytes) -> int:
@@ -104,7 +141,9 @@ _KNOWN = (
 def parse_url(url: str) -> RedisOptions:
     """``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS), with the options
     ``prefix`` (of every key, default ``oncely``), ``cluster`` (true: a Redis Cluster, the
-    host is any node), ``migrate``, ``max_connections`` (per server), ``timeout`` and
+    host is any node), ``migrate``, ``max_connections`` (per server: the scripts of the
+    message path run on at most this many; the operator calls, such as ``stats``, ``scan``
+    and ``purge_expired``, borrow from a pool of as many more), ``timeout`` and
     ``connect_timeout`` (seconds) and ``ssl_ca_certs`` (a CA bundle file, ``rediss://``
     only) in the query string."""
     parts = split(url)

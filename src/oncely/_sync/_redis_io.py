@@ -7,6 +7,10 @@ driver renames. One client is a single Redis (``redis.Redis``) or a Redis Cluste
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -14,15 +18,17 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from oncely._dialects.redis import Script
-from oncely._drivers.redis import RedisOptions
+from oncely._drivers.redis import POOL_ARGS, RedisOptions, pack_evalsha
 
 __all__ = [
     "SCAN_START",
     "Client",
+    "Runner",
     "ScanPosition",
     "close",
     "connect",
@@ -52,9 +58,10 @@ def connect(options: RedisOptions) -> Client:
     """A client for ``options`` (no I/O yet: connections open on first use).
 
     A single Redis gets a blocking pool of ``max_connections`` (a caller waits up to
-    ``timeout`` for a free connection) and one quick resend on a broken connection, so a
-    server restart costs no failed call once it is back. A cluster client keeps redis-py's
-    own retry, which also follows slot moves."""
+    ``timeout`` for a free connection; the store's scripts run on connections of their own,
+    see :class:`Runner`) and one quick resend on a broken connection, so a server restart
+    costs no failed call once it is back. A cluster client keeps redis-py's own retry, which
+    also follows slot moves."""
     extra: dict[str, Any] = {}
     if options.ssl_ca_certs is not None:
         extra["ssl_ca_certs"] = options.ssl_ca_certs
@@ -111,7 +118,7 @@ def close(client: Client) -> None:
     client.close()
 
 
-def evalsha(client: Client, script: Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
+def evalsha(client: Client, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
     """Run ``script`` by its SHA-1; load it once if the server does not know it (a fresh or
     restarted server): one round trip except the very first time."""
     try:
@@ -121,8 +128,133 @@ def evalsha(client: Client, script: Script, keys: Sequence[bytes], args: Sequenc
         return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
+class Runner:
+    """Runs the store's scripts on one client: ``run(script, keys, args)`` is :func:`evalsha`.
+
+    On a single Redis the script goes out with the store's own packing
+    (:func:`~oncely._drivers.redis.pack_evalsha`) and comes back through redis-py's parser, on a
+    connection with its retry policy (a broken connection is dropped and the call sent once
+    more). That skips the per-command rest of ``execute_command`` (argument encoding, command
+    hooks, redis-py's optional metrics), which costs the client more CPU than the round trip.
+
+    Connections: with ``options`` (a client the store built) the runner keeps connections of its
+    own, at most ``max_connections``, reused last-in first-out; a caller finding them all busy
+    waits up to ``timeout`` for one. Taking one is a list pop: redis-py's pool spends more on a
+    checkout (locks, a socket probe, metrics) than the script's round trip. Without
+    ``options`` (a caller's client) each call borrows from the client's own pool and returns
+    it. A cluster, a single-connection client or one with a client-side cache runs every
+    script through redis-py's ``evalsha``, like any command.
+    """
+
+    __slots__ = (
+        "__weakref__", "_client", "_cond", "_direct", "_idle", "_limit", "_made", "_pool",
+        "_timeout", "_waiting",
+    )  # fmt: skip
+
+    def __init__(self, client: Client, options: RedisOptions | None = None) -> None:
+        self._client = client
+        self._direct = not (
+            isinstance(client, RedisCluster)
+            or client.connection is not None
+            or getattr(client.connection_pool, "cache", None) is not None
+        )
+        self._pool: Any = None if isinstance(client, RedisCluster) else client.connection_pool
+        self._limit = 0 if options is None or not self._direct else options.max_connections
+        self._timeout = 0.0 if options is None else options.timeout.total_seconds()
+        self._idle: list[Any] = []
+        self._made: list[Any] = []
+        self._waiting = 0
+        self._cond = threading.Condition()
+        _RUNNERS.add(self)
+
+    def run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
+        if not self._direct:
+            return evalsha(self._client, script, keys, args)
+        packed = (pack_evalsha(script.sha_bytes, keys, args),)
+        try:
+            return self._ask(packed)
+        except NoScriptError:
+            self._client.script_load(script.text)
+            return self._ask(packed)
+
+    def _ask(self, packed: tuple[bytes]) -> Any:
+        if not self._limit:
+            conn = self._pool.get_connection(*POOL_ARGS)
+            try:
+                return _exchange(conn, packed)
+            finally:
+                self._pool.release(conn)
+        try:
+            conn = self._idle.pop()  # atomic: no lock on the common path
+        except IndexError:
+            conn = self._take()
+        try:
+            return _exchange(conn, packed)
+        finally:
+            self._idle.append(conn)
+            if self._waiting:
+                with self._cond:
+                    self._cond.notify()
+
+    def _take(self) -> Any:
+        """An idle connection, a new one while fewer than the limit exist, or the first one
+        given back within the timeout."""
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            # Counted as waiting before looking: a connection given back after the look
+            # notifies, one given back before it is found.
+            self._waiting += 1
+            try:
+                while True:
+                    if self._idle:
+                        return self._idle.pop()
+                    if len(self._made) < self._limit:
+                        conn = self._pool.make_connection()  # connects on first use
+                        self._made.append(conn)
+                        return conn
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise RedisConnectionError("No connection available.")
+                    self._cond.wait(remaining)
+            finally:
+                self._waiting -= 1
+
+    def close(self) -> None:
+        """Close the runner's own connections (in-flight ones close with the client)."""
+        self._idle.clear()
+        made, self._made = self._made, []
+        for conn in made:
+            conn.disconnect()
+
+    def _forked(self) -> None:
+        # A child process must not share its parent's sockets: forget them, open its own.
+        self._idle, self._made, self._waiting = [], [], 0
+        self._cond = threading.Condition()
+
+
+def _exchange(conn: Any, packed: tuple[bytes]) -> Any:
+    """Send one packed command and read its reply, with the connection's retry policy."""
+
+    def once() -> Any:
+        conn.send_packed_command(packed)
+        return conn.read_response()
+
+    return conn.retry.call_with_retry(once, lambda _error: conn.disconnect())
+
+
+_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for runner in list(_RUNNERS):
+        runner._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def evalsha_many(
-    client: Client, script: Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
+    client: Client, script: Script, calls: Sequence[tuple[Sequence[bytes], Sequence[bytes]]]
 ) -> list[Any]:
     """Run ``script`` once per ``(keys, args)`` in one pipeline: one round trip on a single
     Redis, one per node (sent to all nodes at once) on a cluster. The replies come in call

@@ -6,7 +6,9 @@ Every operation of the contract is one atomic script (:mod:`oncely._dialects.red
 ``EVALSHA``: a new key costs one round trip to claim and one to complete, a duplicate one. A
 batch claim is one round trip on a single Redis and one per node, sent to all at once, on a
 cluster. Time is the server's (``TIME`` inside each script) unless the store is given a clock;
-retention is Redis's own key expiry.
+retention is Redis's own key expiry. The scripts answer with as little as the client needs
+(the record it already knows is built here, from the call's own arguments), because parsing a
+reply costs the client more than the server's work.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from oncely._core.state import Lost
 from oncely._core.table import lease_lost
 from oncely._dialects.redis import (
     CLAIM,
+    CLAIM_MANY,
     COMPLETE,
     FAIL,
     GET,
@@ -32,19 +35,21 @@ from oncely._dialects.redis import (
     RedisKeys,
     Script,
     opt,
-    parse_claims,
+    parse_batch,
+    parse_claim,
     parse_fields,
     parse_reply,
+    parse_written,
 )
 from oncely._drivers.redis import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
 from oncely._sync._redis_io import (
     SCAN_START,
     Client,
+    Runner,
     close,
     connect,
     decodes_responses,
     describe,
-    evalsha,
     evalsha_many,
     hget,
     hmget_many,
@@ -120,6 +125,8 @@ class RedisStore:
                 "bytes: give the store a client made with decode_responses=False"
             )
         self._client = client
+        self._runner = Runner(client)
+        self._eval = self._runner.run
         self._has_client = True
         self._cluster = is_cluster(client)
         base = describe(client)
@@ -181,10 +188,11 @@ class RedisStore:
         if not self._ready:
             self._prepare()
 
-    def _run(self, script: Script, name: bytes, args: Sequence[Any], op: str) -> Any:
-        self._check()
+    def _run(self, script: Script, name: bytes, args: Sequence[bytes], op: str) -> Any:
+        if not self._ready:  # also after aclose: _check raises then
+            self._check()
         try:
-            return evalsha(self._client, script, (name,), args)
+            return self._eval(script, (name,), args)
         except DRIVER_ERRORS as exc:
             raise translate(exc, op) from exc
 
@@ -194,6 +202,8 @@ class RedisStore:
         if self._options is not None and not self._has_client:
             try:
                 self._client = connect(self._options)
+                self._runner = Runner(self._client, self._options)
+                self._eval = self._runner.run
                 self._has_client = True
             except DRIVER_ERRORS as exc:
                 raise translate(exc, f"connecting to {self._url}") from exc
@@ -248,12 +258,12 @@ class RedisStore:
         return list(by_slot.values())
 
     def _run_groups(
-        self, script: Script, calls: list[tuple[list[bytes], list[Any]]], op: str
+        self, script: Script, calls: list[tuple[list[bytes], list[bytes]]], op: str
     ) -> list[Any]:
         self._check()
         try:
             if len(calls) == 1:
-                return [evalsha(self._client, script, calls[0][0], calls[0][1])]
+                return [self._eval(script, calls[0][0], calls[0][1])]
             return evalsha_many(self._client, script, calls)
         except DRIVER_ERRORS as exc:
             raise translate(exc, op) from exc
@@ -271,11 +281,17 @@ class RedisStore:
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        args = (self._now(), lease_ms, keep_ms, b"1" if takeover else b"0", b"")
-        reply = self._run(
-            CLAIM, self._keys.record(consumer, key), (*args, opt(fingerprint), token), "claim"
+        args = (
+            self._now(),
+            b"%d" % lease_ms,
+            b"%d" % keep_ms,
+            b"1" if takeover else b"0",
+            b"",
+            opt(fingerprint),
+            token.encode(),
         )
-        return parse_claims(consumer, (key,), (token,), reply)[0]
+        reply = self._run(CLAIM, self._keys.record(consumer, key), args, "claim")
+        return parse_claim(consumer, key, fingerprint, token, lease_ms, keep_ms, reply)
 
     def claim_many(
         self,
@@ -288,21 +304,23 @@ class RedisStore:
     ) -> list[Claim]:
         if not requests:
             return []
-        names = [self._keys.record(consumer, r.key) for r in requests]
-        head = [self._now(), lease_ms, keep_ms, b"1" if takeover else b"0", b""]
+        record = self._keys.record
+        names = [record(consumer, r.key) for r in requests]
+        head = [self._now(), b"%d" % lease_ms, b"%d" % keep_ms, b"1" if takeover else b"0", b""]
         groups = self._groups(names)
-        calls: list[tuple[list[bytes], list[Any]]] = []
+        calls: list[tuple[list[bytes], list[bytes]]] = []
         for group in groups:
             args = list(head)
             for i in group:
-                args += (opt(requests[i].fingerprint), requests[i].token)
+                args += (opt(requests[i].fingerprint), requests[i].token.encode())
             calls.append(([names[i] for i in group], args))
-        replies = self._run_groups(CLAIM, calls, "claim_many")
+        replies = self._run_groups(CLAIM_MANY, calls, "claim_many")
+        if len(groups) == 1:
+            return parse_batch(consumer, requests, lease_ms, keep_ms, replies[0])
         claims: list[Claim | None] = [None] * len(requests)
         for group, reply in zip(groups, replies, strict=True):
-            keys = [requests[i].key for i in group]
-            tokens = [requests[i].token for i in group]
-            for i, claim in zip(group, parse_claims(consumer, keys, tokens, reply), strict=True):
+            found = parse_batch(consumer, [requests[i] for i in group], lease_ms, keep_ms, reply)
+            for i, claim in zip(group, found, strict=True):
                 claims[i] = claim
         return [claim for claim in claims if claim is not None]
 
@@ -317,19 +335,30 @@ class RedisStore:
         lease_ms: int,
         keep_ms: int,
     ) -> Claim:
-        args = (self._now(), lease_ms, keep_ms, b"1", opt(expected_token), opt(fingerprint), token)
+        args = (
+            self._now(),
+            b"%d" % lease_ms,
+            b"%d" % keep_ms,
+            b"1",
+            opt(expected_token),
+            opt(fingerprint),
+            token.encode(),
+        )
         reply = self._run(CLAIM, self._keys.record(consumer, key), args, "takeover")
-        return parse_claims(consumer, (key,), (token,), reply)[0]
+        return parse_claim(consumer, key, fingerprint, token, lease_ms, keep_ms, reply)
 
     def _fenced(
-        self, op: str, script: Script, consumer: str, key: str, args: Sequence[Any]
-    ) -> Record:
-        """Run a write that applies only while ``args``' token owns the record (the script
-        also answers ``ok`` for a repeat of a write that already landed); otherwise raise
-        :class:`~oncely.LeaseLost` with the current record."""
+        self, op: str, script: Script, consumer: str, key: str, args: Sequence[bytes]
+    ) -> tuple[int, bytes] | Record:
+        """Run a write that applies only while ``args``' token owns the record: ``(now,
+        brief)`` when it wrote, the record when it had already been written by this token (a
+        repeat); otherwise raise :class:`~oncely.LeaseLost` with the current record."""
         reply = self._run(script, self._keys.record(consumer, key), args, op)
-        code, _now, record = parse_reply(consumer, key, reply)
-        if code == b"ok" and record is not None:
+        code = reply[0]
+        if code == b"ok":
+            return int(reply[1]), reply[2]
+        _code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"done" and record is not None:
             return record
         raise lease_lost(op, consumer, key, Lost(record))
 
@@ -343,20 +372,60 @@ class RedisStore:
         keep_ms: int,
         note: str | None = None,
     ) -> Record:
-        args = (self._now(), token, keep_ms, opt(result), opt(note))
-        return self._fenced("complete", COMPLETE, consumer, key, args)
+        args = (self._now(), token.encode(), b"%d" % keep_ms, opt(result), opt(note))
+        done = self._fenced("complete", COMPLETE, consumer, key, args)
+        if isinstance(done, Record):
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.COMPLETED,
+            token=token,
+            now=now,
+            expires=now + keep_ms,
+            result=None if result is None else bytes(result),
+            error=note,
+        )
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
-        args = (self._now(), token, keep_ms, error)
-        return self._fenced("fail", FAIL, consumer, key, args)
+        args = (self._now(), token.encode(), b"%d" % keep_ms, error.encode())
+        done = self._fenced("fail", FAIL, consumer, key, args)
+        if isinstance(done, Record):
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.FAILED,
+            token=token,
+            now=now,
+            expires=now + keep_ms,
+            error=error,
+        )
 
     def renew(self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int) -> Record:
-        args = (self._now(), token, lease_ms, keep_ms)
-        return self._fenced("renew", RENEW, consumer, key, args)
+        args = (self._now(), token.encode(), b"%d" % lease_ms, b"%d" % keep_ms)
+        done = self._fenced("renew", RENEW, consumer, key, args)
+        if isinstance(done, Record):  # renew has no repeat: a record here is never "done"
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.IN_PROGRESS,
+            token=token,
+            now=now,
+            expires=now + max(keep_ms, lease_ms),
+            lease_until=now + lease_ms,
+        )
 
     def release(self, consumer: str, key: str, *, token: str) -> bool:
         reply = self._run(
-            RELEASE, self._keys.record(consumer, key), (self._now(), token), "release"
+            RELEASE, self._keys.record(consumer, key), (self._now(), token.encode()), "release"
         )
         code, _now, record = parse_reply(consumer, key, reply)
         if code == b"true":
@@ -401,7 +470,7 @@ class RedisStore:
         return deleted
 
     def _purge(self, names: list[bytes], now: int) -> int:
-        args: list[Any] = [str(now).encode()]
+        args = [b"%d" % now]
         calls = [([names[i] for i in group], args) for group in self._groups(names)]
         return sum(int(n) for n in self._run_groups(PURGE, calls, "purge"))
 
@@ -530,8 +599,10 @@ class RedisStore:
         if self._closed:
             return
         self._closed = True
+        self._ready = False  # every call checks again, and finds the store closed
         if self._options is not None and self._has_client:
             try:
+                self._runner.close()
                 close(self._client)
             except DRIVER_ERRORS as exc:
                 raise translate(exc, "closing") from exc
