@@ -24,6 +24,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ import oncely
 from oncely import ClaimStatus, Outcome, Status
 from oncely._async.mysql import AsyncMySQLStore
 from oncely._core.records import ClaimRequest
+from oncely._core.state import ClaimEvent, CompleteEvent, FailEvent
+from oncely._core.table import RecordTable
 from oncely._dialects.mysql import MAX_KEY_BYTES
 from oncely._drivers.mysql import parse_url, translate
 from oncely._sync.mysql import MySQLStore
@@ -356,7 +359,9 @@ def _questions(conn: Any) -> int:
 
 
 def test_r8_a_new_key_is_one_statement_and_a_duplicate_two(table: str) -> None:
-    """Counted by the server (the session's ``Questions``) on the store's only connection."""
+    """Counted by the server (the session's ``Questions``) on the store's only connection. A
+    batch of new keys is one statement too (its OK packet says every key went in); a batch
+    that meets an existing key reads the rows back (two)."""
     store = MySQLStore.from_url(url(table, pool_size=1))
     store.migrate()
 
@@ -381,7 +386,14 @@ def test_r8_a_new_key_is_one_statement_and_a_duplicate_two(table: str) -> None:
                 "billing", batch, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
             )
         )
-        assert many - baseline == 2
+        assert many - baseline == 1
+        mixed = [ClaimRequest("b0", None, "bt-again"), ClaimRequest("new", None, "bt-new")]
+        again = statements(
+            lambda: store.claim_many(
+                "billing", mixed, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
+            )
+        )
+        assert again - baseline == 2
         with store.transaction() as tx:
             before = _questions(tx)
             _claim_in(store, tx, "joined", "t3")
@@ -614,6 +626,183 @@ def test_nested_savepoints_roll_back_only_their_own_writes(store: MySQLStore, ta
         assert inbox.handle_in_transaction("outer", {"o": 1}, outer, tx=tx).ok
     assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("after",), ("outer",)]
     assert store.get("billing", "inner") is None and store.get("billing", "outer") is not None
+
+
+def _batches_match_the_model(store: Any, clock: oncely.FakeClock, seed: int) -> None:
+    """Records in every state (live, stale, completed, failed, expired, absent), then batch
+    claims with keys repeated, fingerprints that agree or not, takeover on and off: every
+    answer, and then every record, equals the reference model's (the claims made one by one
+    at one clock reading). Both paths run: batches of new keys only, and mixed ones."""
+    rng = random.Random(seed)
+    model = RecordTable()
+    keys = [f"k{i}" for i in range(20)] + ["K0", "k0 ", "", "q'uo\\te", "\U0001f600"]
+    number = iter(range(1_000_000))
+
+    def event(key: str, lease: int, keep: int, takeover: bool) -> ClaimEvent:
+        fp = rng.choice([None, "f", "g"])
+        return ClaimEvent("billing", key, fp, f"t{next(number)}", lease, keep, takeover)
+
+    def batch_of(events: list[ClaimEvent], takeover: bool) -> None:
+        got = store.claim_many(
+            "billing", [ClaimRequest(e.key, e.fingerprint, e.token) for e in events],
+            lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=takeover,
+        )  # fmt: skip
+        assert got == model.claim_many(events, clock.now_ms())
+
+    for round_ in range(12):
+        fresh = [f"new-{round_}-{i}" for i in range(rng.randint(1, 6))]
+        batch_of([event(rng.choice(fresh), LEASE_MS, KEEP_MS, False) for _ in range(8)], False)
+        for key in rng.sample(keys, 8):
+            ev = event(key, rng.choice([1_000, LEASE_MS]), rng.choice([2_000, KEEP_MS]), True)
+            got = store.claim(
+                "billing", key, fingerprint=ev.fingerprint, token=ev.token,
+                lease_ms=ev.lease_ms, keep_ms=ev.keep_ms, takeover=True,
+            )  # fmt: skip
+            assert got == model.claim(ev, clock.now_ms())
+            if got.won and rng.random() < 0.5:
+                keep = rng.choice([2_000, KEEP_MS])
+                if rng.random() < 0.5:
+                    done = CompleteEvent(ev.token, b"r", keep)
+                    assert store.complete(
+                        "billing", key, token=ev.token, result=b"r", keep_ms=keep
+                    ) == model.complete("billing", key, done, clock.now_ms())
+                else:
+                    failed = FailEvent(ev.token, "e", keep)
+                    assert store.fail(
+                        "billing", key, token=ev.token, error="e", keep_ms=keep
+                    ) == model.fail("billing", key, failed, clock.now_ms())
+        clock.advance(timedelta(milliseconds=rng.choice([0, 500, 1_500, 2_500, LEASE_MS])))
+        takeover = rng.random() < 0.7
+        batch_of(
+            [event(rng.choice(keys), LEASE_MS, KEEP_MS, takeover) for _ in range(25)], takeover
+        )
+        clock.advance(timedelta(milliseconds=rng.choice([0, 700])))
+    now = clock.now_ms()
+    assert [store.get("billing", k) for k in keys] == [model.get("billing", k, now) for k in keys]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_r8_batch_claims_match_the_model(table: str, seed: int) -> None:
+    clock = oncely.FakeClock()
+    store = MySQLStore.from_url(url(table), clock=clock)
+    try:
+        _batches_match_the_model(store, clock, seed)
+    finally:
+        store.close()
+
+
+def test_r8_a_batch_of_new_keys_answers_the_rows_it_wrote(store: MySQLStore) -> None:
+    """New keys are not read back: the answers are built from what was sent and the clock
+    reading the OK packet carries, and must equal the rows, whatever the keys hold (quotes,
+    backslashes, NUL, trailing spaces, case, 4-byte characters), with or without
+    fingerprints."""
+    odd = ["q'uo\\te", 'd"q', "a\x00b", "k ", "K", "k", "", "\U0001f600", "x" * MAX_KEY_BYTES]
+    requests = [
+        ClaimRequest(key, None if i % 3 == 0 else f"fp'{i}\\", f"t{i}")
+        for i, key in enumerate(odd + [f"plain-{i}" for i in range(40)])
+    ]
+    requests.append(ClaimRequest("plain-3", "other", "t-again"))  # repeated: the first wins
+    before = _server_ms()
+    claims = store.claim_many(
+        "billing", requests, lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False
+    )
+    after = _server_ms()
+    assert [c.status for c in claims] == [ClaimStatus.NEW] * (len(requests) - 1) + [
+        ClaimStatus.EXISTING
+    ]
+    assert claims[-1].record == claims[len(odd) + 3].record
+    for claim in claims:
+        assert claim.record == store.get("billing", claim.record.key)
+        assert before <= claim.now_ms == claim.record.created_ms <= after
+        assert claim.record.lease_until_ms == claim.now_ms + LEASE_MS
+
+
+def test_r7_a_joined_message_adds_its_savepoint_and_claim_and_no_release(
+    store: MySQLStore, table: str
+) -> None:
+    """Counted by the server on the caller's connection: the default savepoint costs one
+    statement (SAVEPOINT) besides the claim, none at the end of a successful handler, and a
+    failing handler adds only the ROLLBACK TO."""
+    sql(f"CREATE TABLE `{table}_ledger` (k VARCHAR(64) NOT NULL) ENGINE=InnoDB")
+    inbox = oncely.Inbox(store, consumer="billing")
+
+    def book(tx: Any, payload: str) -> None:
+        with tx.cursor() as cursor:
+            cursor.execute(f"INSERT INTO `{table}_ledger` (k) VALUES (%s)", (payload,))
+        if payload.startswith("bad"):
+            raise ValueError(payload)
+
+    conn = admin()
+    try:
+        conn.begin()
+        counted = []
+        for key in ("a", "bad", "b"):
+            before = _questions(conn)
+            inbox.handle_in_transaction(key, key, book, tx=conn)
+            counted.append(_questions(conn) - before - 1)  # less the SHOW of _questions
+        conn.commit()
+    finally:
+        conn.close()
+    # SAVEPOINT, claim, the handler's INSERT; and the ROLLBACK TO for the failing one
+    assert counted == [3, 4, 3]
+    assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("a",), ("b",)]
+
+
+def test_r7_savepoints_left_in_place_never_hide_the_one_to_roll_back_to(
+    store: MySQLStore, table: str
+) -> None:
+    """In one caller transaction: messages that fail between, inside and around successful
+    ones (nested handlers, a second store nesting in the first, the caller's own savepoints
+    in between) undo exactly their own writes and markers."""
+    sql(f"CREATE TABLE `{table}_ledger` (k VARCHAR(64) NOT NULL) ENGINE=InnoDB")
+    other = MySQLStore.from_url(url(table))
+    inbox = oncely.Inbox(store, consumer="billing")
+    second = oncely.Inbox(other, consumer="second")
+
+    def write(tx: Any, key: str) -> None:
+        with tx.cursor() as cursor:
+            cursor.execute(f"INSERT INTO `{table}_ledger` (k) VALUES (%s)", (key,))
+
+    def book(tx: Any, payload: str) -> None:
+        write(tx, payload)
+        if payload.startswith("bad"):
+            raise ValueError(payload)
+
+    def nested(via: oncely.Inbox, inner_fails: bool, outer_fails: bool) -> Any:
+        def outer(tx: Any, payload: str) -> None:
+            write(tx, f"{payload}-outer")
+            inner_key = f"{'bad-' if inner_fails else ''}{payload}-inner"
+            inner = via.handle_in_transaction(inner_key, inner_key, book, tx=tx)
+            assert inner.ok is not inner_fails
+            write(tx, f"{payload}-after")
+            if outer_fails:
+                raise ValueError(payload)
+
+        return outer
+
+    conn = admin()
+    try:
+        conn.begin()
+        for key in ("a", "bad-1", "b"):
+            inbox.handle_in_transaction(key, key, book, tx=conn)
+        assert not inbox.handle_in_transaction("n1", "n1", nested(inbox, False, True), tx=conn).ok
+        assert inbox.handle_in_transaction("n2", "n2", nested(inbox, True, False), tx=conn).ok
+        assert not inbox.handle_in_transaction("n3", "n3", nested(second, False, True), tx=conn).ok
+        assert inbox.handle_in_transaction("n4", "n4", nested(second, True, False), tx=conn).ok
+        with conn.cursor() as cursor:
+            cursor.execute("SAVEPOINT mine")
+        inbox.handle_in_transaction("gone", "gone", book, tx=conn)
+        with conn.cursor() as cursor:
+            cursor.execute("ROLLBACK TO SAVEPOINT mine")
+        inbox.handle_in_transaction("c", "c", book, tx=conn)
+        inbox.handle_in_transaction("bad-2", "bad-2", book, tx=conn)
+        conn.commit()
+    finally:
+        conn.close()
+        other.close()
+    written = {"a", "b", "n2-outer", "n2-after", "n4-outer", "n4-after", "c"}
+    assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == sorted((k,) for k in written)
+    assert {r.key for r in store.scan()} == {"a", "b", "n2", "n4", "c"}
 
 
 async def test_r7_async_check_transaction_and_joined_claims(table: str) -> None:

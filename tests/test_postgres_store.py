@@ -9,6 +9,7 @@ can share the server with others. The whole contract suite runs on this store th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -37,7 +38,9 @@ import oncely
 from oncely import ClaimStatus, Outcome, Status
 from oncely._async.postgres import AsyncPostgresStore
 from oncely._core.records import ClaimRequest
-from oncely._dialects.postgres import PostgresDialect
+from oncely._core.state import ClaimEvent, CompleteEvent, FailEvent
+from oncely._core.table import RecordTable
+from oncely._dialects.postgres import PostgresDialect, text_array
 from oncely._sync._postgres_io import fetchall
 from oncely._sync.postgres import PostgresStore
 from tests.backends.postgres import drop_tables
@@ -268,8 +271,10 @@ def test_a_key_too_long_for_the_index_is_refused_before_the_statement(
     inbox = oncely.Inbox(store, consumer="c", limits=oncely.Limits(max_key_bytes=4096))
     with psycopg.connect(POSTGRES_DSN) as conn:
         conn.execute("SELECT 1")
-        with pytest.raises(oncely.StoreError, match="hash_long_keys"):
+        tags: list[str] = []
+        with _traced(conn, tags), pytest.raises(oncely.StoreError, match="hash_long_keys"):
             inbox.handle_in_transaction("k" * 3000, 1, lambda tx, p: None, tx=conn)
+        assert tags == []  # not even the savepoint: it waits for the claim, which never went
         assert conn.execute("SELECT 2").fetchone() == (2,)  # the transaction is intact
     with pytest.raises(oncely.StoreError, match="index entry"):
         store.claim_many("c", [ClaimRequest("k" * 3000, None, "t")], **_TWO_PHASE)
@@ -555,9 +560,12 @@ def test_r7_repeatable_read_callers_get_store_unavailable_not_a_wrong_answer(
 
 
 @contextmanager
-def _traced(conn: psycopg.Connection[Any]) -> Iterator[dict[str, int]]:
+def _traced(conn: Any, tags: list[str] | None = None) -> Iterator[dict[str, int]]:
     """Count the round trips (ReadyForQuery messages) and statements libpq exchanges on
-    ``conn`` inside the block."""
+    ``conn`` inside the block, and the waits: each time the client, having sent something,
+    reads the server's answer (a pipeline that flushed and waited twice before its Sync
+    would be one round trip by ReadyForQuery, two by waits). ``tags`` collects the server's
+    command tags (``SAVEPOINT``, ``RELEASE``, ``INSERT 0 1`` ...)."""
     counts: dict[str, int] = {}
     fd, path = tempfile.mkstemp(prefix="oncely-trace-")
     conn.pgconn.trace(fd)
@@ -569,17 +577,23 @@ def _traced(conn: psycopg.Connection[Any]) -> Iterator[dict[str, int]]:
         os.close(fd)
         lines = Path(path).read_text().splitlines()
         os.unlink(path)
-        fields = [line.split("\t") for line in lines]
+        fields = [line.split("\t") for line in lines if line[:2] in ("F\t", "B\t")]
         counts["round_trips"] = sum(1 for f in fields if f[0] == "B" and f[2] == "ReadyForQuery")
         counts["statements"] = sum(
             1 for f in fields if f[0] == "F" and f[2] in ("Query", "Execute")
         )
+        counts["waits"] = sum(
+            1 for a, b in itertools.pairwise(fields) if a[0] == "F" and b[0] == "B"
+        )
+        if tags is not None:
+            tags += [f[3].strip().strip('"') for f in fields if f[2] == "CommandComplete"]
 
 
 def test_round_trips_per_operation(table: str) -> None:
     """A new key and a duplicate cost one round trip each; the transactional mode adds one
     round trip (the claim) to the transaction when no result is stored, two with a result;
-    joined to a caller's transaction it adds the savepoint around it (SAVEPOINT, RELEASE)."""
+    joined to a caller's transaction with the default savepoint it still adds one: the
+    SAVEPOINT goes out with the claim in one pipeline, and is not released on success."""
     pool = ConnectionPool(
         POSTGRES_DSN, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True
     )
@@ -620,6 +634,9 @@ def test_round_trips_per_operation(table: str) -> None:
         with _traced(conn) as joined, pool.connection() as mine, mine.transaction():
             mine.execute(insert, ("own",))
             inbox.handle_in_transaction("c", 1, writes("c"), tx=mine)
+        with _traced(conn) as joined_result, pool.connection() as mine, mine.transaction():
+            mine.execute(insert, ("own",))
+            inbox.handle_in_transaction("e", 1, writes("e", result="r"), tx=mine)
         with _traced(conn) as lean, pool.connection() as mine, mine.transaction():
             mine.execute(insert, ("own",))
             inbox.handle_in_transaction("d", 1, writes("d"), tx=mine, savepoint=False)
@@ -628,23 +645,317 @@ def test_round_trips_per_operation(table: str) -> None:
             f"tx-no-result {tx_none} tx-result {tx_result} tx-dup {tx_dup} joined {joined} "
             f"joined-without-savepoint {lean}"
         )
-        assert new == {"round_trips": 1, "statements": 1}
-        assert dup == {"round_trips": 1, "statements": 1}
+        assert new == {"round_trips": 1, "statements": 1, "waits": 1}
+        assert dup == {"round_trips": 1, "statements": 1, "waits": 1}
         assert done["round_trips"] == 1
         assert tx_none["round_trips"] - bare["round_trips"] == 1  # the claim, nothing else
         assert tx_result["round_trips"] - bare["round_trips"] == 2  # + the result UPDATE
         assert tx_dup["round_trips"] == bare["round_trips"]  # BEGIN, claim, COMMIT
         # The caller's transaction with its own write and the handler's: BEGIN, 2 writes,
-        # COMMIT; oncely adds SAVEPOINT, the claim and RELEASE.
-        assert joined["round_trips"] - (bare["round_trips"] + 1) == 3
+        # COMMIT; oncely adds SAVEPOINT and the claim, two statements in one round trip.
+        assert joined["round_trips"] - (bare["round_trips"] + 1) == 1
+        assert joined["statements"] - (bare["statements"] + 1) == 2
+        # ... and the result's UPDATE when there is one.
+        assert joined_result["round_trips"] - (bare["round_trips"] + 1) == 2
         # With savepoint=False oncely adds only the claim to the caller's transaction.
         assert lean["round_trips"] - (bare["round_trips"] + 1) == 1
+        for counted in (new, dup, done, bare, tx_none, tx_result, tx_dup, joined, lean):
+            assert counted["waits"] == counted["round_trips"]  # no hidden wait in a pipeline
         store.close()
     finally:
         pool.close()
     assert _ledger_counts(ledger) == Counter(
-        {"w": 6, "bare": 1, "a": 1, "b": 1, "own": 2, "c": 1, "d": 1}
+        {"w": 6, "bare": 1, "a": 1, "b": 1, "own": 3, "c": 1, "d": 1, "e": 1}
     )
+
+
+# ------------------------------------------------------------------ savepoints left open
+
+
+def _handler(ledger: str, key: str, *, fails: bool = False) -> Callable[[Any, object], None]:
+    def book(tx: psycopg.Connection[Any], payload: object) -> None:
+        tx.execute(f"INSERT INTO {ledger} (key) VALUES (%s)".encode(), (key,))
+        if fails:
+            raise ValueError(f"{key} fails")
+
+    return book
+
+
+def test_r7_many_messages_in_one_caller_transaction_roll_back_only_their_own(
+    store: PostgresStore, table: str
+) -> None:
+    """Savepoints left open after successful messages never hide the one a failing message
+    must roll back to: in one caller transaction, messages that fail between, inside and
+    around successful ones (nested handlers, and the caller's own savepoints in between)
+    undo exactly their own writes and markers."""
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def outer_with_inner(inner_fails: bool, outer_fails: bool) -> Callable[[Any, object], None]:
+        def outer(tx: psycopg.Connection[Any], payload: object) -> None:
+            name = str(payload)
+            _handler(ledger, f"{name}-outer")(tx, payload)
+            inner = inbox.handle_in_transaction(
+                f"{name}-inner", 1, _handler(ledger, f"{name}-inner", fails=inner_fails), tx=tx
+            )
+            assert inner.outcome is (Outcome.FAILED if inner_fails else Outcome.PROCESSED)
+            _handler(ledger, f"{name}-after", fails=outer_fails)(tx, payload)
+
+        return outer
+
+    with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine, mine.transaction():
+        mine.execute(f"INSERT INTO {ledger} (key) VALUES ('mine')".encode())
+        outcomes = [
+            inbox.handle_in_transaction("a", 1, _handler(ledger, "a"), tx=mine).outcome,
+            inbox.handle_in_transaction("b", 1, _handler(ledger, "b"), tx=mine).outcome,
+            inbox.handle_in_transaction("x", 1, _handler(ledger, "x", fails=True), tx=mine).outcome,
+            inbox.handle_in_transaction("c", 1, _handler(ledger, "c"), tx=mine).outcome,
+            # the inner message succeeds (its savepoint stays open), then the outer fails:
+            # the rollback must reach the outer's savepoint, undoing the inner too
+            inbox.handle_in_transaction("n1", "n1", outer_with_inner(False, True), tx=mine).outcome,
+            # the inner fails, the outer goes on and succeeds
+            inbox.handle_in_transaction("n2", "n2", outer_with_inner(True, False), tx=mine).outcome,
+        ]
+        with mine.transaction():  # the caller's own savepoint, after oncely's open ones
+            inbox.handle_in_transaction("d", 1, _handler(ledger, "d"), tx=mine)
+        with pytest.raises(ZeroDivisionError), mine.transaction():
+            inbox.handle_in_transaction("gone", 1, _handler(ledger, "gone"), tx=mine)
+            raise ZeroDivisionError  # the caller rolls its savepoint back, oncely's inside
+        y = inbox.handle_in_transaction("y", 1, _handler(ledger, "y", fails=True), tx=mine)
+        assert y.outcome is Outcome.FAILED
+        assert inbox.handle_in_transaction("e", 1, _handler(ledger, "e"), tx=mine).ok
+    assert outcomes == [
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+    ]
+    written = {"mine", "a", "b", "c", "n2-outer", "n2-after", "d", "e"}
+    assert _ledger_counts(ledger) == Counter(dict.fromkeys(written, 1))
+    markers = {r.key for r in store.scan(consumer="c")}
+    assert markers == {"a", "b", "c", "n2", "d", "e"}
+
+
+def test_r7_a_claim_failing_after_its_savepoint_leaves_the_caller_transaction_usable(
+    store: PostgresStore, table: str
+) -> None:
+    """The SAVEPOINT went out with a claim that then failed (a lock timeout: another
+    transaction holds the key): oncely rolls back to it, so the caller's transaction and its
+    earlier writes survive, and StoreUnavailable says to retry the message later."""
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+    with psycopg.connect(POSTGRES_DSN) as holder:
+        store.claim_in(holder, "c", "k", fingerprint=None, token="held", keep_ms=KEEP_MS,
+                       takeover=True)  # fmt: skip
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine, mine.transaction():
+            mine.execute(f"INSERT INTO {ledger} (key) VALUES ('mine')".encode())
+            mine.execute("SET LOCAL lock_timeout = '50ms'")
+            with pytest.raises(oncely.StoreUnavailable):
+                inbox.handle_in_transaction("k", 1, _handler(ledger, "k"), tx=mine)
+            assert mine.info.transaction_status == pq.TransactionStatus.INTRANS
+            assert inbox.handle_in_transaction("k2", 1, _handler(ledger, "k2"), tx=mine).ok
+        holder.rollback()
+    assert _ledger_counts(ledger) == Counter({"mine": 1, "k2": 1})
+    assert store.get("c", "k") is None and store.get("c", "k2") is not None
+
+
+def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) -> None:
+    """At most _OPEN_SAVEPOINTS of them stay open in one transaction; past that each message
+    releases its own. A new transaction on the same connection starts the count again."""
+    from oncely._sync.postgres import _OPEN_SAVEPOINTS
+
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+    extra = 7
+    try:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine:
+            # No prepared statements: psycopg's own round trip to prepare one on its 5th run
+            # (RELEASE's, here) would blur the count.
+            mine.prepare_threshold = None
+            tags: list[str] = []
+            with _traced(mine, tags) as first, mine.transaction():
+                for i in range(_OPEN_SAVEPOINTS + extra):
+                    inbox.handle_in_transaction(f"a{i}", 1, _handler(ledger, "a"), tx=mine)
+                failed = inbox.handle_in_transaction(
+                    "bad", 1, _handler(ledger, "bad", fails=True), tx=mine
+                )
+                assert failed.outcome is Outcome.FAILED
+            # the failing message is rolled back to its savepoint, which is then released too
+            assert tags.count("RELEASE") == extra + 1
+            assert tags.count("ROLLBACK") == 1
+            assert tags.count("SAVEPOINT") == _OPEN_SAVEPOINTS + extra + 1
+            tags.clear()
+            with _traced(mine, tags) as second, mine.transaction():
+                for i in range(3):
+                    inbox.handle_in_transaction(f"b{i}", 1, _handler(ledger, "b"), tx=mine)
+            assert tags.count("SAVEPOINT") == 3 and "RELEASE" not in tags
+            # BEGIN, COMMIT, and per message: the SAVEPOINT with the claim, the handler's write
+            assert second["round_trips"] == 2 + 3 * 2
+            messages = _OPEN_SAVEPOINTS + extra
+            assert first["round_trips"] == 2 + messages * 2 + extra + 4  # + the failing one
+    finally:
+        store.close()
+    assert _ledger_counts(ledger) == Counter({"a": _OPEN_SAVEPOINTS + extra, "b": 3})
+
+
+async def test_r7_async_joined_claim_adds_one_round_trip(table: str) -> None:
+    """The asyncio store pipelines its SAVEPOINT with the claim the same way."""
+    store = AsyncPostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def book(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        await tx.execute(f"INSERT INTO {ledger} (key) VALUES (%s)".encode(), (str(payload),))
+
+    async def fails(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        await book(tx, payload)
+        raise ValueError("no")
+
+    try:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as mine:
+            async with mine.transaction():
+                assert (await inbox.handle_in_transaction("w-x", "w", fails, tx=mine)).ok is False
+            for i in range(6):
+                async with mine.transaction():
+                    await inbox.handle_in_transaction(f"w{i}", "w", book, tx=mine)
+            with _traced(mine) as bare:
+                async with mine.transaction():
+                    await book(mine, "bare")
+            with _traced(mine) as joined:
+                async with mine.transaction():
+                    assert (await inbox.handle_in_transaction("k", "k", book, tx=mine)).ok
+                    failed = await inbox.handle_in_transaction("x", "x", fails, tx=mine)
+                    assert failed.outcome is Outcome.FAILED
+            # BEGIN; k: SAVEPOINT + claim, its write; x: the same and the rollback; COMMIT
+            assert bare["round_trips"] == 3 and joined["round_trips"] == 1 + 2 + 3 + 1
+            assert joined["waits"] == joined["round_trips"]
+    finally:
+        await store.aclose()
+    assert _ledger_counts(ledger) == Counter({"w": 6, "bare": 1, "k": 1})
+
+
+# ------------------------------------------------------------------ batch claims
+
+
+def _batches_match_the_model(store: Any, clock: oncely.FakeClock, seed: int) -> None:
+    """Records in every state (live, stale, completed, failed, expired, absent), then batch
+    claims with keys repeated, fingerprints that agree or not, takeover on and off: every
+    answer, and then every record, equals the reference model's (the claims made one by one
+    at one clock reading)."""
+    rng = random.Random(seed)
+    model = RecordTable()
+    keys = [f"k{i}" for i in range(20)] + ['q"uo\\te', "{a,b}", "NULL", "", "\U0001f600"]
+    number = iter(range(1_000_000))
+
+    def event(key: str, lease: int, keep: int, takeover: bool) -> ClaimEvent:
+        fp = rng.choice([None, "f", "g"])
+        return ClaimEvent("c", key, fp, f"t{next(number)}", lease, keep, takeover)
+
+    for _ in range(12):
+        for key in rng.sample(keys, 8):
+            ev = event(key, rng.choice([1_000, LEASE_MS]), rng.choice([2_000, KEEP_MS]), True)
+            got = store.claim(
+                "c", key, fingerprint=ev.fingerprint, token=ev.token, lease_ms=ev.lease_ms,
+                keep_ms=ev.keep_ms, takeover=True,
+            )  # fmt: skip
+            assert got == model.claim(ev, clock.now_ms())
+            if got.won and rng.random() < 0.5:
+                keep = rng.choice([2_000, KEEP_MS])
+                if rng.random() < 0.5:
+                    done = CompleteEvent(ev.token, b"r", keep)
+                    assert store.complete(
+                        "c", key, token=ev.token, result=b"r", keep_ms=keep
+                    ) == model.complete("c", key, done, clock.now_ms())
+                else:
+                    failed = FailEvent(ev.token, "e", keep)
+                    assert store.fail(
+                        "c", key, token=ev.token, error="e", keep_ms=keep
+                    ) == model.fail("c", key, failed, clock.now_ms())
+        clock.advance(timedelta(milliseconds=rng.choice([0, 500, 1_500, 2_500, LEASE_MS])))
+        takeover = rng.random() < 0.7
+        batch = [event(rng.choice(keys), LEASE_MS, KEEP_MS, takeover) for _ in range(25)]
+        got_many = store.claim_many(
+            "c", [ClaimRequest(e.key, e.fingerprint, e.token) for e in batch],
+            lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=takeover,
+        )  # fmt: skip
+        assert got_many == model.claim_many(batch, clock.now_ms())
+        clock.advance(timedelta(milliseconds=rng.choice([0, 700])))
+    now = clock.now_ms()
+    assert [store.get("c", k) for k in keys] == [model.get("c", k, now) for k in keys]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_r8_batch_claims_match_the_model(table: str, seed: int) -> None:
+    clock = oncely.FakeClock()
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=2, clock=clock)
+    try:
+        _batches_match_the_model(store, clock, seed)
+    finally:
+        store.close()
+
+
+def test_r8_a_batch_of_new_keys_answers_the_rows_it_wrote(store: PostgresStore) -> None:
+    """New keys are not read back: the answers are built from what was sent and the server's
+    clock reading, and must equal the rows, whatever the keys hold (quotes, backslashes,
+    braces, commas, empty, NULL as text, 4-byte characters) and with or without fingerprints."""
+    odd = ['q"uo\\te', "{a,b}", "NULL", "", " sp ", "\U0001f600", "a\\", '"', "k,1"]
+    requests = [
+        ClaimRequest(key, None if i % 3 == 0 else f'fp"{i}\\', f"t{i}")
+        for i, key in enumerate(odd + [f"plain-{i}" for i in range(40)])
+    ]
+    requests.append(ClaimRequest("plain-3", "other", "t-again"))  # repeated: the first wins
+    before = _server_ms()
+    claims = store.claim_many("c", requests, **_TWO_PHASE)
+    after = _server_ms()
+    assert [c.status for c in claims] == [ClaimStatus.NEW] * (len(requests) - 1) + [
+        ClaimStatus.EXISTING
+    ]
+    assert claims[-1].record == claims[len(odd) + 3].record
+    for claim in claims:
+        assert claim.record == store.get("c", claim.record.key)
+        assert before <= claim.now_ms == claim.record.created_ms <= after
+        assert claim.record.lease_until_ms == claim.now_ms + LEASE_MS
+
+
+def _server_ms() -> int:
+    return int(_sql("SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint")[0][0])
+
+
+@pytest.mark.parametrize("cache", ["auto", "force_generic_plan"])
+def test_r8_a_batch_reads_existing_rows_by_primary_key_only(table: str, cache: str) -> None:
+    """The batch statement's read of existing rows is a primary-key lookup per key, even on a
+    table whose statistics say it is small (a fresh table, before autovacuum's ANALYZE): a
+    join would be planned as a scan of every row of the consumer, whose cost grows with the
+    table."""
+    store = PostgresStore(POSTGRES_DSN, table=table)
+    store.migrate()
+    store.close()
+    _sql(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+    _sql(
+        f"INSERT INTO {table} SELECT 'c', 'old-' || g, 'completed', NULL, 't' || g, 1, 0, 0, "
+        f"0, 9000000000000, NULL, NULL FROM generate_series(1, 20000) g"
+    )
+    d = PostgresDialect("public", table)
+    params = {
+        "now": None,
+        "consumer": "c",
+        "keys": text_array([f"k{i}" for i in range(100)]),
+        "fingerprints": text_array([None] * 100),
+        "tokens": text_array([f"t-{i}" for i in range(100)]),
+        "lease": LEASE_MS,
+        "span": KEEP_MS,
+    }
+    with psycopg.connect(POSTGRES_DSN) as conn:
+        conn.execute(f"SET plan_cache_mode = {cache}".encode())
+        plan = "\n".join(
+            row[0] for row in conn.execute(b"EXPLAIN " + d.claim_many, params, prepare=True)
+        )
+        conn.rollback()
+    scans = [line.strip() for line in plan.splitlines() if f" on {table}" in line]
+    assert scans and all(s.startswith("->  Index Scan") or "Insert on" in s for s in scans), plan
 
 
 # ------------------------------------------------------------------ pools and outages

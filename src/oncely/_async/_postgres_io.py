@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeAlias
 
 import psycopg
+from psycopg import pq
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -23,6 +24,7 @@ __all__ = [
     "connect",
     "execute",
     "fetchall",
+    "fetchall_after",
     "is_connection",
     "is_pool",
     "make_pool",
@@ -33,6 +35,8 @@ __all__ = [
 Connection: TypeAlias = psycopg.AsyncConnection[Any]
 ConnPool: TypeAlias = AsyncConnectionPool[Any]
 Params = Mapping[str, object] | None
+
+_PIPELINE = psycopg.AsyncPipeline.is_supported()
 
 
 def make_pool(
@@ -71,6 +75,31 @@ async def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[
     factory: a caller's connection may have another)."""
     cursor = conn.cursor(row_factory=tuple_row)
     await cursor.execute(sql, params)
+    return await cursor.fetchall()
+
+
+async def fetchall_after(
+    conn: Connection, first: bytes, sql: bytes, params: Params, done: Callable[[], object]
+) -> list[tuple[Any, ...]]:
+    """Run ``first`` (no parameters, no rows: a ``SAVEPOINT``) and then ``sql`` in one round
+    trip, in libpq's pipeline mode, and return ``sql``'s rows. ``done()`` is called as soon as
+    ``first`` is known to have succeeded, also when ``sql`` then fails. The pipeline is left
+    before the rows are read: one Sync, one wait (reading inside it would add a flush and a
+    second wait). Without pipeline support (libpq before 14) the two go one after the other."""
+    head = conn.cursor(row_factory=tuple_row)
+    if not _PIPELINE:
+        await head.execute(first)
+        done()
+        return await fetchall(conn, sql, params)
+    cursor = conn.cursor(row_factory=tuple_row)
+    try:
+        async with conn.pipeline():
+            await head.execute(first)
+            await cursor.execute(sql, params)
+    finally:
+        result = head.pgresult
+        if result is not None and result.status == pq.ExecStatus.COMMAND_OK:
+            done()
     return await cursor.fetchall()
 
 

@@ -21,7 +21,10 @@ waits on that row's lock, then inserts (the first rolled back) or finds it (it c
 ``CLIENT_FOUND_ROWS`` the connection was opened with: ``now + 1`` from the insert, ``0`` from
 the duplicate branch, which changes nothing. Only a duplicate reads the row (with ``now``);
 the store decides in Python with :mod:`oncely._core.state` and writes any change with a
-compare-and-set on the row version it read.
+compare-and-set on the row version it read. A batch is one multi-row insert of the same kind,
+its values written as hex literals (no per-value escaping by the driver); its OK packet says
+whether every key went in (then nothing is read back: the rows are what was sent), and only
+otherwise are the batch's rows read.
 
 Time. ``now`` is the server's clock, ``UTC_TIMESTAMP(3)`` counted from the epoch: constant
 within a statement, and independent of the session time zone (``UNIX_TIMESTAMP(NOW(3))``
@@ -45,8 +48,9 @@ __all__ = [
     "MAX_TOKEN_BYTES",
     "SCHEMA_VERSION",
     "SERVER_NOW",
+    "BatchRow",
     "MySQLDialect",
-    "batch_params",
+    "batch_rows",
     "claim_params",
     "parse_record",
     "utf8",
@@ -142,28 +146,41 @@ def write_params(names: dict[str, Any], seen: Record, new: Record | None) -> dic
     return values
 
 
-def batch_params(events: Sequence[ClaimEvent]) -> tuple[dict[str, int], dict[str, Any]]:
-    """For a batch of one consumer's claims: the index of each key's first request, and the
-    parameters of :meth:`MySQLDialect.claim_many_insert` / ``claim_many_read`` for the keys
-    in byte order, the order every batch locks rows in (so overlapping batches queue instead
-    of deadlocking)."""
+BatchRow = tuple[str, bytes, bytes | None, bytes]
+"""One key of a batch claim: the key, and its UTF-8 bytes, fingerprint and token."""
+
+
+def batch_rows(events: Sequence[ClaimEvent]) -> tuple[dict[str, int], list[BatchRow]]:
+    """For a batch of one consumer's claims: the index of each key's first request, and each
+    distinct key's row (its first request's fingerprint and token) in byte order, the order
+    every batch locks rows in (so overlapping batches queue instead of deadlocking). Every
+    value is checked against its column, as :func:`claim_params` does."""
     first: dict[str, int] = {}
     for i, ev in enumerate(events):
         first.setdefault(ev.key, i)
-    ev0 = events[0]
-    params: dict[str, Any] = {
-        "consumer": utf8(ev0.consumer, "consumer", MAX_CONSUMER_BYTES),
-        "lease": ev0.lease_ms,
-        "span": max(ev0.keep_ms, ev0.lease_ms),
-        "now": None,
-    }
-    encoded = sorted((utf8(key, "key", MAX_KEY_BYTES), key) for key in first)
-    for i, (data, key) in enumerate(encoded):
-        ev = events[first[key]]
-        params[f"k{i}"] = data
-        params[f"f{i}"] = _fingerprint(ev.fingerprint)
-        params[f"t{i}"] = utf8(ev.token, "token", MAX_TOKEN_BYTES)
-    return first, params
+    rows: list[BatchRow] = []
+    for key, i in first.items():
+        ev = events[i]
+        rows.append(
+            (
+                key,
+                utf8(key, "key", MAX_KEY_BYTES),
+                _fingerprint(ev.fingerprint),
+                utf8(ev.token, "token", MAX_TOKEN_BYTES),
+            )
+        )
+    rows.sort(key=_by_bytes)
+    return first, rows
+
+
+def _by_bytes(row: BatchRow) -> bytes:
+    return row[1]
+
+
+def _hex(value: bytes | None) -> str:
+    # A hex literal holds nothing but hex digits: values go into the statement text safely,
+    # without the driver's per-value escaping.
+    return "NULL" if value is None else f"X'{value.hex()}'"
 
 
 def _text(value: bytes | None) -> str | None:
@@ -275,26 +292,38 @@ class MySQLDialect:
         self.stats = f"""SELECT consumer, status, SUM(expires_ms > {now}), SUM(expires_ms <= {now})
             FROM `{t}` GROUP BY consumer, status"""
 
-    def claim_many_insert(self, count: int) -> str:
-        """Insert ``count`` keys of one consumer (``%(k<i>)s``, ``%(f<i>)s``, ``%(t<i>)s``)
-        where absent; existing rows are left as they are."""
-        now = self.now
-        rows = ",\n".join(
-            f"(%(consumer)s, %(k{i})s, 'in_progress', %(f{i})s, %(t{i})s, 1, {now}, {now}, "
-            f"{now} + %(lease)s, {now} + %(span)s, NULL, NULL)"
-            for i in range(count)
-        )
-        return f"""INSERT INTO `{self.table}` (consumer, `key`, status, fingerprint, token,
-                attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
-            VALUES {rows}
-            ON DUPLICATE KEY UPDATE created_ms = created_ms"""
-
-    def claim_many_read(self, count: int) -> str:
-        """The rows of ``count`` keys of one consumer, each led by its key, and ``now``."""
-        keys = ", ".join(f"%(k{i})s" for i in range(count))
+    def claim_many_insert(
+        self, consumer: bytes, rows: Sequence[BatchRow], lease: int, span: int, now: int | None
+    ) -> str:
+        """Insert ``rows`` of ``consumer`` where absent (existing rows are left as they are),
+        as one statement whose values are literals. Its OK packet's insert id is ``now + 1``
+        when every row went in, 0 when any key existed: the first row sets
+        ``LAST_INSERT_ID(now + 1)``, each existing row ``LAST_INSERT_ID(0)``, later inserts
+        leave it alone. ``now`` is the store's clock, or None for the server's."""
+        n = SERVER_NOW if now is None else str(int(now))
+        c = _hex(consumer)
+        # A value may name a column set earlier in its row: the clock is read once per row
+        # (each reading of the server's clock costs the server about a microsecond).
+        times = f"created_ms, created_ms + {int(lease)}, created_ms + {int(span)}, NULL, NULL)"
+        tails = (f", 1, LAST_INSERT_ID({n} + 1) - 1, {times}", f", 1, {n}, {times}")
+        values = [
+            f"({c}, {_hex(key)}, 'in_progress', {_hex(fingerprint)}, {_hex(token)}" + tails[i > 0]
+            for i, (_, key, fingerprint, token) in enumerate(rows)
+        ]
         return (
-            f"SELECT `key`, {_COLUMNS}, {self.now} FROM `{self.table}` "
-            f"WHERE consumer = %(consumer)s AND `key` IN ({keys})"
+            f"INSERT INTO `{self.table}` (consumer, `key`, status, fingerprint, token, "
+            "attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error) "
+            f"VALUES {', '.join(values)} "
+            "ON DUPLICATE KEY UPDATE created_ms = created_ms + LAST_INSERT_ID(0)"
+        )
+
+    def claim_many_read(self, consumer: bytes, rows: Sequence[BatchRow], now: int | None) -> str:
+        """The rows of ``rows``' keys of ``consumer``, each led by its key, and ``now``."""
+        n = SERVER_NOW if now is None else str(int(now))
+        keys = ", ".join(_hex(row[1]) for row in rows)
+        return (
+            f"SELECT `key`, {_COLUMNS}, {n} FROM `{self.table}` "
+            f"WHERE consumer = {_hex(consumer)} AND `key` IN ({keys})"
         )
 
     def purge_candidates(self, *, first: bool) -> str:

@@ -45,7 +45,7 @@ from typing import Any, Final
 from oncely._core.records import Record, Status
 from oncely._dialects.identifiers import check_identifier
 
-__all__ = ["SCHEMA_VERSION", "PostgresDialect", "parse_record"]
+__all__ = ["SCHEMA_VERSION", "PostgresDialect", "parse_record", "text_array"]
 
 SCHEMA_VERSION: Final = 1
 
@@ -70,6 +70,10 @@ _NOW: Final = (
     "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now) AS n"
 )
 
+# When the current transaction started, in microseconds: the same for every statement of one
+# transaction, different for the next one on the same connection (read without writing).
+_TX_STARTED: Final = "(extract(epoch FROM transaction_timestamp()) * 1000000)::bigint"
+
 _STATUS = {s.value: s for s in Status}
 
 
@@ -92,8 +96,49 @@ def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
     )
 
 
+def text_array(values: Sequence[str | None]) -> str:
+    """``values`` as a PostgreSQL array literal (``None`` is NULL), for a ``%s::text[]``
+    parameter. psycopg's list dumper quotes element by element in Python; this is a join and
+    three scans in the common case (no NULL, no quote, no backslash), and exact otherwise."""
+    if not values:
+        return "{}"
+    if None not in values:
+        joined = '","'.join(values)  # type: ignore[arg-type]
+        # No quote but the separators' and no backslash: nothing to escape.
+        if joined.count('"') == 2 * len(values) - 2 and "\\" not in joined:
+            return '{"' + joined + '"}'
+    return (
+        "{"
+        + ",".join(
+            "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            for v in values
+        )
+        + "}"
+    )
+
+
 def _b(text: str) -> bytes:
     return text.encode()
+
+
+def _claim(t: str, extra: str) -> str:
+    """The one-key claim on table ``t``; ``extra`` adds columns (after ``now``) to its row."""
+    return f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
+            ins AS (
+                INSERT INTO {t} AS t (consumer, key, status, fingerprint, token, attempt,
+                    created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+                SELECT %(consumer)s::text, %(key)s::text, %(status)s::text,
+                    %(fingerprint)s::text, %(token)s::text, 1, n.now, n.now,
+                    n.now + %(lease)s::bigint, n.now + %(span)s::bigint, NULL, %(error)s::text
+                FROM n
+                ON CONFLICT (consumer, key) DO NOTHING
+                RETURNING {_T_COLUMNS})
+            SELECT true, ins.*, n.now{extra} FROM ins, n
+            UNION ALL
+            SELECT false, {_T_COLUMNS}, n.now{extra} FROM {t} AS t, n
+            WHERE t.consumer = %(consumer)s::text AND t.key = %(key)s::text
+                AND NOT EXISTS (SELECT FROM ins)"""
 
 
 class PostgresDialect:
@@ -101,6 +146,7 @@ class PostgresDialect:
 
     __slots__ = (
         "claim",
+        "claim_joined",
         "claim_many",
         "complete",
         "create",
@@ -175,24 +221,11 @@ class PostgresDialect:
                 "ON CONFLICT (name) DO NOTHING"
             ),
         )
-        self.claim = _b(
-            f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
-                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
-            ins AS (
-                INSERT INTO {t} AS t (consumer, key, status, fingerprint, token, attempt,
-                    created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
-                SELECT %(consumer)s::text, %(key)s::text, %(status)s::text,
-                    %(fingerprint)s::text, %(token)s::text, 1, n.now, n.now,
-                    n.now + %(lease)s::bigint, n.now + %(span)s::bigint, NULL, %(error)s::text
-                FROM n
-                ON CONFLICT (consumer, key) DO NOTHING
-                RETURNING {_T_COLUMNS})
-            SELECT true, ins.*, n.now FROM ins, n
-            UNION ALL
-            SELECT false, {_T_COLUMNS}, n.now FROM {t} AS t, n
-            WHERE t.consumer = %(consumer)s::text AND t.key = %(key)s::text
-                AND NOT EXISTS (SELECT FROM ins)"""
-        )
+        self.claim = _b(_claim(t, ""))
+        # The same claim for a caller's transaction under a savepoint: also returns when that
+        # transaction started, which tells two transactions of one connection apart (the
+        # store bounds how many of its savepoints stay open in one transaction).
+        self.claim_joined = _b(_claim(t, f", {_TX_STARTED}"))
         expired = "t.expires_ms <= n.now"
         agrees = (
             "(%(fingerprint)s::text IS NULL OR t.fingerprint IS NULL "
@@ -320,9 +353,14 @@ class PostgresDialect:
         # A batch of claims in one statement. The rows are inserted in key order (then request
         # order): two batches sharing keys take their row locks in the same order, so they
         # cannot deadlock, and of a key repeated in the batch the first request inserts it
-        # (DO NOTHING skips rows that conflict with rows of the same command). The answer
-        # gives per request: the row it inserted (matched by token), the row an earlier
-        # request of the batch inserted, and the row visible before the statement.
+        # (DO NOTHING skips rows that conflict with rows of the same command). The answer is
+        # one row per request, in request order: now, whether the request's own row went in
+        # (true), another request of the batch inserted the key (false) or nobody did (NULL),
+        # and only in that last case the row visible before the statement. An inserted row is
+        # not sent back: the caller knows every value it holds. The existing row is read by
+        # a lateral lookup on the primary key, skipped for inserted keys; its LIMIT keeps the
+        # planner from turning it into a join, which it may plan as a scan of every row of
+        # the consumer when the table's statistics are stale (a fresh, fast-growing table).
         self.claim_many = _b(
             f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
                     floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
@@ -339,10 +377,14 @@ class PostgresDialect:
                 FROM req, n
                 ORDER BY req.key, req.ord
                 ON CONFLICT (consumer, key) DO NOTHING
-                RETURNING t.key, {_T_COLUMNS})
-            SELECT req.ord, ins.*, {_T_COLUMNS}, n.now
+                RETURNING t.key, t.token)
+            SELECT n.now, ins.token = req.token, e.*
             FROM req CROSS JOIN n
                 LEFT JOIN ins ON ins.key = req.key
-                LEFT JOIN {t} AS t ON t.consumer = %(consumer)s::text AND t.key = req.key
+                LEFT JOIN LATERAL (
+                    SELECT {_T_COLUMNS} FROM {t} AS t
+                    WHERE ins.key IS NULL
+                        AND t.consumer = %(consumer)s::text AND t.key = req.key
+                    LIMIT 1) AS e ON true
             ORDER BY req.ord"""
         )

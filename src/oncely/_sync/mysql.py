@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,9 +47,10 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely._dialects.mysql import (
+    MAX_CONSUMER_BYTES,
     SCHEMA_VERSION,
     MySQLDialect,
-    batch_params,
+    batch_rows,
     claim_params,
     parse_record,
     utf8,
@@ -87,8 +89,8 @@ _STATUS = {s.value: s for s in Status}
 _ROUNDS = 8  # reads and compare-and-set writes before a key that keeps changing gives up
 _BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
 _BATCH = 500  # keys per multi-row statement of claim_many
-# Savepoint names unique in the process: two stores may nest savepoints in one transaction.
-_SAVEPOINTS = itertools.count(1)
+# Numbers the stores of the process: each names its savepoints apart from the others'.
+_STORES = itertools.count(1)
 
 
 class MySQLStore:
@@ -155,6 +157,9 @@ class MySQLStore:
         self._ready_lock = threading.Lock()
         self._ready = False
         self._closed = False
+        # How many of this store's savepoint blocks are open on each caller connection.
+        self._depth: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
+        self._savepoint_prefix = f"oncely_{next(_STORES)}_"
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -368,20 +373,26 @@ class MySQLStore:
         return claims
 
     def _claim_batch(self, conn: Connection, events: list[ClaimEvent]) -> list[Claim]:
-        # Two round trips for the batch: one multi-row insert-if-absent, one read of every row.
-        # A row carrying the request's token is the one it inserted (tokens are unique), so
-        # the answers do not depend on affected-row counts.
-        first, params = batch_params(events)
-        params["now"] = self._now()
-        execute(conn, self._dialect.claim_many_insert(len(first)), params)
-        rows = fetchall(conn, self._dialect.claim_many_read(len(first)), params)
-        consumer = events[0].consumer
+        # One multi-row insert-if-absent; when its OK packet says every key went in, the
+        # records are built here from what was sent (one round trip). Otherwise one read of
+        # every row follows: a row carrying the request's token is the one it inserted
+        # (tokens are unique), so the answers do not depend on affected-row counts.
+        first, rows = batch_rows(events)
+        ev0 = events[0]
+        consumer = utf8(ev0.consumer, "consumer", MAX_CONSUMER_BYTES)
+        lease, span = ev0.lease_ms, max(ev0.keep_ms, ev0.lease_ms)
+        now = self._now()
+        sql = self._dialect.claim_many_insert(consumer, rows, lease, span, now)
+        inserted = (execute(conn, sql))[1]
+        if inserted:  # now + 1: every key was absent and holds the row sent for it
+            return self._all_new(events, first, inserted - 1, lease, span)
+        found = fetchall(conn, self._dialect.claim_many_read(consumer, rows, now))
         held: dict[str, Record | None] = dict.fromkeys(first)
-        now = 0
-        for row in rows:
+        read_at = 0
+        for row in found:
             key = bytes(row[0]).decode("utf-8")
-            held[key] = parse_record(consumer, key, row[1:])
-            now = int(row[11])
+            held[key] = parse_record(ev0.consumer, key, row[1:])
+            read_at = int(row[11])
         claims: list[Claim] = []
         for i, ev in enumerate(events):
             current = held[ev.key]
@@ -390,12 +401,32 @@ class MySQLStore:
             elif current is None:  # released or forgotten between the two statements
                 claim = self._claim(conn, ev, False)
             else:
-                new, claim = apply_claim(current, ev, now)
-                names = {"consumer": params["consumer"], "key": ev.key.encode("utf-8")}
+                new, claim = apply_claim(current, ev, read_at)
+                names = {"consumer": consumer, "key": ev.key.encode("utf-8")}
                 if new is not UNCHANGED and not self._write(conn, names, current, new):
                     claim = self._claim(conn, ev, False)
             held[ev.key] = claim.record
             claims.append(claim)
+        return claims
+
+    @staticmethod
+    def _all_new(
+        events: list[ClaimEvent], first: dict[str, int], now: int, lease: int, span: int
+    ) -> list[Claim]:
+        """The answers when every key of the batch was inserted by its first request: NEW
+        with the row as sent, and EXISTING (that row) for a key the batch repeats."""
+        claims: list[Claim] = []
+        won: dict[str, Record] = {}
+        for i, ev in enumerate(events):
+            if first[ev.key] != i:
+                claims.append(Claim(ClaimStatus.EXISTING, won[ev.key], now))
+                continue
+            record = Record(
+                ev.consumer, ev.key, Status.IN_PROGRESS, ev.fingerprint, ev.token, 1,
+                now, now, now + lease, now + span,
+            )  # fmt: skip
+            won[ev.key] = record
+            claims.append(Claim(ClaimStatus.NEW, record, now))
         return claims
 
     def takeover(
@@ -604,17 +635,27 @@ class MySQLStore:
 
     @contextmanager
     def savepoint(self, tx: Connection) -> Iterator[None]:
-        # A name per use: MySQL replaces a savepoint of the same name, so nested handlers
-        # sharing one name would roll back to the innermost.
-        name = f"oncely_{next(_SAVEPOINTS)}"
+        """A savepoint around the block: rolled back to when it raises; left in place when it
+        succeeds (no RELEASE round trip).
+
+        MariaDB and MySQL replace a savepoint by a new one of the same name, and a left one
+        costs nothing but its entry in the transaction's list, so the name is the store's
+        and the number of its blocks open on ``tx`` around this one: the next message's
+        savepoint replaces it (the list stays as long as the deepest nesting), while a block
+        open around this one keeps its own name, which a rollback to it still finds (and the
+        rollback drops every savepoint set after it). The transaction's end drops them all.
+        """
+        depth = self._depth.get(tx, 0)
+        name = f"{self._savepoint_prefix}{depth}"
         self._joined(tx, f"SAVEPOINT {name}", "savepoint")
+        self._depth[tx] = depth + 1
         try:
             yield
         except BaseException:
             self._joined(tx, f"ROLLBACK TO SAVEPOINT {name}", "rolling back to a savepoint")
-            self._joined(tx, f"RELEASE SAVEPOINT {name}", "releasing a savepoint")
             raise
-        self._joined(tx, f"RELEASE SAVEPOINT {name}", "releasing a savepoint")
+        finally:
+            self._depth[tx] = depth
 
     def _joined(
         self, tx: Connection, sql: str, op: str, params: dict[str, Any] | None = None

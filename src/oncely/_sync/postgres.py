@@ -7,6 +7,9 @@ statement that commits on its own. A claim is one ``INSERT ... ON CONFLICT DO NO
 returns the winner's row in the same statement (:mod:`oncely._dialects.postgres` explains
 the statement and the READ COMMITTED snapshot trap it avoids). Lease times come from the
 server's ``clock_timestamp()``, never the worker's, unless the store is given a clock.
+Joined to a caller's transaction, the savepoint around a message costs no round trip of its
+own: its ``SAVEPOINT`` is pipelined with the claim, and it is not released (see
+:meth:`PostgresStore.savepoint`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,7 +31,7 @@ from oncely._core.clock import Clock
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
-from oncely._dialects.postgres import SCHEMA_VERSION, PostgresDialect, parse_record
+from oncely._dialects.postgres import SCHEMA_VERSION, PostgresDialect, parse_record, text_array
 from oncely._drivers.postgres import describe, is_disconnect, parse_url, translate
 from oncely._sync._postgres_io import (
     Connection,
@@ -35,6 +39,7 @@ from oncely._sync._postgres_io import (
     connect,
     execute,
     fetchall,
+    fetchall_after,
     is_connection,
     is_pool,
     make_pool,
@@ -59,6 +64,11 @@ _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
+# At most this many of oncely's savepoints are left open in one caller transaction (each is
+# a subtransaction the server keeps until the transaction ends: about 10 KiB of its memory,
+# and one more level that parts of it walk); past that, each is released at the end of its
+# block, one more round trip.
+_OPEN_SAVEPOINTS = 100
 
 
 def _server_time() -> None:
@@ -338,16 +348,21 @@ class PostgresStore:
     ) -> list[Claim]:
         if not requests:
             return []
-        for r in requests:
-            _check_size(consumer, r.key)
+        keys = [r.key for r in requests]
+        if 4 * (len(consumer) + max(map(len, keys))) > _MAX_IDENTITY_BYTES:
+            for key in keys:  # a UTF-8 character is at most 4 bytes: only then count them
+                _check_size(consumer, key)
+        fingerprints = [r.fingerprint for r in requests]
+        tokens = [r.token for r in requests]
+        span = max(keep_ms, lease_ms)
         params = {
             "now": self._now(),
             "consumer": consumer,
-            "keys": [r.key for r in requests],
-            "fingerprints": [r.fingerprint for r in requests],
-            "tokens": [r.token for r in requests],
+            "keys": text_array(keys),
+            "fingerprints": text_array(fingerprints),
+            "tokens": text_array(tokens),
             "lease": lease_ms,
-            "span": max(keep_ms, lease_ms),
+            "span": span,
         }
         claims: list[Claim] = []
         won: dict[str, Record] = {}  # keys a request of this batch won, and their records
@@ -356,17 +371,22 @@ class PostgresStore:
                 rows = fetchall(conn, self._dialect.claim_many, params)
             except psycopg.Error as exc:
                 raise self._error(exc, "claim_many") from exc
-            # A row: request number, the row this statement inserted for the key (its key and
-            # 10 columns, or NULLs), the row visible before the statement (10), and now.
+            # A row: now, whether the request's own row went in (true), another request's
+            # (false) or none (NULL), and, for none, the row visible before the statement.
             for r, row in zip(requests, rows, strict=True):
-                now: int = row[22]
-                if r.key in won:  # an earlier request of the batch holds a fresh lease
-                    claims.append(Claim(ClaimStatus.EXISTING, won[r.key], now))
+                now: int = row[0]
+                held = won.get(r.key)
+                if held is not None:  # an earlier request of the batch holds a fresh lease
+                    claims.append(Claim(ClaimStatus.EXISTING, held, now))
                     continue
-                if row[1] is not None and row[4] == r.token:
-                    claim = Claim(ClaimStatus.NEW, parse_record(consumer, r.key, row[2:12]), now)
-                elif row[12] is not None and not _claimable(
-                    current := parse_record(consumer, r.key, row[12:22]), now, r.fingerprint,
+                if row[1]:  # inserted as sent: the record is built here, not read back
+                    record = Record(
+                        consumer, r.key, Status.IN_PROGRESS, r.fingerprint, r.token, 1,
+                        now, now, now + lease_ms, now + span,
+                    )  # fmt: skip
+                    claim = Claim(ClaimStatus.NEW, record, now)
+                elif row[2] is not None and not _claimable(
+                    current := parse_record(consumer, r.key, row[2:12]), now, r.fingerprint,
                     takeover,
                 ):  # fmt: skip
                     claim = Claim(ClaimStatus.EXISTING, current, now)
@@ -394,7 +414,10 @@ class PostgresStore:
         takeover: bool,
         initial: Status,
         error: str | None,
+        savepoint: _Savepoint | None = None,
     ) -> Claim:
+        """One claim on ``conn``. With ``savepoint`` (set by :meth:`savepoint`, not yet on
+        the server), its ``SAVEPOINT`` goes out with the first statement, in one round trip."""
         _check_size(consumer, key)
         dialect = self._dialect
         params: dict[str, Any] = {
@@ -410,7 +433,15 @@ class PostgresStore:
         try:
             for _ in range(_ATTEMPTS):
                 params["now"] = self._now()
-                rows = fetchall(conn, dialect.claim, params)
+                if savepoint is None:
+                    rows = fetchall(conn, dialect.claim, params)
+                else:
+                    rows = fetchall_after(
+                        conn, savepoint.sql, dialect.claim_joined, params, savepoint.established
+                    )
+                    if rows:
+                        savepoint.stamp = rows[0][12]
+                    savepoint = None
                 if not rows:
                     # The key's row was inserted by a transaction that committed while this
                     # statement waited for it (invisible to the statement's snapshot), or it
@@ -633,17 +664,66 @@ class PostgresStore:
 
     @contextmanager
     def savepoint(self, tx: Connection) -> Iterator[None]:
-        self._run(tx, b"SAVEPOINT oncely", "savepoint")
+        """A savepoint around the store's work in ``tx``, at no extra round trip when the
+        block succeeds.
+
+        Nothing is sent on entry: the ``SAVEPOINT`` goes out in one round trip with the
+        first statement the store runs inside the block (the claim of :meth:`claim_in`,
+        pipelined), so a block in which the store runs nothing sets none. When the block
+        raises, the transaction is rolled back to it (one round trip). Either way it is then
+        left open, not released: the enclosing transaction (or savepoint) takes its work over
+        when it ends, exactly as a RELEASE would have, and no round trip is spent.
+
+        ``ROLLBACK TO`` names the most recent savepoint of a name, and one left open may
+        still be there: a savepoint is named after the number of oncely's blocks open on
+        ``tx`` around it, so none created while it is open has its name, and a rollback to it
+        (which also drops every savepoint opened inside it) finds it. The names being few,
+        psycopg's statement cache does not churn (and it clears its prepared statements only
+        the first time it sees a rollback text). At most ``_OPEN_SAVEPOINTS`` are left open
+        per caller transaction (told apart by their start time); past that each is released
+        as its block ends.
+        """
+        joined = _joined(tx)
+        if joined.pending is not None:  # an enclosing block has sent nothing yet: set it first
+            self._establish(tx, joined)
+        depth = joined.depth
+        point = _Savepoint(depth)
+        joined.pending = point
+        joined.depth = depth + 1
         try:
             yield
         except BaseException:
-            self._run(
-                tx,
-                b"ROLLBACK TO SAVEPOINT oncely; RELEASE SAVEPOINT oncely",
-                "rollback to savepoint",
-            )
+            if joined.pending is point:
+                joined.pending = None  # never set: the store did nothing to undo
+            elif point.set:
+                self._run(tx, b"ROLLBACK TO SAVEPOINT " + point.name, "rollback to savepoint")
+                joined.kept = min(joined.kept, point.base)  # those opened inside it are gone
+                self._leave(tx, joined, point)
             raise
-        self._run(tx, b"RELEASE SAVEPOINT oncely", "release savepoint")
+        else:
+            if joined.pending is point:
+                joined.pending = None
+            elif point.set:
+                self._leave(tx, joined, point)
+        finally:
+            joined.depth = depth
+
+    def _leave(self, tx: Connection, joined: _Joined, point: _Savepoint) -> None:
+        """Leave a savepoint open at the end of its block, or release it past the bound."""
+        if joined.kept < _OPEN_SAVEPOINTS:
+            joined.kept += 1
+        else:
+            self._run(tx, b"RELEASE SAVEPOINT " + point.name, "release savepoint")
+
+    def _establish(self, tx: Connection, joined: _Joined) -> None:
+        """Send the pending ``SAVEPOINT`` on its own (the store is about to run something
+        other than a claim in its block)."""
+        point = joined.pending
+        assert point is not None
+        joined.pending = None
+        self._run(tx, point.sql, "savepoint")
+        point.established()
+        point.base = joined.kept
 
     def _run(self, tx: Connection, sql: bytes, op: str, params: Any = None) -> None:
         try:
@@ -688,13 +768,30 @@ class PostgresStore:
     ) -> Claim:
         if not self._ready:
             self._prepare()
-        return self._claim(
-            tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
-        )
+        joined = _JOINED.get(tx)
+        point = joined.pending if joined is not None else None
+        if joined is None or point is None:
+            return self._claim(
+                tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
+            )
+        joined.pending = None
+        try:
+            return self._claim(
+                tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error,
+                point,
+            )  # fmt: skip
+        finally:
+            if point.set:
+                if point.stamp is not None and point.stamp != joined.stamp:
+                    joined.stamp, joined.kept = point.stamp, 0  # a new transaction
+                point.base = joined.kept
 
     def set_result_in(
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
+        joined = _JOINED.get(tx)
+        if joined is not None and joined.pending is not None:
+            self._establish(tx, joined)
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         self._run(tx, self._dialect.set_result, "storing the result", params)
 
@@ -744,3 +841,46 @@ class _Transaction:
             return suppressed
         finally:
             self._store._release(conn)
+
+
+class _Savepoint:
+    """One block of :meth:`PostgresStore.savepoint`: its name, whether the server has
+    set it, when its transaction started (from the claim that set it), and how many of
+    oncely's savepoints were left open before it."""
+
+    __slots__ = ("base", "name", "set", "sql", "stamp")
+
+    def __init__(self, depth: int) -> None:
+        self.name = b"oncely_%d" % depth
+        self.sql = b"SAVEPOINT " + self.name
+        self.set = False
+        self.stamp: int | None = None
+        self.base = 0
+
+    def established(self) -> None:
+        self.set = True
+
+
+class _Joined:
+    """oncely's savepoints on one caller connection, whichever store set them: the one whose
+    ``SAVEPOINT`` waits for its block's first statement, how many blocks are open, and how
+    many savepoints are left open in the transaction that started at ``stamp``."""
+
+    __slots__ = ("depth", "kept", "pending", "stamp")
+
+    def __init__(self) -> None:
+        self.pending: _Savepoint | None = None
+        self.depth = 0
+        self.stamp: int | None = None
+        self.kept = 0
+
+
+# Per caller connection, shared by every store of the process: the names depend on it.
+_JOINED: weakref.WeakKeyDictionary[Connection, _Joined] = weakref.WeakKeyDictionary()
+
+
+def _joined(tx: Connection) -> _Joined:
+    joined = _JOINED.get(tx)
+    if joined is None:
+        joined = _JOINED[tx] = _Joined()
+    return joined

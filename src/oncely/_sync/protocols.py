@@ -153,8 +153,10 @@ class TransactionalStore(Store, Protocol[Tx]):
         ...
 
     def savepoint(self, tx: Tx) -> AbstractContextManager[None]:
-        """A savepoint inside ``tx``: released at the end of the block, rolled back to (and
-        released) when it raises, leaving ``tx`` usable."""
+        """A savepoint inside ``tx`` around the block: when the block raises, everything done
+        in it is rolled back and ``tx`` stays usable; when it ends normally, its work stays in
+        ``tx`` (the store may release the savepoint or leave it for the transaction to absorb,
+        whichever costs fewer round trips; a later rollback of the block still targets it)."""
         ...
 
     def check_transaction(self, tx: Tx) -> None:
