@@ -33,6 +33,7 @@ from oncely._core.records import (
 )
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
+from oncely._dialects.params import scan_params
 from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
 from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
 from oncely.errors import (
@@ -538,15 +539,7 @@ class AsyncSQLiteStore:
         after: tuple[str, str] | None = None,
         limit: int = 100,
     ) -> list[Record]:
-        after_consumer, after_key = after if after is not None else ("", "")
-        params = {
-            "now": self._now(),
-            "consumer": consumer,
-            "status": status.value if status is not None else None,
-            "after_consumer": after_consumer,
-            "after_key": after_key,
-            "limit": limit,
-        }
+        params = scan_params(self._now(), consumer, status, after, limit)
         async with self._connection() as conn:
             try:
                 rows = await self._pool.fetchall(conn, self._dialect.scan, params)

@@ -31,6 +31,7 @@ from oncely._core.clock import Clock
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import Lost, fingerprints_agree
 from oncely._core.table import lease_lost
+from oncely._dialects.params import scan_params
 from oncely._dialects.postgres import SCHEMA_VERSION, PostgresDialect, parse_record, text_array
 from oncely._drivers.postgres import describe, is_disconnect, parse_url, translate
 from oncely._sync._postgres_io import (
@@ -612,15 +613,7 @@ class PostgresStore:
         after: tuple[str, str] | None = None,
         limit: int = 100,
     ) -> list[Record]:
-        after_consumer, after_key = after if after is not None else ("", "")
-        params = {
-            "now": self._now(),
-            "consumer": consumer,
-            "status": status.value if status is not None else None,
-            "after_consumer": after_consumer,
-            "after_key": after_key,
-            "limit": limit,
-        }
+        params = scan_params(self._now(), consumer, status, after, limit)
         rows = self._rows("scan", self._dialect.scan, params)
         return [parse_record(row[0], row[1], row[2:]) for row in rows]
 
