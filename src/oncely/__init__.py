@@ -49,6 +49,8 @@ from oncely._sync.memory import MemoryStore
 from oncely._sync.protocols import Store, TransactionalStore
 from oncely._sync.sqlite import SQLiteStore
 from oncely.errors import (
+    BrokerError,
+    BrokerUnavailable,
     ConfigurationError,
     Escalated,
     InFlight,
@@ -120,6 +122,8 @@ __all__ = [
     "AsyncSQLiteStore",
     "AsyncStore",
     "AsyncTransactionalStore",
+    "BrokerError",
+    "BrokerUnavailable",
     "BusinessKey",
     "Claim",
     "ClaimRequest",

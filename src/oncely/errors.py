@@ -19,6 +19,8 @@
     │   │   └── SchemaTooNew           written by a newer oncely; upgrade
     │   ├── TransactionRequired        transactional mode outside an open transaction
     │   └── TransactionsUnsupported    the store cannot join a caller's transaction
+    ├── BrokerError                    a broker adapter failed; driver exceptions are wrapped
+    │   └── BrokerUnavailable          cannot reach the broker now; the adapter reconnects
     ├── LeaseLost                      a fenced write found another owner (or nothing)
     ├── Reject                         raised BY A HANDLER: the message is poison (R20.6)
     └── OutcomeError                   raised by the call-style API for a non-success outcome
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
     from oncely._core.records import Record
 
 __all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
     "ConfigurationError",
     "Escalated",
     "InFlight",
@@ -140,6 +144,15 @@ class TransactionRequired(StoreError):
 
 class TransactionsUnsupported(StoreError):
     """This store cannot join a caller's transaction (Redis, memory). Use the two-phase mode."""
+
+
+class BrokerError(OncelyError):
+    """A broker adapter failed. Broker client exceptions are translated into this tree."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached now. Nothing was acknowledged; the adapter reconnects and
+    the broker redelivers whatever was not settled."""
 
 
 class LeaseLost(OncelyError):

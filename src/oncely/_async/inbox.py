@@ -330,6 +330,43 @@ class AsyncInbox:
             found, envelope.body, handler, correlation_id=envelope.correlation_id, wait=wait
         )
 
+    async def handle_message_in_transaction(
+        self,
+        envelope: Envelope,
+        handler: AsyncTxHandler[Tx, object, R],
+        *,
+        key: KeySource | None = None,
+        tx: Tx | None = None,
+        savepoint: bool = True,
+    ) -> Handled[R]:
+        """:meth:`handle_in_transaction` for a broker message, with the key read as
+        :meth:`handle_message` reads it: a message without a usable key is ``rejected``."""
+        started = perf_counter()
+        source = key if key is not None else _MESSAGE_ID
+        try:
+            found = source(envelope)
+        except Exception as exc:
+            return self._refused(None, exc, started, envelope.correlation_id)
+        return await self.handle_in_transaction(
+            found,
+            envelope.body,
+            handler,
+            tx=tx,
+            savepoint=savepoint,
+            correlation_id=envelope.correlation_id,
+        )
+
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        """The ``rejected`` outcome for a message that cannot be processed at all (a body that
+        does not decode, a message too large): logged and passed to hooks like every outcome,
+        so an adapter dead-letters it with ``reason`` instead of dropping it. No record is
+        written: nothing was claimed."""
+        return self._done(
+            Outcome.REJECTED, key, perf_counter(), reason=reason, correlation_id=correlation_id
+        )
+
     def idempotent(
         self, *, key: Callable[..., str], wait: timedelta | None = timedelta(seconds=10)
     ) -> Callable[[AsyncFunction[PS, R]], AsyncFunction[PS, R]]:

@@ -1,0 +1,178 @@
+"""Broker adapters: a consumer is a handler plus a few lines.
+
+::
+
+    import oncely
+    from oncely.brokers import BrokerConsumer, open_transport
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
+    transport = open_transport("amqp://guest:guest@localhost/", "payments", group="billing")
+    await BrokerConsumer(transport, inbox, charge).run(handle_signals=True)
+
+=====================  ===========================================  =======================
+URL                    transport (extra)                            ``source`` is
+=====================  ===========================================  =======================
+``amqp://``            :class:`~oncely.brokers.rabbitmq.RabbitMQ`   a queue (quorum, with a
+                       (``oncely[rabbitmq]``)                       dead-letter exchange)
+``redis://``           :class:`~oncely.brokers.redis_streams.        a stream, read by the
+                       RedisStreams` (``oncely[redis]``)            consumer group ``group``
+``nats://``            :class:`~oncely.brokers.nats.JetStream`      a subject of a stream,
+                       (``oncely[nats]``)                           read by the durable
+                                                                    pull consumer ``group``
+=====================  ===========================================  =======================
+
+Every transport has the same shape (:mod:`oncely.brokers._shape`); producers
+(:func:`open_producer`) publish with a stable message id so producer retries are recognisable
+downstream (R2, R14). Kafka, Azure Service Bus and SQS have no adapter yet: no real broker of
+theirs can run where oncely is tested, and an adapter that was never run against the real thing
+is not shipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Protocol, cast
+
+from oncely._urls import redact, split
+from oncely.brokers._consumer import BrokerConsumer, UndecodableBody, decode_body
+from oncely.brokers._shape import Backoff, ConsumerSettings, DeadLetter, Delivery, Transport
+from oncely.errors import ConfigurationError
+
+__all__ = [
+    "Backoff",
+    "BrokerConsumer",
+    "ConsumerSettings",
+    "DeadLetter",
+    "Delivery",
+    "Producer",
+    "Transport",
+    "UndecodableBody",
+    "cloudevent_headers",
+    "decode_body",
+    "new_message_id",
+    "open_producer",
+    "open_transport",
+]
+
+
+class Producer(Protocol):
+    """Publishes messages with a stable, producer-assigned message id (R2).
+
+    Retrying a publish with the *same* ``message_id`` is what makes a producer retry a
+    duplicate that consumers recognise; a new id per attempt would make it a new message.
+    """
+
+    async def publish(
+        self,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+        correlation_id: str | None = None,
+    ) -> None:
+        """Publish ``body`` and return once the broker has confirmed it (publisher confirm,
+        JetStream ack, XADD reply). Raises :class:`~oncely.BrokerUnavailable`; retrying
+        with the same ``message_id`` is then safe."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def new_message_id() -> str:
+    """A fresh message id for a new logical message: create it once, before the first
+    publish attempt, and reuse it on every retry."""
+    return str(uuid.uuid4())
+
+
+def cloudevent_headers(
+    *, source: str, event_type: str, event_id: str | None = None, subject: str | None = None
+) -> dict[str, str]:
+    """Binary-mode CloudEvents attributes as ``ce-*`` headers (R3); the consumer's
+    :class:`~oncely.CloudEventsKey` reads ``(source, id)`` back."""
+    if not source or any(ch.isspace() for ch in source):
+        raise ConfigurationError("a CloudEvents source is a non-empty URI reference")
+    headers = {
+        "ce-specversion": "1.0",
+        "ce-source": source,
+        "ce-type": event_type,
+        "ce-id": event_id if event_id is not None else new_message_id(),
+    }
+    if subject is not None:
+        headers["ce-subject"] = subject
+    return headers
+
+
+class _Factory(Protocol):
+    def from_url(self, url: str, source: str, **options: object) -> object: ...
+
+
+# scheme -> (transport "module:Class", producer "module:Class", extra)
+_BROKERS: dict[str, tuple[str, str, str]] = {
+    "amqp": (
+        "oncely.brokers.rabbitmq:RabbitMQ",
+        "oncely.brokers.rabbitmq:RabbitMQProducer",
+        "rabbitmq",
+    ),
+    "redis": (
+        "oncely.brokers.redis_streams:RedisStreams",
+        "oncely.brokers.redis_streams:RedisStreamsProducer",
+        "redis",
+    ),
+    "nats": ("oncely.brokers.nats:JetStream", "oncely.brokers.nats:JetStreamProducer", "nats"),
+}
+_ALIASES = {"amqps": "amqp", "rediss": "redis", "tls": "nats"}
+SCHEMES = tuple(sorted({*_BROKERS, *_ALIASES}))
+
+
+def _load(url: str, which: int) -> _Factory:
+    scheme = split(url).scheme.lower()
+    scheme = _ALIASES.get(scheme, scheme)
+    if scheme not in _BROKERS:
+        raise ConfigurationError(
+            f"{redact(url)}: unsupported broker URL scheme {scheme!r}; supported: "
+            + ", ".join(f"{s}://" for s in SCHEMES)
+        )
+    target, extra = _BROKERS[scheme][which], _BROKERS[scheme][2]
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.startswith("oncely."):
+            raise ConfigurationError(f"{redact(url)}: no {scheme} adapter yet") from None
+        raise ConfigurationError(
+            f"{redact(url)}: the {scheme} adapter needs the {exc.name!r} package; "
+            f"install it with: pip install 'oncely[{extra}]'"
+        ) from None
+    return cast(_Factory, getattr(module, class_name))
+
+
+def open_transport(
+    url: str,
+    source: str,
+    *,
+    group: str,
+    dead_letter: str | None = None,
+    ack_wait: timedelta | None = None,
+) -> Transport:
+    """The transport for ``url`` reading ``source`` (a queue, stream or subject).
+
+    ``group`` names the consumer group (Redis Streams) or durable consumer (JetStream); for
+    RabbitMQ the queue itself is the group. ``dead_letter`` names the dead-letter destination
+    (default: ``<source>.dead``). ``ack_wait`` is how long the broker waits for an ack before
+    redelivering to another consumer (JetStream ack wait, Redis Streams idle time before
+    XAUTOCLAIM); running handlers extend it.
+    """
+    factory = _load(url, 0)
+    return cast(
+        Transport,
+        factory.from_url(url, source, group=group, dead_letter=dead_letter, ack_wait=ack_wait),
+    )
+
+
+def open_producer(url: str, destination: str) -> Producer:
+    """The producer for ``url`` publishing to ``destination`` (a queue, stream or subject)."""
+    return cast(Producer, _load(url, 1).from_url(url, destination))

@@ -1,0 +1,322 @@
+"""The consumer loop shared by every broker: read, decode, run through the inbox, settle.
+
+The loop decides nothing about a message: the inbox's outcome names the broker action
+(:mod:`oncely._core.outcomes`) and the transport carries it out (:mod:`._shape`). What the loop
+owns is the plumbing around that: bounded concurrency, heartbeats for long handlers, retries
+and dead-lettering by delivery count, reconnection, and a graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Literal
+
+from oncely._async.inbox import AsyncInbox
+from oncely._core.keys import Envelope, KeySource
+from oncely._core.outcomes import Action, Handled, Outcome
+from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
+from oncely.errors import BrokerUnavailable, ConfigurationError, OncelyError
+
+__all__ = ["BrokerConsumer", "UndecodableBody", "decode_body"]
+
+LOGGER = logging.getLogger("oncely.broker")
+
+Mode = Literal["two_phase", "transactional"]
+Decoder = Callable[[Envelope], object]
+
+
+class UndecodableBody(OncelyError, ValueError):
+    """The message body cannot be decoded; the message is rejected and dead-lettered."""
+
+
+def decode_body(envelope: Envelope) -> object:
+    """The default decoder: JSON unless the content type says otherwise.
+
+    ``application/json`` (or ``+json``) and a message with no content type are parsed as JSON;
+    ``text/*`` is decoded as UTF-8; any other type is passed on as ``bytes``. A body that does
+    not decode raises :class:`UndecodableBody` (the message is rejected with that reason).
+    """
+    body = envelope.body
+    if not isinstance(body, bytes | bytearray | memoryview):
+        return body
+    raw = bytes(body)
+    content_type = envelope.transport.get("content_type")
+    kind = str(content_type).split(";", 1)[0].strip().lower() if content_type else ""
+    if not kind or kind == "application/json" or kind.endswith("+json"):
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise UndecodableBody(
+                f"the body is not JSON ({exc}); send JSON, set a content type, or give the "
+                "consumer a decoder (decode=...)"
+            ) from None
+    if kind.startswith("text/"):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UndecodableBody(f"the {kind} body is not UTF-8 ({exc})") from None
+    return raw
+
+
+class BrokerConsumer:
+    """Runs ``handler`` once per logical message read from ``transport``, through ``inbox``.
+
+    ``mode="two_phase"`` calls ``handler(payload)`` under a lease (:meth:`AsyncInbox.handle`);
+    ``mode="transactional"`` calls ``handler(transaction, payload)`` with the marker in the
+    same transaction (:meth:`AsyncInbox.handle_in_transaction`, SQL stores only). ``key`` reads
+    the dedup key of each message (default: the producer's message id, R2); a message without
+    one is dead-lettered as ``rejected``, never processed unprotected (R4).
+
+    :meth:`run` reads until :meth:`stop` (or SIGTERM/SIGINT with ``handle_signals=True``).
+    ``counts`` holds how many deliveries ended in each outcome, plus ``store_unavailable``
+    for deliveries given back because the store failed.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        inbox: AsyncInbox,
+        handler: Callable[..., Awaitable[Any]],
+        *,
+        mode: Mode = "two_phase",
+        key: KeySource | None = None,
+        settings: ConsumerSettings | None = None,
+        decode: Decoder = decode_body,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if mode not in ("two_phase", "transactional"):
+            raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
+        self.transport = transport
+        self.inbox = inbox
+        self.settings = settings if settings is not None else ConsumerSettings()
+        self.counts: Counter[str] = Counter()
+        self._handler = handler
+        self._mode: Mode = mode
+        self._key = key
+        self._decode = decode
+        self._log = logger if logger is not None else LOGGER
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(self.settings.concurrency)
+
+    # ------------------------------------------------------------------ running
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop reading, finish running handlers and return."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def run(self, *, handle_signals: bool = False) -> None:
+        """Read and process messages until :meth:`stop`. Connection loss is ridden out: the
+        transport reconnects with ``settings.reconnect`` backoff and the broker redelivers
+        whatever was not settled. Returns after a graceful stop (see ``shutdown_grace``)."""
+        loop = asyncio.get_running_loop()
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        try:
+            await self._open()
+            await self._read()
+        finally:
+            try:
+                await self._drain()
+            finally:
+                await self.transport.close()
+                if handle_signals:
+                    for sig in (signal.SIGTERM, signal.SIGINT):
+                        loop.remove_signal_handler(sig)
+
+    async def _open(self) -> None:
+        failures = 0
+        while not self.stopping:
+            try:
+                await self.transport.open(self.settings.concurrency)
+                return
+            except BrokerUnavailable as exc:
+                failures += 1
+                await self._pause(self.settings.reconnect.delay(failures), exc)
+
+    async def _read(self) -> None:
+        failures = 0
+        settings = self.settings
+        while not self.stopping:
+            await self._slots.acquire()  # wait for one free slot, then take all free ones
+            free = 1
+            while free < settings.concurrency and not self._slots.locked():
+                await self._slots.acquire()
+                free += 1
+            try:
+                deliveries = await self.transport.fetch(free, settings.poll)
+                failures = 0
+            except BrokerUnavailable as exc:
+                deliveries = []
+                failures += 1
+                await self._pause(settings.reconnect.delay(failures), exc)
+            for _ in range(free - len(deliveries)):
+                self._slots.release()
+            for delivery in deliveries:
+                task = asyncio.create_task(self._one(delivery))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _pause(self, delay: timedelta, exc: BaseException) -> None:
+        self._log.warning(
+            "oncely broker=%s unavailable (%s); trying again in %.1fs",
+            self.transport.name,
+            exc,
+            delay.total_seconds(),
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay.total_seconds())
+
+    async def _drain(self) -> None:
+        with contextlib.suppress(BrokerUnavailable):
+            await self.transport.stop()
+        if self._tasks:
+            _done, pending = await asyncio.wait(
+                set(self._tasks), timeout=self.settings.shutdown_grace.total_seconds()
+            )
+            for task in pending:  # cancelled handlers release their claims (the inbox does)
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+
+    # ------------------------------------------------------------------ one message
+
+    async def _one(self, delivery: Delivery) -> None:
+        beat = None
+        every = self.transport.extend_every
+        if every is not None:
+            beat = asyncio.create_task(self._extend(delivery, every.total_seconds()))
+        try:
+            handled = await self._process(delivery)
+        except asyncio.CancelledError:
+            # Shutdown past the grace period: the inbox released the claim; give it back.
+            await self._settle_quietly(delivery.retry(timedelta(0)), delivery, "retry")
+            self._slots.release()
+            raise
+        except Exception as exc:  # the store failed (StoreError) or a bug: never ack
+            self.counts["store_unavailable"] += 1
+            self._log.error(
+                "oncely broker=%s could not process a message (%s: %s); it is given back "
+                "and will be redelivered%s",
+                self.transport.name,
+                type(exc).__name__,
+                exc,
+                _fields(delivery.describe()),
+            )
+            await self._settle_quietly(
+                delivery.retry(self.settings.backoff.delay(delivery.delivery_count)),
+                delivery,
+                "retry",
+            )
+            self._slots.release()
+            return
+        finally:
+            if beat is not None:
+                beat.cancel()
+        try:
+            await self._settle(delivery, handled)
+        finally:
+            self._slots.release()
+
+    async def _extend(self, delivery: Delivery, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await delivery.extend()
+            except Exception as exc:
+                self._log.warning("oncely could not extend a delivery's ack wait: %s", exc)
+
+    async def _process(self, delivery: Delivery) -> Handled[Any]:
+        envelope = delivery.envelope
+        try:
+            body = self._decode(envelope)
+        except Exception as exc:
+            return self.inbox.refuse(
+                f"undecodable body: {exc}", correlation_id=envelope.correlation_id
+            )
+        envelope = replace(envelope, body=body)
+        if self._mode == "transactional":
+            return await self.inbox.handle_message_in_transaction(
+                envelope, self._handler, key=self._key
+            )
+        return await self.inbox.handle_message(envelope, self._handler, key=self._key)
+
+    async def _settle(self, delivery: Delivery, handled: Handled[Any]) -> None:
+        self.counts[handled.outcome.value] += 1
+        settings = self.settings
+        action = handled.action
+        count = delivery.delivery_count
+        if action is Action.ACK:
+            step, how = delivery.ack(), "ack"
+        elif action is Action.REQUEUE_LATER:
+            step, how = delivery.retry(settings.requeue_delay), "requeue"
+        elif action is Action.RETRY and (count is None or count < settings.max_deliveries):
+            step, how = delivery.retry(settings.backoff.delay(count)), "retry"
+        else:
+            reason = handled.reason or handled.outcome.value
+            outcome = handled.outcome.value
+            if action is Action.RETRY:
+                outcome = Outcome.REJECTED.value
+                reason = f"failed on all {count} deliveries; last: {reason}"
+                self.counts["dead_lettered_after_retries"] += 1
+            why = DeadLetter(
+                outcome=outcome, reason=reason, consumer=self.inbox.consumer, deliveries=count
+            )
+            step, how = delivery.dead_letter(why), "dead_letter"
+        level = logging.ERROR if how == "dead_letter" else handled.outcome.log_level
+        if self._log.isEnabledFor(level):
+            transport = delivery.describe()
+            self._log.log(
+                level,
+                "oncely broker=%s outcome=%s action=%s key=%s deliveries=%s%s%s",
+                self.transport.name,
+                handled.outcome.value,
+                how,
+                handled.key,
+                count,
+                _fields(transport),
+                f" reason={handled.reason}" if handled.reason else "",
+                extra={
+                    "oncely_broker": self.transport.name,
+                    "oncely_outcome": handled.outcome.value,
+                    "oncely_broker_action": how,
+                    "oncely_key": handled.key,
+                    "oncely_consumer": handled.consumer,
+                    "oncely_deliveries": count,
+                    "oncely_transport": dict(transport),
+                    "oncely_reason": handled.reason,
+                },
+            )
+        await self._settle_quietly(step, delivery, how)
+
+    async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> None:
+        try:
+            await step
+        except Exception as exc:
+            # The broker will redeliver (the connection is gone or the tag is stale); the
+            # inbox answers the redelivery as a duplicate if the message was processed.
+            self.counts["settle_failed"] += 1
+            self._log.warning(
+                "oncely broker=%s could not %s a message (%s); the broker redelivers it%s",
+                self.transport.name,
+                how,
+                exc,
+                _fields(delivery.describe()),
+            )
+
+
+def _fields(fields: Mapping[str, object]) -> str:
+    return "".join(f" {name}={value}" for name, value in fields.items())

@@ -1,0 +1,187 @@
+"""The one shape every broker adapter has: a :class:`Transport` that hands out
+:class:`Delivery` objects, and the settings that say how outcomes become broker actions.
+
+An adapter is a transport: it reads with manual acknowledgement, turns each broker message into
+an :class:`~oncely.Envelope` (the producer's message id and headers; per-delivery data such as a
+delivery tag or stream entry id only in ``Envelope.transport``, which no key source reads, R4),
+and carries out the action :class:`~oncely.brokers.BrokerConsumer` asks for. It decides nothing.
+
+===================  =============================  ================================================
+outcome              action                          what a transport does
+===================  =============================  ================================================
+processed/duplicate  ack                             acknowledge
+stale_reclaimed      ack                             acknowledge
+in_flight            requeue later                   give the message back after ``requeue_delay``
+failed               retry                           give it back after a backoff; past
+                                                     ``max_deliveries`` dead-letter it instead
+key_conflict         dead-letter                     copy it to the dead-letter destination with
+rejected                                             the outcome and reason, then remove it
+escalated            park                            the same, with outcome ``escalated``
+===================  =============================  ================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+from oncely._core.keys import Envelope
+from oncely.errors import ConfigurationError
+
+__all__ = ["Backoff", "ConsumerSettings", "DeadLetter", "Delivery", "Transport"]
+
+REASON_HEADER = "x-oncely-reason"
+OUTCOME_HEADER = "x-oncely-outcome"
+CONSUMER_HEADER = "x-oncely-consumer"
+DELIVERIES_HEADER = "x-oncely-deliveries"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetter:
+    """Why a message goes to the dead-letter destination, as recorded on the copy there:
+    ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` and
+    ``x-oncely-deliveries`` headers (or stream fields)."""
+
+    outcome: str
+    reason: str
+    consumer: str
+    deliveries: int | None
+
+    def headers(self) -> dict[str, str]:
+        fields = {
+            OUTCOME_HEADER: self.outcome,
+            REASON_HEADER: self.reason,
+            CONSUMER_HEADER: self.consumer,
+        }
+        if self.deliveries is not None:
+            fields[DELIVERIES_HEADER] = str(self.deliveries)
+        return fields
+
+
+class Delivery(Protocol):
+    """One delivery of a message, held unacknowledged until one of the settling calls.
+
+    Exactly one of :meth:`ack`, :meth:`retry` and :meth:`dead_letter` is called per delivery.
+    Each may raise :class:`~oncely.BrokerUnavailable` when the connection is gone; the broker
+    then redelivers the message, which the inbox answers as ``duplicate`` if it was processed.
+    """
+
+    @property
+    def envelope(self) -> Envelope:
+        """The message as the inbox reads it (``body`` still undecoded bytes)."""
+        ...
+
+    @property
+    def delivery_count(self) -> int | None:
+        """1 for the first delivery, as the broker counts; ``None`` when it does not say."""
+        ...
+
+    def describe(self) -> Mapping[str, object]:
+        """Per-delivery transport fields for logs (delivery tag, entry id, redelivered)."""
+        ...
+
+    async def ack(self) -> None:
+        """The message is done: remove it from the queue, stream or consumer."""
+        ...
+
+    async def retry(self, delay: timedelta) -> None:
+        """Give the message back for a later delivery, no sooner than ``delay`` (never an ack)."""
+        ...
+
+    async def dead_letter(self, why: DeadLetter) -> None:
+        """Copy the message to the dead-letter destination with ``why`` recorded on it, then
+        remove it. The copy is confirmed by the broker before the original is removed, so a
+        crash in between dead-letters it twice rather than never."""
+        ...
+
+    async def extend(self) -> None:
+        """Tell the broker the message is still being worked on (reset its ack wait or idle
+        time) so it is not redelivered to another consumer meanwhile. May do nothing."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """A broker connection that reads deliveries with manual acknowledgement."""
+
+    @property
+    def name(self) -> str:
+        """The broker's name in logs: ``rabbitmq``, ``redis-streams``, ``nats``."""
+        ...
+
+    @property
+    def extend_every(self) -> timedelta | None:
+        """How often a running handler's delivery needs :meth:`Delivery.extend`; ``None`` when
+        the broker never redelivers a message a live consumer holds."""
+        ...
+
+    async def open(self, prefetch: int) -> None:
+        """Connect, declare what is missing, and start reading at most ``prefetch``
+        unacknowledged messages at a time. Raises :class:`~oncely.BrokerUnavailable`."""
+        ...
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        """Up to ``limit`` deliveries, waiting at most ``timeout`` for the first. Raises
+        :class:`~oncely.BrokerUnavailable` when the connection is down (the transport
+        reconnects on the next call)."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop reading new messages; deliveries already handed out can still be settled."""
+        ...
+
+    async def close(self) -> None:
+        """Close the connection. Unsettled deliveries go back to the broker."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backoff:
+    """Delays between retries of a failed message: ``first``, then times ``factor`` up to
+    ``most``. ``Backoff()`` waits 1s, 2s, 4s ... 1 minute."""
+
+    first: timedelta = timedelta(seconds=1)
+    factor: float = 2.0
+    most: timedelta = timedelta(minutes=1)
+
+    def __post_init__(self) -> None:
+        if self.first < timedelta(0) or self.most < self.first or self.factor < 1:
+            raise ConfigurationError("Backoff needs 0 <= first <= most and factor >= 1")
+
+    def delay(self, deliveries: int | None) -> timedelta:
+        """The delay before the next delivery after ``deliveries`` failed ones."""
+        n = max(1, deliveries or 1)
+        seconds = self.first.total_seconds() * self.factor ** min(n - 1, 64)
+        return min(self.most, timedelta(seconds=seconds))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerSettings:
+    """How a :class:`~oncely.brokers.BrokerConsumer` reads and settles.
+
+    ``concurrency`` messages run at once and the broker hands out at most that many
+    unacknowledged (prefetch). ``requeue_delay`` is how long an ``in_flight`` message waits
+    before it is given back. A ``failed`` message is retried after ``backoff`` until it has
+    been delivered ``max_deliveries`` times, then dead-lettered with the last error (R13: keep
+    the broker's own limit at or above this one, or set it here to the broker's). On
+    shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
+    claims released and their messages given back.
+    """
+
+    concurrency: int = 16
+    requeue_delay: timedelta = timedelta(seconds=1)
+    backoff: Backoff = Backoff()
+    max_deliveries: int = 5
+    poll: timedelta = timedelta(seconds=1)
+    reconnect: Backoff = Backoff(first=timedelta(milliseconds=200), most=timedelta(seconds=10))
+    shutdown_grace: timedelta = timedelta(seconds=30)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigurationError("concurrency must be at least 1")
+        if self.max_deliveries < 1:
+            raise ConfigurationError("max_deliveries must be at least 1")
+        if self.poll <= timedelta(0):
+            raise ConfigurationError("poll must be positive")
