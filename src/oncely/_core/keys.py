@@ -25,6 +25,7 @@ __all__ = [
     "HeaderKey",
     "KeySource",
     "MessageIdKey",
+    "key_source",
     "validate_consumer",
     "validate_key",
 ]
@@ -248,3 +249,69 @@ class FirstOf:
             except MissingKey as exc:
                 reasons.append(str(exc))
         raise MissingKey("no key source found a key: " + "; ".join(reasons))
+
+
+_TRANSPORT_SPECS = frozenset(
+    {
+        "delivery-tag",
+        "delivery_tag",
+        "entry-id",
+        "entry_id",
+        "stream-id",
+        "stream_id",
+        "sequence",
+        "stream-sequence",
+        "consumer-sequence",
+        "offset",
+        "receipt-handle",
+        "lock-token",
+    }
+)
+
+
+def key_source(spec: str) -> KeySource:
+    """A key source from its text form, as the command line and configuration files give it.
+
+    ``message-id`` (the producer's message id), ``cloudevents`` (the pair (source, id)),
+    ``header:NAME`` (a producer-set header or stream field) and ``body:FIELD`` (a field of the
+    decoded JSON body; ``body:a.b`` reads a nested field), or several joined by ``,`` (the
+    first that finds a key). Transport ids (a delivery tag, a stream entry id, a sequence
+    number) are refused with the reason: the broker assigns them per delivery, so a
+    redelivered copy would look new (R4).
+    """
+    parts = [part.strip() for part in spec.split(",")]
+    if len(parts) > 1:
+        return FirstOf(*(key_source(part) for part in parts))
+    text = parts[0]
+    kind, _, name = text.partition(":")
+    kind = kind.lower()
+    if kind in _TRANSPORT_SPECS or text.lower() in TRANSPORT_FIELDS:
+        raise ConfigurationError(
+            f"{text!r} is assigned by the broker to each delivery, so a redelivered or "
+            "retried copy of a message would carry a new one and pass as a new message (R4); "
+            "use message-id, cloudevents, header:NAME or body:FIELD"
+        )
+    if kind == "message-id" and not name:
+        return MessageIdKey()
+    if kind == "cloudevents" and not name:
+        return CloudEventsKey()
+    if kind == "header" and name:
+        return HeaderKey(name)
+    if kind == "body" and name:
+        return BusinessKey(_FieldPath(tuple(name.split("."))))
+    raise ConfigurationError(
+        f"unknown key source {text!r}; use message-id, cloudevents, header:NAME or body:FIELD"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _FieldPath:
+    path: tuple[str, ...]
+
+    def __call__(self, body: object) -> object:
+        value = body
+        for name in self.path:
+            if not isinstance(value, Mapping):
+                raise KeyError(".".join(self.path))
+            value = value[name]
+        return value

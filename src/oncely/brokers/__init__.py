@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Protocol, cast
 
+from oncely._core.keys import key_source
 from oncely._urls import redact, split
 from oncely.brokers._consumer import BrokerConsumer, UndecodableBody, decode_body
 from oncely.brokers._shape import Backoff, ConsumerSettings, DeadLetter, Delivery, Transport
@@ -52,6 +53,7 @@ __all__ = [
     "UndecodableBody",
     "cloudevent_headers",
     "decode_body",
+    "key_source",
     "new_message_id",
     "open_producer",
     "open_transport",

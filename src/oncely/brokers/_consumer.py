@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from oncely._async.inbox import AsyncInbox
+from oncely._async.protocols import AsyncTransactionalStore
 from oncely._core.keys import Envelope, KeySource
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
@@ -94,6 +95,11 @@ class BrokerConsumer:
     ) -> None:
         if mode not in ("two_phase", "transactional"):
             raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
+        if mode == "transactional" and not isinstance(inbox.store, AsyncTransactionalStore):
+            raise ConfigurationError(
+                f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
+                "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
+            )
         self.transport = transport
         self.inbox = inbox
         self.settings = settings if settings is not None else ConsumerSettings()

@@ -4,6 +4,7 @@ retention for a broker.
 Commands::
 
     oncely demo       the same duplicate-laden traffic through a naive consumer and oncely
+    oncely consume    run a broker consumer: a handler (module:function) once per message
     oncely migrate    create or upgrade the store's tables
     oncely inbox      stats | list | show | purge | forget: the dedup records of a store
     oncely retention  the redelivery horizon of a broker and the retention it needs (R13)
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import click
 
 import oncely
+from oncely.cli._consume import consume
 from oncely.cli._demo import demo
 from oncely.cli._errors import OncelyGroup, enable_debug
 from oncely.cli._inbox import inbox
@@ -75,6 +77,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 cli.add_command(demo)
+cli.add_command(consume)
 cli.add_command(migrate)
 cli.add_command(inbox)
 cli.add_command(retention)

@@ -1,0 +1,214 @@
+"""``oncely consume``: run a broker consumer from the command line.
+
+::
+
+    oncely consume --broker amqp://guest:guest@localhost/ --source payments \\
+        --handler myapp.handlers:charge --store postgresql://app@db/app --consumer billing
+
+One structured log line per message (``--log-format json`` for one JSON object per line);
+SIGTERM or SIGINT stops reading, lets running handlers finish (``--shutdown-grace``), settles
+what finished and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import click
+
+import oncely
+from oncely._core.keys import key_source
+from oncely.brokers import BrokerConsumer, ConsumerSettings, open_transport
+from oncely.cli._durations import Duration
+from oncely.cli._errors import USAGE, CliError, remember_secrets
+from oncely.cli._stores import store_option
+from oncely.errors import ConfigurationError
+
+__all__ = ["consume"]
+
+ENV_BROKER = "ONCELY_BROKER"
+
+
+class JSONLines(logging.Formatter):
+    """One JSON object per record: time, level, logger, message and every ``oncely_*`` field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name.startswith("oncely_"):
+                line[name.removeprefix("oncely_")] = value
+        if record.exc_info:
+            line["error"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
+    """The ``async def`` named by ``module:function`` (``package.module:object.method``)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CliError(f"--handler {spec!r}: write it as module:function", USAGE)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the project's own modules
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CliError(
+            f"--handler {spec!r}: cannot import {module_name!r} ({exc})", USAGE
+        ) from None
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise CliError(
+                f"--handler {spec!r}: {module_name} has no {attribute!r}", USAGE
+            ) from None
+    if not inspect.iscoroutinefunction(target):
+        raise CliError(
+            f"--handler {spec!r} must be an async function (async def handler(payload) for "
+            "the two-phase mode, async def handler(tx, payload) for the transactional mode)",
+            USAGE,
+        )
+    return target  # type: ignore[no-any-return]
+
+
+def _configure_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JSONLines())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    broker_log = logging.getLogger("oncely")
+    broker_log.addHandler(handler)
+    broker_log.setLevel(level.upper())
+    broker_log.propagate = False
+
+
+@click.command()
+@click.option(
+    "--broker",
+    "broker_url",
+    metavar="URL",
+    envvar=ENV_BROKER,
+    show_envvar=True,
+    required=True,
+    help="amqp://user:pass@host/vhost, redis://host:6379/0 or nats://host:4222.",
+)
+@click.option(
+    "--source",
+    required=True,
+    metavar="NAME",
+    help="The queue (RabbitMQ), stream (Redis) or subject (NATS) to read.",
+)
+@click.option("--handler", "handler_spec", required=True, metavar="MODULE:FUNCTION")
+@store_option
+@click.option("--consumer", required=True, help="The consumer name that scopes records (R5).")
+@click.option(
+    "--mode",
+    type=click.Choice(["two-phase", "transactional"]),
+    default="two-phase",
+    show_default=True,
+    help="transactional needs a SQL store and a handler(tx, payload).",
+)
+@click.option(
+    "--key",
+    "key_spec",
+    default="message-id",
+    show_default=True,
+    help="message-id, cloudevents, header:NAME or body:FIELD (comma-separated: first found).",
+)
+@click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True)
+@click.option("--group", help="Consumer group / durable name (default: the consumer name).")
+@click.option(
+    "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
+)
+@click.option("--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery.")
+@click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True)
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def consume(
+    broker_url: str,
+    source: str,
+    handler_spec: str,
+    store_url: str,
+    consumer: str,
+    mode: str,
+    key_spec: str,
+    concurrency: int,
+    group: str | None,
+    dead_letter: str | None,
+    ack_wait: timedelta | None,
+    max_deliveries: int,
+    shutdown_grace: timedelta,
+    log_format: str,
+    log_level: str,
+) -> None:
+    """Consume SOURCE from a broker, running HANDLER once per logical message.
+
+    Each outcome becomes one broker action: processed and duplicate are acknowledged;
+    in_flight and failed are given back for a later delivery (failed ones dead-lettered after
+    --max-deliveries); key_conflict, rejected and escalated go to the dead-letter destination
+    with the reason. Stops cleanly on SIGTERM or SIGINT.
+
+    The broker URL comes from --broker or $ONCELY_BROKER; the store URL from --store or
+    $ONCELY_STORE.
+    """
+    remember_secrets(broker_url)
+    remember_secrets(store_url)
+    handler = load_handler(handler_spec)
+    try:
+        key = key_source(key_spec)
+    except ConfigurationError as exc:
+        raise CliError(f"--key: {exc}", USAGE) from None
+    _configure_logging(log_format, log_level)
+    transport = open_transport(
+        broker_url, source, group=group or consumer, dead_letter=dead_letter, ack_wait=ack_wait
+    )
+    settings = ConsumerSettings(
+        concurrency=concurrency, max_deliveries=max_deliveries, shutdown_grace=shutdown_grace
+    )
+
+    async def run() -> None:
+        store = oncely.open_async(store_url)
+        # The consumer's one line per message carries the outcome; the inbox's own would
+        # repeat it, so it is kept for hooks only.
+        quiet = logging.getLogger("oncely.cli.inbox")
+        quiet.disabled = True
+        inbox = oncely.AsyncInbox(store, consumer=consumer, logger=quiet)
+        runner = BrokerConsumer(
+            transport,
+            inbox,
+            handler,
+            mode="transactional" if mode == "transactional" else "two_phase",
+            key=key,
+            settings=settings,
+        )
+        try:
+            await runner.run(handle_signals=True)
+        finally:
+            await inbox.aclose()
+        summary = ", ".join(f"{name}={n}" for name, n in sorted(runner.counts.items()))
+        logging.getLogger("oncely.broker").info("oncely consume stopped: %s", summary or "idle")
+
+    asyncio.run(run())
