@@ -38,7 +38,13 @@ from typing import Protocol, cast
 
 from oncely._core.keys import key_source
 from oncely._urls import redact, split
-from oncely.brokers._consumer import BrokerConsumer, UndecodableBody, decode_body
+from oncely.brokers._consumer import (
+    BrokerConsumer,
+    InboxProcessor,
+    Processor,
+    UndecodableBody,
+    decode_body,
+)
 from oncely.brokers._shape import Backoff, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import ConfigurationError
 
@@ -48,6 +54,8 @@ __all__ = [
     "ConsumerSettings",
     "DeadLetter",
     "Delivery",
+    "InboxProcessor",
+    "Processor",
     "Producer",
     "Transport",
     "UndecodableBody",

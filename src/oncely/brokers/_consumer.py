@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from oncely._async.inbox import AsyncInbox
 from oncely._async.protocols import AsyncTransactionalStore
@@ -26,7 +26,7 @@ from oncely._core.outcomes import Action, Handled, Outcome
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, OncelyError
 
-__all__ = ["BrokerConsumer", "UndecodableBody", "decode_body"]
+__all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
 
 LOGGER = logging.getLogger("oncely.broker")
 
@@ -67,6 +67,66 @@ def decode_body(envelope: Envelope) -> object:
     return raw
 
 
+class Processor(Protocol):
+    """What a :class:`BrokerConsumer` runs for each decoded message: an inbox and a handler
+    (:class:`InboxProcessor`), or any code that returns an :class:`~oncely.Handled`, such as a
+    consumer whose business row is its own marker (``EntityResult.handled``, R6)."""
+
+    @property
+    def consumer(self) -> str:
+        """The consumer name recorded on dead-lettered messages."""
+        ...
+
+    async def process(self, envelope: Envelope) -> Handled[Any]:
+        """The outcome of one message (the body is decoded). Raising means the message could
+        not be processed now (the store is down): it is given back, never acknowledged."""
+        ...
+
+    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
+        """The ``rejected`` outcome for a message that cannot be processed at all."""
+        ...
+
+
+class InboxProcessor:
+    """Runs ``handler`` through ``inbox``: two-phase (``handler(payload)``) or transactional
+    (``handler(transaction, payload)``), with the key read by ``key`` (default: the producer's
+    message id)."""
+
+    def __init__(
+        self,
+        inbox: AsyncInbox,
+        handler: Callable[..., Awaitable[Any]],
+        *,
+        mode: Mode = "two_phase",
+        key: KeySource | None = None,
+    ) -> None:
+        if mode not in ("two_phase", "transactional"):
+            raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
+        if mode == "transactional" and not isinstance(inbox.store, AsyncTransactionalStore):
+            raise ConfigurationError(
+                f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
+                "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
+            )
+        self.inbox = inbox
+        self._handler = handler
+        self._transactional = mode == "transactional"
+        self._key = key
+
+    @property
+    def consumer(self) -> str:
+        return self.inbox.consumer
+
+    async def process(self, envelope: Envelope) -> Handled[Any]:
+        if self._transactional:
+            return await self.inbox.handle_message_in_transaction(
+                envelope, self._handler, key=self._key
+            )
+        return await self.inbox.handle_message(envelope, self._handler, key=self._key)
+
+    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
+        return self.inbox.refuse(reason, correlation_id=correlation_id)
+
+
 class BrokerConsumer:
     """Runs ``handler`` once per logical message read from ``transport``, through ``inbox``.
 
@@ -76,6 +136,7 @@ class BrokerConsumer:
     the dedup key of each message (default: the producer's message id, R2); a message without
     one is dead-lettered as ``rejected``, never processed unprotected (R4).
 
+    Instead of an inbox and a handler, a :class:`Processor` can produce each outcome itself.
     :meth:`run` reads until :meth:`stop` (or SIGTERM/SIGINT with ``handle_signals=True``).
     ``counts`` holds how many deliveries ended in each outcome, plus ``store_unavailable``
     for deliveries given back because the store failed.
@@ -84,8 +145,8 @@ class BrokerConsumer:
     def __init__(
         self,
         transport: Transport,
-        inbox: AsyncInbox,
-        handler: Callable[..., Awaitable[Any]],
+        inbox: AsyncInbox | Processor,
+        handler: Callable[..., Awaitable[Any]] | None = None,
         *,
         mode: Mode = "two_phase",
         key: KeySource | None = None,
@@ -93,20 +154,17 @@ class BrokerConsumer:
         decode: Decoder = decode_body,
         logger: logging.Logger | None = None,
     ) -> None:
-        if mode not in ("two_phase", "transactional"):
-            raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
-        if mode == "transactional" and not isinstance(inbox.store, AsyncTransactionalStore):
-            raise ConfigurationError(
-                f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
-                "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
-            )
+        if isinstance(inbox, AsyncInbox):
+            if handler is None:
+                raise ConfigurationError("BrokerConsumer needs a handler to run through the inbox")
+            self.processor: Processor = InboxProcessor(inbox, handler, mode=mode, key=key)
+        else:
+            if handler is not None:
+                raise ConfigurationError("a Processor runs its own handler; pass no handler")
+            self.processor = inbox
         self.transport = transport
-        self.inbox = inbox
         self.settings = settings if settings is not None else ConsumerSettings()
         self.counts: Counter[str] = Counter()
-        self._handler = handler
-        self._mode: Mode = mode
-        self._key = key
         self._decode = decode
         self._log = logger if logger is not None else LOGGER
         self._stopping = asyncio.Event()
@@ -250,15 +308,10 @@ class BrokerConsumer:
         try:
             body = self._decode(envelope)
         except Exception as exc:
-            return self.inbox.refuse(
+            return self.processor.refuse(
                 f"undecodable body: {exc}", correlation_id=envelope.correlation_id
             )
-        envelope = replace(envelope, body=body)
-        if self._mode == "transactional":
-            return await self.inbox.handle_message_in_transaction(
-                envelope, self._handler, key=self._key
-            )
-        return await self.inbox.handle_message(envelope, self._handler, key=self._key)
+        return await self.processor.process(replace(envelope, body=body))
 
     async def _settle(self, delivery: Delivery, handled: Handled[Any]) -> None:
         self.counts[handled.outcome.value] += 1
@@ -279,7 +332,7 @@ class BrokerConsumer:
                 reason = f"failed on all {count} deliveries; last: {reason}"
                 self.counts["dead_lettered_after_retries"] += 1
             why = DeadLetter(
-                outcome=outcome, reason=reason, consumer=self.inbox.consumer, deliveries=count
+                outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
             )
             step, how = delivery.dead_letter(why), "dead_letter"
         level = logging.ERROR if how == "dead_letter" else handled.outcome.log_level
