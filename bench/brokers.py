@@ -1,0 +1,296 @@
+"""Broker consumers with and without oncely, side by side: ``python bench/brokers.py``.
+
+For each broker (RabbitMQ, Redis Streams, NATS JetStream) the same ``BrokerConsumer`` loop, on
+the same transport and with the same concurrency, drains a queue (stream, subject) of
+pre-published messages four ways:
+
+``plain tx``
+    no oncely: each message's effect is a ledger row inserted in its own PostgreSQL
+    transaction (the consumer a team writes by hand);
+``oncely tx``
+    the same row in the same kind of transaction with oncely's marker in it (transactional
+    mode on the PostgreSQL store, R7);
+``plain effect``
+    no oncely: each message's effect is one Redis command (``INCR``);
+``oncely two-phase``
+    the same effect under a claim and completion on the Redis store (two-phase mode, R10).
+
+Messages per second is the count drained over the time from the consumer's start until the
+last one is acknowledged. Variants run in rounds with a rotating order and each round uses a
+fresh queue; the table reports the medians and the ratio plain/oncely (the issue's target:
+oncely costs at most 1.5x in throughput). Every run checks its effects: one ledger row or one
+increment per message, or the run fails.
+
+Writes ``bench/results/brokers.md`` and ``brokers.json``. A broker or store that does not answer
+is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+import psycopg_pool
+import redis.asyncio as aioredis
+
+import oncely
+from oncely import Envelope, Handled, Outcome
+from oncely.brokers import (
+    BrokerConsumer,
+    ConsumerSettings,
+    InboxProcessor,
+    Processor,
+    open_producer,
+    open_transport,
+)
+
+HERE = Path(__file__).resolve().parent
+TARGET_RATIO = 1.5
+
+POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+BROKERS = {
+    "rabbitmq": os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    "redis-streams": REDIS,
+    "nats": os.environ.get("ONCELY_TEST_NATS_URL", "nats://127.0.0.1:4222"),
+}
+VARIANTS = ("plain tx", "oncely tx", "plain effect", "oncely two-phase")
+
+
+def answers(url: str, port: int) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or port), 2):
+            return True
+    except OSError:
+        return False
+
+
+class Plain:
+    """A processor without oncely: runs the effect, reports ``processed``."""
+
+    consumer = "bench"
+
+    def __init__(self, effect: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self.effect = effect
+
+    async def process(self, envelope: Envelope) -> Handled[Any]:
+        await self.effect(envelope.body)  # type: ignore[arg-type]
+        return Handled(Outcome.PROCESSED, self.consumer, envelope.message_id)
+
+    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
+        return Handled(Outcome.REJECTED, self.consumer, None, reason=reason)
+
+
+class Setup:
+    """The shared clients of one run: a PostgreSQL pool and ledger, a Redis client, stores."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.ledger = f"bench_ledger_{run}"
+        self.inbox_table = f"bench_inbox_{run}"
+        self.counter = f"bench:{run}:effects"
+
+    async def open(self) -> None:
+        self.pool = psycopg_pool.AsyncConnectionPool(POSTGRES, min_size=4, max_size=16, open=False)
+        await self.pool.open()
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                f"CREATE TABLE {self.ledger} (id bigserial PRIMARY KEY, n bigint NOT NULL)"
+            )
+        self.redis = aioredis.Redis.from_url(REDIS)
+        self.pg_store = oncely.AsyncPostgresStore(POSTGRES, table=self.inbox_table, pool_max=16)
+        self.redis_store = oncely.AsyncRedisStore.from_url(REDIS)
+
+    async def close(self) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(f"DROP TABLE IF EXISTS {self.ledger}")
+            await conn.execute(f"DROP TABLE IF EXISTS {self.inbox_table}")
+        await self.pool.close()
+        await self.redis.delete(self.counter)
+        await self.redis.aclose()
+        await self.pg_store.aclose()
+        await self.redis_store.aclose()
+
+    async def ledger_rows(self) -> int:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(f"SELECT count(*) FROM {self.ledger}")).fetchone()
+        return int(row[0]) if row else 0
+
+    def processor(self, variant: str, consumer: str) -> Processor:
+        ledger = self.ledger
+        insert = f"INSERT INTO {ledger} (n) VALUES (%s)".encode()
+
+        async def row_in(tx: psycopg.AsyncConnection[Any], body: dict[str, Any]) -> None:
+            await tx.execute(insert, (body["n"],))
+
+        async def row(body: dict[str, Any]) -> None:
+            async with self.pool.connection() as conn, conn.transaction():
+                await conn.execute(insert, (body["n"],))
+
+        async def incr(body: dict[str, Any]) -> None:
+            await self.redis.incr(self.counter)
+
+        if variant == "plain tx":
+            return Plain(row)
+        if variant == "oncely tx":
+            inbox = oncely.AsyncInbox(self.pg_store, consumer=consumer)
+            return InboxProcessor(inbox, row_in, mode="transactional")
+        if variant == "plain effect":
+            return Plain(incr)
+        inbox = oncely.AsyncInbox(self.redis_store, consumer=consumer)
+        return InboxProcessor(inbox, incr)
+
+
+async def publish(url: str, source: str, messages: int) -> None:
+    producer = open_producer(url, source)
+    try:
+        for start in range(0, messages, 100):
+            await asyncio.gather(
+                *(
+                    producer.publish(json.dumps({"n": n}).encode(), message_id=f"{source}-{n}")
+                    for n in range(start, min(messages, start + 100))
+                )
+            )
+    finally:
+        await producer.close()
+
+
+async def drain(
+    url: str, source: str, processor: Processor, messages: int, concurrency: int
+) -> float:
+    """Seconds to consume ``messages`` already waiting in ``source``."""
+    consumer = BrokerConsumer(
+        open_transport(url, source, group=f"{source}-g", ack_wait=timedelta(seconds=30)),
+        processor,
+        settings=ConsumerSettings(concurrency=concurrency, poll=timedelta(milliseconds=100)),
+    )
+    started = time.perf_counter()
+    task = asyncio.create_task(consumer.run())
+    while sum(consumer.counts.values()) < messages:
+        if task.done():
+            await task
+            raise RuntimeError(f"the consumer stopped after {dict(consumer.counts)}")
+        await asyncio.sleep(0.002)
+    elapsed = time.perf_counter() - started
+    consumer.stop()
+    await task
+    bad = {k: n for k, n in consumer.counts.items() if k != "processed"}
+    if bad:
+        raise RuntimeError(f"unexpected outcomes {bad}")
+    return elapsed
+
+
+async def run_broker(
+    name: str, url: str, messages: int, rounds: int, concurrency: int
+) -> dict[str, Any]:
+    run = uuid.uuid4().hex[:8]
+    setup = Setup(run)
+    await setup.open()
+    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    try:
+        for r in range(rounds):
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            for variant in order:
+                source = f"bench_{run}_{r}_{variant.replace(' ', '_').replace('-', '_')}"
+                await publish(url, source, messages)
+                rows_before = await setup.ledger_rows()
+                count_before = int(await setup.redis.get(setup.counter) or 0)
+                processor = setup.processor(variant, consumer=source)
+                seconds = await drain(url, source, processor, messages, concurrency)
+                rows = await setup.ledger_rows() - rows_before
+                incr = int(await setup.redis.get(setup.counter) or 0) - count_before
+                effects = rows if "tx" in variant else incr
+                if effects != messages:
+                    raise RuntimeError(f"{name} {variant}: {effects} effects for {messages}")
+                rates[variant].append(messages / seconds)
+                print(f"  {name:<14} {variant:<17} {messages / seconds:8,.0f} msg/s", flush=True)
+    finally:
+        await setup.close()
+    return {v: rates[v] for v in VARIANTS}
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| broker | plain tx | oncely tx (PostgreSQL) | cost | plain effect | "
+        "oncely two-phase (Redis) | cost |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, data in results["brokers"].items():
+        if "skipped" in data:
+            lines.append(f"| {name} | skipped: {data['skipped']} ||||||")
+            continue
+        m = {v: statistics.median(data[v]) for v in VARIANTS}
+        tx_cost = m["plain tx"] / m["oncely tx"]
+        tp_cost = m["plain effect"] / m["oncely two-phase"]
+        lines.append(
+            f"| {name} | {m['plain tx']:,.0f} | {m['oncely tx']:,.0f} | {tx_cost:.2f}x "
+            f"({'met' if tx_cost <= TARGET_RATIO else 'NOT met'}) | {m['plain effect']:,.0f} | "
+            f"{m['oncely two-phase']:,.0f} | {tp_cost:.2f}x "
+            f"({'met' if tp_cost <= TARGET_RATIO else 'NOT met'}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/brokers.py", description=__doc__.split("\n")[0])
+    p.add_argument("--messages", type=int, default=2000, help="messages per run (default 2000)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per broker (default 3)")
+    p.add_argument("--concurrency", type=int, default=16, help="consumer concurrency (16)")
+    p.add_argument("--only", action="append", choices=list(BROKERS), help="one broker")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    command = "python bench/brokers.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
+    results: dict[str, Any] = {
+        "command": command,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "messages": args.messages,
+        "rounds": args.rounds,
+        "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+        "brokers": {},
+    }
+    ports = {"rabbitmq": 5672, "redis-streams": 6379, "nats": 4222}
+    for name, url in BROKERS.items():
+        if args.only and name not in args.only:
+            continue
+        if not answers(url, ports[name]) or not answers(POSTGRES, 5432) or not answers(REDIS, 6379):
+            results["brokers"][name] = {"skipped": f"{name}, PostgreSQL or Redis does not answer"}
+            continue
+        print(f"{name}:", flush=True)
+        results["brokers"][name] = asyncio.run(
+            run_broker(name, url, args.messages, args.rounds, args.concurrency)
+        )
+    text = table(results)
+    print()
+    print(text)
+    if not args.no_save:
+        args.out.mkdir(parents=True, exist_ok=True)
+        header = (
+            f"# Broker consumers with and without oncely\n\n`{command}` on {results['date']}, "
+            f"{results['cpus']} CPUs, {args.messages} messages per run, {args.rounds} rounds, "
+            f"concurrency {args.concurrency}; medians of messages per second. Cost is plain / "
+            f"oncely (target: at most {TARGET_RATIO}x).\n\n"
+        )
+        (args.out / "brokers.md").write_text(header + text + "\n")
+        (args.out / "brokers.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out / 'brokers.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Handlers for ``oncely consume`` tests, imported by the command as ``module:function``.
+
+Each effect is a line appended to the file named by ``ONCELY_TEST_EFFECTS`` (a file, so the
+test process can read what the consumer process did)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import oncely
+
+
+async def record(payload: dict[str, Any]) -> dict[str, Any]:
+    if payload.get("poison"):
+        raise oncely.Reject("poison order")
+    with open(os.environ["ONCELY_TEST_EFFECTS"], "a") as out:
+        out.write(json.dumps(payload, sort_keys=True) + "\n")
+    return {"recorded": payload.get("order")}
+
+
+def not_async(payload: object) -> None:
+    """A plain function: the command refuses it."""

@@ -1,0 +1,113 @@
+"""``oncely consume`` as a user runs it: a real broker, a handler given as module:function, one
+log line per outcome, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from oncely.brokers import open_producer
+from tests.brokers.common import unique
+from tests.services import RABBITMQ_URL, require
+
+ROOT = Path(__file__).resolve().parent.parent
+ONCELY = [sys.executable, "-m", "oncely.cli"]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ONCELY, *args], capture_output=True, text=True, cwd=ROOT, timeout=60, check=False
+    )
+
+
+def test_consume_refuses_a_transport_id_as_key_and_a_sync_handler() -> None:
+    base = ["consume", "--broker", "amqp://localhost/", "--source", "q", "--consumer", "c"]
+    done = _run([*base, "--handler", "tests.brokers.handlers:record", "--key", "delivery-tag"])
+    assert done.returncode == 2 and "R4" in done.stderr
+    done = _run([*base, "--handler", "tests.brokers.handlers:not_async"])
+    assert done.returncode == 2 and "must be an async function" in done.stderr
+    done = _run([*base, "--handler", "tests.brokers.handlers:missing"])
+    assert done.returncode == 2 and "has no 'missing'" in done.stderr
+    done = _run([*base, "--handler", "record"])
+    assert done.returncode == 2 and "module:function" in done.stderr
+
+
+async def _publish(source: str, messages: list[tuple[str | None, dict[str, object]]]) -> None:
+    producer = open_producer(RABBITMQ_URL, source)
+    try:
+        for message_id, body in messages:
+            await producer.publish(json.dumps(body).encode(), message_id=message_id or "")
+    finally:
+        await producer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_consume_runs_a_handler_once_per_message_and_stops_on_sigterm(tmp_path: Path) -> None:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_consume")
+    effects = tmp_path / "effects.jsonl"
+    effects.touch()
+    env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
+    command = [
+        *ONCELY,
+        "consume",
+        "--broker",
+        RABBITMQ_URL,
+        "--source",
+        source,
+        "--handler",
+        "tests.brokers.handlers:record",
+        "--store",
+        f"sqlite:///{tmp_path / 'inbox.db'}",
+        "--consumer",
+        "cli-test",
+        "--concurrency",
+        "4",
+        "--log-format",
+        "json",
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(2)  # the queue is declared by the consumer
+        messages: list[tuple[str | None, dict[str, object]]] = [
+            ("o-1", {"order": 1}),
+            ("o-1", {"order": 1}),  # a producer retry
+            ("o-2", {"order": 2}),
+            ("o-2", {"order": 2, "changed": True}),  # the id reused: key_conflict
+            ("o-3", {"order": 3, "poison": True}),
+        ]
+        asyncio.run(_publish(source, messages))
+        deadline = time.monotonic() + 30
+        while len(effects.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # let the other copies settle
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    per_message = [line for line in lines if "broker_action" in line]
+    outcomes = sorted(line["outcome"] for line in per_message)
+    assert outcomes == ["duplicate", "key_conflict", "processed", "processed", "rejected"]
+    actions = {line["outcome"]: line["broker_action"] for line in per_message}
+    assert actions == {
+        "processed": "ack",
+        "duplicate": "ack",
+        "key_conflict": "dead_letter",
+        "rejected": "dead_letter",
+    }
+    assert sorted(effects.read_text().splitlines()) == ['{"order": 1}', '{"order": 2}']
+    assert any("oncely consume stopped" in line["message"] for line in lines)
