@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import psycopg.types.json
 
 import oncely
 from oncely.brokers import BrokerConsumer
