@@ -73,8 +73,9 @@ def pg_store(table: str | None = None) -> oncely.AsyncPostgresStore:
 
 
 def drop_store_table(table: str) -> None:
+    """Drop a store's table and its schema-version table."""
     with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_meta")
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,189 @@
+"""Consumer processes killed with SIGKILL on every real broker: each logical message's effect is
+applied exactly once, nothing is lost, nothing is left unacknowledged (R1, R7, R8, R12).
+
+Two tests per broker: a consumer killed at a known point (its effect written, its transaction
+open, its message unacknowledged) and restarted; and a fleet of three processes over 10,000
+messages, 10% of them published twice by the producer, with random SIGKILLs and restarts.
+``ONCELY_FLEET_MESSAGES`` changes the fleet's size (default 10,000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from oncely.brokers import open_producer
+from tests.brokers.common import Ledger, drop_store_table, require_postgres, unique
+from tests.brokers.fleet import FleetConfig, run_fleet, worker
+from tests.chaos.harness import Processes
+from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
+
+pytestmark = [pytest.mark.slow, pytest.mark.services]
+
+FLEET_MESSAGES = int(os.environ.get("ONCELY_FLEET_MESSAGES", "10000"))
+
+
+@dataclass(frozen=True)
+class Broker:
+    name: str
+    url: str
+    port: int
+
+    def require(self) -> None:
+        require(self.name, self.url, self.port)
+
+
+BROKERS = [
+    Broker("rabbitmq", RABBITMQ_URL, 5672),
+    Broker("redis-streams", REDIS_URL, 6379),
+    Broker("nats", NATS_URL, 4222),
+]
+
+
+def _settled(broker: Broker, source: str, group: str) -> Callable[[], Awaitable[bool]]:
+    """True when the broker holds no message of ``source`` that ``group`` has not acknowledged
+    (and nothing was dead-lettered: the fleet's messages are all good)."""
+    if broker.name == "rabbitmq":
+
+        async def rabbitmq() -> bool:
+            import aio_pika
+
+            connection = await aio_pika.connect(broker.url)
+            async with connection:
+                channel = await connection.channel()
+                queue = await channel.declare_queue(source, passive=True)
+                dead = await channel.declare_queue(f"{source}.dead", passive=True)
+                return (
+                    queue.declaration_result.message_count == 0
+                    and dead.declaration_result.message_count == 0
+                )
+
+        return rabbitmq
+    if broker.name == "redis-streams":
+
+        async def redis_streams() -> bool:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(broker.url)
+            try:
+                groups = await client.xinfo_groups(source)
+                mine = [g for g in groups if g["name"].decode() == group]
+                dead = await client.xlen(f"{source}.dead")
+            finally:
+                await client.aclose()
+            return bool(mine) and mine[0]["pending"] == 0 and mine[0]["lag"] == 0 and dead == 0
+
+        return redis_streams
+
+    async def nats() -> bool:
+        import nats as nats_client
+
+        connection = await nats_client.connect(broker.url)
+        try:
+            js = connection.jetstream()
+            stream = await js.find_stream_name_by_subject(source)
+            info = await js.consumer_info(stream, group)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+        finally:
+            await connection.close()
+
+    return nats
+
+
+@pytest.fixture(params=BROKERS, ids=[b.name for b in BROKERS])
+def broker(request: pytest.FixtureRequest) -> Broker:
+    chosen: Broker = request.param
+    chosen.require()
+    require_postgres()
+    return chosen
+
+
+@pytest.fixture
+def config(broker: Broker, tmp_path: Path) -> Iterator[FleetConfig]:
+    name = unique(f"fleet_{broker.name.replace('-', '_')}")
+    config = FleetConfig(
+        broker_url=broker.url,
+        source=name,
+        group=f"{name}_group",
+        ledger=f"{name}_ledger",
+        store_table=f"{name}_inbox",
+        ready_dir=str(tmp_path),
+    )
+    ledger = Ledger(config.ledger)
+    ledger.create()
+    yield config
+    ledger.drop()
+    drop_store_table(config.store_table)
+
+
+async def _publish(broker: Broker, source: str, bodies: dict[str, dict[str, object]]) -> None:
+    producer = open_producer(broker.url, source)
+    try:
+        for message_id, body in bodies.items():
+            await producer.publish(json.dumps(body).encode(), message_id=message_id)
+    finally:
+        await producer.close()
+
+
+def test_consumer_killed_mid_handler_redelivers_and_applies_once(
+    broker: Broker, config: FleetConfig, tmp_path: Path
+) -> None:
+    marker = tmp_path / "holding"
+    bodies: dict[str, dict[str, object]] = {f"kill-{n}": {"n": n} for n in range(1, 20)}
+    bodies["kill-0"] = {"n": 0, "hold_once": str(marker)}
+    processes = Processes()
+    ledger = Ledger(config.ledger)
+    settled = _settled(broker, config.source, config.group)
+    try:
+        first = processes.start(worker, json.dumps(config.__dict__), 0, name="victim")
+        asyncio.run(_publish(broker, config.source, bodies))
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the handler never reached the kill point"
+            time.sleep(0.02)
+        first.kill()  # mid-handler: effect written, transaction open, message unacknowledged
+        first.join(10)
+        assert "0" not in ledger.counts()  # the killed transaction's effect did not commit
+        second = processes.start(worker, json.dumps(config.__dict__), 1, name="successor")
+        deadline = time.monotonic() + 120
+        while len(ledger.counts()) < len(bodies) or not asyncio.run(settled()):
+            assert time.monotonic() < deadline, f"only {ledger.counts()} after 120s"
+            time.sleep(0.1)
+        while not (tmp_path / str(second.pid)).exists():
+            time.sleep(0.05)
+        second.terminate()
+        second.join(30)
+        assert second.exitcode == 0
+    finally:
+        processes.reap()
+    counts = ledger.counts()
+    assert counts == {str(n): 1 for n in range(20)}
+    assert asyncio.run(settled())
+
+
+@pytest.mark.timeout(1500)
+def test_fleet_under_random_sigkills_applies_every_effect_once(
+    broker: Broker, config: FleetConfig
+) -> None:
+    result = run_fleet(
+        config,
+        messages=FLEET_MESSAGES,
+        workers=3,
+        duplicate_every=10,
+        kill_every_s=(0.5, 2.5),
+        timeout_s=1200,
+        settled=_settled(broker, config.source, config.group),
+    )
+    print(f"\n[{broker.name}] {result.summary()}")
+    assert result.kills > 0
+    assert result.published == FLEET_MESSAGES + FLEET_MESSAGES // 10
+    assert result.extra == 0, {k: n for k, n in result.effects.items() if n > 1}
+    assert result.lost == 0
+    assert set(result.effects) == {str(n) for n in range(FLEET_MESSAGES)}
