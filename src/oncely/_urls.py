@@ -6,13 +6,14 @@ the expected form, never the password.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import importlib
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit, urlunsplit
 
 from oncely.errors import ConfigurationError
 
-__all__ = ["UrlOptions", "redact", "split"]
+__all__ = ["UrlOptions", "load_by_scheme", "redact", "split"]
 
 
 _SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "sslpassword"})
@@ -119,3 +120,37 @@ def path_of(parts: SplitResult) -> str:
     """The unquoted path after the leading slash (a database name, a file path)."""
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     return unquote(path)
+
+
+def load_by_scheme(
+    url: str,
+    registry: Mapping[str, tuple[str, ...]],
+    aliases: Mapping[str, str],
+    which: int,
+    kind: str,
+) -> object:
+    """The class a URL's scheme names in ``registry`` (scheme -> ("module:Class", ...,
+    extra), ``which`` picks the class), imported on first use so a missing optional driver is
+    reported with the extra that installs it. ``kind`` ("store", "adapter") words the errors."""
+    scheme = split(url).scheme.lower()
+    scheme = aliases.get(scheme, scheme)
+    if scheme not in registry:
+        supported = sorted({*registry, *aliases})
+        raise ConfigurationError(
+            f"{redact(url)}: unsupported {kind} URL scheme {scheme!r}; supported: "
+            + ", ".join(f"{s}://" for s in supported)
+        )
+    target, extra = registry[scheme][which], registry[scheme][-1]
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.startswith("oncely."):
+            raise ConfigurationError(
+                f"{redact(url)}: this version of oncely has no {scheme} {kind} yet"
+            ) from None
+        raise ConfigurationError(
+            f"{redact(url)}: the {scheme} {kind} needs the {exc.name!r} package; "
+            f"install it with: pip install 'oncely[{extra}]'"
+        ) from None
+    return getattr(module, class_name)

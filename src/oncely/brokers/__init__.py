@@ -30,14 +30,13 @@ is not shipped.
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Protocol, cast
 
 from oncely._core.keys import key_source
-from oncely._urls import redact, split
+from oncely._urls import load_by_scheme
 from oncely.brokers._consumer import (
     BrokerConsumer,
     InboxProcessor,
@@ -139,25 +138,7 @@ SCHEMES = tuple(sorted({*_BROKERS, *_ALIASES}))
 
 
 def _load(url: str, which: int) -> _Factory:
-    scheme = split(url).scheme.lower()
-    scheme = _ALIASES.get(scheme, scheme)
-    if scheme not in _BROKERS:
-        raise ConfigurationError(
-            f"{redact(url)}: unsupported broker URL scheme {scheme!r}; supported: "
-            + ", ".join(f"{s}://" for s in SCHEMES)
-        )
-    target, extra = _BROKERS[scheme][which], _BROKERS[scheme][2]
-    module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and exc.name.startswith("oncely."):
-            raise ConfigurationError(f"{redact(url)}: no {scheme} adapter yet") from None
-        raise ConfigurationError(
-            f"{redact(url)}: the {scheme} adapter needs the {exc.name!r} package; "
-            f"install it with: pip install 'oncely[{extra}]'"
-        ) from None
-    return cast(_Factory, getattr(module, class_name))
+    return cast(_Factory, load_by_scheme(url, _BROKERS, _ALIASES, which, "adapter"))
 
 
 def open_transport(

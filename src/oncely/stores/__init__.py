@@ -20,14 +20,12 @@ the extra that installs it. Passwords never appear in errors or logs (:func:`red
 
 from __future__ import annotations
 
-import importlib
 from typing import Protocol, cast
 
 from oncely._async.protocols import AsyncStore
 from oncely._core.clock import Clock
 from oncely._sync.protocols import Store
-from oncely._urls import redact, split
-from oncely.errors import ConfigurationError
+from oncely._urls import load_by_scheme, redact
 
 __all__ = ["SCHEMES", "open_async_store", "open_store", "redact"]
 
@@ -58,27 +56,7 @@ SCHEMES = tuple(sorted({*_BACKENDS, *_ALIASES}))
 
 
 def _load(url: str, which: int) -> _FromUrl:
-    scheme = split(url).scheme.lower()
-    scheme = _ALIASES.get(scheme, scheme)
-    if scheme not in _BACKENDS:
-        raise ConfigurationError(
-            f"{redact(url)}: unsupported store URL scheme {scheme!r}; supported: "
-            + ", ".join(f"{s}://" for s in SCHEMES)
-        )
-    target, extra = _BACKENDS[scheme][which], _BACKENDS[scheme][2]
-    module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and exc.name.startswith("oncely."):
-            raise ConfigurationError(
-                f"{redact(url)}: this version of oncely has no {scheme} store yet"
-            ) from None
-        raise ConfigurationError(
-            f"{redact(url)}: the {scheme} store needs the {exc.name!r} package; "
-            f"install it with: pip install 'oncely[{extra}]'"
-        ) from None
-    return cast(_FromUrl, getattr(module, class_name))
+    return cast(_FromUrl, load_by_scheme(url, _BACKENDS, _ALIASES, which, "store"))
 
 
 def open_store(url: str, *, clock: Clock | None = None) -> Store:
