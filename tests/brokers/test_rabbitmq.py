@@ -239,15 +239,6 @@ async def rabbit() -> AsyncIterator[Rabbit]:
 
 
 @pytest.fixture
-def ledger() -> Any:
-    require_postgres()
-    made = Ledger()
-    made.create()
-    yield made
-    made.drop()
-
-
-@pytest.fixture
 async def pg_inbox() -> AsyncIterator[oncely.AsyncInbox]:
     """Transactional mode: the marker and the ledger row commit together (R7)."""
     require_postgres()

@@ -87,15 +87,6 @@ def stream(admin: redis.Redis) -> Iterator[str]:
 
 
 @pytest.fixture
-def ledger() -> Iterator[Ledger]:
-    require_postgres()
-    book = Ledger()
-    book.create()
-    yield book
-    book.drop()
-
-
-@pytest.fixture
 async def pg() -> AsyncIterator[oncely.AsyncPostgresStore]:
     require_postgres()
     table = unique("inbox")
