@@ -144,7 +144,8 @@ class Setup:
             )
         self.redis = aioredis.Redis.from_url(REDIS)
         self.pg_store = oncely.AsyncPostgresStore(POSTGRES, table=self.inbox_table, pool_max=16)
-        self.redis_store = oncely.AsyncRedisStore.from_url(REDIS)
+        self.prefix = f"oncelybench{self.run}"
+        self.redis_store = oncely.AsyncRedisStore.from_url(f"{REDIS}?prefix={self.prefix}")
 
     async def close(self) -> None:
         async with self.pool.connection() as conn:
@@ -154,6 +155,10 @@ class Setup:
             await conn.execute(f"DROP TABLE IF EXISTS {self.inbox_table}")
         await self.pool.close()
         await self.redis.delete(self.counter)
+        # The run's dedup records and, on Redis Streams, its streams: nothing left behind.
+        for pattern in (f"{self.prefix}:*", f"bench_{self.run}_*"):
+            async for name in self.redis.scan_iter(match=pattern, count=1000):
+                await self.redis.unlink(name)
         await self.redis.aclose()
         await self.pg_store.aclose()
         await self.redis_store.aclose()
