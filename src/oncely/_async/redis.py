@@ -25,7 +25,6 @@ from oncely._async._redis_io import (
     describe,
     evalsha_many,
     hget,
-    hmget_many,
     hsetnx,
     is_client,
     is_cluster,
@@ -44,7 +43,7 @@ from oncely._dialects.redis import (
     FAIL,
     GET,
     PURGE,
-    RECORD_FIELDS,
+    READ,
     RELEASE,
     RENEW,
     SCHEMA_VERSION,
@@ -53,9 +52,10 @@ from oncely._dialects.redis import (
     opt,
     parse_batch,
     parse_claim,
-    parse_fields,
     parse_reply,
+    parse_stored,
     parse_written,
+    stored_status,
 )
 from oncely._drivers.redis import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
 from oncely._urls import redact
@@ -63,7 +63,6 @@ from oncely.errors import ConfigurationError, SchemaMissing, SchemaTooNew, Store
 
 __all__ = ["AsyncRedisStore"]
 
-_STATUS = {s.value.encode(): s for s in Status}
 _VERSION_FIELD = b"schema_version"
 # Keys per script in a batch on a single Redis (a longer script blocks the server longer), and
 # keys per SCAN step for stats, scan and purge (memory stays bounded by this and ``limit``).
@@ -84,7 +83,7 @@ class AsyncRedisStore:
     reconciler (``on_stale``) for a worker that died in between.
 
     Time is Redis's own clock, read inside every script, and each record expires by itself
-    (``PEXPIREAT``) at the end of its retention. With ``clock`` (a :class:`~oncely.FakeClock`
+    (``PXAT``) at the end of its retention. With ``clock`` (a :class:`~oncely.FakeClock`
     in tests) that clock decides instead, records get no Redis expiry (it would follow the
     wrong clock) and :meth:`purge_expired` deletes them.
 
@@ -302,16 +301,13 @@ class AsyncRedisStore:
     ) -> list[Claim]:
         if not requests:
             return []
-        record = self._keys.record
-        names = [record(consumer, r.key) for r in requests]
+        names, tails = self._keys.claim_batch(consumer, requests)
         head = [self._now(), b"%d" % lease_ms, b"%d" % keep_ms, b"1" if takeover else b"0", b""]
         groups = self._groups(names)
-        calls: list[tuple[list[bytes], list[bytes]]] = []
-        for group in groups:
-            args = list(head)
-            for i in group:
-                args += (opt(requests[i].fingerprint), requests[i].token.encode())
-            calls.append(([names[i] for i in group], args))
+        if len(groups) == 1:
+            calls = [(names, head + tails)]
+        else:
+            calls = [([names[i] for i in g], head + [tails[i] for i in g]) for g in groups]
         replies = await self._run_groups(CLAIM_MANY, calls, "claim_many")
         if len(groups) == 1:
             return parse_batch(consumer, requests, lease_ms, keep_ms, replies[0])
@@ -444,7 +440,7 @@ class AsyncRedisStore:
         """Delete expired records in batches of ``batch_size`` and return how many went.
 
         With the server's clock there is nothing to do and this returns 0 at once: Redis
-        deletes every record itself at its ``expires`` time (``PEXPIREAT``), on the same
+        deletes every record itself at its ``expires`` time (``PXAT``), on the same
         clock the scripts judge expiry by. With a clock given to the store, records carry no
         Redis expiry: this scans the store's keys (every primary of a cluster) and deletes,
         one script per batch, those the clock says are expired."""
@@ -461,8 +457,8 @@ class AsyncRedisStore:
             if where is not None:
                 where, names = await self._scan_page(where, self._keys.pattern)
                 if names:
-                    rows = await self._read(names, (b"e",))
-                    expired += [n for n, (e,) in zip(names, rows, strict=True) if _due(e, now)]
+                    rows = await self._read(names)
+                    expired += [n for n, raw in zip(names, rows, strict=True) if _due(raw, now)]
             while len(expired) >= batch_size or (where is None and expired):
                 if max_batches is not None and batches >= max_batches:
                     return deleted
@@ -484,11 +480,19 @@ class AsyncRedisStore:
         except DRIVER_ERRORS as exc:
             raise translate(exc, "scanning keys") from exc
 
-    async def _read(self, names: list[bytes], fields: Sequence[bytes]) -> list[list[Any]]:
-        try:
-            return await hmget_many(self._client, names, fields)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc, "reading records") from exc
+    async def _read(self, names: list[bytes]) -> list[bytes | None]:
+        """The stored string of each of ``names``, in order (None where there is none),
+        expired or not: one script per group of :meth:`_groups`, in one pipeline."""
+        groups = self._groups(names)
+        calls: list[tuple[list[bytes], list[bytes]]] = [
+            ([names[i] for i in group], []) for group in groups
+        ]
+        found: list[bytes | None] = [None] * len(names)
+        replies = await self._run_groups(READ, calls, "reading records")
+        for group, values in zip(groups, replies, strict=True):
+            for i, value in zip(group, values, strict=True):
+                found[i] = value
+        return found
 
     async def stats(self) -> StoreStats:
         """Record counts per consumer and status, from a ``SCAN`` of the store's keys (every
@@ -503,17 +507,15 @@ class AsyncRedisStore:
             where, names = await self._scan_page(where, self._keys.pattern)
             if not names:
                 continue
-            for name, (status, expires) in zip(
-                names, await self._read(names, (b"s", b"e")), strict=True
-            ):
+            for name, raw in zip(names, await self._read(names), strict=True):
                 ident = self._keys.ident(name)
-                if ident is None or status is None or expires is None:
+                if ident is None or raw is None:
                     continue  # not a record, or gone meanwhile
-                if int(expires) <= now:
+                state, expires = stored_status(raw)
+                if expires <= now:
                     expired += 1
                     continue
                 by_status = counts.setdefault(ident[0], {})
-                state = _STATUS[bytes(status)]
                 by_status[state] = by_status.get(state, 0) + 1
         return StoreStats(counts=counts, expired=expired)
 
@@ -554,10 +556,12 @@ class AsyncRedisStore:
                 wanted.append((ident, name))
             if not wanted:
                 continue
-            rows = await self._read([name for _, name in wanted], RECORD_FIELDS)
-            for (ident, _name), row in zip(wanted, rows, strict=True):
-                record = parse_fields(ident[0], ident[1], row)
-                if record is None or record.expires_ms <= now:
+            rows = await self._read([name for _, name in wanted])
+            for (ident, _name), raw in zip(wanted, rows, strict=True):
+                if raw is None:
+                    continue  # gone meanwhile
+                record = parse_stored(ident[0], ident[1], raw)
+                if record.expires_ms <= now:
                     continue
                 if status is None or record.status is status:
                     found[ident] = record
@@ -612,5 +616,5 @@ class AsyncRedisStore:
                 raise translate(exc, "closing") from exc
 
 
-def _due(expires: Any, now: int) -> bool:
-    return expires is not None and int(expires) <= now
+def _due(stored: bytes | None, now: int) -> bool:
+    return stored is not None and stored_status(stored)[1] <= now

@@ -8,15 +8,18 @@ in Lua.
 
 Time. ``ARGV[1]`` is the store's clock reading in epoch milliseconds, or empty: then the script
 reads ``TIME`` itself, so the decision and the ``now`` it answers with are the server's. With
-the server's clock every write also sets ``PEXPIREAT`` to the record's ``expires`` and Redis
-deletes the record as soon as that time has passed (retention without a sweeper). A given clock (a
-:class:`~oncely.FakeClock` in tests) is unrelated to Redis's own, so its records carry no
-Redis expiry at all (one would fire early or late): ``expires`` is a field, every script treats
-``expires <= now`` as absent, and :meth:`purge_expired` deletes them.
+the server's clock every write also sets a Redis expiry (``PXAT``) at the record's ``expires``
+and Redis deletes the record as soon as that time has passed (retention without a sweeper). A
+given clock (a :class:`~oncely.FakeClock` in tests) is unrelated to Redis's own, so its records
+carry no Redis expiry at all (one would fire early or late): ``expires`` is a field, every
+script treats ``expires <= now`` as absent, and :meth:`purge_expired` deletes them.
 
-Layout. One hash per record, ``<prefix>:{<consumer>:<key>}``, fields ``s f t a c u l e r x``
-(status, fingerprint, token, attempt, created, updated, lease until, expires, result, error); a
-missing field is ``None``. The braces are a Redis Cluster hash tag over the whole record name:
+Layout. One string per record, ``<prefix>:{<consumer>:<key>}``: ``"s a c u l e #f #t #r
+#x"`` (status, attempt, created, updated, lease until, expires, then the byte lengths of
+fingerprint, token, result and error, -1 for a missing one), a newline, then fingerprint, token,
+result and error back to back. A free key is claimed with one command (``SET NX GET PXAT``:
+the new record, or the one already there), which is most of what a batch claim costs the
+server. The braces are a Redis Cluster hash tag over the whole record name:
 records spread over every slot, so one busy consumer uses the whole cluster instead of one node
 (a per-consumer tag would pin a consumer's records, its memory and all of its traffic to one
 slot, which a cluster can never split). A script touches one key, except a batch claim on a
@@ -29,8 +32,9 @@ server does (redis-py parses RESP in Python unless hiredis is installed). A scri
 ``{code, now}`` and at most two more values: nothing for a new claim (the client knows the
 record it asked for), a *brief* (``"attempt created lease_until[ fingerprint]"``, the fields a
 write leaves the client not knowing) after a write, and the whole record as two values,
-``status`` and one *packed* string, where the client cannot know it (an existing record, a
-lost lease, ``get``). A batch claim answers ``{now, codes, extras...}``: one letter per key.
+``status`` and the rest of the stored string (*packed*), where the client cannot know it (an
+existing record, a lost lease, ``get``). A batch claim answers ``{now, codes, extras...}``: one
+letter per key.
 """
 
 from __future__ import annotations
@@ -41,7 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import unquote
 
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Record,
+    Status,
+    new_claim,
+    new_record,
+)
 from oncely._dialects.identifiers import check_identifier
 
 __all__ = [
@@ -51,7 +63,7 @@ __all__ = [
     "FAIL",
     "GET",
     "PURGE",
-    "RECORD_FIELDS",
+    "READ",
     "RELEASE",
     "RENEW",
     "SCHEMA_VERSION",
@@ -60,16 +72,14 @@ __all__ = [
     "opt",
     "parse_batch",
     "parse_claim",
-    "parse_fields",
     "parse_record",
     "parse_reply",
+    "parse_stored",
     "parse_written",
+    "stored_status",
 ]
 
 SCHEMA_VERSION: Final = 1
-
-RECORD_FIELDS: Final = (b"s", b"f", b"t", b"a", b"c", b"u", b"l", b"e", b"r", b"x")
-"""The hash fields of a record, in ``HMGET`` order."""
 
 _STATUS = {s.value.encode(): s for s in Status}
 
@@ -89,11 +99,10 @@ class Script:
         object.__setattr__(self, "sha_bytes", sha.encode())
 
 
-# Shared by every script: the clock, reading a record as a 10-slot table (false for a missing
-# field) and the replies. Lua numbers are doubles: epoch milliseconds stay exact; int() writes
-# them as plain digits (Lua's own tostring switches to 1e+15 notation past 14 digits).
+# Shared by every script: the clock, reading and writing a record, and the replies. Lua numbers
+# are doubles: epoch milliseconds stay exact; int() writes them as plain digits (Lua's own
+# tostring switches to 1e+15 notation past 14 digits).
 _PRELUDE = """
-local F = {'s', 'f', 't', 'a', 'c', 'u', 'l', 'e', 'r', 'x'}
 local server = ARGV[1] == ''
 local now
 if server then
@@ -108,13 +117,45 @@ local function int(n)
 end
 local NOW = int(now)
 
--- The record's fields (v[1] is false when there is none); live when unexpired (expires > now).
+-- A stored record: 's a c u l e #f #t #r #x', a newline, then f, t, r and x back to back (#:
+-- the byte length, -1 for a missing value). Read as a 10-slot table in the order
+-- s f t a c u l e r x (false for a missing value), with the stored string as v.raw.
+local HEAD = '^(%S+)' .. string.rep(' (%-?%d+)', 6) .. ' (%d+) (%-?%d+) (%-?%d+)\\n()'
+
+local function parse(raw)
+  local s, a, c, u, l, e, nf, nt, nr, nx, i = string.match(raw, HEAD)
+  if not s then
+    error('not an oncely record')
+  end
+  nf, nt, nr, nx = tonumber(nf), tonumber(nt), tonumber(nr), tonumber(nx)
+  local f, r, x = false, false, false
+  if nf >= 0 then
+    f = string.sub(raw, i, i + nf - 1)
+    i = i + nf
+  end
+  local t = string.sub(raw, i, i + nt - 1)
+  i = i + nt
+  if nr >= 0 then
+    r = string.sub(raw, i, i + nr - 1)
+    i = i + nr
+  end
+  if nx >= 0 then
+    x = string.sub(raw, i, i + nx - 1)
+  end
+  return {s, f, t, a, c, u, l, e, r, x, raw = raw}
+end
+
+-- The record (nil when there is none); live when unexpired (expires > now).
 local function load(k)
-  return redis.call('HMGET', k, unpack(F))
+  local raw = redis.call('GET', k)
+  if raw then
+    return parse(raw)
+  end
+  return nil
 end
 
 local function alive(v)
-  return v[1] and tonumber(v[8]) > now
+  return v and tonumber(v[8]) > now
 end
 
 -- The record, or nil when it is absent: missing, or expired.
@@ -126,20 +167,31 @@ local function live(k)
   return nil
 end
 
--- Redis deletes the record at its expiry, on the clock the scripts judge expiry by.
-local function expire(k, e)
+-- The tail of a record that has no result and no error: '#f #t -1 -1', a newline, f and t.
+local function tail(f, t)
+  if f then
+    return #f .. ' ' .. #t .. ' -1 -1\\n' .. f .. t
+  end
+  return '-1 ' .. #t .. ' -1 -1\\n' .. t
+end
+
+-- Write v whole. With the server's clock Redis deletes it at its expiry, on the clock the
+-- scripts judge expiry by; a plain SET drops any expiry (a given clock: none at all).
+local function save(k, v)
+  local f, r, x = v[2] or '', v[9] or '', v[10] or ''
+  local raw = table.concat({v[1], v[4], v[5], v[6], v[7], v[8], v[2] and #f or -1, #v[3],
+                            v[9] and #r or -1, v[10] and #x or -1}, ' ')
+              .. '\\n' .. f .. v[3] .. r .. x
   if server then
-    redis.call('PEXPIREAT', k, e)
+    redis.call('SET', k, raw, 'PXAT', v[8])
+  else
+    redis.call('SET', k, raw)
   end
 end
 
--- The whole record as two values: the status, and 'a c u l e #f #t #r #x' (-1: missing), a
--- newline, then f, t, r and x back to back.
+-- The whole record as two values: the status, and the rest of the stored string.
 local function packed(v)
-  local f, r, x = v[2] or '', v[9] or '', v[10] or ''
-  local head = table.concat({v[4], v[5], v[6], v[7], v[8], v[2] and #f or -1, #v[3],
-                             v[9] and #r or -1, v[10] and #x or -1}, ' ')
-  return v[1], head .. '\\n' .. f .. v[3] .. r .. x
+  return v[1], string.sub(v.raw, #v[1] + 2)
 end
 
 -- What a write leaves the client not knowing: 'attempt created lease_until[ fingerprint]'.
@@ -169,53 +221,71 @@ local function opt(a)
 end
 """
 
-# ARGV: now, lease, keep, takeover ('1'/'0'), expected token ('' for any), then (fingerprint,
-# token) per key of KEYS; keys are claimed in order, as claims made one after the other.
+# ARGV: now, lease, keep, takeover ('1'/'0'), expected token ('' for any), then the key's
+# arguments; keys are claimed in order, as claims made one after the other.
 _CLAIM_ONE = """
 local lease = tonumber(ARGV[2])
 local LEASE, EXPIRES = int(now + lease), int(now + math.max(tonumber(ARGV[3]), lease))
 local takeover, expected = ARGV[4] == '1', opt(ARGV[5])
+-- A new record is this head and the tail of its fingerprint and token.
+local NEW = 'in_progress 1 ' .. NOW .. ' ' .. NOW .. ' ' .. LEASE .. ' ' .. EXPIRES .. ' '
 
--- 'new' (the record is the one asked for), 'taken' or 'existing', and the record.
-local function claim(k, fp, token)
-  if redis.call('EXISTS', k) == 1 then
-    local v = load(k)
-    if alive(v) then
-      if not (takeover and v[1] == 'in_progress' and tonumber(v[7]) <= now
-              and (not fp or not v[2] or v[2] == fp) and (not expected or v[3] == expected)) then
-        return 'existing', v
-      end
-      -- In progress, so no result or error to clear; created and status stay.
-      v[2], v[3], v[4], v[6], v[7], v[8] = fp or v[2], token, int(tonumber(v[4]) + 1), NOW,
-                                           LEASE, EXPIRES
-      local set = {'t', token, 'a', v[4], 'u', NOW, 'l', LEASE, 'e', EXPIRES}
-      if v[2] then
-        set[#set + 1], set[#set + 2] = 'f', v[2]
-      end
-      redis.call('HSET', k, unpack(set))
-      expire(k, EXPIRES)
-      return 'taken', v
-    end
-    redis.call('DEL', k)  -- expired, so absent (a given clock: Redis keeps it)
+-- The fingerprint (false for None) and token of a tail.
+local function untail(t)
+  local nf, nt, i = string.match(t, '^(%-?%d+) (%d+) %-1 %-1\\n()')
+  nf, nt = tonumber(nf), tonumber(nt)
+  if nf < 0 then
+    return false, string.sub(t, i, i + nt - 1)
   end
-  if fp then
-    redis.call('HSET', k, 's', 'in_progress', 'f', fp, 't', token, 'a', '1', 'c', NOW,
-               'u', NOW, 'l', LEASE, 'e', EXPIRES)
+  return string.sub(t, i, i + nf - 1), string.sub(t, i + nf, i + nf + nt - 1)
+end
+
+-- Claim k for the record NEW .. t (t: the tail of the claim's fingerprint and token; a caller
+-- that has those at hand passes them too). 'new' (the record is the one asked for), 'taken' or
+-- 'existing', and the record. A free key costs one command: SET NX writes the new record, or
+-- answers the one there (GET) and writes nothing.
+local function claim(k, t, fp, token)
+  local raw
+  if server then
+    raw = redis.call('SET', k, NEW .. t, 'NX', 'GET', 'PXAT', EXPIRES)
   else
-    redis.call('HSET', k, 's', 'in_progress', 't', token, 'a', '1', 'c', NOW, 'u', NOW,
-               'l', LEASE, 'e', EXPIRES)
+    raw = redis.call('SET', k, NEW .. t, 'NX', 'GET')
   end
-  expire(k, EXPIRES)
+  if not raw then
+    return 'new', nil
+  end
+  if not token then
+    fp, token = untail(t)
+  end
+  local v = parse(raw)
+  if alive(v) then
+    if not (takeover and v[1] == 'in_progress' and tonumber(v[7]) <= now
+            and (not fp or not v[2] or v[2] == fp) and (not expected or v[3] == expected)) then
+      return 'existing', v
+    end
+    -- In progress, so no result or error to clear; created and status stay.
+    v[2], v[3], v[4], v[6], v[7], v[8] = fp or v[2], token, int(tonumber(v[4]) + 1), NOW,
+                                         LEASE, EXPIRES
+    save(k, v)
+    return 'taken', v
+  end
+  -- Expired, so absent (a given clock: Redis keeps it): the new record replaces it.
+  if server then
+    redis.call('SET', k, NEW .. t, 'PXAT', EXPIRES)
+  else
+    redis.call('SET', k, NEW .. t)
+  end
   return 'new', nil
 end
 """
 
 _CLAIM = """
--- One {code, now, ...} per key: nothing more when new, the brief when taken, the record when
--- existing.
+-- Per key: fingerprint (optional), token. One {code, now, ...} per key: nothing more when new,
+-- the brief when taken, the record when existing.
 local out = {}
 for n, k in ipairs(KEYS) do
-  local code, v = claim(k, opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n])
+  local fp, token = opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n]
+  local code, v = claim(k, tail(fp, token), fp, token)
   if code == 'taken' then
     out[n] = {code, now, brief(v)}
   else
@@ -226,11 +296,13 @@ return out
 """
 
 _CLAIM_MANY = """
+-- Per key: the new record's tail ('#f #t -1 -1', a newline, fingerprint and token: see
+-- RedisKeys.claim_batch): a free key gets NEW .. tail as it is, one SET and no parsing.
 -- {now, codes, extras...}: codes holds a letter per key, n (new), t (taken: one extra, the
 -- brief) or e (existing: two extras, status and packed record).
 local codes, out = {}, {now, ''}
 for n, k in ipairs(KEYS) do
-  local code, v = claim(k, opt(ARGV[4 + 2 * n]), ARGV[5 + 2 * n])
+  local code, v = claim(k, ARGV[5 + n])
   codes[n] = string.sub(code, 1, 1)
   if code == 'taken' then
     out[#out + 1] = brief(v)
@@ -257,18 +329,17 @@ end
 if v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
-local e = int(now + tonumber(ARGV[3]))
-local set = {'s', 'completed', 'u', NOW, 'e', e}
+local b = brief(v)
 local result, note = opt(ARGV[4]), opt(ARGV[5])
+v[1], v[6], v[8] = 'completed', NOW, int(now + tonumber(ARGV[3]))
 if result then
-  set[#set + 1], set[#set + 2] = 'r', result
+  v[9] = result
 end
 if note then
-  set[#set + 1], set[#set + 2] = 'x', note
+  v[10] = note
 end
-redis.call('HSET', KEYS[1], unpack(set))
-expire(KEYS[1], e)
-return {'ok', now, brief(v)}
+save(KEYS[1], v)
+return {'ok', now, b}
 """
 
 _FAIL = """
@@ -283,10 +354,10 @@ end
 if v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
-local e = int(now + tonumber(ARGV[3]))
-redis.call('HSET', KEYS[1], 's', 'failed', 'u', NOW, 'e', e, 'x', ARGV[4])
-expire(KEYS[1], e)
-return {'ok', now, brief(v)}
+local b = brief(v)
+v[1], v[6], v[8], v[10] = 'failed', NOW, int(now + tonumber(ARGV[3])), ARGV[4]
+save(KEYS[1], v)
+return {'ok', now, b}
 """
 
 _RENEW = """
@@ -295,11 +366,11 @@ local v = live(KEYS[1])
 if not v or v[3] ~= ARGV[2] or v[1] ~= 'in_progress' then
   return reply('lost', v)
 end
+local b = brief(v)
 local lease = tonumber(ARGV[3])
-local e = int(now + math.max(tonumber(ARGV[4]), lease))
-redis.call('HSET', KEYS[1], 'u', NOW, 'l', int(now + lease), 'e', e)
-expire(KEYS[1], e)
-return {'ok', now, brief(v)}
+v[6], v[7], v[8] = NOW, int(now + lease), int(now + math.max(tonumber(ARGV[4]), lease))
+save(KEYS[1], v)
+return {'ok', now, b}
 """
 
 _RELEASE = """
@@ -325,13 +396,22 @@ _PURGE = """
 -- ARGV: now. Deletes those of KEYS that are expired; returns how many.
 local n = 0
 for _, k in ipairs(KEYS) do
-  local e = redis.call('HGET', k, 'e')
-  if e and tonumber(e) <= now then
+  local v = load(k)
+  if v and tonumber(v[8]) <= now then
     redis.call('DEL', k)
     n = n + 1
   end
 end
 return n
+"""
+
+_READ = """
+-- The stored string of each of KEYS, false (nil) where there is none; expired ones included.
+local out = {}
+for n, k in ipairs(KEYS) do
+  out[n] = redis.call('GET', k)
+end
+return out
 """
 
 CLAIM: Final = Script("claim", _PRELUDE + _CLAIM_ONE + _CLAIM)
@@ -342,10 +422,14 @@ RENEW: Final = Script("renew", _PRELUDE + _RENEW)
 RELEASE: Final = Script("release", _PRELUDE + _RELEASE)
 GET: Final = Script("get", _PRELUDE + _GET)
 PURGE: Final = Script("purge", _PRELUDE + _PURGE)
+READ: Final = Script("read", _READ)
 
 
 def _quote(text: str) -> str:
-    return text.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
+    # Most keys hold none of the four: four membership tests cost less than four replaces.
+    if "%" in text or "{" in text or "}" in text or ":" in text:
+        return text.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
+    return text
 
 
 def _glob(text: str) -> str:
@@ -370,12 +454,38 @@ class RedisKeys:
         """``SCAN MATCH`` pattern of every record of the store."""
 
     def record(self, consumer: str, key: str) -> bytes:
+        return f"{self._consumer_head(consumer)}{_quote(key)}}}".encode()
+
+    def _consumer_head(self, consumer: str) -> str:
         head = self._heads.get(consumer)
         if head is None:
             head = f"{self._head}{_quote(consumer)}:"
             if len(self._heads) < 1024:
                 self._heads[consumer] = head
-        return f"{head}{_quote(key)}}}".encode()
+        return head
+
+    def claim_batch(
+        self, consumer: str, requests: Sequence[ClaimRequest]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The record names of ``requests`` and their ``CLAIM_MANY`` arguments, in request
+        order, in one pass without a call per key. A key's argument is the tail of the new
+        record it asks for (``"#f #t -1 -1"``, a newline, fingerprint and token), which the
+        script stores as it is."""
+        head = self._consumer_head(consumer)
+        names: list[bytes] = []
+        tails: list[bytes] = []
+        name, tail = names.append, tails.append
+        for r in requests:
+            key, fp, token = r.key, r.fingerprint, r.token.encode()
+            if "%" in key or "{" in key or "}" in key or ":" in key:
+                key = _quote(key)
+            name(f"{head}{key}}}".encode())
+            if fp is None:
+                tail(b"-1 %d -1 -1\n%s" % (len(token), token))
+            else:
+                f = fp.encode()
+                tail(b"%d %d -1 -1\n%s%s" % (len(f), len(token), f, token))
+        return names, tails
 
     def consumer_pattern(self, consumer: str) -> bytes:
         """``SCAN MATCH`` pattern of one consumer's records."""
@@ -399,29 +509,16 @@ def opt(value: str | bytes | None) -> bytes:
     return b"+" + (value.encode() if isinstance(value, str) else value)
 
 
-def _text(value: Any) -> str | None:
-    return None if value is None else bytes(value).decode()
+def parse_stored(consumer: str, key: str, stored: bytes) -> Record:
+    """The record of its stored string (the ``READ`` script's answer)."""
+    status, _, packed = bytes(stored).partition(b" ")
+    return parse_record(consumer, key, status, packed)
 
 
-def parse_fields(consumer: str, key: str, v: Sequence[Any]) -> Record | None:
-    """A record from the 10 fields of ``RECORD_FIELDS`` (``HMGET`` order), None if absent."""
-    if v[0] is None:
-        return None
-    result = v[8]
-    return Record(
-        consumer=consumer,
-        key=key,
-        status=_STATUS[bytes(v[0])],
-        fingerprint=_text(v[1]),
-        token=bytes(v[2]).decode(),
-        attempt=int(v[3]),
-        created_ms=int(v[4]),
-        updated_ms=int(v[5]),
-        lease_until_ms=int(v[6]),
-        expires_ms=int(v[7]),
-        result=None if result is None else bytes(result),
-        error=_text(v[9]),
-    )
+def stored_status(stored: bytes) -> tuple[Status, int]:
+    """``(status, expires)`` of a stored string, without the rest of the record."""
+    status, _a, _c, _u, _l, expires, _ = bytes(stored).split(b" ", 6)
+    return _STATUS[status], int(expires)
 
 
 def parse_record(consumer: str, key: str, status: bytes, packed: bytes) -> Record:
@@ -541,17 +638,32 @@ def parse_batch(
 ) -> list[Claim]:
     """The claims of a ``CLAIM_MANY`` reply (``{now, codes, extras...}``), in request order."""
     now = int(reply[0])
+    codes = reply[1]
+    if len(codes) != len(requests):
+        raise ValueError(f"claim_many: {len(codes)} codes for {len(requests)} keys")
     lease_until, expires = now + lease_ms, now + max(keep_ms, lease_ms)
     new, in_progress = ClaimStatus.NEW, Status.IN_PROGRESS
+    if len(reply) == 2:  # every key new (the common batch): the records are the ones asked for
+        return [
+            new_claim(
+                new,
+                new_record(
+                    consumer, r.key, in_progress, r.fingerprint, r.token, 1, now, now,
+                    lease_until, expires, None, None,
+                ),
+                now,
+            )
+            for r in requests
+        ]  # fmt: skip
     claims: list[Claim] = []
     j = 2
-    for r, code in zip(requests, reply[1], strict=True):
-        if code == _NEW:  # most of a batch: the record is the one asked for
-            record = Record(
+    for r, code in zip(requests, codes, strict=True):
+        if code == _NEW:
+            record = new_record(
                 consumer, r.key, in_progress, r.fingerprint, r.token, 1, now, now, lease_until,
-                expires,
+                expires, None, None,
             )  # fmt: skip
-            claims.append(Claim(new, record, now))
+            claims.append(new_claim(new, record, now))
             continue
         taken = 1 if code == _TAKEN else 2
         extra = reply[j : j + taken]
