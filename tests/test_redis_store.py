@@ -417,15 +417,20 @@ class socket_bound:
 
 @pytest.mark.services
 def test_a_script_error_is_a_store_error_not_an_outage(redis_url: str, prefix: str) -> None:
+    # Something else wrote under a record's name: a string not in oncely's layout, or a value
+    # of another type. Either is a store error naming the problem, never an outage to retry.
     client = redis.Redis.from_url(redis_url)
     store = RedisStore(client, prefix=prefix)
-    client.set(RedisKeys(prefix).record("billing", "k"), "not a hash")
-    with pytest.raises(StoreError) as failed:
-        store.claim(
-            "billing", "k", fingerprint=None, token="t", lease_ms=1, keep_ms=1, takeover=False
-        )
-    assert not isinstance(failed.value, StoreUnavailable)
-    assert "WRONGTYPE" in str(failed.value)
+    keys = RedisKeys(prefix)
+    client.set(keys.record("billing", "k"), "not a record")
+    client.hset(keys.record("billing", "h"), "field", "value")
+    for key, expected in (("k", "not an oncely record"), ("h", "WRONGTYPE")):
+        with pytest.raises(StoreError) as failed:
+            store.claim(
+                "billing", key, fingerprint=None, token="t", lease_ms=1, keep_ms=1, takeover=False
+            )
+        assert not isinstance(failed.value, StoreUnavailable)
+        assert expected in str(failed.value)
     client.close()
 
 
