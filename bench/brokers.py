@@ -65,6 +65,7 @@ from oncely.brokers import (
 )
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the tests' broker helpers, for cleaning up
 TARGET_RATIO = 1.5
 
 POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -246,6 +247,8 @@ async def drain(
 async def run_broker(
     name: str, url: str, messages: int, rounds: int, concurrency: int
 ) -> dict[str, Any]:
+    from tests.brokers.common import remove_destinations  # noqa: PLC0415 - after the path
+
     run = uuid.uuid4().hex[:8]
     setup = Setup(run)
     await setup.open()
@@ -260,6 +263,7 @@ async def run_broker(
                 count_before = int(await setup.redis.get(setup.counter) or 0)
                 processor = setup.processor(variant, consumer=source)
                 seconds = await drain(url, source, processor, messages, concurrency)
+                await remove_destinations(url, source)
                 rows = await setup.ledger_rows() - rows_before
                 incr = int(await setup.redis.get(setup.counter) or 0) - count_before
                 effects = incr if variant.endswith("incr") else rows

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.brokers.common import remove_destinations
 from tests.services import NATS_URL, POSTGRES_DSN, RABBITMQ_URL, REDIS_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +65,9 @@ def test_orders_example(broker: str, url: str, port: int) -> None:
         timeout=180,
         check=False,
     )
+    found = re.search(r"source: (\S+)", done.stdout)
+    if found:  # the example made a queue (stream, subject) of its own: remove it
+        asyncio.run(remove_destinations(url, found.group(1)))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every order created exactly once: yes" in done.stdout
     if broker == "NATS":  # the stream's duplicate window drops copies of recent ids (R14)

@@ -107,3 +107,41 @@ async def wait_until(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+async def remove_destinations(url: str, source: str) -> None:
+    """Delete what a test made on a broker for ``source``: the queue or stream, its
+    dead-letter destination (``<source>.dead``) and, on RabbitMQ, the dead-letter exchange,
+    so repeated runs leave nothing behind. Missing ones are skipped."""
+    scheme = url.split("://", 1)[0]
+    dead = f"{source}.dead"
+    if scheme.startswith("amqp"):
+        import aio_pika
+
+        connection = await aio_pika.connect(url)
+        async with connection:
+            channel = await connection.channel()
+            for name in (source, dead):
+                with contextlib.suppress(Exception):
+                    await channel.queue_delete(name)
+            with contextlib.suppress(Exception):
+                await channel.exchange_delete(dead)
+    elif scheme.startswith("redis"):
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+        try:
+            await client.delete(source, dead)
+        finally:
+            await client.aclose()
+    elif scheme in ("nats", "tls"):
+        import nats
+
+        connection = await nats.connect(url)
+        try:
+            js = connection.jetstream()
+            for subject in (source, dead):
+                with contextlib.suppress(Exception):
+                    await js.delete_stream(await js.find_stream_name_by_subject(subject))
+        finally:
+            await connection.close()

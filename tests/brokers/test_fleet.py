@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from oncely.brokers import open_producer
-from tests.brokers.common import Ledger, drop_store_table, require_postgres, unique
+from tests.brokers.common import (
+    Ledger,
+    drop_store_table,
+    remove_destinations,
+    require_postgres,
+    unique,
+)
 from tests.brokers.fleet import FleetConfig, run_fleet, worker
 from tests.chaos.harness import Processes
 from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
@@ -121,6 +127,7 @@ def config(broker: Broker, tmp_path: Path) -> Iterator[FleetConfig]:
     yield config
     ledger.drop()
     drop_store_table(config.store_table)
+    asyncio.run(remove_destinations(broker.url, config.source))
 
 
 async def _publish(broker: Broker, source: str, bodies: dict[str, dict[str, object]]) -> None:
