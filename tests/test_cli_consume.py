@@ -109,5 +109,8 @@ def test_consume_runs_a_handler_once_per_message_and_stops_on_sigterm(tmp_path: 
         "key_conflict": "dead_letter",
         "rejected": "dead_letter",
     }
-    assert sorted(effects.read_text().splitlines()) == ['{"order": 1}', '{"order": 2}']
+    # Each order's effect once. The two copies of o-2 differ and run concurrently, so either
+    # may win the claim; the other is the key_conflict.
+    applied = sorted(json.loads(line)["order"] for line in effects.read_text().splitlines())
+    assert applied == [1, 2]
     assert any("oncely consume stopped" in line["message"] for line in lines)
