@@ -38,7 +38,6 @@ __all__ = [
     "evalsha",
     "evalsha_many",
     "hget",
-    "hmget_many",
     "hsetnx",
     "is_client",
     "is_cluster",
@@ -313,16 +312,6 @@ async def hsetnx(client: Client, name: bytes, field: bytes, value: bytes) -> Non
 
 async def unlink(client: Client, name: bytes) -> bool:
     return bool(await client.delete(name))
-
-
-async def hmget_many(
-    client: Client, names: Sequence[bytes], fields: Sequence[bytes]
-) -> list[list[Any]]:
-    """``HMGET`` of ``fields`` for each of ``names``, in one pipeline."""
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hmget(name, fields)
-    return list(await pipe.execute())
 
 
 ScanPosition: TypeAlias = tuple[int, int]

@@ -37,7 +37,6 @@ __all__ = [
     "evalsha",
     "evalsha_many",
     "hget",
-    "hmget_many",
     "hsetnx",
     "is_client",
     "is_cluster",
@@ -310,14 +309,6 @@ def hsetnx(client: Client, name: bytes, field: bytes, value: bytes) -> None:
 
 def unlink(client: Client, name: bytes) -> bool:
     return bool(client.delete(name))
-
-
-def hmget_many(client: Client, names: Sequence[bytes], fields: Sequence[bytes]) -> list[list[Any]]:
-    """``HMGET`` of ``fields`` for each of ``names``, in one pipeline."""
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hmget(name, fields)
-    return list(pipe.execute())
 
 
 ScanPosition: TypeAlias = tuple[int, int]
