@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -19,6 +20,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
+from oncely._async._concurrency import AsyncHeartbeats
 from oncely._async.inbox import AsyncInbox
 from oncely._async.protocols import AsyncTransactionalStore
 from oncely._core.keys import Envelope, KeySource
@@ -170,6 +172,7 @@ class BrokerConsumer:
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
+        self._heartbeats = AsyncHeartbeats()
 
     # ------------------------------------------------------------------ running
 
@@ -259,16 +262,31 @@ class BrokerConsumer:
     # ------------------------------------------------------------------ one message
 
     async def _one(self, delivery: Delivery) -> None:
-        beat = None
-        every = self.transport.extend_every
-        if every is not None:
-            beat = asyncio.create_task(self._extend(delivery, every.total_seconds()))
         try:
-            handled = await self._process(delivery)
+            handled = await self._outcome(delivery)
+            if handled is not None:
+                await self._settle(delivery, handled)
+        finally:
+            self._slots.release()
+
+    async def _outcome(self, delivery: Delivery) -> Handled[Any] | None:
+        """The delivery's outcome, kept alive on the broker while it is computed; ``None``
+        when it could not be computed (the delivery was given back)."""
+        ticket = None
+        every = self.transport.extend_every
+        if every is not None:  # a timer per delivery; a task only when an extension is due
+            ticket = self._heartbeats.start(
+                functools.partial(self._extend, delivery), every.total_seconds()
+            )
+        try:
+            try:
+                return await self._process(delivery)
+            finally:
+                if ticket is not None:
+                    await ticket.stop()
         except asyncio.CancelledError:
             # Shutdown past the grace period: the inbox released the claim; give it back.
             await self._settle_quietly(delivery.retry(timedelta(0)), delivery, "retry")
-            self._slots.release()
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += 1
@@ -285,23 +303,13 @@ class BrokerConsumer:
                 delivery,
                 "retry",
             )
-            self._slots.release()
-            return
-        finally:
-            if beat is not None:
-                beat.cancel()
-        try:
-            await self._settle(delivery, handled)
-        finally:
-            self._slots.release()
+            return None
 
-    async def _extend(self, delivery: Delivery, every: float) -> None:
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await delivery.extend()
-            except Exception as exc:
-                self._log.warning("oncely could not extend a delivery's ack wait: %s", exc)
+    async def _extend(self, delivery: Delivery) -> None:
+        try:
+            await delivery.extend()
+        except Exception as exc:
+            self._log.warning("oncely could not extend a delivery's ack wait: %s", exc)
 
     async def _process(self, delivery: Delivery) -> Handled[Any]:
         envelope = delivery.envelope
