@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
-from oncely._dialects.redis import Script
+from oncely._dialects.redis_lua import Script
 from oncely._drivers.redis import POOL_ARGS, RedisOptions, pack_evalsha
 
 __all__ = [
