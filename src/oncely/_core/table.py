@@ -27,7 +27,7 @@ from oncely._core.state import (
 )
 from oncely.errors import LeaseLost
 
-__all__ = ["RecordTable", "lease_lost"]
+__all__ = ["RecordTable", "lease_lost", "unfenced"]
 
 
 def lease_lost(op: str, consumer: str, key: str, lost: Lost) -> LeaseLost:
@@ -41,6 +41,18 @@ def lease_lost(op: str, consumer: str, key: str, lost: Lost) -> LeaseLost:
             f"claim (attempt {current.attempt}); nothing was changed"
         )
     return LeaseLost(text, current)
+
+
+def unfenced(
+    op: str, consumer: str, key: str, token: str, done: Status | None, current: Record | None
+) -> Record:
+    """The answer to a fenced ``op`` by ``token`` whose write matched no row (stores that run
+    the fence in SQL), given the ``current`` live record: that record when the same write
+    landed before (same token, status ``done``: a retry is idempotent), else raise
+    :class:`LeaseLost`."""
+    if current is not None and current.token == token and current.status is done:
+        return current
+    raise lease_lost(op, consumer, key, Lost(current))
 
 
 class RecordTable:

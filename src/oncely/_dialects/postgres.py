@@ -1,4 +1,4 @@
-"""PostgreSQL: the schema and every statement of the store contract, as text, plus the row parser.
+"""PostgreSQL: the schema and every statement of the store contract, as text.
 
 How a claim works
 =================
@@ -33,17 +33,18 @@ it, so ``Claim.now_ms`` is the time the decision was made with. ``now()`` would 
 the caller's transaction, possibly long ago: leases would be short by that much.
 
 Statements are ``bytes``: psycopg takes them as already encoded SQL (the text is built once from
-checked identifiers, never from values), and its type hints reject non-literal ``str``.
+checked identifiers, never from values), and its type hints reject non-literal ``str``. Rows are
+parsed as SQLite's are (:mod:`oncely._dialects.shared`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
-from oncely._core.records import Record, Status
 from oncely._dialects.identifiers import check_identifier
+from oncely._dialects.shared import PlainRows, parse_record
 
 __all__ = ["SCHEMA_VERSION", "PostgresDialect", "parse_record", "text_array"]
 
@@ -73,27 +74,6 @@ _NOW: Final = (
 # When the current transaction started, in microseconds: the same for every statement of one
 # transaction, different for the next one on the same connection (read without writing).
 _TX_STARTED: Final = "(extract(epoch FROM transaction_timestamp()) * 1000000)::bigint"
-
-_STATUS = {s.value: s for s in Status}
-
-
-def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
-    """A record from a row of ``_COLUMNS`` (in that order)."""
-    result = row[8]
-    return Record(
-        consumer=consumer,
-        key=key,
-        status=_STATUS[row[0]],
-        fingerprint=row[1],
-        token=row[2],
-        attempt=row[3],
-        created_ms=row[4],
-        updated_ms=row[5],
-        lease_until_ms=row[6],
-        expires_ms=row[7],
-        result=bytes(result) if result is not None else None,
-        error=row[9],
-    )
 
 
 def text_array(values: Sequence[str | None]) -> str:
@@ -141,7 +121,7 @@ def _claim(t: str, extra: str) -> str:
                 AND NOT EXISTS (SELECT FROM ins)"""
 
 
-class PostgresDialect:
+class PostgresDialect(PlainRows[bytes]):
     """Every statement for one inbox table in one schema, built once."""
 
     __slots__ = (

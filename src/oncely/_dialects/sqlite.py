@@ -1,4 +1,4 @@
-"""SQLite: the schema and every statement of the store contract, as text, plus the row parser.
+"""SQLite: the schema and every statement of the store contract, as text.
 
 A claim is one ``INSERT ... ON CONFLICT DO NOTHING`` for a new key (the unique primary key makes
 the database the arbiter, R8, R9); only when the key exists does it read the winner, and only
@@ -7,16 +7,16 @@ compare-and-set on the token it read. The rules are those of :mod:`oncely._core.
 written in SQL.
 
 Times are integer epoch milliseconds passed in as ``:now`` from the store's clock, so one
-statement never reads the clock twice and tests can drive time.
+statement never reads the clock twice and tests can drive time. Rows are parsed as
+PostgreSQL's are (:mod:`oncely._dialects.shared`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
-from oncely._core.records import Record, Status
 from oncely._dialects.identifiers import check_identifier
+from oncely._dialects.shared import PlainRows, parse_record
 
 __all__ = ["SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
 
@@ -27,36 +27,14 @@ _COLUMNS: Final = (
     "result, error"
 )
 
-_STATUS = {s.value: s for s in Status}
 
-
-def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
-    """A record from a row of ``_COLUMNS``."""
-    result = row[8]
-    return Record(
-        consumer=consumer,
-        key=key,
-        status=_STATUS[row[0]],
-        fingerprint=row[1],
-        token=row[2],
-        attempt=row[3],
-        created_ms=row[4],
-        updated_ms=row[5],
-        lease_until_ms=row[6],
-        expires_ms=row[7],
-        result=bytes(result) if result is not None else None,
-        error=row[9],
-    )
-
-
-class SQLiteDialect:
+class SQLiteDialect(PlainRows[str]):
     """Every statement for one inbox table, built once."""
 
     __slots__ = (
         "complete",
         "create",
         "current",
-        "expired_count",
         "fail",
         "forget",
         "get",
@@ -172,10 +150,9 @@ class SQLiteDialect:
             WHERE (consumer, key) > (:after_consumer, :after_key) AND expires_ms <= :now
             ORDER BY consumer, key
             LIMIT :limit"""
-        self.stats = (
-            f"SELECT consumer, status, count(*) FROM {t} WHERE {live} GROUP BY consumer, status"
-        )
-        self.expired_count = f"SELECT count(*) FROM {t} WHERE expires_ms <= :now"
+        # One pass over the table: live and expired counts per (consumer, status).
+        self.stats = f"""SELECT consumer, status, SUM({live}), SUM(NOT ({live}))
+            FROM {t} GROUP BY consumer, status"""
         self.scan = f"""SELECT consumer, key, {_COLUMNS} FROM {t}
             WHERE {live}
                 AND (:consumer IS NULL OR consumer = :consumer)

@@ -7,49 +7,38 @@ upgrade to a writer and deadlock), a busy timeout for the single-writer lock, an
 ``INSERT ... ON CONFLICT ... RETURNING`` per claim (:mod:`oncely._dialects.sqlite`). Several
 processes may share the file on one host; a network file system is not supported (SQLite's
 locking does not hold there).
+
+This module holds the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. The rest of the transactional mode is in ``sqlite_tx``; connections,
+schema and maintenance in ``sqlite_base``; what every SQL store shares in ``sql_base``.
 """
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from types import TracebackType
-from typing import Any, Self
+from collections.abc import Sequence
+from typing import Any
 
-from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import (
     Claim,
     ClaimRequest,
     ClaimStatus,
     Record,
     Status,
-    StoreStats,
     new_claim,
     new_record,
 )
 from oncely._core.state import Lost, fingerprints_agree
-from oncely._core.table import lease_lost
-from oncely._dialects.params import scan_params
-from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect, parse_record
-from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
-from oncely._sync._sqlite_io import Params, Pool, close, connect, fetchall
-from oncely.errors import (
-    SchemaMissing,
-    SchemaTooNew,
-    StoreError,
-    StoreUnavailable,
-    TransactionRequired,
-)
+from oncely._core.table import lease_lost, unfenced
+from oncely._dialects.sqlite import parse_record
+from oncely._drivers.sqlite import translate
+from oncely._sync.sqlite_tx import SQLiteTransactions
+from oncely.errors import StoreUnavailable
 
 __all__ = ["SQLiteStore"]
 
-_STATUS = {s.value: s for s in Status}
 
-
-class SQLiteStore:
+class SQLiteStore(SQLiteTransactions):
     """A dedup store in a SQLite database file (transactional and two-phase modes).
 
     ``path`` is a file path, ``":memory:"`` (one connection; for tests) or a ``file:`` URI.
@@ -62,153 +51,6 @@ class SQLiteStore:
     number of threads. After ``fork`` a child opens connections of its own; never fork in the
     middle of a transaction.
     """
-
-    supports_transactions = True
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        table: str = "oncely_inbox",
-        settings: SQLiteSettings | None = None,
-        pool_size: int = 4,
-        clock: Clock | None = None,
-        migrate: bool = True,
-    ) -> None:
-        self._path = os.fspath(path)
-        self._uri = self._path.startswith("file:")
-        self._memory = self._path == ":memory:"
-        self._dialect = SQLiteDialect(table)
-        self._settings = settings if settings is not None else SQLiteSettings()
-        self._clock: Clock = clock if clock is not None else SystemClock()
-        self._now = self._clock.now_ms
-        self._auto_migrate = migrate
-        size = 1 if self._memory else pool_size
-        if size < 1:
-            raise ValueError("pool_size must be at least 1")
-        self._pool = Pool(self._open, size)
-        self._ready_lock = threading.Lock()
-        self._ready = False
-        self._closed = False
-
-    @classmethod
-    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
-        """A store for a ``sqlite:///`` URL (see :func:`oncely.open`)."""
-        options = parse_url(url)
-        return cls(
-            options.path,
-            table=options.table,
-            settings=options.settings,
-            pool_size=options.pool_size,
-            clock=clock,
-            migrate=options.migrate,
-        )
-
-    @property
-    def url(self) -> str:
-        return f"sqlite:///{self._path}"
-
-    @property
-    def table(self) -> str:
-        return self._dialect.table
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._path!r}, table={self._dialect.table!r})"
-
-    # ------------------------------------------------------------------ connections
-
-    def _open(self) -> sqlite3.Connection:
-        try:
-            conn = connect(
-                self._path, timeout=self._settings.busy_timeout.total_seconds(), uri=self._uri
-            )
-            for pragma in self._settings.pragmas():
-                fetchall(conn, pragma)
-        except sqlite3.Error as exc:
-            raise translate(exc, f"opening {self._path}") from exc
-        return conn
-
-    def _prepare(self) -> None:
-        with self._ready_lock:
-            if self._ready:
-                return
-            conn = self._open()
-            try:
-                if not self._memory:
-                    self._wal(conn)
-                version = self._version(conn)
-                if version is None:
-                    if not self._auto_migrate:
-                        raise SchemaMissing(
-                            f"no oncely tables in {self._path} (table {self._dialect.table}); "
-                            "run `oncely migrate --store URL` or open the store with migrate=True"
-                        )
-                    self._create(conn)
-                elif version > SCHEMA_VERSION:
-                    raise SchemaTooNew(
-                        f"{self._path} holds oncely schema version {version}; this oncely "
-                        f"understands up to {SCHEMA_VERSION}: upgrade oncely"
-                    )
-                self._ready = True
-            finally:
-                self._pool.adopt(conn)
-
-    def _wal(self, conn: sqlite3.Connection) -> None:
-        try:
-            fetchall(conn, "PRAGMA journal_mode = WAL")
-        except sqlite3.Error as exc:
-            raise translate(exc, "switching to WAL") from exc
-
-    def _version(self, conn: sqlite3.Connection) -> int | None:
-        try:
-            rows = fetchall(conn, self._dialect.read_version)
-        except sqlite3.OperationalError as exc:
-            if "no such table" in str(exc).lower():
-                return None
-            raise translate(exc, "reading the schema version") from exc
-        except sqlite3.Error as exc:
-            raise translate(exc, "reading the schema version") from exc
-        return int(rows[0][0]) if rows else None
-
-    def _create(self, conn: sqlite3.Connection) -> None:
-        try:
-            fetchall(conn, "BEGIN IMMEDIATE")
-            try:
-                for statement in self._dialect.create:
-                    fetchall(conn, statement)
-                fetchall(conn, "COMMIT")
-            except BaseException:
-                fetchall(conn, "ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise translate(exc, "creating the schema") from exc
-
-    def _acquire(self) -> sqlite3.Connection:
-        if self._closed:
-            raise StoreError(f"{self!r} is closed")
-        if not self._ready:
-            self._prepare()
-        return self._pool.acquire()
-
-    def _release(self, conn: sqlite3.Connection) -> None:
-        """Return a connection, rolling back anything an interrupted operation left open."""
-        if not conn.in_transaction:
-            self._pool.release(conn)
-            return
-        discard = False
-        try:
-            self._pool.execute(conn, "ROLLBACK")
-        except sqlite3.Error:
-            discard = True
-        self._pool.release(conn, discard)
-
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
-        conn = self._acquire()
-        try:
-            yield conn
-        finally:
-            self._release(conn)
 
     # ------------------------------------------------------------------ the contract
 
@@ -423,10 +265,9 @@ class SQLiteStore:
             raise translate(exc, op) from exc
         finally:
             self._release(conn)
-        current = parse_record(consumer, key, rows[0]) if rows else None
-        if current is not None and current.token == token and current.status is done:
-            return current  # the same write landed before (a retry): idempotent
-        raise lease_lost(op, consumer, key, Lost(current))
+        return unfenced(
+            op, consumer, key, token, done, parse_record(consumer, key, rows[0]) if rows else None
+        )
 
     def complete(
         self,
@@ -470,142 +311,7 @@ class SQLiteStore:
             return False
         raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
-    def get(self, consumer: str, key: str) -> Record | None:
-        params = {"consumer": consumer, "key": key, "now": self._now()}
-        with self._connection() as conn:
-            try:
-                rows = self._pool.fetchall(conn, self._dialect.get, params)
-            except sqlite3.Error as exc:
-                raise translate(exc, "get") from exc
-        return parse_record(consumer, key, rows[0]) if rows else None
-
-    def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
-        if not 1 <= batch_size <= 10_000:
-            raise ValueError("batch_size must be between 1 and 10000")
-        deleted = 0
-        batches = 0
-        after = ("", "")
-        while max_batches is None or batches < max_batches:
-            now = self._now()
-            params = {
-                "now": now,
-                "limit": batch_size,
-                "after_consumer": after[0],
-                "after_key": after[1],
-            }
-            with self._connection() as conn:
-                try:
-                    found = self._pool.fetchall(conn, self._dialect.purge_candidates, params)
-                    if not found:
-                        break
-                    flat: list[object] = [part for pair in found for part in pair]
-                    flat.append(now)
-                    rows = self._pool.fetchall(conn, self._dialect.purge_delete(len(found)), flat)
-                except sqlite3.Error as exc:
-                    raise translate(exc, "purge") from exc
-            deleted += len(rows)
-            batches += 1
-            after = (found[-1][0], found[-1][1])
-            if len(found) < batch_size:
-                break
-        return deleted
-
-    def stats(self) -> StoreStats:
-        now = self._now()
-        with self._connection() as conn:
-            try:
-                rows = self._pool.fetchall(conn, self._dialect.stats, {"now": now})
-                expired = self._pool.fetchall(conn, self._dialect.expired_count, {"now": now})
-            except sqlite3.Error as exc:
-                raise translate(exc, "stats") from exc
-        counts: dict[str, dict[Status, int]] = {}
-        for consumer, status, count in rows:
-            counts.setdefault(consumer, {})[_STATUS[status]] = count
-        return StoreStats(counts=counts, expired=expired[0][0])
-
-    def scan(
-        self,
-        *,
-        consumer: str | None = None,
-        status: Status | None = None,
-        after: tuple[str, str] | None = None,
-        limit: int = 100,
-    ) -> list[Record]:
-        params = scan_params(self._now(), consumer, status, after, limit)
-        with self._connection() as conn:
-            try:
-                rows = self._pool.fetchall(conn, self._dialect.scan, params)
-            except sqlite3.Error as exc:
-                raise translate(exc, "scan") from exc
-        return [parse_record(row[0], row[1], row[2:]) for row in rows]
-
-    def forget(self, consumer: str, key: str) -> bool:
-        with self._connection() as conn:
-            try:
-                rows = self._pool.fetchall(
-                    conn, self._dialect.forget, {"consumer": consumer, "key": key}
-                )
-            except sqlite3.Error as exc:
-                raise translate(exc, "forget") from exc
-        return bool(rows)
-
-    def migrate(self) -> int:
-        conn = self._open()
-        try:
-            if not self._memory:
-                self._wal(conn)
-            version = self._version(conn)
-            if version is not None and version > SCHEMA_VERSION:
-                raise SchemaTooNew(
-                    f"{self._path} holds oncely schema version {version}; this oncely "
-                    f"understands up to {SCHEMA_VERSION}: upgrade oncely"
-                )
-            self._create(conn)
-            self._ready = True
-        finally:
-            self._pool.adopt(conn)
-        return SCHEMA_VERSION
-
-    def schema_version(self) -> int | None:
-        """The schema version in the database, or None when there are no tables yet."""
-        conn = self._open()
-        try:
-            return self._version(conn)
-        finally:
-            close(conn)
-
-    def close(self) -> None:
-        self._closed = True
-        self._pool.close()
-
     # ------------------------------------------------------------ transactional mode (R7)
-
-    def transaction(self) -> _Transaction:
-        return _Transaction(self)
-
-    @contextmanager
-    def savepoint(self, tx: sqlite3.Connection) -> Iterator[None]:
-        self._run(tx, "SAVEPOINT oncely", (), "savepoint")
-        try:
-            yield
-        except BaseException:
-            self._run(tx, "ROLLBACK TO oncely", (), "rollback to savepoint")
-            self._run(tx, "RELEASE oncely", (), "release savepoint")
-            raise
-        self._run(tx, "RELEASE oncely", (), "release savepoint")
-
-    def _run(self, conn: sqlite3.Connection, sql: str, params: Params, op: str) -> None:
-        try:
-            self._pool.execute(conn, sql, params)
-        except sqlite3.Error as exc:
-            raise translate(exc, op) from exc
-
-    def check_transaction(self, tx: sqlite3.Connection) -> None:
-        if not tx.in_transaction:
-            raise TransactionRequired(
-                "the connection has no open transaction: run BEGIN (or BEGIN IMMEDIATE) first, "
-                "or call without tx= to let oncely open and commit one"
-            )
 
     def claim_in(
         self,
@@ -625,59 +331,3 @@ class SQLiteStore:
         return self._claim(
             tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
         )
-
-    def set_result_in(
-        self, tx: sqlite3.Connection, consumer: str, key: str, *, token: str, result: bytes | None
-    ) -> None:
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
-        self._run(tx, self._dialect.set_result, params, "storing the result")
-
-
-class _Transaction:
-    """``async with store.transaction() as tx``: BEGIN IMMEDIATE on a pooled connection;
-    COMMIT when the block ends, ROLLBACK when it raises. A class, not a generator: it is on
-    the hot path of every transactional message."""
-
-    __slots__ = ("_conn", "_store")
-
-    def __init__(self, store: SQLiteStore) -> None:
-        self._store = store
-        self._conn: sqlite3.Connection | None = None
-
-    def __enter__(self) -> sqlite3.Connection:
-        store = self._store
-        # _acquire's checks written inline for the common case (a ready, open store).
-        ready = store._ready and not store._closed
-        conn = store._pool.acquire() if ready else store._acquire()
-        try:
-            store._pool.execute(conn, "BEGIN IMMEDIATE")
-        except BaseException as exc:
-            store._release(conn)
-            if isinstance(exc, sqlite3.Error):
-                raise translate(exc, "begin") from exc
-            raise
-        self._conn = conn
-        return conn
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        conn = self._conn
-        assert conn is not None
-        self._conn = None
-        store = self._store
-        if exc_type is None:
-            try:
-                store._pool.execute(conn, "COMMIT")
-            except BaseException as error:
-                store._release(conn)  # rolls back whatever is still open
-                if isinstance(error, sqlite3.Error):
-                    raise translate(error, "commit") from error
-                raise
-            if not conn.in_transaction:  # committed: nothing to roll back (the common case)
-                store._pool.release(conn)
-                return
-        store._release(conn)  # rolls back whatever is still open
