@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import oncely
 from oncely import Outcome
-from oncely._async.inbox import _new_token
+from oncely._async.inbox_base import new_token
 from oncely._core.fingerprint import canonical_json, fingerprint
 from oncely._core.observe import Observer
 from oncely._core.outcomes import Handled, new_handled
@@ -214,11 +214,11 @@ def test_a_circular_dict_is_refused_not_looped_on() -> None:
 
 
 def _token_in_child(queue: Any) -> None:
-    queue.put(_new_token())
+    queue.put(new_token())
 
 
 def test_r10_fencing_tokens_are_unique_fixed_width_and_redrawn_in_a_forked_child() -> None:
-    tokens = [_new_token() for _ in range(1000)]
+    tokens = [new_token() for _ in range(1000)]
     assert len(set(tokens)) == len(tokens)
     assert all(len(t) == 32 and int(t, 16) >= 0 and t == t.lower() for t in tokens)
     # One process: one random prefix, then the counter, zero-padded to 16 hex digits.
