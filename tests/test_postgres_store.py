@@ -762,9 +762,9 @@ def test_r7_a_claim_failing_after_its_savepoint_leaves_the_caller_transaction_us
 
 
 def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) -> None:
-    """At most _OPEN_SAVEPOINTS of them stay open in one transaction; past that each message
+    """At most OPEN_SAVEPOINTS of them stay open in one transaction; past that each message
     releases its own. A new transaction on the same connection starts the count again."""
-    from oncely._sync.postgres import _OPEN_SAVEPOINTS
+    from oncely._sync.postgres_tx import OPEN_SAVEPOINTS
 
     store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
     ledger = _ledger(table)
@@ -777,7 +777,7 @@ def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) 
             mine.prepare_threshold = None
             tags: list[str] = []
             with _traced(mine, tags) as first, mine.transaction():
-                for i in range(_OPEN_SAVEPOINTS + extra):
+                for i in range(OPEN_SAVEPOINTS + extra):
                     inbox.handle_in_transaction(f"a{i}", 1, _handler(ledger, "a"), tx=mine)
                 failed = inbox.handle_in_transaction(
                     "bad", 1, _handler(ledger, "bad", fails=True), tx=mine
@@ -786,7 +786,7 @@ def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) 
             # the failing message is rolled back to its savepoint, which is then released too
             assert tags.count("RELEASE") == extra + 1
             assert tags.count("ROLLBACK") == 1
-            assert tags.count("SAVEPOINT") == _OPEN_SAVEPOINTS + extra + 1
+            assert tags.count("SAVEPOINT") == OPEN_SAVEPOINTS + extra + 1
             tags.clear()
             with _traced(mine, tags) as second, mine.transaction():
                 for i in range(3):
@@ -794,11 +794,11 @@ def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) 
             assert tags.count("SAVEPOINT") == 3 and "RELEASE" not in tags
             # BEGIN, COMMIT, and per message: the SAVEPOINT with the claim, the handler's write
             assert second["round_trips"] == 2 + 3 * 2
-            messages = _OPEN_SAVEPOINTS + extra
+            messages = OPEN_SAVEPOINTS + extra
             assert first["round_trips"] == 2 + messages * 2 + extra + 4  # + the failing one
     finally:
         store.close()
-    assert _ledger_counts(ledger) == Counter({"a": _OPEN_SAVEPOINTS + extra, "b": 3})
+    assert _ledger_counts(ledger) == Counter({"a": OPEN_SAVEPOINTS + extra, "b": 3})
 
 
 async def test_r7_async_joined_claim_adds_one_round_trip(table: str) -> None:

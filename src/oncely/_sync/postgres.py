@@ -10,71 +10,34 @@ server's ``clock_timestamp()``, never the worker's, unless the store is given a 
 Joined to a caller's transaction, the savepoint around a message costs no round trip of its
 own: its ``SAVEPOINT`` is pipelined with the claim, and it is not released (see
 :meth:`PostgresStore.savepoint`).
+
+This module holds the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. The rest of the transactional mode is in ``postgres_tx``; connections,
+schema and maintenance in ``postgres_base``; what every SQL store shares in ``sql_base``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import timedelta
-from types import TracebackType
-from typing import Any, Self
+from collections.abc import Sequence
+from typing import Any
 
 import psycopg
-from psycopg import pq
 
-from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely._core.state import Lost, fingerprints_agree
-from oncely._core.table import lease_lost
-from oncely._dialects.params import scan_params
-from oncely._dialects.postgres import SCHEMA_VERSION, PostgresDialect, parse_record, text_array
-from oncely._drivers.postgres import describe, is_disconnect, parse_url, translate
-from oncely._sync._postgres_io import (
-    Connection,
-    ConnPool,
-    connect,
-    execute,
-    fetchall,
-    fetchall_after,
-    is_connection,
-    is_pool,
-    make_pool,
-    open_pool,
-    recheck_soon,
-)
-from oncely.errors import (
-    ConfigurationError,
-    SchemaMissing,
-    SchemaTooNew,
-    StoreError,
-    StoreUnavailable,
-    TransactionRequired,
-)
+from oncely._core.table import lease_lost, unfenced
+from oncely._dialects.postgres import parse_record, text_array
+from oncely._sync._postgres_io import Connection, fetchall, fetchall_after
+from oncely._sync.postgres_tx import JOINED, PostgresTransactions, Savepoint
+from oncely.errors import StoreError, StoreUnavailable
 
 __all__ = ["PostgresStore"]
 
-_STATUS = {s.value: s for s in Status}
-_TX = pq.TransactionStatus
 # How often one claim looks again after a concurrent writer changed the record under it.
 _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
-# At most this many of oncely's savepoints are left open in one caller transaction (each is
-# a subtransaction the server keeps until the transaction ends: about 10 KiB of its memory,
-# and one more level that parts of it walk); past that, each is released at the end of its
-# block, one more round trip.
-_OPEN_SAVEPOINTS = 100
-
-
-def _server_time() -> None:
-    """No fixed time: the statement reads the server's clock."""
-    return None
 
 
 def _claimable(current: Record, now: int, fingerprint: str | None, takeover: bool) -> bool:
@@ -92,7 +55,7 @@ def _check_size(consumer: str, key: str) -> None:
         )
 
 
-class PostgresStore:
+class PostgresStore(PostgresTransactions):
     """A dedup store in a PostgreSQL table (transactional and two-phase modes).
 
     ``conninfo`` is a libpq connection string (``postgresql://user:password@host/db`` or
@@ -112,212 +75,6 @@ class PostgresStore:
     The threaded variant may be shared by any number of threads. After ``fork`` a child opens
     a pool of its own (never fork in the middle of a transaction).
     """
-
-    supports_transactions = True
-
-    def __init__(
-        self,
-        conninfo: str | ConnPool,
-        *,
-        schema: str = "public",
-        table: str = "oncely_inbox",
-        pool_min: int = 1,
-        pool_max: int = 10,
-        connect_timeout: timedelta = timedelta(seconds=10),
-        clock: Clock | None = None,
-        migrate: bool = True,
-    ) -> None:
-        self._dialect = PostgresDialect(schema, table)
-        if isinstance(conninfo, str):
-            self._conninfo = conninfo
-            self._given_pool: ConnPool | None = None
-            where = describe(conninfo)
-        elif is_pool(conninfo):
-            self._conninfo = ""
-            self._given_pool = conninfo
-            where = describe(conninfo.conninfo) if isinstance(conninfo.conninfo, str) else ""
-        else:
-            raise ConfigurationError(
-                f"{type(self).__name__} takes a connection string or a psycopg_pool "
-                f"pool of its kind, not {type(conninfo).__name__}"
-            )
-        if pool_min < 0 or pool_max < 1 or pool_min > pool_max:
-            raise ConfigurationError("need 0 <= pool_min <= pool_max and pool_max >= 1")
-        self._where = where or "PostgreSQL"
-        self._url = where
-        self._pool_min = pool_min
-        self._pool_max = pool_max
-        self._connect_timeout = connect_timeout
-        self._now: Callable[[], int | None] = clock.now_ms if clock is not None else _server_time
-        self._auto_migrate = migrate
-        self._pool: ConnPool | None = self._given_pool
-        self._pid = os.getpid()
-        # Connections of a caller's pool in autocommit=False mode, switched for oncely's use.
-        self._restore: set[int] = set()
-        self._ready_lock = threading.Lock()
-        self._ready = False
-        self._closed = False
-
-    @classmethod
-    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
-        """A store for a ``postgresql://`` or ``postgres://`` URL (see :func:`oncely.open`)."""
-        options = parse_url(url)
-        store = cls(
-            options.conninfo,
-            schema=options.schema,
-            table=options.table,
-            pool_min=options.pool_min,
-            pool_max=options.pool_max,
-            connect_timeout=options.connect_timeout,
-            clock=clock,
-            migrate=options.migrate,
-        )
-        store._url = describe(url)  # with oncely's options, as given
-        return store
-
-    @property
-    def url(self) -> str:
-        return self._url
-
-    @property
-    def table(self) -> str:
-        """The inbox table as ``schema.table``."""
-        return f"{self._dialect.schema}.{self._dialect.table}"
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._url!r}, table={self.table!r})"
-
-    # ------------------------------------------------------------------ connections
-
-    def _error(self, exc: psycopg.Error, doing: str) -> StoreError:
-        if is_disconnect(exc) and self._pool is not None:
-            recheck_soon(self._pool)
-        return translate(exc, doing, self._where)
-
-    @contextmanager
-    def _admin(self) -> Iterator[Connection]:
-        """A connection for schema work: the caller's pool, or a direct connection whose
-        errors say why the server refused (a pool would only time out)."""
-        if self._given_pool is not None:
-            conn = self._checkout(self._given_pool)
-            try:
-                yield conn
-            finally:
-                self._checkin(self._given_pool, conn)
-            return
-        conn = connect(self._conninfo, connect_timeout=self._connect_timeout)
-        try:
-            yield conn
-        finally:
-            conn.close()
-
-    def _prepare(self) -> None:
-        with self._ready_lock:
-            if self._closed:
-                raise StoreError(f"{self._url}: the store is closed")
-            if not self._ready:
-                try:
-                    with self._admin() as conn:
-                        version = self._version(conn)
-                        if version is None:
-                            if not self._auto_migrate:
-                                raise SchemaMissing(
-                                    f"no oncely table {self.table} in {self._where}; run "
-                                    "`oncely migrate --store URL` or open the store with "
-                                    "migrate=True"
-                                )
-                            self._create(conn)
-                        elif version > SCHEMA_VERSION:
-                            raise self._too_new(version)
-                except psycopg.Error as exc:
-                    raise self._error(exc, "opening the store") from exc
-                self._ready = True
-            forked, self._pid = self._pid != os.getpid(), os.getpid()
-            if self._given_pool is None and (self._pool is None or forked):
-                # A forked child never touches its parent's connections (they share sockets
-                # with the parent); psycopg does not close them when they are collected.
-                self._pool = make_pool(
-                    self._conninfo,
-                    min_size=self._pool_min,
-                    max_size=self._pool_max,
-                    connect_timeout=self._connect_timeout,
-                )
-                open_pool(self._pool)
-
-    def _too_new(self, version: int) -> SchemaTooNew:
-        return SchemaTooNew(
-            f"{self.table} in {self._where} holds oncely schema version {version}; this "
-            f"oncely understands up to {SCHEMA_VERSION}: upgrade oncely"
-        )
-
-    def _version(self, conn: Connection) -> int | None:
-        d = self._dialect
-        table, meta, _ = (fetchall(conn, d.regclass, d.names))[0]
-        rows = fetchall(conn, d.read_version) if meta else []
-        return int(rows[0][0]) if rows and table else None
-
-    def _create(self, conn: Connection) -> None:
-        """Create the tables under an advisory lock, so that processes migrating at the same
-        moment take turns; the second finds the work done."""
-        d = self._dialect
-        with conn.transaction():
-            execute(conn, b"SELECT pg_advisory_xact_lock(%(key)s)", {"key": d.lock_key})
-            schema_exists = (fetchall(conn, d.regclass, d.names))[0][2]
-            # CREATE SCHEMA IF NOT EXISTS needs the CREATE privilege on the database even when
-            # the schema exists: only ask for it when the schema is really missing.
-            for statement in d.create[1:] if schema_exists else d.create:
-                execute(conn, statement)
-
-    def _acquire(self, doing: str) -> Connection:
-        if not self._ready or self._pool is None or self._pid != os.getpid():
-            self._prepare()
-        pool = self._pool
-        assert pool is not None
-        try:
-            return self._checkout(pool)
-        except psycopg.Error as exc:
-            raise self._error(exc, doing) from exc
-
-    def _release(self, conn: Connection) -> None:
-        pool = self._pool
-        if pool is not None:
-            self._checkin(pool, conn)
-
-    def _checkout(self, pool: ConnPool) -> Connection:
-        conn: Connection = pool.getconn()
-        if not conn.autocommit:  # a caller's pool: oncely's statements commit on their own
-            try:
-                conn.set_autocommit(True)
-            except BaseException:
-                pool.putconn(conn)
-                raise
-            self._restore.add(id(conn))
-        return conn
-
-    def _checkin(self, pool: ConnPool, conn: Connection) -> None:
-        if self._restore and id(conn) in self._restore:
-            self._restore.discard(id(conn))
-            if conn.info.transaction_status == _TX.IDLE:
-                # A broken connection cannot switch back: the pool discards it anyway.
-                with contextlib.suppress(psycopg.Error):
-                    conn.set_autocommit(False)
-        pool.putconn(conn)  # rolls back anything left open, drops it if broken
-
-    @contextmanager
-    def _connection(self, doing: str) -> Iterator[Connection]:
-        conn = self._acquire(doing)
-        try:
-            yield conn
-        finally:
-            self._release(conn)
-
-    def _rows(self, doing: str, sql: bytes, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """One statement on a pooled connection (one round trip)."""
-        with self._connection(doing) as conn:
-            try:
-                return fetchall(conn, sql, params)
-            except psycopg.Error as exc:
-                raise self._error(exc, doing) from exc
 
     # ------------------------------------------------------------------ the contract
 
@@ -415,7 +172,7 @@ class PostgresStore:
         takeover: bool,
         initial: Status,
         error: str | None,
-        savepoint: _Savepoint | None = None,
+        savepoint: Savepoint | None = None,
     ) -> Claim:
         """One claim on ``conn``. With ``savepoint`` (set by :meth:`savepoint`, not yet on
         the server), its ``SAVEPOINT`` goes out with the first statement, in one round trip."""
@@ -524,10 +281,9 @@ class PostgresStore:
                 rows = fetchall(conn, self._dialect.get, params)
             except psycopg.Error as exc:
                 raise self._error(exc, op) from exc
-        current = parse_record(consumer, key, rows[0]) if rows else None
-        if current is not None and current.token == token and current.status is done:
-            return current  # the same write landed before (a retry): idempotent
-        raise lease_lost(op, consumer, key, Lost(current))
+        return unfenced(
+            op, consumer, key, token, done, parse_record(consumer, key, rows[0]) if rows else None
+        )
 
     def complete(
         self,
@@ -566,185 +322,7 @@ class PostgresStore:
             return False
         raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
-    def get(self, consumer: str, key: str) -> Record | None:
-        params = {"now": self._now(), "consumer": consumer, "key": key}
-        rows = self._rows("get", self._dialect.get, params)
-        return parse_record(consumer, key, rows[0]) if rows else None
-
-    def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
-        if not 1 <= batch_size <= 10_000:
-            raise ValueError("batch_size must be between 1 and 10000")
-        deleted = 0
-        batches = 0
-        after = ("", "")
-        while max_batches is None or batches < max_batches:
-            params = {
-                "now": self._now(),
-                "limit": batch_size,
-                "after_consumer": after[0],
-                "after_key": after[1],
-            }
-            rows = self._rows("purge", self._dialect.purge, params)
-            if not rows:
-                break
-            count, last_consumer, last_key = rows[0]
-            deleted += count
-            batches += 1
-            after = (last_consumer, last_key)
-            if count < batch_size:
-                break
-        return deleted
-
-    def stats(self) -> StoreStats:
-        rows = self._rows("stats", self._dialect.stats, {"now": self._now()})
-        counts: dict[str, dict[Status, int]] = {}
-        expired = 0
-        for consumer, status, live, dead in rows:
-            if live:
-                counts.setdefault(consumer, {})[_STATUS[status]] = live
-            expired += dead
-        return StoreStats(counts=counts, expired=expired)
-
-    def scan(
-        self,
-        *,
-        consumer: str | None = None,
-        status: Status | None = None,
-        after: tuple[str, str] | None = None,
-        limit: int = 100,
-    ) -> list[Record]:
-        params = scan_params(self._now(), consumer, status, after, limit)
-        rows = self._rows("scan", self._dialect.scan, params)
-        return [parse_record(row[0], row[1], row[2:]) for row in rows]
-
-    def forget(self, consumer: str, key: str) -> bool:
-        rows = self._rows("forget", self._dialect.forget, {"consumer": consumer, "key": key})
-        return bool(rows)
-
-    def migrate(self) -> int:
-        if self._closed:
-            raise StoreError(f"{self._url}: the store is closed")
-        try:
-            with self._admin() as conn:
-                version = self._version(conn)
-                if version is not None and version > SCHEMA_VERSION:
-                    raise self._too_new(version)
-                if version != SCHEMA_VERSION:
-                    self._create(conn)
-        except psycopg.Error as exc:
-            raise self._error(exc, "migrate") from exc
-        self._ready = True
-        return SCHEMA_VERSION
-
-    def schema_version(self) -> int | None:
-        """The schema version in the database, or None when there are no tables yet."""
-        try:
-            with self._admin() as conn:
-                return self._version(conn)
-        except psycopg.Error as exc:
-            raise self._error(exc, "reading the schema version") from exc
-
-    def close(self) -> None:
-        self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None and self._given_pool is None and self._pid == os.getpid():
-            pool.close()
-
     # ------------------------------------------------------------ transactional mode (R7)
-
-    def transaction(self) -> _Transaction:
-        return _Transaction(self)
-
-    @contextmanager
-    def savepoint(self, tx: Connection) -> Iterator[None]:
-        """A savepoint around the store's work in ``tx``, at no extra round trip when the
-        block succeeds.
-
-        Nothing is sent on entry: the ``SAVEPOINT`` goes out in one round trip with the
-        first statement the store runs inside the block (the claim of :meth:`claim_in`,
-        pipelined), so a block in which the store runs nothing sets none. When the block
-        raises, the transaction is rolled back to it (one round trip). Either way it is then
-        left open, not released: the enclosing transaction (or savepoint) takes its work over
-        when it ends, exactly as a RELEASE would have, and no round trip is spent.
-
-        ``ROLLBACK TO`` names the most recent savepoint of a name, and one left open may
-        still be there: a savepoint is named after the number of oncely's blocks open on
-        ``tx`` around it, so none created while it is open has its name, and a rollback to it
-        (which also drops every savepoint opened inside it) finds it. The names being few,
-        psycopg's statement cache does not churn (and it clears its prepared statements only
-        the first time it sees a rollback text). At most ``_OPEN_SAVEPOINTS`` are left open
-        per caller transaction (told apart by their start time); past that each is released
-        as its block ends.
-        """
-        joined = _joined(tx)
-        if joined.pending is not None:  # an enclosing block has sent nothing yet: set it first
-            self._establish(tx, joined)
-        depth = joined.depth
-        point = _Savepoint(depth)
-        joined.pending = point
-        joined.depth = depth + 1
-        try:
-            yield
-        except BaseException:
-            if joined.pending is point:
-                joined.pending = None  # never set: the store did nothing to undo
-            elif point.set:
-                self._run(tx, b"ROLLBACK TO SAVEPOINT " + point.name, "rollback to savepoint")
-                joined.kept = min(joined.kept, point.base)  # those opened inside it are gone
-                self._leave(tx, joined, point)
-            raise
-        else:
-            if joined.pending is point:
-                joined.pending = None
-            elif point.set:
-                self._leave(tx, joined, point)
-        finally:
-            joined.depth = depth
-
-    def _leave(self, tx: Connection, joined: _Joined, point: _Savepoint) -> None:
-        """Leave a savepoint open at the end of its block, or release it past the bound."""
-        if joined.kept < _OPEN_SAVEPOINTS:
-            joined.kept += 1
-        else:
-            self._run(tx, b"RELEASE SAVEPOINT " + point.name, "release savepoint")
-
-    def _establish(self, tx: Connection, joined: _Joined) -> None:
-        """Send the pending ``SAVEPOINT`` on its own (the store is about to run something
-        other than a claim in its block)."""
-        point = joined.pending
-        assert point is not None
-        joined.pending = None
-        self._run(tx, point.sql, "savepoint")
-        point.established()
-        point.base = joined.kept
-
-    def _run(self, tx: Connection, sql: bytes, op: str, params: Any = None) -> None:
-        try:
-            execute(tx, sql, params)
-        except psycopg.Error as exc:
-            raise self._error(exc, op) from exc
-
-    def check_transaction(self, tx: Connection) -> None:
-        if not is_connection(tx):
-            raise TransactionRequired(
-                f"{type(self).__name__} joins a psycopg connection of its kind (sync or "
-                f"asyncio), not {type(tx).__name__}"
-            )
-        status = tx.info.transaction_status
-        if status == _TX.INTRANS or (status == _TX.IDLE and not tx.autocommit):
-            return  # without autocommit, psycopg opens the transaction at the first statement
-        if status == _TX.INERROR:
-            raise TransactionRequired(
-                "the connection's transaction failed earlier (a statement raised): roll it back"
-            )
-        if status == _TX.UNKNOWN or tx.closed:
-            raise StoreUnavailable("the connection is closed or broken")
-        if status == _TX.ACTIVE:
-            raise TransactionRequired("a statement is still running on the connection")
-        raise TransactionRequired(
-            "the connection is in autocommit mode with no open transaction: open one with "
-            "`conn.transaction()`, or call without tx= to let oncely open and commit one"
-        )
 
     def claim_in(
         self,
@@ -761,7 +339,7 @@ class PostgresStore:
     ) -> Claim:
         if not self._ready:
             self._prepare()
-        joined = _JOINED.get(tx)
+        joined = JOINED.get(tx)
         point = joined.pending if joined is not None else None
         if joined is None or point is None:
             return self._claim(
@@ -778,102 +356,3 @@ class PostgresStore:
                 if point.stamp is not None and point.stamp != joined.stamp:
                     joined.stamp, joined.kept = point.stamp, 0  # a new transaction
                 point.base = joined.kept
-
-    def set_result_in(
-        self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
-    ) -> None:
-        joined = _JOINED.get(tx)
-        if joined is not None and joined.pending is not None:
-            self._establish(tx, joined)
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
-        self._run(tx, self._dialect.set_result, "storing the result", params)
-
-
-class _Transaction:
-    """``async with store.transaction() as tx``: a psycopg transaction block on a pooled
-    connection; committed when the block ends, rolled back when it raises. psycopg forbids
-    ``tx.commit()`` inside the block, so a handler cannot split the marker from its writes.
-    A class, not a generator: it is on the hot path of every transactional message."""
-
-    __slots__ = ("_block", "_conn", "_store")
-
-    def __init__(self, store: PostgresStore) -> None:
-        self._store = store
-        self._conn: Connection | None = None
-        self._block: Any = None
-
-    def __enter__(self) -> Connection:
-        conn = self._store._acquire("begin")
-        block = conn.transaction()
-        try:
-            block.__enter__()
-        except BaseException as exc:
-            self._store._release(conn)
-            if isinstance(exc, psycopg.Error):
-                raise self._store._error(exc, "begin") from exc
-            raise
-        self._conn, self._block = conn, block
-        return conn
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        conn, block = self._conn, self._block
-        assert conn is not None
-        self._conn = self._block = None
-        try:
-            try:
-                suppressed: bool | None = block.__exit__(exc_type, exc, tb)
-            except psycopg.Error as error:
-                if exc is None:
-                    raise self._store._error(error, "commit") from error
-                return None  # the block's own error wins; the pool drops a broken connection
-            return suppressed
-        finally:
-            self._store._release(conn)
-
-
-class _Savepoint:
-    """One block of :meth:`PostgresStore.savepoint`: its name, whether the server has
-    set it, when its transaction started (from the claim that set it), and how many of
-    oncely's savepoints were left open before it."""
-
-    __slots__ = ("base", "name", "set", "sql", "stamp")
-
-    def __init__(self, depth: int) -> None:
-        self.name = b"oncely_%d" % depth
-        self.sql = b"SAVEPOINT " + self.name
-        self.set = False
-        self.stamp: int | None = None
-        self.base = 0
-
-    def established(self) -> None:
-        self.set = True
-
-
-class _Joined:
-    """oncely's savepoints on one caller connection, whichever store set them: the one whose
-    ``SAVEPOINT`` waits for its block's first statement, how many blocks are open, and how
-    many savepoints are left open in the transaction that started at ``stamp``."""
-
-    __slots__ = ("depth", "kept", "pending", "stamp")
-
-    def __init__(self) -> None:
-        self.pending: _Savepoint | None = None
-        self.depth = 0
-        self.stamp: int | None = None
-        self.kept = 0
-
-
-# Per caller connection, shared by every store of the process: the names depend on it.
-_JOINED: weakref.WeakKeyDictionary[Connection, _Joined] = weakref.WeakKeyDictionary()
-
-
-def _joined(tx: Connection) -> _Joined:
-    joined = _JOINED.get(tx)
-    if joined is None:
-        joined = _JOINED[tx] = _Joined()
-    return joined
