@@ -1,0 +1,42 @@
+"""Checks every broker adapter makes the same way: its URL, its durations, a producer's
+message id."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from urllib.parse import urlunsplit
+
+from oncely._urls import redact, split
+from oncely.errors import ConfigurationError
+
+__all__ = ["positive", "require_message_id", "server_url"]
+
+
+def server_url(url: str, schemes: tuple[str, ...], broker: str) -> str:
+    """``url`` without its query and fragment (oncely's options, not the client's), after
+    checking that its scheme is one of ``schemes``. Raises
+    :class:`~oncely.ConfigurationError` naming the schemes ``broker`` accepts."""
+    parts = split(url)
+    if parts.scheme.lower() not in schemes:
+        raise ConfigurationError(
+            f"{redact(url)}: a {broker} URL starts with "
+            + " or ".join(f"{scheme}://" for scheme in schemes)
+        )
+    return urlunsplit(parts._replace(query="", fragment=""))
+
+
+def positive(value: timedelta, name: str) -> timedelta:
+    """``value``, or :class:`~oncely.ConfigurationError` when it is not above zero."""
+    if value <= timedelta(0):
+        raise ConfigurationError(f"{name} must be positive")
+    return value
+
+
+def require_message_id(message_id: str) -> str:
+    """A producer's message id, refused when empty: it is the consumers' dedup key (R2)."""
+    if not message_id:
+        raise ConfigurationError(
+            "publish needs the producer's message id (R2): create it once per logical "
+            "message (new_message_id()) and reuse it on every retry"
+        )
+    return message_id

@@ -1,0 +1,106 @@
+"""NATS JetStream: a durable pull consumer per group, a dead-letter stream, and a producer
+whose ``Nats-Msg-Id`` makes producer retries recognisable.
+
+::
+
+    import oncely
+    from oncely.brokers import BrokerConsumer, ConsumerSettings, open_producer, open_transport
+
+    producer = open_producer("nats://127.0.0.1:4222", "orders.created")
+    message_id = oncely.brokers.new_message_id()  # once per logical message, reused on retries
+    await producer.publish(b'{"order": 42}', message_id=message_id)
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
+    transport = open_transport("nats://127.0.0.1:4222", "orders.created", group="billing")
+    await BrokerConsumer(transport, inbox, charge).run(handle_signals=True)
+
+What is declared
+    ``source`` is a subject. The stream that captures it is used; when none does, a file
+    stream named after the subject (``orders.created`` -> ``orders_created``, or ``stream=``)
+    is created with the subject as its only subject. ``group`` is the durable name of an
+    explicit-ack pull consumer on that stream filtered to ``source``; every process of the
+    group shares it and JetStream hands each message to one of them. The dead-letter
+    destination is a subject (default ``<source>.dead``) captured by a stream of its own
+    (created if missing, named after that subject or ``dead_letter_stream=``, with the server's
+    smallest duplicate window, 100 ms, so it keeps every copy). The main stream
+    must not capture the dead-letter subject, or dead-lettered copies would be delivered again:
+    the stream created here lists exactly ``source`` (no wildcard), so ``<source>.dead`` stays
+    outside it; a source with a wildcard needs an explicit ``dead_letter`` outside its pattern,
+    and an existing stream that captures the dead-letter subject is refused at :meth:`open`.
+
+What each outcome does
+    ``processed``, ``duplicate`` and ``stale_reclaimed`` are acknowledged (``+ACK``).
+    ``in_flight`` is given back with ``-NAK`` and a delay of ``requeue_delay``; ``failed`` with
+    ``-NAK`` and the backoff delay. ``key_conflict``, ``rejected`` and ``escalated`` are
+    published to the dead-letter subject (same body, the original headers including
+    ``Nats-Msg-Id``, plus ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer``,
+    ``x-oncely-deliveries``); once the dead-letter stream acknowledged the copy, the original
+    is terminated (``+TERM``, never redelivered). A crash in between dead-letters it twice,
+    never zero times. When the dead-letter stream's duplicate window already holds a copy with
+    that id (a stream created elsewhere with a long window), the copy is published again
+    without ``Nats-Msg-Id``, carrying the id in ``x-oncely-message-id``, so it is never
+    dropped. Every settlement is a request the server answers, so a settlement that returns
+    has reached the server; on a connection that is down it raises
+    :class:`~oncely.BrokerUnavailable` at once and the message comes back after ``ack_wait``.
+    A running handler's message is kept with ``+WPI`` (in progress) every ``ack_wait / 3``.
+
+Delivery limit
+    ``delivery_count`` is JetStream's ``num_delivered``. The consumer loop dead-letters a
+    message that failed on ``ConsumerSettings.max_deliveries`` deliveries. The stream
+    consumer's own ``max_deliver`` (default 20) is a safety net above that (R13): keep it
+    above ``max_deliveries`` with room for ``in_flight`` requeues, which count as deliveries
+    too. JetStream silently stops delivering a message at its ``max_deliver`` and leaves it
+    unacknowledged, so a give-back asked for on that last delivery dead-letters the message
+    instead (reason: the consumer's ``max_deliver`` was reached) rather than strand it.
+
+Keys
+    The producer's id is the ``Nats-Msg-Id`` header (``Envelope.message_id``); CloudEvents
+    ``ce-*`` headers are passed as headers for :class:`~oncely.CloudEventsKey`. The stream
+    and consumer sequences, the delivery count and the subject go to ``Envelope.transport``
+    only, where no key source reads them (R4).
+
+Duplicate window
+    :class:`JetStreamProducer` sets ``Nats-Msg-Id``, so the stream drops a producer retry
+    that arrives within its duplicate window (``duplicate_window``, server default two
+    minutes; R14, R23). That is a complement only: the window is time-bounded, and it never
+    sees redeliveries of a stored message. The inbox is what guarantees one effect.
+
+Connections
+    nats-py reconnects by itself (forever, every ``reconnect_wait``); while it is away,
+    :meth:`JetStream.fetch` raises :class:`~oncely.BrokerUnavailable` (a fetch that merely
+    found no message returns ``[]``), and after a reconnect the stream and consumer are
+    declared again before the next fetch, in case the server came back without them.
+
+URL options (``nats://user:password@host:4222?ack_wait=30``): ``stream``,
+``dead_letter_stream``, ``ack_wait``, ``max_deliver``, ``max_ack_pending``,
+``duplicate_window``, ``connect_timeout``, ``timeout`` (each settlement and publish),
+``reconnect_wait`` (durations in seconds). The producer reads ``stream``,
+``duplicate_window``, ``connect_timeout`` and ``timeout``.
+
+Tested (``tests/brokers/test_nats.py``, against a real nats-server): producer retries dropped
+by the window and, outside it, answered ``duplicate`` by the inbox; an ack wait shorter than
+the handler; two consumers receiving copies of one message at once; key conflicts, poison,
+undecodable and id-less messages read back from the dead-letter stream; retries up to the
+delivery limit; a server killed with SIGKILL and restarted mid-run; ``in_flight`` given back
+with a delay and not acknowledged; fetch and ack on a dropped connection. Each ends with every
+effect applied exactly once and nothing pending or unacknowledged on the consumer.
+"""
+
+from __future__ import annotations
+
+from oncely.brokers.nats._producer import JetStreamProducer
+from oncely.brokers.nats._settings import CONTENT_TYPE_HEADER as CONTENT_TYPE_HEADER
+from oncely.brokers.nats._settings import CORRELATION_HEADER as CORRELATION_HEADER
+from oncely.brokers.nats._settings import DEFAULT_ACK_WAIT as DEFAULT_ACK_WAIT
+from oncely.brokers.nats._settings import DEFAULT_CONNECT_TIMEOUT as DEFAULT_CONNECT_TIMEOUT
+from oncely.brokers.nats._settings import DEFAULT_MAX_DELIVER as DEFAULT_MAX_DELIVER
+from oncely.brokers.nats._settings import DEFAULT_RECONNECT_WAIT as DEFAULT_RECONNECT_WAIT
+from oncely.brokers.nats._settings import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from oncely.brokers.nats._settings import LOGGER as LOGGER
+from oncely.brokers.nats._settings import MESSAGE_ID_COPY_HEADER as MESSAGE_ID_COPY_HEADER
+from oncely.brokers.nats._settings import MSG_ID_HEADER as MSG_ID_HEADER
+from oncely.brokers.nats._settings import stream_name_for as stream_name_for
+from oncely.brokers.nats._settings import subject_matches as subject_matches
+from oncely.brokers.nats._transport import JetStream
+
+__all__ = ["JetStream", "JetStreamProducer"]

@@ -1,0 +1,107 @@
+"""One JetStream delivery: a message held unacknowledged by the durable pull consumer, settled
+with a request the server answers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+
+from oncely._core.keys import Envelope
+from oncely.brokers._shape import DeadLetter
+from oncely.brokers.nats._settings import (
+    CONTENT_TYPE_HEADER,
+    CORRELATION_HEADER,
+    LOGGER,
+    MSG_ID_HEADER,
+)
+from oncely.errors import BrokerError
+
+if TYPE_CHECKING:
+    from oncely.brokers.nats._transport import JetStream
+
+
+class JetStreamDelivery:
+    """One JetStream message held unacknowledged by the durable pull consumer."""
+
+    __slots__ = ("_count", "_envelope", "_msg", "_settled", "_transport")
+
+    def __init__(self, transport: JetStream, msg: Msg) -> None:
+        self._transport = transport
+        self._msg = msg
+        self._settled = False
+        meta = msg.metadata
+        self._count = meta.num_delivered
+        headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+        self._envelope = Envelope(
+            body=msg.data,
+            message_id=headers.get(MSG_ID_HEADER) or None,
+            headers=headers,
+            correlation_id=headers.get(CORRELATION_HEADER) or None,
+            delivery_count=meta.num_delivered,
+            transport={
+                "subject": msg.subject,
+                "stream": meta.stream,
+                "stream_seq": meta.sequence.stream,
+                "consumer_seq": meta.sequence.consumer,
+                "redelivered": meta.num_delivered > 1,
+                "content_type": headers.get(CONTENT_TYPE_HEADER),
+            },
+        )
+
+    @property
+    def envelope(self) -> Envelope:
+        return self._envelope
+
+    @property
+    def delivery_count(self) -> int | None:
+        return self._count
+
+    def describe(self) -> Mapping[str, object]:
+        return self._envelope.transport
+
+    async def ack(self) -> None:
+        await self._settle(b"+ACK", "ack")
+
+    async def retry(self, delay: timedelta) -> None:
+        limit = self._transport.max_deliver
+        if limit > 0 and self._count >= limit:
+            # JetStream would not deliver it again and would leave it unacknowledged for good.
+            LOGGER.warning(
+                "oncely broker=nats a message on its last delivery (%s, the consumer's "
+                "max_deliver) is dead-lettered instead of given back",
+                self._count,
+            )
+            await self.dead_letter(
+                DeadLetter(
+                    outcome="rejected",
+                    reason=(
+                        f"delivered {self._count} times, the JetStream consumer's max_deliver: "
+                        "the broker would not deliver it again (raise max_deliver above "
+                        "ConsumerSettings.max_deliveries)"
+                    ),
+                    consumer=self._transport.group,
+                    deliveries=self._count,
+                )
+            )
+            return
+        nanos = int(delay.total_seconds() * 1_000_000_000)
+        payload = b"-NAK" if nanos <= 0 else b"-NAK " + json.dumps({"delay": nanos}).encode()
+        await self._settle(payload, "retry")
+
+    async def dead_letter(self, why: DeadLetter) -> None:
+        await self._transport._publish_dead_letter(self._msg, why)
+        await self._settle(b"+TERM", "dead-letter")
+
+    async def extend(self) -> None:
+        if not self._settled:
+            await self._transport._reply(self._msg, b"+WPI", "extend")
+
+    async def _settle(self, payload: bytes, what: str) -> None:
+        if self._settled:
+            raise BrokerError(f"this delivery was already settled; cannot {what} it")
+        await self._transport._reply(self._msg, payload, what)
+        self._settled = True

@@ -1,0 +1,284 @@
+"""The JetStream transport: fetches from the durable pull consumer of a group and settles
+what it fetched."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from datetime import timedelta
+from typing import Self
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from oncely._urls import UrlOptions, redact
+from oncely.brokers._shape import DeadLetter, Delivery
+from oncely.brokers.nats._connection import Link
+from oncely.brokers.nats._delivery import JetStreamDelivery
+from oncely.brokers.nats._settings import (
+    DEFAULT_ACK_WAIT,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_DELIVER,
+    DEFAULT_RECONNECT_WAIT,
+    DEFAULT_TIMEOUT,
+    LOGGER,
+    MESSAGE_ID_COPY_HEADER,
+    MSG_ID_HEADER,
+    TRANSPORT_OPTIONS,
+    UNAVAILABLE,
+    int_option,
+    seconds_option,
+    unavailable,
+)
+from oncely.brokers.nats._topology import Topology
+from oncely.errors import BrokerError, BrokerUnavailable
+
+
+class JetStream:
+    """Reads ``source`` (a subject) through the durable pull consumer ``group`` (see the
+    module docstring for what is declared and how outcomes are carried out).
+
+    ``ack_wait`` is how long JetStream waits for a settlement before redelivering (running
+    handlers extend it every third of it); ``max_deliver`` is the consumer's own delivery
+    limit (keep it above ``ConsumerSettings.max_deliveries``, R13); ``max_ack_pending`` caps
+    unacknowledged messages across the whole group (server default when ``None``; each
+    process also never holds more than it fetched, at most its ``prefetch``).
+    ``duplicate_window`` applies to a stream created here. ``timeout`` bounds each
+    settlement, declaration and dead-letter publish.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta = DEFAULT_ACK_WAIT,
+        stream: str | None = None,
+        dead_letter_stream: str | None = None,
+        max_deliver: int = DEFAULT_MAX_DELIVER,
+        max_ack_pending: int | None = None,
+        duplicate_window: timedelta | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        connect_timeout: timedelta = DEFAULT_CONNECT_TIMEOUT,
+        reconnect_wait: timedelta = DEFAULT_RECONNECT_WAIT,
+    ) -> None:
+        self._link = Link(
+            url,
+            "consumer",
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            reconnect_wait=reconnect_wait,
+        )
+        self._topology = topology = Topology(
+            source,
+            group=group,
+            dead_letter=dead_letter,
+            ack_wait=ack_wait,
+            stream=stream,
+            dead_letter_stream=dead_letter_stream,
+            max_deliver=max_deliver,
+            max_ack_pending=max_ack_pending,
+            duplicate_window=duplicate_window,
+        )
+        self.source = topology.source
+        self.group = topology.group
+        self.dead_letter = topology.dead_letter
+        self.ack_wait = topology.ack_wait
+        self.stream: str | None = None
+        """The main stream's name, known after :meth:`open`."""
+        self.dead_letter_stream: str | None = None
+        """The dead-letter stream's name, known after :meth:`open`."""
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._sub_js: JetStreamContext | None = None
+        self._stopped = False
+        self._prefetch = 1
+        self._held: deque[Msg] = deque()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+    ) -> Self:
+        """The transport for a ``nats://`` (or ``tls://``) URL; see the module docstring for
+        the query options. ``ack_wait`` given here wins over the URL's."""
+        options = UrlOptions(url)
+        url_ack_wait = options.seconds("ack_wait", DEFAULT_ACK_WAIT)
+        stream = options.optional_text("stream")
+        dead_letter_stream = options.optional_text("dead_letter_stream")
+        max_deliver = options.integer("max_deliver", DEFAULT_MAX_DELIVER)
+        pending = options.optional_text("max_ack_pending")
+        window = options.optional_text("duplicate_window")
+        timeout = options.seconds("timeout", DEFAULT_TIMEOUT)
+        connect_timeout = options.seconds("connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+        reconnect_wait = options.seconds("reconnect_wait", DEFAULT_RECONNECT_WAIT)
+        options.done(TRANSPORT_OPTIONS)
+        return cls(
+            url,
+            source,
+            group=group,
+            dead_letter=dead_letter,
+            ack_wait=ack_wait if ack_wait is not None else url_ack_wait,
+            stream=stream,
+            dead_letter_stream=dead_letter_stream,
+            max_deliver=max_deliver,
+            max_ack_pending=int_option(url, "max_ack_pending", pending),
+            duplicate_window=seconds_option(url, "duplicate_window", window),
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            reconnect_wait=reconnect_wait,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({redact(self._link.server)!r}, {self.source!r}, "
+            f"group={self.group!r})"
+        )
+
+    @property
+    def name(self) -> str:
+        return "nats"
+
+    @property
+    def extend_every(self) -> timedelta | None:
+        return self.ack_wait / 3
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is up now (nats-py reconnects in the background)."""
+        return self._link.connected
+
+    @property
+    def max_deliver(self) -> int:
+        """The consumer's delivery limit as the server holds it (-1: none)."""
+        return self._topology.max_deliver
+
+    # ------------------------------------------------------------------ connection
+
+    async def open(self, prefetch: int) -> None:
+        self._prefetch = max(1, prefetch)
+        self._stopped = False
+        await self._ready()
+
+    async def _ready(self) -> JetStreamContext.PullSubscription:
+        link = self._link
+        js = await link.jetstream()
+        if self._sub is not None and self._sub_js is not js:
+            self._sub = None  # a new connection: subscribe on it
+        if not link.declared:
+            self.stream, self.dead_letter_stream = await self._topology.declare(js)
+            link.declared = True
+        if self._sub is None:
+            assert self.stream is not None
+            try:
+                self._sub = await js.pull_subscribe_bind(durable=self.group, stream=self.stream)
+            except UNAVAILABLE as exc:
+                raise unavailable("declaration", exc) from None
+            self._sub_js = js
+        return self._sub
+
+    # ------------------------------------------------------------------ reading
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        if self._stopped or limit < 1:
+            return []
+        if not self._held:
+            sub = await self._ready()
+            try:
+                msgs = await sub.fetch(
+                    batch=min(limit, self._prefetch),
+                    timeout=max(timeout.total_seconds(), 0.01),
+                )
+            except TimeoutError as exc:
+                if not self._link.connected:
+                    raise unavailable("fetch", exc) from None
+                return []  # no message within the timeout
+            except nats.js.errors.APIError as exc:
+                self._link.declared = False  # the consumer may be gone: declare it again
+                raise unavailable("fetch", exc) from None
+            except UNAVAILABLE as exc:
+                raise unavailable("fetch", exc) from None
+            # nats-py may hand back more than asked (late messages of an earlier pull).
+            self._held.extend(msgs)
+        taken: list[Delivery] = []
+        while self._held and len(taken) < limit:
+            msg = self._held.popleft()
+            try:
+                taken.append(JetStreamDelivery(self, msg))
+            except nats.errors.NotJSMessageError:
+                LOGGER.warning("oncely broker=nats skipped a message that is not from JetStream")
+        return taken
+
+    async def _reply(self, msg: Msg, payload: bytes, what: str) -> None:
+        """Send an acknowledgement ``payload`` for ``msg`` and wait for the server's answer."""
+        client = self._link.client
+        if client is None or not client.is_connected:
+            raise BrokerUnavailable(
+                f"cannot {what} a message: the NATS connection is down; JetStream redelivers "
+                "it after ack_wait"
+            )
+        try:
+            await client.request(msg.reply, payload, timeout=self._link.timeout.total_seconds())
+        except UNAVAILABLE as exc:
+            raise unavailable(what, exc) from None
+
+    async def _publish_dead_letter(self, msg: Msg, why: DeadLetter) -> None:
+        """Publish a copy of ``msg`` with ``why`` to the dead-letter subject and wait for the
+        dead-letter stream's acknowledgement."""
+        js = self._link.js
+        if js is None or not self._link.connected:
+            raise BrokerUnavailable("cannot dead-letter a message: the NATS connection is down")
+        headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+        headers.update(why.headers())
+        try:
+            ack = await self._publish_copy(js, msg.data, headers)
+            if ack.duplicate:
+                # The dead-letter stream's window holds a copy with this id, maybe of another
+                # message: keep this one too rather than drop it.
+                headers[MESSAGE_ID_COPY_HEADER] = headers.pop(MSG_ID_HEADER, "")
+                await self._publish_copy(js, msg.data, headers)
+        except nats.js.errors.NoStreamResponseError as exc:
+            self._link.declared = False
+            raise BrokerError(
+                f"no stream captures the dead-letter subject {self.dead_letter!r}: {exc}"
+            ) from None
+        except nats.js.errors.APIError as exc:
+            raise BrokerError(f"the dead-letter stream refused the copy: {exc}") from None
+        except UNAVAILABLE as exc:
+            raise unavailable("dead-letter publish", exc) from None
+
+    async def _publish_copy(
+        self, js: JetStreamContext, body: bytes, headers: dict[str, str]
+    ) -> api.PubAck:
+        return await js.publish(
+            self.dead_letter,
+            body,
+            timeout=self._link.timeout.total_seconds(),
+            headers=dict(headers),
+        )
+
+    async def stop(self) -> None:
+        """Stop fetching; messages fetched but not yet handed out are given back now."""
+        self._stopped = True
+        held, self._held = self._held, deque()
+        if not self._link.connected:
+            return
+        for msg in held:
+            with contextlib.suppress(BrokerError):
+                await self._reply(msg, b"-NAK", "give back")
+
+    async def close(self) -> None:
+        """Close the connection; unsettled messages come back after ``ack_wait``."""
+        if not self._stopped:
+            await self.stop()
+        self._sub = None
+        await self._link.close()

@@ -1,0 +1,103 @@
+"""RabbitMQ: a quorum queue read with manual acknowledgement, and a confirming producer.
+
+::
+
+    import oncely
+    from oncely.brokers import BrokerConsumer, ConsumerSettings, open_producer, open_transport
+
+    producer = open_producer("amqp://guest:guest@localhost/", "payments")
+    await producer.publish(b'{"order": 7}', message_id="order-7")  # confirmed when it returns
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
+    transport = open_transport("amqp://guest:guest@localhost/", "payments", group="billing")
+    await BrokerConsumer(transport, inbox, charge, settings=ConsumerSettings()).run()
+
+Topology. The transport (and the producer, when the queue does not exist yet) declares:
+
+- the queue ``source`` as a durable quorum queue (``x-queue-type: quorum``) with
+  ``x-dead-letter-exchange`` set to the dead-letter exchange and ``x-delivery-limit`` set to
+  ``delivery_limit``;
+- the dead-letter exchange, a durable fanout exchange named like the dead-letter queue
+  (default ``<source>.dead``), and the dead-letter queue itself (a quorum queue) bound to it.
+
+Declaring is idempotent. A queue that already exists with other arguments is refused with
+:class:`~oncely.ConfigurationError` (RabbitMQ cannot change a queue's arguments; give the
+producer the same URL options as the consumer, or use a policy and ``declare=false``).
+
+What each outcome does here:
+
+===================  ==========================================================================
+processed/duplicate  ``basic.ack``
+stale_reclaimed      ``basic.ack``
+in_flight            held unacknowledged for ``requeue_delay``, then ``basic.nack`` with requeue
+failed               held for the backoff delay, then ``basic.nack`` with requeue; once the
+                     delivery count reaches ``ConsumerSettings.max_deliveries`` it is
+                     dead-lettered instead, with the last error as the reason
+key_conflict,        published to the dead-letter exchange with ``x-oncely-outcome``,
+rejected, escalated  ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries``
+                     headers (same body, message id, correlation id and original headers),
+                     confirmed by the broker (publisher confirms), *then* the original is acked
+===================  ==========================================================================
+
+RabbitMQ has no delayed negative acknowledgement, so a retry keeps the message unacknowledged
+for the delay (a scheduled task, the consumer goes on with other messages) and then requeues
+it. A held message counts against the prefetch window. If the channel closes meanwhile the
+broker requeues the message by itself, which is the same result.
+
+Delivery counts and the delivery limit. Quorum queues count deliveries and put the count of
+earlier deliveries in the ``x-delivery-count`` header of a redelivered message; the transport
+reports ``delivery_count = x-delivery-count + 1`` (1 for a first delivery; unknown when a
+message is marked redelivered without the header, as on a classic queue). Every requeue counts:
+a failed attempt, an ``in_flight`` requeue, a consumer crash or a lost connection. When a
+message has been delivered more than ``x-delivery-limit`` times the broker dead-letters it by
+itself, which is at-most-once by default and carries no ``x-oncely-*`` reason. That is only a
+safety net: keep ``delivery_limit`` above ``ConsumerSettings.max_deliveries`` plus the
+requeues an ``in_flight`` duplicate can take (how long a handler runs divided by
+``requeue_delay``), so oncely's own dead-lettering, with the reason, always comes first. The
+default, :data:`DEFAULT_DELIVERY_LIMIT` (20), suits the default ``max_deliveries`` of 5;
+``delivery_limit=0`` in the URL (``None`` in the constructor) declares no limit. Keep dedup
+records (R13) longer than a message can keep being redelivered.
+
+Keys. ``Envelope.message_id`` is the AMQP ``message_id`` property, which only the producer
+sets (R2); CloudEvents attributes arrive as ``ce-*`` or ``cloudEvents:*`` headers and
+:class:`~oncely.CloudEventsKey` reads them (R3). The delivery tag, the ``redelivered`` flag and
+``x-delivery-count`` are per delivery and appear only in ``Envelope.transport`` and
+:meth:`describe <oncely.brokers.Delivery.describe>` (R4). Beware of producers built on aiormq
+(and so aio-pika): it gives every message published without a ``message_id`` a random one, so
+a retried publish becomes a new message; always set the id (:class:`RabbitMQProducer` requires
+it). For the same reason the dead-letter copy of a message that arrived without an id carries
+a random one; its ``x-oncely-reason`` says the original had none, so give it the producer's id
+before resubmitting it.
+
+Ack wait. RabbitMQ does not redeliver a message that a live consumer holds, so
+``extend_every`` is ``None`` and ``ack_wait`` is accepted (for a URL shared with other brokers)
+and unused. The exception is the server's ``consumer_timeout`` (30 minutes by default), after
+which the broker closes the channel: keep handlers well below it. A message is redelivered
+when its channel or connection closes; the inbox answers that copy ``in_flight`` while the
+first handler still runs and ``duplicate`` after it finished (R8).
+
+Connection loss. The transport reconnects on the next :meth:`RabbitMQ.fetch` after a lost
+connection (the consumer loop backs off between attempts). Deliveries from the lost channel
+can no longer be settled (their delivery tags belong to the old channel): settling them raises
+:class:`~oncely.BrokerUnavailable` and the broker redelivers them.
+
+URL options: ``delivery_limit`` (whole number, 0 for none), ``declare`` (true/false),
+``heartbeat``, ``connect_timeout`` and ``confirm_timeout`` (seconds).
+
+Tested (``tests/brokers/test_rabbitmq.py``, against a real RabbitMQ): producer retries with one
+message id, a connection killed under a slow handler (in_flight, then duplicate), two competing
+consumers with copies of one message, key conflicts and poison messages read back from the
+dead-letter queue with their reasons, retries up to ``max_deliveries``, a broker restart
+mid-run, and an empty queue with nothing unacknowledged at the end of each test.
+"""
+
+from __future__ import annotations
+
+from oncely.brokers.rabbitmq._delivery import RabbitMQDelivery
+from oncely.brokers.rabbitmq._producer import RabbitMQProducer
+from oncely.brokers.rabbitmq._topology import DEFAULT_DELIVERY_LIMIT
+from oncely.brokers.rabbitmq._topology import DELIVERY_COUNT_HEADER as DELIVERY_COUNT_HEADER
+from oncely.brokers.rabbitmq._topology import LOGGER as LOGGER
+from oncely.brokers.rabbitmq._transport import RabbitMQ
+
+__all__ = ["DEFAULT_DELIVERY_LIMIT", "RabbitMQ", "RabbitMQDelivery", "RabbitMQProducer"]

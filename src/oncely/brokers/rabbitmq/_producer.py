@@ -1,0 +1,128 @@
+"""The RabbitMQ producer: publishes to a queue with publisher confirms."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from datetime import timedelta
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
+
+from oncely._urls import redact
+from oncely.brokers._common import require_message_id
+from oncely.brokers.rabbitmq._topology import (
+    DEFAULT_DELIVERY_LIMIT,
+    FAILURES,
+    Link,
+    Topology,
+    parse_url,
+    raise_translated,
+)
+from oncely.errors import BrokerError
+
+
+class RabbitMQProducer:
+    """Publishes to a queue (through the default exchange) with publisher confirms: a call
+    returns once the broker has the message. A message no queue takes is an error, never
+    dropped silently. On first use it declares the queue as :class:`RabbitMQ` does, unless
+    the queue exists already (then it is used as it is) or ``declare=False``."""
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        dead_letter: str | None = None,
+        delivery_limit: int | None = DEFAULT_DELIVERY_LIMIT,
+        declare: bool = True,
+        heartbeat: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=10),
+        confirm_timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        self._link = Link(
+            url,
+            heartbeat=heartbeat,
+            connect_timeout=connect_timeout,
+            confirm_timeout=confirm_timeout,
+        )
+        self._topology = Topology(queue, dead_letter, delivery_limit)
+        self.queue = self._topology.queue
+        self._declare = declare
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, destination: str) -> RabbitMQProducer:
+        """The producer for ``url`` (the transport's URL options apply) and the queue
+        ``destination``."""
+        base, options = parse_url(url)
+        return cls(base, destination, **options)
+
+    def __repr__(self) -> str:
+        return f"RabbitMQProducer({redact(self._link.url)!r}, {self.queue!r})"
+
+    async def _ready(self) -> AbstractChannel:
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            return channel
+        async with self._lock:
+            if self._channel is not None and not self._channel.is_closed:
+                return self._channel
+            await self._drop()
+            connection = await self._link.connect(f"oncely producer {self.queue}")
+            try:
+                if self._declare:
+                    await self._topology.ensure(connection)
+                channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            except BaseException as exc:
+                with contextlib.suppress(*FAILURES):
+                    await connection.close()
+                if isinstance(exc, FAILURES):
+                    raise_translated(exc, f"declare the queue {self.queue!r}")
+                raise
+            self._connection, self._channel = connection, channel
+            return channel
+
+    async def publish(
+        self,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+        correlation_id: str | None = None,
+    ) -> None:
+        message = aio_pika.Message(
+            body,
+            headers=dict(headers) if headers else None,
+            content_type=content_type,
+            delivery_mode=DeliveryMode.PERSISTENT,
+            message_id=require_message_id(message_id),
+            correlation_id=correlation_id,
+        )
+        channel = await self._ready()
+        try:
+            await channel.default_exchange.publish(
+                message, routing_key=self.queue, mandatory=True, timeout=self._link.confirm_timeout
+            )
+        except aiormq.exceptions.PublishError:
+            raise BrokerError(
+                f"RabbitMQ has no queue {self.queue!r} to take the message (it was returned); "
+                "declare it or let the producer declare it (declare=true)"
+            ) from None
+        except FAILURES as exc:
+            raise_translated(exc, f"publish to the queue {self.queue!r}")
+
+    async def _drop(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(*FAILURES):
+                await connection.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()

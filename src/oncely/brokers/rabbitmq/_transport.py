@@ -1,0 +1,232 @@
+"""The RabbitMQ transport: one connection and channel consuming the queue, replaced when lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+
+from oncely._urls import redact
+from oncely.brokers._shape import Delivery
+from oncely.brokers.rabbitmq._delivery import RabbitMQDelivery
+from oncely.brokers.rabbitmq._topology import (
+    DEFAULT_DELIVERY_LIMIT,
+    FAILURES,
+    Link,
+    Topology,
+    parse_url,
+    raise_translated,
+)
+from oncely.errors import BrokerUnavailable, ConfigurationError
+
+
+class Session:
+    """One connection and channel, and the deliveries read on them. A new session replaces
+    a lost one; deliveries keep the session they came on, so a stale one is recognised."""
+
+    __slots__ = ("channel", "connection", "consumer_tag", "lost", "messages", "queue", "reported")
+
+    def __init__(self, connection: AbstractConnection, channel: AbstractChannel) -> None:
+        self.connection = connection
+        self.channel = channel
+        self.queue: AbstractQueue | None = None
+        self.consumer_tag: str | None = None
+        self.lost: BaseException | None = None
+        self.reported = False
+        # None is the "connection lost" wake-up for a waiting fetch.
+        self.messages: asyncio.Queue[AbstractIncomingMessage | None] = asyncio.Queue()
+
+    def on_close(self, _sender: object, exc: BaseException | None = None) -> None:
+        if self.lost is None:
+            self.lost = exc if exc is not None else ConnectionError("closed")
+            self.messages.put_nowait(None)
+
+
+class RabbitMQ:
+    """Reads a RabbitMQ quorum queue with manual acknowledgement (see the module docs).
+
+    ``queue`` is read by every consumer process of a group (competing consumers); the queue
+    itself is the group. ``dead_letter`` names the dead-letter exchange and queue (default
+    ``<queue>.dead``). ``delivery_limit`` is the queue's ``x-delivery-limit`` (``None``: no
+    limit), a safety net above ``ConsumerSettings.max_deliveries``. With ``declare=False``
+    the topology must exist already (it is checked passively). ``heartbeat`` is the AMQP
+    heartbeat, ``connect_timeout`` bounds connecting and ``confirm_timeout`` waiting for the
+    broker to confirm a dead-letter copy.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        dead_letter: str | None = None,
+        delivery_limit: int | None = DEFAULT_DELIVERY_LIMIT,
+        declare: bool = True,
+        heartbeat: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=10),
+        confirm_timeout: timedelta = timedelta(seconds=30),
+        connection_name: str | None = None,
+    ) -> None:
+        self._link = Link(
+            url,
+            heartbeat=heartbeat,
+            connect_timeout=connect_timeout,
+            confirm_timeout=confirm_timeout,
+        )
+        self.topology = Topology(queue, dead_letter, delivery_limit)
+        self.queue = self.topology.queue
+        self._declare = declare
+        self.confirm_timeout = self._link.confirm_timeout
+        self._connection_name = connection_name or f"oncely {self.queue}"
+        self._prefetch = 1
+        self._session: Session | None = None
+        self._stopped = False
+        self._held: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+    ) -> RabbitMQ:
+        """The transport for ``url`` (options: ``delivery_limit``, ``declare``, ``heartbeat``,
+        ``connect_timeout``, ``confirm_timeout``) reading the queue ``source``. ``group``
+        names the connection; ``ack_wait`` is unused (see the module docs)."""
+        del ack_wait  # RabbitMQ holds a message for its live consumer as long as it takes
+        base, options = parse_url(url)
+        return cls(
+            base,
+            source,
+            dead_letter=dead_letter,
+            connection_name=f"oncely {group} {source}",
+            **options,
+        )
+
+    def __repr__(self) -> str:
+        return f"RabbitMQ({redact(self._link.url)!r}, {self.queue!r})"
+
+    @property
+    def name(self) -> str:
+        return "rabbitmq"
+
+    @property
+    def extend_every(self) -> timedelta | None:
+        return None
+
+    async def open(self, prefetch: int) -> None:
+        if prefetch < 1:
+            raise ConfigurationError("prefetch must be at least 1")
+        self._prefetch = prefetch
+        self._stopped = False
+        if self._session is None or self._session.lost is not None:
+            await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        old, self._session = self._session, None
+        if old is not None:
+            await self._discard(old)
+        connection = await self._link.connect(self._connection_name)
+        try:
+            session = await self._start(connection)
+        except BaseException:
+            with contextlib.suppress(*FAILURES):
+                await connection.close()
+            raise
+        self._session = session
+
+    async def _start(self, connection: AbstractConnection) -> Session:
+        try:
+            # on_return_raises: a dead-letter copy nothing routes must fail, not vanish.
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            await channel.set_qos(prefetch_count=self._prefetch)
+            if self._declare:
+                queue = await self.topology.declare(channel)
+            else:
+                await channel.declare_queue(self.topology.dead_letter, passive=True)
+                queue = await channel.declare_queue(self.queue, passive=True)
+            session = Session(connection, channel)
+            connection.close_callbacks.add(session.on_close)
+            channel.close_callbacks.add(session.on_close)
+            session.queue = queue
+
+            async def received(message: AbstractIncomingMessage) -> None:
+                if self._stopped or session.lost is not None:
+                    with contextlib.suppress(*FAILURES):
+                        await message.nack(requeue=True)
+                    return
+                session.messages.put_nowait(message)
+
+            session.consumer_tag = await queue.consume(received, no_ack=False)
+        except FAILURES as exc:
+            raise_translated(exc, f"declare and consume the queue {self.queue!r}")
+        return session
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        session = self._session
+        if session is not None and session.lost is not None and not session.reported:
+            session.reported = True  # say it once (the loop logs it), reconnect next time
+            raise BrokerUnavailable(
+                f"the connection to RabbitMQ was lost ({session.lost}); the broker redelivers "
+                "what was not acknowledged"
+            )
+        if session is None or session.lost is not None:
+            if self._stopped:
+                return []
+            await self._reconnect()  # raises BrokerUnavailable while the broker is away
+            session = self._session
+            assert session is not None
+        try:
+            first = await asyncio.wait_for(session.messages.get(), timeout.total_seconds())
+        except TimeoutError:
+            return []
+        batch = [first]
+        while len(batch) < max(1, limit) and not session.messages.empty():
+            batch.append(session.messages.get_nowait())
+        if session.lost is not None or None in batch:
+            session.reported = True
+            raise BrokerUnavailable(
+                f"the connection to RabbitMQ was lost ({session.lost}); the broker redelivers "
+                "what was not acknowledged"
+            )
+        return [RabbitMQDelivery(m, session, self) for m in batch if m is not None]
+
+    def _hold(self, delivery: RabbitMQDelivery, seconds: float) -> None:
+        task = asyncio.create_task(delivery._requeue_later(seconds))
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
+
+    async def stop(self) -> None:
+        """Cancel the consumer and give back what was prefetched and not yet fetched."""
+        self._stopped = True
+        session = self._session
+        if session is None or session.lost is not None:
+            return
+        try:
+            if session.queue is not None and session.consumer_tag is not None:
+                await session.queue.cancel(session.consumer_tag)
+            while not session.messages.empty():
+                message = session.messages.get_nowait()
+                if message is not None:
+                    await message.nack(requeue=True)
+        except FAILURES as exc:
+            raise_translated(exc, "stop consuming")
+
+    async def close(self) -> None:
+        """Close the connection: held and unsettled messages go back to the queue."""
+        self._stopped = True
+        for task in list(self._held):
+            task.cancel()
+        session, self._session = self._session, None
+        if session is not None:
+            await self._discard(session)
+
+    async def _discard(self, session: Session) -> None:
+        session.on_close(None)
+        with contextlib.suppress(*FAILURES):
+            await session.connection.close()

@@ -1,0 +1,346 @@
+"""The Redis Streams transport: one consumer of a consumer group, reading new entries and
+taking over those its peers left pending."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import redis.asyncio
+from redis.exceptions import RedisError, ResponseError
+
+from oncely._core.keys import Envelope
+from oncely._urls import UrlOptions, redact
+from oncely.brokers._shape import (
+    DeadLetter,
+    Delivery,
+)
+from oncely.brokers.redis_streams import _scripts
+from oncely.brokers.redis_streams._delivery import RedisStreamsDelivery
+from oncely.brokers.redis_streams._layout import (
+    LOGGER,
+    SHARED_URL_OPTIONS,
+    EntryLayout,
+    Translated,
+    as_text,
+    check_name,
+    ms,
+    open_client,
+    plain_url,
+    shared_options,
+)
+from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
+
+_URL_OPTIONS = (
+    "consumer",
+    "ack_wait",
+    "dead_letter",
+    "claim_every",
+    "start",
+    "delivery_limit",
+    *SHARED_URL_OPTIONS,
+)
+
+
+def _default_consumer() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RedisStreams:
+    """Reads the stream ``stream`` as consumer ``consumer`` of the group ``group``.
+
+    ``ack_wait`` is how long an entry may sit unacknowledged and unextended before another
+    consumer takes it over (``XAUTOCLAIM`` minimum idle time; running handlers extend it
+    every ``ack_wait / 3``). ``claim_every`` is how often that takeover runs, which also
+    bounds how late a retried entry comes back. ``start="all"`` creates a missing group at the
+    start of the stream, ``"new"`` at its end. ``delivery_limit`` dead-letters an entry
+    claimed more often than that (``None``: no limit besides ``max_deliveries``).
+    ``timeout`` and ``connect_timeout`` bound each Redis call. See the module docstring for
+    the entry layout and the broker actions.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        *,
+        group: str,
+        consumer: str | None = None,
+        dead_letter: str | None = None,
+        ack_wait: timedelta = timedelta(seconds=30),
+        claim_every: timedelta = timedelta(seconds=1),
+        start: Literal["all", "new"] = "all",
+        delivery_limit: int | None = None,
+        timeout: timedelta = timedelta(seconds=10),
+        connect_timeout: timedelta = timedelta(seconds=5),
+        body_field: str = "body",
+        message_id_field: str = "message_id",
+    ) -> None:
+        self._url = url
+        plain_url(url)
+        self.stream = check_name("stream", stream)
+        self.group = check_name("group", group)
+        self.consumer = check_name(
+            "consumer", consumer if consumer is not None else _default_consumer()
+        )
+        self.dead_letter_stream = check_name(
+            "dead_letter", dead_letter if dead_letter is not None else f"{stream}.dead"
+        )
+        if self.dead_letter_stream == self.stream:
+            raise ConfigurationError("the dead-letter stream must differ from the stream")
+        if ack_wait < timedelta(milliseconds=100):
+            raise ConfigurationError("ack_wait must be at least 100 milliseconds")
+        if claim_every <= timedelta(0):
+            raise ConfigurationError("claim_every must be positive")
+        if timeout < timedelta(milliseconds=200) or connect_timeout <= timedelta(0):
+            raise ConfigurationError("timeout must be at least 200 ms, connect_timeout positive")
+        if start not in ("all", "new"):
+            raise ConfigurationError("start must be 'all' or 'new'")
+        if delivery_limit is not None and delivery_limit < 1:
+            raise ConfigurationError("delivery_limit must be at least 1 (or None)")
+        self.ack_wait = ack_wait
+        self.claim_every = claim_every
+        self.delivery_limit = delivery_limit
+        self._start = "0" if start == "all" else "$"
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._layout = EntryLayout(body_field, message_id_field)
+        self._ack_wait_ms = ms(ack_wait)
+        self._where = f"redis-streams {redact(url)} stream {stream!r} group {group!r}"
+        self._errors = Translated(self._where).errors
+        self._client: redis.asyncio.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+        self._declared = False
+        self._stopped = False
+        self._prefetch = 1
+        self._cursor = b"0-0"
+        self._next_claim = 0.0
+        self._held: dict[bytes, RedisStreamsDelivery] = {}
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+    ) -> RedisStreams:
+        """The transport for ``redis://host:port/db?options`` reading the stream ``source``.
+        Options: ``consumer``, ``ack_wait`` and ``claim_every`` (seconds), ``dead_letter``,
+        ``start`` (all or new), ``delivery_limit``, ``timeout`` and ``connect_timeout``
+        (seconds), ``body_field``, ``message_id_field``. Keyword arguments win over options."""
+        options = UrlOptions(url)
+        consumer = options.optional_text("consumer")
+        wait = options.seconds("ack_wait", timedelta(seconds=30))
+        dead = options.optional_text("dead_letter")
+        claim_every = options.seconds("claim_every", timedelta(seconds=1))
+        start: Literal["all", "new"] = (
+            "all" if options.choice("start", "all", ("all", "new")) == "all" else "new"
+        )
+        limit = options.integer("delivery_limit", 0)
+        shared = shared_options(options)
+        options.done(_URL_OPTIONS)
+        return cls(
+            url,
+            source,
+            group=group,
+            consumer=consumer,
+            dead_letter=dead_letter if dead_letter is not None else dead,
+            ack_wait=ack_wait if ack_wait is not None else wait,
+            claim_every=claim_every,
+            start=start,
+            delivery_limit=limit or None,
+            **shared,
+        )
+
+    def __repr__(self) -> str:
+        return f"RedisStreams({self._where}, consumer {self.consumer!r})"
+
+    # ------------------------------------------------------------------ Transport
+
+    @property
+    def name(self) -> str:
+        return "redis-streams"
+
+    @property
+    def extend_every(self) -> timedelta:
+        return self.ack_wait / 3
+
+    async def open(self, prefetch: int) -> None:
+        """Connect, create the group (and stream) if missing, and read at most ``prefetch``
+        entries per fetch. Raises :class:`~oncely.BrokerUnavailable`."""
+        self._prefetch = max(1, prefetch)
+        self._stopped = False
+        await self._ready()
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        """Entries taken over from stopped consumers (``XAUTOCLAIM``, every ``claim_every``)
+        first, then new ones (``XREADGROUP``), up to ``limit``; waits for new ones at most
+        ``timeout`` (and no longer than the next takeover is due)."""
+        if self._stopped:
+            return []
+        client = await self._ready()
+        limit = max(1, min(limit, self._prefetch))
+        loop = asyncio.get_running_loop()
+        out: list[Delivery] = []
+        if loop.time() >= self._next_claim:
+            out.extend(await self._claim(limit))
+            self._next_claim = loop.time() + (
+                self.claim_every.total_seconds() if self._cursor == b"0-0" else 0.0
+            )
+        if len(out) < limit:
+            block: int | None = None
+            if not out:
+                wait = min(
+                    timeout.total_seconds(),
+                    max(0.0, self._next_claim - loop.time()),
+                    self._timeout.total_seconds() / 2,
+                )
+                block = max(1, int(wait * 1000))  # BLOCK 0 would wait forever
+            with self._errors("read the stream", self._forget_group):
+                reply: Any = await client.xreadgroup(
+                    self.group,
+                    self.consumer,
+                    {self.stream: ">"},
+                    count=limit - len(out),
+                    block=block,
+                )
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    out.append(self._deliver(entry_id, list(fields.items()), 1))
+        return out
+
+    async def stop(self) -> None:
+        """Read no more entries; deliveries handed out can still be settled."""
+        self._stopped = True
+
+    async def close(self) -> None:
+        """Make the entries still held claimable by other consumers at once, leave the group
+        if nothing is pending for this consumer, and close the connection."""
+        self._stopped = True
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            with contextlib.suppress(BrokerError):
+                for entry_id in list(self._held):
+                    with self._errors("give back an entry"):
+                        await self._scripts["set_idle"](
+                            keys=[self.stream],
+                            args=[self.group, self.consumer, entry_id, self._ack_wait_ms],
+                            client=client,
+                        )
+                self._held.clear()
+                with self._errors("leave the group"):
+                    await self._scripts["leave"](
+                        keys=[self.stream], args=[self.group, self.consumer], client=client
+                    )
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _ready(self) -> redis.asyncio.Redis:
+        client = self._connection()
+        if not self._declared:
+            with self._errors("create the consumer group"):
+                try:
+                    await client.xgroup_create(self.stream, self.group, self._start, mkstream=True)
+                except ResponseError as exc:
+                    if not str(exc).startswith("BUSYGROUP"):
+                        raise
+                # Visible in XINFO CONSUMERS from the start, not only after a first entry.
+                await client.xgroup_createconsumer(self.stream, self.group, self.consumer)
+            self._declared = True
+        return client
+
+    def _connection(self) -> redis.asyncio.Redis:
+        if self._client is None:
+            client = open_client(self._url, self._timeout, self._connect_timeout)
+            self._scripts = {
+                "claim": client.register_script(_scripts.CLAIM),
+                "set_idle": client.register_script(_scripts.SET_IDLE),
+                "dead_letter": client.register_script(_scripts.DEAD_LETTER),
+                "leave": client.register_script(_scripts.LEAVE),
+            }
+            self._client = client
+        return self._client
+
+    def _forget_group(self) -> None:
+        self._declared = False
+
+    def _deliver(
+        self, entry_id: bytes, fields: Sequence[tuple[bytes, bytes]], count: int
+    ) -> RedisStreamsDelivery:
+        delivery = RedisStreamsDelivery(self, entry_id, fields, count)
+        self._held[entry_id] = delivery
+        return delivery
+
+    def _envelope(
+        self, entry_id: bytes, fields: Sequence[tuple[bytes, bytes]], count: int
+    ) -> Envelope:
+        transport: dict[str, object] = {
+            "stream": self.stream,
+            "entry_id": as_text(entry_id),
+            "consumer": self.consumer,
+            "delivery_count": count,
+            "redelivered": count > 1,
+        }
+        return self._layout.envelope(fields, count, transport)
+
+    async def _claim(self, limit: int) -> list[Delivery]:
+        client = self._connection()
+        with self._errors("take over pending entries", self._forget_group):
+            reply = await self._scripts["claim"](
+                keys=[self.stream],
+                args=[self.group, self.consumer, self._ack_wait_ms, self._cursor, limit],
+                client=client,
+            )
+        cursor, entries, counts, deleted = reply
+        self._cursor = cursor
+        if deleted:
+            LOGGER.warning(
+                "oncely broker=redis-streams %d pending entries of stream %r were deleted "
+                "(trimmed) before anyone acknowledged them: %s",
+                len(deleted),
+                self.stream,
+                ", ".join(as_text(d) for d in deleted),
+            )
+        out: list[Delivery] = []
+        for (entry_id, flat), count in zip(entries, counts, strict=True):
+            fields = list(zip(flat[::2], flat[1::2], strict=True))
+            delivery = self._deliver(entry_id, fields, int(count))
+            if self.delivery_limit is not None and delivery.delivery_count > self.delivery_limit:
+                why = DeadLetter(
+                    outcome="rejected",
+                    reason=(
+                        f"delivered {delivery.delivery_count} times, over the delivery limit "
+                        f"of {self.delivery_limit}, without being settled (its consumers "
+                        "stopped or crashed while handling it)"
+                    ),
+                    consumer=self.consumer,
+                    deliveries=delivery.delivery_count,
+                )
+                LOGGER.error(
+                    "oncely broker=redis-streams action=dead_letter entry_id=%s: %s",
+                    delivery.entry_id,
+                    why.reason,
+                )
+                await delivery.dead_letter(why)
+                continue
+            out.append(delivery)
+        return out
+
+    def _settling(self) -> redis.asyncio.Redis:
+        if self._client is None:
+            raise BrokerUnavailable(f"{self._where}: the transport is closed")
+        return self._client
