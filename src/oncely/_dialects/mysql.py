@@ -40,6 +40,7 @@ from typing import Any, Final
 from oncely._core.records import Record, Status
 from oncely._core.state import ClaimEvent
 from oncely._dialects.identifiers import check_identifier
+from oncely._dialects.shared import STATUS
 from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
 
 __all__ = [
@@ -71,7 +72,6 @@ _COLUMNS: Final = (
     "status, fingerprint, token, attempt, created_ms, updated_ms, lease_until_ms, expires_ms, "
     "result, error"
 )
-_STATUS = {s.value: s for s in Status}
 _WHO = "consumer = %(consumer)s AND `key` = %(key)s"
 
 
@@ -188,12 +188,13 @@ def _text(value: bytes | None) -> str | None:
 
 
 def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
-    """A record from a row that starts with ``_COLUMNS``."""
+    """A record from a row that starts with ``_COLUMNS`` (text arrives as UTF-8 bytes, numbers
+    may arrive as ``Decimal``: unlike :func:`oncely._dialects.shared.parse_record`)."""
     result = row[8]
     return Record(
         consumer=consumer,
         key=key,
-        status=_STATUS[row[0]],
+        status=STATUS[row[0]],
         fingerprint=_text(row[1]),
         token=bytes(row[2]).decode("utf-8"),
         attempt=int(row[3]),
@@ -349,21 +350,42 @@ class MySQLDialect:
             f"AND expires_ms <= {self.now}"
         )
 
-    def scan(self, *, consumer: bool, status: bool, after: bool) -> str:
+    parse_record = staticmethod(parse_record)
+    who = staticmethod(who)
+
+    @staticmethod
+    def parse_scanned(row: Sequence[Any]) -> Record:
+        """A record from a row of :meth:`scan_query`'s statement: consumer, key, record."""
+        return parse_record(bytes(row[0]).decode("utf-8"), bytes(row[1]).decode("utf-8"), row[2:])
+
+    def scan_query(
+        self,
+        now: int | None,
+        consumer: str | None,
+        status: Status | None,
+        after: tuple[str, str] | None,
+        limit: int,
+    ) -> tuple[str, dict[str, object]]:
         """Unexpired rows in primary-key order, led by consumer and key, filtered only by
-        what is given (so the primary key serves the consumer filter)."""
+        what is given (so the primary key serves the consumer filter); and the parameters."""
+        params: dict[str, object] = {"now": now, "limit": int(limit)}
         where = [f"expires_ms > {self.now}"]
-        if consumer:
+        if consumer is not None:
+            params["consumer"] = utf8(consumer, "consumer")
             where.append("consumer = %(consumer)s")
-        if status:
+        if status is not None:
+            params["status"] = status.value
             where.append("status = %(status)s")
-        if after:
+        if after is not None:
+            params["after_consumer"] = utf8(after[0], "consumer")
+            params["after_key"] = utf8(after[1], "key")
             where.append(
                 "(consumer > %(after_consumer)s OR "
                 "(consumer = %(after_consumer)s AND `key` > %(after_key)s))"
             )
-        return (
+        sql = (
             f"SELECT consumer, `key`, {_COLUMNS} FROM `{self.table}` WHERE "
             + " AND ".join(where)
             + " ORDER BY consumer, `key` LIMIT %(limit)s"
         )
+        return sql, params

@@ -10,23 +10,18 @@ server's time); only an expired record or a stale claim to take over costs a thi
 compare-and-set write. Every decision is made by :mod:`oncely._core.state` in Python on a row
 version the write then insists on. The SQL is :mod:`oncely._dialects.mysql`; the driver
 differences (PyMySQL, aiomysql) are in ``_mysql_io``.
+
+This module holds the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. The rest of the transactional mode is in ``mysql_tx``; connections,
+schema and maintenance in ``mysql_base``; what every SQL store shares in ``sql_base``.
 """
 
 from __future__ import annotations
 
-import itertools
-import random
-import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import timedelta
-from functools import partial
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely._core.state import (
     DELETE,
     UNCHANGED,
@@ -48,8 +43,6 @@ from oncely._core.state import (
 from oncely._core.table import lease_lost
 from oncely._dialects.mysql import (
     MAX_CONSUMER_BYTES,
-    SCHEMA_VERSION,
-    MySQLDialect,
     batch_rows,
     claim_params,
     parse_record,
@@ -57,43 +50,21 @@ from oncely._dialects.mysql import (
     who,
     write_params,
 )
-from oncely._drivers.mysql import (
-    DRIVER_ERRORS,
-    NO_SUCH_TABLE,
-    MySQLSettings,
-    autocommits,
-    code_of,
-    disconnected,
-    in_transaction,
-    joinable,
-    parse_url,
-    retries_for,
-    translate,
-)
-from oncely._sync._mysql_io import Connection, Pool, close, connect, execute, fetchall, sleep
-from oncely.errors import (
-    SchemaMissing,
-    SchemaTooNew,
-    StoreError,
-    StoreUnavailable,
-    TransactionRequired,
-)
+from oncely._drivers.mysql import DRIVER_ERRORS, in_transaction, translate
+from oncely._sync._mysql_io import Connection, execute, fetchall
+from oncely._sync.mysql_tx import MySQLTransactions
+from oncely.errors import StoreUnavailable, TransactionRequired
 
 __all__ = ["MySQLStore"]
 
-T = TypeVar("T")
 E = TypeVar("E")
 R = TypeVar("R")
 
-_STATUS = {s.value: s for s in Status}
 _ROUNDS = 8  # reads and compare-and-set writes before a key that keeps changing gives up
-_BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
 _BATCH = 500  # keys per multi-row statement of claim_many
-# Numbers the stores of the process: each names its savepoints apart from the others'.
-_STORES = itertools.count(1)
 
 
-class MySQLStore:
+class MySQLStore(MySQLTransactions):
     """A dedup store in a MariaDB (10.5+) or MySQL (8.0+) database, InnoDB tables (transactional
     and two-phase modes).
 
@@ -119,175 +90,6 @@ class MySQLStore:
     loop. The threaded variant may be shared by any number of threads. After ``fork`` a child
     opens connections of its own; never fork in the middle of a transaction.
     """
-
-    supports_transactions = True
-
-    def __init__(
-        self,
-        database: str,
-        *,
-        host: str = "localhost",
-        port: int = 3306,
-        user: str | None = None,
-        password: str | None = None,
-        unix_socket: str | None = None,
-        table: str = "oncely_inbox",
-        pool_size: int = 4,
-        connect_timeout: timedelta = timedelta(seconds=10),
-        lock_timeout: timedelta | None = None,
-        clock: Clock | None = None,
-        migrate: bool = True,
-    ) -> None:
-        if pool_size < 1:
-            raise ValueError("pool_size must be at least 1")
-        self._settings = MySQLSettings(
-            database=database,
-            host=host,
-            port=port,
-            user=user,
-            password=password,
-            unix_socket=unix_socket,
-            connect_timeout=connect_timeout,
-            lock_timeout=lock_timeout,
-        )
-        self._dialect = MySQLDialect(table, server_clock=clock is None)
-        self._now: Callable[[], int | None] = clock.now_ms if clock is not None else lambda: None
-        self._auto_migrate = migrate
-        self._pool = Pool(self._open, pool_size)
-        self._ready_lock = threading.Lock()
-        self._ready = False
-        self._closed = False
-        # How many of this store's savepoint blocks are open on each caller connection.
-        self._depth: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
-        self._savepoint_prefix = f"oncely_{next(_STORES)}_"
-
-    @classmethod
-    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
-        """A store for a ``mysql://`` or ``mariadb://`` URL (see :func:`oncely.open`)."""
-        options = parse_url(url)
-        s = options.settings
-        return cls(
-            s.database,
-            host=s.host,
-            port=s.port,
-            user=s.user,
-            password=s.password,
-            unix_socket=s.unix_socket,
-            table=options.table,
-            pool_size=options.pool_size,
-            connect_timeout=s.connect_timeout,
-            lock_timeout=s.lock_timeout,
-            clock=clock,
-            migrate=options.migrate,
-        )
-
-    @property
-    def url(self) -> str:
-        return self._settings.url(self._dialect.table)
-
-    @property
-    def table(self) -> str:
-        return self._dialect.table
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
-
-    # ------------------------------------------------------------------ connections
-
-    def _open(self) -> Connection:
-        try:
-            return connect(self._settings)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc, f"connecting to {self.url}") from exc
-
-    def _prepare(self) -> None:
-        with self._ready_lock:
-            if not self._ready:
-                self._setup(create=self._auto_migrate, always=False)
-
-    def _setup(self, *, create: bool, always: bool) -> None:
-        """Check the schema version on a pooled connection; create the tables when they are
-        missing (or ``always``, for :meth:`migrate`) if ``create``."""
-        conn = self._pool.acquire()
-        try:
-            version = self._version(conn)
-            if version is not None and version > SCHEMA_VERSION:
-                raise self._too_new(version)
-            if version is None or always:
-                if not create:
-                    raise SchemaMissing(
-                        f"no oncely tables in {self.url}; run `oncely migrate --store URL` "
-                        "or open the store with migrate=True"
-                    )
-                self._create(conn)
-            self._ready = True
-        finally:
-            self._release(conn)
-
-    def _too_new(self, version: int) -> SchemaTooNew:
-        return SchemaTooNew(
-            f"{self.url} holds oncely schema version {version}; this oncely understands up "
-            f"to {SCHEMA_VERSION}: upgrade oncely"
-        )
-
-    def _version(self, conn: Connection) -> int | None:
-        try:
-            rows = fetchall(conn, self._dialect.read_version)
-        except DRIVER_ERRORS as exc:
-            if code_of(exc) == NO_SUCH_TABLE:
-                return None
-            raise translate(exc, "reading the schema version") from exc
-        return int(rows[0][0]) if rows else None
-
-    def _create(self, conn: Connection) -> None:
-        # CREATE TABLE IF NOT EXISTS and the upsert of the version row are safe when several
-        # processes migrate at once: the data dictionary lock orders them.
-        try:
-            for statement in self._dialect.create:
-                execute(conn, statement)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc, "creating the tables") from exc
-
-    def _acquire(self) -> Connection:
-        if self._closed:
-            raise StoreError(f"{self.url}: the store is closed")
-        if not self._ready:
-            self._prepare()
-        return self._pool.acquire()
-
-    def _release(self, conn: Connection, *, discard: bool = False) -> None:
-        """Return a connection, rolling back anything an interrupted operation left open. One
-        a handler turned autocommit off on is dropped: oncely's own writes on it would wait
-        for a COMMIT that never comes."""
-        if not autocommits(conn):
-            discard = True
-        if not discard and in_transaction(conn):
-            try:
-                execute(conn, "ROLLBACK")
-            except DRIVER_ERRORS:
-                discard = True
-        self._pool.release(conn, discard=discard)
-
-    def _run(self, op: str, work: Callable[[Connection], T]) -> T:
-        """``work`` on a pooled autocommit connection. A deadlock victim or a lock wait
-        timeout was rolled back whole by InnoDB, so the work is run again (a bounded number
-        of times); any other driver error is translated at once."""
-        conn = self._acquire()
-        discard = False
-        try:
-            tries = 0
-            while True:
-                try:
-                    return work(conn)
-                except DRIVER_ERRORS as exc:
-                    tries += 1
-                    if tries <= retries_for(exc):
-                        sleep(_BACKOFF_S * 2**tries * random.random())
-                        continue
-                    discard = disconnected(exc)
-                    raise translate(exc, op) from exc
-        finally:
-            self._release(conn, discard=discard)
 
     # ------------------------------------------------------------------ the contract
 
@@ -524,153 +326,7 @@ class MySQLStore:
             lambda conn: self._fenced(conn, "release", consumer, key, apply_release, event),
         )
 
-    def get(self, consumer: str, key: str) -> Record | None:
-        params = who(consumer, key)
-        params["now"] = self._now()
-        rows = self._run("get", lambda conn: fetchall(conn, self._dialect.get, params))
-        return parse_record(consumer, key, rows[0]) if rows else None
-
-    def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
-        if not 1 <= batch_size <= 10_000:
-            raise ValueError("batch_size must be between 1 and 10000")
-        deleted = 0
-        batches = 0
-        after: tuple[bytes, bytes] | None = None
-        while max_batches is None or batches < max_batches:
-            found, count = self._run(
-                "purge", partial(self._purge_batch, after=after, limit=batch_size)
-            )
-            if not found:
-                break
-            deleted += count
-            batches += 1
-            after = (bytes(found[-1][0]), bytes(found[-1][1]))
-            if len(found) < batch_size:
-                break
-        return deleted
-
-    def _purge_batch(
-        self, conn: Connection, after: tuple[bytes, bytes] | None, limit: int
-    ) -> tuple[list[Any], int]:
-        # Sweep the primary key in order: the candidates are read without locks, then deleted
-        # by key, still expired, in one short statement. There is deliberately no index on
-        # expires_ms: it would cost every claim and completion a second B-tree write, to speed
-        # up only the background purge.
-        now = self._now()
-        params: dict[str, Any] = {"now": now, "limit": limit}
-        if after is not None:
-            params["after_consumer"], params["after_key"] = after
-        found = fetchall(conn, self._dialect.purge_candidates(first=after is None), params)
-        if not found:
-            return found, 0
-        doomed: dict[str, Any] = {"now": now}
-        for i, (consumer, key) in enumerate(found):
-            doomed[f"c{i}"], doomed[f"k{i}"] = consumer, key
-        count = (execute(conn, self._dialect.purge_delete(len(found)), doomed))[0]
-        return found, count
-
-    def stats(self) -> StoreStats:
-        params = {"now": self._now()}
-        rows = self._run("stats", lambda conn: fetchall(conn, self._dialect.stats, params))
-        counts: dict[str, dict[Status, int]] = {}
-        expired = 0
-        for consumer, status, live, dead in rows:
-            expired += int(dead or 0)
-            if live:
-                counts.setdefault(bytes(consumer).decode("utf-8"), {})[_STATUS[status]] = int(live)
-        return StoreStats(counts=counts, expired=expired)
-
-    def scan(
-        self,
-        *,
-        consumer: str | None = None,
-        status: Status | None = None,
-        after: tuple[str, str] | None = None,
-        limit: int = 100,
-    ) -> list[Record]:
-        params: dict[str, Any] = {"now": self._now(), "limit": int(limit)}
-        if consumer is not None:
-            params["consumer"] = utf8(consumer, "consumer")
-        if status is not None:
-            params["status"] = status.value
-        if after is not None:
-            params["after_consumer"] = utf8(after[0], "consumer")
-            params["after_key"] = utf8(after[1], "key")
-        sql = self._dialect.scan(
-            consumer=consumer is not None, status=status is not None, after=after is not None
-        )
-        rows = self._run("scan", lambda conn: fetchall(conn, sql, params))
-        return [
-            parse_record(bytes(r[0]).decode("utf-8"), bytes(r[1]).decode("utf-8"), r[2:])
-            for r in rows
-        ]
-
-    def forget(self, consumer: str, key: str) -> bool:
-        params = who(consumer, key)
-        found = self._run("forget", lambda conn: execute(conn, self._dialect.forget, params))
-        return found[0] > 0
-
-    def migrate(self) -> int:
-        if self._closed:
-            raise StoreError(f"{self.url}: the store is closed")
-        self._setup(create=True, always=True)
-        return SCHEMA_VERSION
-
-    def schema_version(self) -> int | None:
-        """The schema version in the database, or None when there are no tables yet."""
-        conn = self._open()
-        try:
-            return self._version(conn)
-        finally:
-            close(conn)
-
-    def close(self) -> None:
-        self._closed = True
-        self._pool.close()
-
     # ------------------------------------------------------------ transactional mode (R7)
-
-    def transaction(self) -> _Transaction:
-        return _Transaction(self)
-
-    @contextmanager
-    def savepoint(self, tx: Connection) -> Iterator[None]:
-        """A savepoint around the block: rolled back to when it raises; left in place when it
-        succeeds (no RELEASE round trip).
-
-        MariaDB and MySQL replace a savepoint by a new one of the same name, and a left one
-        costs nothing but its entry in the transaction's list, so the name is the store's
-        and the number of its blocks open on ``tx`` around this one: the next message's
-        savepoint replaces it (the list stays as long as the deepest nesting), while a block
-        open around this one keeps its own name, which a rollback to it still finds (and the
-        rollback drops every savepoint set after it). The transaction's end drops them all.
-        """
-        depth = self._depth.get(tx, 0)
-        name = f"{self._savepoint_prefix}{depth}"
-        self._joined(tx, f"SAVEPOINT {name}", "savepoint")
-        self._depth[tx] = depth + 1
-        try:
-            yield
-        except BaseException:
-            self._joined(tx, f"ROLLBACK TO SAVEPOINT {name}", "rolling back to a savepoint")
-            raise
-        finally:
-            self._depth[tx] = depth
-
-    def _joined(
-        self, tx: Connection, sql: str, op: str, params: dict[str, Any] | None = None
-    ) -> None:
-        try:
-            execute(tx, sql, params)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc, op, joined=True) from exc
-
-    def check_transaction(self, tx: Connection) -> None:
-        if not joinable(tx):
-            raise TransactionRequired(
-                "the connection has no open transaction: run BEGIN (conn.begin()) first or "
-                "turn autocommit off, or call without tx= to let oncely open and commit one"
-            )
 
     def claim_in(
         self,
@@ -692,55 +348,3 @@ class MySQLStore:
             return self._claim(tx, event, True)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "claim", joined=True) from exc
-
-    def set_result_in(
-        self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
-    ) -> None:
-        params = who(consumer, key)
-        params.update(token=token.encode("utf-8"), result=result)
-        self._joined(tx, self._dialect.set_result, "storing the result", params)
-
-
-class _Transaction:
-    """``store.transaction()``: BEGIN on a pooled connection; COMMIT when the
-    block ends, ROLLBACK when it raises. A class, not a generator: it is on the hot path of
-    every transactional message."""
-
-    __slots__ = ("_conn", "_store")
-
-    def __init__(self, store: MySQLStore) -> None:
-        self._store = store
-        self._conn: Connection | None = None
-
-    def __enter__(self) -> Connection:
-        conn = self._store._acquire()
-        try:
-            execute(conn, "BEGIN")
-        except BaseException as exc:
-            broken = isinstance(exc, DRIVER_ERRORS) and disconnected(exc)
-            self._store._release(conn, discard=broken)
-            if isinstance(exc, DRIVER_ERRORS):
-                raise translate(exc, "begin") from exc
-            raise
-        self._conn = conn
-        return conn
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        conn = self._conn
-        assert conn is not None
-        self._conn = None
-        discard = False
-        try:
-            if exc_type is None:
-                try:
-                    execute(conn, "COMMIT")
-                except DRIVER_ERRORS as error:
-                    discard = disconnected(error)
-                    raise translate(error, "commit", joined=True) from error
-        finally:
-            self._store._release(conn, discard=discard)  # rolls back whatever is open
