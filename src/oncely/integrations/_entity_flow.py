@@ -3,7 +3,8 @@
 Everything here is pure: it builds SQLAlchemy statements and decides from rows, and the
 step-by-step flow is a generator that *yields* each statement and is *sent* what the database
 answered. :mod:`oncely.integrations.entity` drives it with a sync or an async connection, so the
-logic exists once and the two shells only execute.
+logic exists once and the two shells only execute. What the flow comes to is an
+:class:`~oncely.integrations.entity.EntityResult` (:mod:`oncely.integrations._entity_result`).
 
 The flow (R20 steps 2-6, R21)::
 
@@ -21,7 +22,6 @@ import enum
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from enum import StrEnum
 from typing import Final, TypeAlias
 
 from sqlalchemy import (
@@ -40,11 +40,25 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError, NoInspectionAvailable
 from sqlalchemy.sql import Executable
 
-from oncely._core.fingerprint import Fingerprinter, canonical_json
-from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.fingerprint import Fingerprinter
 from oncely.errors import ConfigurationError, InvalidKey, StoreUnavailable
+from oncely.integrations._entity_result import EntityOutcome, EntityResult
 
-__all__ = ["EntityOutcome", "EntityResult"]
+__all__ = [
+    "MISSING",
+    "Answer",
+    "Entity",
+    "Flow",
+    "Plan",
+    "Reply",
+    "Rows",
+    "RowsOrFactory",
+    "Step",
+    "flow",
+    "is_duplicate_key",
+    "make_plan",
+    "shape_of",
+]
 
 Entity: TypeAlias = Table | type[object]
 """A Core :class:`~sqlalchemy.Table` or an ORM-mapped class (its names are attribute names)."""
@@ -68,78 +82,6 @@ _MYSQL_DUPLICATE: Final = frozenset({1022, 1062, 1586})
 _ON_CONFLICT_DIALECTS: Final = frozenset({"postgresql", "sqlite"})
 _MYSQL_DIALECTS: Final = frozenset({"mysql", "mariadb"})
 _ATTEMPTS: Final = 3
-
-
-class EntityOutcome(StrEnum):
-    """What became of one create: ``created``, ``duplicate`` or ``key_conflict``.
-
-    =============  =====================  =================================================
-    outcome        :class:`oncely.Outcome`  broker action
-    =============  =====================  =================================================
-    created        processed              ack: the row (the marker) is new
-    duplicate      duplicate              ack: the same content was created before (R20.5)
-    key_conflict   key_conflict           dead-letter + alert, never a silent ack (R20.6)
-    =============  =====================  =================================================
-    """
-
-    CREATED = "created"
-    DUPLICATE = "duplicate"
-    KEY_CONFLICT = "key_conflict"
-
-    @property
-    def as_outcome(self) -> Outcome:
-        """The :class:`oncely.Outcome` a broker adapter acts on."""
-        return _AS_OUTCOME[self]
-
-    @property
-    def action(self) -> Action:
-        """What the broker should do with the delivery."""
-        return _AS_OUTCOME[self].action
-
-
-_AS_OUTCOME: Final = {
-    EntityOutcome.CREATED: Outcome.PROCESSED,
-    EntityOutcome.DUPLICATE: Outcome.DUPLICATE,
-    EntityOutcome.KEY_CONFLICT: Outcome.KEY_CONFLICT,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class EntityResult:
-    """The result of :func:`~oncely.integrations.entity.create_once` and its kin.
-
-    ``row`` is the row as the database holds it (for ``created``: as inserted, with server
-    defaults; otherwise the first copy's row), keyed by the names the caller used (column keys,
-    or attribute names of an ORM class). ``differing`` names the compared fields whose stored
-    value differs (``key_conflict`` only); ``reason`` says why in one line that names fields,
-    never values of the payload.
-    """
-
-    outcome: EntityOutcome
-    key: Mapping[str, object]
-    row: Mapping[str, object]
-    differing: tuple[str, ...] = ()
-    reason: str | None = None
-
-    @property
-    def action(self) -> Action:
-        """What the broker should do with the delivery (ack, or dead-letter on a conflict)."""
-        return self.outcome.action
-
-    def handled(self, consumer: str) -> Handled[Mapping[str, object]]:
-        """This result as the :class:`oncely.Handled` every adapter, log line and metric takes.
-
-        The key is the key's single value as text, or canonical JSON for a composite key.
-        """
-        key = next(iter(self.key.values())) if len(self.key) == 1 else self.key
-        return Handled(
-            outcome=self.outcome.as_outcome,
-            consumer=consumer,
-            key=key if isinstance(key, str) else canonical_json(key),
-            value=None if self.outcome is EntityOutcome.KEY_CONFLICT else self.row,
-            reason=self.reason,
-            attempt=1 if self.outcome is EntityOutcome.CREATED else 0,
-        )
 
 
 @dataclass(frozen=True, slots=True)

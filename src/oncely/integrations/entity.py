@@ -87,8 +87,6 @@ from oncely.integrations._entity_flow import (
     MISSING,
     Answer,
     Entity,
-    EntityOutcome,
-    EntityResult,
     Flow,
     Plan,
     Reply,
@@ -100,6 +98,7 @@ from oncely.integrations._entity_flow import (
     make_plan,
     shape_of,
 )
+from oncely.integrations._entity_result import EntityOutcome, EntityResult
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
