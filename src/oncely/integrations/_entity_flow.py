@@ -246,7 +246,6 @@ def same_value(given: object, stored: object) -> bool:
 
 def make_plan(
     entity: Entity,
-    *,
     dialect: Dialect,
     key: Values,
     values: Values | None,
@@ -254,10 +253,13 @@ def make_plan(
     fingerprint_column: str | None,
     payload: object,
     fingerprinter: Fingerprinter,
-    rows: RowsOrFactory = (),
-    batch: bool = False,
+    rows: RowsOrFactory | None = None,
 ) -> Plan:
-    """Validate one create and compute its fingerprint; raises ConfigurationError or InvalidKey."""
+    """Validate one create and compute its fingerprint; raises ConfigurationError or InvalidKey.
+
+    The parameters are those of :func:`~oncely.integrations.entity.create_once` and its kin, in
+    their order, so that the four of them pass their arguments on alike; ``rows`` (even empty)
+    makes it a batch (:func:`~oncely.integrations.entity.create_batch_once`)."""
     if dialect.name not in _ON_CONFLICT_DIALECTS | _MYSQL_DIALECTS:
         raise ConfigurationError(
             f"the entity marker supports sqlite, postgresql, mysql and mariadb, not {dialect.name}"
@@ -316,8 +318,8 @@ def make_plan(
         key=dict(key),
         row=row,
         compared=tuple(compared),
-        rows=rows,
-        batch=batch,
+        rows=() if rows is None else rows,
+        batch=rows is not None,
     )
 
 

@@ -138,15 +138,9 @@ def create_once(
     stored row; the caller's transaction stays usable either way. Nothing is committed: the
     row commits (or not) with the caller's transaction, which is what makes it the marker.
     """
+    dialect = _sync_dialect(conn, entity)
     plan = make_plan(
-        entity,
-        dialect=_sync_dialect(conn, entity),
-        key=key,
-        values=values,
-        compare=compare,
-        fingerprint_column=fingerprint_column,
-        payload=payload,
-        fingerprinter=fingerprinter,
+        entity, dialect, key, values, compare, fingerprint_column, payload, fingerprinter
     )
     return _drive(conn, flow(plan))
 
@@ -174,17 +168,9 @@ def create_batch_once(
     begun first: Python's sqlite3 does not BEGIN before a SAVEPOINT, whose RELEASE would then
     commit the batch on its own, outside the caller's transaction.
     """
+    dialect = _sync_dialect(conn, entity)
     plan = make_plan(
-        entity,
-        dialect=_sync_dialect(conn, entity),
-        key=key,
-        values=values,
-        compare=compare,
-        fingerprint_column=fingerprint_column,
-        payload=payload,
-        fingerprinter=fingerprinter,
-        rows=rows,
-        batch=True,
+        entity, dialect, key, values, compare, fingerprint_column, payload, fingerprinter, rows
     )
     if plan.dialect == "sqlite":
         _begin_sqlite(conn, plan)
@@ -204,15 +190,9 @@ async def create_once_async(
     fingerprinter: Fingerprinter = fingerprint,
 ) -> EntityResult:
     """:func:`create_once` on an ``AsyncSession`` or ``AsyncConnection``."""
+    dialect = _async_dialect(conn, entity)
     plan = make_plan(
-        entity,
-        dialect=_async_dialect(conn, entity),
-        key=key,
-        values=values,
-        compare=compare,
-        fingerprint_column=fingerprint_column,
-        payload=payload,
-        fingerprinter=fingerprinter,
+        entity, dialect, key, values, compare, fingerprint_column, payload, fingerprinter
     )
     return await _drive_async(conn, flow(plan))
 
@@ -230,17 +210,9 @@ async def create_batch_once_async(
     fingerprinter: Fingerprinter = fingerprint,
 ) -> EntityResult:
     """:func:`create_batch_once` on an ``AsyncSession`` or ``AsyncConnection``."""
+    dialect = _async_dialect(conn, entity)
     plan = make_plan(
-        entity,
-        dialect=_async_dialect(conn, entity),
-        key=key,
-        values=values,
-        compare=compare,
-        fingerprint_column=fingerprint_column,
-        payload=payload,
-        fingerprinter=fingerprinter,
-        rows=rows,
-        batch=True,
+        entity, dialect, key, values, compare, fingerprint_column, payload, fingerprinter, rows
     )
     if plan.dialect == "sqlite":
         await _begin_sqlite_async(conn, plan)
