@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -221,6 +222,11 @@ def test_registry_urls_and_options() -> None:
     )
     with pytest.raises(oncely.ConfigurationError, match="known: maxlen"):
         open_producer("redis://127.0.0.1:6379/0?ack_wait=1", "orders")
+    assert first.prune_idle_consumers == timedelta(hours=1)
+    never = open_transport(f"{REDIS_URL}?prune_idle_consumers=0", "orders", group=GROUP)
+    assert never.prune_idle_consumers is None  # type: ignore[attr-defined]
+    with pytest.raises(oncely.ConfigurationError, match="prune_idle_consumers"):
+        RedisStreams(REDIS_URL, "orders", group=GROUP, prune_idle_consumers=timedelta(0))
 
 
 async def test_unreachable_redis_raises_broker_unavailable() -> None:
@@ -330,6 +336,92 @@ async def test_an_entry_taken_over_is_settled_by_its_new_owner_only(
 async def _fetch_into(reader: RedisStreams, into: list[Any]) -> bool:
     into.extend(await reader.fetch(4, 50 * MS))
     return bool(into)
+
+
+# A process with two consumers of the group: "gone" reads nothing, "holder" reads one entry and
+# never settles it. It prints once both are registered and is then killed with SIGKILL.
+_KILLED_CONSUMERS = """
+import asyncio, sys
+from datetime import timedelta
+from oncely.brokers.redis_streams import RedisStreams
+
+async def main(url, stream, group):
+    gone = RedisStreams(url, stream, group=group, consumer="gone", prune_idle_consumers=None)
+    holder = RedisStreams(url, stream, group=group, consumer="holder", prune_idle_consumers=None)
+    await gone.open(1)
+    await holder.open(1)
+    print(len(await holder.fetch(1, timedelta(seconds=10))), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def idle_consumers(admin: redis.Redis, stream: str) -> dict[str, tuple[int, int]]:
+    """Each consumer of the group: (pending entries, idle milliseconds)."""
+    return {
+        c["name"].decode(): (int(c["pending"]), int(c["idle"]))
+        for c in admin.xinfo_consumers(stream, GROUP)
+    }
+
+
+async def test_consumers_killed_with_sigkill_are_pruned_once_idle_and_empty(
+    admin: redis.Redis, stream: str
+) -> None:
+    """Consumers whose process was SIGKILLed stay registered; a transport that opens deletes
+    those idle past ``prune_idle_consumers`` that hold nothing, keeps one holding an entry
+    until XAUTOCLAIM took the entry over, then deletes it too on a later round."""
+    await publish(stream, "m-1", {"n": 1})
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _KILLED_CONSUMERS,
+        REDIS_URL,
+        stream,
+        GROUP,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line.strip() == b"1"  # "holder" holds the entry
+    finally:
+        child.kill()  # SIGKILL: neither consumer leaves the group
+        await child.wait()
+    threshold = timedelta(seconds=2)
+    limit_ms = threshold.total_seconds() * 1000
+
+    def both_idle_past_the_threshold() -> bool:
+        found = idle_consumers(admin, stream)
+        return all(found[name][1] > limit_ms for name in ("gone", "holder"))
+
+    await wait_until(both_idle_past_the_threshold, what="the killed consumers to be idle")
+    admin.xgroup_createconsumer(stream, GROUP, "fresh")  # idle for far less than 2 s
+    sweeper = transport(
+        stream, consumer="sweeper", ack_wait=200 * MS, prune_idle_consumers=threshold
+    )
+    try:
+        await sweeper.open(4)
+        found = idle_consumers(admin, stream)
+        assert set(found) == {"holder", "fresh", "sweeper"}  # "gone" was deleted
+        assert found["holder"][0] == 1  # kept: it still holds the entry
+        pending = admin.xpending_range(stream, GROUP, "-", "+", 10)
+        assert [p["consumer"] for p in pending] == [b"holder"]
+        taken: list[Any] = []
+        await wait_until(lambda: _fetch_into(sweeper, taken), what="XAUTOCLAIM to take it")
+        (delivery,) = taken
+        assert delivery.delivery_count == 2
+        await delivery.ack()
+
+        async def holder_pruned() -> bool:
+            await sweeper.fetch(4, 50 * MS)  # housekeeping runs again while reading
+            return "holder" not in idle_consumers(admin, stream)
+
+        await wait_until(holder_pruned, what="the emptied holder to be deleted")
+        assert "sweeper" in idle_consumers(admin, stream)
+    finally:
+        await sweeper.close()
+    assert_settled(admin, stream)
 
 
 # ---------------------------------------------------------------------- required scenarios

@@ -80,9 +80,15 @@ count is dead-lettered as ``rejected`` instead of delivered. Keep it above ``max
 (R13).
 
 :meth:`RedisStreams.close` makes the entries it still holds claimable at once and removes its
-consumer from the group when it holds nothing. Acknowledged entries stay in the stream until
-it is trimmed (``maxlen`` on the producer, or ``XTRIM``); trimming entries not yet read by
-every group loses them, so trim by age well past ``ack_wait`` and the longest retry backoff.
+consumer from the group when it holds nothing. A consumer that never closed (killed with
+SIGKILL) would stay registered for good, so each transport deletes, when it opens and then every
+``prune_idle_consumers`` (1 hour), the group's consumers that hold no pending entries and have
+been idle longer than that (``XINFO CONSUMERS``, ``XGROUP DELCONSUMER``); one that still holds
+entries is kept until ``XAUTOCLAIM`` has taken them over.
+
+Acknowledged entries stay in the stream until it is trimmed (``maxlen`` on the producer, or
+``XTRIM``); trimming entries not yet read by every group loses them, so trim by age well past
+``ack_wait`` and the longest retry backoff.
 
 Durability is the server's: a Redis without ``appendonly`` loses the stream, the group and
 its pending list when it restarts.
@@ -91,8 +97,8 @@ Tested (tests/brokers/test_redis_streams.py, against a real Redis): producer ret
 handler slower than ``ack_wait``, two consumers receiving copies of one message at once,
 key conflicts and poison messages dead-lettered with their reasons, retries up to
 ``max_deliveries``, the delivery limit, ``in_flight`` left pending while another consumer
-works, and a Redis server killed and restarted mid-run; each ends with every effect applied
-once and nothing pending.
+works, a Redis server killed and restarted mid-run, and idle consumers deleted while one
+holding entries is kept; each ends with every effect applied once and nothing pending.
 """
 
 from __future__ import annotations

@@ -41,7 +41,14 @@ class RedisStreamsDelivery:
         self._fields = fields
         self._count = count
         self._settled = False
-        self._envelope = transport._envelope(entry_id, fields, count)
+        per_delivery: dict[str, object] = {
+            "stream": transport.stream,
+            "entry_id": as_text(entry_id),
+            "consumer": transport.consumer,
+            "delivery_count": count,
+            "redelivered": count > 1,
+        }
+        self._envelope = transport._layout.envelope(fields, count, per_delivery)
 
     @property
     def envelope(self) -> Envelope:

@@ -47,3 +47,19 @@ local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #p > 0 then return 0 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 """
+
+# Delete the group's consumers that hold no pending entries and have been idle for longer than
+# ARGV[2] milliseconds (never ARGV[3], the caller). One that holds entries is kept whatever its
+# idle time: deleting it would strand them; XAUTOCLAIM takes them over first. Returns the names.
+PRUNE = """
+local gone = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['pending'] == 0 and f['idle'] > tonumber(ARGV[2]) and f['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    table.insert(gone, f['name'])
+  end
+end
+return gone
+"""

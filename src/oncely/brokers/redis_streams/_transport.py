@@ -15,7 +15,6 @@ from typing import Any, Literal
 import redis.asyncio
 from redis.exceptions import RedisError, ResponseError
 
-from oncely._core.keys import Envelope
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._shape import (
     DeadLetter,
@@ -37,6 +36,10 @@ from oncely.brokers.redis_streams._layout import (
 )
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
+DEFAULT_PRUNE_IDLE_CONSUMERS = timedelta(hours=1)
+"""How long a consumer of the group may sit idle, holding no pending entries, before a
+transport deletes it (see :class:`RedisStreams`)."""
+
 _URL_OPTIONS = (
     "consumer",
     "ack_wait",
@@ -44,6 +47,7 @@ _URL_OPTIONS = (
     "claim_every",
     "start",
     "delivery_limit",
+    "prune_idle_consumers",
     *SHARED_URL_OPTIONS,
 )
 
@@ -63,6 +67,16 @@ class RedisStreams:
     claimed more often than that (``None``: no limit besides ``max_deliveries``).
     ``timeout`` and ``connect_timeout`` bound each Redis call. See the module docstring for
     the entry layout and the broker actions.
+
+    Housekeeping: a consumer that never closed (its process was killed) stays registered in
+    the group. When the transport opens, and then every ``prune_idle_consumers``, it deletes
+    the group's consumers that hold no pending entries and have been idle (``XINFO
+    CONSUMERS``) for longer than ``prune_idle_consumers`` (``XGROUP DELCONSUMER``, checked
+    and done in one script). A consumer that still holds entries is never deleted: once
+    ``XAUTOCLAIM`` has taken them over it holds none and goes at the next round. A running
+    consumer reads every few seconds and is never idle that long; should one be deleted all
+    the same (say after a long outage), its next read registers it again. ``None`` keeps
+    every consumer.
     """
 
     def __init__(
@@ -81,6 +95,7 @@ class RedisStreams:
         connect_timeout: timedelta = timedelta(seconds=5),
         body_field: str = "body",
         message_id_field: str = "message_id",
+        prune_idle_consumers: timedelta | None = DEFAULT_PRUNE_IDLE_CONSUMERS,
     ) -> None:
         self._url = url
         plain_url(url)
@@ -104,9 +119,12 @@ class RedisStreams:
             raise ConfigurationError("start must be 'all' or 'new'")
         if delivery_limit is not None and delivery_limit < 1:
             raise ConfigurationError("delivery_limit must be at least 1 (or None)")
+        if prune_idle_consumers is not None and prune_idle_consumers <= timedelta(0):
+            raise ConfigurationError("prune_idle_consumers must be positive (or None)")
         self.ack_wait = ack_wait
         self.claim_every = claim_every
         self.delivery_limit = delivery_limit
+        self.prune_idle_consumers = prune_idle_consumers
         self._start = "0" if start == "all" else "$"
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -121,6 +139,7 @@ class RedisStreams:
         self._prefetch = 1
         self._cursor = b"0-0"
         self._next_claim = 0.0
+        self._next_prune = 0.0
         self._held: dict[bytes, RedisStreamsDelivery] = {}
 
     @classmethod
@@ -135,8 +154,9 @@ class RedisStreams:
     ) -> RedisStreams:
         """The transport for ``redis://host:port/db?options`` reading the stream ``source``.
         Options: ``consumer``, ``ack_wait`` and ``claim_every`` (seconds), ``dead_letter``,
-        ``start`` (all or new), ``delivery_limit``, ``timeout`` and ``connect_timeout``
-        (seconds), ``body_field``, ``message_id_field``. Keyword arguments win over options."""
+        ``start`` (all or new), ``delivery_limit``, ``prune_idle_consumers`` (seconds, 0 for
+        never), ``timeout`` and ``connect_timeout`` (seconds), ``body_field``,
+        ``message_id_field``. Keyword arguments win over options."""
         options = UrlOptions(url)
         consumer = options.optional_text("consumer")
         wait = options.seconds("ack_wait", timedelta(seconds=30))
@@ -146,6 +166,7 @@ class RedisStreams:
             "all" if options.choice("start", "all", ("all", "new")) == "all" else "new"
         )
         limit = options.integer("delivery_limit", 0)
+        prune = options.seconds("prune_idle_consumers", DEFAULT_PRUNE_IDLE_CONSUMERS)
         shared = shared_options(options)
         options.done(_URL_OPTIONS)
         return cls(
@@ -158,6 +179,7 @@ class RedisStreams:
             claim_every=claim_every,
             start=start,
             delivery_limit=limit or None,
+            prune_idle_consumers=prune if prune > timedelta(0) else None,
             **shared,
         )
 
@@ -175,11 +197,12 @@ class RedisStreams:
         return self.ack_wait / 3
 
     async def open(self, prefetch: int) -> None:
-        """Connect, create the group (and stream) if missing, and read at most ``prefetch``
-        entries per fetch. Raises :class:`~oncely.BrokerUnavailable`."""
+        """Connect, create the group (and stream) if missing, delete the group's long idle
+        consumers (see the class docstring), and read at most ``prefetch`` entries per fetch.
+        Raises :class:`~oncely.BrokerUnavailable`."""
         self._prefetch = max(1, prefetch)
         self._stopped = False
-        await self._ready()
+        await self._prune(await self._ready())
 
     async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
         """Entries taken over from stopped consumers (``XAUTOCLAIM``, every ``claim_every``)
@@ -196,6 +219,8 @@ class RedisStreams:
             self._next_claim = loop.time() + (
                 self.claim_every.total_seconds() if self._cursor == b"0-0" else 0.0
             )
+        if loop.time() >= self._next_prune:
+            await self._prune(client)
         if len(out) < limit:
             block: int | None = None
             if not out:
@@ -271,9 +296,36 @@ class RedisStreams:
                 "set_idle": client.register_script(_scripts.SET_IDLE),
                 "dead_letter": client.register_script(_scripts.DEAD_LETTER),
                 "leave": client.register_script(_scripts.LEAVE),
+                "prune": client.register_script(_scripts.PRUNE),
             }
             self._client = client
         return self._client
+
+    async def _prune(self, client: redis.asyncio.Redis) -> None:
+        """Delete the group's consumers idle past ``prune_idle_consumers`` that hold nothing."""
+        after = self.prune_idle_consumers
+        if after is None:
+            return
+        self._next_prune = asyncio.get_running_loop().time() + after.total_seconds()
+        try:
+            with self._errors("delete idle consumers", self._forget_group):
+                gone = await self._scripts["prune"](
+                    keys=[self.stream], args=[self.group, ms(after), self.consumer], client=client
+                )
+        except BrokerUnavailable:
+            raise
+        except BrokerError as exc:  # housekeeping only: reading goes on without it
+            LOGGER.warning("oncely broker=redis-streams %s", exc)
+            return
+        if gone:
+            LOGGER.info(
+                "oncely broker=redis-streams deleted %d consumers of group %r idle for over "
+                "%s with nothing pending: %s",
+                len(gone),
+                self.group,
+                after,
+                ", ".join(as_text(name) for name in gone),
+            )
 
     def _forget_group(self) -> None:
         self._declared = False
@@ -284,18 +336,6 @@ class RedisStreams:
         delivery = RedisStreamsDelivery(self, entry_id, fields, count)
         self._held[entry_id] = delivery
         return delivery
-
-    def _envelope(
-        self, entry_id: bytes, fields: Sequence[tuple[bytes, bytes]], count: int
-    ) -> Envelope:
-        transport: dict[str, object] = {
-            "stream": self.stream,
-            "entry_id": as_text(entry_id),
-            "consumer": self.consumer,
-            "delivery_count": count,
-            "redelivered": count > 1,
-        }
-        return self._layout.envelope(fields, count, transport)
 
     async def _claim(self, limit: int) -> list[Delivery]:
         client = self._connection()
