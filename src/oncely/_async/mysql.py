@@ -9,9 +9,8 @@ compare-and-set write. Every decision is made by :mod:`oncely._core.state` in Py
 version the write then insists on. The SQL is :mod:`oncely._dialects.mysql`; the driver
 differences (PyMySQL, aiomysql) are in ``_mysql_io``.
 
-This module holds the message path: the claim, the fenced writes and the claim inside a
-caller's transaction. The rest of the transactional mode is in ``mysql_tx``; connections,
-schema and maintenance in ``mysql_base``; what every SQL store shares in ``sql_base``.
+This module is the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. How the store's modules divide the rest is told in ``sql_base``.
 """
 
 from __future__ import annotations

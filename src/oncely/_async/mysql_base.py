@@ -1,10 +1,9 @@
 """The MariaDB / MySQL store's construction, connections, schema and maintenance.
 
-:class:`MySQLStoreBase` is the part of :class:`~oncely.AsyncMySQLStore` that a message does
-not run through, and what every operation runs on: the pool, running work on an autocommit
-connection with a bounded retry of deadlock victims (:meth:`MySQLStoreBase._run`), the
-schema, the purge, closing. What every SQL store shares is in ``sql_base``; the transactional
-mode is in ``mysql_tx``, the claim and the fenced writes in ``mysql``.
+:class:`MySQLStoreBase`: the pool, running work on an autocommit connection with a bounded
+retry of deadlock victims (:meth:`MySQLStoreBase._run`, which every operation runs through),
+the schema, the purge, closing. How the store's modules divide the work is told in
+``sql_base``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from functools import partial
 from typing import Any, Self, TypeVar
 
 from oncely._async._mysql_io import AsyncPool, Connection, close, connect, execute, fetchall, sleep
-from oncely._async.sql_base import Position, SQLStoreBase
+from oncely._async.sql_base import Position, SQLStoreBase, server_time
 from oncely._core.clock import Clock
 from oncely._dialects.mysql import SCHEMA_VERSION, MySQLDialect, who
 from oncely._drivers.mysql import (
@@ -41,11 +40,6 @@ T = TypeVar("T")
 _BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
 # Numbers the stores of the process: each names its savepoints apart from the others'.
 _STORES = itertools.count(1)
-
-
-def _server_time() -> None:
-    """No fixed time: the statement reads the server's clock."""
-    return None
 
 
 class MySQLStoreBase(SQLStoreBase[str]):
@@ -84,7 +78,7 @@ class MySQLStoreBase(SQLStoreBase[str]):
             lock_timeout=lock_timeout,
         )
         self._dialect = MySQLDialect(table, server_clock=clock is None)
-        self._now = clock.now_ms if clock is not None else _server_time
+        self._now = clock.now_ms if clock is not None else server_time
         self._pool = AsyncPool(self._open, pool_size)
         # The transactional mode's savepoints (mysql_tx): how many of this store's savepoint
         # blocks are open on each caller connection, and the prefix of their names.

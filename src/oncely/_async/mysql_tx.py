@@ -1,10 +1,9 @@
-"""The MariaDB / MySQL store's transactional mode (R7): its transactions, savepoints, joining.
+"""The MariaDB / MySQL store's transactional mode (R7), but for its claim (``claim_in``).
 
-:class:`MySQLTransactions` is the part of :class:`~oncely.AsyncMySQLStore` that opens a
-transaction for the caller (``BEGIN`` on a pooled connection, which stays in autocommit mode
-for two-phase work), sets savepoints in a caller's transaction (left in place, not released),
-and checks and writes on a caller's connection. The claim inside a transaction (``claim_in``)
-is in ``mysql``, beside the claim it shares its code with.
+:class:`MySQLTransactions`: transactions opened for the caller (``BEGIN`` on a pooled
+connection, which stays in autocommit mode for two-phase work), savepoints in a caller's
+transaction (left in place, not released), checks and writes on a caller's connection. How
+the store's modules divide the work is told in ``sql_base``.
 """
 
 from __future__ import annotations
@@ -79,7 +78,10 @@ class MySQLTransactions(MySQLStoreBase):
 class _Transaction:
     """``store.transaction()``: BEGIN on a pooled connection; COMMIT when the
     block ends, ROLLBACK when it raises. A class, not a generator: it is on the hot path of
-    every transactional message."""
+    every transactional message.
+
+    Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
+    add a call to every BEGIN and COMMIT."""
 
     __slots__ = ("_conn", "_store")
 

@@ -1,11 +1,10 @@
-"""The PostgreSQL store's transactional mode (R7): transactions it opens, savepoints, joining.
+"""The PostgreSQL store's transactional mode (R7), but for its claim (``claim_in``).
 
-:class:`PostgresTransactions` is the part of :class:`~oncely.AsyncPostgresStore` that opens a
-transaction for the caller (a psycopg transaction block), keeps oncely's savepoints in a
-caller's transaction (pipelined with the claim, left open rather than released: see
-:meth:`PostgresTransactions.savepoint`), and checks and writes on a caller's connection. The
-claim inside a transaction (``claim_in``) is in ``postgres``, beside the claim it shares its
-code with; it sets the savepoint that :meth:`PostgresTransactions.savepoint` left pending.
+:class:`PostgresTransactions`: transactions opened for the caller (a psycopg transaction
+block), oncely's savepoints in a caller's transaction (pipelined with the claim that
+``claim_in`` sends, left open rather than released: see
+:meth:`PostgresTransactions.savepoint`), checks and writes on a caller's connection. How the
+store's modules divide the work is told in ``sql_base``.
 """
 
 from __future__ import annotations
@@ -144,7 +143,10 @@ class _Transaction:
     """``async with store.transaction() as tx``: a psycopg transaction block on a pooled
     connection; committed when the block ends, rolled back when it raises. psycopg forbids
     ``tx.commit()`` inside the block, so a handler cannot split the marker from its writes.
-    A class, not a generator: it is on the hot path of every transactional message."""
+    A class, not a generator: it is on the hot path of every transactional message.
+
+    Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
+    add a call to every BEGIN and COMMIT."""
 
     __slots__ = ("_block", "_conn", "_store")
 

@@ -14,7 +14,15 @@ the batch loop of ``purge_expired``. A store gives it:
 * ``_place``: "table T in WHERE", for messages.
 
 What really differs stays in each store: connections and pools, the claim and the fenced
-writes (the hot path, tuned call by call per driver) and the transactional mode.
+writes (the hot path, tuned call by call per driver) and the transactional mode. Each store
+is three flat modules, one class each, each class built on the one before:
+
+* ``<db>_base``, ``<Db>StoreBase(SQLStoreBase)``: construction, connections, schema,
+  maintenance;
+* ``<db>_tx``, ``<Db>Transactions``: the transactional mode but for its claim (transaction
+  blocks, savepoints, checks and writes on a caller's connection);
+* ``<db>``, the public ``Async<Db>Store``: the message path (the claim, the fenced writes, and
+  ``claim_in``, which shares the claim's code).
 """
 
 from __future__ import annotations
@@ -27,12 +35,17 @@ from oncely._core.records import Record, Status, StoreStats
 from oncely._dialects.shared import parse_stats
 from oncely.errors import SchemaMissing, SchemaTooNew, StoreError
 
-__all__ = ["Position", "SQLStoreBase", "Statements"]
+__all__ = ["Position", "SQLStoreBase", "Statements", "server_time"]
 
 Q = TypeVar("Q", str, bytes)
 
 Position = tuple[object, object]
 """Where a purge stopped: the last (consumer, key) it looked at, as the driver returned them."""
+
+
+def server_time() -> None:
+    """The clock of a store whose statements read the server's (no fixed time)."""
+    return None
 
 
 class Statements(Protocol[Q]):

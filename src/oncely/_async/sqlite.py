@@ -6,9 +6,8 @@ upgrade to a writer and deadlock), a busy timeout for the single-writer lock, an
 processes may share the file on one host; a network file system is not supported (SQLite's
 locking does not hold there).
 
-This module holds the message path: the claim, the fenced writes and the claim inside a
-caller's transaction. The rest of the transactional mode is in ``sqlite_tx``; connections,
-schema and maintenance in ``sqlite_base``; what every SQL store shares in ``sql_base``.
+This module is the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. How the store's modules divide the rest is told in ``sql_base``.
 """
 
 from __future__ import annotations

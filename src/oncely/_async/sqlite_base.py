@@ -1,9 +1,7 @@
 """The SQLite store's construction, connections, schema and maintenance.
 
-:class:`SQLiteStoreBase` is the part of :class:`~oncely.AsyncSQLiteStore` that a message does
-not run through: opening connections (busy timeout, pragmas, WAL), the schema, the purge,
-closing. What every SQL store shares is in ``sql_base``; the transactional mode is in
-``sqlite_tx``, the claim and the fenced writes in ``sqlite``.
+:class:`SQLiteStoreBase`: opening connections (busy timeout, pragmas, WAL), the schema, the
+purge, closing. How the store's modules divide the work is told in ``sql_base``.
 """
 
 from __future__ import annotations

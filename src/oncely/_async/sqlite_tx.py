@@ -1,9 +1,8 @@
-"""The SQLite store's transactional mode (R7): transactions it opens, savepoints, joining.
+"""The SQLite store's transactional mode (R7), but for its claim (``claim_in``).
 
-:class:`SQLiteTransactions` is the part of :class:`~oncely.AsyncSQLiteStore` that opens a
-transaction for the caller (``BEGIN IMMEDIATE``, so a reader never has to upgrade to a writer
-and deadlock), sets savepoints in one, and checks and writes on a caller's connection. The claim inside a transaction (``claim_in``) is in ``sqlite``, beside the claim
-it shares its code with.
+:class:`SQLiteTransactions`: transactions opened for the caller (``BEGIN IMMEDIATE``, so a
+reader never has to upgrade to a writer and deadlock), savepoints, checks and writes on a
+caller's connection. How the store's modules divide the work is told in ``sql_base``.
 """
 
 from __future__ import annotations
@@ -64,7 +63,10 @@ class SQLiteTransactions(SQLiteStoreBase):
 class _Transaction:
     """``async with store.transaction() as tx``: BEGIN IMMEDIATE on a pooled connection;
     COMMIT when the block ends, ROLLBACK when it raises. A class, not a generator: it is on
-    the hot path of every transactional message."""
+    the hot path of every transactional message.
+
+    Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
+    add a call to every BEGIN and COMMIT."""
 
     __slots__ = ("_conn", "_store")
 

@@ -2,11 +2,10 @@
 # Do not edit: change the async source and run `make generate`.
 """The MariaDB / MySQL store's construction, connections, schema and maintenance.
 
-:class:`MySQLStoreBase` is the part of :class:`~oncely.MySQLStore` that a message does
-not run through, and what every operation runs on: the pool, running work on an autocommit
-connection with a bounded retry of deadlock victims (:meth:`MySQLStoreBase._run`), the
-schema, the purge, closing. What every SQL store shares is in ``sql_base``; the transactional
-mode is in ``mysql_tx``, the claim and the fenced writes in ``mysql``.
+:class:`MySQLStoreBase`: the pool, running work on an autocommit connection with a bounded
+retry of deadlock victims (:meth:`MySQLStoreBase._run`, which every operation runs through),
+the schema, the purge, closing. How the store's modules divide the work is told in
+``sql_base``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from oncely._drivers.mysql import (
     translate,
 )
 from oncely._sync._mysql_io import Connection, Pool, close, connect, execute, fetchall, sleep
-from oncely._sync.sql_base import Position, SQLStoreBase
+from oncely._sync.sql_base import Position, SQLStoreBase, server_time
 
 __all__ = ["MySQLStoreBase"]
 
@@ -43,11 +42,6 @@ T = TypeVar("T")
 _BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
 # Numbers the stores of the process: each names its savepoints apart from the others'.
 _STORES = itertools.count(1)
-
-
-def _server_time() -> None:
-    """No fixed time: the statement reads the server's clock."""
-    return None
 
 
 class MySQLStoreBase(SQLStoreBase[str]):
@@ -86,7 +80,7 @@ class MySQLStoreBase(SQLStoreBase[str]):
             lock_timeout=lock_timeout,
         )
         self._dialect = MySQLDialect(table, server_clock=clock is None)
-        self._now = clock.now_ms if clock is not None else _server_time
+        self._now = clock.now_ms if clock is not None else server_time
         self._pool = Pool(self._open, pool_size)
         # The transactional mode's savepoints (mysql_tx): how many of this store's savepoint
         # blocks are open on each caller connection, and the prefix of their names.

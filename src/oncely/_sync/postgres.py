@@ -11,9 +11,8 @@ Joined to a caller's transaction, the savepoint around a message costs no round 
 own: its ``SAVEPOINT`` is pipelined with the claim, and it is not released (see
 :meth:`PostgresStore.savepoint`).
 
-This module holds the message path: the claim, the fenced writes and the claim inside a
-caller's transaction. The rest of the transactional mode is in ``postgres_tx``; connections,
-schema and maintenance in ``postgres_base``; what every SQL store shares in ``sql_base``.
+This module is the message path: the claim, the fenced writes and the claim inside a
+caller's transaction. How the store's modules divide the rest is told in ``sql_base``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 # Do not edit: change the async source and run `make generate`.
 """The PostgreSQL store's construction, connections, schema and maintenance.
 
-:class:`PostgresStoreBase` is the part of :class:`~oncely.PostgresStore` that a message
-does not run through: the pool (its own, or a caller's whose connections it switches to
+:class:`PostgresStoreBase`: the pool (its own, or a caller's whose connections it switches to
 autocommit while it holds them), schema work on a direct connection whose errors say why the
-server refused, the purge, closing. What every SQL store shares is in ``sql_base``; the
-transactional mode is in ``postgres_tx``, the claim and the fenced writes in ``postgres``.
+server refused, the purge, closing. How the store's modules divide the work is told in
+``sql_base``.
 """
 
 from __future__ import annotations
@@ -35,17 +34,12 @@ from oncely._sync._postgres_io import (
     open_pool,
     recheck_soon,
 )
-from oncely._sync.sql_base import Position, SQLStoreBase
+from oncely._sync.sql_base import Position, SQLStoreBase, server_time
 from oncely.errors import ConfigurationError, StoreError
 
 __all__ = ["PostgresStoreBase"]
 
 _TX = pq.TransactionStatus
-
-
-def _server_time() -> None:
-    """No fixed time: the statement reads the server's clock."""
-    return None
 
 
 class PostgresStoreBase(SQLStoreBase[bytes]):
@@ -88,7 +82,7 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._pool_min = pool_min
         self._pool_max = pool_max
         self._connect_timeout = connect_timeout
-        self._now = clock.now_ms if clock is not None else _server_time
+        self._now = clock.now_ms if clock is not None else server_time
         self._pool: ConnPool | None = self._given_pool
         self._pid = os.getpid()
         # Connections of a caller's pool in autocommit=False mode, switched for oncely's use.
