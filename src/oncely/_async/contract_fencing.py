@@ -1,7 +1,6 @@
 """Contract, fenced writes (R10, R20): complete, fail, renew and release carry the claim's token
 and raise :class:`~oncely.LeaseLost` once another worker has taken the record over."""
 
-# ruff: noqa: PT018  (as in contract.py: a test asserts a whole state at once)
 
 from __future__ import annotations
 

@@ -4,8 +4,6 @@
 winner; a lapsed lease is taken over with a new token and attempt, a live one never; a batch of
 claims answers as the same claims made one by one."""
 
-# ruff: noqa: PT018  (as in contract.py: a test asserts a whole state at once)
-
 from __future__ import annotations
 
 from datetime import timedelta

@@ -4,8 +4,6 @@
 refuses, results over the limit, the handler's context, logs and hooks, the decorator, and broker
 messages keyed by their source."""
 
-# ruff: noqa: PT018  (as in contract.py: a test asserts a whole state at once)
-
 from __future__ import annotations
 
 import pytest

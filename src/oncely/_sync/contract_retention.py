@@ -4,8 +4,6 @@
 in batches; stats, scan and forget show and remove records; keys and results keep every byte;
 migrate is repeatable."""
 
-# ruff: noqa: PT018  (as in contract.py: a test asserts a whole state at once)
-
 from __future__ import annotations
 
 from datetime import timedelta

@@ -4,11 +4,6 @@
 not at all, in oncely's transaction or the caller's, with or without a savepoint; stores without
 transactions refuse the mode."""
 
-# As in contract.py: a test asserts a whole state at once (PT018) and a block raises mid-way
-# (PT012); the generated sync twin nests plain with blocks (SIM117, which this async
-# source does not need: RUF100).
-# ruff: noqa: PT018, PT012, SIM117, RUF100
-
 from __future__ import annotations
 
 from typing import Any

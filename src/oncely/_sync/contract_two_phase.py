@@ -4,8 +4,6 @@
 conflicts, failures released for a retry, poison messages failed for good, claims in flight,
 stale claims retried, escalated or reconciled, and zombies that never overwrite the new owner."""
 
-# ruff: noqa: PT018  (as in contract.py: a test asserts a whole state at once)
-
 from __future__ import annotations
 
 import logging
