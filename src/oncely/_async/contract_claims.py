@@ -2,7 +2,6 @@
 winner; a lapsed lease is taken over with a new token and attempt, a live one never; a batch of
 claims answers as the same claims made one by one."""
 
-
 from __future__ import annotations
 
 from datetime import timedelta

@@ -1,7 +1,6 @@
 """Contract, fenced writes (R10, R20): complete, fail, renew and release carry the claim's token
 and raise :class:`~oncely.LeaseLost` once another worker has taken the record over."""
 
-
 from __future__ import annotations
 
 from collections.abc import Callable

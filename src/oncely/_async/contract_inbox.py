@@ -2,7 +2,6 @@
 refuses, results over the limit, the handler's context, logs and hooks, the decorator, and broker
 messages keyed by their source."""
 
-
 from __future__ import annotations
 
 import pytest

@@ -2,7 +2,6 @@
 in batches; stats, scan and forget show and remove records; keys and results keep every byte;
 migrate is repeatable."""
 
-
 from __future__ import annotations
 
 from datetime import timedelta

@@ -2,7 +2,6 @@
 conflicts, failures released for a retry, poison messages failed for good, claims in flight,
 stale claims retried, escalated or reconciled, and zombies that never overwrite the new owner."""
 
-
 from __future__ import annotations
 
 import logging
