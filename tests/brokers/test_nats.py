@@ -530,6 +530,50 @@ async def _claimed(inbox: oncely.AsyncInbox, key: str) -> bool:
     return await inbox.get(key) is not None
 
 
+async def test_stop_gives_back_fetched_messages_no_handler_started(world: World) -> None:
+    """Messages fetched from the server but never handed to a handler are given back (-NAK)
+    at a graceful stop, so another consumer gets them at once rather than after ack_wait; the
+    delivery whose handler is running is left alone and settled after the stop."""
+    ack_wait = timedelta(seconds=60)
+    producer = world.producer()
+    first = world.transport(ack_wait=ack_wait)
+    world.closers.append(first)
+    await first.open(8)
+    await producer.publish(body("started"), message_id="started")
+    [started] = await first.fetch(8, timedelta(milliseconds=500))  # its handler "runs"
+    # A fetch abandoned while it waits leaves its pull request open: what arrives for it
+    # lands in nats-py's buffer, fetched from the server and never handed out.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(first.fetch(8, timedelta(seconds=30)), 0.3)
+    keys = [f"buffered-{i}" for i in range(3)]
+    for key in keys:
+        await producer.publish(body(key), message_id=key)
+
+    async def some_buffered() -> bool:
+        unacked, undelivered = await consumer_state(world.url, world.stream, world.group)
+        return unacked >= 2 and unacked + undelivered == 1 + len(keys)
+
+    await wait_until(some_buffered, what="messages delivered to the first consumer's buffer")
+    await asyncio.sleep(0.2)  # let whatever else the server sends for that pull arrive
+    await first.stop()
+    second = BrokerConsumer(
+        world.transport(ack_wait=ack_wait),
+        world.pg_inbox(),
+        world.in_tx,
+        mode="transactional",
+        settings=settings(),
+    )
+    async with running(second):
+        # Far sooner than ack_wait (60 s): given back, not left to time out.
+        await wait_until(
+            world.has(len(keys)), timeout=timedelta(seconds=15), what="the buffered messages"
+        )
+        await started.ack()  # the running handler finishes after the stop
+        await wait_until(world.settled, what="nothing pending")
+    assert world.ledger.counts() == dict.fromkeys(keys, 1)  # "started" was never given back
+    assert second.counts["processed"] == len(keys)
+
+
 # ---------------------------------------------------------------------------- f. restarts
 
 

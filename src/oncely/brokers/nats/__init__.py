@@ -71,6 +71,15 @@ Connections
     found no message returns ``[]``), and after a reconnect the stream and consumer are
     declared again before the next fetch, in case the server came back without them.
 
+Stopping
+    :meth:`JetStream.stop` drops the pull subscription (the server then drops any pull
+    request still waiting on it) and gives back at once, with ``-NAK`` and no delay, every
+    message fetched from the server but never handed to a handler: the surplus of a fetch,
+    and what nats-py buffered for a pull request that outlived its fetch. Another consumer
+    gets those now rather than after ``ack_wait``. Messages whose handlers are running are
+    settled as the handlers finish; only a consumer that dies (SIGKILL) or loses its
+    connection leaves its messages to come back after ``ack_wait``.
+
 URL options (``nats://user:password@host:4222?ack_wait=30``): ``stream``,
 ``dead_letter_stream``, ``ack_wait``, ``max_deliver``, ``max_ack_pending``,
 ``duplicate_window``, ``connect_timeout``, ``timeout`` (each settlement and publish),
@@ -82,8 +91,9 @@ by the window and, outside it, answered ``duplicate`` by the inbox; an ack wait 
 the handler; two consumers receiving copies of one message at once; key conflicts, poison,
 undecodable and id-less messages read back from the dead-letter stream; retries up to the
 delivery limit; a server killed with SIGKILL and restarted mid-run; ``in_flight`` given back
-with a delay and not acknowledged; fetch and ack on a dropped connection. Each ends with every
-effect applied exactly once and nothing pending or unacknowledged on the consumer.
+with a delay and not acknowledged; fetch and ack on a dropped connection; buffered messages
+given back at a graceful stop while a running handler's is not. Each ends with every effect
+applied exactly once and nothing pending or unacknowledged on the consumer.
 """
 
 from __future__ import annotations

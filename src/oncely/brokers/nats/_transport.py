@@ -267,12 +267,20 @@ class JetStream:
         )
 
     async def stop(self) -> None:
-        """Stop fetching; messages fetched but not yet handed out are given back now."""
+        """Stop fetching, and give back at once (``-NAK`` without delay) every message that
+        was fetched from the server and never handed out: those the last fetch returned
+        beyond its limit, and those nats-py buffered for a pull request still open. Another
+        consumer gets them now instead of after ``ack_wait``. Deliveries already handed out
+        are left alone, to be settled as their handlers finish."""
         self._stopped = True
-        held, self._held = self._held, deque()
+        unstarted = list(self._held)
+        self._held.clear()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            unstarted += await _unsubscribe(sub)
         if not self._link.connected:
-            return
-        for msg in held:
+            return  # they come back after ack_wait
+        for msg in unstarted:
             with contextlib.suppress(BrokerError):
                 await self._reply(msg, b"-NAK", "give back")
 
@@ -282,3 +290,26 @@ class JetStream:
             await self.stop()
         self._sub = None
         await self._link.close()
+
+
+async def _unsubscribe(sub: JetStreamContext.PullSubscription) -> list[Msg]:
+    """Unsubscribe ``sub`` and return the JetStream messages nats-py buffered for it that no
+    fetch returned. Once the subscription is gone the server drops any pull request still
+    waiting on it, so nothing more is delivered here; a message already on its way at that
+    moment is dropped by nats-py and comes back after ``ack_wait``."""
+    # A pull request outlives its fetch when the fetch is cancelled or times out just before
+    # the server's expiry; what the server delivers for it afterwards waits in the queue of
+    # the subscription behind the pull subscription (nats-py's next fetch returns it first).
+    # nats-py has no public call that takes those without pulling more, hence ``_sub``.
+    inner = getattr(sub, "_sub", None)
+    with contextlib.suppress(ValueError, *UNAVAILABLE):
+        await sub.unsubscribe()
+    buffered: list[Msg] = []
+    if inner is None:
+        return buffered
+    with contextlib.suppress(*UNAVAILABLE):
+        while inner.pending_msgs > 0:
+            msg = await inner.next_msg(timeout=1.0)
+            if msg.reply and not JetStreamContext.is_status_msg(msg):
+                buffered.append(msg)
+    return buffered
