@@ -28,8 +28,9 @@ def test_schema_is_created_on_first_use_with_wal(tmp_path: Path) -> None:
 
 def test_missing_schema_is_a_clear_error_when_migration_is_off(tmp_path: Path) -> None:
     store = oncely.SQLiteStore(tmp_path / "o.db", migrate=False)
-    with pytest.raises(oncely.SchemaMissing, match="oncely migrate"):
+    with pytest.raises(oncely.SchemaMissing, match="oncely migrate") as missing:
         store.get("c", "k")
+    assert f"table oncely_inbox in {tmp_path / 'o.db'}" in str(missing.value)
     assert store.migrate() == 1
     assert store.get("c", "k") is None
     store.close()
@@ -149,6 +150,20 @@ def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(oncely.StoreError, match="closed"):
         store.get("c", "k")
+    with pytest.raises(oncely.StoreError, match="closed"):
+        store.migrate()
+
+
+def test_migrate_makes_a_dropped_inbox_table_again(tmp_path: Path) -> None:
+    """The version row says nothing of the inbox table: migrate runs its CREATE again."""
+    path = tmp_path / "o.db"
+    oncely.SQLiteStore(path).migrate()
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE oncely_inbox")
+    store = oncely.SQLiteStore(path)
+    assert store.migrate() == 1
+    assert store.get("c", "k") is None
+    store.close()
 
 
 def test_an_async_store_nobody_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
