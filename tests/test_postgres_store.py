@@ -1037,6 +1037,31 @@ def test_a_store_nobody_closed_does_not_keep_the_process_alive(table: str, flavo
     assert done.stdout.strip() == "processed"
 
 
+def test_an_unclosed_async_store_left_while_its_pool_connects_lets_asyncio_run_end(
+    table: str,
+) -> None:
+    # psycopg_pool's workers swallow a cancellation that arrives while they connect; the main
+    # coroutine returns here with eight handles still waiting for connections the pool is
+    # opening, so asyncio.run's final cancel lands in the middle of those connects. Without
+    # the store's pool watch this hung every time.
+    script = (
+        "import asyncio, oncely\n"
+        "async def main():\n"
+        f"    store = oncely.open_async({POSTGRES_DSN + '?pool_max=8&table=' + table!r})\n"
+        "    async def handler(payload): return None\n"
+        "    inbox = oncely.AsyncInbox(store, consumer='c')\n"
+        "    print((await inbox.handle('k', 1, handler)).outcome)\n"
+        "    pending = [asyncio.create_task(inbox.handle(f'k{i}', 1, handler)) for i in range(8)]\n"
+        "    await asyncio.sleep(0.005)\n"
+        "asyncio.run(main())\n"
+    )
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize(("flavour", "examples"), [("sync", 40), ("async", 15)])
 def test_r8_r10_store_matches_the_model(flavour: str, examples: int) -> None:
     """The hypothesis state machine of the contract suite, against this store (a fresh table

@@ -21,6 +21,7 @@ __all__ = [
     "ConnPool",
     "Connection",
     "Params",
+    "close_pool",
     "connect",
     "execute",
     "fetchall",
@@ -57,7 +58,42 @@ def make_pool(
 
 
 async def open_pool(pool: ConnPool) -> None:
+    """Open ``pool`` without waiting for its connections, and watch the event loop's end.
+
+    psycopg_pool's workers swallow a cancellation that lands while they open a connection
+    (3.3 counts ``CancelledError`` among the errors a connection attempt retries on): the
+    worker goes back to waiting for work. ``asyncio.run`` cancels every task when the main
+    coroutine returns and waits for them all, so a store nobody closed, whose pool was still
+    connecting at that moment, would keep the process alive forever. The watch is a task of
+    its own that only the loop's end (or :func:`close_pool`) cancels; it then closes the
+    pool, which stops every worker, the one that swallowed its cancellation included.
+    """
     await pool.open(wait=False)
+    watch = asyncio.get_running_loop().create_task(_close_on_cancel(pool), name="oncely-pool")
+    _WATCHES[pool] = watch
+    watch.add_done_callback(lambda _task: _WATCHES.pop(pool, None))
+
+
+async def close_pool(pool: ConnPool) -> None:
+    """Close a pool :func:`open_pool` opened, and its watch."""
+    watch = _WATCHES.pop(pool, None)
+    if watch is not None:
+        watch.cancel()
+    await pool.close()
+
+
+async def _close_on_cancel(pool: ConnPool) -> None:
+    try:
+        await asyncio.get_running_loop().create_future()  # never set: only a cancel ends it
+    except asyncio.CancelledError:
+        if not pool.closed:
+            await pool.close(timeout=_CLOSE_TIMEOUT)
+        raise
+
+
+# Each watch task by its pool (a running task needs a strong reference somewhere).
+_WATCHES: dict[ConnPool, asyncio.Task[None]] = {}
+_CLOSE_TIMEOUT = 5.0  # seconds a closing pool waits for its workers
 
 
 async def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:

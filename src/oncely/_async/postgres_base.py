@@ -21,6 +21,7 @@ from psycopg import pq
 from oncely._async._postgres_io import (
     Connection,
     ConnPool,
+    close_pool,
     connect,
     execute,
     fetchall,
@@ -269,4 +270,4 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._closed = True
         pool, self._pool = self._pool, None
         if pool is not None and self._given_pool is None and self._pid == os.getpid():
-            await pool.close()
+            await close_pool(pool)

@@ -21,6 +21,7 @@ __all__ = [
     "ConnPool",
     "Connection",
     "Params",
+    "close_pool",
     "connect",
     "execute",
     "fetchall",
@@ -57,7 +58,14 @@ def make_pool(
 
 
 def open_pool(pool: ConnPool) -> None:
+    """Open ``pool`` without waiting for its connections (its workers are daemon threads:
+    a store nobody closed never keeps the process alive)."""
     pool.open(wait=False)
+
+
+def close_pool(pool: ConnPool) -> None:
+    """Close a pool :func:`open_pool` opened."""
+    pool.close()
 
 
 def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:

@@ -26,6 +26,7 @@ from oncely._drivers.postgres import describe, is_disconnect, parse_url, transla
 from oncely._sync._postgres_io import (
     Connection,
     ConnPool,
+    close_pool,
     connect,
     execute,
     fetchall,
@@ -269,4 +270,4 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._closed = True
         pool, self._pool = self._pool, None
         if pool is not None and self._given_pool is None and self._pid == os.getpid():
-            pool.close()
+            close_pool(pool)
