@@ -1,0 +1,179 @@
+"""How the Redis store translates errors: a closed port, a busy or read-only or paused
+server is StoreUnavailable; a script error or a foreign value is a StoreError."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from redis._parsers.base import BaseParser
+
+import oncely
+from oncely import ClaimStatus, StoreError, StoreUnavailable
+from oncely._dialects.redis import RedisKeys
+from oncely._drivers.redis import translate
+from oncely._sync.redis import RedisStore
+from tests.backends.redis import drop_prefix
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.services
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cluster_mode", ["false", "true"])
+def test_a_closed_port_is_unavailable_at_once(cluster_mode: str) -> None:
+    with socket_bound() as port:  # a port nobody accepts on
+        store = oncely.open(f"redis://127.0.0.1:{port}/0?cluster={cluster_mode}&connect_timeout=2")
+        with pytest.raises(StoreUnavailable):
+            store.claim(
+                "billing", "k", fingerprint=None, token="t", lease_ms=1, keep_ms=1,
+                takeover=False,
+            )  # fmt: skip
+        store.close()
+
+
+class socket_bound:
+    """A loopback port that is bound but never listened on: connections are refused."""
+
+    def __enter__(self) -> int:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        return int(self._sock.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.close()
+
+
+@pytest.mark.services
+def test_a_script_error_is_a_store_error_not_an_outage(redis_url: str, prefix: str) -> None:
+    # Something else wrote under a record's name: a string not in oncely's layout, or a value
+    # of another type. Either is a store error naming the problem, never an outage to retry.
+    client = redis.Redis.from_url(redis_url)
+    store = RedisStore(client, prefix=prefix)
+    keys = RedisKeys(prefix)
+    client.set(keys.record("billing", "k"), "not a record")
+    client.hset(keys.record("billing", "h"), "field", "value")
+    for key, expected in (("k", "not an oncely record"), ("h", "WRONGTYPE")):
+        with pytest.raises(StoreError) as failed:
+            store.claim(
+                "billing", key, fingerprint=None, token="t", lease_ms=1, keep_ms=1, takeover=False
+            )
+        assert not isinstance(failed.value, StoreUnavailable)
+        assert expected in str(failed.value)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "LOADING Redis is loading the dataset in memory",
+        "BUSY Redis is busy running a script. You can only call SCRIPT KILL",
+        "READONLY You can't write against a read only replica.",
+        "TRYAGAIN Multiple keys request during rehashing of slot",
+        "CLUSTERDOWN The cluster is down",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+    ],
+)
+def test_transient_server_replies_mean_unavailable(reply: str) -> None:
+    error = BaseParser.parse_error(reply)  # the exception redis-py raises for that reply
+    assert isinstance(translate(error, "claim"), StoreUnavailable)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "ERR user_script:12: Script attempted to access nonexistent global variable",
+        "WRONGTYPE Operation against a key holding the wrong kind of value",
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "WRONGPASS invalid username-password pair or user is disabled.",
+    ],
+)
+def test_other_server_replies_are_store_errors(reply: str) -> None:
+    translated = translate(BaseParser.parse_error(reply), "claim")
+    assert isinstance(translated, StoreError) and not isinstance(translated, StoreUnavailable)
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+def test_a_busy_server_is_unavailable(private_port: int, prefix: str) -> None:
+    admin = redis.Redis(port=private_port)
+    admin.config_set("busy-reply-threshold", 100)
+    blocker = redis.Redis(port=private_port)
+    stuck = threading.Thread(
+        target=lambda: _ignore(lambda: blocker.eval("while true do end", 0)), daemon=True
+    )
+    store = RedisStore(redis.Redis(port=private_port), prefix=prefix)
+    store.migrate()
+    try:
+        stuck.start()
+        deadline = time.monotonic() + 10
+        seen: StoreUnavailable | None = None
+        while seen is None and time.monotonic() < deadline:
+            try:
+                store.get("billing", "k")
+            except StoreUnavailable as exc:
+                seen = exc
+            time.sleep(0.02)
+        assert seen is not None and "BUSY" in str(seen)
+    finally:
+        while stuck.is_alive():
+            _ignore(admin.script_kill)
+            stuck.join(0.1)
+        admin.config_set("busy-reply-threshold", 5000)
+        drop_prefix(admin, prefix)
+    assert store.get("billing", "k") is None  # and fine again afterwards
+    store.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(60)
+def test_a_read_only_replica_is_unavailable(private_port: int, prefix: str) -> None:
+    admin = redis.Redis(port=private_port)
+    store = RedisStore(redis.Redis(port=private_port), prefix=prefix)
+    store.migrate()
+    with socket_bound() as nowhere:
+        admin.replicaof("127.0.0.1", nowhere)  # a replica of a primary it cannot reach
+        try:
+            with pytest.raises(StoreUnavailable, match="read only"):
+                store.claim(
+                    "billing", "k", fingerprint=None, token="t", lease_ms=1, keep_ms=1,
+                    takeover=False,
+                )  # fmt: skip
+        finally:
+            admin.replicaof("NO", "ONE")
+    claim = store.claim(
+        "billing", "k", fingerprint=None, token="t", lease_ms=1, keep_ms=1, takeover=False
+    )
+    assert claim.status is ClaimStatus.NEW
+    drop_prefix(admin, prefix)
+    store.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(30)
+def test_a_server_that_does_not_answer_in_time_is_unavailable(
+    private_port: int, prefix: str
+) -> None:
+    store = oncely.open(f"redis://127.0.0.1:{private_port}/0?prefix={prefix}&timeout=0.2")
+    store.migrate()
+    admin = redis.Redis(port=private_port)
+    admin.client_pause(1500)  # the server holds every client's commands for 1.5 s
+    try:
+        with pytest.raises(StoreUnavailable, match=r"(?i)timeout"):
+            store.get("billing", "k")
+    finally:
+        admin.client_unpause()
+    assert store.get("billing", "k") is None  # the timed-out connection was replaced
+    drop_prefix(admin, prefix)
+    store.close()
+
+
+def _ignore(call: Callable[[], object]) -> None:
+    with contextlib.suppress(redis.RedisError):
+        call()
