@@ -1,12 +1,18 @@
-"""Fixtures every broker's end-to-end tests share."""
+"""Fixtures the broker end-to-end tests share: the ledger every broker's tests use, then each
+broker's own (used by several of its ``test_<broker>_*.py`` modules)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 
 import pytest
+import redis.asyncio
 
-from tests.brokers.common import Ledger, require_postgres
+import oncely
+from tests.brokers.common import Ledger, drop_store_table, pg_store, require_postgres, unique
+from tests.brokers.rabbitmq_helpers import CONSUMER, Rabbit, _require_rabbitmq
+from tests.services import REDIS_URL, require
 
 
 @pytest.fixture
@@ -17,3 +23,50 @@ def ledger() -> Iterator[Ledger]:
     book.create()
     yield book
     book.drop()
+
+
+# ---------------------------------------------------------------------- RabbitMQ
+
+
+@pytest.fixture
+async def rabbit() -> AsyncIterator[Rabbit]:
+    _require_rabbitmq()
+    found = Rabbit(unique("rmq"))
+    try:
+        yield found
+    finally:
+        await found.delete()
+
+
+@pytest.fixture
+async def pg_inbox() -> AsyncIterator[oncely.AsyncInbox]:
+    """Transactional mode: the marker and the ledger row commit together (R7)."""
+    require_postgres()
+    table = unique("inbox")
+    inbox = oncely.AsyncInbox(pg_store(table), consumer=CONSUMER)
+    try:
+        yield inbox
+    finally:
+        await inbox.aclose()
+        drop_store_table(table)
+        drop_store_table(f"{table}_meta")
+
+
+@pytest.fixture
+async def redis_inbox() -> AsyncIterator[oncely.AsyncInbox]:
+    """Two-phase mode on Redis with a short lease the heartbeat keeps renewing (R10)."""
+    require("Redis", REDIS_URL, 6379)
+    prefix = unique("rmq")
+    store = oncely.AsyncRedisStore.from_url(f"{REDIS_URL}?prefix={prefix}")
+    inbox = oncely.AsyncInbox(
+        store, consumer=CONSUMER, lease=oncely.Lease(duration=timedelta(seconds=1))
+    )
+    try:
+        yield inbox
+    finally:
+        await inbox.aclose()
+        client = redis.asyncio.Redis.from_url(REDIS_URL)
+        async with client:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+            if keys:
+                await client.delete(*keys)
