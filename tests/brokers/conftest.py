@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 
 import pytest
+import redis
 import redis.asyncio
 
 import oncely
@@ -70,3 +71,42 @@ async def redis_inbox() -> AsyncIterator[oncely.AsyncInbox]:
             keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
             if keys:
                 await client.delete(*keys)
+
+
+# ---------------------------------------------------------------------- Redis Streams
+
+
+@pytest.fixture
+def admin() -> Iterator[redis.Redis]:
+    require("Redis", REDIS_URL, 6379)
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def stream(admin: redis.Redis) -> Iterator[str]:
+    name = unique("rs")
+    yield name
+    admin.delete(name, f"{name}.dead")
+
+
+@pytest.fixture
+async def pg() -> AsyncIterator[oncely.AsyncPostgresStore]:
+    require_postgres()
+    table = unique("inbox")
+    store = pg_store(table)
+    yield store
+    await store.aclose()
+    drop_store_table(table)
+
+
+@pytest.fixture
+async def rstore(admin: redis.Redis) -> AsyncIterator[oncely.AsyncRedisStore]:
+    prefix = unique("rsinbox")
+    store = oncely.AsyncRedisStore.from_url(f"{REDIS_URL}?prefix={prefix}")
+    yield store
+    await store.aclose()
+    keys = list(admin.scan_iter(match=f"{prefix}*", count=500))
+    if keys:
+        admin.delete(*keys)
