@@ -1,0 +1,121 @@
+"""Pools and process lifetime: a pool heals after its connections are killed, a forked
+child opens its own, and a store nobody closed never keeps a process alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+import oncely
+from oncely import Outcome
+from oncely._sync.postgres import PostgresStore
+from tests.services import POSTGRES_DSN
+from tests.stores.postgres.helpers import _sql
+
+
+def test_the_pool_recovers_after_its_connections_are_killed(table: str) -> None:
+    """Every server connection of the store is terminated (what a restart does to them): the
+    next calls raise StoreUnavailable at most, never a psycopg error, and the pool heals."""
+    app = f"oncely_kill_{uuid.uuid4().hex[:8]}"
+    store = oncely.open(
+        f"{POSTGRES_DSN}?table={table}&pool_min=3&pool_max=3&application_name={app}"
+    )
+    inbox = oncely.Inbox(store, consumer="c")
+    for i in range(20):  # let the pool open all three connections
+        inbox.handle(f"before-{i}", 1, lambda p: p)
+    killed = _sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", app
+    )
+    assert killed and all(ok for (ok,) in killed)
+    failures = 0
+    for i in range(40):
+        try:
+            handled = inbox.handle(f"after-{i}", 1, lambda p: p)
+        except oncely.StoreUnavailable:
+            failures += 1
+            time.sleep(0.05)
+            continue
+        assert handled.outcome is Outcome.PROCESSED
+    assert failures <= 3, failures  # at most once per dead connection
+    assert inbox.handle("final", 1, lambda p: p).outcome is Outcome.PROCESSED
+    store.close()
+
+
+def test_a_forked_child_opens_its_own_pool(store: PostgresStore) -> None:
+    inbox = oncely.Inbox(store, consumer="c")
+    assert inbox.handle("from-parent", 1, lambda p: 1).outcome is Outcome.PROCESSED
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            outcomes = [
+                inbox.handle("from-parent", 1, lambda p: 2).outcome.value,
+                inbox.handle("child-key", 1, lambda p: 3).outcome.value,
+            ]
+            os.write(write, json.dumps(outcomes).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        assert json.loads(pipe.read()) == ["duplicate", "processed"]
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's connections were never touched by the child: they still work.
+    assert inbox.handle("child-key", 1, lambda p: 4).outcome is Outcome.DUPLICATE
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_store_nobody_closed_does_not_keep_the_process_alive(table: str, flavour: str) -> None:
+    if flavour == "sync":
+        script = (
+            "import oncely\n"
+            f"store = oncely.open({POSTGRES_DSN + '?table=' + table!r})\n"
+            "print(oncely.Inbox(store, consumer='c').handle('k', 1, lambda p: p).outcome)\n"
+        )
+    else:
+        script = (
+            "import asyncio, oncely\n"
+            "async def main():\n"
+            f"    store = oncely.open_async({POSTGRES_DSN + '?table=' + table!r})\n"
+            "    async def handler(payload): return None\n"
+            "    inbox = oncely.AsyncInbox(store, consumer='c')\n"
+            "    print((await inbox.handle('k', 1, handler)).outcome)\n"
+            "asyncio.run(main())\n"
+        )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "processed"
+
+
+def test_an_unclosed_async_store_left_while_its_pool_connects_lets_asyncio_run_end(
+    table: str,
+) -> None:
+    # psycopg_pool's workers swallow a cancellation that arrives while they connect; the main
+    # coroutine returns here with eight handles still waiting for connections the pool is
+    # opening, so asyncio.run's final cancel lands in the middle of those connects. Without
+    # the store's pool watch this hung every time.
+    script = (
+        "import asyncio, oncely\n"
+        "async def main():\n"
+        f"    store = oncely.open_async({POSTGRES_DSN + '?pool_max=8&table=' + table!r})\n"
+        "    async def handler(payload): return None\n"
+        "    inbox = oncely.AsyncInbox(store, consumer='c')\n"
+        "    print((await inbox.handle('k', 1, handler)).outcome)\n"
+        "    pending = [asyncio.create_task(inbox.handle(f'k{i}', 1, handler)) for i in range(8)]\n"
+        "    await asyncio.sleep(0.005)\n"
+        "asyncio.run(main())\n"
+    )
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr

@@ -1,0 +1,256 @@
+"""The transactional mode (R7) on PostgreSQL: the caller's transaction survives
+conflicts and failed claims, and savepoints left open in a joined
+transaction never hide the one a failing message must roll back to.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import pq
+
+import oncely
+from oncely import ClaimStatus, Outcome
+from oncely._async.postgres import AsyncPostgresStore
+from oncely._sync.postgres import PostgresStore
+from tests.services import POSTGRES_DSN
+from tests.stores.postgres.helpers import KEEP_MS, _claim, _ledger, _ledger_counts, _traced
+
+# ------------------------------------------------------------------ transactional mode (R7)
+
+
+def test_r7_a_conflict_never_aborts_the_callers_transaction(store: PostgresStore) -> None:
+    inbox = oncely.Inbox(store, consumer="c")
+    assert inbox.handle_in_transaction("k", 1, lambda tx, p: None).outcome is Outcome.PROCESSED
+    with psycopg.connect(POSTGRES_DSN) as conn:  # the caller's own, autocommit off, idle
+        duplicate = inbox.handle_in_transaction("k", 1, lambda tx, p: None, tx=conn)
+        conflict = inbox.handle_in_transaction("k", 2, lambda tx, p: None, tx=conn)
+        claim = store.claim_in(
+            conn, "c", "k", fingerprint=None, token="x", keep_ms=1, takeover=True
+        )
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS  # still usable
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        fresh = inbox.handle_in_transaction("k2", 1, lambda tx, p: "r", tx=conn)
+        conn.commit()
+    assert duplicate.outcome is Outcome.DUPLICATE and conflict.outcome is Outcome.KEY_CONFLICT
+    assert claim.status is ClaimStatus.EXISTING
+    assert fresh.outcome is Outcome.PROCESSED
+    assert inbox.handle("k2", 1, lambda p: "again").value == "r"
+
+
+def test_r7_transaction_states_are_checked(store: PostgresStore) -> None:
+    inbox = oncely.Inbox(store, consumer="c")
+    with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+        with pytest.raises(oncely.TransactionRequired, match="autocommit"):
+            inbox.handle_in_transaction("k", 1, lambda tx, p: None, tx=conn)
+        with conn.transaction():
+            assert inbox.handle_in_transaction("k", 1, lambda tx, p: None, tx=conn).ok
+        conn.execute("BEGIN")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1 / 0")
+        with pytest.raises(oncely.TransactionRequired, match="failed earlier"):
+            inbox.handle_in_transaction("k3", 1, lambda tx, p: None, tx=conn)
+        conn.execute("ROLLBACK")
+    with pytest.raises(oncely.TransactionRequired):
+        inbox.handle_in_transaction("k4", 1, lambda tx, p: None, tx=object())
+
+
+def test_r7_the_handler_gets_a_psycopg_connection_in_a_transaction(store: PostgresStore) -> None:
+    inbox = oncely.Inbox(store, consumer="c")
+    seen: list[object] = []
+
+    def book(tx: psycopg.Connection[Any], payload: object) -> None:
+        seen.append(tx.info.transaction_status)
+        with pytest.raises(psycopg.ProgrammingError):
+            tx.commit()  # psycopg forbids splitting the marker from the writes
+
+    inbox.handle_in_transaction("k", 1, book)
+    assert seen == [pq.TransactionStatus.INTRANS]
+
+
+def test_r7_repeatable_read_callers_get_store_unavailable_not_a_wrong_answer(
+    store: PostgresStore,
+) -> None:
+    """Under REPEATABLE READ a claim racing a concurrent commit cannot see the winner: the
+    server raises a serialization failure, translated to StoreUnavailable (retry later)."""
+    store.migrate()
+    with psycopg.connect(POSTGRES_DSN) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.execute("SELECT 1")  # the snapshot is taken now
+        _claim(store, token="elsewhere")  # commits after that snapshot
+        with pytest.raises(oncely.StoreUnavailable) as raised:
+            store.claim_in(conn, "c", "k", fingerprint="f", token="mine", keep_ms=1, takeover=True)
+        assert not isinstance(raised.value, psycopg.Error)
+        conn.rollback()
+
+
+# ------------------------------------------------------------------ savepoints left open
+
+
+def _handler(ledger: str, key: str, *, fails: bool = False) -> Callable[[Any, object], None]:
+    def book(tx: psycopg.Connection[Any], payload: object) -> None:
+        tx.execute(f"INSERT INTO {ledger} (key) VALUES (%s)".encode(), (key,))
+        if fails:
+            raise ValueError(f"{key} fails")
+
+    return book
+
+
+def test_r7_many_messages_in_one_caller_transaction_roll_back_only_their_own(
+    store: PostgresStore, table: str
+) -> None:
+    """Savepoints left open after successful messages never hide the one a failing message
+    must roll back to: in one caller transaction, messages that fail between, inside and
+    around successful ones (nested handlers, and the caller's own savepoints in between)
+    undo exactly their own writes and markers."""
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def outer_with_inner(inner_fails: bool, outer_fails: bool) -> Callable[[Any, object], None]:
+        def outer(tx: psycopg.Connection[Any], payload: object) -> None:
+            name = str(payload)
+            _handler(ledger, f"{name}-outer")(tx, payload)
+            inner = inbox.handle_in_transaction(
+                f"{name}-inner", 1, _handler(ledger, f"{name}-inner", fails=inner_fails), tx=tx
+            )
+            assert inner.outcome is (Outcome.FAILED if inner_fails else Outcome.PROCESSED)
+            _handler(ledger, f"{name}-after", fails=outer_fails)(tx, payload)
+
+        return outer
+
+    with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine, mine.transaction():
+        mine.execute(f"INSERT INTO {ledger} (key) VALUES ('mine')".encode())
+        outcomes = [
+            inbox.handle_in_transaction("a", 1, _handler(ledger, "a"), tx=mine).outcome,
+            inbox.handle_in_transaction("b", 1, _handler(ledger, "b"), tx=mine).outcome,
+            inbox.handle_in_transaction("x", 1, _handler(ledger, "x", fails=True), tx=mine).outcome,
+            inbox.handle_in_transaction("c", 1, _handler(ledger, "c"), tx=mine).outcome,
+            # the inner message succeeds (its savepoint stays open), then the outer fails:
+            # the rollback must reach the outer's savepoint, undoing the inner too
+            inbox.handle_in_transaction("n1", "n1", outer_with_inner(False, True), tx=mine).outcome,
+            # the inner fails, the outer goes on and succeeds
+            inbox.handle_in_transaction("n2", "n2", outer_with_inner(True, False), tx=mine).outcome,
+        ]
+        with mine.transaction():  # the caller's own savepoint, after oncely's open ones
+            inbox.handle_in_transaction("d", 1, _handler(ledger, "d"), tx=mine)
+        with pytest.raises(ZeroDivisionError), mine.transaction():
+            inbox.handle_in_transaction("gone", 1, _handler(ledger, "gone"), tx=mine)
+            raise ZeroDivisionError  # the caller rolls its savepoint back, oncely's inside
+        y = inbox.handle_in_transaction("y", 1, _handler(ledger, "y", fails=True), tx=mine)
+        assert y.outcome is Outcome.FAILED
+        assert inbox.handle_in_transaction("e", 1, _handler(ledger, "e"), tx=mine).ok
+    assert outcomes == [
+        Outcome.PROCESSED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+        Outcome.FAILED,
+        Outcome.PROCESSED,
+    ]
+    written = {"mine", "a", "b", "c", "n2-outer", "n2-after", "d", "e"}
+    assert _ledger_counts(ledger) == Counter(dict.fromkeys(written, 1))
+    markers = {r.key for r in store.scan(consumer="c")}
+    assert markers == {"a", "b", "c", "n2", "d", "e"}
+
+
+def test_r7_a_claim_failing_after_its_savepoint_leaves_the_caller_transaction_usable(
+    store: PostgresStore, table: str
+) -> None:
+    """The SAVEPOINT went out with a claim that then failed (a lock timeout: another
+    transaction holds the key): oncely rolls back to it, so the caller's transaction and its
+    earlier writes survive, and StoreUnavailable says to retry the message later."""
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+    with psycopg.connect(POSTGRES_DSN) as holder:
+        store.claim_in(holder, "c", "k", fingerprint=None, token="held", keep_ms=KEEP_MS,
+                       takeover=True)  # fmt: skip
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine, mine.transaction():
+            mine.execute(f"INSERT INTO {ledger} (key) VALUES ('mine')".encode())
+            mine.execute("SET LOCAL lock_timeout = '50ms'")
+            with pytest.raises(oncely.StoreUnavailable):
+                inbox.handle_in_transaction("k", 1, _handler(ledger, "k"), tx=mine)
+            assert mine.info.transaction_status == pq.TransactionStatus.INTRANS
+            assert inbox.handle_in_transaction("k2", 1, _handler(ledger, "k2"), tx=mine).ok
+        holder.rollback()
+    assert _ledger_counts(ledger) == Counter({"mine": 1, "k2": 1})
+    assert store.get("c", "k") is None and store.get("c", "k2") is not None
+
+
+def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) -> None:
+    """At most OPEN_SAVEPOINTS of them stay open in one transaction; past that each message
+    releases its own. A new transaction on the same connection starts the count again."""
+    from oncely._sync.postgres_tx import OPEN_SAVEPOINTS
+
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    inbox = oncely.Inbox(store, consumer="c")
+    extra = 7
+    try:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as mine:
+            # No prepared statements: psycopg's own round trip to prepare one on its 5th run
+            # (RELEASE's, here) would blur the count.
+            mine.prepare_threshold = None
+            tags: list[str] = []
+            with _traced(mine, tags) as first, mine.transaction():
+                for i in range(OPEN_SAVEPOINTS + extra):
+                    inbox.handle_in_transaction(f"a{i}", 1, _handler(ledger, "a"), tx=mine)
+                failed = inbox.handle_in_transaction(
+                    "bad", 1, _handler(ledger, "bad", fails=True), tx=mine
+                )
+                assert failed.outcome is Outcome.FAILED
+            # the failing message is rolled back to its savepoint, which is then released too
+            assert tags.count("RELEASE") == extra + 1
+            assert tags.count("ROLLBACK") == 1
+            assert tags.count("SAVEPOINT") == OPEN_SAVEPOINTS + extra + 1
+            tags.clear()
+            with _traced(mine, tags) as second, mine.transaction():
+                for i in range(3):
+                    inbox.handle_in_transaction(f"b{i}", 1, _handler(ledger, "b"), tx=mine)
+            assert tags.count("SAVEPOINT") == 3 and "RELEASE" not in tags
+            # BEGIN, COMMIT, and per message: the SAVEPOINT with the claim, the handler's write
+            assert second["round_trips"] == 2 + 3 * 2
+            messages = OPEN_SAVEPOINTS + extra
+            assert first["round_trips"] == 2 + messages * 2 + extra + 4  # + the failing one
+    finally:
+        store.close()
+    assert _ledger_counts(ledger) == Counter({"a": OPEN_SAVEPOINTS + extra, "b": 3})
+
+
+async def test_r7_async_joined_claim_adds_one_round_trip(table: str) -> None:
+    """The asyncio store pipelines its SAVEPOINT with the claim the same way."""
+    store = AsyncPostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def book(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        await tx.execute(f"INSERT INTO {ledger} (key) VALUES (%s)".encode(), (str(payload),))
+
+    async def fails(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        await book(tx, payload)
+        raise ValueError("no")
+
+    try:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as mine:
+            async with mine.transaction():
+                assert (await inbox.handle_in_transaction("w-x", "w", fails, tx=mine)).ok is False
+            for i in range(6):
+                async with mine.transaction():
+                    await inbox.handle_in_transaction(f"w{i}", "w", book, tx=mine)
+            with _traced(mine) as bare:
+                async with mine.transaction():
+                    await book(mine, "bare")
+            with _traced(mine) as joined:
+                async with mine.transaction():
+                    assert (await inbox.handle_in_transaction("k", "k", book, tx=mine)).ok
+                    failed = await inbox.handle_in_transaction("x", "x", fails, tx=mine)
+                    assert failed.outcome is Outcome.FAILED
+            # BEGIN; k: SAVEPOINT + claim, its write; x: the same and the rollback; COMMIT
+            assert bare["round_trips"] == 3 and joined["round_trips"] == 1 + 2 + 3 + 1
+            assert joined["waits"] == joined["round_trips"]
+    finally:
+        await store.aclose()
+    assert _ledger_counts(ledger) == Counter({"w": 6, "bare": 1, "k": 1})
