@@ -1,0 +1,127 @@
+"""Failures translated (a closed port, a wrong password, an unknown database, a closed
+store) and a pool that keeps only healthy connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+from oncely import ClaimStatus
+from oncely._async.mysql import AsyncMySQLStore
+from oncely._drivers.mysql import parse_url
+from oncely._sync.mysql import MySQLStore
+from oncely.errors import (
+    StoreError,
+    StoreUnavailable,
+)
+from tests.backends.mysql import sql, url
+from tests.services import MYSQL_URL
+from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _free_port
+
+
+def test_a_closed_port_is_unavailable_at_once(server: None) -> None:
+    port = _free_port()
+    store = MySQLStore.from_url(f"mysql://root@127.0.0.1:{port}/test?connect_timeout=2")
+    with pytest.raises(StoreUnavailable, match=r"connecting to mysql://root@127\.0\.0\.1"):
+        store.get("c", "k")
+    store.close()
+
+
+def test_a_wrong_password_is_an_error_that_does_not_show_it(table: str) -> None:
+    s = parse_url(MYSQL_URL).settings
+    user = f"oncely_{uuid.uuid4().hex[:8]}"
+    sql(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'right-one'")
+    try:
+        store = MySQLStore.from_url(
+            f"mysql://{user}:wrong-one@{s.host}:{s.port}/{s.database}?table={table}"
+        )
+        with pytest.raises(StoreError) as failed:
+            store.get("c", "k")
+        assert not isinstance(failed.value, StoreUnavailable)  # retrying will not help
+        assert "wrong-one" not in str(failed.value) and "***" in str(failed.value)
+        store.close()
+    finally:
+        sql(f"DROP USER '{user}'@'%'")
+
+
+def test_an_unknown_database_is_an_error(server: None) -> None:
+    s = parse_url(MYSQL_URL).settings
+    store = MySQLStore.from_url(f"mysql://{s.user}@{s.host}:{s.port}/no_such_db_{os.getpid()}")
+    with pytest.raises(StoreError, match="Unknown database"):
+        store.get("c", "k")
+    store.close()
+
+
+def _session_ids(store: MySQLStore, count: int) -> list[int]:
+    """The connection ids of ``count`` pooled connections (all held at once, then returned)."""
+    blocks = [store.transaction() for _ in range(count)]
+    txs = [block.__enter__() for block in blocks]
+    try:
+        ids = []
+        for tx in txs:
+            with tx.cursor() as cursor:
+                cursor.execute("SELECT CONNECTION_ID()")
+                ids.append(int(cursor.fetchone()[0]))
+        return ids
+    finally:
+        for block in reversed(blocks):
+            block.__exit__(None, None, None)
+
+
+def test_the_pool_drops_connections_the_server_killed(table: str) -> None:
+    store = MySQLStore.from_url(url(table, pool_size=2))
+    try:
+        _claim(store, "k1", "t1")
+        for session in _session_ids(store, 2):
+            sql(f"KILL CONNECTION {session}")
+        assert _claim(store, "k2", "t2").status is ClaimStatus.NEW  # no error surfaces
+        record = store.get("billing", "k1")
+        assert record is not None and record.token == "t1"
+    finally:
+        store.close()
+
+
+async def test_the_async_pool_drops_connections_the_server_killed(table: str) -> None:
+    store = AsyncMySQLStore.from_url(url(table, pool_size=2))
+    try:
+        await store.claim(
+            "billing", "k1", fingerprint=None, token="t1", lease_ms=LEASE_MS, keep_ms=KEEP_MS,
+            takeover=False,
+        )  # fmt: skip
+        async with store.transaction() as t1, store.transaction() as t2:
+            ids = []
+            for tx in (t1, t2):
+                cursor = await tx.cursor()
+                await cursor.execute("SELECT CONNECTION_ID()")
+                ids.append(int((await cursor.fetchone())[0]))
+                await cursor.close()
+        for session in ids:
+            sql(f"KILL CONNECTION {session}")
+        await asyncio.sleep(0.05)  # let the event loop read the end of file
+        record = await store.get("billing", "k1")
+        assert record is not None and record.token == "t1"
+    finally:
+        await store.aclose()
+
+
+def test_a_connection_left_without_autocommit_is_not_pooled_again(table: str) -> None:
+    """A handler that turned autocommit off on the store's connection: were it pooled again,
+    the next two-phase claim on it would wait for a COMMIT that never comes."""
+    store = MySQLStore.from_url(url(table, pool_size=1))
+    try:
+        with store.transaction() as tx:
+            tx.autocommit(False)
+        _claim(store, "k", "t1")
+        assert sql(f"SELECT token FROM `{table}`") == [(b"t1",)]  # committed: seen elsewhere
+    finally:
+        store.close()
+
+
+def test_a_closed_store_refuses_work(store: MySQLStore) -> None:
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.get("c", "k")
