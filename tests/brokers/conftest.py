@@ -12,8 +12,9 @@ import redis.asyncio
 
 import oncely
 from tests.brokers.common import Ledger, drop_store_table, pg_store, require_postgres, unique
+from tests.brokers.nats_helpers import World, delete_streams, drop_redis_prefix, need_services
 from tests.brokers.rabbitmq_helpers import CONSUMER, Rabbit, _require_rabbitmq
-from tests.services import REDIS_URL, require
+from tests.services import NATS_URL, REDIS_URL, require
 
 
 @pytest.fixture
@@ -110,3 +111,26 @@ async def rstore(admin: redis.Redis) -> AsyncIterator[oncely.AsyncRedisStore]:
     keys = list(admin.scan_iter(match=f"{prefix}*", count=500))
     if keys:
         admin.delete(*keys)
+
+
+# ---------------------------------------------------------------------- NATS JetStream
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    need_services()
+    w = World(NATS_URL, unique("oncely_nats"))
+    w.ledger.create()
+    try:
+        yield w
+    finally:
+        for closer in w.closers:
+            await closer.close()
+        for inbox in w.inboxes:
+            await inbox.aclose()
+        await delete_streams(w.url, w.base)
+        w.ledger.drop()
+        for table in w.tables:
+            drop_store_table(table)
+        for prefix in w.prefixes:
+            await drop_redis_prefix(prefix)
