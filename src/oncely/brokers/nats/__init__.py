@@ -86,7 +86,7 @@ URL options (``nats://user:password@host:4222?ack_wait=30``): ``stream``,
 ``reconnect_wait`` (durations in seconds). The producer reads ``stream``,
 ``duplicate_window``, ``connect_timeout`` and ``timeout``.
 
-Tested (``tests/brokers/test_nats.py``, against a real nats-server): producer retries dropped
+Tested (``tests/brokers/test_nats_*.py``, against a real nats-server): producer retries dropped
 by the window and, outside it, answered ``duplicate`` by the inbox; an ack wait shorter than
 the handler; two consumers receiving copies of one message at once; key conflicts, poison,
 undecodable and id-less messages read back from the dead-letter stream; retries up to the

@@ -84,7 +84,7 @@ can no longer be settled (their delivery tags belong to the old channel): settli
 URL options: ``delivery_limit`` (whole number, 0 for none), ``declare`` (true/false),
 ``heartbeat``, ``connect_timeout`` and ``confirm_timeout`` (seconds).
 
-Tested (``tests/brokers/test_rabbitmq.py``, against a real RabbitMQ): producer retries with one
+Tested (``tests/brokers/test_rabbitmq_*.py``, against a real RabbitMQ): producer retries with one
 message id, a connection killed under a slow handler (in_flight, then duplicate), two competing
 consumers with copies of one message, key conflicts and poison messages read back from the
 dead-letter queue with their reasons, retries up to ``max_deliveries``, a broker restart

@@ -93,7 +93,7 @@ Acknowledged entries stay in the stream until it is trimmed (``maxlen`` on the p
 Durability is the server's: a Redis without ``appendonly`` loses the stream, the group and
 its pending list when it restarts.
 
-Tested (tests/brokers/test_redis_streams.py, against a real Redis): producer retries, a
+Tested (``tests/brokers/test_redis_streams_*.py``, against a real Redis): producer retries, a
 handler slower than ``ack_wait``, two consumers receiving copies of one message at once,
 key conflicts and poison messages dead-lettered with their reasons, retries up to
 ``max_deliveries``, the delivery limit, ``in_flight`` left pending while another consumer
