@@ -1,0 +1,107 @@
+"""The exit codes of the ``oncely`` command line (schema problem, store unavailable, corrupt
+file, usage errors), and that a password in a store URL is never printed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import oncely
+from tests.cli.helpers import SECRET, count, rows, run, url_of
+
+# ------------------------------------------------------------------------ exit codes
+
+
+def test_schema_too_new_exits_4(db: Path) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE oncely_inbox_meta SET value = '99' WHERE name = 'schema_version'")
+    for command in (["inbox", "stats"], ["inbox", "list"], ["migrate"]):
+        result = run(*command, "--store", url_of(db))
+        assert result.exit_code == 4, (command, result.stderr)
+        assert "schema version 99" in result.stderr
+        assert "upgrade oncely" in result.stderr
+        assert "Traceback" not in result.stderr
+    assert rows(db, "SELECT value FROM oncely_inbox_meta")[0] == ("99",)
+
+
+def test_unopenable_store_exits_3(tmp_path: Path) -> None:
+    # A directory where the database file should be, and a file in a missing directory.
+    for url in (url_of(tmp_path), url_of(tmp_path / "missing" / "x.db")):
+        result = run("migrate", "--store", url)
+        assert result.exit_code == 3, result.stderr
+        assert result.stderr.startswith("Error: ")
+        assert result.stderr.count("\n") == 1
+
+
+def test_locked_store_exits_3(db: Path) -> None:
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        result = run("inbox", "purge", "--store", url_of(db) + "?busy_timeout=0.2")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert result.exit_code == 3, result.stderr
+    assert "locked" in result.stderr
+    assert count(db, "old") == 3
+
+
+def test_corrupt_file_exits_5(tmp_path: Path) -> None:
+    path = tmp_path / "garbage.db"
+    path.write_bytes(b"this is not a database, just text " * 200)
+    result = run("inbox", "stats", "--store", url_of(path))
+    assert result.exit_code == 5, result.stderr
+    assert "not a database" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_exception_instead(tmp_path: Path) -> None:
+    result = run("--debug", "migrate", "--store", url_of(tmp_path))
+    assert isinstance(result.exception, oncely.StoreUnavailable)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["mongodb://admin@db.example/app", "kafka://localhost:9092", "ftp://x/y", "oncely.db"],
+)
+def test_unsupported_url_scheme_is_a_usage_error(url: str) -> None:
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 2
+    assert "unsupported store URL scheme" in result.stderr
+    assert "sqlite://" in result.stderr  # names what is supported
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"postgresql://admin:{SECRET}@db.invalid:5432/app?connect_timeout=1",
+        f"redis://admin:{SECRET}@db.invalid:6379/0?password={SECRET}",
+        f"sqlite://admin:{SECRET}@db.example/x.db",
+        f"mysql://admin:{SECRET}@db.example/app?x=1",
+        f"postgresql://admin:{SECRET}@[db.example/app",  # malformed: cannot even be parsed
+    ],
+)
+def test_a_password_in_the_url_is_never_printed(url: str) -> None:
+    commands = [
+        ["migrate", "--store", url],
+        ["inbox", "stats", "--store", url],
+        ["inbox", "list", "--store", url, "--json"],
+        ["inbox", "show", "--store", url, "--consumer", "c", "k"],
+        ["inbox", "purge", "--store", url],
+        ["inbox", "forget", "--store", url, "--consumer", "c", "k", "--yes"],
+        ["--debug", "inbox", "stats", "--store", url],
+    ]
+    for command in commands:
+        result = run(*command)
+        assert SECRET not in result.stdout + result.stderr + str(result.exception)
+        if command[0] == "--debug" and result.exit_code == 1:
+            continue  # --debug raises the store error for its traceback
+        # A usage error (bad URL, unknown option) or an unreachable server: never a crash.
+        assert result.exit_code in (2, 3), (command, result.stderr)
+        assert "***" in result.stderr or "not a valid URL" in result.stderr
+    from_env = run("inbox", "stats", env={"ONCELY_STORE": url})
+    assert from_env.exit_code in (2, 3)
+    assert SECRET not in from_env.stdout + from_env.stderr

@@ -1,0 +1,70 @@
+"""``oncely inbox purge`` and ``forget`` against a real SQLite file.
+
+Records are created through the real :class:`oncely.Inbox` and store API first (the ``db``
+fixture); the CLI then purges and forgets them, and every claim about the database is checked
+with sqlite3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import oncely
+from tests.cli.helpers import LIVE_KEYS, charge, count, rows, run, url_of
+
+# ---------------------------------------------------------------------------- purge
+
+
+def test_r13_purge_deletes_expired_records_only(db: Path) -> None:
+    assert count(db, "old") == 3
+    result = run("inbox", "purge", "--store", url_of(db))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == "purged 3 expired records"
+    assert count(db, "old") == 0
+    assert rows(db, "SELECT count(*) FROM oncely_inbox")[0][0] == len(LIVE_KEYS)
+    again = run("inbox", "purge", "--store", url_of(db))
+    assert again.stdout.strip() == "purged 0 expired records"
+
+
+def test_purge_in_bounded_batches(db: Path) -> None:
+    result = run("inbox", "purge", "--store", url_of(db), "--batch-size", "2",
+                 "--max-batches", "1")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == "purged 2 expired records"
+    assert count(db, "old") == 1
+
+
+# --------------------------------------------------------------------------- forget
+
+
+def test_forget_with_yes_deletes_the_record(db: Path) -> None:
+    result = run("inbox", "forget", "--store", url_of(db), "--consumer", "billing", "order-2",
+                 "--yes")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert "forgot" in result.stdout
+    assert rows(db, "SELECT 1 FROM oncely_inbox WHERE key = 'order-2'") == []
+    # The next delivery is processed again as new.
+    store = oncely.SQLiteStore(db)
+    try:
+        handled = oncely.Inbox(store, consumer="billing").handle("order-2", {"amount": 2}, charge)
+    finally:
+        store.close()
+    assert handled.outcome is oncely.Outcome.PROCESSED
+
+
+def test_forget_asks_first(db: Path) -> None:
+    refused = run("inbox", "forget", "--store", url_of(db), "--consumer", "billing", "order-1",
+                  stdin="n\n")  # fmt: skip
+    assert refused.exit_code == 1
+    assert rows(db, "SELECT 1 FROM oncely_inbox WHERE key = 'order-1'") == [(1,)]
+    agreed = run("inbox", "forget", "--store", url_of(db), "--consumer", "billing", "order-1",
+                 stdin="y\n")  # fmt: skip
+    assert agreed.exit_code == 0, agreed.stderr
+    assert rows(db, "SELECT 1 FROM oncely_inbox WHERE key = 'order-1'") == []
+
+
+def test_forget_missing_record_exits_1(db: Path) -> None:
+    result = run("inbox", "forget", "--store", url_of(db), "--consumer", "billing", "nope",
+                 "--yes")  # fmt: skip
+    assert result.exit_code == 1
+    assert "no record" in result.stderr
