@@ -46,9 +46,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cases import Resources, profile, run_core, run_twophase, run_tx, trace_twophase, trace_tx
+from cases import Resources
+from core_case import run_core
+from profiles import profile
 from report import chart, filesystem_of, machine, machine_text, tables, write_markdown
 from servers import profile_redis, run_servers
+from sql_trace import trace_twophase, trace_tx
+from twophase_case import run_twophase
+from tx_case import run_tx
 
 SECTIONS = ("twophase", "tx", "core", "servers")
 HERE = Path(__file__).resolve().parent

@@ -62,11 +62,11 @@ from cases import (
     expect,
     order,
     rotated,
-    stats_text,
     trivial,
     us_per,
 )
 from powertools_case import POWERTOOLS_REQUIREMENT, PowertoolsCase, powertools_version
+from profiles import stats_text
 
 import oncely
 from oncely._dialects import redis as redis_dialect
