@@ -1,0 +1,227 @@
+"""The business entity as the dedup marker (R6, R20), on real SQLite, PostgreSQL, MariaDB: copies
+of an order create one order, compared by fields or by fingerprint; a reused key with other
+content is a key conflict naming the fields; other integrity errors propagate; and the example.
+
+Each test makes tables of its own with unique names and drops them afterwards. PostgreSQL and
+MariaDB tests skip without the server (fail under ONCELY_REQUIRE_SERVICES=1). The ``db`` and
+``adb`` fixtures are in ``conftest.py``, the shared helpers in ``entity_helpers.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Session
+
+import oncely
+from oncely.integrations.entity import create_once
+from tests.integrations.entity_helpers import (
+    BODY,
+    CREATED,
+    DUPLICATE,
+    KEY_CONFLICT,
+    ORDER,
+    Db,
+    _by_fields,
+    _by_fingerprint,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- R20: the worked example -----------------------------------------------------------
+
+
+def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fields(db: Db) -> None:
+    outcomes = []
+    for delivery in range(3):
+        with db.engine.begin() as conn:
+            result = _by_fields(conn, db, note=f"delivery {delivery}")
+        outcomes.append(result.outcome)
+        assert result.row["order_id"] == "o-1"
+        assert result.row["note"] == "delivery 0"  # the row as stored: the first copy's
+        assert Decimal(str(result.row["amount"])) == Decimal("12.50")
+    assert outcomes == [CREATED, DUPLICATE, DUPLICATE]
+    assert db.count(db.orders) == 1
+
+
+def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fingerprint(db: Db) -> None:
+    results = []
+    for _ in range(3):
+        with db.engine.begin() as conn:
+            results.append(_by_fingerprint(conn, db, BODY))
+    assert [r.outcome for r in results] == [CREATED, DUPLICATE, DUPLICATE]
+    assert results[0].row["request_fingerprint"] == oncely.fingerprint(BODY)
+    assert results[1].row == results[0].row
+    assert db.count(db.orders) == 1
+
+
+def test_r20_reused_order_id_with_other_content_is_key_conflict_naming_the_fields(db: Db) -> None:
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db).outcome is CREATED
+    with db.engine.begin() as conn:
+        result = _by_fields(conn, db, amount=Decimal("99.99"), customer_id="c-2")
+    assert result.outcome is KEY_CONFLICT
+    assert result.differing == ("customer_id", "amount")
+    assert result.reason is not None
+    assert "customer_id, amount" in result.reason
+    assert "99.99" not in result.reason  # names fields, never payload values
+    assert result.action is oncely.Action.DEAD_LETTER
+    assert result.outcome.as_outcome is oncely.Outcome.KEY_CONFLICT
+    assert Decimal(str(result.row["amount"])) == Decimal("12.50")  # the stored row, untouched
+    assert db.amount("o-1") == Decimal("12.50")
+    assert db.count(db.orders) == 1
+
+
+def test_r20_reused_order_id_with_other_payload_is_key_conflict_by_fingerprint(db: Db) -> None:
+    big = {**BODY, "notes": "x" * 100_000}
+    with db.engine.begin() as conn:
+        assert _by_fingerprint(conn, db, BODY).outcome is CREATED
+    with db.engine.begin() as conn:
+        result = _by_fingerprint(conn, db, big)
+    assert result.outcome is KEY_CONFLICT
+    assert result.differing == ("request_fingerprint",)
+    assert result.reason is not None
+    assert len(result.reason) < 500
+    assert db.count(db.orders) == 1
+
+
+def test_r20_identical_redelivery_is_duplicate_never_key_conflict(db: Db) -> None:
+    reordered = dict(reversed(list(BODY.items())))
+    assert list(reordered) != list(BODY)
+    with db.engine.begin() as conn:
+        assert _by_fingerprint(conn, db, BODY).outcome is CREATED
+    with db.engine.begin() as conn:
+        assert _by_fingerprint(conn, db, reordered).outcome is DUPLICATE
+    with db.engine.begin() as conn:  # numbers by value: 12.5 and Decimal("12.50") are one amount
+        assert _by_fields(conn, db, amount=12.5).outcome is DUPLICATE
+
+
+def test_r20_volatile_fields_left_out_of_the_fingerprint_do_not_conflict(db: Db) -> None:
+    by_fields = oncely.Fingerprint.fields("order_id", "customer_id", "amount")
+    later = {**BODY, "sent_at": "10:05"}
+    outcomes = []
+    for body in (BODY, later):
+        with db.engine.begin() as conn:
+            outcomes.append(
+                create_once(
+                    conn,
+                    db.orders,
+                    key={"order_id": "o-1"},
+                    values=ORDER,
+                    fingerprint_column="request_fingerprint",
+                    payload=body,
+                    fingerprinter=by_fields,
+                ).outcome
+            )
+    assert outcomes == [CREATED, DUPLICATE]
+
+
+def test_r20_conflict_never_poisons_the_callers_transaction(db: Db) -> None:
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db).outcome is CREATED
+    with db.engine.begin() as conn:
+        conn.execute(sa.insert(db.customers).values(customer_id="c-3"))
+        assert _by_fields(conn, db).outcome is DUPLICATE
+        assert _by_fields(conn, db, amount=1).outcome is KEY_CONFLICT
+        conn.execute(sa.insert(db.outbox).values(order_id="o-1", event="after"))
+    assert db.count(db.customers) == 3
+    assert db.count(db.outbox) == 1
+
+
+def test_r20_same_key_twice_in_one_transaction_is_a_duplicate(db: Db) -> None:
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db).outcome is CREATED
+        assert _by_fields(conn, db).outcome is DUPLICATE
+    assert db.count(db.orders) == 1
+
+
+@pytest.mark.parametrize(
+    ("order_id", "changes", "what"),
+    [
+        ("o-2", {"amount": None}, "NOT NULL"),
+        ("o-2", {"customer_id": "nobody"}, "foreign key"),
+        ("o-2", {"email": "a@example.com"}, "another unique constraint"),
+    ],
+)
+def test_r20_other_integrity_errors_propagate(
+    db: Db, order_id: str, changes: dict[str, object], what: str
+) -> None:
+    with db.engine.begin() as conn:
+        _by_fields(conn, db, email="a@example.com")
+    with pytest.raises(IntegrityError), db.engine.begin() as conn:
+        _by_fields(conn, db, order_id, **changes)
+    assert db.count(db.orders) == 1, what
+
+
+def test_r20_orm_session_and_attribute_names(db: Db) -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    class Order(Base):
+        __table__ = db.orders
+        __mapper_args__ = {"properties": {"total": db.orders.c.amount}}  # noqa: RUF012
+
+    with Session(db.engine) as session, session.begin():
+        created = create_once(
+            session,
+            Order,
+            key={"order_id": "o-1"},
+            values={"customer_id": "c-1", "total": Decimal("3.00")},
+            compare=("total",),
+        )
+    with Session(db.engine) as session, session.begin():
+        again = create_once(
+            session,
+            Order,
+            key={"order_id": "o-1"},
+            values={"customer_id": "c-1", "total": Decimal("4.00")},
+            compare=("total",),
+        )
+    assert created.outcome is CREATED
+    assert "total" in created.row
+    assert "amount" not in created.row
+    assert again.outcome is KEY_CONFLICT
+    assert again.differing == ("total",)
+
+
+def test_r20_a_key_the_database_deems_equal_but_spelled_otherwise_is_a_conflict(db: Db) -> None:
+    # MariaDB's default collation is case-insensitive: "O-1" collides with "o-1" on the
+    # primary key. The key columns are compared too, so that is a loud conflict, not a
+    # duplicate; case-sensitive databases simply create a second order.
+    with db.engine.begin() as conn:
+        _by_fields(conn, db, "o-1")
+    with db.engine.begin() as conn:
+        result = _by_fields(conn, db, "O-1")
+    if db.backend == "mariadb":
+        assert (result.outcome, result.differing) == (KEY_CONFLICT, ("order_id",))
+        assert db.count(db.orders) == 1
+    else:
+        assert result.outcome is CREATED
+        assert db.count(db.orders) == 2
+
+
+# --- the example ---------------------------------------------------------------------------
+
+
+def test_r20_example_orders_entity_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "orders_entity.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "delivery 1 of o-1: created -> ack",
+        "delivery 2 of o-1: duplicate -> ack",
+        "o-1 reused with another amount: key_conflict -> dead_letter (differing: amount)",
+        "orders: 1, lines: 2, outbox: 1",
+    ]
