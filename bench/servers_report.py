@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cases import med
+from server_common import TX_NAMES
 from servers import (
     BATCH,
     TARGET_BATCH_SPEEDUP,
@@ -18,7 +19,6 @@ from servers import (
     TARGET_SPEEDUP_DUP,
     TARGET_SPEEDUP_NEW,
     TARGET_TX_EXTRA_TRIPS,
-    TX_NAMES,
 )
 
 Row = dict[str, Any]

@@ -1,0 +1,302 @@
+"""The MariaDB case of the servers section (``bench/servers.py``): oncely's store (PyMySQL)
+against its statements run by hand, both modes, and batch claims."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cases import ACCOUNTS, BenchError, Resources, expect, trivial
+from server_common import (
+    FP,
+    KEEP_MS,
+    LEASE_MS,
+    MYSQL_URL,
+    RUN,
+    SPAN_MS,
+    TX_NAMES,
+    TX_VARIANTS,
+    Group,
+    Server,
+    Tokens,
+    Variant,
+    batch_variants,
+    check_books,
+    driver,
+    marker_params,
+    oncely_variants,
+    with_option,
+)
+from server_trips import Trips
+
+import oncely
+from oncely._dialects.mysql import MySQLDialect
+
+MY_LEDGER = "INSERT INTO {ledger} (account_id, amount_cents, ref) VALUES (%s, %s, %s)"
+MY_BALANCE = "UPDATE {account} SET balance_cents = balance_cents + %s WHERE id = %s"
+
+
+class MariaDB(Server):
+    name = "MariaDB"
+    port = 3306
+    driver = "pymysql"
+    module = "oncely._sync.mysql"
+
+    def __init__(self) -> None:
+        self.url = MYSQL_URL
+        self.table = f"bench_{RUN}"
+        self.store_url = with_option(self.url, "table", self.table)
+        self.sent = dict.fromkeys(TX_VARIANTS, 0)
+        self.created = False
+
+    def connect(self) -> Any:
+        """A PyMySQL connection set up exactly as the store's (autocommit, FOUND_ROWS, the
+        same session settings)."""
+        s = driver("oncely._drivers.mysql").parse_url(self.url).settings
+        return driver("pymysql").connect(database=s.database, **s.connect_kwargs())
+
+    def _tables(self) -> None:
+        if self.created:
+            return
+        setup = oncely.open(self.store_url)
+        setup.migrate()
+        setup.close()
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                for v in TX_VARIANTS:
+                    ledger, account = f"{self.table}_ledger_{v}", f"{self.table}_account_{v}"
+                    cur.execute(
+                        f"CREATE TABLE {ledger} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
+                        "account_id INT NOT NULL, amount_cents BIGINT NOT NULL, "
+                        "ref VARCHAR(64) NOT NULL) ENGINE=InnoDB"
+                    )
+                    cur.execute(
+                        f"CREATE TABLE {account} (id INT PRIMARY KEY, "
+                        "balance_cents BIGINT NOT NULL) ENGINE=InnoDB"
+                    )
+                    cur.executemany(
+                        f"INSERT INTO {account} (id, balance_cents) VALUES (%s, 0)",
+                        [(i,) for i in range(1, ACCOUNTS + 1)],
+                    )
+        finally:
+            conn.close()
+        self.created = True
+
+    def groups(self, res: Resources, trips: Trips | None) -> list[Group]:
+        self._tables()
+        d = MySQLDialect(self.table)
+        tokens = Tokens()
+        store = oncely.open(self.store_url)
+        res.add(store.close)
+        fp = FP.encode()
+
+        raw = self.connect()
+        res.add(raw.close)
+
+        def claim_params(key: str) -> dict[str, Any]:
+            return {
+                "consumer": b"raw",
+                "key": key.encode(),
+                "status": "in_progress",
+                "fingerprint": fp,
+                "token": tokens().encode(),
+                "lease": LEASE_MS,
+                "span": SPAN_MS,
+                "error": None,
+                "now": None,
+            }
+
+        def raw_new(msgs: list[tuple[str, Any]]) -> None:
+            for k, p in msgs:
+                params = claim_params(k)
+                with raw.cursor() as cur:
+                    cur.execute(d.insert, params)
+                    inserted = cur.lastrowid
+                if not inserted:
+                    raise BenchError(f"raw claim of new key {k!r} did not insert")
+                trivial(p)
+                # complete, as the store does it: read the row, then compare-and-set
+                with raw.cursor() as cur:
+                    cur.execute(d.read, params)
+                    row = cur.fetchone()
+                now = int(row[10])
+                values = {
+                    "consumer": b"raw",
+                    "key": params["key"],
+                    "token": row[2],
+                    "status": row[0],
+                    "updated": row[5],
+                    "lease_until": row[6],
+                    "expires": row[7],
+                    "n_status": "completed",
+                    "n_fingerprint": row[1],
+                    "n_token": row[2],
+                    "n_attempt": row[3],
+                    "n_created": row[4],
+                    "n_updated": now,
+                    "n_lease_until": row[6],
+                    "n_expires": now + KEEP_MS,
+                    "n_result": None,
+                    "n_error": None,
+                }
+                with raw.cursor() as cur:
+                    if cur.execute(d.write, values) != 1:
+                        raise BenchError(f"raw complete of {k!r} matched nothing")
+
+        def raw_dup(msgs: list[tuple[str, Any]]) -> None:
+            for k, _p in msgs:
+                params = claim_params(k)
+                with raw.cursor() as cur:
+                    cur.execute(d.insert, params)
+                    if cur.lastrowid:
+                        raise BenchError(f"raw claim of completed key {k!r} inserted")
+                    cur.execute(d.read, params)
+                    row = cur.fetchone()
+                if row is None or row[0] != "completed":
+                    raise BenchError(f"raw read of completed key {k!r}: {row}")
+
+        inbox = oncely.Inbox(store, consumer="twophase")
+        res.add(inbox.close)
+        twophase = Group(self.name, "twophase", [Variant("raw", raw_new, raw_dup)])
+        twophase.variants.append(oncely_variants(inbox))
+
+        def book_for(v: str) -> Callable[[Any, dict[str, Any]], None]:
+            ledger = MY_LEDGER.format(ledger=f"{self.table}_ledger_{v}")
+            balance = MY_BALANCE.format(account=f"{self.table}_account_{v}")
+
+            def book(conn: Any, payload: dict[str, Any]) -> None:
+                with conn.cursor() as cur:
+                    cur.execute(
+                        ledger, (payload["account"], payload["amount_cents"], payload["order_id"])
+                    )
+                    cur.execute(balance, (payload["amount_cents"], payload["account"]))
+
+            return book
+
+        counted = trips is None
+        tx_raw = self.connect()
+        res.add(tx_raw.close)
+        book_raw = book_for("raw")
+
+        def tx_raw_new(msgs: list[tuple[str, Any]]) -> None:
+            for _k, p in msgs:
+                tx_raw.begin()
+                try:
+                    book_raw(tx_raw, p)
+                except BaseException:
+                    tx_raw.rollback()
+                    raise
+                tx_raw.commit()
+            self.sent["raw"] += len(msgs) if counted else 0
+
+        tx_marker = self.connect()
+        res.add(tx_marker.close)
+        book_marker = book_for("marker")
+
+        def tx_marker_new(msgs: list[tuple[str, Any]]) -> None:
+            for k, p in msgs:
+                params = marker_params(k, tokens())
+                params.update(consumer=b"tx-marker", key=k.encode(), token=params["token"].encode())
+                params["fingerprint"] = fp
+                tx_marker.begin()
+                try:
+                    with tx_marker.cursor() as cur:
+                        cur.execute(d.insert, params)
+                        if not cur.lastrowid:
+                            raise BenchError(f"raw marker of new key {k!r} did not insert")
+                    book_marker(tx_marker, p)
+                except BaseException:
+                    tx_marker.rollback()
+                    raise
+                tx_marker.commit()
+            self.sent["marker"] += len(msgs) if counted else 0
+
+        own_inbox = oncely.Inbox(store, consumer="tx-own")
+        res.add(own_inbox.close)
+        book_own = book_for("own")
+
+        def tx_own_new(msgs: list[tuple[str, Any]]) -> None:
+            for k, p in msgs:
+                expect(own_inbox.handle_in_transaction(k, p, book_own), oncely.Outcome.PROCESSED)
+            self.sent["own"] += len(msgs) if counted else 0
+
+        def joined(v: str, savepoint: bool) -> Variant:
+            user = self.connect()
+            res.add(user.close)
+            jinbox = oncely.Inbox(store, consumer=f"tx-{v}")
+            res.add(jinbox.close)
+            book = book_for(v)
+
+            def run(msgs: list[tuple[str, Any]]) -> None:
+                for k, p in msgs:
+                    user.begin()
+                    try:
+                        handled = jinbox.handle_in_transaction(
+                            k, p, book, tx=user, savepoint=savepoint
+                        )
+                    except BaseException:
+                        user.rollback()
+                        raise
+                    user.commit()
+                    expect(handled, oncely.Outcome.PROCESSED)
+                self.sent[v] += len(msgs) if counted else 0
+
+            return Variant(TX_NAMES[v], run)
+
+        tx = Group(
+            self.name,
+            "tx",
+            [
+                Variant("raw", tx_raw_new),
+                Variant(TX_NAMES["marker"], tx_marker_new),
+                Variant(TX_NAMES["own"], tx_own_new),
+                joined("joined", False),
+                joined("joined_sp", True),
+            ],
+        )
+        batch = Group(self.name, "batch", batch_variants(store, "batch"))
+        return [twophase, tx, batch]
+
+    def check(self) -> None:
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                for v in TX_VARIANTS:
+                    cur.execute(
+                        f"SELECT count(*), coalesce(sum(amount_cents), 0) "
+                        f"FROM {self.table}_ledger_{v}"
+                    )
+                    rows, total = cur.fetchone()
+                    cur.execute(f"SELECT sum(balance_cents) FROM {self.table}_account_{v}")
+                    balance = cur.fetchone()[0]
+                    markers = rows
+                    if v != "raw":
+                        cur.execute(
+                            f"SELECT count(*) FROM {self.table} WHERE consumer = %s",
+                            (f"tx-{v}".encode(),),
+                        )
+                        markers = cur.fetchone()[0]
+                    check_books(self.name, v, self.sent[v], rows, total, balance, markers)
+        finally:
+            conn.close()
+
+    def version(self) -> str:
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT VERSION()")
+                return str(cur.fetchone()[0]).split("-")[0]
+        finally:
+            conn.close()
+
+    def cleanup(self) -> None:
+        conn = self.connect()
+        try:
+            names = [self.table, f"{self.table}_meta"]
+            for v in TX_VARIANTS:
+                names += [f"{self.table}_ledger_{v}", f"{self.table}_account_{v}"]
+            with conn.cursor() as cur:
+                cur.execute("DROP TABLE IF EXISTS " + ", ".join(names))
+        finally:
+            conn.close()
