@@ -218,3 +218,43 @@ def check_books(
         )
     if markers != sent:
         raise BenchError(f"{store} tx {variant}: sent {sent} but {markers} markers")
+
+
+LEDGER_SQL = "INSERT INTO {ledger} (account_id, amount_cents, ref) VALUES (%s, %s, %s)"
+BALANCE_SQL = "UPDATE {account} SET balance_cents = balance_cents + %s WHERE id = %s"
+"""The business transaction's two statements (PostgreSQL and MariaDB alike), per variant's
+tables: every variant books into a ledger and accounts of its own."""
+
+
+class Database(Server):
+    """A SQL server store (PostgreSQL, MariaDB): a table of the run's own for the store, a ledger
+    and accounts per transactional variant, and how many messages each variant booked."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.table = f"bench_{RUN}"
+        self.store_url = with_option(self.url, "table", self.table)
+        self.sent = dict.fromkeys(TX_VARIANTS, 0)
+        self.created = False
+
+    def table_names(self) -> list[str]:
+        """Every table the run created on this server, for the clean-up."""
+        names = [self.table, f"{self.table}_meta"]
+        for v in TX_VARIANTS:
+            names += [f"{self.table}_ledger_{v}", f"{self.table}_account_{v}"]
+        return names
+
+    def own_tx(
+        self, store: Any, res: Resources, book: Callable[..., None], counted: bool
+    ) -> Variant:
+        """oncely beginning and committing its own transaction: ``handle_in_transaction(key,
+        order, book)``; ``counted``: whether the messages count towards the books' check."""
+        own_inbox = oncely.Inbox(store, consumer="tx-own")
+        res.add(own_inbox.close)
+
+        def tx_own_new(msgs: list[tuple[str, Any]]) -> None:
+            for k, p in msgs:
+                expect(own_inbox.handle_in_transaction(k, p, book), oncely.Outcome.PROCESSED)
+            self.sent["own"] += len(msgs) if counted else 0
+
+        return Variant(TX_NAMES["own"], tx_own_new)

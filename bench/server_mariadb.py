@@ -8,16 +8,17 @@ from typing import Any
 
 from cases import ACCOUNTS, BenchError, Resources, expect, trivial
 from server_common import (
+    BALANCE_SQL,
     FP,
     KEEP_MS,
     LEASE_MS,
+    LEDGER_SQL,
     MYSQL_URL,
-    RUN,
     SPAN_MS,
     TX_NAMES,
     TX_VARIANTS,
+    Database,
     Group,
-    Server,
     Tokens,
     Variant,
     batch_variants,
@@ -25,29 +26,21 @@ from server_common import (
     driver,
     marker_params,
     oncely_variants,
-    with_option,
 )
 from server_trips import Trips
 
 import oncely
 from oncely._dialects.mysql import MySQLDialect
 
-MY_LEDGER = "INSERT INTO {ledger} (account_id, amount_cents, ref) VALUES (%s, %s, %s)"
-MY_BALANCE = "UPDATE {account} SET balance_cents = balance_cents + %s WHERE id = %s"
 
-
-class MariaDB(Server):
+class MariaDB(Database):
     name = "MariaDB"
     port = 3306
     driver = "pymysql"
     module = "oncely._sync.mysql"
 
     def __init__(self) -> None:
-        self.url = MYSQL_URL
-        self.table = f"bench_{RUN}"
-        self.store_url = with_option(self.url, "table", self.table)
-        self.sent = dict.fromkeys(TX_VARIANTS, 0)
-        self.created = False
+        super().__init__(MYSQL_URL)
 
     def connect(self) -> Any:
         """A PyMySQL connection set up exactly as the store's (autocommit, FOUND_ROWS, the
@@ -162,8 +155,8 @@ class MariaDB(Server):
         twophase.variants.append(oncely_variants(inbox))
 
         def book_for(v: str) -> Callable[[Any, dict[str, Any]], None]:
-            ledger = MY_LEDGER.format(ledger=f"{self.table}_ledger_{v}")
-            balance = MY_BALANCE.format(account=f"{self.table}_account_{v}")
+            ledger = LEDGER_SQL.format(ledger=f"{self.table}_ledger_{v}")
+            balance = BALANCE_SQL.format(account=f"{self.table}_account_{v}")
 
             def book(conn: Any, payload: dict[str, Any]) -> None:
                 with conn.cursor() as cur:
@@ -212,14 +205,7 @@ class MariaDB(Server):
                 tx_marker.commit()
             self.sent["marker"] += len(msgs) if counted else 0
 
-        own_inbox = oncely.Inbox(store, consumer="tx-own")
-        res.add(own_inbox.close)
-        book_own = book_for("own")
-
-        def tx_own_new(msgs: list[tuple[str, Any]]) -> None:
-            for k, p in msgs:
-                expect(own_inbox.handle_in_transaction(k, p, book_own), oncely.Outcome.PROCESSED)
-            self.sent["own"] += len(msgs) if counted else 0
+        tx_own = self.own_tx(store, res, book_for("own"), counted)
 
         def joined(v: str, savepoint: bool) -> Variant:
             user = self.connect()
@@ -250,7 +236,7 @@ class MariaDB(Server):
             [
                 Variant("raw", tx_raw_new),
                 Variant(TX_NAMES["marker"], tx_marker_new),
-                Variant(TX_NAMES["own"], tx_own_new),
+                tx_own,
                 joined("joined", False),
                 joined("joined_sp", True),
             ],
@@ -293,9 +279,7 @@ class MariaDB(Server):
     def cleanup(self) -> None:
         conn = self.connect()
         try:
-            names = [self.table, f"{self.table}_meta"]
-            for v in TX_VARIANTS:
-                names += [f"{self.table}_ledger_{v}", f"{self.table}_account_{v}"]
+            names = self.table_names()
             with conn.cursor() as cur:
                 cur.execute("DROP TABLE IF EXISTS " + ", ".join(names))
         finally:

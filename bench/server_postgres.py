@@ -8,16 +8,17 @@ from typing import Any
 
 from cases import ACCOUNTS, BenchError, Resources, expect, trivial
 from server_common import (
+    BALANCE_SQL,
     FP,
     KEEP_MS,
     LEASE_MS,
+    LEDGER_SQL,
     POSTGRES_URL,
-    RUN,
     SPAN_MS,
     TX_NAMES,
     TX_VARIANTS,
+    Database,
     Group,
-    Server,
     Tokens,
     Variant,
     batch_variants,
@@ -25,29 +26,21 @@ from server_common import (
     driver,
     marker_params,
     oncely_variants,
-    with_option,
 )
 from server_trips import Trips, trace_libpq
 
 import oncely
 from oncely._dialects.postgres import PostgresDialect
 
-PG_LEDGER = "INSERT INTO {ledger} (account_id, amount_cents, ref) VALUES (%s, %s, %s)"
-PG_BALANCE = "UPDATE {account} SET balance_cents = balance_cents + %s WHERE id = %s"
 
-
-class Postgres(Server):
+class Postgres(Database):
     name = "PostgreSQL"
     port = 5432
     driver = "psycopg"
     module = "oncely._sync.postgres"
 
     def __init__(self) -> None:
-        self.url = POSTGRES_URL
-        self.table = f"bench_{RUN}"
-        self.store_url = with_option(self.url, "table", self.table)
-        self.sent = dict.fromkeys(TX_VARIANTS, 0)
-        self.created = False
+        super().__init__(POSTGRES_URL)
 
     def _conninfo(self) -> str:
         return str(driver("oncely._drivers.postgres").parse_url(self.url).conninfo)
@@ -157,8 +150,8 @@ class Postgres(Server):
 
         # ---- transactional: the business transaction, by hand and through oncely
         def book_for(v: str) -> Callable[[Any, dict[str, Any]], None]:
-            ledger = PG_LEDGER.format(ledger=f"{self.table}_ledger_{v}")
-            balance = PG_BALANCE.format(account=f"{self.table}_account_{v}")
+            ledger = LEDGER_SQL.format(ledger=f"{self.table}_ledger_{v}")
+            balance = BALANCE_SQL.format(account=f"{self.table}_account_{v}")
 
             def book(conn: Any, payload: dict[str, Any]) -> None:
                 conn.execute(
@@ -192,14 +185,7 @@ class Postgres(Server):
                     book_marker(tx_marker, p)
             self.sent["marker"] += len(msgs) if counted else 0
 
-        own_inbox = oncely.Inbox(store, consumer="tx-own")
-        res.add(own_inbox.close)
-        book_own = book_for("own")
-
-        def tx_own_new(msgs: list[tuple[str, Any]]) -> None:
-            for k, p in msgs:
-                expect(own_inbox.handle_in_transaction(k, p, book_own), oncely.Outcome.PROCESSED)
-            self.sent["own"] += len(msgs) if counted else 0
+        tx_own = self.own_tx(store, res, book_for("own"), counted)
 
         def joined(v: str, savepoint: bool) -> Variant:
             user = self.connect(trips)
@@ -225,7 +211,7 @@ class Postgres(Server):
             [
                 Variant("raw", tx_raw_new),
                 Variant(TX_NAMES["marker"], tx_marker_new),
-                Variant(TX_NAMES["own"], tx_own_new),
+                tx_own,
                 joined("joined", False),
                 joined("joined_sp", True),
             ],
@@ -262,9 +248,7 @@ class Postgres(Server):
     def cleanup(self) -> None:
         conn = self.connect(None)
         try:
-            names = [self.table, f"{self.table}_meta"]
-            for v in TX_VARIANTS:
-                names += [f"{self.table}_ledger_{v}", f"{self.table}_account_{v}"]
+            names = self.table_names()
             conn.execute("DROP TABLE IF EXISTS " + ", ".join(names))
         finally:
             conn.close()
