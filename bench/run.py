@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import Any
 
 from cases import Resources
+from charts import chart
 from core_case import run_core
 from profiles import profile
-from report import chart, filesystem_of, machine, machine_text, tables, write_markdown
+from report import filesystem_of, machine, machine_text, tables, write_markdown
 from servers import profile_redis, run_servers
 from sql_trace import trace_twophase, trace_tx
 from twophase_case import run_twophase

@@ -1,6 +1,6 @@
-"""Tables and chart panels of the servers section (``bench/servers.py``): per-message paths
-against their raw floors, the transactional mode, batch claims, round trips, and the issue's
-targets, each marked met or not met."""
+"""Tables of the servers section (``bench/servers.py``): per-message paths against their raw
+floors, the transactional mode, batch claims, round trips, and the issue's targets, each marked
+met or not met. Its chart panels are in ``charts.py``."""
 
 from __future__ import annotations
 
@@ -385,72 +385,3 @@ def targets(rows: Sequence[Row]) -> list[list[str]]:
                 speedup >= TARGET_BATCH_SPEEDUP,
             )
     return out
-
-
-COLORS = {"raw": "#bbbbbb", "oncely": "#3b75af", "Powertools": "#f2a65a"}
-SHORT = {"PostgreSQL": "PG", "MariaDB": "Maria"}
-
-
-def server_chart(left: Any, right: Any, results: dict[str, Any]) -> None:
-    """Left: two-phase µs per message per store and path (raw / oncely / Powertools). Right:
-    oncely's time relative to its raw floor on every per-message path, against 1.5x."""
-    rows: list[Row] = results["servers"]["rows"]
-    labels: list[str] = []
-    for r in rows:
-        if r["kind"] == "twophase":
-            name = f"{r['store']} {'new' if r['path'] == 'new key' else 'dup'}"
-            if name not in labels:
-                labels.append(name)
-    variants = [v for v in COLORS if any(r["variant"] == v for r in rows)]
-    h = 0.8 / max(1, len(variants))
-    for i, v in enumerate(variants):
-        ys, vals = [], []
-        for y, name in enumerate(labels):
-            store, short = name.rsplit(" ", 1)
-            path = "new key" if short == "new" else "duplicate"
-            r = find(rows, store, "twophase", path, v)
-            if r is not None:
-                ys.append(y + (i - (len(variants) - 1) / 2) * h)
-                vals.append(med(r["us"]))
-        bars = left.barh(ys, vals, h, label=v, color=COLORS[v])
-        left.bar_label(bars, labels=[fmt_us(x) for x in vals], padding=3, fontsize=7)
-    left.set_yticks(range(len(labels)), labels)
-    left.invert_yaxis()
-    left.set_xscale("log")
-    left.set_xlabel("µs per message (log scale; lower is better)")
-    left.set_title("4. Server stores, two-phase (Inbox.handle)")
-    left.legend(loc="lower right", fontsize=8)
-    all_us = [med(r["us"]) for r in rows if r["kind"] == "twophase"]
-    if all_us:
-        left.set_xlim(left=min(all_us) * 0.5, right=max(all_us) * 4)
-
-    names, ratios = [], []
-    for r in rows:
-        if r["kind"] == "twophase" and r["variant"] == "oncely":
-            store = SHORT.get(r["store"], r["store"])
-            names.append(f"{store}\n{'new' if r['path'] == 'new key' else 'dup'}")
-            ratios.append(med(r["vs_base"]))
-    for r in rows:
-        if r["kind"] == "tx" and r["variant"] in (TX_NAMES["own"], TX_NAMES["joined"]):
-            marker = find(rows, r["store"], "tx", "new key", TX_NAMES["marker"])
-            if marker is not None:
-                short = "tx own" if r["variant"] == TX_NAMES["own"] else "tx joined"
-                names.append(f"{SHORT.get(r['store'], r['store'])}\n{short}")
-                ratios.append(per_round(r["us"], marker["us"]))
-    xs = range(len(names))
-    colors = ["#3b75af" if v <= TARGET_FLOOR_RATIO else "#c0392b" for v in ratios]
-    bars = right.bar(list(xs), ratios, 0.6, color=colors)
-    right.bar_label(bars, labels=[f"{v:.2f}x" for v in ratios], padding=2, fontsize=8)
-    right.axhline(
-        TARGET_FLOOR_RATIO,
-        color="#c0392b",
-        linestyle="--",
-        linewidth=1,
-        label=f"target: <= {TARGET_FLOOR_RATIO}x the raw floor",
-    )
-    right.axhline(1.0, color="#555555", linewidth=0.8)
-    right.set_xticks(list(xs), names, fontsize=8)
-    right.set_ylim(0, max([*ratios, TARGET_FLOOR_RATIO]) * 1.25)
-    right.set_ylabel("oncely time / raw floor (tx: / raw + marker)")
-    right.set_title("4-5. Server stores: oncely relative to its raw floor")
-    right.legend(loc="upper left", fontsize=8)
