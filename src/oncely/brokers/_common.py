@@ -9,7 +9,7 @@ from urllib.parse import urlunsplit
 from oncely._urls import redact, split
 from oncely.errors import ConfigurationError
 
-__all__ = ["positive", "require_message_id", "server_url"]
+__all__ = ["missing_driver", "positive", "require_message_id", "server_url"]
 
 
 def server_url(url: str, schemes: tuple[str, ...], broker: str) -> str:
@@ -40,3 +40,12 @@ def require_message_id(message_id: str) -> str:
             "message (new_message_id()) and reuse it on every retry"
         )
     return message_id
+
+
+def missing_driver(exc: ModuleNotFoundError, adapter: str, extra: str) -> ModuleNotFoundError:
+    """The import guard's error for an adapter package whose broker client is not installed:
+    the same exception type (and missing module name), with the extra that installs it."""
+    return ModuleNotFoundError(
+        f"oncely.brokers.{adapter} needs the {exc.name!r} package: pip install 'oncely[{extra}]'",
+        name=exc.name,
+    )

@@ -98,6 +98,13 @@ applied exactly once and nothing pending or unacknowledged on the consumer.
 
 from __future__ import annotations
 
+from oncely.brokers._common import missing_driver
+
+try:  # the import guard: a missing client names the extra that installs it
+    import nats  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise missing_driver(exc, "nats", "nats") from exc
+
 from oncely.brokers.nats._producer import JetStreamProducer
 from oncely.brokers.nats._settings import CONTENT_TYPE_HEADER as CONTENT_TYPE_HEADER
 from oncely.brokers.nats._settings import CORRELATION_HEADER as CORRELATION_HEADER

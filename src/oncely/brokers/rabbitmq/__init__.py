@@ -93,6 +93,13 @@ mid-run, and an empty queue with nothing unacknowledged at the end of each test.
 
 from __future__ import annotations
 
+from oncely.brokers._common import missing_driver
+
+try:  # the import guard: a missing client names the extra that installs it
+    import aio_pika  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise missing_driver(exc, "rabbitmq", "rabbitmq") from exc
+
 from oncely.brokers.rabbitmq._delivery import RabbitMQDelivery
 from oncely.brokers.rabbitmq._producer import RabbitMQProducer
 from oncely.brokers.rabbitmq._topology import DEFAULT_DELIVERY_LIMIT

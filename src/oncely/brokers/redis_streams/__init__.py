@@ -103,6 +103,13 @@ holding entries is kept; each ends with every effect applied once and nothing pe
 
 from __future__ import annotations
 
+from oncely.brokers._common import missing_driver
+
+try:  # the import guard: a missing client names the extra that installs it
+    import redis  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise missing_driver(exc, "redis_streams", "redis") from exc
+
 from oncely.brokers.redis_streams._delivery import RedisStreamsDelivery
 from oncely.brokers.redis_streams._layout import CONTENT_TYPE_FIELD as CONTENT_TYPE_FIELD
 from oncely.brokers.redis_streams._layout import CORRELATION_ID_FIELD as CORRELATION_ID_FIELD
