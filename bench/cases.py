@@ -126,9 +126,9 @@ CHUNK = 100
 size, so a burst of load from elsewhere hits every variant of the round nearly alike."""
 
 
-def chunks(n: int) -> list[int]:
-    """``n`` messages as chunk sizes."""
-    return [min(CHUNK, n - start) for start in range(0, n, CHUNK)]
+def chunks(n: int, size: int = CHUNK) -> list[int]:
+    """``n`` messages as chunk sizes of at most ``size``."""
+    return [min(size, n - start) for start in range(0, n, size)]
 
 
 def rotated(items: Sequence[T], by: int) -> list[T]:

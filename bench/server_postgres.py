@@ -21,7 +21,7 @@ from server_common import (
     Group,
     Tokens,
     Variant,
-    batch_variants,
+    batch_group,
     check_books,
     driver,
     marker_params,
@@ -216,7 +216,7 @@ class Postgres(Database):
                 joined("joined_sp", True),
             ],
         )
-        batch = Group(self.name, "batch", batch_variants(store, "batch"))
+        batch = batch_group(self.name, store)
         return [twophase, tx, batch]
 
     def check(self) -> None:

@@ -18,7 +18,7 @@ from server_common import (
     Server,
     Tokens,
     Variant,
-    batch_variants,
+    batch_group,
     driver,
     oncely_variants,
     with_option,
@@ -108,7 +108,7 @@ class Redis(Server):
             case = PowertoolsCase(pt_client, self.pt_prefix)
             variants.append(Variant("Powertools", case.new, case.dup))
         twophase = Group(self.name, "twophase", variants)
-        batch = Group(self.name, "batch", batch_variants(store, "batch"))
+        batch = batch_group(self.name, store)
         return [twophase, batch]
 
     def version(self) -> str:

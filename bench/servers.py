@@ -139,7 +139,7 @@ def run_servers(res: Resources, n: int, rounds: int, warmup: int) -> dict[str, A
         print(f"  round {r + 1}/{rounds}", flush=True)
         spent: dict[tuple[int, str, str], list[float]] = {}
         for g, group in enumerate(groups):
-            for c, size in enumerate(chunks(n)):
+            for c, size in enumerate(chunks(n, group.sample)):
                 for variant in rotated(group.variants, r + c):
                     msgs = keys.batch(size)
                     new = spent.setdefault((g, variant.name, "new key"), [0.0, 0.0, 0.0])
@@ -207,7 +207,7 @@ def round_trips(
                     msgs = keys.batch(n)
                     parts = [msgs[i : i + CHUNK] for i in range(0, n, CHUNK)]
                     # one answer per message; for a batch claim, the round trips of one call
-                    units = len(parts) if "claim_many" in variant.name else n
+                    units = -(-n // BATCH) if "claim_many" in variant.name else n
                     with trips.measure():
                         for part in parts:
                             variant.new(part)
