@@ -15,16 +15,8 @@ Two faults are the broker's own and it injects them on the first delivery of a m
   message and gets the same copy; both then hold the same lease. If nobody comes (one worker,
   or every other one busy) the copy is delivered once and the delivery noted ``twin_unpaired``.
 
-Every delivery and settlement is a row, so the report reads what happened from here (ground
-truth), never from counters a consumer keeps. Tables:
-
-``copies``      one row per published copy: ``message_id`` (the producer's id, the dedup key),
-                ``seq`` (a transport id: never a dedup key, R4), state ``ready`` / ``leased`` /
-                ``acked`` / ``dead`` / ``parked``, the number of deliveries, the dead-letter reason
-``deliveries``  one row per hand-out: cause ``first`` / ``lease_expired`` / ``requeued`` /
-                ``twin``, the worker, then what the worker asked (``action``) and what the broker
-                did (``result``: ``done`` / ``ack_lost`` / ``lock_lost`` / ``already_settled``)
-``kills``       every SIGKILL the runner sent, with the process's exit code
+Every delivery and settlement is a row in the tables of :mod:`oncely.demo.broker_tables`, so
+the report reads what happened from there (ground truth), never from counters a consumer keeps.
 """
 
 from __future__ import annotations
@@ -38,63 +30,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from oncely.demo.broker_tables import SCHEMA
 from oncely.demo.workload import Copy
 
 __all__ = ["Broker", "Delivery", "SettleAction", "SettleResult", "now_ms"]
 
 SettleAction = Literal["ack", "requeue", "dead_letter", "park"]
 SettleResult = Literal["done", "ack_lost", "lock_lost", "already_settled"]
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS copies (
-        seq INTEGER PRIMARY KEY,
-        message_id TEXT NOT NULL,
-        body TEXT NOT NULL,
-        origin TEXT NOT NULL,
-        fault TEXT,
-        state TEXT NOT NULL DEFAULT 'ready'
-            CHECK (state IN ('ready', 'leased', 'acked', 'dead', 'parked')),
-        visible_at_ms INTEGER NOT NULL DEFAULT 0,
-        lease_until_ms INTEGER NOT NULL DEFAULT 0,
-        deliveries INTEGER NOT NULL DEFAULT 0,
-        ack_dropped INTEGER NOT NULL DEFAULT 0,
-        twin_waiting INTEGER,
-        twin_worker TEXT,
-        twin_partner INTEGER,
-        reason TEXT,
-        settled_ms INTEGER
-    )""",
-    "CREATE INDEX IF NOT EXISTS copies_open ON copies (state, seq)",
-    """CREATE TABLE IF NOT EXISTS deliveries (
-        id INTEGER PRIMARY KEY,
-        seq INTEGER NOT NULL,
-        message_id TEXT NOT NULL,
-        worker TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        cause TEXT NOT NULL,
-        chaos TEXT,
-        delivered_ms INTEGER NOT NULL,
-        lease_until_ms INTEGER NOT NULL,
-        action TEXT,
-        outcome TEXT,
-        reason TEXT,
-        result TEXT,
-        settled_ms INTEGER,
-        note TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS deliveries_seq ON deliveries (seq, id)",
-    """CREATE TABLE IF NOT EXISTS kills (
-        id INTEGER PRIMARY KEY,
-        delivery_id INTEGER NOT NULL,
-        seq INTEGER NOT NULL,
-        worker TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        requested_ms INTEGER NOT NULL,
-        killed_ms INTEGER,
-        exitcode INTEGER
-    )""",
-    "CREATE TABLE IF NOT EXISTS control (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
-)
 
 _OPEN = ("ready", "leased")
 
@@ -178,7 +120,7 @@ class Broker:
 
     def create(self) -> None:
         with self._tx() as conn:
-            for statement in _SCHEMA:
+            for statement in SCHEMA:
                 conn.execute(statement)
 
     def publish(self, copies: tuple[Copy, ...] | list[Copy]) -> None:
