@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import oncely
-from tests.chaos.workers import CONSUMER, Broker, CrashJob, crash_worker
+from tests.chaos.crash_workers import Broker, CrashJob, crash_worker
+from tests.chaos.workers import CONSUMER
 
 
 class Processes:

@@ -18,16 +18,9 @@ from pathlib import Path
 import pytest
 
 import oncely
+from tests.chaos.crash_workers import CLAIMED, COMPLETED, EFFECT_WRITTEN, Broker, CrashJob
 from tests.chaos.harness import FleetReport, Processes, records, run_fleet, stored_worker
-from tests.chaos.workers import (
-    CLAIMED,
-    COMPLETED,
-    EFFECT_WRITTEN,
-    Broker,
-    CrashJob,
-    create_effects,
-    effect_counts,
-)
+from tests.chaos.workers import create_effects, effect_counts
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ import pytest
 
 import oncely
 from tests.chaos.harness import Processes
-from tests.chaos.workers import RaceJob, create_effects, effect_counts, race_key, race_worker
+from tests.chaos.race_workers import RaceJob, race_key, race_worker
+from tests.chaos.workers import create_effects, effect_counts
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ import pytest
 
 import oncely
 from tests.chaos.harness import Processes
-from tests.chaos.workers import CONSUMER, takeover_worker, zombie_worker
+from tests.chaos.workers import CONSUMER
+from tests.chaos.zombie_workers import takeover_worker, zombie_worker
 
 pytestmark = pytest.mark.slow
 

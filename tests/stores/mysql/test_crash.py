@@ -23,8 +23,9 @@ from oncely.errors import (
     StoreUnavailable,
 )
 from tests.backends.mysql import sql, url
+from tests.chaos.crash_workers import Broker, Log, Tripwire
 from tests.chaos.harness import Processes
-from tests.chaos.workers import Broker, Log, Orphan, Tripwire
+from tests.chaos.workers import Orphan
 
 CRASH_KEYS = 150
 CLAIMED, EFFECT_WRITTEN, COMPLETED = "claimed", "effect_written", "completed"
