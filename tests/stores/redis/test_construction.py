@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -97,7 +98,8 @@ def test_rediss_urls_use_tls_with_the_given_ca() -> None:
 def test_a_client_the_caller_owns_stays_open(redis_url: str, prefix: str) -> None:
     client = redis.Redis.from_url(redis_url)
     store = RedisStore(client, prefix=prefix)
-    assert store.url.startswith("redis://") and store.url.endswith(f"/0?prefix={prefix}")
+    db = urlsplit(redis_url).path.lstrip("/") or "0"
+    assert store.url.startswith("redis://") and store.url.endswith(f"/{db}?prefix={prefix}")
     inbox = oncely.Inbox(store, consumer="billing")
     assert inbox.handle("k", {"a": 1}, _charge).outcome is Outcome.PROCESSED
     assert inbox.handle("k", {"a": 1}, _charge).outcome is Outcome.DUPLICATE
