@@ -280,8 +280,11 @@ class RedisStore(RedisStoreBase):
 
     def stats(self) -> StoreStats:
         """Record counts per consumer and status, from a ``SCAN`` of the store's keys (every
-        primary of a cluster): O(records), for operators. A record written meanwhile may be
-        counted twice or not at all, as ``SCAN`` allows."""
+        primary of a cluster), for operators. ``SCAN`` matches the store's prefix but visits
+        every key of the database: the cost grows with the whole keyspace, not with the
+        store's records alone, so give oncely a database of its own on a Redis that holds
+        many other keys (``scan`` and a purge with a given clock walk it the same way). A
+        record written meanwhile may be counted twice or not at all, as ``SCAN`` allows."""
         self._check()
         now = self._time()
         counts: dict[str, dict[Status, int]] = {}
