@@ -369,11 +369,15 @@ def targets(rows: Sequence[Row]) -> list[list[str]]:
                     f"{to_marker:.2f}x",
                     to_marker <= TARGET_FLOOR_RATIO,
                 )
+                # The issue's raw floor is "the same driver running the same statements
+                # without oncely": for this path that includes the marker statement, so the
+                # business transaction alone is a comparison, not the target (its marker
+                # statement by hand is printed in the transactional table, "raw + marker").
                 add(
-                    f"{store} transactional, {TX_NAMES[v]}: within {TARGET_FLOOR_RATIO}x of "
-                    "the raw business transaction (no marker)",
+                    f"{store} transactional, {TX_NAMES[v]}: vs the business transaction "
+                    "alone, no marker (not an issue target; for comparison)",
                     f"{to_raw:.2f}x",
-                    to_raw <= TARGET_FLOOR_RATIO,
+                    None,
                 )
     for store in stores:
         each = find(rows, store, "batch", "new key", "store.claim x100")
