@@ -76,6 +76,17 @@ class Broker:
             raise
         return None if row is None else (row[0], row[1])
 
+    def next(self, orphan: Orphan) -> tuple[int, str] | None:
+        """The next message to handle, waiting while others hold every unfinished one; None
+        once every message is acknowledged (the queue is drained). Exits the process first if
+        the test that started it is gone."""
+        while True:
+            orphan.check()
+            delivery = self.receive()
+            if delivery is not None or self.unfinished() == 0:
+                return delivery
+            time.sleep(0.02)
+
     def ack(self, message_id: int) -> None:
         self._conn.execute("UPDATE queue SET acked = 1 WHERE id = ?", (message_id,))
 
@@ -211,14 +222,7 @@ def _consume(job: CrashJob, log: Log) -> None:
         on_stale=reconcile if job.on_stale == "reconcile" else oncely.OnStale(job.on_stale),
     )
     log.write("START", "-", f"kill_point={job.kill_point} kill_after={job.kill_after}")
-    while True:
-        orphan.check()
-        delivery = broker.receive()
-        if delivery is None:
-            if broker.unfinished() == 0:
-                break
-            time.sleep(0.02)
-            continue
+    while (delivery := broker.next(orphan)) is not None:
         message_id, key = delivery
         payload = {"key": key}
         if transactional:

@@ -18,12 +18,7 @@ def zombie_worker(
     ``resume`` is set (the test freezes this process meanwhile), then try to complete."""
     route_logs(f"{out}.log")
     orphan = Orphan(parent_pid)
-    store = oncely.SQLiteStore(db)
-    inbox = oncely.Inbox(
-        store,
-        consumer=CONSUMER,
-        lease=oncely.Lease(duration=timedelta(milliseconds=lease_ms), heartbeat=False),
-    )
+    store, inbox = _open(db, lease_ms)
 
     def slow_charge(payload: dict[str, Any]) -> dict[str, str]:
         claimed.set()
@@ -43,13 +38,7 @@ def takeover_worker(db: str, key: str, lease_ms: int, out: str, parent_pid: int)
     the outcome; with on_stale="retry" a lapsed claim is taken over and the handler runs."""
     route_logs(f"{out}.log")
     orphan = Orphan(parent_pid)
-    store = oncely.SQLiteStore(db)
-    inbox = oncely.Inbox(
-        store,
-        consumer=CONSUMER,
-        lease=oncely.Lease(duration=timedelta(milliseconds=lease_ms), heartbeat=False),
-        on_stale="retry",
-    )
+    store, inbox = _open(db, lease_ms, on_stale="retry")
     deliveries = 0
     while True:
         orphan.check()
@@ -63,3 +52,11 @@ def takeover_worker(db: str, key: str, lease_ms: int, out: str, parent_pid: int)
     write_json(out, result)
     inbox.close()
     store.close()
+
+
+def _open(db: str, lease_ms: int, **options: Any) -> tuple[oncely.SQLiteStore, oncely.Inbox]:
+    """The worker's store and inbox: a lease of ``lease_ms`` with no heartbeat, so a frozen
+    worker's claim lapses on time."""
+    store = oncely.SQLiteStore(db)
+    lease = oncely.Lease(duration=timedelta(milliseconds=lease_ms), heartbeat=False)
+    return store, oncely.Inbox(store, consumer=CONSUMER, lease=lease, **options)

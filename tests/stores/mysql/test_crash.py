@@ -80,14 +80,7 @@ def _consume(job: CrashJob, log: Log) -> None:
         return {"worker": job.worker}
 
     log.write("START", "-", f"kill_point={job.kill_point} kill_after={job.kill_after}")
-    while True:
-        orphan.check()
-        delivery = broker.receive()
-        if delivery is None:
-            if broker.unfinished() == 0:
-                break
-            time.sleep(0.02)
-            continue
+    while (delivery := broker.next(orphan)) is not None:
         message_id, key = delivery
         try:
             handled = inbox.handle_in_transaction(key, {"key": key}, book)
