@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from time import monotonic
 from typing import Any, Self
 
 import psycopg
@@ -41,6 +43,9 @@ from oncely.errors import ConfigurationError, StoreError
 __all__ = ["PostgresStoreBase"]
 
 _TX = pq.TransactionStatus
+
+# How long the store keeps connections out of its pool before it hands them back (_release).
+_KEEP_SECONDS = 60.0
 
 
 class PostgresStoreBase(SQLStoreBase[bytes]):
@@ -88,6 +93,17 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._pid = os.getpid()
         # Connections of a caller's pool in autocommit=False mode, switched for oncely's use.
         self._restore: set[int] = set()
+        # The store's own pool only: connections it finished with, kept out of the pool and
+        # reused last-in first-out (see _release).
+        self._idle: list[Connection] = []
+        self._idle_since = monotonic()
+        self._stale = False  # a disconnect was seen: the kept connections may be dead
+        # Callers waiting for the pool: while any is, a released connection goes to the pool,
+        # never to _idle, where none of them would see it. The lock makes "look at _idle,
+        # else count myself waiting" and "look at the count, else keep" atomic between
+        # threads; it is never held across an await.
+        self._waiting = 0
+        self._keep_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -126,6 +142,7 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
 
     def _error(self, exc: psycopg.Error, doing: str) -> StoreError:
         if is_disconnect(exc) and self._pool is not None:
+            self._stale = True  # the kept connections may be dead too (a server restart)
             recheck_soon(self._pool)
         return translate(exc, doing, self._where)
 
@@ -155,6 +172,8 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
                 self._setup(migrating=False)
                 self._ready = True
             forked, self._pid = self._pid != os.getpid(), os.getpid()
+            if forked:
+                self._idle = []  # the parent's: never used, never closed, by a child
             if self._given_pool is None and (self._pool is None or forked):
                 # A forked child never touches its parent's connections (they share sockets
                 # with the parent); psycopg does not close them when they are collected.
@@ -197,15 +216,69 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
             self._prepare()
         pool = self._pool
         assert pool is not None
+        if self._stale and self._idle:
+            self._return_idle(pool, close=True)
+        with self._keep_lock:
+            if self._idle and not self._stale:
+                return self._idle.pop()
+            self._waiting += 1
         try:
             return self._checkout(pool)
         except psycopg.Error as exc:
             raise self._error(exc, doing) from exc
+        finally:
+            with self._keep_lock:
+                self._waiting -= 1
 
     def _release(self, conn: Connection) -> None:
+        """Give ``conn`` back. A connection of the store's own pool that is idle and sound is
+        kept for the next operation instead: taking one from psycopg_pool and returning it
+        (locks, a status check, statistics, logging) costs about 14 µs of CPU per operation
+        right after a round trip, as much as a sixth of a duplicate's claim, and a list pop
+        costs nearly nothing. Kept connections stay checked out of the pool (they count
+        towards ``pool_max``, and an operation that finds none kept takes one from the pool
+        as before); while an operation waits for the pool, released connections go to the
+        pool, so nobody waits for a connection kept idle. Every minute they go back to it all
+        at once, so its checks and its ``max_lifetime`` still reach them, as they do on a
+        disconnect error and on close."""
         pool = self._pool
-        if pool is not None:
+        if pool is None:
+            return
+        if self._stale:
             self._checkin(pool, conn)
+            self._return_idle(pool, close=True)
+            return
+        expired = monotonic() - self._idle_since >= _KEEP_SECONDS
+        if (
+            not expired
+            and self._given_pool is None
+            and not conn.closed
+            and conn.info.transaction_status == _TX.IDLE
+        ):
+            with self._keep_lock:
+                if not self._waiting:
+                    self._idle.append(conn)
+                    return
+        self._checkin(pool, conn)
+        if expired:  # kept for a minute: back to the pool, for its checks and lifetime
+            self._return_idle(pool)
+
+    def _return_idle(self, pool: ConnPool, *, close: bool = False) -> None:
+        """Hand every kept connection back to the pool; with ``close`` (after a disconnect)
+        closed first, so the pool replaces them instead of lending out a dead one. One pop at
+        a time: threads doing this at once never hand back the same connection twice."""
+        self._idle_since = monotonic()
+        if close:
+            self._stale = False
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return
+            if close:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            pool.putconn(conn)
 
     def _checkout(self, pool: ConnPool) -> Connection:
         conn: Connection = pool.getconn()
@@ -270,4 +343,5 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._closed = True
         pool, self._pool = self._pool, None
         if pool is not None and self._given_pool is None and self._pid == os.getpid():
+            self._return_idle(pool)
             close_pool(pool)

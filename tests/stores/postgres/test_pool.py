@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -119,3 +120,74 @@ def test_an_unclosed_async_store_left_while_its_pool_connects_lets_asyncio_run_e
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
         )
         assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------ kept connections
+
+
+def _requests(store: PostgresStore) -> int:
+    """How many connections the store has asked its psycopg_pool for so far."""
+    assert store._pool is not None
+    return store._pool.get_stats().get("requests_num", 0)
+
+
+def test_one_caller_reuses_a_kept_connection_without_asking_the_pool(table: str) -> None:
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=4)
+    inbox = oncely.Inbox(store, consumer="c")
+    for i in range(5):
+        assert inbox.handle(f"warm-{i}", 1, lambda p: p).outcome is Outcome.PROCESSED
+    before = _requests(store)
+    for i in range(50):  # claim + complete, then a duplicate: 150 operations
+        assert inbox.handle(f"k-{i}", 1, lambda p: p).outcome is Outcome.PROCESSED
+        assert inbox.handle(f"k-{i}", 1, lambda p: p).outcome is Outcome.DUPLICATE
+    assert _requests(store) == before
+    store.close()
+
+
+def test_kept_connections_go_back_to_the_pool_once_their_time_is_up(
+    table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So the pool's checks and max_lifetime still reach them (see PostgresStore._release)."""
+    monkeypatch.setattr("oncely._sync.postgres_base._KEEP_SECONDS", 0.5)
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=4)
+    inbox = oncely.Inbox(store, consumer="c")
+    inbox.handle("warm", 1, lambda p: p)
+    before = _requests(store)
+    for i in range(5):
+        inbox.handle(f"kept-{i}", 1, lambda p: p)
+    assert _requests(store) == before
+    time.sleep(0.6)
+    # The claim's release finds the time up and hands the connection back; the completion
+    # takes one from the pool, and it is kept again.
+    inbox.handle("handed-back", 1, lambda p: p)
+    for i in range(5):
+        inbox.handle(f"kept-again-{i}", 1, lambda p: p)
+    assert _requests(store) == before + 1
+    store.close()
+
+
+def test_threads_sharing_a_store_keep_at_most_pool_max_connections(table: str) -> None:
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=3)
+    inbox = oncely.Inbox(store, consumer="c")
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(60):
+                key = f"t{n}-{i % 20}"
+                outcome = inbox.handle(key, 1, lambda p: p).outcome
+                assert outcome in (Outcome.PROCESSED, Outcome.DUPLICATE), outcome
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert store._pool is not None
+    assert len(store._idle) <= 3
+    assert len({id(conn) for conn in store._idle}) == len(store._idle)  # none kept twice
+    assert store._pool.get_stats()["pool_max"] == 3
+    store.close()
