@@ -68,7 +68,10 @@ class PostgresStore(PostgresTransactions):
     :class:`~oncely.SchemaTooNew`. Connection loss, a server restart, timeouts, deadlocks and
     serialization failures raise :class:`~oncely.StoreUnavailable` (retry later); the pool
     replaces broken connections by itself. ``connect_timeout`` bounds both a connection
-    attempt and the wait for a free connection of the pool.
+    attempt and the wait for a free connection of the pool. With a pool of its own the store
+    keeps the connections it has finished with and reuses them (they count towards
+    ``pool_max``), handing them back to the pool every minute, when an operation waits for
+    one, on a disconnect and on close.
 
     The asyncio variant belongs to the event loop that first uses it: open one store per loop.
     The threaded variant may be shared by any number of threads. After ``fork`` a child opens
