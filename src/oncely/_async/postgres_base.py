@@ -264,15 +264,16 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
     async def _return_idle(self, pool: ConnPool, *, close: bool = False) -> None:
         """Hand every kept connection back to the pool; with ``close`` (after a disconnect)
         closed first, so the pool replaces them instead of lending out a dead one. One pop at
-        a time: threads doing this at once never hand back the same connection twice."""
+        a time, under the lock: threads doing this at once never hand back the same
+        connection twice."""
         self._idle_since = monotonic()
         if close:
             self._stale = False
         while True:
-            try:
+            with self._keep_lock:  # _acquire's look-then-pop must not lose a race to this
+                if not self._idle:
+                    return
                 conn = self._idle.pop()
-            except IndexError:
-                return
             if close:
                 with contextlib.suppress(psycopg.Error):
                     await conn.close()
