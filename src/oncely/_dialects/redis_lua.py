@@ -275,22 +275,36 @@ out[2] = table.concat(codes)
 return out
 """
 
+# Shared by complete and fail. ARGV: now, token, keep, then the script's own.
+_SETTLE = """
+-- Move the record to status under its claim's token, kept ARGV[3] ms from now (not saved
+-- yet): the record and its brief from before; or nil and the reply to return at once,
+-- 'done' if this token already moved it there, 'lost' if it is another's or none.
+local function settle(status)
+  local v = live(KEYS[1])
+  if not v or v[3] ~= ARGV[2] then
+    return nil, reply('lost', v)
+  end
+  if v[1] == status then
+    return nil, reply('done', v)
+  end
+  if v[1] ~= 'in_progress' then
+    return nil, reply('lost', v)
+  end
+  local b = brief(v)
+  v[1], v[6], v[8] = status, NOW, int(now + tonumber(ARGV[3]))
+  return v, b
+end
+"""
+
 _COMPLETE = """
 -- ARGV: now, token, keep, result (optional), note (optional). 'ok' wrote it, 'done' found it
 -- done already by this token, 'lost' found another's or none.
-local v = live(KEYS[1])
-if not v or v[3] ~= ARGV[2] then
-  return reply('lost', v)
+local v, b = settle('completed')
+if not v then
+  return b
 end
-if v[1] == 'completed' then
-  return reply('done', v)
-end
-if v[1] ~= 'in_progress' then
-  return reply('lost', v)
-end
-local b = brief(v)
 local result, note = opt(ARGV[4]), opt(ARGV[5])
-v[1], v[6], v[8] = 'completed', NOW, int(now + tonumber(ARGV[3]))
 if result then
   v[9] = result
 end
@@ -303,18 +317,11 @@ return {'ok', now, b}
 
 _FAIL = """
 -- ARGV: now, token, keep, error. Codes as for complete.
-local v = live(KEYS[1])
-if not v or v[3] ~= ARGV[2] then
-  return reply('lost', v)
+local v, b = settle('failed')
+if not v then
+  return b
 end
-if v[1] == 'failed' then
-  return reply('done', v)
-end
-if v[1] ~= 'in_progress' then
-  return reply('lost', v)
-end
-local b = brief(v)
-v[1], v[6], v[8], v[10] = 'failed', NOW, int(now + tonumber(ARGV[3])), ARGV[4]
+v[10] = ARGV[4]
 save(KEYS[1], v)
 return {'ok', now, b}
 """
@@ -375,8 +382,8 @@ return out
 
 CLAIM: Final = Script("claim", _PRELUDE + _CLAIM_ONE + _CLAIM)
 CLAIM_MANY: Final = Script("claim_many", _PRELUDE + _CLAIM_ONE + _CLAIM_MANY)
-COMPLETE: Final = Script("complete", _PRELUDE + _COMPLETE)
-FAIL: Final = Script("fail", _PRELUDE + _FAIL)
+COMPLETE: Final = Script("complete", _PRELUDE + _SETTLE + _COMPLETE)
+FAIL: Final = Script("fail", _PRELUDE + _SETTLE + _FAIL)
 RENEW: Final = Script("renew", _PRELUDE + _RENEW)
 RELEASE: Final = Script("release", _PRELUDE + _RELEASE)
 GET: Final = Script("get", _PRELUDE + _GET)
