@@ -31,6 +31,9 @@ from oncely.brokers.nats._settings import (
 from oncely.brokers.nats._topology import ensure_stream
 from oncely.errors import BrokerError, ConfigurationError
 
+# A stream that cannot be declared: the server unreachable, or JetStream refusing.
+_DECLARE_FAILURES: tuple[type[Exception], ...] = (*UNAVAILABLE, nats.js.errors.APIError)
+
 
 class JetStreamProducer:
     """Publishes to ``destination`` (a subject) with ``Nats-Msg-Id`` set to the producer's
@@ -97,9 +100,7 @@ class JetStreamProducer:
             if not link.declared:
                 try:
                     await ensure_stream(js, self.destination, self._stream, self._duplicate_window)
-                except UNAVAILABLE as exc:
-                    raise unavailable("stream declaration", exc) from None
-                except nats.js.errors.APIError as exc:
+                except _DECLARE_FAILURES as exc:
                     raise unavailable("stream declaration", exc) from None
                 link.declared = True
             return js
