@@ -17,6 +17,7 @@ machine. Every key is deleted at the end.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -61,7 +62,7 @@ def main() -> None:
     # A record's value, about the size of a new record of the store's: the plain commands
     # write what the script would.
     value = b"in_progress 1 0 0 0 0 35 32 -1 -1\n" + FP.encode() + uuid.uuid4().hex.encode()
-    count = iter(range(10**9))
+    count = itertools.count()
 
     def names(tag: str) -> list[bytes]:
         return [f"{prefix}:{tag}:{{{next(count)}}}".encode() for _ in range(BATCH)]
