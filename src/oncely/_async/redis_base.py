@@ -89,7 +89,10 @@ class RedisStoreBase:
         ``cluster`` (true: a Redis Cluster, the host is any node), ``migrate``,
         ``max_connections``, ``timeout``, ``connect_timeout`` and ``ssl_ca_certs``. The store
         builds and owns its client, on first use: opening a store never waits for the
-        server."""
+        server. ``timeout`` bounds every wait for the server; in the threaded store on Linux,
+        for one server over ``redis://``, the kernel enforces it (``SO_RCVTIMEO`` and
+        ``SO_SNDTIMEO`` on blocking sockets), which spares Python's poll before each send and
+        receive."""
         options = parse_url(url)
         store = cls.__new__(cls)
         store._setup(options.prefix, clock, options.migrate)

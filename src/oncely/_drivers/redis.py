@@ -98,11 +98,27 @@ def slot_of(name: bytes) -> int:
     return int(key_slot(name))
 
 
+def _kernel_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` comes of a socket the kernel timed out (``EAGAIN`` on a blocking
+    socket with ``SO_RCVTIMEO``/``SO_SNDTIMEO``), which redis-py reports as a connection error
+    raised while handling the ``BlockingIOError``."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, BlockingIOError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def translate(exc: BaseException, doing: str) -> StoreError:
     """The oncely error for a redis-py error raised while ``doing`` something."""
     text = str(exc) or type(exc).__name__
     if isinstance(exc, AuthenticationError | AuthorizationError | NoPermissionError):
         return StoreError(f"{doing}: {text}; check the user and password of the Redis URL")
+    if _kernel_timed_out(exc):
+        return StoreUnavailable(f"{doing}: timeout: Redis did not answer in time ({text})")
     if isinstance(exc, _UNAVAILABLE):
         return StoreUnavailable(f"{doing}: {text}")
     if isinstance(exc, ResponseError) and text.startswith(_TRANSIENT_CODES):

@@ -8,11 +8,14 @@ driver renames. One client is a single Redis (``redis.Redis``) or a Redis Cluste
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import redis
 from redis.backoff import NoBackoff
@@ -74,16 +77,70 @@ def connect(options: RedisOptions) -> Client:
             socket_connect_timeout=connect_timeout,
             **extra,
         )
+    if _KERNEL_TIMEOUTS and options.server.startswith("redis://"):
+        # The kernel enforces the timeout (see _KernelTimeoutConnection), so the socket
+        # itself is a blocking one.
+        extra["connection_class"] = _kernel_timeout_class(timeout)
+        socket_timeout: float | None = None
+    else:
+        socket_timeout = timeout
     pool = redis.BlockingConnectionPool.from_url(
         options.server,
         max_connections=options.max_connections,
         timeout=timeout,
-        socket_timeout=timeout,
+        socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         retry=Retry(NoBackoff(), 1),
         **extra,
     )
     return redis.Redis.from_pool(pool)
+
+
+_KERNEL_TIMEOUTS: Final = sys.platform == "linux"
+"""Whether the store's plain TCP connections time out in the kernel (``SO_RCVTIMEO`` and
+``SO_SNDTIMEO``, whose ``struct timeval`` layout is Linux's) instead of in Python."""
+
+
+class _KernelTimeoutConnection(redis.Connection):
+    """A redis-py connection on a blocking socket whose sends and receives the kernel times
+    out after ``kernel_timeout`` seconds.
+
+    Python's own socket timeout polls the socket before every ``send`` and ``recv``: one more
+    system call each way, about a tenth of a script's client CPU on loopback. Here the kernel
+    ends a call that waited too long with ``EAGAIN``, which redis-py reports as a
+    :class:`redis.ConnectionError` (the connection is then dropped) and
+    :func:`oncely._drivers.redis.translate` as :class:`~oncely.StoreUnavailable`, as it does
+    a Python timeout."""
+
+    kernel_timeout: float = 5.0
+    _timeval: bytes = struct.pack("ll", 5, 0)
+
+    def _connect(self) -> socket.socket:
+        # redis-py's own TCP connect (with the connect timeout), then the kernel timeouts;
+        # _connect is where every redis-py version since 5.0 makes the socket.
+        sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._timeval)
+        return sock
+
+
+_CLASSES: dict[float, type[_KernelTimeoutConnection]] = {}
+
+
+def _kernel_timeout_class(timeout: float) -> type[_KernelTimeoutConnection]:
+    """The connection class for one timeout (redis-py builds connections from a class and
+    keyword arguments it knows, so the timeout travels as a class attribute)."""
+    found = _CLASSES.get(timeout)
+    if found is None:
+        micros = round(timeout * 1_000_000)  # 0 would mean "never": at least 1 us
+        timeval = struct.pack("ll", *divmod(max(micros, 1), 1_000_000))
+        found = type(
+            "KernelTimeoutConnection",
+            (_KernelTimeoutConnection,),
+            {"kernel_timeout": timeout, "_timeval": timeval},
+        )
+        _CLASSES[timeout] = found
+    return found
 
 
 def is_cluster(client: object) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -171,6 +173,28 @@ def test_a_server_that_does_not_answer_in_time_is_unavailable(
         admin.client_unpause()
     assert store.get("billing", "k") is None  # the timed-out connection was replaced
     drop_prefix(admin, prefix)
+    store.close()
+
+
+@pytest.mark.services
+@pytest.mark.skipif(sys.platform != "linux", reason="kernel socket timeouts are used on Linux only")
+def test_the_store_waits_for_redis_in_the_kernel_with_its_timeout(
+    private_port: int, prefix: str
+) -> None:
+    """Its sockets are blocking ones the kernel times out (SO_RCVTIMEO / SO_SNDTIMEO set to
+    the URL's timeout), so a send or receive is one system call, not a poll and the call; the
+    test above shows such a timeout ends as StoreUnavailable."""
+    store = oncely.open(f"redis://127.0.0.1:{private_port}/0?prefix={prefix}&timeout=0.25")
+    store.migrate()
+    assert store.get("billing", "k") is None
+    sockets = [conn._sock for conn in store._runner._made]
+    assert sockets and all(sock is not None for sock in sockets)
+    for sock in sockets:
+        assert sock.gettimeout() is None  # blocking: Python does not poll first
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            seconds, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, 16))
+            assert seconds + micros / 1e6 == pytest.approx(0.25, abs=0.02)  # kernel ticks
+    drop_prefix(redis.Redis(port=private_port), prefix)
     store.close()
 
 
