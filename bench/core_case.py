@@ -14,7 +14,7 @@ import oncely
 from oncely._core.flows import Step, decide
 from oncely._core.keys import validate_key
 from oncely._core.records import Status
-from oncely._core.state import ClaimEvent, apply_claim
+from oncely._core.state import apply_claim, claim_event
 
 
 def run_core(n: int, rounds: int) -> list[dict[str, Any]]:
@@ -27,7 +27,7 @@ def run_core(n: int, rounds: int) -> list[dict[str, Any]]:
     now = time.time_ns() // 1_000_000
     done = [
         apply_claim(
-            None, ClaimEvent("bench", k, fp, token, 0, keep_ms, True, Status.COMPLETED), now
+            None, claim_event("bench", k, fp, token, 0, keep_ms, True, Status.COMPLETED), now
         )[1].record
         for k, fp in zip(keys, fps, strict=True)
     ]
@@ -43,7 +43,7 @@ def run_core(n: int, rounds: int) -> list[dict[str, Any]]:
     def decide_new() -> None:
         for k, fp in zip(keys, fps, strict=True):
             claim = apply_claim(
-                None, ClaimEvent("bench", k, fp, token, lease_ms, keep_ms, True), now
+                None, claim_event("bench", k, fp, token, lease_ms, keep_ms, True), now
             )[1]
             if decide(claim, fp) is not Step.PROCEED:
                 raise BenchError("a new key must proceed")
@@ -51,7 +51,7 @@ def run_core(n: int, rounds: int) -> list[dict[str, Any]]:
     def decide_dup() -> None:
         for k, fp, rec in zip(keys, fps, done, strict=True):
             claim = apply_claim(
-                rec, ClaimEvent("bench", k, fp, token, lease_ms, keep_ms, True), now
+                rec, claim_event("bench", k, fp, token, lease_ms, keep_ms, True), now
             )[1]
             if decide(claim, fp) is not Step.DUPLICATE:
                 raise BenchError("a completed key must be a duplicate")
@@ -61,7 +61,7 @@ def run_core(n: int, rounds: int) -> list[dict[str, Any]]:
             key = validate_key(k, limits)
             fp = oncely.fingerprint(p)
             claim = apply_claim(
-                None, ClaimEvent("bench", key, fp, token, lease_ms, keep_ms, True), now
+                None, claim_event("bench", key, fp, token, lease_ms, keep_ms, True), now
             )[1]
             if decide(claim, fp) is not Step.PROCEED:
                 raise BenchError("a new key must proceed")

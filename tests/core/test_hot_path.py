@@ -1,9 +1,12 @@
 """The per-message fast paths keep every behaviour of the slow ones they replace.
 
-* ``new_record`` / ``new_claim`` / ``new_handled`` build the public frozen dataclasses
-  (:class:`~oncely.Record`, :class:`~oncely.Claim`, :class:`~oncely.Handled`) without their
-  ``object.__setattr__`` per field: what they build must be indistinguishable from the
-  constructor's object (type, equality, hash, repr, immutability, dataclass helpers, pickle).
+* ``new_record`` / ``new_claim`` / ``new_handled`` / ``claim_event`` build frozen dataclasses
+  (:class:`~oncely.Record`, :class:`~oncely.Claim`, :class:`~oncely.Handled` and the state
+  machine's ``ClaimEvent``) without their ``object.__setattr__`` per field: what they build
+  must be indistinguishable from the constructor's object (type, equality, hash, repr,
+  immutability, dataclass helpers, pickle).
+* The state machine builds its new records with ``new_record``: each transition must give
+  the record ``dataclasses.replace`` gave before.
 * The fingerprint of a plain dict takes an inline path: its value must stay the stored one
   (R20: fingerprints are compared with those written by earlier versions).
 * The transactional mode skips the observer when no log record and no hook would come of it:
@@ -44,6 +47,17 @@ from oncely._core.records import (
     Status,
     new_claim,
     new_record,
+)
+from oncely._core.state import (
+    ClaimEvent,
+    CompleteEvent,
+    FailEvent,
+    RenewEvent,
+    apply_claim,
+    apply_complete,
+    apply_fail,
+    apply_renew,
+    claim_event,
 )
 from oncely.errors import UnfingerprintablePayload
 
@@ -103,6 +117,52 @@ def test_new_claim_builds_the_same_claim_as_the_constructor() -> None:
         assert built.won is (status is not ClaimStatus.EXISTING)
         with pytest.raises(dataclasses.FrozenInstanceError):
             built.now_ms = 0  # type: ignore[misc]
+
+
+def test_claim_event_builds_the_same_event_as_the_constructor() -> None:
+    fields: tuple[Any, ...] = ("billing", "order-1", "v1:ab", "tok", 30_000, 60_000, True)
+    _same_object(claim_event(*fields), ClaimEvent(*fields))  # the defaults
+    full = (*fields, Status.COMPLETED, "a reason")
+    built = claim_event(*full)
+    _same_object(built, ClaimEvent(*full))
+    assert [getattr(built, f.name) for f in dataclasses.fields(ClaimEvent)] == list(full)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.token = "other"  # type: ignore[misc]
+
+
+def test_the_state_machine_writes_the_records_replace_would() -> None:
+    """R9/R10 transitions, each against the record dataclasses.replace builds from the one
+    before: insert, takeover of a stale claim, renew, complete and fail."""
+    event = claim_event("billing", "order-1", "v1:ab", "t1", 1_000, 60_000, True)
+    _state, claim = apply_claim(None, event, 10_000)
+    inserted = claim.record
+    assert inserted == Record(
+        "billing", "order-1", Status.IN_PROGRESS, "v1:ab", "t1", 1, 10_000, 10_000, 11_000,
+        70_000, None, None,
+    )  # fmt: skip
+    retry = claim_event("billing", "order-1", None, "t2", 1_000, 60_000, True)
+    _state, taken = apply_claim(inserted, retry, 12_000)
+    assert taken.status is ClaimStatus.TAKEN_OVER
+    assert taken.record == dataclasses.replace(
+        inserted, token="t2", attempt=2, updated_ms=12_000, lease_until_ms=13_000,
+        expires_ms=72_000,
+    )  # fmt: skip
+    _state, renewed = apply_renew(taken.record, RenewEvent("t2", 2_000, 60_000), 12_500)
+    assert renewed == dataclasses.replace(
+        taken.record, updated_ms=12_500, lease_until_ms=14_500, expires_ms=72_500
+    )
+    assert isinstance(renewed, Record)
+    _state, done = apply_complete(renewed, CompleteEvent("t2", b"r", 5_000, "n"), 13_000)
+    assert done == dataclasses.replace(
+        renewed, status=Status.COMPLETED, updated_ms=13_000, expires_ms=18_000, result=b"r",
+        error="n",
+    )  # fmt: skip
+    _state, failed = apply_fail(renewed, FailEvent("t2", "poison", 5_000), 13_000)
+    assert failed == dataclasses.replace(
+        renewed, status=Status.FAILED, updated_ms=13_000, expires_ms=18_000, error="poison"
+    )
+    for record in (inserted, taken.record, renewed, done, failed):
+        _same_object(record, Record(*(getattr(record, f.name) for f in dataclasses.fields(Record))))
 
 
 def test_new_handled_builds_the_same_handled_as_the_constructor() -> None:

@@ -14,12 +14,12 @@ from typing import Self
 from oncely._core.clock import Clock, SystemClock
 from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
 from oncely._core.state import (
-    ClaimEvent,
     CompleteEvent,
     FailEvent,
     ReleaseEvent,
     RenewEvent,
     TakeoverEvent,
+    claim_event,
 )
 from oncely._core.table import RecordTable
 from oncely._urls import redact, split
@@ -67,7 +67,7 @@ class AsyncMemoryStore:
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        event = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
+        event = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
         with self._lock:
             return self._table.claim(event, self._clock.now_ms())
 
@@ -81,7 +81,7 @@ class AsyncMemoryStore:
         takeover: bool,
     ) -> list[Claim]:
         events = [
-            ClaimEvent(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
+            claim_event(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
             for r in requests
         ]
         with self._lock:
@@ -98,7 +98,7 @@ class AsyncMemoryStore:
         lease_ms: int,
         keep_ms: int,
     ) -> Claim:
-        claim = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, True)
+        claim = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, True)
         with self._lock:
             return self._table.takeover(TakeoverEvent(claim, expected_token), self._clock.now_ms())
 

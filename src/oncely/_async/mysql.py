@@ -38,6 +38,7 @@ from oncely._core.state import (
     apply_release,
     apply_renew,
     apply_takeover,
+    claim_event,
 )
 from oncely._core.table import lease_lost
 from oncely._dialects.mysql import (
@@ -101,7 +102,7 @@ class AsyncMySQLStore(MySQLTransactions):
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        event = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
+        event = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
         return await self._run("claim", lambda conn: self._claim(conn, event, False))
 
     async def _claim(self, conn: Connection, ev: ClaimEvent, joined: bool) -> Claim:
@@ -164,7 +165,7 @@ class AsyncMySQLStore(MySQLTransactions):
         if not requests:
             return []
         events = [
-            ClaimEvent(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
+            claim_event(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
             for r in requests
         ]
         return await self._run("claim_many", lambda conn: self._claim_many(conn, events))
@@ -243,7 +244,7 @@ class AsyncMySQLStore(MySQLTransactions):
         lease_ms: int,
         keep_ms: int,
     ) -> Claim:
-        ev = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, False)
+        ev = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, False)
         event = TakeoverEvent(ev, expected_token)
         return await self._run("takeover", lambda conn: self._takeover(conn, event))
 
@@ -350,7 +351,7 @@ class AsyncMySQLStore(MySQLTransactions):
     ) -> Claim:
         if not self._ready:
             await self._prepare()
-        event = ClaimEvent(consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error)
+        event = claim_event(consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error)
         try:
             return await self._claim(tx, event, True)
         except DRIVER_ERRORS as exc:

@@ -49,10 +49,10 @@ so there is nothing to lease).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final
 
-from oncely._core.records import Claim, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimStatus, Record, Status, new_claim, new_record
 
 __all__ = [
     "DELETE",
@@ -71,6 +71,7 @@ __all__ = [
     "apply_release",
     "apply_renew",
     "apply_takeover",
+    "claim_event",
     "fingerprints_agree",
 ]
 
@@ -112,6 +113,48 @@ class ClaimEvent:
     takeover: bool
     initial: Status = Status.IN_PROGRESS
     error: str | None = None
+
+
+class _ClaimEventSlots:
+    # ClaimEvent's slot layout without its frozen ``__setattr__``: see records.new_record.
+    __slots__ = ClaimEvent.__slots__  # the same names in the same order: the same layout
+    consumer: str
+    key: str
+    fingerprint: str | None
+    token: str
+    lease_ms: int
+    keep_ms: int
+    takeover: bool
+    initial: Status
+    error: str | None
+
+
+def claim_event(
+    consumer: str,
+    key: str,
+    fingerprint: str | None,
+    token: str,
+    lease_ms: int,
+    keep_ms: int,
+    takeover: bool,
+    initial: Status = Status.IN_PROGRESS,
+    error: str | None = None,
+) -> ClaimEvent:
+    """``ClaimEvent(...)``, built the way :func:`~oncely._core.records.new_record` builds a
+    Record: the stores that decide in Python make one per claim, and a frozen dataclass's
+    ``__init__`` costs several times as much."""
+    e = _ClaimEventSlots()
+    e.consumer = consumer
+    e.key = key
+    e.fingerprint = fingerprint
+    e.token = token
+    e.lease_ms = lease_ms
+    e.keep_ms = keep_ms
+    e.takeover = takeover
+    e.initial = initial
+    e.error = error
+    e.__class__ = ClaimEvent  # type: ignore[assignment]
+    return e  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +208,7 @@ def _expires(now: int, keep_ms: int, lease_ms: int) -> int:
 
 def _insert(ev: ClaimEvent, now: int) -> Record:
     in_progress = ev.initial is Status.IN_PROGRESS
-    return Record(
+    return new_record(
         consumer=ev.consumer,
         key=ev.key,
         status=ev.initial,
@@ -176,18 +219,21 @@ def _insert(ev: ClaimEvent, now: int) -> Record:
         updated_ms=now,
         lease_until_ms=now + ev.lease_ms if in_progress else now,
         expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
+        result=None,
         error=ev.error,
     )
 
 
 def _take(current: Record, ev: ClaimEvent, now: int) -> Record:
     in_progress = ev.initial is Status.IN_PROGRESS
-    return replace(
-        current,
+    return new_record(
+        consumer=current.consumer,
+        key=current.key,
         status=ev.initial,
         fingerprint=ev.fingerprint if ev.fingerprint is not None else current.fingerprint,
         token=ev.token,
         attempt=current.attempt + 1,
+        created_ms=current.created_ms,
         updated_ms=now,
         lease_until_ms=now + ev.lease_ms if in_progress else now,
         expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
@@ -196,16 +242,36 @@ def _take(current: Record, ev: ClaimEvent, now: int) -> Record:
     )
 
 
+def _settled(
+    rec: Record, status: Status, now: int, expires: int, result: bytes | None, error: str | None
+) -> Record:
+    """``rec`` moved to ``status`` (completed or failed), its lease ended."""
+    return new_record(
+        consumer=rec.consumer,
+        key=rec.key,
+        status=status,
+        fingerprint=rec.fingerprint,
+        token=rec.token,
+        attempt=rec.attempt,
+        created_ms=rec.created_ms,
+        updated_ms=now,
+        lease_until_ms=rec.lease_until_ms,
+        expires_ms=expires,
+        result=result,
+        error=error,
+    )
+
+
 def apply_claim(current: Record | None, ev: ClaimEvent, now: int) -> tuple[NewState, Claim]:
     """Insert if absent; take over a stale claim when allowed; otherwise report the winner."""
     rec = _live(current, now)
     if rec is None:
         new = _insert(ev, now)
-        return new, Claim(ClaimStatus.NEW, new, now)
+        return new, new_claim(ClaimStatus.NEW, new, now)
     if ev.takeover and rec.is_stale(now) and fingerprints_agree(rec.fingerprint, ev.fingerprint):
         new = _take(rec, ev, now)
-        return new, Claim(ClaimStatus.TAKEN_OVER, new, now)
-    return UNCHANGED, Claim(ClaimStatus.EXISTING, rec, now)
+        return new, new_claim(ClaimStatus.TAKEN_OVER, new, now)
+    return UNCHANGED, new_claim(ClaimStatus.EXISTING, rec, now)
 
 
 def apply_takeover(current: Record | None, ev: TakeoverEvent, now: int) -> tuple[NewState, Claim]:
@@ -220,8 +286,8 @@ def apply_takeover(current: Record | None, ev: TakeoverEvent, now: int) -> tuple
         and fingerprints_agree(rec.fingerprint, ev.claim.fingerprint)
     ):
         new = _take(rec, ev.claim, now)
-        return new, Claim(ClaimStatus.TAKEN_OVER, new, now)
-    return UNCHANGED, Claim(ClaimStatus.EXISTING, rec, now)
+        return new, new_claim(ClaimStatus.TAKEN_OVER, new, now)
+    return UNCHANGED, new_claim(ClaimStatus.EXISTING, rec, now)
 
 
 def apply_complete(
@@ -234,14 +300,7 @@ def apply_complete(
         return UNCHANGED, rec
     if rec.status is not Status.IN_PROGRESS:
         return UNCHANGED, Lost(rec)
-    new = replace(
-        rec,
-        status=Status.COMPLETED,
-        updated_ms=now,
-        expires_ms=now + ev.keep_ms,
-        result=ev.result,
-        error=ev.note,
-    )
+    new = _settled(rec, Status.COMPLETED, now, now + ev.keep_ms, ev.result, ev.note)
     return new, new
 
 
@@ -253,14 +312,7 @@ def apply_fail(current: Record | None, ev: FailEvent, now: int) -> tuple[NewStat
         return UNCHANGED, rec
     if rec.status is not Status.IN_PROGRESS:
         return UNCHANGED, Lost(rec)
-    new = replace(
-        rec,
-        status=Status.FAILED,
-        updated_ms=now,
-        expires_ms=now + ev.keep_ms,
-        result=None,
-        error=ev.error,
-    )
+    new = _settled(rec, Status.FAILED, now, now + ev.keep_ms, None, ev.error)
     return new, new
 
 
@@ -268,11 +320,19 @@ def apply_renew(current: Record | None, ev: RenewEvent, now: int) -> tuple[NewSt
     rec = _live(current, now)
     if rec is None or rec.token != ev.token or rec.status is not Status.IN_PROGRESS:
         return UNCHANGED, Lost(rec)
-    new = replace(
-        rec,
+    new = new_record(
+        consumer=rec.consumer,
+        key=rec.key,
+        status=rec.status,
+        fingerprint=rec.fingerprint,
+        token=rec.token,
+        attempt=rec.attempt,
+        created_ms=rec.created_ms,
         updated_ms=now,
         lease_until_ms=now + ev.lease_ms,
         expires_ms=_expires(now, ev.keep_ms, ev.lease_ms),
+        result=rec.result,
+        error=rec.error,
     )
     return new, new
 

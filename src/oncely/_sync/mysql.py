@@ -38,6 +38,7 @@ from oncely._core.state import (
     apply_release,
     apply_renew,
     apply_takeover,
+    claim_event,
 )
 from oncely._core.table import lease_lost
 from oncely._dialects.mysql import (
@@ -103,7 +104,7 @@ class MySQLStore(MySQLTransactions):
         keep_ms: int,
         takeover: bool,
     ) -> Claim:
-        event = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
+        event = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
         return self._run("claim", lambda conn: self._claim(conn, event, False))
 
     def _claim(self, conn: Connection, ev: ClaimEvent, joined: bool) -> Claim:
@@ -162,7 +163,7 @@ class MySQLStore(MySQLTransactions):
         if not requests:
             return []
         events = [
-            ClaimEvent(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
+            claim_event(consumer, r.key, r.fingerprint, r.token, lease_ms, keep_ms, takeover)
             for r in requests
         ]
         return self._run("claim_many", lambda conn: self._claim_many(conn, events))
@@ -241,7 +242,7 @@ class MySQLStore(MySQLTransactions):
         lease_ms: int,
         keep_ms: int,
     ) -> Claim:
-        ev = ClaimEvent(consumer, key, fingerprint, token, lease_ms, keep_ms, False)
+        ev = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, False)
         event = TakeoverEvent(ev, expected_token)
         return self._run("takeover", lambda conn: self._takeover(conn, event))
 
@@ -342,7 +343,7 @@ class MySQLStore(MySQLTransactions):
     ) -> Claim:
         if not self._ready:
             self._prepare()
-        event = ClaimEvent(consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error)
+        event = claim_event(consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error)
         try:
             return self._claim(tx, event, True)
         except DRIVER_ERRORS as exc:
