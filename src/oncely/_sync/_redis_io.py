@@ -103,17 +103,16 @@ _KERNEL_TIMEOUTS: Final = sys.platform == "linux"
 
 class _KernelTimeoutConnection(redis.Connection):
     """A redis-py connection on a blocking socket whose sends and receives the kernel times
-    out after ``kernel_timeout`` seconds.
+    out (``_timeval``, the store's ``timeout`` as a ``struct timeval``).
 
     Python's own socket timeout polls the socket before every ``send`` and ``recv``: one more
     system call each way, a few per cent of a script's client CPU on loopback (``python
-    bench/redis_socket_timeouts.py`` compares the two). Here the kernel
-    ends a call that waited too long with ``EAGAIN``, which redis-py reports as a
+    bench/redis_socket_timeouts.py`` compares the two). Here the kernel ends a call that
+    waited too long with ``EAGAIN``, which redis-py reports as a
     :class:`redis.ConnectionError` (the connection is then dropped) and
     :func:`oncely._drivers.redis.translate` as :class:`~oncely.StoreUnavailable`, as it does
     a Python timeout."""
 
-    kernel_timeout: float = 5.0
     _timeval: bytes = struct.pack("ll", 5, 0)
 
     def _connect(self) -> socket.socket:
@@ -138,7 +137,7 @@ def _kernel_timeout_class(timeout: float) -> type[_KernelTimeoutConnection]:
         found = type(
             "KernelTimeoutConnection",
             (_KernelTimeoutConnection,),
-            {"kernel_timeout": timeout, "_timeval": timeval},
+            {"_timeval": timeval},
         )
         _CLASSES[timeout] = found
     return found
