@@ -184,3 +184,80 @@ def test_an_async_store_nobody_closed_does_not_keep_the_process_alive(tmp_path: 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "processed"
+
+
+async def test_r7_async_transaction_begins_in_the_claims_hop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The asyncio store's own transaction begins (BEGIN IMMEDIATE, the write lock taken at
+    once) inside the claim's hop to the connection's thread: one hop fewer per message. Its
+    connections go back to the pool in autocommit mode whatever happened, so a two-phase
+    claim after them still commits on its own."""
+    import aiosqlite
+
+    path = tmp_path / "o.db"
+    settings = oncely.SQLiteSettings(busy_timeout=timedelta(milliseconds=100))
+    store = oncely.AsyncSQLiteStore(path, settings=settings)
+    await store.migrate()
+    inbox = oncely.AsyncInbox(store, consumer="c")
+    hops: list[str] = []
+    real = aiosqlite.Connection.execute_fetchall
+
+    async def counted(self: aiosqlite.Connection, sql: str, params: object = None) -> object:
+        hops.append(sql.split(maxsplit=1)[0])
+        return await real(self, sql, params)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(aiosqlite.Connection, "execute_fetchall", counted)
+    locked: list[bool] = []
+
+    async def book(tx: aiosqlite.Connection, payload: object) -> None:
+        other = sqlite3.connect(path, isolation_level=None, timeout=0)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # must fail: the claim took the write lock
+            other.execute("ROLLBACK")
+            locked.append(False)
+        except sqlite3.OperationalError:
+            locked.append(tx.in_transaction)
+        finally:
+            other.close()
+        await tx.execute("CREATE TABLE IF NOT EXISTS t (x)")
+        await tx.execute("INSERT INTO t VALUES (?)", (str(payload),))
+
+    async def fails(tx: aiosqlite.Connection, payload: object) -> None:
+        await book(tx, payload)
+        raise ValueError("no")
+
+    def autocommit_everywhere() -> None:
+        for conn in store._pool._idle:
+            assert conn.isolation_level is None and not conn.in_transaction
+
+    assert (await inbox.handle_in_transaction("a", "a", book)).outcome is Outcome.PROCESSED
+    assert hops == ["INSERT", "COMMIT"]  # no BEGIN hop: the INSERT began the transaction
+    assert locked == [True]
+    autocommit_everywhere()
+    assert (await inbox.handle_in_transaction("b", "b", fails)).outcome is Outcome.FAILED
+    assert (await inbox.handle_in_transaction("a", "a", book)).outcome is Outcome.DUPLICATE
+    autocommit_everywhere()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(oncely.StoreUnavailable, match="locked"):
+            await inbox.handle_in_transaction("c", "c", book)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    autocommit_everywhere()
+    # A two-phase claim on those connections commits by itself: another connection sees it.
+    async def effect(payload: object) -> None:
+        return None
+
+    assert (await inbox.handle("d", "d", effect)).outcome is Outcome.PROCESSED
+    reader = sqlite3.connect(path)
+    try:
+        rows = reader.execute("SELECT key, status FROM oncely_inbox ORDER BY key").fetchall()
+        written = reader.execute("SELECT x FROM t ORDER BY x").fetchall()
+    finally:
+        reader.close()
+    await store.aclose()
+    assert rows == [("a", "completed"), ("d", "completed")]
+    assert written == [("a",)]  # b rolled back with its marker; c never ran

@@ -56,6 +56,7 @@ RENAMES = {
     "AsyncHeartbeats": "Heartbeats",
     "AsyncPool": "Pool",
     "AsyncTicket": "Ticket",
+    "AsyncTransaction": "Transaction",
     "AsyncHandler": "Handler",
     "AsyncTxHandler": "TxHandler",
     "AsyncFunction": "Function",

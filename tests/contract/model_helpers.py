@@ -89,8 +89,8 @@ class Blocking:
         return lambda *args, **kwargs: self._runner.run(attr(*args, **kwargs))
 
     @contextmanager
-    def transaction(self) -> Iterator[Any]:
-        block = self._store.transaction()
+    def transaction(self, *, claim_first: bool = False) -> Iterator[Any]:
+        block = self._store.transaction(claim_first=claim_first)
         tx = self._runner.run(block.__aenter__())
         try:
             yield tx

@@ -26,6 +26,7 @@ __all__ = [
     "execute",
     "fetchall",
     "fetchall_after",
+    "fetchall_begun",
     "is_connection",
     "is_pool",
     "make_pool",
@@ -136,6 +137,25 @@ async def fetchall_after(
         result = head.pgresult
         if result is not None and result.status == pq.ExecStatus.COMMAND_OK:
             done()
+    return await cursor.fetchall()
+
+
+async def fetchall_begun(
+    conn: Connection, block: Any, sql: bytes, params: Params
+) -> list[tuple[Any, ...]]:
+    """Enter ``block`` (``conn.transaction()``, not yet entered: its ``BEGIN``) and run ``sql``
+    in one round trip, in libpq's pipeline mode, and return ``sql``'s rows. The block is
+    entered even when the round trip then fails (its ``status`` is no longer
+    ``NOT_STARTED``), so the caller ends it as usual: a failed claim rolls the transaction
+    back. psycopg lets a block entered inside a pipeline outlive it, and still forbids
+    ``conn.commit()`` inside it. Without pipeline support the two go one after the other."""
+    if not _PIPELINE:
+        await block.__aenter__()
+        return await fetchall(conn, sql, params)
+    cursor = conn.cursor(row_factory=tuple_row)
+    async with conn.pipeline():
+        await block.__aenter__()
+        await cursor.execute(sql, params)
     return await cursor.fetchall()
 
 

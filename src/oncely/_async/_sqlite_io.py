@@ -78,6 +78,17 @@ class AsyncPool:
         connection; aiosqlite has no cheaper path than one hop to the connection's thread)."""
         await conn.execute_fetchall(sql, params)
 
+    async def begin(self, conn: aiosqlite.Connection, claim_first: bool = False) -> None:
+        """``BEGIN IMMEDIATE`` on ``conn``, one hop to its thread. With ``claim_first`` (the
+        next statement is the claim's INSERT) nothing is sent: the connection's
+        ``isolation_level`` is set to ``IMMEDIATE``, so sqlite3 itself runs ``BEGIN
+        IMMEDIATE`` just before that INSERT, in the claim's own hop (one hop fewer per
+        transaction). :meth:`release` turns autocommit back on."""
+        if claim_first:
+            conn.isolation_level = "IMMEDIATE"
+        else:
+            await conn.execute_fetchall("BEGIN IMMEDIATE")
+
     async def fetchall(
         self, conn: aiosqlite.Connection, sql: str, params: Params = ()
     ) -> list[Any]:
@@ -96,6 +107,11 @@ class AsyncPool:
 
     async def release(self, conn: aiosqlite.Connection, discard: bool = False) -> None:
         try:
+            if conn.isolation_level is not None:  # left by begin(claim_first=True)
+                if conn.in_transaction:
+                    discard = True  # (the store rolls back first: never expected here)
+                else:
+                    conn.isolation_level = None  # no transaction open: sets, commits nothing
             if discard or self._closed:
                 await close(conn)
             else:

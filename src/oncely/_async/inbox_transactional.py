@@ -91,7 +91,7 @@ class TransactionalMode(InboxBase):
         # caller's, or the caller's transaction as it is.
         block: AbstractAsyncContextManager[Any]
         if tx is None:
-            block = store.transaction()
+            block = store.transaction(claim_first=True)  # the claim is the first statement
         else:
             store.check_transaction(tx)
             block = store.savepoint(tx) if savepoint else nullcontext()

@@ -25,7 +25,9 @@ __all__ = ["MySQLTransactions"]
 class MySQLTransactions(MySQLStoreBase):
     """The transactional mode of :class:`~oncely.AsyncMySQLStore` (see there)."""
 
-    def transaction(self) -> _Transaction:
+    def transaction(self, *, claim_first: bool = False) -> _Transaction:
+        # PyMySQL cannot send BEGIN with the claim in one round trip: claim_first changes
+        # nothing here.
         return _Transaction(self)
 
     @asynccontextmanager

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from oncely._async._postgres_io import Connection, fetchall, fetchall_after
+from oncely._async._postgres_io import Connection, fetchall, fetchall_after, fetchall_begun
 from oncely._async.postgres_tx import JOINED, PostgresTransactions, Savepoint
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely._core.state import Lost, fingerprints_agree
@@ -173,9 +173,12 @@ class AsyncPostgresStore(PostgresTransactions):
         initial: Status,
         error: str | None,
         savepoint: Savepoint | None = None,
+        begin: Any = None,
     ) -> Claim:
         """One claim on ``conn``. With ``savepoint`` (set by :meth:`savepoint`, not yet on
-        the server), its ``SAVEPOINT`` goes out with the first statement, in one round trip."""
+        the server), its ``SAVEPOINT`` goes out with the first statement, in one round trip;
+        with ``begin`` (a transaction block of :meth:`transaction` that has sent nothing yet),
+        its ``BEGIN`` does."""
         _check_size(consumer, key)
         dialect = self._dialect
         params: dict[str, Any] = {
@@ -191,15 +194,18 @@ class AsyncPostgresStore(PostgresTransactions):
         try:
             for _ in range(_ATTEMPTS):
                 params["now"] = self._now()
-                if savepoint is None:
-                    rows = await fetchall(conn, dialect.claim, params)
-                else:
+                if savepoint is not None:
                     rows = await fetchall_after(
                         conn, savepoint.sql, dialect.claim_joined, params, savepoint.established
                     )
                     if rows:
                         savepoint.stamp = rows[0][12]
                     savepoint = None
+                elif begin is not None:
+                    rows = await fetchall_begun(conn, begin, dialect.claim, params)
+                    begin = None
+                else:
+                    rows = await fetchall(conn, dialect.claim, params)
                 if not rows:
                     # The key's row was inserted by a transaction that committed while this
                     # statement waited for it (invisible to the statement's snapshot), or it
@@ -346,8 +352,19 @@ class AsyncPostgresStore(PostgresTransactions):
         if not self._ready:
             await self._prepare()
         joined = JOINED.get(tx)
-        point = joined.pending if joined is not None else None
-        if joined is None or point is None:
+        if joined is None:
+            return await self._claim(
+                tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
+            )
+        begin = joined.begin
+        if begin is not None:  # oncely's own transaction, not begun yet: BEGIN goes with it
+            joined.begin = None
+            return await self._claim(
+                tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error,
+                None, begin,
+            )  # fmt: skip
+        point = joined.pending
+        if point is None:
             return await self._claim(
                 tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
             )

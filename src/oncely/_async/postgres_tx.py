@@ -25,6 +25,7 @@ from oncely.errors import StoreUnavailable, TransactionRequired
 __all__ = ["JOINED", "OPEN_SAVEPOINTS", "Joined", "PostgresTransactions", "Savepoint", "joined_on"]
 
 _TX = pq.TransactionStatus
+_NOT_STARTED = psycopg.Transaction.Status.NOT_STARTED  # (the one enum of both kinds)
 # At most this many of oncely's savepoints are left open in one caller transaction (each is
 # a subtransaction the server keeps until the transaction ends: about 10 KiB of its memory,
 # and one more level that parts of it walk); past that, each is released at the end of its
@@ -35,8 +36,12 @@ OPEN_SAVEPOINTS = 100
 class PostgresTransactions(PostgresStoreBase):
     """The transactional mode of :class:`~oncely.AsyncPostgresStore` (see there)."""
 
-    def transaction(self) -> _Transaction:
-        return _Transaction(self)
+    def transaction(self, *, claim_first: bool = False) -> _Transaction:
+        """A transaction on a pooled connection. With ``claim_first`` (the block's first
+        statement is :meth:`claim_in`, as in :meth:`Inbox.handle_in_transaction
+        <oncely.AsyncInbox.handle_in_transaction>`), its ``BEGIN`` is not sent on entry but
+        with that claim, in one pipeline: the transaction costs no round trip of its own."""
+        return _Transaction(self, claim_first)
 
     @asynccontextmanager
     async def savepoint(self, tx: Connection) -> AsyncIterator[None]:
@@ -133,8 +138,13 @@ class PostgresTransactions(PostgresStoreBase):
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
         joined = JOINED.get(tx)
-        if joined is not None and joined.pending is not None:
-            await self._establish(tx, joined)
+        if joined is not None:
+            begin = joined.begin
+            if begin is not None:  # a transaction whose claim never ran: begin it now
+                joined.begin = None
+                await begin.__aenter__()
+            if joined.pending is not None:
+                await self._establish(tx, joined)
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         await self._run(tx, self._dialect.set_result, "storing the result", params)
 
@@ -145,18 +155,32 @@ class _Transaction:
     ``tx.commit()`` inside the block, so a handler cannot split the marker from its writes.
     A class, not a generator: it is on the hot path of every transactional message.
 
+    With ``claim_first`` the block is left unentered (nothing sent) and handed to the claim
+    through the connection's :class:`Joined` entry: :meth:`AsyncPostgresStore.claim_in` enters
+    it in the claim's own round trip. A block that ends before any claim ran has sent
+    nothing, and nothing is committed or rolled back.
+
     Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
     add a call to every BEGIN and COMMIT."""
 
-    __slots__ = ("_block", "_conn", "_store")
+    __slots__ = ("_block", "_claim_first", "_conn", "_store")
 
-    def __init__(self, store: PostgresStoreBase) -> None:
+    def __init__(self, store: PostgresStoreBase, claim_first: bool = False) -> None:
         self._store = store
+        self._claim_first = claim_first
         self._conn: Connection | None = None
         self._block: Any = None
 
     async def __aenter__(self) -> Connection:
         conn = await self._store._acquire("begin")
+        if self._claim_first:
+            # The Transaction itself, not conn.transaction() (a generator around it that, on
+            # a connection in pipeline mode, nests pipelines around its entry): the claim
+            # enters it inside its own pipeline.
+            pending = psycopg.AsyncTransaction(conn)
+            joined_on(conn).begin = pending
+            self._conn, self._block = conn, pending
+            return conn
         block = conn.transaction()
         try:
             await block.__aenter__()
@@ -178,6 +202,12 @@ class _Transaction:
         assert conn is not None
         self._conn = self._block = None
         try:
+            if self._claim_first:
+                joined = JOINED.get(conn)
+                if joined is not None and joined.begin is block:
+                    joined.begin = None
+                if block.status is _NOT_STARTED:
+                    return None  # no claim ran: no BEGIN went out, nothing to end
             try:
                 suppressed: bool | None = await block.__aexit__(exc_type, exc, tb)
             except psycopg.Error as error:
@@ -210,11 +240,14 @@ class Savepoint:
 class Joined:
     """oncely's savepoints on one caller connection, whichever store set them: the one whose
     ``SAVEPOINT`` waits for its block's first statement, how many blocks are open, and how
-    many savepoints are left open in the transaction that started at ``stamp``."""
+    many savepoints are left open in the transaction that started at ``stamp``. On one of
+    the store's own connections, ``begin`` is the transaction block of
+    ``transaction(claim_first=True)`` whose ``BEGIN`` waits for the claim."""
 
-    __slots__ = ("depth", "kept", "pending", "stamp")
+    __slots__ = ("begin", "depth", "kept", "pending", "stamp")
 
     def __init__(self) -> None:
+        self.begin: Any = None
         self.pending: Savepoint | None = None
         self.depth = 0
         self.stamp: int | None = None

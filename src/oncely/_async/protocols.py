@@ -149,9 +149,15 @@ class AsyncStore(Protocol):
 class AsyncTransactionalStore(AsyncStore, Protocol[Tx]):
     """A store that can put the dedup marker inside a transaction with the caller's writes."""
 
-    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+    def transaction(self, *, claim_first: bool = False) -> AbstractAsyncContextManager[Tx]:
         """A new transaction on one of the store's connections: committed when the block ends,
-        rolled back when it raises."""
+        rolled back when it raises.
+
+        ``claim_first=True`` promises that the block's first statement is :meth:`claim_in` on
+        the connection it yields (the inbox's transactional mode keeps that promise); the
+        store may then start the transaction with that claim instead of on entry, in the
+        claim's own round trip. A block that ends before any claim may then have started
+        nothing."""
         ...
 
     def savepoint(self, tx: Tx) -> AbstractAsyncContextManager[None]:

@@ -26,8 +26,11 @@ class SQLiteTransactions(SQLiteStoreBase):
     """The transactional mode of :class:`~oncely.AsyncSQLiteStore` (see
     there)."""
 
-    def transaction(self) -> _Transaction:
-        return _Transaction(self)
+    def transaction(self, *, claim_first: bool = False) -> _Transaction:
+        """``BEGIN IMMEDIATE`` on a pooled connection. With ``claim_first`` (the block's first
+        statement is :meth:`claim_in`), the asyncio store lets that claim's INSERT begin the
+        transaction, in the claim's own hop to the connection's thread."""
+        return _Transaction(self, claim_first)
 
     @asynccontextmanager
     async def savepoint(self, tx: aiosqlite.Connection) -> AsyncIterator[None]:
@@ -68,10 +71,11 @@ class _Transaction:
     Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
     add a call to every BEGIN and COMMIT."""
 
-    __slots__ = ("_conn", "_store")
+    __slots__ = ("_claim_first", "_conn", "_store")
 
-    def __init__(self, store: SQLiteStoreBase) -> None:
+    def __init__(self, store: SQLiteStoreBase, claim_first: bool = False) -> None:
         self._store = store
+        self._claim_first = claim_first
         self._conn: aiosqlite.Connection | None = None
 
     async def __aenter__(self) -> aiosqlite.Connection:
@@ -80,7 +84,7 @@ class _Transaction:
         ready = store._ready and not store._closed
         conn = await (store._pool.acquire() if ready else store._acquire())
         try:
-            await store._pool.execute(conn, "BEGIN IMMEDIATE")
+            await store._pool.begin(conn, self._claim_first)
         except BaseException as exc:
             await store._release(conn)
             if isinstance(exc, sqlite3.Error):

@@ -93,7 +93,7 @@ class TransactionalMode(InboxBase):
         # caller's, or the caller's transaction as it is.
         block: AbstractContextManager[Any]
         if tx is None:
-            block = store.transaction()
+            block = store.transaction(claim_first=True)  # the claim is the first statement
         else:
             store.check_transaction(tx)
             block = store.savepoint(tx) if savepoint else nullcontext()

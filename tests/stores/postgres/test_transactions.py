@@ -254,3 +254,119 @@ async def test_r7_async_joined_claim_adds_one_round_trip(table: str) -> None:
     finally:
         await store.aclose()
     assert _ledger_counts(ledger) == Counter({"w": 6, "bare": 1, "k": 1})
+
+
+# ------------------------------------------------------- oncely's own transaction, lazily begun
+
+
+def test_r7_own_transaction_begins_with_the_claim_and_keeps_psycopgs_guards(table: str) -> None:
+    """In its own transaction the inbox sends BEGIN with the claim (one pipeline): the
+    handler still runs inside the transaction, ``commit()`` is still refused inside it, a
+    failing handler still rolls back marker and writes, and the pooled connection comes
+    back idle and out of pipeline mode each time."""
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    insert = f"INSERT INTO {ledger} (key) VALUES (%s)".encode()
+    inbox = oncely.Inbox(store, consumer="c")
+    seen: list[tuple[Any, bool]] = []
+
+    def book(tx: psycopg.Connection[Any], payload: object) -> None:
+        seen.append((tx.info.transaction_status, tx._pipeline is not None))
+        tx.execute(insert, (str(payload),))
+
+    def commits(tx: psycopg.Connection[Any], payload: object) -> None:
+        book(tx, payload)
+        tx.commit()
+
+    def fails(tx: psycopg.Connection[Any], payload: object) -> None:
+        book(tx, payload)
+        raise ValueError("no")
+
+    try:
+        assert inbox.handle_in_transaction("a", "a", book).outcome is Outcome.PROCESSED
+        refused = inbox.handle_in_transaction("b", "b", commits)
+        assert refused.outcome is Outcome.FAILED
+        assert isinstance(refused.error, psycopg.ProgrammingError)
+        assert inbox.handle_in_transaction("c", "c", fails).outcome is Outcome.FAILED
+        assert inbox.handle_in_transaction("a", "a", book).outcome is Outcome.DUPLICATE
+        assert seen == [(pq.TransactionStatus.INTRANS, False)] * 3
+        (conn,) = store._idle  # the pool's only connection, kept by the store when sound
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+        assert conn._pipeline is None
+        # b and c left no marker: their redeliveries run again.
+        assert inbox.handle_in_transaction("b", "b", book).outcome is Outcome.PROCESSED
+        assert inbox.handle_in_transaction("c", "c", book).outcome is Outcome.PROCESSED
+    finally:
+        store.close()
+    assert _ledger_counts(ledger) == Counter({"a": 1, "b": 1, "c": 1})
+
+
+def test_r7_a_claim_first_block_that_never_claims_sends_nothing(store: PostgresStore) -> None:
+    """``transaction(claim_first=True)`` ended before any claim (an error first, or nothing
+    done) has begun nothing; a result stored before the claim begins it on the spot."""
+    store.migrate()
+    with pytest.raises(ValueError, match="first"), store.transaction(claim_first=True) as tx:
+        raise ValueError("first")
+    assert tx.info.transaction_status == pq.TransactionStatus.IDLE
+    with store.transaction(claim_first=True) as tx, _traced(tx) as nothing:
+        pass
+    assert nothing["round_trips"] == 0
+    with store.transaction(claim_first=True) as tx:
+        store.set_result_in(tx, "c", "absent", token="t", result=b"r")
+        assert tx.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+def test_r7_a_failing_pipelined_claim_rolls_its_transaction_back(table: str) -> None:
+    """A claim that fails in the pipeline with its BEGIN (here its table is gone) is a
+    typed error, and the transaction it began is rolled back: the connection goes back to
+    the pool idle and works for the next message."""
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    inbox = oncely.Inbox(store, consumer="c")
+    try:
+        assert inbox.handle_in_transaction("a", 1, lambda tx, p: None).ok
+        drop = f"ALTER TABLE {table} RENAME TO {table}_away"
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as admin:
+            admin.execute(drop.encode())
+            with pytest.raises(oncely.SchemaMissing):
+                inbox.handle_in_transaction("b", 1, lambda tx, p: None)
+            (conn,) = store._idle  # kept: back idle and sound
+            assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+            admin.execute(f"ALTER TABLE {table}_away RENAME TO {table}".encode())
+        assert inbox.handle_in_transaction("b", 1, lambda tx, p: None).ok
+    finally:
+        store.close()
+
+
+async def test_r7_async_own_transaction_adds_no_round_trip(table: str) -> None:
+    """The asyncio store sends its own transaction's BEGIN with the claim the same way."""
+    store = AsyncPostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def book(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        assert tx.info.transaction_status == pq.TransactionStatus.INTRANS
+        await tx.execute(f"INSERT INTO {ledger} (key) VALUES (%s)".encode(), (str(payload),))
+
+    async def fails(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        await book(tx, payload)
+        raise ValueError("no")
+
+    try:
+        for i in range(6):  # past psycopg's prepare threshold
+            await inbox.handle_in_transaction(f"w{i}", "w", book)
+        (conn,) = store._idle  # the pool's only connection, kept by the store
+        with _traced(conn) as new:
+            assert (await inbox.handle_in_transaction("k", "k", book)).ok
+        with _traced(conn) as failed:
+            assert (await inbox.handle_in_transaction("x", "x", fails)).ok is False
+        with _traced(conn) as dup:
+            assert (await inbox.handle_in_transaction("k", "k", book)).ok
+        # BEGIN + claim; the write; COMMIT. For x, ROLLBACK instead, after which psycopg
+        # also drops its prepared statements (DEALLOCATE ALL). The duplicate: BEGIN + claim,
+        # COMMIT.
+        assert new["round_trips"] == 3 and failed["round_trips"] == 4
+        assert dup["round_trips"] == 2
+        assert new["waits"] == new["round_trips"]
+    finally:
+        await store.aclose()
+    assert _ledger_counts(ledger) == Counter({"w": 6, "k": 1})
