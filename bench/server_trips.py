@@ -102,7 +102,8 @@ def pq_round_trips(text: str, named: dict[str, str], *, count: bool = True) -> l
             messages.append([m.group(1), m.group(2), m.group(3)])
         elif messages:
             messages[-1][2] += "\n" + line
-    current, bound = "", False
+    current = ""
+    bound: list[str] = []  # the statements executed since the last Sync (a pipeline: several)
     out: list[str] = []
     for side, kind, rest in messages:
         if side != "F":
@@ -111,15 +112,14 @@ def pq_round_trips(text: str, named: dict[str, str], *, count: bool = True) -> l
             pm = _PQ_PARSE.match(rest)
             if pm:
                 named[pm.group(1)] = current = pm.group(2)
-            bound = False
         elif kind == "Bind":
             bm = _PQ_BIND.match(rest)
             if bm and bm.group(1):
                 current = named.get(bm.group(1), "?")
-            bound = True
+            bound.append(sql_label(current))
         elif kind == "Sync":
-            out.append(sql_label(current) if bound else f"PREPARE {sql_label(current)}")
-            bound = False
+            out.append(" + ".join(bound) if bound else f"PREPARE {sql_label(current)}")
+            bound = []
         elif kind == "Query":
             qm = _PQ_QUERY.match(rest)
             out.append(sql_label(qm.group(1) if qm else rest))
