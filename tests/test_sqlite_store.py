@@ -247,6 +247,7 @@ async def test_r7_async_transaction_begins_in_the_claims_hop(
         blocker.execute("ROLLBACK")
         blocker.close()
     autocommit_everywhere()
+
     # A two-phase claim on those connections commits by itself: another connection sees it.
     async def effect(payload: object) -> None:
         return None

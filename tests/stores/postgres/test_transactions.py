@@ -5,6 +5,7 @@ transaction never hide the one a failing message must roll back to.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -370,3 +371,34 @@ async def test_r7_async_own_transaction_adds_no_round_trip(table: str) -> None:
     finally:
         await store.aclose()
     assert _ledger_counts(ledger) == Counter({"w": 6, "k": 1})
+
+
+async def test_r7_async_a_claim_cancelled_in_its_pipeline_leaves_a_usable_store(
+    table: str,
+) -> None:
+    """A message cancelled while its pipelined BEGIN + claim waits (here for the row lock of
+    an uncommitted claim of the same key) records nothing, and the store serves the next
+    messages: the claimer's transaction commits, a redelivery is a duplicate."""
+    store = AsyncPostgresStore(POSTGRES_DSN, table=table, pool_max=2)
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def nothing(tx: psycopg.AsyncConnection[Any], payload: object) -> None:
+        return None
+
+    try:
+        await store.migrate()
+        async with await psycopg.AsyncConnection.connect(POSTGRES_DSN) as first:
+            claim = await store.claim_in(
+                first, "c", "k", fingerprint=None, token="t1", keep_ms=KEEP_MS, takeover=True
+            )
+            assert claim.status is ClaimStatus.NEW  # uncommitted: the row stays locked
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(inbox.handle_in_transaction("k", 1, nothing), 0.5)
+            await first.commit()
+        assert (await inbox.handle_in_transaction("k", 1, nothing)).outcome is Outcome.DUPLICATE
+        assert (await inbox.handle_in_transaction("k2", 1, nothing)).outcome is (Outcome.PROCESSED)
+        for conn in store._idle:
+            assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+            assert conn._pipeline is None
+    finally:
+        await store.aclose()
