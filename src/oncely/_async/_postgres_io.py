@@ -22,6 +22,7 @@ __all__ = [
     "Connection",
     "Params",
     "close_pool",
+    "commit_after",
     "connect",
     "execute",
     "fetchall",
@@ -157,6 +158,21 @@ async def fetchall_begun(
         await block.__aenter__()
         await cursor.execute(sql, params)
     return await cursor.fetchall()
+
+
+async def commit_after(conn: Connection, block: Any, sql: bytes, params: Params) -> None:
+    """Run ``sql`` (no rows) and end ``block`` (an entered ``psycopg`` transaction block: its
+    ``COMMIT``) in one round trip, in libpq's pipeline mode. When ``sql`` fails the server
+    skips the ``COMMIT`` and the transaction is left failed, for the caller to roll back.
+    Without pipeline support the two go one after the other."""
+    cursor = conn.cursor(row_factory=tuple_row)
+    if not _PIPELINE:
+        await cursor.execute(sql, params)
+        await block.__aexit__(None, None, None)
+        return
+    async with conn.pipeline():
+        await cursor.execute(sql, params)
+        await block.__aexit__(None, None, None)
 
 
 async def execute(conn: Connection, sql: bytes, params: Params = None) -> None:

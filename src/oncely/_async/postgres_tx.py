@@ -9,6 +9,7 @@ store's modules divide the work is told in ``sql_base``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from oncely._async._postgres_io import Connection, execute, is_connection
+from oncely._async._postgres_io import Connection, commit_after, execute, is_connection
 from oncely._async.postgres_base import PostgresStoreBase
 from oncely.errors import StoreUnavailable, TransactionRequired
 
@@ -137,15 +138,18 @@ class PostgresTransactions(PostgresStoreBase):
     async def set_result_in(
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
+        params = {"consumer": consumer, "key": key, "token": token, "result": result}
         joined = JOINED.get(tx)
         if joined is not None:
             begin = joined.begin
             if begin is not None:  # a transaction whose claim never ran: begin it now
                 joined.begin = None
                 await begin.__aenter__()
+            if joined.own:  # the store's own transaction: the UPDATE goes with its COMMIT
+                joined.result = params
+                return
             if joined.pending is not None:
                 await self._establish(tx, joined)
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
         await self._run(tx, self._dialect.set_result, "storing the result", params)
 
 
@@ -178,7 +182,8 @@ class _Transaction:
             # a connection in pipeline mode, nests pipelines around its entry): the claim
             # enters it inside its own pipeline.
             pending = psycopg.AsyncTransaction(conn)
-            joined_on(conn).begin = pending
+            joined = joined_on(conn)
+            joined.begin, joined.own = pending, True
             self._conn, self._block = conn, pending
             return conn
         block = conn.transaction()
@@ -202,21 +207,34 @@ class _Transaction:
         assert conn is not None
         self._conn = self._block = None
         try:
+            result: dict[str, Any] | None = None
             if self._claim_first:
-                joined = JOINED.get(conn)
-                if joined is not None and joined.begin is block:
+                joined = joined_on(conn)
+                result, joined.result, joined.own = joined.result, None, False
+                if joined.begin is block:
                     joined.begin = None
                 if block.status is _NOT_STARTED:
                     return None  # no claim ran: no BEGIN went out, nothing to end
             try:
+                if result is not None and exc_type is None:
+                    # The result's UPDATE (set_result_in) goes out with the COMMIT.
+                    await commit_after(conn, block, self._store._dialect.set_result, result)
+                    return None
                 suppressed: bool | None = await block.__aexit__(exc_type, exc, tb)
             except psycopg.Error as error:
+                if conn.info.transaction_status == _TX.INERROR:
+                    await _rollback_quietly(conn)  # the UPDATE failed: COMMIT never ran
                 if exc is None:
                     raise self._store._error(error, "commit") from error
                 return None  # the block's own error wins; the pool drops a broken connection
             return suppressed
         finally:
             await self._store._release(conn)
+
+
+async def _rollback_quietly(conn: Connection) -> None:
+    with contextlib.suppress(psycopg.Error):  # a broken connection: the pool drops it
+        await conn.rollback()
 
 
 class Savepoint:
@@ -241,13 +259,16 @@ class Joined:
     """oncely's savepoints on one caller connection, whichever store set them: the one whose
     ``SAVEPOINT`` waits for its block's first statement, how many blocks are open, and how
     many savepoints are left open in the transaction that started at ``stamp``. On one of
-    the store's own connections, ``begin`` is the transaction block of
-    ``transaction(claim_first=True)`` whose ``BEGIN`` waits for the claim."""
+    the store's own connections in ``transaction(claim_first=True)`` (``own``), ``begin`` is
+    its transaction block while its ``BEGIN`` waits for the claim, and ``result`` the
+    parameters of a result's UPDATE waiting for its ``COMMIT``."""
 
-    __slots__ = ("begin", "depth", "kept", "pending", "stamp")
+    __slots__ = ("begin", "depth", "kept", "own", "pending", "result", "stamp")
 
     def __init__(self) -> None:
         self.begin: Any = None
+        self.own = False
+        self.result: dict[str, Any] | None = None
         self.pending: Savepoint | None = None
         self.depth = 0
         self.stamp: int | None = None

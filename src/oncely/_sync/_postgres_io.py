@@ -22,6 +22,7 @@ __all__ = [
     "Connection",
     "Params",
     "close_pool",
+    "commit_after",
     "connect",
     "execute",
     "fetchall",
@@ -129,6 +130,21 @@ def fetchall_begun(
         block.__enter__()
         cursor.execute(sql, params)
     return cursor.fetchall()
+
+
+def commit_after(conn: Connection, block: Any, sql: bytes, params: Params) -> None:
+    """Run ``sql`` (no rows) and end ``block`` (an entered ``psycopg`` transaction block: its
+    ``COMMIT``) in one round trip, in libpq's pipeline mode. When ``sql`` fails the server
+    skips the ``COMMIT`` and the transaction is left failed, for the caller to roll back.
+    Without pipeline support the two go one after the other."""
+    cursor = conn.cursor(row_factory=tuple_row)
+    if not _PIPELINE:
+        cursor.execute(sql, params)
+        block.__exit__(None, None, None)
+        return
+    with conn.pipeline():
+        cursor.execute(sql, params)
+        block.__exit__(None, None, None)
 
 
 def execute(conn: Connection, sql: bytes, params: Params = None) -> None:

@@ -17,10 +17,10 @@ from tests.stores.postgres.helpers import KEEP_MS, _claim, _ledger, _ledger_coun
 
 def test_round_trips_per_operation(table: str) -> None:
     """A new key and a duplicate cost one round trip each. In its own transaction the
-    transactional mode adds no round trip when no result is stored (BEGIN goes out with the
-    claim in one pipeline: one statement more, no wait more) and one with a result (its
-    UPDATE); joined to a caller's transaction with the default savepoint it adds one: the
-    SAVEPOINT goes out with the claim in one pipeline, and is not released on success."""
+    transactional mode adds no round trip (BEGIN goes out with the claim in one pipeline,
+    and a result's UPDATE with the COMMIT: a statement more each, no wait more); joined to a
+    caller's transaction with the default savepoint it adds one: the SAVEPOINT goes out
+    with the claim in one pipeline, and is not released on success."""
     pool = ConnectionPool(
         POSTGRES_DSN, min_size=1, max_size=1, kwargs={"autocommit": True}, open=True
     )
@@ -79,7 +79,8 @@ def test_round_trips_per_operation(table: str) -> None:
         # one statement more (R7 at no round trip of its own).
         assert tx_none["round_trips"] == bare["round_trips"]
         assert tx_none["statements"] - bare["statements"] == 1
-        assert tx_result["round_trips"] - bare["round_trips"] == 1  # the result's UPDATE
+        assert tx_result["round_trips"] == bare["round_trips"]  # UPDATE with the COMMIT
+        assert tx_result["statements"] - bare["statements"] == 2
         assert tx_dup["round_trips"] == bare["round_trips"] - 1  # BEGIN + claim, COMMIT
         # The caller's transaction with its own write and the handler's: BEGIN, 2 writes,
         # COMMIT; oncely adds SAVEPOINT and the claim, two statements in one round trip.

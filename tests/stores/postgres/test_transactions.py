@@ -352,6 +352,10 @@ async def test_r7_async_own_transaction_adds_no_round_trip(table: str) -> None:
         await book(tx, payload)
         raise ValueError("no")
 
+    async def answers(tx: psycopg.AsyncConnection[Any], payload: object) -> str:
+        await book(tx, payload)
+        return str(payload)
+
     try:
         for i in range(6):  # past psycopg's prepare threshold
             await inbox.handle_in_transaction(f"w{i}", "w", book)
@@ -362,15 +366,19 @@ async def test_r7_async_own_transaction_adds_no_round_trip(table: str) -> None:
             assert (await inbox.handle_in_transaction("x", "x", fails)).ok is False
         with _traced(conn) as dup:
             assert (await inbox.handle_in_transaction("k", "k", book)).ok
+        with _traced(conn) as result:
+            assert (await inbox.handle_in_transaction("r", "r", answers)).value == "r"
         # BEGIN + claim; the write; COMMIT. For x, ROLLBACK instead, after which psycopg
         # also drops its prepared statements (DEALLOCATE ALL). The duplicate: BEGIN + claim,
-        # COMMIT.
+        # COMMIT. With a result: its UPDATE goes with the COMMIT.
         assert new["round_trips"] == 3 and failed["round_trips"] == 4
         assert dup["round_trips"] == 2
+        assert result["round_trips"] == 3 and result["statements"] == 5
+        assert (await inbox.handle_in_transaction("r", "r", answers)).value == "r"
         assert new["waits"] == new["round_trips"]
     finally:
         await store.aclose()
-    assert _ledger_counts(ledger) == Counter({"w": 6, "k": 1})
+    assert _ledger_counts(ledger) == Counter({"w": 6, "k": 1, "r": 1})
 
 
 async def test_r7_async_a_claim_cancelled_in_its_pipeline_leaves_a_usable_store(
@@ -402,3 +410,35 @@ async def test_r7_async_a_claim_cancelled_in_its_pipeline_leaves_a_usable_store(
             assert conn._pipeline is None
     finally:
         await store.aclose()
+
+
+def test_r7_a_result_whose_update_fails_with_the_commit_commits_nothing(table: str) -> None:
+    """The result's UPDATE travels with the COMMIT of oncely's own transaction; when it
+    fails (here a CHECK the test adds), the COMMIT never runs: a typed error, no marker, no
+    business write, and an idle connection for the next message."""
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    ledger = _ledger(table)
+    insert = f"INSERT INTO {ledger} (key) VALUES (%s)".encode()
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: psycopg.Connection[Any], payload: object) -> str:
+        tx.execute(insert, (str(payload),))
+        return str(payload)
+
+    try:
+        store.migrate()
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as admin:
+            admin.execute(
+                f"ALTER TABLE {table} ADD CONSTRAINT short_results "
+                "CHECK (result IS NULL OR length(result) < 10)".encode()
+            )
+        assert inbox.handle_in_transaction("a", "a", book).value == "a"
+        with pytest.raises(oncely.StoreError, match="commit"):
+            inbox.handle_in_transaction("b", "b" * 40, book)
+        (conn,) = store._idle
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+        assert store.get("c", "b") is None
+        assert inbox.handle_in_transaction("a", "a", book).value == "a"  # the stored result
+    finally:
+        store.close()
+    assert _ledger_counts(ledger) == Counter({"a": 1})
