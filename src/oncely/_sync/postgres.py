@@ -9,7 +9,10 @@ the statement and the READ COMMITTED snapshot trap it avoids). Lease times come 
 server's ``clock_timestamp()``, never the worker's, unless the store is given a clock.
 Joined to a caller's transaction, the savepoint around a message costs no round trip of its
 own: its ``SAVEPOINT`` is pipelined with the claim, and it is not released (see
-:meth:`PostgresStore.savepoint`).
+:meth:`PostgresStore.savepoint`). In the store's own transaction of the inbox's
+transactional mode, ``BEGIN`` is pipelined with the claim and a stored result's ``UPDATE``
+with the ``COMMIT`` (see :meth:`PostgresStore.transaction`): the mode adds no round trip
+to the handler's.
 
 This module is the message path: the claim, the fenced writes and the claim inside a
 caller's transaction. How the store's modules divide the rest is told in ``sql_base``.
