@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import sqlite3
@@ -262,3 +263,60 @@ async def test_r7_async_transaction_begins_in_the_claims_hop(
     await store.aclose()
     assert rows == [("a", "completed"), ("d", "completed")]
     assert written == [("a",)]  # b rolled back with its marker; c never ran
+
+
+_SLOW_SQL = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) "
+    "SELECT count(*) FROM c"
+)
+
+
+async def test_r7_async_a_transaction_cancelled_while_its_statement_waits_records_nothing(
+    tmp_path: Path,
+) -> None:
+    """aiosqlite runs a statement on the connection's thread even when the task awaiting it
+    was cancelled. A transaction cancelled while its BEGIN or its claim still waits behind
+    other work on that thread must neither commit its marker later (the handler never ran:
+    its redelivery must run it) nor leave a transaction open on a pooled connection (the
+    next message's claim would be rolled back with it)."""
+    path = tmp_path / "o.db"
+    store = oncely.AsyncSQLiteStore(path, pool_size=1)
+    await store.migrate()
+    inbox = oncely.AsyncInbox(store, consumer="c")
+    ran: list[object] = []
+
+    async def book(tx: object, payload: object) -> None:
+        ran.append(payload)
+
+    async def effect(payload: object) -> None:
+        ran.append(payload)
+
+    async def cancelled_behind_slow_work(call: object) -> None:
+        await store.get("c", "warm")  # (re)opens the pool's only connection if needed
+        (conn,) = store._pool._idle
+        slow = asyncio.ensure_future(conn.execute_fetchall(_SLOW_SQL))  # busies its thread
+        await asyncio.sleep(0.01)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(call, 0.05)  # type: ignore[arg-type]
+        await slow  # the queued statement of the cancelled call runs after this
+
+    # The inbox's own transaction: BEGIN travels with the claim's INSERT.
+    await cancelled_behind_slow_work(inbox.handle_in_transaction("a", "a", book))
+    # A transaction with its own BEGIN hop (store.transaction(), as claim_many uses it).
+    await cancelled_behind_slow_work(
+        store.claim_many(
+            "c", [oncely.ClaimRequest("b", None, "t")], lease_ms=1000, keep_ms=1000, takeover=True
+        )
+    )
+    # The next message on the pool: its claim must commit, nothing of a/b may have.
+    assert (await inbox.handle("n", "n", effect)).outcome is Outcome.PROCESSED
+    await asyncio.sleep(0.1)
+    assert (await inbox.handle_in_transaction("a", "a", book)).outcome is Outcome.PROCESSED
+    reader = sqlite3.connect(path)
+    try:
+        keys = reader.execute("SELECT key, status FROM oncely_inbox ORDER BY key").fetchall()
+    finally:
+        reader.close()
+    await store.aclose()
+    assert keys == [("a", "completed"), ("n", "completed")]
+    assert ran == ["n", "a"]

@@ -120,6 +120,20 @@ class AsyncPool:
             if self._slots is not None:
                 self._slots.release()
 
+    def abandon(self, conn: aiosqlite.Connection) -> None:
+        """Give up ``conn`` after a transaction on it was interrupted (cancelled) while one of
+        its statements may still wait on the connection's thread: aiosqlite runs a queued
+        statement even when its caller is gone, so the connection can be neither reused nor
+        touched now (a BEGIN arriving late would leave a transaction open in the pool; an
+        INSERT arriving after autocommit was restored would commit a marker alone). Its
+        close is queued behind that statement, and closing rolls back whatever is open. The
+        slot is free at once."""
+        task = asyncio.get_running_loop().create_task(close(conn))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+        if self._slots is not None:
+            self._slots.release()
+
     def adopt(self, conn: aiosqlite.Connection) -> None:
         """Keep a connection opened outside :meth:`acquire` for later use."""
         self._idle.append(conn)
@@ -132,6 +146,8 @@ class AsyncPool:
 
 
 _POOLS: weakref.WeakSet[AsyncPool] = weakref.WeakSet()
+_CLOSING: set[asyncio.Task[None]] = set()
+"""Closes queued by :meth:`AsyncPool.abandon`, kept alive until they end."""
 
 
 def _after_fork_in_child() -> None:

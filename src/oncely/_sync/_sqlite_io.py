@@ -138,6 +138,13 @@ class Pool:
             return
         self._idle.append(conn)
 
+    def abandon(self, conn: sqlite3.Connection) -> None:
+        """Give up ``conn`` after a transaction on it was interrupted by a ``BaseException``
+        (the asyncio twin's case is cancellation mid-statement; a thread's statement has
+        always ended when the exception surfaces, so here this only closes it, which rolls
+        back whatever is open)."""
+        self.release(conn, discard=True)
+
     def adopt(self, conn: sqlite3.Connection) -> None:
         """Keep a connection opened outside :meth:`acquire` for later use."""
         with self._cond:

@@ -86,6 +86,9 @@ class _Transaction:
         try:
             store._pool.begin(conn, self._claim_first)
         except BaseException as exc:
+            if not isinstance(exc, Exception):  # cancelled: the BEGIN may still be queued
+                store._pool.abandon(conn)
+                raise
             store._release(conn)
             if isinstance(exc, sqlite3.Error):
                 raise translate(exc, "begin") from exc
@@ -103,10 +106,17 @@ class _Transaction:
         assert conn is not None
         self._conn = None
         store = self._store
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            # Cancelled (or interrupted): a statement of the block may still be queued.
+            store._pool.abandon(conn)
+            return
         if exc_type is None:
             try:
                 store._pool.execute(conn, "COMMIT")
             except BaseException as error:
+                if not isinstance(error, Exception):  # cancelled: COMMIT may still run
+                    store._pool.abandon(conn)
+                    raise
                 store._release(conn)  # rolls back whatever is still open
                 if isinstance(error, sqlite3.Error):
                     raise translate(error, "commit") from error
