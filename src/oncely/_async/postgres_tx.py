@@ -145,7 +145,9 @@ class PostgresTransactions(PostgresStoreBase):
             if begin is not None:  # a transaction whose claim never ran: begin it now
                 joined.begin = None
                 await begin.__aenter__()
-            if joined.own:  # the store's own transaction: the UPDATE goes with its COMMIT
+            if joined.own and not joined.depth and joined.result is None:
+                # The store's own transaction, outside any savepoint of a nested message:
+                # the UPDATE goes out with its COMMIT.
                 joined.result = params
                 return
             if joined.pending is not None:

@@ -442,3 +442,28 @@ def test_r7_a_result_whose_update_fails_with_the_commit_commits_nothing(table: s
     finally:
         store.close()
     assert _ledger_counts(ledger) == Counter({"a": 1})
+
+
+def test_r7_a_message_nested_in_an_own_transaction_keeps_both_results(table: str) -> None:
+    """A handler in oncely's own transaction that hands a second message to another inbox
+    in the same transaction (tx=, a savepoint): each message stores its own result, the
+    outer one's UPDATE with the COMMIT, the inner one's inside its savepoint."""
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    outer = oncely.Inbox(store, consumer="outer")
+    inner = oncely.Inbox(store, consumer="inner")
+
+    def inner_handler(tx: psycopg.Connection[Any], payload: object) -> str:
+        return f"inner-{payload}"
+
+    def outer_handler(tx: psycopg.Connection[Any], payload: object) -> str:
+        assert inner.handle_in_transaction("k", payload, inner_handler, tx=tx).ok
+        return f"outer-{payload}"
+
+    try:
+        assert outer.handle_in_transaction("k", 1, outer_handler).value == "outer-1"
+        assert outer.handle_in_transaction("k", 1, outer_handler).value == "outer-1"
+        assert inner.handle_in_transaction("k", 1, inner_handler).value == "inner-1"
+        (conn,) = store._idle
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+    finally:
+        store.close()
