@@ -320,3 +320,29 @@ async def test_r7_async_a_transaction_cancelled_while_its_statement_waits_record
     await store.aclose()
     assert keys == [("a", "completed"), ("n", "completed")]
     assert ran == ["n", "a"]
+
+
+async def test_r7_async_a_memory_store_keeps_its_database_after_a_cancelled_transaction() -> None:
+    """A ``:memory:`` store's only connection is its whole database: a transaction
+    cancelled while its claim waits on that connection's thread is rolled back behind it,
+    and the connection, with every record, is kept."""
+    store = oncely.AsyncSQLiteStore(":memory:")
+    inbox = oncely.AsyncInbox(store, consumer="c")
+    ran: list[object] = []
+
+    async def book(tx: object, payload: object) -> None:
+        ran.append(payload)
+
+    assert (await inbox.handle_in_transaction("before", 1, book)).outcome is Outcome.PROCESSED
+    (conn,) = store._pool._idle
+    slow = asyncio.ensure_future(conn.execute_fetchall(_SLOW_SQL))
+    await asyncio.sleep(0.01)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(inbox.handle_in_transaction("cut", 2, book), 0.05)
+    await slow
+    assert (await inbox.handle_in_transaction("before", 1, book)).outcome is Outcome.DUPLICATE
+    assert await store.get("c", "cut") is None  # rolled back behind the slow statement
+    assert (await inbox.handle_in_transaction("cut", 2, book)).outcome is Outcome.PROCESSED
+    assert store._pool._idle == [conn]  # the same connection: the database is intact
+    await store.aclose()
+    assert ran == [1, 2]

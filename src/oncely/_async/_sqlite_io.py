@@ -121,18 +121,30 @@ class AsyncPool:
                 self._slots.release()
 
     def abandon(self, conn: aiosqlite.Connection) -> None:
-        """Give up ``conn`` after a transaction on it was interrupted (cancelled) while one of
-        its statements may still wait on the connection's thread: aiosqlite runs a queued
-        statement even when its caller is gone, so the connection can be neither reused nor
-        touched now (a BEGIN arriving late would leave a transaction open in the pool; an
-        INSERT arriving after autocommit was restored would commit a marker alone). Its
-        close is queued behind that statement, and closing rolls back whatever is open. The
-        slot is free at once."""
-        task = asyncio.get_running_loop().create_task(close(conn))
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
-        if self._slots is not None:
-            self._slots.release()
+        """Settle ``conn`` in the background after a transaction on it was interrupted
+        (cancelled) while one of its statements may still wait on the connection's thread.
+        aiosqlite runs a queued statement even when its caller is gone, so the connection can
+        be neither reused nor touched now: a BEGIN arriving late would leave a transaction
+        open in the pool, and an INSERT arriving after autocommit was restored would commit a
+        marker alone. A ``ROLLBACK`` is queued behind that statement instead, and the
+        connection goes back to the pool (autocommit restored) only once it has run; it
+        keeps its slot until then. It is not closed: a ``:memory:`` store's only connection
+        is its whole database."""
+        task = asyncio.get_running_loop().create_task(self._settle(conn))
+        _SETTLING.add(task)
+        task.add_done_callback(_SETTLING.discard)
+
+    async def _settle(self, conn: aiosqlite.Connection) -> None:
+        discard = False
+        try:
+            await conn.execute_fetchall("ROLLBACK")
+        except sqlite3.OperationalError as exc:
+            # The interrupted statement opened nothing (or its COMMIT ran): nothing to undo.
+            discard = "no transaction is active" not in str(exc)
+        except (sqlite3.Error, ValueError):
+            discard = True
+        finally:
+            await self.release(conn, discard or conn.in_transaction)
 
     def adopt(self, conn: aiosqlite.Connection) -> None:
         """Keep a connection opened outside :meth:`acquire` for later use."""
@@ -146,8 +158,8 @@ class AsyncPool:
 
 
 _POOLS: weakref.WeakSet[AsyncPool] = weakref.WeakSet()
-_CLOSING: set[asyncio.Task[None]] = set()
-"""Closes queued by :meth:`AsyncPool.abandon`, kept alive until they end."""
+_SETTLING: set[asyncio.Task[None]] = set()
+"""The background settling of :meth:`AsyncPool.abandon`, kept alive until it ends."""
 
 
 def _after_fork_in_child() -> None:

@@ -139,11 +139,17 @@ class Pool:
         self._idle.append(conn)
 
     def abandon(self, conn: sqlite3.Connection) -> None:
-        """Give up ``conn`` after a transaction on it was interrupted by a ``BaseException``
-        (the asyncio twin's case is cancellation mid-statement; a thread's statement has
-        always ended when the exception surfaces, so here this only closes it, which rolls
-        back whatever is open)."""
-        self.release(conn, discard=True)
+        """Settle ``conn`` after a transaction on it was interrupted by a ``BaseException``
+        (the asyncio twin's case is cancellation while a statement still waits on the
+        connection's thread; here a statement has always ended when the exception surfaces):
+        roll back whatever is open and give it back, or drop it if that fails."""
+        discard = False
+        if conn.in_transaction:
+            try:
+                self.execute(conn, "ROLLBACK")
+            except sqlite3.Error:
+                discard = True
+        self.release(conn, discard or conn.in_transaction)
 
     def adopt(self, conn: sqlite3.Connection) -> None:
         """Keep a connection opened outside :meth:`acquire` for later use."""
