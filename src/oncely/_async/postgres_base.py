@@ -25,11 +25,13 @@ from oncely._async._postgres_io import (
     ConnPool,
     close_pool,
     connect,
+    disown,
     execute,
     fetchall,
     is_pool,
     make_pool,
     open_pool,
+    own,
     recheck_soon,
 )
 from oncely._async.sql_base import Position, SQLStoreBase, server_time
@@ -274,6 +276,7 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
                 if not self._idle:
                     return
                 conn = self._idle.pop()
+            disown(conn)
             if close:
                 with contextlib.suppress(psycopg.Error):
                     await conn.close()
@@ -288,9 +291,11 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
                 await pool.putconn(conn)
                 raise
             self._restore.add(id(conn))
+        own(conn)
         return conn
 
     async def _checkin(self, pool: ConnPool, conn: Connection) -> None:
+        disown(conn)
         if self._restore and id(conn) in self._restore:
             self._restore.discard(id(conn))
             if conn.info.transaction_status == _TX.IDLE:

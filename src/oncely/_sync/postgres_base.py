@@ -30,11 +30,13 @@ from oncely._sync._postgres_io import (
     ConnPool,
     close_pool,
     connect,
+    disown,
     execute,
     fetchall,
     is_pool,
     make_pool,
     open_pool,
+    own,
     recheck_soon,
 )
 from oncely._sync.sql_base import Position, SQLStoreBase, server_time
@@ -276,6 +278,7 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
                 if not self._idle:
                     return
                 conn = self._idle.pop()
+            disown(conn)
             if close:
                 with contextlib.suppress(psycopg.Error):
                     conn.close()
@@ -290,9 +293,11 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
                 pool.putconn(conn)
                 raise
             self._restore.add(id(conn))
+        own(conn)
         return conn
 
     def _checkin(self, pool: ConnPool, conn: Connection) -> None:
+        disown(conn)
         if self._restore and id(conn) in self._restore:
             self._restore.discard(id(conn))
             if conn.info.transaction_status == _TX.IDLE:

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 
+import psycopg
 import pytest
 
 import oncely
@@ -191,3 +192,39 @@ def test_threads_sharing_a_store_keep_at_most_pool_max_connections(table: str) -
     assert len({id(conn) for conn in store._idle}) == len(store._idle)  # none kept twice
     assert store._pool.get_stats()["pool_max"] == 3
     store.close()
+
+
+def test_only_connections_the_store_holds_alone_reuse_its_cursor(table: str) -> None:
+    """The store reuses one cursor per connection it checked out of its pool (creating a
+    psycopg cursor costs more than a sixth of a duplicate's claim), but never on a caller's
+    connection (tx=), which other threads may share, and it forgets the cursor when the
+    connection goes back to a pool, also to a pool of the caller's."""
+    from psycopg_pool import ConnectionPool
+
+    from oncely._sync import _postgres_io
+
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    inbox = oncely.Inbox(store, consumer="c")
+    try:
+        assert inbox.handle("k", 1, lambda p: "r").outcome is Outcome.PROCESSED
+        (kept,) = store._idle
+        cursor = _postgres_io._OWN[kept]
+        assert inbox.handle("k", 1, lambda p: "r").outcome is Outcome.DUPLICATE
+        assert store._idle == [kept] and _postgres_io._OWN[kept] is cursor  # reused
+        with psycopg.connect(POSTGRES_DSN) as mine:
+            assert inbox.handle_in_transaction("t", 1, lambda tx, p: None, tx=mine).ok
+            assert mine not in _postgres_io._OWN
+            mine.commit()
+    finally:
+        store.close()
+    assert kept not in _postgres_io._OWN  # handed back to the pool at close
+
+    pool = ConnectionPool(POSTGRES_DSN, min_size=1, max_size=1, open=True)
+    try:
+        given = PostgresStore(pool, table=table)
+        assert oncely.Inbox(given, consumer="c").handle("k", 1, lambda p: "x").value == "r"
+        with pool.connection() as lent:  # the caller's pool: the store kept nothing of it
+            assert lent not in _postgres_io._OWN
+        given.close()
+    finally:
+        pool.close()
