@@ -30,7 +30,7 @@ from server_common import (
 from server_trips import Trips
 
 import oncely
-from oncely._dialects.mysql import MySQLDialect
+from oncely._dialects.mysql import WIDTH, MySQLDialect
 
 
 class MariaDB(Database):
@@ -113,22 +113,24 @@ class MariaDB(Database):
                 with raw.cursor() as cur:
                     cur.execute(d.read, params)
                     row = cur.fetchone()
-                now = int(row[10])
+                # the store's read: status and numbers packed in its first column
+                status, attempt, created, updated, lease_until, expires = row[0].split(" ")
+                now = int(row[WIDTH])
                 values = {
                     "consumer": b"raw",
                     "key": params["key"],
                     "token": row[2],
-                    "status": row[0],
-                    "updated": row[5],
-                    "lease_until": row[6],
-                    "expires": row[7],
+                    "status": status,
+                    "updated": int(updated),
+                    "lease_until": int(lease_until),
+                    "expires": int(expires),
                     "n_status": "completed",
                     "n_fingerprint": row[1],
                     "n_token": row[2],
-                    "n_attempt": row[3],
-                    "n_created": row[4],
+                    "n_attempt": int(attempt),
+                    "n_created": int(created),
                     "n_updated": now,
-                    "n_lease_until": row[6],
+                    "n_lease_until": int(lease_until),
                     "n_expires": now + KEEP_MS,
                     "n_result": None,
                     "n_error": None,
@@ -146,7 +148,7 @@ class MariaDB(Database):
                         raise BenchError(f"raw claim of completed key {k!r} inserted")
                     cur.execute(d.read, params)
                     row = cur.fetchone()
-                if row is None or row[0] != "completed":
+                if row is None or row[0].split(" ", 1)[0] != "completed":
                     raise BenchError(f"raw read of completed key {k!r}: {row}")
 
         inbox = oncely.Inbox(store, consumer="twophase")

@@ -43,6 +43,7 @@ from oncely._core.state import (
 from oncely._core.table import lease_lost
 from oncely._dialects.mysql import (
     MAX_CONSUMER_BYTES,
+    WIDTH,
     batch_rows,
     claim_params,
     parse_record,
@@ -124,7 +125,7 @@ class MySQLStore(MySQLTransactions):
             current = parse_record(ev.consumer, ev.key, rows[0])
             if current.token == ev.token:  # ours after all (a proxy that drops the insert id)
                 return Claim(ClaimStatus.NEW, current, current.created_ms)
-            new, claim = apply_claim(current, ev, int(rows[0][10]))
+            new, claim = apply_claim(current, ev, int(rows[0][WIDTH]))
             if new is UNCHANGED or self._write(conn, params, current, new):
                 return claim
             # Another claim changed the record between the read and the write: look again.
@@ -194,7 +195,7 @@ class MySQLStore(MySQLTransactions):
         for row in found:
             key = bytes(row[0]).decode("utf-8")
             held[key] = parse_record(ev0.consumer, key, row[1:])
-            read_at = int(row[11])
+            read_at = int(row[1 + WIDTH])
         claims: list[Claim] = []
         for i, ev in enumerate(events):
             current = held[ev.key]
@@ -255,7 +256,7 @@ class MySQLStore(MySQLTransactions):
             if not rows:
                 break
             current = parse_record(ev.consumer, ev.key, rows[0])
-            now = int(rows[0][10])
+            now = int(rows[0][WIDTH])
             if current.is_expired(now):
                 break
             new, claim = apply_takeover(current, event, now)
@@ -283,7 +284,7 @@ class MySQLStore(MySQLTransactions):
             rows = fetchall(conn, self._dialect.read, names)
             current = parse_record(consumer, key, rows[0]) if rows else None
             # An absent record's answer does not depend on the time.
-            now = int(rows[0][10]) if rows else 0
+            now = int(rows[0][WIDTH]) if rows else 0
             new, answer = apply(current, event, now)
             if isinstance(answer, Lost):
                 raise lease_lost(op, consumer, key, answer)
