@@ -346,3 +346,34 @@ async def test_r7_async_a_memory_store_keeps_its_database_after_a_cancelled_tran
     assert store._pool._idle == [conn]  # the same connection: the database is intact
     await store.aclose()
     assert ran == [1, 2]
+
+
+async def test_r7_async_closing_right_after_a_cancelled_transaction_waits_for_its_rollback(
+    tmp_path: Path,
+) -> None:
+    """A store closed while a cancelled transaction's connection is still settling waits for
+    that rollback, then closes the connection: nothing of the message is left, and no task
+    outlives the store."""
+    path = tmp_path / "o.db"
+    store = oncely.AsyncSQLiteStore(path, pool_size=1)
+    await store.migrate()
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def book(tx: object, payload: object) -> None:
+        return None
+
+    await store.get("c", "warm")
+    (conn,) = store._pool._idle
+    slow = asyncio.ensure_future(conn.execute_fetchall(_SLOW_SQL))
+    await asyncio.sleep(0.01)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(inbox.handle_in_transaction("cut", 1, book), 0.05)
+    assert store._pool._settling  # the rollback waits behind the slow statement
+    await store.aclose()
+    assert not store._pool._settling and not store._pool._idle
+    await slow
+    reader = sqlite3.connect(path)
+    try:
+        assert reader.execute("SELECT count(*) FROM oncely_inbox").fetchone() == (0,)
+    finally:
+        reader.close()

@@ -59,19 +59,20 @@ class AsyncPool:
     connections (SQLite forbids carrying a connection across ``fork``).
     """
 
-    __slots__ = ("__weakref__", "_closed", "_connect", "_idle", "_size", "_slots")
+    __slots__ = ("__weakref__", "_closed", "_connect", "_idle", "_settling", "_size", "_slots")
 
     def __init__(self, connect: Callable[[], Awaitable[aiosqlite.Connection]], size: int) -> None:
         self._connect = connect
         self._size = size
         self._idle: list[aiosqlite.Connection] = []
         self._slots: asyncio.Semaphore | None = None
+        self._settling: set[asyncio.Task[None]] = set()  # (strong references: see abandon)
         self._closed = False
         _POOLS.add(self)
 
     def _forget_parent(self) -> None:
-        # In a forked child: the parent's connections are never used here.
-        self._idle, self._slots = [], None
+        # In a forked child: the parent's connections (and tasks) are never used here.
+        self._idle, self._slots, self._settling = [], None, set()
 
     async def execute(self, conn: aiosqlite.Connection, sql: str, params: Params = ()) -> None:
         """:func:`execute` (the threaded twin runs it on a cursor the pool keeps per
@@ -131,8 +132,8 @@ class AsyncPool:
         keeps its slot until then. It is not closed: a ``:memory:`` store's only connection
         is its whole database."""
         task = asyncio.get_running_loop().create_task(self._settle(conn))
-        _SETTLING.add(task)
-        task.add_done_callback(_SETTLING.discard)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def _settle(self, conn: aiosqlite.Connection) -> None:
         discard = False
@@ -152,14 +153,14 @@ class AsyncPool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._settling:  # connections still settling after a cancellation: let them end
+            await asyncio.gather(*self._settling, return_exceptions=True)
         idle, self._idle = self._idle, []
         for conn in idle:
             await close(conn)
 
 
 _POOLS: weakref.WeakSet[AsyncPool] = weakref.WeakSet()
-_SETTLING: set[asyncio.Task[None]] = set()
-"""The background settling of :meth:`AsyncPool.abandon`, kept alive until it ends."""
 
 
 def _after_fork_in_child() -> None:
