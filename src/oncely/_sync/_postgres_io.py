@@ -142,9 +142,9 @@ def fetchall_after(
 def fetchall_begun(
     conn: Connection, block: Any, sql: bytes, params: Params
 ) -> list[tuple[Any, ...]]:
-    """Enter ``block`` (``conn.transaction()``, not yet entered: its ``BEGIN``) and run ``sql``
-    in one round trip, in libpq's pipeline mode, and return ``sql``'s rows. The block is
-    entered even when the round trip then fails (its ``status`` is no longer
+    """Enter ``block`` (a psycopg ``Transaction`` of ``conn``, not yet entered: its ``BEGIN``)
+    and run ``sql`` in one round trip, in libpq's pipeline mode, and return ``sql``'s rows.
+    The block is entered even when the round trip then fails (its ``status`` is no longer
     ``NOT_STARTED``), so the caller ends it as usual: a failed claim rolls the transaction
     back. psycopg lets a block entered inside a pipeline outlive it, and still forbids
     ``conn.commit()`` inside it. Without pipeline support the two go one after the other."""
