@@ -5,6 +5,9 @@ balance update; ``COMMIT``), by hand on sqlite3 with no oncely code, against the
 transaction plus one marker row written by hand in several shapes:
 
 - ``oncely``: oncely's own inbox table (created by the store) and claim statement;
+- ``in-check``: the same table with the status ``CHECK`` spelled ``status IN (...)``, as
+  tables created before that constraint was rewritten have it (``oncely migrate`` rewrites
+  it): SQLite fills a temporary b-tree for it on every INSERT;
 - ``no-check``: the same table without its ``CHECK`` on the status;
 - ``no-token``: oncely's table, the row written with an empty token (a smaller row);
 - ``key-only``: the smallest marker there is, a ``WITHOUT ROWID`` table of (consumer, key).
@@ -33,6 +36,7 @@ from cases import Keys
 from tx_case import CLAIM_SQL, book, create_business_schema, marker_params
 
 import oncely
+from oncely._dialects.sqlite import OLD_STATUS_CHECK, STATUS_CHECK
 
 _FP = "v1:" + "0" * 32
 _TOKEN = "f" * 32
@@ -43,17 +47,17 @@ _KEY_ONLY = (
 _KEY_ONLY_INSERT = "INSERT INTO marker (consumer, key) VALUES (?, ?) ON CONFLICT DO NOTHING"
 
 
-def _no_check_table(path: Path) -> None:
-    """oncely's inbox table, rebuilt without its CHECK constraint (same columns, same key)."""
+def _rewrite_check(path: Path, check: str) -> None:
+    """oncely's inbox table, rebuilt with its status CHECK replaced by ``check`` (same
+    columns, same key)."""
     conn = sqlite3.connect(path, isolation_level=None)
     try:
         (sql,) = conn.execute(
             "SELECT sql FROM sqlite_master WHERE name = 'oncely_inbox'"
         ).fetchone()
-        start = sql.index("CHECK")
-        end = sql.index(")", sql.index("IN (", start)) + 1
+        assert STATUS_CHECK in sql, sql
         conn.execute("DROP TABLE oncely_inbox")
-        conn.execute(sql[:start] + sql[end + 1 :])
+        conn.execute(sql.replace(STATUS_CHECK, check))
     finally:
         conn.close()
 
@@ -83,19 +87,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
 
-    variants = ("raw", "oncely", "no-check", "no-token", "key-only")
+    variants = ("raw", "oncely", "in-check", "no-check", "no-token", "key-only")
     settings = oncely.SQLiteSettings(synchronous=args.synchronous)
     workdir = Path(tempfile.mkdtemp(prefix="oncely-marker-rows-"))
     conns: dict[str, sqlite3.Connection] = {}
     for variant in variants:
         path = workdir / f"{variant}.db"
         create_business_schema(path)
-        if variant in ("oncely", "no-check", "no-token"):
+        if variant in ("oncely", "in-check", "no-check", "no-token"):
             store = oncely.SQLiteStore(path)
             store.migrate()
             store.close()
-            if variant == "no-check":
-                _no_check_table(path)
+            if variant == "in-check":
+                _rewrite_check(path, OLD_STATUS_CHECK)
+            elif variant == "no-check":
+                _rewrite_check(path, "")
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         for pragma in ("PRAGMA journal_mode = WAL", *settings.pragmas()):
             conn.execute(pragma)

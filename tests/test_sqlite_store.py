@@ -167,6 +167,83 @@ def test_migrate_makes_a_dropped_inbox_table_again(tmp_path: Path) -> None:
     store.close()
 
 
+def _claim_program(path: Path) -> list[str]:
+    """The opcodes SQLite runs for the store's claim INSERT on the database at ``path``."""
+    from oncely._dialects.sqlite import SQLiteDialect
+
+    params = ("c", "k", "completed", None, "t", 1, 1, 2, None)
+    with sqlite3.connect(path) as conn:
+        return [row[1] for row in conn.execute("EXPLAIN " + SQLiteDialect().insert, params)]
+
+
+def _table_sql(path: Path) -> str:
+    with sqlite3.connect(path) as conn:
+        sql: str = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'oncely_inbox'"
+        ).fetchone()[0]
+    return sql
+
+
+def test_the_status_check_costs_the_claim_no_temporary_table(tmp_path: Path) -> None:
+    """``status IN (...)`` in a CHECK makes SQLite fill a temporary b-tree on every INSERT;
+    the table is created with the same constraint as comparisons."""
+    path = tmp_path / "o.db"
+    oncely.SQLiteStore(path).migrate()
+    assert "OpenEphemeral" not in _claim_program(path)
+    with sqlite3.connect(path) as conn, pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        conn.execute(
+            "INSERT INTO oncely_inbox (consumer, key, status, token, attempt, created_ms, "
+            "updated_ms, lease_until_ms, expires_ms) VALUES ('c', 'k', 'done', 't', 1, 1, 1, 1, 2)"
+        )
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_migrate_rewrites_an_older_tables_status_check_in_place(
+    tmp_path: Path, flavour: str
+) -> None:
+    """A table created before the constraint was rewritten keeps its rows and keeps working,
+    also for a store that had it open, and refuses the same rows as before."""
+    from oncely._dialects.sqlite import OLD_STATUS_CHECK, STATUS_CHECK, SQLiteDialect
+
+    path = tmp_path / "o.db"
+    with sqlite3.connect(path) as conn:
+        for statement in SQLiteDialect().create:
+            conn.execute(statement.replace(STATUS_CHECK, OLD_STATUS_CHECK))
+    assert OLD_STATUS_CHECK in _table_sql(path)
+    assert "OpenEphemeral" in _claim_program(path)  # what the rewrite saves
+
+    early = oncely.SQLiteStore(path)  # opened before, and in use across, the rewrite
+    inbox = oncely.Inbox(early, consumer="c")
+    assert inbox.handle("k1", {"a": 1}, lambda p: "r1").outcome is Outcome.PROCESSED
+    assert OLD_STATUS_CHECK in _table_sql(path)  # opening a store does not edit the schema
+
+    if flavour == "sync":
+        store = oncely.SQLiteStore(path)
+        assert store.migrate() == 1
+        store.close()
+    else:
+
+        async def migrate() -> None:
+            store = oncely.AsyncSQLiteStore(path)
+            assert await store.migrate() == 1
+            await store.aclose()
+
+        asyncio.run(migrate())
+
+    sql = _table_sql(path)
+    assert STATUS_CHECK in sql and OLD_STATUS_CHECK not in sql
+    assert "OpenEphemeral" not in _claim_program(path)
+    duplicate = inbox.handle("k1", {"a": 1}, lambda p: "again")
+    assert (duplicate.outcome, duplicate.value) == (Outcome.DUPLICATE, "r1")
+    assert inbox.handle("k2", {"a": 2}, lambda p: "r2").outcome is Outcome.PROCESSED
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("SELECT count(*) FROM oncely_inbox").fetchone()[0] == 2
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            conn.execute("UPDATE oncely_inbox SET status = 'done' WHERE key = 'k1'")
+    early.close()
+
+
 def test_an_async_store_nobody_closed_does_not_keep_the_process_alive(tmp_path: Path) -> None:
     script = (
         "import asyncio, oncely, sys\n"

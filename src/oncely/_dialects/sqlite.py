@@ -22,6 +22,15 @@ __all__ = ["SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
 
 SCHEMA_VERSION: Final = 1
 
+STATUS_CHECK: Final = "CHECK (status = 'in_progress' OR status = 'completed' OR status = 'failed')"
+"""The inbox table's status constraint. Written as comparisons: SQLite compiles the
+equivalent ``status IN (...)`` into a temporary b-tree that every INSERT fills again (three
+inserts into it, about 2 µs of the claim warm and 5 µs right after a commit)."""
+
+OLD_STATUS_CHECK: Final = "CHECK (status IN ('in_progress', 'completed', 'failed'))"
+"""The same constraint as tables created before it was rewritten spell it; ``migrate``
+rewrites it in place (:meth:`SQLiteDialect.upgrade_check`)."""
+
 _COLUMNS: Final = (
     "status, fingerprint, token, attempt, created_ms, updated_ms, lease_until_ms, expires_ms, "
     "result, error"
@@ -49,6 +58,7 @@ class SQLiteDialect(PlainRows[str]):
         "set_result",
         "stats",
         "table",
+        "table_sql",
         "takeover",
     )
 
@@ -61,7 +71,7 @@ class SQLiteDialect(PlainRows[str]):
             f"""CREATE TABLE IF NOT EXISTS {t} (
                 consumer TEXT NOT NULL,
                 key TEXT NOT NULL,
-                status TEXT NOT NULL CHECK (status IN ('in_progress', 'completed', 'failed')),
+                status TEXT NOT NULL {STATUS_CHECK},
                 fingerprint TEXT,
                 token TEXT NOT NULL,
                 attempt INTEGER NOT NULL,
@@ -78,6 +88,7 @@ class SQLiteDialect(PlainRows[str]):
             "ON CONFLICT (name) DO NOTHING",
         )
         self.read_version = f"SELECT value FROM {m} WHERE name = 'schema_version'"
+        self.table_sql = f"SELECT sql FROM sqlite_master WHERE type = 'table' AND name = '{t}'"
         # Numbered parameters, bound from a tuple (consumer, key, status, fingerprint, token,
         # now, lease_until, expires, error): sqlite3 binds a named parameter by building a
         # str per name and looking it up in the dict, which costs ~2 us per claim.
@@ -168,4 +179,24 @@ class SQLiteDialect(PlainRows[str]):
         return (
             f"DELETE FROM {self.table} WHERE (consumer, key) IN (VALUES {pairs}) "
             "AND expires_ms <= ? RETURNING 1"
+        )
+
+    def upgrade_check(self, version: int) -> tuple[tuple[str, tuple[object, ...]], ...]:
+        """The statements (with their parameters) that rewrite an older table's status
+        constraint (:data:`OLD_STATUS_CHECK`) as :data:`STATUS_CHECK`, inside a write
+        transaction whose ``PRAGMA schema_version`` read ``version``.
+
+        This is SQLite's documented way to change a CHECK constraint without copying the
+        table: edit the table's text in ``sqlite_master`` and bump the schema version, so every
+        connection reads the schema again. It is safe here because both constraints accept
+        exactly the same rows, so no row can break the new one."""
+        return (
+            ("PRAGMA writable_schema = ON", ()),
+            (
+                "UPDATE sqlite_master SET sql = replace(sql, ?, ?) "
+                "WHERE type = 'table' AND name = ?",
+                (OLD_STATUS_CHECK, STATUS_CHECK, self.table),
+            ),
+            (f"PRAGMA schema_version = {int(version) + 1}", ()),
+            ("PRAGMA writable_schema = OFF", ()),
         )

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._dialects.sqlite import SCHEMA_VERSION, SQLiteDialect
+from oncely._dialects.sqlite import OLD_STATUS_CHECK, SCHEMA_VERSION, SQLiteDialect
 from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
 from oncely._sync._sqlite_io import Pool, close, connect, fetchall
 from oncely._sync.sql_base import Position, SQLStoreBase
@@ -175,12 +175,33 @@ class SQLiteStoreBase(SQLStoreBase[str]):
             try:
                 for statement in self._dialect.create:
                     fetchall(conn, statement)
+                self._upgrade_check(conn)
                 fetchall(conn, "COMMIT")
             except BaseException:
                 fetchall(conn, "ROLLBACK")
                 raise
         except sqlite3.Error as exc:
             raise translate(exc, "creating the schema") from exc
+
+    def _upgrade_check(self, conn: sqlite3.Connection) -> None:
+        """Rewrite the status constraint of a table created by an earlier oncely into its
+        cheaper, equivalent form (:data:`~oncely._dialects.sqlite.STATUS_CHECK`), in the
+        schema transaction. Where SQLite refuses to edit its schema (a build in defensive
+        mode), the table keeps the old constraint: it accepts the same rows, only slower."""
+        d = self._dialect
+        rows = fetchall(conn, d.table_sql)
+        if not rows or OLD_STATUS_CHECK not in rows[0][0]:
+            return
+        ((version,),) = fetchall(conn, "PRAGMA schema_version")
+        edits = d.upgrade_check(version)
+        try:
+            for sql, params in edits[:-1]:
+                fetchall(conn, sql, params)
+        except sqlite3.Error:
+            pass  # left as it was: the UPDATE failed as a whole (a statement is atomic)
+        finally:
+            sql, params = edits[-1]  # writable_schema off again, whatever happened
+            fetchall(conn, sql, params)
 
     def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
