@@ -129,7 +129,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     fmt_us(med(row["marker"])),
                     fmt_us(med(row["oncely"])),
                     fmt_rate(med(row["oncely"])),
+                    fmt_us(med(row["prefp"])),
                     f"{med(row['marker_ratios']):.2f}x",
+                    f"{med(row['prefp_ratios']):.2f}x",
                     f"{ratio:.2f}x",
                     f"{min(row['ratios']):.2f}-{max(row['ratios']):.2f}",
                     "yes" if ratio <= TARGET_TX_RATIO else "NO",
@@ -144,7 +146,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "raw+marker us/msg",
                     "oncely us/msg",
                     "oncely msg/s",
+                    "oncely, fp precomputed us/msg",
                     "marker/raw",
+                    "fp precomputed/raw",
                     "oncely/raw",
                     "oncely/raw range",
                     f"<= {TARGET_TX_RATIO}x",
@@ -157,6 +161,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "Python): the SQL share of the overhead",
                     "oncely = Inbox.handle_in_transaction(key, payload, handler) with the same "
                     "INSERT + UPDATE in the handler",
+                    "oncely, fp precomputed = the same with a fingerprinter that returns the "
+                    "marker variant's precomputed fingerprint: the same row and statements, all "
+                    "of oncely's Python but the fingerprint's (its share of the overhead)",
                     f"ratios: median of per-round ratios over {rounds} interleaved rounds of "
                     f"{n} messages (rotating order)",
                     f"target (issue): oncely/raw <= {TARGET_TX_RATIO}x on SQLite: "

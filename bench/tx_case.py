@@ -1,7 +1,12 @@
 """The ``tx`` section of ``bench/run.py``: ``Inbox.handle_in_transaction`` against the same
 SQLite business transaction written by hand ("raw") and the same plus oncely's claim statement
 run by hand ("raw + marker"), sync and async, at ``synchronous=full`` and ``normal``, in
-interleaved rounds; every database's ledger, balances and markers are checked at the end."""
+interleaved rounds; every database's ledger, balances and markers are checked at the end.
+
+A fourth variant ("oncely, fingerprint precomputed") runs oncely with a fingerprinter that
+returns the same precomputed fingerprint the marker variant writes: the same row, the same
+statements and all of oncely's Python but the fingerprint's, which shows the fingerprint's
+share of the overhead."""
 
 from __future__ import annotations
 
@@ -94,7 +99,11 @@ CLAIM_SQL: str = getattr(_DIALECT, "insert", None) or _DIALECT.claim
 marker" variant. Its rows (if it has RETURNING) are fetched as the store does; whether every
 marker landed is checked at the end (:func:`check_tx`)."""
 
-VARIANTS = ("raw", "marker", "oncely")
+VARIANTS = ("raw", "marker", "oncely", "prefp")
+
+
+def _precomputed(_payload: object) -> str:
+    return _FP
 
 
 @dataclass
@@ -107,6 +116,8 @@ class TxConfig:
     marker: Any = None
     store: Any = None
     inbox: Any = None
+    prefp: Any = None
+    """The inbox of the "oncely, fingerprint precomputed" variant."""
     sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VARIANTS, 0))
 
     @property
@@ -144,6 +155,10 @@ def open_tx(cfg: TxConfig, workdir: Path, res: Resources) -> None:
         res.add_async(cfg.store)
         cfg.inbox = oncely.AsyncInbox(cfg.store, consumer="ledger")
         res.add_async(cfg.inbox)
+        prefp_store = oncely.AsyncSQLiteStore(paths["prefp"], settings=settings)
+        res.add_async(prefp_store)
+        cfg.prefp = oncely.AsyncInbox(prefp_store, consumer="ledger", fingerprint=_precomputed)
+        res.add_async(cfg.prefp)
     else:
 
         def connect_s(path: Path) -> sqlite3.Connection:
@@ -161,6 +176,10 @@ def open_tx(cfg: TxConfig, workdir: Path, res: Resources) -> None:
         res.add(cfg.store.close)
         cfg.inbox = oncely.Inbox(cfg.store, consumer="ledger")
         res.add(cfg.inbox.close)
+        prefp_store = oncely.SQLiteStore(paths["prefp"], settings=settings)
+        res.add(prefp_store.close)
+        cfg.prefp = oncely.Inbox(prefp_store, consumer="ledger", fingerprint=_precomputed)
+        res.add(cfg.prefp.close)
 
 
 def tx_batch(
@@ -170,7 +189,7 @@ def tx_batch(
     cfg.sent[variant] += len(msgs)
     if not cfg.is_async:
         conn: sqlite3.Connection = cfg.raw if variant == "raw" else cfg.marker
-        inbox: oncely.Inbox = cfg.inbox
+        inbox: oncely.Inbox = cfg.prefp if variant == "prefp" else cfg.inbox
 
         def raw() -> None:
             for key, payload in msgs:
@@ -188,10 +207,10 @@ def tx_batch(
             for key, payload in msgs:
                 expect(inbox.handle_in_transaction(key, payload, book), oncely.Outcome.PROCESSED)
 
-        return timed(with_oncely if variant == "oncely" else raw)
+        return timed(with_oncely if variant in ("oncely", "prefp") else raw)
 
     aconn: aiosqlite.Connection = cfg.raw if variant == "raw" else cfg.marker
-    ainbox: oncely.AsyncInbox = cfg.inbox
+    ainbox: oncely.AsyncInbox = cfg.prefp if variant == "prefp" else cfg.inbox
 
     async def araw() -> None:
         for key, payload in msgs:
@@ -212,12 +231,14 @@ def tx_batch(
                 oncely.Outcome.PROCESSED,
             )
 
-    return timed_async(runner, awith_oncely if variant == "oncely" else araw)
+    return timed_async(runner, awith_oncely if variant in ("oncely", "prefp") else araw)
 
 
 def check_tx(cfg: TxConfig, workdir: Path, extra_markers: int = 0) -> None:
     """Every message booked exactly once: ledger rows, balances and markers add up."""
     for variant in VARIANTS:
+        if not cfg.sent[variant]:
+            continue  # not run (the SQL trace runs three of the variants)
         conn = sqlite3.connect(cfg.path(workdir, variant))
         try:
             rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
@@ -265,7 +286,9 @@ def run_tx(workdir: Path, res: Resources, n: int, rounds: int, warmup: int) -> l
                 "raw": t["raw"],
                 "marker": t["marker"],
                 "oncely": t["oncely"],
+                "prefp": t["prefp"],
                 "ratios": [o / a for o, a in zip(t["oncely"], t["raw"], strict=True)],
+                "prefp_ratios": [o / a for o, a in zip(t["prefp"], t["raw"], strict=True)],
                 "marker_ratios": [m / a for m, a in zip(t["marker"], t["raw"], strict=True)],
             }
         )
