@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import types
 from datetime import UTC, date, datetime, time, timedelta, timezone
 from decimal import Decimal
 from enum import Enum
@@ -185,6 +186,35 @@ def test_r20_fields_property(payload: dict[str, Any], other: Any, named: Any) ->
     before = by({**payload, "amount": named})
     after = by({**payload, "amount": other})
     assert (before == after) == (canonical_json(named) == canonical_json(other))
+
+
+def test_fingerprints_are_pinned_values() -> None:
+    """Fingerprints are stored with records and compared across releases and processes: a
+    change of any of these values would turn redeliveries of old messages into conflicts."""
+    payload = {
+        "order_id": "ord-1",
+        "amount_cents": 1250,
+        "customer": {"id": "cus-7", "tier": "gold"},
+        "items": [{"sku": "A", "qty": 2}],
+        "note": None,
+        "é": "ü",
+    }
+    assert fingerprint(payload) == "v1:8989338b6fbaaf6b35a0c3fe69fc7c64"
+    by = Fingerprint.fields("order_id", "customer.id", "customer.missing.deeper", "amount_cents")
+    assert by(payload) == "v1:8f4c03b37859091dadc0197f879cb39b"
+    # Mappings that are not dicts, and objects, lead to the same value.
+    proxy = types.MappingProxyType
+    inner = proxy({"id": "cus-7"})
+    assert by(proxy({"order_id": "ord-1", "customer": inner, "amount_cents": 1250})) == by(payload)
+    order = types.SimpleNamespace(
+        order_id="ord-1", customer=types.SimpleNamespace(id="cus-7"), amount_cents=1250
+    )
+    assert by(order) == by(payload)
+
+
+def test_a_field_with_no_canonical_form_is_a_typed_error() -> None:
+    with pytest.raises(UnfingerprintablePayload, match=r"Fingerprint\.fields"):
+        Fingerprint.fields("order_id")({"order_id": object()})
 
 
 def test_fields_needs_a_field() -> None:
