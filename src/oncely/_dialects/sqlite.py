@@ -186,10 +186,11 @@ class SQLiteDialect(PlainRows[str]):
         constraint (:data:`OLD_STATUS_CHECK`) as :data:`STATUS_CHECK`, inside a write
         transaction whose ``PRAGMA schema_version`` read ``version``.
 
-        This is SQLite's documented way to change a CHECK constraint without copying the
-        table: edit the table's text in ``sqlite_master`` and bump the schema version, so every
-        connection reads the schema again. It is safe here because both constraints accept
-        exactly the same rows, so no row can break the new one."""
+        This is the schema edit SQLite's ALTER TABLE documentation gives for removing a CHECK
+        constraint without copying the table: edit the table's text in ``sqlite_master`` and
+        bump the schema version, so every connection reads the schema again. Replacing the
+        constraint is safe the same way, because the new one accepts exactly the rows the old
+        one did: no row in the table can break it."""
         return (
             ("PRAGMA writable_schema = ON", ()),
             (
