@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -142,6 +142,24 @@ async def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[
     return await cursor.fetchall()
 
 
+@contextlib.asynccontextmanager
+async def _pipeline(conn: Connection) -> AsyncIterator[None]:
+    """``conn.pipeline()``, raising a failed statement's own error. psycopg usually raises it
+    from the block; but when its result arrives while the block is still sending (a loaded
+    host), the pipeline's exit raises ``PipelineAborted``, an ``OperationalError`` that would
+    read as a lost connection, with the statement's error only as its context."""
+    try:
+        async with conn.pipeline():
+            yield
+    except psycopg.errors.PipelineAborted as aborted:
+        cause = aborted.__context__
+        if isinstance(cause, psycopg.Error) and not isinstance(
+            cause, psycopg.errors.PipelineAborted
+        ):
+            raise cause from None
+        raise
+
+
 async def fetchall_after(
     conn: Connection, first: bytes, sql: bytes, params: Params, done: Callable[[], object]
 ) -> list[tuple[Any, ...]]:
@@ -157,7 +175,7 @@ async def fetchall_after(
         return await fetchall(conn, sql, params)
     cursor = conn.cursor(row_factory=tuple_row)
     try:
-        async with conn.pipeline():
+        async with _pipeline(conn):
             await head.execute(first)
             await cursor.execute(sql, params)
     finally:
@@ -180,7 +198,7 @@ async def fetchall_begun(
         await block.__aenter__()
         return await fetchall(conn, sql, params)
     cursor = _cursor(conn)
-    async with conn.pipeline():
+    async with _pipeline(conn):
         await block.__aenter__()
         await cursor.execute(sql, params)
     return await cursor.fetchall()
@@ -196,7 +214,7 @@ async def commit_after(conn: Connection, block: Any, sql: bytes, params: Params)
         await cursor.execute(sql, params)
         await block.__aexit__(None, None, None)
         return
-    async with conn.pipeline():
+    async with _pipeline(conn):
         await cursor.execute(sql, params)
         await block.__aexit__(None, None, None)
 

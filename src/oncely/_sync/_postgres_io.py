@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -114,6 +114,24 @@ def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[
     return cursor.fetchall()
 
 
+@contextlib.contextmanager
+def _pipeline(conn: Connection) -> Iterator[None]:
+    """``conn.pipeline()``, raising a failed statement's own error. psycopg usually raises it
+    from the block; but when its result arrives while the block is still sending (a loaded
+    host), the pipeline's exit raises ``PipelineAborted``, an ``OperationalError`` that would
+    read as a lost connection, with the statement's error only as its context."""
+    try:
+        with conn.pipeline():
+            yield
+    except psycopg.errors.PipelineAborted as aborted:
+        cause = aborted.__context__
+        if isinstance(cause, psycopg.Error) and not isinstance(
+            cause, psycopg.errors.PipelineAborted
+        ):
+            raise cause from None
+        raise
+
+
 def fetchall_after(
     conn: Connection, first: bytes, sql: bytes, params: Params, done: Callable[[], object]
 ) -> list[tuple[Any, ...]]:
@@ -129,7 +147,7 @@ def fetchall_after(
         return fetchall(conn, sql, params)
     cursor = conn.cursor(row_factory=tuple_row)
     try:
-        with conn.pipeline():
+        with _pipeline(conn):
             head.execute(first)
             cursor.execute(sql, params)
     finally:
@@ -152,7 +170,7 @@ def fetchall_begun(
         block.__enter__()
         return fetchall(conn, sql, params)
     cursor = _cursor(conn)
-    with conn.pipeline():
+    with _pipeline(conn):
         block.__enter__()
         cursor.execute(sql, params)
     return cursor.fetchall()
@@ -168,7 +186,7 @@ def commit_after(conn: Connection, block: Any, sql: bytes, params: Params) -> No
         cursor.execute(sql, params)
         block.__exit__(None, None, None)
         return
-    with conn.pipeline():
+    with _pipeline(conn):
         cursor.execute(sql, params)
         block.__exit__(None, None, None)
 

@@ -6,6 +6,7 @@ transaction never hide the one a failing message must roll back to.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -467,3 +468,64 @@ def test_r7_a_message_nested_in_an_own_transaction_keeps_both_results(table: str
         assert conn.info.transaction_status == pq.TransactionStatus.IDLE
     finally:
         store.close()
+
+
+class _SlowBlock:
+    """An entered psycopg transaction block whose end waits 10 ms first: the failing
+    statement's result then reaches the client around the time it sends the COMMIT. Which
+    side of that moment it lands on decides where psycopg raises; on this machine about half
+    the attempts ended in PipelineAborted before the fix."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+
+    def __exit__(self, *exc: Any) -> Any:
+        time.sleep(0.01)
+        return self.block.__exit__(*exc)
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        await asyncio.sleep(0.01)
+        return await self.block.__aexit__(*exc)
+
+
+ATTEMPTS = 30  # with half the attempts failing on the old code, 30 leave no chance to pass
+
+
+def test_r7_a_statement_failing_with_the_commit_always_raises_its_own_error() -> None:
+    """psycopg raised PipelineAborted, an OperationalError, from the pipeline's exit when the
+    failing statement's result arrived while the COMMIT was being sent: read as a lost
+    connection, a result too long for a CHECK became StoreUnavailable and threw away the
+    store's kept connections (a loaded host did it about once in a hundred). The statement's
+    own error comes out, every time, and the transaction is left for the caller to roll back."""
+    from oncely._sync._postgres_io import commit_after
+
+    with psycopg.connect(POSTGRES_DSN) as conn:
+        conn.execute("CREATE TEMP TABLE small (v int CHECK (v < 10))")
+        conn.commit()
+        for _ in range(ATTEMPTS):
+            block = conn.transaction()
+            block.__enter__()
+            conn.execute("INSERT INTO small VALUES (1)")
+            with pytest.raises(psycopg.errors.CheckViolation):
+                commit_after(conn, _SlowBlock(block), b"INSERT INTO small VALUES (%s)", (99,))
+            assert conn.info.transaction_status == pq.TransactionStatus.INERROR
+            conn.rollback()
+        assert conn.execute("SELECT count(*) FROM small").fetchone() == (0,)
+
+
+async def test_r7_async_a_statement_failing_with_the_commit_always_raises_its_own_error() -> None:
+    from oncely._async._postgres_io import commit_after
+
+    async with await psycopg.AsyncConnection.connect(POSTGRES_DSN) as conn:
+        await conn.execute("CREATE TEMP TABLE small (v int CHECK (v < 10))")
+        await conn.commit()
+        for _ in range(ATTEMPTS):
+            block = conn.transaction()
+            await block.__aenter__()
+            await conn.execute("INSERT INTO small VALUES (1)")
+            with pytest.raises(psycopg.errors.CheckViolation):
+                await commit_after(conn, _SlowBlock(block), b"INSERT INTO small VALUES (%s)", (99,))
+            assert conn.info.transaction_status == pq.TransactionStatus.INERROR
+            await conn.rollback()
+        cursor = await conn.execute("SELECT count(*) FROM small")
+        assert await cursor.fetchone() == (0,)
