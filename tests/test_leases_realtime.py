@@ -7,8 +7,12 @@ happened (outcomes, effects), never on how long it took.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -236,3 +240,77 @@ async def test_cancelled_handler_releases_its_claim(async_store: oncely.AsyncSto
         await task
     assert await async_store.get("c", "k") is None  # released: a redelivery starts afresh
     await async_store.aclose()
+
+
+def _in_forked_child(body: Callable[[], object]) -> object:
+    """Run ``body`` in a forked child (killed by an alarm after 10 s if it hangs) and return
+    what it returned, as JSON through a pipe; None when the child died without answering."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            signal.alarm(10)
+            os.write(write, json.dumps(body()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    return json.loads(text) if text else None
+
+
+def _child_keeps_its_lease(inbox: oncely.Inbox, store: oncely.Store) -> object:
+    """In the child: a handler running three leases long, then whether its claim was still
+    live (renewed) at the end, and the outcome."""
+    live: list[bool] = []
+
+    def long_handler(payload: object) -> str:
+        time.sleep(0.9)
+        record = store.get("c", "child-key")
+        live.append(record is not None and record.lease_until_ms > time.time() * 1000)
+        return "done"
+
+    handled = inbox.handle("child-key", {"a": 1}, long_handler)
+    return [handled.outcome.value, live]
+
+
+def test_r10_a_forked_child_renews_its_own_leases(tmp_path: Path) -> None:
+    """An inbox made before a fork (a prefork server's workers): the parent's heartbeat
+    thread is alive at the fork, and does not exist in the child. The child starts its own,
+    so a long handler there keeps its claim."""
+    store = oncely.SQLiteStore(tmp_path / "oncely.db")
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    inbox.handle("parent-key", {"a": 1}, lambda p: time.sleep(0.2))  # the thread is up
+    assert _in_forked_child(lambda: _child_keeps_its_lease(inbox, store)) == [
+        "processed",
+        [True],
+    ]
+    assert inbox.handle("child-key", {"a": 1}, lambda p: "again").value == "done"
+
+
+def test_r10_a_fork_while_the_heartbeat_thread_holds_its_lock_does_not_hang_the_child(
+    tmp_path: Path,
+) -> None:
+    """The parent's heartbeat thread holds its lock briefly on every wake-up; a fork at that
+    moment left the lock held forever in the child, whose first claim then waited for it
+    (a test under load caught it). A thread here holds the lock across the fork."""
+    store = oncely.SQLiteStore(tmp_path / "oncely.db")
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+    inbox.handle("parent-key", {"a": 1}, lambda p: None)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with inbox._heartbeats._cond:
+            holding.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(5)
+    try:
+        answer = _in_forked_child(lambda: _child_keeps_its_lease(inbox, store))
+    finally:
+        done.set()
+        holder.join(10)
+    assert answer == ["processed", [True]]

@@ -2,6 +2,10 @@
 
 Its twin is ``oncely/_async/_concurrency.py``. Heartbeats share one daemon thread per inbox
 instead of a thread per claim: starting a thread costs more than a whole SQLite transaction.
+
+A forked child (a prefork server's worker, made after the inbox) starts with heartbeats of
+its own, in a fork hook: the parent's thread does not exist there, its lock may have been
+held at the moment of the fork, and its tickets renew the parent's claims.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+from oncely._core.forking import forget_parent_in_children
 
 __all__ = ["Heartbeats", "Ticket", "sleep"]
 
@@ -47,18 +53,36 @@ class Ticket:
         with self._running:
             pass
 
+    def _forget_parent(self) -> None:
+        # In a forked child: the claim is the parent's to renew, and the parent's thread may
+        # have held this lock, mid-renewal, at the fork.
+        self.stopped = True
+        self._running = threading.Lock()
+
 
 class Heartbeats:
     """One daemon thread renews every registered claim when it falls due; it exits when idle
     and starts again with the next claim."""
 
-    __slots__ = ("_cond", "_thread", "_tickets", "_wake_at")
+    __slots__ = ("__weakref__", "_cond", "_thread", "_tickets", "_wake_at")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._tickets: dict[int, Ticket] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = 0.0  # monotonic time the thread plans to wake (under the lock)
+        forget_parent_in_children(self)
+
+    def _forget_parent(self) -> None:
+        # In a forked child: without this the child would wait forever for a lock the
+        # parent's thread held at the fork, or never start a thread (the parent's looks
+        # alive), and its leases would lapse while its handlers run.
+        for ticket in self._tickets.values():
+            ticket._forget_parent()
+        self._cond = threading.Condition(threading.Lock())
+        self._tickets = {}
+        self._thread = None
+        self._wake_at = 0.0
 
     def start(self, renew: Callable[[], None], every: float) -> Ticket:
         ticket = Ticket(self, renew, every)
