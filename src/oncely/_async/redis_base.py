@@ -29,6 +29,7 @@ from oncely._async._redis_io import (
     server_time_ms,
 )
 from oncely._core.clock import Clock
+from oncely._core.forking import forget_parent_in_children
 from oncely._dialects.redis import READ, SCHEMA_VERSION, RedisKeys, Script
 from oncely._drivers.redis import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
 from oncely._urls import redact
@@ -82,6 +83,13 @@ class RedisStoreBase:
         self._ready_lock = asyncio.Lock()
         self._ready = False
         self._closed = False
+        forget_parent_in_children(self)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: a lock a thread of the parent may have held at the fork (a
+        heartbeat renewing a lease) starts afresh (the connections have a fork hook of their
+        own, in ``_redis_io``)."""
+        self._ready_lock = asyncio.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:

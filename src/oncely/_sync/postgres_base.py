@@ -107,6 +107,11 @@ class PostgresStoreBase(SQLStoreBase[bytes]):
         self._waiting = 0
         self._keep_lock = threading.Lock()
 
+    def _forget_parent(self) -> None:
+        super()._forget_parent()
+        self._keep_lock = threading.Lock()
+        self._waiting = 0
+
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
         """A store for a ``postgresql://`` or ``postgres://`` URL (see :func:`oncely.open`)."""

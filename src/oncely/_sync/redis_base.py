@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from oncely._core.clock import Clock
+from oncely._core.forking import forget_parent_in_children
 from oncely._dialects.redis import READ, SCHEMA_VERSION, RedisKeys, Script
 from oncely._drivers.redis import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
 from oncely._sync._redis_io import (
@@ -84,6 +85,13 @@ class RedisStoreBase:
         self._ready_lock = threading.Lock()
         self._ready = False
         self._closed = False
+        forget_parent_in_children(self)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: a lock a thread of the parent may have held at the fork (a
+        heartbeat renewing a lease) starts afresh (the connections have a fork hook of their
+        own, in ``_redis_io``)."""
+        self._ready_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:

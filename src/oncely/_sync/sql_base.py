@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely._dialects.shared import parse_stats
 from oncely.errors import SchemaMissing, SchemaTooNew, StoreError
@@ -99,6 +100,13 @@ class SQLStoreBase(Generic[Q]):
         self._ready_lock = threading.Lock()
         self._ready = False
         self._closed = False
+        forget_parent_in_children(self)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: locks a thread of the parent may have held at the fork (a
+        heartbeat renewing a lease) start afresh; what else is the parent's is dropped where
+        the store next looks (its connections: on the next use)."""
+        self._ready_lock = threading.Lock()
 
     # ------------------------------------------------------------ what each store gives
 

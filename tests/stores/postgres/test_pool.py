@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -70,6 +71,46 @@ def test_a_forked_child_opens_its_own_pool(store: PostgresStore) -> None:
         assert json.loads(pipe.read()) == ["duplicate", "processed"]
     assert os.waitstatus_to_exitcode(status) == 0
     # The parent's connections were never touched by the child: they still work.
+    assert inbox.handle("child-key", 1, lambda p: 4).outcome is Outcome.DUPLICATE
+
+
+@pytest.mark.parametrize("lock", ["_keep_lock", "_ready_lock"])
+def test_a_fork_while_another_thread_holds_a_store_lock_does_not_hang_the_child(
+    store: PostgresStore, lock: str
+) -> None:
+    """A thread of the parent (a heartbeat renewing a lease, another consumer thread) holds
+    these locks briefly on every operation; a fork at that moment left the lock held forever
+    in the child, whose first message then waited for it. A thread holds it across the fork
+    here; the child (killed by an alarm if it hangs) must answer."""
+    inbox = oncely.Inbox(store, consumer="c")
+    assert inbox.handle("from-parent", 1, lambda p: 1).outcome is Outcome.PROCESSED
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with getattr(store, lock):
+            holding.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(5)
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                signal.alarm(10)
+                outcome = inbox.handle("child-key", 1, lambda p: 3).outcome.value
+                os.write(write, outcome.encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+    finally:
+        done.set()
+        holder.join(10)
+    with os.fdopen(read) as pipe:
+        assert pipe.read() == "processed"
     assert inbox.handle("child-key", 1, lambda p: 4).outcome is Outcome.DUPLICATE
 
 
