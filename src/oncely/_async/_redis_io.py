@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -23,6 +21,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from oncely._core.forking import forget_parent_in_children
 from oncely._dialects.redis_lua import Script
 from oncely._drivers.redis import POOL_ARGS, RedisOptions, pack_evalsha
 
@@ -168,7 +167,7 @@ class Runner:
         self._made: list[Any] = []
         self._waiting = 0
         self._cond = asyncio.Condition()
-        _RUNNERS.add(self)
+        forget_parent_in_children(self)
 
     async def run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         if not self._direct:
@@ -225,7 +224,7 @@ class Runner:
         for conn in made:
             await conn.disconnect()
 
-    def _forked(self) -> None:
+    def _forget_parent(self) -> None:
         # A child process must not share its parent's sockets: forget them, open its own.
         self._idle, self._made, self._waiting = [], [], 0
         self._cond = asyncio.Condition()
@@ -239,17 +238,6 @@ async def _exchange(conn: Any, packed: tuple[bytes]) -> Any:
         return await conn.read_response()
 
     return await conn.retry.call_with_retry(once, lambda _error: conn.disconnect())
-
-
-_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
-
-
-def _after_fork() -> None:
-    for runner in list(_RUNNERS):
-        runner._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 async def evalsha_many(

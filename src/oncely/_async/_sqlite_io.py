@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sqlite3
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiosqlite
+
+from oncely._core.forking import forget_parent_in_children
 
 __all__ = ["AsyncPool", "Params", "close", "connect", "execute", "fetchall"]
 
@@ -68,7 +68,7 @@ class AsyncPool:
         self._slots: asyncio.Semaphore | None = None
         self._settling: set[asyncio.Task[None]] = set()  # (strong references: see abandon)
         self._closed = False
-        _POOLS.add(self)
+        forget_parent_in_children(self)
 
     def _forget_parent(self) -> None:
         # In a forked child: the parent's connections (and tasks) are never used here.
@@ -158,14 +158,3 @@ class AsyncPool:
         idle, self._idle = self._idle, []
         for conn in idle:
             await close(conn)
-
-
-_POOLS: weakref.WeakSet[AsyncPool] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for pool in list(_POOLS):
-        pool._forget_parent()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

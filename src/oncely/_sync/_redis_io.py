@@ -7,13 +7,11 @@ driver renames. One client is a single Redis (``redis.Redis``) or a Redis Cluste
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any, Final, TypeAlias
 
@@ -25,6 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from oncely._core.forking import forget_parent_in_children
 from oncely._dialects.redis_lua import Script
 from oncely._drivers.redis import POOL_ARGS, RedisOptions, pack_evalsha
 
@@ -221,7 +220,7 @@ class Runner:
         self._made: list[Any] = []
         self._waiting = 0
         self._cond = threading.Condition()
-        _RUNNERS.add(self)
+        forget_parent_in_children(self)
 
     def run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         if not self._direct:
@@ -282,7 +281,7 @@ class Runner:
         for conn in made:
             conn.disconnect()
 
-    def _forked(self) -> None:
+    def _forget_parent(self) -> None:
         # A child process must not share its parent's sockets: forget them, open its own.
         self._idle, self._made, self._waiting = [], [], 0
         self._cond = threading.Condition()
@@ -296,17 +295,6 @@ def _exchange(conn: Any, packed: tuple[bytes]) -> Any:
         return conn.read_response()
 
     return conn.retry.call_with_retry(once, lambda _error: conn.disconnect())
-
-
-_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
-
-
-def _after_fork() -> None:
-    for runner in list(_RUNNERS):
-        runner._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 def evalsha_many(

@@ -11,12 +11,12 @@ for every statement, which costs more than running a small statement.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from oncely._core.forking import forget_parent_in_children
 
 __all__ = ["Params", "Pool", "close", "connect", "execute", "fetchall"]
 
@@ -74,7 +74,7 @@ class Pool:
         self._opened = 0
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
-        _POOLS.add(self)
+        forget_parent_in_children(self)
 
     def _forget_parent(self) -> None:
         # In a forked child: the parent's connections are never used here.
@@ -164,14 +164,3 @@ class Pool:
         for conn in idle:
             self._cursors.pop(conn, None)
             close(conn)
-
-
-_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for pool in list(_POOLS):
-        pool._forget_parent()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
