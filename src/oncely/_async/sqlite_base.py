@@ -193,15 +193,14 @@ class SQLiteStoreBase(SQLStoreBase[str]):
         if not rows or OLD_STATUS_CHECK not in rows[0][0]:
             return
         ((version,),) = await fetchall(conn, "PRAGMA schema_version")
-        edits = d.upgrade_check(version)
+        await fetchall(conn, "PRAGMA writable_schema = ON")
         try:
-            for sql, params in edits[:-1]:
+            for sql, params in d.upgrade_check(version):
                 await fetchall(conn, sql, params)
         except sqlite3.Error:
             pass  # left as it was: the UPDATE failed as a whole (a statement is atomic)
         finally:
-            sql, params = edits[-1]  # writable_schema off again, whatever happened
-            await fetchall(conn, sql, params)
+            await fetchall(conn, "PRAGMA writable_schema = OFF")
 
     async def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""

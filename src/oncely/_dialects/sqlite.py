@@ -184,7 +184,8 @@ class SQLiteDialect(PlainRows[str]):
     def upgrade_check(self, version: int) -> tuple[tuple[str, tuple[object, ...]], ...]:
         """The statements (with their parameters) that rewrite an older table's status
         constraint (:data:`OLD_STATUS_CHECK`) as :data:`STATUS_CHECK`, inside a write
-        transaction whose ``PRAGMA schema_version`` read ``version``.
+        transaction whose ``PRAGMA schema_version`` read ``version``, with
+        ``PRAGMA writable_schema`` on.
 
         This is the schema edit SQLite's ALTER TABLE documentation gives for removing a CHECK
         constraint without copying the table: edit the table's text in ``sqlite_master`` and
@@ -192,12 +193,10 @@ class SQLiteDialect(PlainRows[str]):
         constraint is safe the same way, because the new one accepts exactly the rows the old
         one did: no row in the table can break it."""
         return (
-            ("PRAGMA writable_schema = ON", ()),
             (
                 "UPDATE sqlite_master SET sql = replace(sql, ?, ?) "
                 "WHERE type = 'table' AND name = ?",
                 (OLD_STATUS_CHECK, STATUS_CHECK, self.table),
             ),
             (f"PRAGMA schema_version = {int(version) + 1}", ()),
-            ("PRAGMA writable_schema = OFF", ()),
         )
