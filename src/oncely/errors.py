@@ -33,11 +33,17 @@ Expected outcomes of processing (a duplicate, a conflict, a message in flight el
 *values* (:class:`oncely.Handled`), never exceptions, on the message path. The call-style API
 (:meth:`oncely.Inbox.idempotent`) turns them into :class:`OutcomeError` subclasses because a plain
 function call has no other way to say "not processed".
+
+Every exception in the tree pickles (any protocol) and copies to the same type with the same
+``args``, text and attributes (``LeaseLost.current``, ``Reject.reason``, ``OutcomeError.handled``,
+notes), so one raised in a ``ProcessPoolExecutor`` worker, a ``multiprocessing`` pool or a Celery
+task (pickle serializer) reaches the parent as itself. See :meth:`OncelyError.__reduce__`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copyreg
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from oncely._core.outcomes import Handled
@@ -73,8 +79,28 @@ __all__ = [
 ]
 
 
+# ``copyreg.__newobj__(cls, *args)`` is ``cls.__new__(cls, *args)``; pickle writes it as the
+# NEWOBJ opcode (protocols 2+), so no oncely name is stored in the pickle. typeshed omits it.
+_NEWOBJ: Any = copyreg.__newobj__  # type: ignore[attr-defined]
+
+
 class OncelyError(Exception):
     """Base class of every exception oncely raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle (and copy) as ``args`` plus the instance's attributes, not as ``cls(*args)``.
+
+        ``BaseException.__reduce__`` rebuilds an exception by calling ``cls(*self.args)``, which
+        fails for every class whose ``__init__`` takes other arguments than it passes on as
+        ``args`` (``OutcomeError(message, handled)``, ``LeaseLost(message, current)``): the
+        unpickling raised ``TypeError``, which breaks a process pool. Here the copy is made with
+        ``cls.__new__(cls, *args)`` (``__init__`` is not called again) and gets the original's
+        ``__dict__`` back, so every subclass, present or future, round-trips whatever its
+        constructor's signature, with the same ``args`` and ``str()``. Attributes are restored
+        after the object exists, so a cycle through them (``handled.error is self``) pickles too.
+        As for any exception, ``__traceback__``, ``__cause__`` and ``__context__`` are not kept.
+        """
+        return (_NEWOBJ, (type(self), *self.args), self.__dict__ or None)
 
 
 class ConfigurationError(OncelyError, ValueError):

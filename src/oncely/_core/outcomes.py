@@ -97,6 +97,12 @@ class Handled(Generic[R]):
     the message was rejected for having no usable key. ``attempt`` is the claim's attempt number
     (1 for the first claim of the key; 0 when no claim was made); ``record`` is the record as the
     store holds it now, which after a lost lease belongs to the new owner.
+
+    A Handled pickles and copies (every protocol) with its record and its error: oncely's own
+    exceptions all do, a handler's exception must too. Equality is field by field, and
+    ``error`` is an exception, which compares by identity: a Handled that carries an error
+    equals its unpickled copy in every other field (``dataclasses.replace(h, error=None)``),
+    and the two errors have the same type and ``args``. Without an error, the copy is ``==``.
     """
 
     outcome: Outcome
