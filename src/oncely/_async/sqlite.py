@@ -41,9 +41,14 @@ class AsyncSQLiteStore(SQLiteTransactions):
     """A dedup store in a SQLite database file (transactional and two-phase modes).
 
     ``path`` is a file path, ``":memory:"`` (one connection; for tests) or a ``file:`` URI.
-    The schema is created on first use unless ``migrate=False``, in which case a missing
-    schema raises :class:`~oncely.SchemaMissing`; a schema written by a newer oncely raises
-    :class:`~oncely.SchemaTooNew`. At most ``pool_size`` connections are in use at once.
+    The schema is created (and the file switched to WAL) on first use unless
+    ``migrate=False``, in which case a missing schema raises :class:`~oncely.SchemaMissing`;
+    a schema written by a newer oncely raises :class:`~oncely.SchemaTooNew`. Processes
+    starting together on one file wait for each other's locks there, up to the busy timeout.
+    A first use inside a transaction of yours (``handle_in_transaction(tx=...)``) checks the
+    schema through your connection and never waits for your own lock: missing tables are then
+    :class:`~oncely.SchemaMissing` at once (run ``oncely migrate`` or :meth:`migrate` first).
+    At most ``pool_size`` connections are in use at once.
 
     The asyncio variant belongs to the event loop that first uses it (its pool waits on an
     asyncio semaphore): open one store per loop. The threaded variant may be shared by any
@@ -331,8 +336,8 @@ class AsyncSQLiteStore(SQLiteTransactions):
         initial: Status = Status.COMPLETED,
         error: str | None = None,
     ) -> Claim:
-        if not self._ready:
-            await self._prepare()
+        if not self._ready:  # first use inside the caller's transaction: checked through it
+            await self._prepare_in(tx)
         return await self._claim(
             tx, consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error
         )

@@ -2,25 +2,45 @@
 
 :class:`SQLiteStoreBase`: opening connections (busy timeout, pragmas, WAL), the schema, the
 purge, closing. How the store's modules divide the work is told in ``sql_base``.
+
+First use is safe under concurrency. ``PRAGMA journal_mode = WAL`` answers "database is
+locked" at once, without calling the busy handler, while another connection holds a write lock
+on a file still in a rollback journal (a fleet starting together on a file the application
+made): each step of the setup is tried again, with a jittered backoff, until the busy timeout
+(:meth:`SQLiteStoreBase._patiently`); a file another process switched meanwhile is simply in
+WAL when the pragma runs again, and the schema statements tolerate a concurrent creator
+(``IF NOT EXISTS``, ``ON CONFLICT DO NOTHING``). The first use inside a caller's own
+transaction checks the schema on the caller's connection instead
+(:meth:`SQLiteStoreBase._prepare_in`): a connection of oncely's own would wait for the lock
+that very transaction holds.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
-from typing import Any, Self
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager, suppress
+from time import monotonic
+from typing import Any, Final, Self, TypeVar
 
 import aiosqlite
 
+from oncely._async._concurrency import sleep
 from oncely._async._sqlite_io import AsyncPool, close, connect, fetchall
 from oncely._async.sql_base import Position, SQLStoreBase
 from oncely._core.clock import Clock, SystemClock
 from oncely._dialects.sqlite import OLD_STATUS_CHECK, SCHEMA_VERSION, SQLiteDialect
-from oncely._drivers.sqlite import SQLiteSettings, parse_url, translate
+from oncely._drivers.sqlite import SQLiteSettings, is_busy, parse_url, translate
+from oncely.errors import SchemaMissing
 
 __all__ = ["SQLiteStoreBase"]
+
+T = TypeVar("T")
+
+_FIRST_BACKOFF_S: Final = 0.001
+_MAX_BACKOFF_S: Final = 0.05
 
 
 class SQLiteStoreBase(SQLStoreBase[str]):
@@ -53,6 +73,9 @@ class SQLiteStoreBase(SQLStoreBase[str]):
         if size < 1:
             raise ValueError("pool_size must be at least 1")
         self._pool = AsyncPool(self._open, size)
+        # The tables were seen from inside a caller's transaction on a file not (yet) in WAL:
+        # claims there go ahead; the store's own first connection still switches the file.
+        self._schema_seen = False
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -139,24 +162,50 @@ class SQLiteStoreBase(SQLStoreBase[str]):
 
     async def _setup(self, *, migrating: bool) -> None:
         # On a connection of its own, kept for the pool afterwards (for ":memory:", the only
-        # one: the database lives and dies with it).
+        # one: the database lives and dies with it). Each step waits out other connections'
+        # locks, all of them together up to the busy timeout.
         conn = await self._open()
         try:
+            deadline = monotonic() + self._settings.busy_timeout.total_seconds()
             if not self._memory:
-                await self._wal(conn)
-            version = await self._version(conn)
+                await self._patiently("switching to WAL", self._wal, conn, deadline)
+            version = await self._patiently(
+                "reading the schema version", self._version, conn, deadline
+            )
             # migrate runs the CREATE ... IF NOT EXISTS again whatever the version: the
             # version row says nothing of the inbox table itself.
             if self._tables_needed(version, migrating=migrating) or migrating:
-                await self._create(conn)
+                await self._patiently("creating the schema", self._create, conn, deadline)
         finally:
             self._pool.adopt(conn)
 
+    async def _patiently(
+        self,
+        doing: str,
+        step: Callable[[aiosqlite.Connection], Awaitable[T]],
+        conn: aiosqlite.Connection,
+        deadline: float,
+    ) -> T:
+        """``step(conn)``, tried again while SQLite answers "locked" and ``deadline`` (a
+        ``monotonic`` time) is ahead, after a jittered, growing pause (processes started
+        together do not retry in step); any other error, or "locked" past the deadline, is
+        translated (:class:`~oncely.StoreUnavailable` for the lock)."""
+        pause = _FIRST_BACKOFF_S
+        while True:
+            try:
+                return await step(conn)
+            except sqlite3.Error as exc:
+                left = deadline - monotonic()
+                if not is_busy(exc) or left <= 0:
+                    raise translate(exc, doing) from exc
+            await sleep(min(left, pause * random.uniform(0.5, 1.5)))
+            pause = min(pause * 2, _MAX_BACKOFF_S)
+
     async def _wal(self, conn: aiosqlite.Connection) -> None:
-        try:
-            await fetchall(conn, "PRAGMA journal_mode = WAL")
-        except sqlite3.Error as exc:
-            raise translate(exc, "switching to WAL") from exc
+        # Answers the journal mode the file is in afterwards: "wal", also when another process
+        # switched it first (the pragma then only reads the file's header). A database that
+        # cannot be in WAL (one in memory) answers its own mode instead, without an error.
+        await fetchall(conn, "PRAGMA journal_mode = WAL")
 
     async def _version(self, conn: aiosqlite.Connection) -> int | None:
         try:
@@ -164,24 +213,64 @@ class SQLiteStoreBase(SQLStoreBase[str]):
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc).lower():
                 return None
-            raise translate(exc, "reading the schema version") from exc
-        except sqlite3.Error as exc:
-            raise translate(exc, "reading the schema version") from exc
+            raise
         return int(rows[0][0]) if rows else None
 
     async def _create(self, conn: aiosqlite.Connection) -> None:
+        # Safe beside a concurrent creator (another process's first use): BEGIN IMMEDIATE
+        # takes turns with it, and every statement is a no-op once its work is done.
+        await fetchall(conn, "BEGIN IMMEDIATE")
         try:
-            await fetchall(conn, "BEGIN IMMEDIATE")
-            try:
-                for statement in self._dialect.create:
-                    await fetchall(conn, statement)
-                await self._upgrade_check(conn)
-                await fetchall(conn, "COMMIT")
-            except BaseException:
-                await fetchall(conn, "ROLLBACK")
-                raise
+            for statement in self._dialect.create:
+                await fetchall(conn, statement)
+            await self._upgrade_check(conn)
+            await fetchall(conn, "COMMIT")
+        except BaseException:
+            # (A failed COMMIT leaves the transaction open, some errors do not; a failing
+            # ROLLBACK is not the error to report.)
+            if conn.in_transaction:
+                with suppress(sqlite3.Error):
+                    await fetchall(conn, "ROLLBACK")
+            raise
+
+    async def _prepare_in(self, tx: aiosqlite.Connection) -> None:
+        """The first use of the store inside a caller's open transaction, on the caller's
+        connection ``tx`` (``handle_in_transaction(tx=...)``).
+
+        The setup cannot run on a connection of oncely's own there: the caller's transaction
+        holds (or may take) the file's write lock, which that connection would wait for until
+        the busy timeout, and the journal mode cannot change inside a transaction at all. So
+        the schema is read through ``tx``, which waits on nobody's lock but other processes':
+
+        * tables there, file in WAL: the setup has nothing left to do; the store is ready;
+        * tables there, file in a rollback journal: the claim joins the transaction all the
+          same (SQLite's lock arbitrates claims alike in both journals); the store's first
+          connection of its own, outside this transaction, switches the file to WAL;
+        * no tables: :class:`~oncely.SchemaMissing` at once. They are not created inside the
+          caller's transaction (the caller's rollback would drop them with the marker, behind
+          the store's back); ``oncely migrate`` or :meth:`migrate` creates them, and switches
+          the file to WAL, before the first message.
+
+        No lock of the store's is taken either: a thread setting the store up meanwhile may be
+        the one waiting for this transaction's lock."""
+        if self._schema_seen:
+            return
+        try:
+            version = await self._version(tx)
+            ((mode,),) = await fetchall(tx, "PRAGMA journal_mode")
         except sqlite3.Error as exc:
-            raise translate(exc, "creating the schema") from exc
+            raise translate(exc, "reading the schema version") from exc
+        if self._tables_needed(version, migrating=False):  # (raises for a newer schema)
+            raise SchemaMissing(
+                f"no oncely {self._place}, and oncely does not create it inside your open "
+                "transaction (its own connection would wait for the lock your transaction "
+                "holds): run `oncely migrate --store URL`, or the store's migrate(), once "
+                "before the first handle_in_transaction(tx=...)"
+            )
+        if self._memory or str(mode).lower() == "wal":
+            self._ready = True
+        else:
+            self._schema_seen = True
 
     async def _upgrade_check(self, conn: aiosqlite.Connection) -> None:
         """Rewrite the status constraint of a table created by an earlier oncely into its
@@ -206,7 +295,10 @@ class SQLiteStoreBase(SQLStoreBase[str]):
         """The schema version in the database, or None when there are no tables yet."""
         conn = await self._open()
         try:
-            return await self._version(conn)
+            deadline = monotonic() + self._settings.busy_timeout.total_seconds()
+            return await self._patiently(
+                "reading the schema version", self._version, conn, deadline
+            )
         finally:
             await close(conn)
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, cast, get_args
+from typing import Final, Literal, cast, get_args
 
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
 
-__all__ = ["SQLiteOptions", "SQLiteSettings", "parse_url", "translate"]
+__all__ = ["SQLiteOptions", "SQLiteSettings", "is_busy", "parse_url", "translate"]
 
 Synchronous = Literal["off", "normal", "full", "extra"]
 
@@ -36,6 +36,18 @@ class SQLiteSettings:
             f"PRAGMA busy_timeout = {int(self.busy_timeout.total_seconds() * 1000)}",
             f"PRAGMA synchronous = {self.synchronous.upper()}",
         )
+
+
+_BUSY_CODES: Final = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (primary codes)
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says another connection holds a lock now ("database is locked"): worth
+    trying again later, unlike every other error."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in _BUSY_CODES
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower()
 
 
 def translate(exc: sqlite3.Error, doing: str) -> StoreError:

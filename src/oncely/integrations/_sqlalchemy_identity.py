@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -64,11 +65,15 @@ def store_identity(
         return known
     if kind.family == "sqlite":
         # Opens the store (creating its tables unless migrate=False) before the session's
-        # transaction holds SQLite's write lock, which the creation would wait for.
-        try:
-            store.get(consumer, _PROBE)
-        except StoreUnavailable as exc:
-            raise _locked_out(exc, driver) from exc
+        # transaction holds SQLite's write lock, which the creation would wait for. When the
+        # lock is taken already (the session has written), the store reads its schema through
+        # the session's own connection instead (missing tables: SchemaMissing at once, never
+        # a wait on the session's own lock).
+        if _may_open(store, driver):
+            try:
+                store.get(consumer, _PROBE)
+            except StoreUnavailable as exc:
+                raise _locked_out(exc, driver) from exc
         return _remember(store, ("sqlite", store_path(store.url) or ""))
     try:
         with store.transaction() as tx:
@@ -94,10 +99,11 @@ async def store_identity_async(
     if known is not None:
         return known
     if kind.family == "sqlite":
-        try:
-            await store.get(consumer, _PROBE)  # see store_identity
-        except StoreUnavailable as exc:
-            raise _locked_out(exc, driver) from exc
+        if _may_open(store, driver):  # see store_identity
+            try:
+                await store.get(consumer, _PROBE)
+            except StoreUnavailable as exc:
+                raise _locked_out(exc, driver) from exc
         return _remember(store, ("sqlite", store_path(store.url) or ""))
     try:
         async with store.transaction() as tx:
@@ -147,6 +153,24 @@ def _identity(family: str, rows: list[tuple[object, ...]]) -> Identity:
     if family == "sqlite":
         return sqlite_identity(rows)
     return (family, *rows[0])
+
+
+def _may_open(store: object, driver: object) -> bool:
+    """Whether opening a SQLite store on its own connection cannot wait on a lock the
+    session's transaction holds: the session has no transaction, or nobody holds the write
+    lock now (tried without waiting: ``BEGIN IMMEDIATE`` with a zero timeout, rolled back)."""
+    if not getattr(driver, "in_transaction", False):
+        return True
+    path = store_path(getattr(store, "url", ""))
+    if path is None:
+        return True
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=0, isolation_level=None)) as probe:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+    except sqlite3.Error:
+        return False
+    return True
 
 
 def _locked_out(error: StoreUnavailable, driver: object) -> StoreUnavailable:
