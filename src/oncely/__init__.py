@@ -24,10 +24,12 @@ from oncely._core.fingerprint import Fingerprint, Fingerprinter, canonical_json,
 from oncely._core.keys import (
     BusinessKey,
     CloudEventsKey,
+    CorrelationIdKey,
     Envelope,
     FirstOf,
     HeaderKey,
     KeySource,
+    KeyWarning,
     MessageIdKey,
 )
 from oncely._core.observe import Hook
@@ -132,6 +134,7 @@ __all__ = [
     "CloudEventsKey",
     "Codec",
     "ConfigurationError",
+    "CorrelationIdKey",
     "Current",
     "Envelope",
     "Escalated",
@@ -150,6 +153,7 @@ __all__ = [
     "KeyConflict",
     "KeySource",
     "KeyTooLong",
+    "KeyWarning",
     "Lease",
     "LeaseLost",
     "Limits",

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from oncely._core import keys
 from oncely._core.keys import (
     TRANSPORT_FIELDS,
     BusinessKey,
@@ -13,11 +17,14 @@ from oncely._core.keys import (
     Envelope,
     FirstOf,
     HeaderKey,
+    KeySource,
     MessageIdKey,
+    key_source,
     validate_consumer,
     validate_key,
 )
 from oncely._core.policy import Limits
+from oncely._core.wire import wire_text
 from oncely.errors import (
     ConfigurationError,
     InvalidIdentifier,
@@ -231,7 +238,7 @@ def test_r4_header_key_refuses_transport_fields(name: str) -> None:
         HeaderKey(name)
     text = str(info.value)
     assert "R4" in text
-    assert "redelivery" in text
+    assert "as a dedup key it would" in text  # says why (offsets: per send, not per delivery)
     assert repr(name) in text
 
 
@@ -332,3 +339,372 @@ def test_lone_surrogate_in_key_is_invalid() -> None:
 def test_cloudevents_headers_may_arrive_as_bytes() -> None:
     env = Envelope(body=b"", headers={"ce_source": b"/s", "ce_id": b"1"})
     assert CloudEventsKey()(env) == "/s 1"
+
+
+# ------------------------------------------------------------------ lossless keys (R2, R4)
+
+# Ids that are not UTF-8: two that differ in one byte, and two Latin-1 names. Adapters decode
+# wire bytes with wire_text (surrogateescape), so each reaches the key sources as text holding
+# escape code points; errors="replace" would have made each pair one key.
+UNDECODABLE = [b"inv-\xff", b"inv-\xfe", "Müller-7".encode("latin-1"), "Möller-7".encode("latin-1")]
+UNDECODABLE_PAIRS = [
+    (b"inv-\xff", b"inv-\xfe"),
+    ("Müller-7".encode("latin-1"), "Möller-7".encode("latin-1")),
+]
+
+
+def _order_id(body: object) -> object:
+    return body["order_id"]  # type: ignore[index]
+
+
+def _carriers(raw: bytes) -> list[tuple[str, str, KeySource, Envelope]]:
+    """``raw`` as the key of every key source: (case, field named in the reason, source,
+    envelope). Headers come both as wire text and as raw bytes (Kafka-style)."""
+    text = wire_text(raw)
+    idem = "'Idempotency-Key' header"
+
+    def headers(**values: object) -> Envelope:
+        return Envelope(body=None, headers={k.replace("__", "-"): v for k, v in values.items()})
+
+    def idem_header(value: object) -> Envelope:
+        return Envelope(body=None, headers={"Idempotency-Key": value})
+
+    event = {"specversion": "1.0", "source": "/s", "id": text}
+    ce_id, ce_source = "CloudEvents id", "CloudEvents source"
+    return [
+        ("message-id", "message id", MessageIdKey(), Envelope(body=None, message_id=text)),
+        ("header-text", idem, HeaderKey("Idempotency-Key"), idem_header(text)),
+        ("header-bytes", idem, HeaderKey("Idempotency-Key"), idem_header(raw)),
+        ("header-spec", idem, key_source("header:Idempotency-Key"), idem_header(raw)),
+        ("ce-id-text", ce_id, CloudEventsKey(), headers(ce__source="/s", ce__id=text)),
+        ("ce-id-bytes", ce_id, CloudEventsKey(), headers(ce_source=b"/s", ce_id=raw)),
+        ("ce-source", ce_source, CloudEventsKey(), headers(ce_source=raw, ce_id=b"1")),
+        ("ce-structured", ce_id, CloudEventsKey(), Envelope(body=event)),
+        ("business", "business key", BusinessKey(_order_id), Envelope(body={"order_id": text})),
+        (
+            "body-spec",
+            "business key",
+            key_source("body:order_id"),
+            Envelope(body={"order_id": text}),
+        ),
+    ]
+
+
+CASES = [case for case, *_ in _carriers(b"x")]
+
+
+@pytest.mark.parametrize("raw", UNDECODABLE)
+@pytest.mark.parametrize("case", CASES)
+def test_r2_r4_every_key_source_refuses_an_id_that_is_not_utf8(case: str, raw: bytes) -> None:
+    """R2/R4: a key that is not UTF-8 is refused (InvalidKey, not MissingKey: FirstOf must
+    not fall through to another source), and the reason names the field and its bytes."""
+    _, field, source, envelope = next(c for c in _carriers(raw) if c[0] == case)
+    with pytest.raises(InvalidKey) as info:
+        source(envelope)
+    assert not isinstance(info.value, MissingKey)
+    text = str(info.value)
+    assert text.startswith(f"the {field}")
+    assert f"is not UTF-8 text ({raw!r})" in text
+    assert "have the producer send UTF-8" in text
+
+
+@pytest.mark.parametrize(("first", "second"), UNDECODABLE_PAIRS)
+@pytest.mark.parametrize("case", CASES)
+def test_r2_two_undecodable_ids_never_become_one_key(
+    case: str, first: bytes, second: bytes
+) -> None:
+    """R2: b"inv-\\xff" and b"inv-\\xfe" were both "inv-\\ufffd" with errors="replace"; now
+    each is refused with its own reason."""
+    reasons = []
+    for raw in (first, second):
+        _, _, source, envelope = next(c for c in _carriers(raw) if c[0] == case)
+        with pytest.raises(InvalidKey) as info:
+            source(envelope)
+        reasons.append(str(info.value))
+    assert reasons[0] != reasons[1]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_r2_valid_non_ascii_utf8_ids_still_work(case: str) -> None:
+    raw = "Müller-7".encode()
+    _, _, source, envelope = next(c for c in _carriers(raw) if c[0] == case)
+    expected = {"ce-id-text": "/s Müller-7", "ce-id-bytes": "/s Müller-7"}
+    expected |= {"ce-structured": "/s Müller-7", "ce-source": "Müller-7 1"}
+    assert source(envelope) == expected.get(case, "Müller-7")
+
+
+def test_r2_header_bytes_are_not_replaced() -> None:
+    # The bug report: a Kafka-style bytes header went through errors="replace".
+    source = HeaderKey("Idempotency-Key")
+    for raw in (b"inv-\xff", b"inv-\xfe"):
+        with pytest.raises(InvalidKey, match=r"not UTF-8 text \(b'inv-\\x"):
+            source(Envelope(body=None, headers={"Idempotency-Key": raw}))
+
+
+def test_r2_first_of_stops_at_an_undecodable_key() -> None:
+    source = FirstOf(HeaderKey("Idempotency-Key"), MessageIdKey())
+    env = Envelope(body=None, message_id="m-1", headers={"Idempotency-Key": b"inv-\xff"})
+    with pytest.raises(InvalidKey, match="'Idempotency-Key' header is not UTF-8"):
+        source(env)
+
+
+def test_r2_validate_key_names_the_undecodable_bytes() -> None:
+    with pytest.raises(InvalidKey, match=r"dedup key is not UTF-8 text \(b'inv-\\xff'\)"):
+        validate_key(wire_text(b"inv-\xff"), Limits())
+    # A lone surrogate read from a JSON body is refused the same way.
+    with pytest.raises(InvalidKey, match="dedup key is not UTF-8 text"):
+        validate_key("order-\ud800", Limits())
+    # Even when the key is long enough to be hashed.
+    limits = Limits(max_key_bytes=16, hash_long_keys=True)
+    with pytest.raises(InvalidKey, match="not UTF-8 text"):
+        validate_key(wire_text(b"x" * 40 + b"\xff"), limits)
+
+
+@given(st.binary(max_size=12), st.binary(max_size=12))
+def test_r2_distinct_wire_ids_never_share_a_key(first: bytes, second: bytes) -> None:
+    """R2 (property): two different byte strings, decoded the adapters' way, give two
+    different keys or are refused; never one key."""
+    results = []
+    for raw in (first, second):
+        try:
+            results.append(MessageIdKey()(Envelope(body=None, message_id=wire_text(raw))))
+        except InvalidKey:  # MissingKey for b"", InvalidKey for bytes that are not UTF-8
+            results.append(None)
+    if first != second and results[0] is not None and results[1] is not None:
+        assert results[0] != results[1]
+    for raw, result in zip((first, second), results, strict=True):
+        if result is not None:
+            assert result.encode("utf-8") == raw
+
+
+# ------------------------------------------------------------------ KeyTooLong advice
+
+
+def test_key_too_long_message_names_the_command_line_flag() -> None:
+    with pytest.raises(KeyTooLong) as info:
+        validate_key("x" * 600, Limits())
+    text = str(info.value)
+    assert "Limits(hash_long_keys=True) (oncely consume --hash-long-keys)" in text
+    assert "use a shorter key" in text
+
+
+# ------------------------------------------------------------------ R4: transport fields
+
+# Per-delivery (or per-send) fields real brokers and their client libraries set.
+BROKER_TRANSPORT_FIELDS = [
+    # RabbitMQ
+    "x-death",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-first-death-exchange",
+    "x-delivery-count",
+    # Azure Service Bus
+    "x-opt-sequence-number",
+    "x-opt-locked-until",
+    "x-opt-enqueued-time",
+    "x-opt-lock-token",
+    "DeliveryCount",
+    "SequenceNumber",
+    "LockToken",
+    "EnqueuedTimeUtc",
+    "LockedUntilUtc",
+    # JMS
+    "JMSXDeliveryCount",
+    "JMSRedelivered",
+    "JMSTimestamp",
+    # Kafka
+    "partition",
+    "offset",
+    "kafka_offset",
+    "kafka_partition",
+    "timestamp",
+    # SQS
+    "ApproximateReceiveCount",
+    "ApproximateFirstReceiveTimestamp",
+    "SentTimestamp",
+    "ReceiptHandle",
+    # NATS
+    "Nats-Sequence",
+    "Nats-Time-Stamp",
+    "Nats-Num-Delivered",
+    # Redis stream entry ids
+    "entry_id",
+    "stream_id",
+]
+
+
+def _spellings(name: str) -> set[str]:
+    return {
+        name,
+        name.lower(),
+        name.upper(),
+        name.replace("-", "_"),
+        name.replace("_", "-"),
+        name.title(),
+    }
+
+
+@pytest.mark.parametrize("name", BROKER_TRANSPORT_FIELDS)
+def test_r4_header_key_refuses_the_per_delivery_fields_of_real_brokers(name: str) -> None:
+    for spelling in _spellings(name):
+        with pytest.raises(ConfigurationError) as info:
+            HeaderKey(spelling)
+        text = str(info.value)
+        assert "(R4)" in text
+        assert repr(spelling) in text
+        assert "as a dedup key it would" in text
+
+
+@pytest.mark.parametrize("name", BROKER_TRANSPORT_FIELDS)
+def test_r4_key_source_refuses_them_bare_and_as_headers(name: str) -> None:
+    for spec in (name, f"header:{name}", f"message-id,header:{name}"):
+        with pytest.raises(ConfigurationError, match="R4"):
+            key_source(spec)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "X-Opt-Sequence-Number",
+        "x_opt_sequence_number",
+        "X_OPT_SEQUENCE_NUMBER",
+        "x-opt_sequence-number",  # mixed separators
+        "x-first-death_queue",
+        "nats_sequence",
+        "Nats_Time_Stamp",
+        "KAFKA-OFFSET",
+        "approximate_receive_count",
+        "receipt-handle",
+        "jmsx_delivery_count",
+    ],
+)
+def test_r4_dash_and_underscore_are_alike(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="R4"):
+        HeaderKey(name)
+    assert keys.is_transport_field(name)
+
+
+@pytest.mark.parametrize(
+    "name", ["x-opt-sequence-number", "x_opt_sequence_number", "nats-time-stamp", "x_death"]
+)
+def test_r4_transport_fields_hold_every_plain_spelling(name: str) -> None:
+    # Callers that only lower-case (the Redis stream layout) find both separators.
+    assert name in TRANSPORT_FIELDS
+    assert name.upper().lower() in TRANSPORT_FIELDS
+
+
+def test_r4_redis_stream_fields_refuse_the_new_transport_names() -> None:
+    from oncely.brokers.redis_streams._layout import EntryLayout
+
+    for name in ("x_opt_sequence_number", "Nats-Time-Stamp", "kafka_offset", "x-death"):
+        with pytest.raises(ConfigurationError, match="R4"):
+            EntryLayout("body", name)
+        with pytest.raises(ConfigurationError, match="R4"):
+            EntryLayout(name, "message_id")
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("x-death", "dead-letter"),
+        ("x-opt-enqueued-time", "time"),
+        ("kafka_offset", "retry"),
+        ("JMSRedelivered", "each delivery"),
+        ("partition", "where the broker put the message"),
+    ],
+)
+def test_r4_each_refusal_says_why(name: str, why: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        HeaderKey(name)
+    text = str(info.value)
+    assert why in text
+    assert "use the producer's message id" in text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Nats-Msg-Id",
+        "message-id",
+        "Idempotency-Key",
+        "sequence",  # a producer's version counter (R15)
+        "x-request-id",
+        "ce-id",
+        "MessageDeduplicationId",
+        "order-id",
+        "tenant",
+    ],
+)
+def test_r4_producer_set_headers_are_not_refused(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source = HeaderKey(name)
+    assert source(Envelope(body=None, headers={name: "v-1"})) == "v-1"
+    assert not keys.is_transport_field(name)
+
+
+# ------------------------------------------------------------------ R2: correlation ids warn
+
+CORRELATION_HEADERS = [
+    "correlation-id",
+    "correlation_id",
+    "x-correlation-id",
+    "X-Correlation-ID",
+    "correlationId",
+    "JMSCorrelationID",
+    "traceparent",
+]
+
+
+def test_r2_key_warning_is_a_user_warning() -> None:
+    assert issubclass(keys.KeyWarning, UserWarning)
+    assert "KeyWarning" in keys.__all__
+
+
+@pytest.mark.parametrize("name", CORRELATION_HEADERS)
+def test_r2_correlation_id_header_warns_but_works(name: str) -> None:
+    with pytest.warns(keys.KeyWarning) as record:
+        source = HeaderKey(name)
+    [warning] = record
+    text = str(warning.message)
+    assert "R2" in text
+    assert repr(name) in text
+    assert "several messages" in text
+    assert warning.filename == __file__  # points at the code that chose the key
+    # Not refused: a user may know their correlation ids are unique per message.
+    assert source(Envelope(body=None, headers={name: "c-1"})) == "c-1"
+
+
+@pytest.mark.parametrize(
+    "spec", ["correlation-id", "header:correlation_id", "header:x-correlation-id,message-id"]
+)
+def test_r2_correlation_key_source_specs_warn(spec: str) -> None:
+    with pytest.warns(keys.KeyWarning, match=r"correlation id.*\(R2\)") as record:
+        source = key_source(spec)
+    assert record[0].filename == __file__
+    env = Envelope(
+        body=None, message_id="m-1", correlation_id="c-1", headers={"correlation_id": "c-1"}
+    )
+    if spec == "header:x-correlation-id,message-id":
+        assert source(env) == "m-1"
+    else:
+        assert source(env) == "c-1"
+
+
+def test_r2_correlation_id_key_reads_the_envelope() -> None:
+    with pytest.warns(keys.KeyWarning):
+        source = key_source("correlation-id")
+    with pytest.raises(MissingKey, match="correlation id"):
+        source(Envelope(body=None, message_id="m-1"))
+    with pytest.raises(InvalidKey, match="correlation id is not UTF-8"):
+        source(Envelope(body=None, correlation_id=wire_text(b"c-\xff")))
+
+
+@pytest.mark.parametrize(
+    "spec", ["message-id", "cloudevents", "header:Idempotency-Key", "header:x-request-id"]
+)
+def test_r2_other_key_sources_do_not_warn(spec: str) -> None:
+    # Request ids are set per request, like an idempotency key: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        key_source(spec)

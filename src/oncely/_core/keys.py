@@ -4,27 +4,38 @@ A key names the *logical* message on every redelivery (R2): the producer's messa
 CloudEvents pair ``(source, id)`` (R3), or a business idempotency key. It is never a transport id
 the broker regenerates per delivery, nor anything derived from the attempt or the receive time
 (R4). Records are scoped by consumer (R5), so the consumer name is validated here too.
+
+Keys are lossless: an id whose bytes are not UTF-8 (kept as escapes by
+:func:`oncely._core.wire.wire_text`) is refused by every key source with the field named, never
+replaced, so two different byte strings can never become one key (R2).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from oncely._core import cloudevents
 from oncely._core.policy import Limits
+from oncely._core.wire import escaped, undecodable_reason
 from oncely.errors import ConfigurationError, InvalidIdentifier, InvalidKey, KeyTooLong, MissingKey
 
 __all__ = [
     "TRANSPORT_FIELDS",
     "BusinessKey",
     "CloudEventsKey",
+    "CorrelationIdKey",
     "Envelope",
     "FirstOf",
     "HeaderKey",
     "KeySource",
+    "KeyWarning",
     "MessageIdKey",
+    "is_transport_field",
     "key_source",
     "validate_consumer",
     "validate_key",
@@ -32,32 +43,162 @@ __all__ = [
 
 _MAX_CONSUMER_CHARS = 200
 
-TRANSPORT_FIELDS = frozenset(
-    {
-        "delivery_tag",
-        "delivery-tag",
-        "deliverytag",
-        "redelivered",
-        "x-delivery-count",
-        "delivery_count",
-        "lock_token",
-        "locktoken",
-        "lock-token",
-        "sequence_number",
-        "sequencenumber",
-        "stream_id",
-        "entry_id",
-        "message_offset",
-        "offset",
-        "nats-sequence",
-        "num_delivered",
-        "receipt_handle",
-        "receipthandle",
-        "received_at",
-        "timestamp",
-    }
+
+class KeyWarning(UserWarning):
+    """A key source that works but may merge different messages into one key, such as a
+    correlation id shared by a request and its replies (R2). Warned when it is built."""
+
+
+def _normal(name: str) -> str:
+    # Header names compared case-insensitively, with "-" and "_" alike (and CamelCase equal to
+    # its snake and kebab spellings): "X-Opt-Lock-Token" == "x_opt_lock_token" == "XOptLockToken".
+    return name.lower().replace("-", "").replace("_", "")
+
+
+_PER_DELIVERY = (
+    "the broker sets it on each delivery and it changes on redelivery, so as a dedup key it "
+    "would let a redelivered copy through"
 )
-"""Header names that carry per-delivery transport data. Refused as key sources (R4)."""
+_PER_SEND = (
+    "the broker assigns it when it stores the message, so a producer's retry or a copy "
+    "resubmitted from a dead-letter queue gets a new one: as a dedup key it would let those "
+    "duplicates through"
+)
+_TIME = (
+    "the broker records it per send or delivery, so a retry or a redelivery carries another "
+    "one: as a dedup key it would let those copies through (and merge messages of one instant)"
+)
+_PLACE = (
+    "it says where the broker put the message, not which message it is: as a dedup key it "
+    "would merge every message put there"
+)
+_DEAD_LETTER = (
+    "the broker extends it each time the message is dead-lettered, so a copy redelivered from "
+    "a dead-letter queue carries another one: as a dedup key it would let such copies through"
+)
+
+_TRANSPORT_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("the AMQP delivery tag", _PER_DELIVERY, ("delivery-tag", "amqp_deliveryTag")),
+    ("a redelivered flag", _PER_DELIVERY, ("redelivered", "amqp_redelivered", "JMSRedelivered")),
+    ("a delivery count", _PER_DELIVERY, (
+        "x-delivery-count",  # RabbitMQ quorum queues
+        "delivery-count", "DeliveryCount",  # Azure Service Bus
+        "JMSXDeliveryCount",  # JMS
+        "ApproximateReceiveCount",  # SQS
+        "Nats-Num-Delivered", "num-delivered",  # NATS JetStream metadata
+        "kafka_deliveryAttempt", "delivery-attempt", "deliveryAttempt",  # Spring Kafka, Pub/Sub
+    )),
+    ("RabbitMQ's dead-letter history", _DEAD_LETTER, (
+        "x-death",
+        "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
+        "x-last-death-queue", "x-last-death-reason", "x-last-death-exchange",
+    )),
+    ("a lock token or receipt handle", _PER_DELIVERY, (
+        "lock-token", "LockToken", "x-opt-lock-token",  # Azure Service Bus
+        "ReceiptHandle", "receipt-handle",  # SQS
+        "ack-id", "ackId",  # Google Pub/Sub
+    )),
+    ("a sequence number or offset", _PER_SEND, (
+        "sequence-number", "SequenceNumber", "x-opt-sequence-number",  # Azure
+        "EnqueuedSequenceNumber", "x-opt-enqueue-sequence-number",
+        "x-opt-offset",  # Azure Event Hubs
+        "x-stream-offset",  # RabbitMQ streams
+        "offset", "kafka_offset", "message-offset",  # Kafka
+        "Nats-Sequence",  # NATS JetStream
+        "entry-id", "stream-id", "stream-entry-id",  # Redis stream entry ids
+    )),
+    ("a broker time stamp", _TIME, (
+        "timestamp", "kafka_timestamp", "kafka_receivedTimestamp",  # Kafka
+        "JMSTimestamp", "JMSXRcvTimestamp",  # JMS
+        "x-opt-enqueued-time", "EnqueuedTimeUtc", "EnqueuedTime",  # Azure
+        "x-opt-locked-until", "LockedUntilUtc", "LockedUntil",
+        "SentTimestamp", "ApproximateFirstReceiveTimestamp",  # SQS
+        "Nats-Time-Stamp",  # NATS JetStream
+        "publishTime", "publish-time",  # Google Pub/Sub
+        "received-at",
+    )),
+    ("a partition", _PLACE, (
+        "partition", "kafka_partition", "kafka_partitionId", "kafka_receivedPartitionId",
+    )),
+)  # fmt: skip
+
+_TRANSPORT_WHY = {
+    _normal(name): f"{what}: {why}" for what, why, names in _TRANSPORT_GROUPS for name in names
+}
+
+
+def _spellings(names: Iterable[str]) -> frozenset[str]:
+    out: set[str] = set()
+    for name in names:
+        low = name.lower()
+        out.update({low, low.replace("_", "-"), low.replace("-", "_"), _normal(low)})
+    return frozenset(out)
+
+
+TRANSPORT_FIELDS = _spellings(name for _, _, names in _TRANSPORT_GROUPS for name in names)
+"""Header names that carry per-delivery transport data (RabbitMQ, Azure Service Bus and Event
+Hubs, JMS, Kafka, SQS, NATS JetStream, Redis streams, Pub/Sub), in lower case, each with ``-``,
+``_`` and no separator. Refused as key sources (R4); test a name with
+:func:`is_transport_field`, which also matches mixed spellings."""
+
+
+def is_transport_field(name: str) -> bool:
+    """True when ``name`` is a per-delivery transport field (case-insensitive, ``-`` and
+    ``_`` alike): refused as a key source and as a stream's id or body field (R4)."""
+    return _normal(name) in _TRANSPORT_WHY
+
+
+_USE_INSTEAD = "use the producer's message id, the CloudEvents (source, id) or a business key"
+
+
+def _transport_refusal(name: str, instead: str = _USE_INSTEAD) -> str | None:
+    why = _TRANSPORT_WHY.get(_normal(name))
+    return None if why is None else f"{name!r} is {why} (R4); {instead}"
+
+
+_SHARED_BY_REPLIES = (
+    "usually shared by a request and its replies (and often by every message of one conversation)"
+)
+_CORRELATION = f"a correlation id, {_SHARED_BY_REPLIES}"
+_TRACE = (
+    "trace context, shared by every message of one trace (and its span part may change when a "
+    "producer retries)"
+)
+_SHARED_IDS: dict[str, str] = {
+    _normal(name): what
+    for what, names in (
+        (_CORRELATION, (
+            "correlation-id", "x-correlation-id", "JMSCorrelationID", "amqp_correlationId",
+            "kafka_correlationId", "causation-id", "x-causation-id", "conversation-id",
+            "x-conversation-id",
+        )),
+        (_TRACE, (
+            "traceparent", "tracestate", "trace-id", "x-trace-id", "b3", "x-b3-traceid",
+            "x-b3-spanid", "uber-trace-id", "x-amzn-trace-id", "x-cloud-trace-context",
+        )),
+    )
+    for name in names
+}  # fmt: skip
+
+
+def _warn_shared(subject: str, what: str) -> None:
+    message = (
+        f"{subject} is {what}: as a dedup key it makes several messages one, and all but the "
+        "first are dropped as duplicates (R2). Keep it only if your producers set a distinct "
+        "one per message; otherwise key on the message id, the CloudEvents (source, id) or a "
+        "business key"
+    )
+    # Point the warning at the code that chose the key, past this module's frames (and the
+    # __init__ dataclasses generate).
+    frame = sys._getframe(1)
+    level = 2
+    while frame.f_back is not None and (
+        frame.f_code.co_filename == __file__
+        or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")
+    ):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, KeyWarning, stacklevel=level)
 
 
 def validate_consumer(consumer: object) -> str:
@@ -80,7 +221,9 @@ def validate_key(key: object, limits: Limits) -> str:
     """Check a dedup key and return it (hashed if too long and ``limits.hash_long_keys``).
 
     Raises :class:`MissingKey` for ``None`` or an empty string, :class:`InvalidKey` for a
-    non-string or a NUL character, :class:`KeyTooLong` over ``limits.max_key_bytes``.
+    non-string, a NUL character or text that is not UTF-8 (bytes :func:`~oncely._core.wire.
+    wire_text` kept as escapes, or a lone surrogate), :class:`KeyTooLong` over
+    ``limits.max_key_bytes``. ASCII keys take the fast path: no encoding at all.
     """
     if type(key) is not str:
         if key is None:
@@ -97,15 +240,14 @@ def validate_key(key: object, limits: Limits) -> str:
         try:
             size = len(key.encode("utf-8"))
         except UnicodeEncodeError:
-            raise InvalidKey(
-                "a dedup key must be valid Unicode text; this one holds a lone surrogate"
-            ) from None
+            # Bytes that were not UTF-8 (escaped by wire_text), or a lone surrogate.
+            raise InvalidKey(undecodable_reason("dedup key", key)) from None
     if size > limits.max_key_bytes:
         if limits.hash_long_keys:
             return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
         raise KeyTooLong(
             f"the dedup key is {size} bytes, over the limit of {limits.max_key_bytes}; use a "
-            "shorter key or Limits(hash_long_keys=True)"
+            "shorter key or Limits(hash_long_keys=True) (oncely consume --hash-long-keys)"
         )
     if "\x00" in key:
         raise InvalidKey("a dedup key must not contain NUL characters")
@@ -118,7 +260,11 @@ class Envelope:
 
     ``message_id`` is the *producer-assigned* id (AMQP ``message_id``, ``Nats-Msg-Id``), never a
     broker-assigned one. ``transport`` holds per-delivery data (delivery tag, stream entry id,
-    sequence, redelivered flag) for logs only: no key source reads it (R4).
+    sequence, redelivered flag) for logs only: no key source reads an id from it (R4); only
+    its ``content_type`` is read, to tell a structured-mode CloudEvent.
+
+    Adapters decode wire bytes with :func:`oncely._core.wire.wire_text`, so an id that is not
+    UTF-8 arrives as text with escape code points; every key source refuses it (R2).
     """
 
     body: object
@@ -146,11 +292,13 @@ def _header(headers: Mapping[str, object], *names: str) -> object:
     return None
 
 
-def _text(value: object) -> object:
-    # Binary-mode headers often arrive as bytes (Kafka always sends them so).
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    return value
+_text = cloudevents.header_text  # bytes -> wire_text: lossless, never "replace"
+
+
+def _refuse_undecodable(field: str, text: str) -> None:
+    # Callers test text.isascii() first, so an ASCII key costs nothing more.
+    if escaped(text):
+        raise InvalidKey(undecodable_reason(field, text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,30 +311,43 @@ class MessageIdKey:
                 "the message has no producer-assigned message id; set one in the producer "
                 "(oncely's producer helpers do) or choose another key source"
             )
-        return envelope.message_id
+        message_id = envelope.message_id
+        if not message_id.isascii():
+            _refuse_undecodable("message id", message_id)
+        return message_id
+
+
+@dataclass(frozen=True, slots=True)
+class CorrelationIdKey:
+    """The message's correlation id (AMQP ``correlation_id``). A correlation id is usually
+    shared by several messages (a request and its replies), so building this source warns
+    with a :class:`KeyWarning` (R2); it works for producers that set one per message."""
+
+    def __post_init__(self) -> None:
+        _warn_shared("the message's correlation id", _SHARED_BY_REPLIES)
+
+    def __call__(self, envelope: Envelope) -> str:
+        value = envelope.correlation_id
+        if not value:
+            raise MissingKey("the message has no correlation id")
+        if not value.isascii():
+            _refuse_undecodable("correlation id", value)
+        return value
 
 
 @dataclass(frozen=True, slots=True)
 class CloudEventsKey:
-    """The CloudEvents pair ``(source, id)`` (R3), from binary-mode headers (``ce-source``,
-    ``ce_source``, ``cloudEvents:source``) or a structured-mode body (a mapping with
-    ``specversion``). The key is ``"<source> <id>"``: a URI reference has no spaces, so the
-    pair is recovered unambiguously."""
+    """The CloudEvents pair ``(source, id)`` (R3), as ``"<source> <id>"``: a URI reference has
+    no white space, so the pair is recovered unambiguously.
+
+    Binary mode reads the headers of every protocol binding (``ce-`` for HTTP and NATS, ``ce_``
+    for Kafka, ``cloudEvents_`` and ``cloudEvents:`` for AMQP, in any case; MQTT user
+    properties when unmistakable); structured mode reads a body with ``specversion`` (content
+    type ``application/cloudevents+json``), decoded or not. See
+    :mod:`oncely._core.cloudevents`."""
 
     def __call__(self, envelope: Envelope) -> str:
-        source = _text(_header(envelope.headers, "ce-source", "ce_source", "cloudEvents:source"))
-        event_id = _text(_header(envelope.headers, "ce-id", "ce_id", "cloudEvents:id"))
-        body = envelope.body
-        structured = isinstance(body, Mapping) and "specversion" in body
-        if (source is None or event_id is None) and isinstance(body, Mapping) and structured:
-            source, event_id = body.get("source"), body.get("id")
-        if not isinstance(source, str) or not source or not isinstance(event_id, str):
-            raise MissingKey("the message carries no CloudEvents source and id")
-        if not event_id:
-            raise MissingKey("the CloudEvents id is empty")
-        if any(ch.isspace() for ch in source):
-            raise InvalidKey("a CloudEvents source is a URI reference and has no white space")
-        return f"{source} {event_id}"
+        return cloudevents.event_key(envelope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,17 +357,21 @@ class HeaderKey:
     name: str
 
     def __post_init__(self) -> None:
-        if self.name.lower() in TRANSPORT_FIELDS:
-            raise ConfigurationError(
-                f"{self.name!r} is set by the broker per delivery and changes on redelivery, so "
-                "as a dedup key it lets every redelivered copy through (R4); use the "
-                "producer's message id, the CloudEvents (source, id) or a business key"
-            )
+        refusal = _transport_refusal(self.name)
+        if refusal is not None:
+            raise ConfigurationError(refusal)
+        shared = _SHARED_IDS.get(_normal(self.name))
+        if shared is not None:
+            _warn_shared(f"the {self.name!r} header", shared)
 
     def __call__(self, envelope: Envelope) -> str:
         value = _text(_header(envelope.headers, self.name))
         if value is None or value == "":
             raise MissingKey(f"the message has no {self.name!r} header")
+        if type(value) is str:
+            if not value.isascii():
+                _refuse_undecodable(f"{self.name!r} header", value)
+            return value
         return str(value)
 
 
@@ -227,7 +392,10 @@ class BusinessKey:
             raise InvalidKey(
                 f"a business key must be a string or an integer, got {type(value).__name__}"
             )
-        return str(value)
+        text = str(value)
+        if not text.isascii():
+            _refuse_undecodable("business key", text)
+        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,50 +419,45 @@ class FirstOf:
         raise MissingKey("no key source found a key: " + "; ".join(reasons))
 
 
-_TRANSPORT_SPECS = frozenset(
-    {
-        "delivery-tag",
-        "delivery_tag",
-        "entry-id",
-        "entry_id",
-        "stream-id",
-        "stream_id",
-        "sequence",
-        "stream-sequence",
-        "consumer-sequence",
-        "offset",
-        "receipt-handle",
-        "lock-token",
-    }
-)
+_SEQUENCE_SPECS = frozenset(map(_normal, ("sequence", "stream-sequence", "consumer-sequence")))
+"""Bare specs refused besides the transport fields: JetStream's per-delivery sequences. (A
+``header:sequence`` stays allowed: a producer's version counter, R15.)"""
 
 
 def key_source(spec: str) -> KeySource:
     """A key source from its text form, as the command line and configuration files give it.
 
     ``message-id`` (the producer's message id), ``cloudevents`` (the pair (source, id)),
-    ``header:NAME`` (a producer-set header or stream field) and ``body:FIELD`` (a field of the
-    decoded JSON body; ``body:a.b`` reads a nested field), or several joined by ``,`` (the
+    ``header:NAME`` (a producer-set header or stream field), ``body:FIELD`` (a field of the
+    decoded JSON body; ``body:a.b`` reads a nested field) and ``correlation-id`` (the
+    message's correlation id; warns, see :class:`KeyWarning`), or several joined by ``,`` (the
     first that finds a key). Transport ids (a delivery tag, a stream entry id, a sequence
-    number) are refused with the reason: the broker assigns them per delivery, so a
-    redelivered copy would look new (R4).
+    number, an offset) are refused with the reason: the broker assigns them per delivery or
+    per send, so a redelivered or retried copy would look new (R4).
     """
     parts = [part.strip() for part in spec.split(",")]
     if len(parts) > 1:
         return FirstOf(*(key_source(part) for part in parts))
     text = parts[0]
-    kind, _, name = text.partition(":")
-    kind = kind.lower()
-    if kind in _TRANSPORT_SPECS or text.lower() in TRANSPORT_FIELDS:
-        raise ConfigurationError(
-            f"{text!r} is assigned by the broker to each delivery, so a redelivered or "
-            "retried copy of a message would carry a new one and pass as a new message (R4); "
-            "use message-id, cloudevents, header:NAME or body:FIELD"
-        )
+    head, _, name = text.partition(":")
+    kind = head.lower()
+    if kind not in ("header", "body"):
+        instead = "use message-id, cloudevents, header:NAME or body:FIELD"
+        refusal = _transport_refusal(head, instead)
+        if refusal is None and _normal(kind) in _SEQUENCE_SPECS:
+            refusal = (
+                f"{text!r} is assigned by the broker to each delivery, so a redelivered or "
+                f"retried copy of a message would carry a new one and pass as a new message "
+                f"(R4); {instead}"
+            )
+        if refusal is not None:
+            raise ConfigurationError(refusal)
     if kind == "message-id" and not name:
         return MessageIdKey()
     if kind == "cloudevents" and not name:
         return CloudEventsKey()
+    if kind in ("correlation-id", "correlation_id") and not name:
+        return CorrelationIdKey()
     if kind == "header" and name:
         return HeaderKey(name)
     if kind == "body" and name:
