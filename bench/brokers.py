@@ -113,8 +113,10 @@ class Plain:
         await self.effect(envelope.body)  # type: ignore[arg-type]
         return Handled(Outcome.PROCESSED, self.consumer, envelope.message_id)
 
-    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
-        return Handled(Outcome.REJECTED, self.consumer, None, reason=reason)
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        return Handled(Outcome.REJECTED, self.consumer, key, reason=reason)
 
 
 class Setup:

@@ -103,5 +103,7 @@ class OrderConsumer:
             return self.refuse(f"malformed order: {exc!r}")
         return result.handled(self.consumer)
 
-    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
-        return Handled(Outcome.REJECTED, self.consumer, None, reason=reason)
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        return Handled(Outcome.REJECTED, self.consumer, key, reason=reason)

@@ -3,13 +3,15 @@ message id."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from urllib.parse import urlunsplit
 
+from oncely._core.wire import escaped, undecodable_reason
 from oncely._urls import redact, split
 from oncely.errors import ConfigurationError
 
-__all__ = ["missing_driver", "positive", "require_message_id", "server_url"]
+__all__ = ["missing_driver", "not_utf8", "positive", "require_message_id", "server_url"]
 
 
 def server_url(url: str, schemes: tuple[str, ...], broker: str) -> str:
@@ -49,3 +51,13 @@ def missing_driver(exc: ModuleNotFoundError, adapter: str, extra: str) -> Module
         f"oncely.brokers.{adapter} needs the {exc.name!r} package: pip install 'oncely[{extra}]'",
         name=exc.name,
     )
+
+
+def not_utf8(fields: Iterable[tuple[str, str | None]]) -> str | None:
+    """The refusal of a delivery whose id, correlation id or property (``(name, text)``
+    pairs, text as :func:`oncely._core.wire.wire_text` decoded it) is not UTF-8, naming the
+    first such field; ``None`` when every one is text."""
+    for name, text in fields:
+        if text is not None and escaped(text):
+            return undecodable_reason(name, text)
+    return None

@@ -16,15 +16,17 @@ import logging
 import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
 from oncely._async._concurrency import AsyncHeartbeats
 from oncely._async.inbox import AsyncInbox
 from oncely._async.protocols import AsyncTransactionalStore
-from oncely._core.keys import Envelope, KeySource
+from oncely._core.keys import Envelope, KeySource, MessageIdKey
+from oncely._core.observe import level_of
 from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.wire import escaped, printable
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, OncelyError
 
@@ -84,15 +86,21 @@ class Processor(Protocol):
         not be processed now (the store is down): it is given back, never acknowledged."""
         ...
 
-    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
-        """The ``rejected`` outcome for a message that cannot be processed at all."""
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        """The ``rejected`` outcome for a message that cannot be processed at all. ``key`` is
+        the producer's message id when it is readable, for the log line only."""
         ...
 
 
 class InboxProcessor:
     """Runs ``handler`` through ``inbox``: two-phase (``handler(payload)``) or transactional
     (``handler(transaction, payload)``), with the key read by ``key`` (default: the producer's
-    message id)."""
+    message id). The payload is the decoded body, or what ``payload`` reads from the message
+    (``oncely._core.cloudevents.event_data``: a CloudEvent's data); the key is always read
+    from the whole message, and the fingerprint is the payload's. A message ``payload``
+    cannot read is ``rejected`` with its reason."""
 
     def __init__(
         self,
@@ -101,6 +109,7 @@ class InboxProcessor:
         *,
         mode: Mode = "two_phase",
         key: KeySource | None = None,
+        payload: Callable[[Envelope], object] | None = None,
     ) -> None:
         if mode not in ("two_phase", "transactional"):
             raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
@@ -113,20 +122,42 @@ class InboxProcessor:
         self._handler = handler
         self._transactional = mode == "transactional"
         self._key = key
+        self._payload = payload
 
     @property
     def consumer(self) -> str:
         return self.inbox.consumer
 
     async def process(self, envelope: Envelope) -> Handled[Any]:
+        key: KeySource | None = self._key
+        if self._payload is not None:
+            try:
+                data = self._payload(envelope)
+            except Exception as exc:
+                return self.refuse(
+                    f"cannot read the payload: {exc}", correlation_id=envelope.correlation_id
+                )
+            key = _KeyOf(envelope, key if key is not None else MessageIdKey())
+            envelope = replace(envelope, body=data)
         if self._transactional:
-            return await self.inbox.handle_message_in_transaction(
-                envelope, self._handler, key=self._key
-            )
-        return await self.inbox.handle_message(envelope, self._handler, key=self._key)
+            return await self.inbox.handle_message_in_transaction(envelope, self._handler, key=key)
+        return await self.inbox.handle_message(envelope, self._handler, key=key)
 
-    def refuse(self, reason: str, *, correlation_id: str | None = None) -> Handled[Any]:
-        return self.inbox.refuse(reason, correlation_id=correlation_id)
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyOf:
+    """The key of ``whole`` (the message as it came), whatever envelope it is asked about."""
+
+    whole: Envelope
+    source: KeySource
+
+    def __call__(self, envelope: Envelope) -> str:
+        return self.source(self.whole)
 
 
 class BrokerConsumer:
@@ -313,11 +344,27 @@ class BrokerConsumer:
 
     async def _process(self, delivery: Delivery) -> Handled[Any]:
         envelope = delivery.envelope
-        try:
-            body = self._decode(envelope)
-        except Exception as exc:
+        refusal = delivery.refusal
+        if refusal is None:
+            limit = self.settings.max_body_bytes
+            size = _size(envelope.body)
+            if limit is not None and size > limit:
+                refusal = (
+                    f"the body is {size} bytes, over the limit of {limit} "
+                    "(ConsumerSettings.max_body_bytes, oncely consume --max-body-bytes); it "
+                    "was not decoded"
+                )
+            else:
+                try:
+                    body = self._decode(envelope)
+                except Exception as exc:
+                    refusal = f"undecodable body: {exc}"
+        if refusal is not None:
+            message_id = envelope.message_id
             return self.processor.refuse(
-                f"undecodable body: {exc}", correlation_id=envelope.correlation_id
+                refusal,
+                key=message_id if message_id and not escaped(message_id) else None,
+                correlation_id=envelope.correlation_id,
             )
         return await self.processor.process(replace(envelope, body=body))
 
@@ -343,7 +390,7 @@ class BrokerConsumer:
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
             )
             step, how = delivery.dead_letter(why), "dead_letter"
-        level = logging.ERROR if how == "dead_letter" else handled.outcome.log_level
+        level = logging.ERROR if how == "dead_letter" else level_of(handled)
         if self._log.isEnabledFor(level):
             transport = delivery.describe()
             self._log.log(
@@ -352,10 +399,10 @@ class BrokerConsumer:
                 self.transport.name,
                 handled.outcome.value,
                 how,
-                handled.key,
+                None if handled.key is None else printable(handled.key),
                 count,
                 _fields(transport),
-                f" reason={handled.reason}" if handled.reason else "",
+                f" reason={printable(handled.reason)}" if handled.reason else "",
                 extra={
                     "oncely_broker": self.transport.name,
                     "oncely_outcome": handled.outcome.value,
@@ -385,5 +432,13 @@ class BrokerConsumer:
             )
 
 
+def _size(body: object) -> int:
+    if isinstance(body, bytes | bytearray):
+        return len(body)
+    if isinstance(body, memoryview):
+        return body.nbytes
+    return 0  # a transport that hands out decoded bodies has no wire size to cap
+
+
 def _fields(fields: Mapping[str, object]) -> str:
-    return "".join(f" {name}={value}" for name, value in fields.items())
+    return "".join(f" {printable(name)}={printable(str(value))}" for name, value in fields.items())

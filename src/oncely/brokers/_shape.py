@@ -78,6 +78,14 @@ class Delivery(Protocol):
         """1 for the first delivery, as the broker counts; ``None`` when it does not say."""
         ...
 
+    @property
+    def refusal(self) -> str | None:
+        """Why this delivery cannot be read at all, or ``None``: an id or property that is
+        not UTF-8 text, a field the message must have that is missing. The consumer
+        dead-letters a refused delivery as ``rejected`` with this reason, before decoding its
+        body and without running the handler."""
+        ...
+
     def describe(self) -> Mapping[str, object]:
         """Per-delivery transport fields for logs (delivery tag, entry id, redelivered)."""
         ...
@@ -167,7 +175,8 @@ class ConsumerSettings:
     been delivered ``max_deliveries`` times, then dead-lettered with the last error (R13: keep
     the broker's own limit at or above this one, or set it here to the broker's). On
     shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
-    claims released and their messages given back.
+    claims released and their messages given back. A body longer than ``max_body_bytes``
+    (``None``: no limit) is dead-lettered as ``rejected`` without being decoded.
     """
 
     concurrency: int = 16
@@ -177,6 +186,7 @@ class ConsumerSettings:
     poll: timedelta = timedelta(seconds=1)
     reconnect: Backoff = Backoff(first=timedelta(milliseconds=200), most=timedelta(seconds=10))
     shutdown_grace: timedelta = timedelta(seconds=30)
+    max_body_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -185,3 +195,5 @@ class ConsumerSettings:
             raise ConfigurationError("max_deliveries must be at least 1")
         if self.poll <= timedelta(0):
             raise ConfigurationError("poll must be positive")
+        if self.max_body_bytes is not None and self.max_body_bytes < 0:
+            raise ConfigurationError("max_body_bytes must not be negative (None: no limit)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from oncely._core.keys import Envelope
+from oncely.brokers._common import not_utf8
 from oncely.brokers._consumer import BrokerConsumer
 from oncely.brokers._shape import DeadLetter, Delivery
 
@@ -79,6 +80,10 @@ class _MemoryDelivery:
     @property
     def delivery_count(self) -> int | None:
         return self.message.deliveries
+
+    @property
+    def refusal(self) -> str | None:
+        return not_utf8([("message id", self.message.message_id)])
 
     def describe(self) -> Mapping[str, object]:
         return {"delivery_tag": self.tag, "redelivered": self.message.deliveries > 1}

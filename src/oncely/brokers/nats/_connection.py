@@ -8,13 +8,43 @@ import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 
+import nats.aio.client
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
+from oncely._core.wire import wire_text
 from oncely._urls import redact
 from oncely.brokers._common import positive, server_url
 from oncely.brokers.nats._settings import LOGGER, SCHEMES, UNAVAILABLE
 from oncely.errors import BrokerUnavailable
+
+
+class LosslessClient(Client):
+    """nats-py's client, reading message headers losslessly.
+
+    nats-py decodes header values with ``errors="replace"`` and drops a header whose name is
+    not ASCII, so ``Nats-Msg-Id: inv-\\xff`` and ``inv-\\xfe`` would arrive as one id. Here
+    names and values are decoded by :func:`oncely._core.wire.wire_text` (lossless; text that
+    is not UTF-8 is refused as a key). Status lines (the server's own, ASCII) are left to
+    nats-py, as is everything when the optional ``fast_mail_parser`` is what nats-py uses.
+    """
+
+    async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
+        if not headers:
+            return None
+        raw = headers[_HEADER_LINE_SIZE:]
+        if raw[:1] == b" " or getattr(nats.aio.client, "parse_email", None) is not None:
+            return await super()._process_headers(headers)
+        found: dict[str, str] = {}
+        for line in raw[2:].split(b"\r\n"):
+            name, colon, value = line.partition(b":")
+            key = wire_text(name.strip())
+            if colon and key and not any(ch.isspace() for ch in key):
+                found[key] = wire_text(value.strip())
+        return found or None
+
+
+_HEADER_LINE_SIZE = len(b"NATS/1.0")
 
 
 async def connect(
@@ -39,7 +69,7 @@ async def connect(
             after_reconnect()
         LOGGER.info("oncely broker=nats %s reconnected to %s", role, redact(server))
 
-    client = Client()
+    client = LosslessClient()
     try:
         # nats-py retries a first connection without end when reconnects are unlimited, so
         # the first connection gets a deadline of its own.

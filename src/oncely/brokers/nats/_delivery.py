@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 from nats.aio.msg import Msg
 
 from oncely._core.keys import Envelope
+from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
 from oncely.brokers.nats._settings import (
     CONTENT_TYPE_HEADER,
     CORRELATION_HEADER,
     LOGGER,
     MSG_ID_HEADER,
+    ONCELY_ID_HEADER,
 )
 from oncely.errors import BrokerError
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 class JetStreamDelivery:
     """One JetStream message held unacknowledged by the durable pull consumer."""
 
-    __slots__ = ("_count", "_envelope", "_msg", "_settled", "_transport")
+    __slots__ = ("_count", "_envelope", "_msg", "_refusal", "_settled", "_transport")
 
     def __init__(self, transport: JetStream, msg: Msg) -> None:
         self._transport = transport
@@ -36,9 +38,19 @@ class JetStreamDelivery:
         meta = msg.metadata
         self._count = meta.num_delivered
         headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+        # oncely's producer sends the id on its own (and Nats-Msg-Id with a body hash); any
+        # other producer's id is its Nats-Msg-Id.
+        id_header = ONCELY_ID_HEADER if ONCELY_ID_HEADER in headers else MSG_ID_HEADER
+        message_id = headers.get(id_header) or None
+        self._refusal = not_utf8(
+            (
+                (f"message id (header {id_header})", message_id),
+                (f"correlation id (header {CORRELATION_HEADER})", headers.get(CORRELATION_HEADER)),
+            )
+        )
         self._envelope = Envelope(
             body=msg.data,
-            message_id=headers.get(MSG_ID_HEADER) or None,
+            message_id=message_id,
             headers=headers,
             correlation_id=headers.get(CORRELATION_HEADER) or None,
             delivery_count=meta.num_delivered,
@@ -59,6 +71,10 @@ class JetStreamDelivery:
     @property
     def delivery_count(self) -> int | None:
         return self._count
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
 
     def describe(self) -> Mapping[str, object]:
         return self._envelope.transport

@@ -3,8 +3,10 @@ what it fetched."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections import deque
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Self
 
@@ -14,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 
+from oncely._core.wire import escaped, raw_bytes
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._shape import DeadLetter, Delivery
 from oncely.brokers.nats._connection import Link
@@ -27,6 +30,7 @@ from oncely.brokers.nats._settings import (
     LOGGER,
     MESSAGE_ID_COPY_HEADER,
     MSG_ID_HEADER,
+    RAW_HEADERS_HEADER,
     TRANSPORT_OPTIONS,
     UNAVAILABLE,
     int_option,
@@ -237,7 +241,7 @@ class JetStream:
         js = self._link.js
         if js is None or not self._link.connected:
             raise BrokerUnavailable("cannot dead-letter a message: the NATS connection is down")
-        headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+        headers = sendable_headers(msg.headers or {})
         headers.update(why.headers())
         try:
             ack = await self._publish_copy(js, msg.data, headers)
@@ -290,6 +294,22 @@ class JetStream:
             await self.stop()
         self._sub = None
         await self._link.close()
+
+
+def sendable_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` as nats-py can publish them again (it sends UTF-8 only), every byte kept:
+    the headers whose name or value is not UTF-8 are taken out and sent together, as the
+    exact header lines base64-encoded, in ``x-oncely-raw-headers``."""
+    sendable: dict[str, str] = {}
+    raw: list[bytes] = []
+    for name, value in headers.items():
+        if escaped(name) or escaped(value):
+            raw.append(raw_bytes(name) + b": " + raw_bytes(value) + b"\r\n")
+        else:
+            sendable[name] = value
+    if raw:
+        sendable[RAW_HEADERS_HEADER] = base64.b64encode(b"".join(raw)).decode("ascii")
+    return sendable
 
 
 async def _unsubscribe(sub: JetStreamContext.PullSubscription) -> list[Msg]:

@@ -14,6 +14,8 @@ import aiormq
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
 from oncely._core.keys import Envelope
+from oncely._core.wire import escaped, raw_bytes, wire_text
+from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
 from oncely.brokers.rabbitmq._topology import (
     DELIVERY_COUNT_HEADER,
@@ -28,13 +30,41 @@ if TYPE_CHECKING:
 
 _DEAD_LETTER_RETRY = timedelta(seconds=5)
 
+# The basic properties that are AMQP short strings, as aio-pika names them (and the AMQP name
+# a reason gives). Any of them may hold bytes that are not UTF-8 (see ._frames).
+_TEXT_PROPERTIES = (
+    ("message_id", "message id (AMQP message_id property)"),
+    ("correlation_id", "correlation id (AMQP correlation_id property)"),
+    ("content_type", "AMQP content_type property"),
+    ("content_encoding", "AMQP content_encoding property"),
+    ("type", "AMQP type property"),
+    ("app_id", "AMQP app_id property"),
+    ("user_id", "AMQP user_id property"),
+    ("reply_to", "AMQP reply_to property"),
+    ("cluster_id", "AMQP cluster_id property"),
+)
+_COPIED_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "message_id",
+    "type",
+    "app_id",
+)
+RAW_PROPERTY_HEADER = "x-oncely-raw-"
+"""A dead-letter copy carries a property that is not UTF-8 as this header plus the property's
+name, holding its exact bytes (AMQP cannot send it as a property through the client)."""
+RAW_HEADERS_HEADER = "x-oncely-raw-headers"
+"""A dead-letter copy carries headers whose names are not UTF-8 here: a list of
+``[name bytes, value]`` pairs."""
+
 
 def _header_text(value: object) -> str | None:
     """A header value as text, or ``None`` for a structured one (a table or an array)."""
     if isinstance(value, str):
         return value
     if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
+        return wire_text(value)  # lossless: bytes that are not UTF-8 are kept (and refused)
     if isinstance(value, bool | int | float | Decimal):
         return str(value)
     if isinstance(value, datetime):
@@ -52,7 +82,7 @@ def _delivery_count(headers: Mapping[str, object], redelivered: bool) -> int | N
 class RabbitMQDelivery:
     """One message delivered on one channel, unacknowledged until it is settled."""
 
-    __slots__ = ("_envelope", "_fields", "_message", "_session", "_transport")
+    __slots__ = ("_envelope", "_fields", "_message", "_refusal", "_session", "_transport")
 
     def __init__(
         self, message: AbstractIncomingMessage, session: Session, transport: RabbitMQ
@@ -73,6 +103,9 @@ class RabbitMQDelivery:
             DELIVERY_COUNT_HEADER: raw.get(DELIVERY_COUNT_HEADER),
             "queue": transport.queue,
         }
+        self._refusal = not_utf8(
+            (what, getattr(message, name, None)) for name, what in _TEXT_PROPERTIES
+        )
         transport_fields = dict(self._fields)
         transport_fields["content_type"] = message.content_type
         transport_fields["content_encoding"] = message.content_encoding
@@ -92,6 +125,10 @@ class RabbitMQDelivery:
     @property
     def delivery_count(self) -> int | None:
         return self._envelope.delivery_count
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
 
     def describe(self) -> Mapping[str, object]:
         return self._fields
@@ -139,23 +176,18 @@ class RabbitMQDelivery:
         deleted), the original is given back after a pause and :class:`BrokerError` raised."""
         self._live("dead-letter")
         message = self._message
-        headers: dict[str, Any] = {
-            name: value
-            for name, value in (message.headers or {}).items()
-            if name != DELIVERY_COUNT_HEADER
+        headers = _sendable_headers(message.headers or {})
+        text = {
+            name: _sendable_property(name, getattr(message, name), headers)
+            for name in _COPIED_PROPERTIES
         }
         headers.update(why.headers())
         copy = aio_pika.Message(
             message.body,
             headers=headers,
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
             delivery_mode=DeliveryMode.PERSISTENT,
-            correlation_id=message.correlation_id,
-            message_id=message.message_id,
-            type=message.type,
-            app_id=message.app_id,
             timestamp=message.timestamp,
+            **text,  # type: ignore[arg-type]
         )
         topology = self._transport.topology
         try:
@@ -175,3 +207,49 @@ class RabbitMQDelivery:
 
     async def extend(self) -> None:
         """Nothing to do: RabbitMQ does not redeliver a message its live consumer holds."""
+
+
+def _sendable_property(name: str, value: str | None, headers: dict[str, Any]) -> str | None:
+    """A short-string property for the copy; one that is not UTF-8 moves to a header with its
+    exact bytes (``x-oncely-raw-<name>``), as the client can only send UTF-8."""
+    if value is None or not escaped(value):
+        return value
+    headers[RAW_PROPERTY_HEADER + name] = bytearray(_bytes_of(value))
+    return None
+
+
+def _sendable_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """The original's headers as the client can send them again, every byte kept: text
+    values that are not UTF-8 go as byte arrays, and a header whose name is not UTF-8 goes
+    into ``x-oncely-raw-headers`` as a ``[name bytes, value]`` pair."""
+    sendable: dict[str, Any] = {}
+    raw_names: list[Any] = []
+    for name, value in headers.items():
+        if name == DELIVERY_COUNT_HEADER:
+            continue
+        if escaped(name):
+            raw_names.append([bytearray(_bytes_of(name)), _sendable_value(value)])
+        else:
+            sendable[name] = _sendable_value(value)
+    if raw_names:
+        sendable[RAW_HEADERS_HEADER] = raw_names
+    return sendable
+
+
+def _sendable_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return bytearray(_bytes_of(value)) if escaped(value) else value
+    if isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, dict):
+        return _sendable_headers(value)
+    if isinstance(value, list):
+        return [_sendable_value(item) for item in value]
+    return value
+
+
+def _bytes_of(text: str) -> bytes:
+    try:
+        return raw_bytes(text)
+    except UnicodeEncodeError:  # a lone surrogate no byte decodes to
+        return text.encode("utf-8", "backslashreplace")

@@ -14,6 +14,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue, Exc
 
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._common import positive, server_url
+from oncely.brokers.rabbitmq._frames import lossless_frames
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
 LOGGER = logging.getLogger("oncely.broker.rabbitmq")
@@ -176,13 +177,16 @@ class Link:
         self.confirm_timeout = positive(confirm_timeout, "confirm_timeout").total_seconds()
 
     async def connect(self, name: str) -> AbstractConnection:
-        """A new connection named ``name`` (as the management UI shows it)."""
+        """A new connection named ``name`` (as the management UI shows it), on which a frame
+        holding a string that is not UTF-8 is read losslessly instead of closing the
+        connection (see :mod:`._frames`)."""
         try:
-            return await aio_pika.connect(
-                self.url,
-                timeout=self.connect_timeout,
-                heartbeat=int(self.heartbeat.total_seconds()),
-                client_properties={"connection_name": name},
-            )
+            with lossless_frames():
+                return await aio_pika.connect(
+                    self.url,
+                    timeout=self.connect_timeout,
+                    heartbeat=int(self.heartbeat.total_seconds()),
+                    client_properties={"connection_name": name},
+                )
         except FAILURES as exc:
             raise_translated(exc, f"connect to {redact(self.url)}")

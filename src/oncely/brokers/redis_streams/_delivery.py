@@ -27,7 +27,7 @@ _WHY_FIELDS = frozenset(
 class RedisStreamsDelivery:
     """One entry delivered to this consumer, pending in the group until settled."""
 
-    __slots__ = ("_count", "_envelope", "_fields", "_id", "_settled", "_transport")
+    __slots__ = ("_count", "_envelope", "_fields", "_id", "_refusal", "_settled", "_transport")
 
     def __init__(
         self,
@@ -48,7 +48,7 @@ class RedisStreamsDelivery:
             "delivery_count": count,
             "redelivered": count > 1,
         }
-        self._envelope = transport._layout.envelope(fields, count, per_delivery)
+        self._envelope, self._refusal = transport._layout.envelope(fields, count, per_delivery)
 
     @property
     def envelope(self) -> Envelope:
@@ -57,6 +57,10 @@ class RedisStreamsDelivery:
     @property
     def delivery_count(self) -> int:
         return self._count
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
 
     @property
     def entry_id(self) -> str:

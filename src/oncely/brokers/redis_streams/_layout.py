@@ -16,9 +16,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from oncely._core.keys import TRANSPORT_FIELDS, Envelope
+from oncely._core.keys import Envelope, is_transport_field
+from oncely._core.wire import wire_text
 from oncely._urls import UrlOptions
-from oncely.brokers._common import require_message_id, server_url
+from oncely.brokers._common import not_utf8, require_message_id, server_url
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
 LOGGER = logging.getLogger("oncely.broker")
@@ -37,7 +38,9 @@ def ms(value: timedelta) -> int:
 
 
 def as_text(value: bytes) -> str:
-    return value.decode("utf-8", "replace")
+    """A field name or value as text, losslessly (bytes that are not UTF-8 are kept as escape
+    code points and refused wherever they would be a key: :mod:`oncely._core.wire`)."""
+    return wire_text(value)
 
 
 def check_name(what: str, value: str) -> str:
@@ -48,7 +51,7 @@ def check_name(what: str, value: str) -> str:
 
 def _check_field(what: str, value: str) -> str:
     check_name(what, value)
-    if value.lower() in TRANSPORT_FIELDS:
+    if is_transport_field(value):
         raise ConfigurationError(
             f"{what} {value!r} names per-delivery transport data, which changes on redelivery (R4)"
         )
@@ -97,9 +100,10 @@ class EntryLayout:
 
     def envelope(
         self, fields: Sequence[tuple[bytes, bytes]], count: int, transport: dict[str, object]
-    ) -> Envelope:
-        """The message an entry holds; ``transport`` (per-delivery data) gains its content
-        type."""
+    ) -> tuple[Envelope, str | None]:
+        """The message an entry holds, and why it cannot be read (``None`` when it can): a
+        message id or correlation id that is not UTF-8, or no body field. ``transport``
+        (per-delivery data) gains its content type."""
         values = dict(fields)
         headers = {as_text(k): as_text(v) for k, v in fields if k not in self.reserved}
         message_id = values.get(self.message_id)
@@ -107,7 +111,7 @@ class EntryLayout:
         content_type = values.get(_CONTENT_TYPE)
         if content_type is not None:
             transport["content_type"] = as_text(content_type)
-        return Envelope(
+        envelope = Envelope(
             body=values.get(self.body, b""),
             message_id=as_text(message_id) if message_id else None,
             headers=headers,
@@ -115,6 +119,18 @@ class EntryLayout:
             delivery_count=count,
             transport=transport,
         )
+        refusal = not_utf8(
+            (
+                (f"message id (field {self.message_id.decode()!r})", envelope.message_id),
+                (f"correlation id (field {CORRELATION_ID_FIELD!r})", envelope.correlation_id),
+            )
+        )
+        if refusal is None and self.body not in values:
+            refusal = (
+                f"the entry has no {self.body.decode()!r} field, which holds the message body "
+                "(the producer wrote another layout; set body_field= to read it)"
+            )
+        return envelope, refusal
 
 
 class SharedOptions(TypedDict):

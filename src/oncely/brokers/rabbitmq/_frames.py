@@ -1,0 +1,155 @@
+"""AMQP frames whose strings are not UTF-8, read losslessly on oncely's own connections.
+
+AMQP 0-9-1 short strings (``message_id``, ``correlation_id`` and the other basic properties,
+a routing key, the names in a header table) are plain octets, and RabbitMQ passes on whatever a
+producer sent. pamqp decodes them as strict UTF-8 and fails the whole frame otherwise; aiormq
+then closes the connection, RabbitMQ redelivers the message to the next connection, and the
+queue never moves past it (the broker's delivery limit finally dead-letters it with every
+message prefetched behind it).
+
+oncely wraps ``pamqp.frame.unmarshal``: a frame that decodes is untouched (no cost), and one
+that fails on a ``UnicodeDecodeError`` is decoded again here with every short string and table
+key read by :func:`oncely._core.wire.wire_text` (UTF-8 with ``surrogateescape``, lossless). This
+happens only on connections oncely opened (:func:`lossless_frames` marks them through a context
+variable that aiormq's reader task inherits); on any other connection in the process the frame
+fails exactly as before. The delivery then reaches oncely, which dead-letters it as ``rejected``
+with a reason naming the field (see :mod:`._delivery`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pamqp.frame
+from pamqp import commands, constants, decode, header
+from pamqp.exceptions import UnmarshalingException
+
+from oncely._core.wire import wire_text
+
+__all__ = ["install", "lossless_frames"]
+
+_ON_OWN_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "oncely_amqp_lossless_frames", default=False
+)
+_Unmarshal = Callable[[bytes], tuple[int, int, Any]]
+
+
+@contextlib.contextmanager
+def lossless_frames() -> Iterator[None]:
+    """Connections opened inside this block read non-UTF-8 strings losslessly."""
+    install()
+    token = _ON_OWN_CONNECTION.set(True)
+    try:
+        yield
+    finally:
+        _ON_OWN_CONNECTION.reset(token)
+
+
+def install() -> None:
+    """Wrap ``pamqp.frame.unmarshal`` once (aiormq looks it up on every frame)."""
+    current = pamqp.frame.unmarshal
+    if getattr(current, "_oncely_wrapped", None) is not None:
+        return
+    strict: _Unmarshal = current
+
+    def unmarshal(data_in: bytes) -> tuple[int, int, Any]:
+        try:
+            return strict(data_in)
+        except UnmarshalingException as exc:
+            if not _ON_OWN_CONNECTION.get() or not isinstance(exc.__cause__, UnicodeDecodeError):
+                raise
+            try:
+                return _lossless(data_in)
+            except (struct.error, ValueError, KeyError, IndexError, TypeError):
+                raise exc from None
+
+    unmarshal._oncely_wrapped = strict  # type: ignore[attr-defined]
+    pamqp.frame.unmarshal = unmarshal
+
+
+def _lossless(data_in: bytes) -> tuple[int, int, Any]:
+    frame_type, channel_id, frame_size = pamqp.frame.frame_parts(data_in)
+    if frame_size is None:
+        raise ValueError("no frame size")
+    byte_count = constants.FRAME_HEADER_SIZE + frame_size + 1
+    data = data_in[constants.FRAME_HEADER_SIZE : byte_count - 1]
+    if frame_type == constants.FRAME_HEADER:
+        content = header.ContentHeader()
+        content.class_id, content.weight, content.body_size = struct.unpack(">HHQ", data[0:12])
+        offset, flags = content._get_flags(data[12:])
+        properties = content.properties
+        rest = data[12 + offset :]
+        for name in properties.__slots__:
+            if flags & properties.flags[name]:
+                consumed, value = _by_type(rest, getattr(type(properties), "_" + name))
+                setattr(properties, name, value)
+                rest = rest[consumed:]
+        return byte_count, channel_id, content
+    if frame_type == constants.FRAME_METHOD:
+        _, index = decode.long_int(data[0:4])
+        method = commands.INDEX_MAPPING[index]()
+        _unmarshal_method(method, data[4:])
+        return byte_count, channel_id, method
+    raise ValueError(f"frame type {frame_type} holds no strings")
+
+
+def _unmarshal_method(method: Any, data: bytes) -> None:
+    # pamqp.base.Frame.unmarshal, with the lossless string decoders.
+    offset, in_bits = 0, False
+    for argument in method.__slots__:
+        data_type = method.amqp_type(argument)
+        if in_bits and (data_type != "bit" or offset == 8):
+            data, offset, in_bits = data[1:], 0, False
+        if data_type == "bit":
+            _, value = decode.bit(data, offset)
+            offset, in_bits, consumed = offset + 1, True, 0
+        else:
+            consumed, value = _by_type(data, data_type)
+        setattr(method, argument, value)
+        data = data[consumed:]
+
+
+def _by_type(data: bytes, data_type: str) -> tuple[int, Any]:
+    if data_type == "shortstr":
+        length = data[0]
+        return length + 1, wire_text(data[1 : length + 1])
+    if data_type == "table":
+        return _table(data)
+    return decode.by_type(data, data_type)
+
+
+def _table(data: bytes) -> tuple[int, dict[str, Any]]:
+    (length,) = struct.unpack(">I", data[0:4])
+    end = 4 + length
+    if end > len(data):
+        raise ValueError("field table length exceeds the frame")
+    offset, table = 4, {}
+    while offset < end:
+        key_length = data[offset]
+        offset += 1
+        key = wire_text(data[offset : offset + key_length])
+        offset += key_length
+        consumed, value = _value(data[offset:])
+        offset += consumed
+        table[key] = value
+    return end, table
+
+
+def _value(data: bytes) -> tuple[int, Any]:
+    kind = data[0:1]
+    if kind == b"F":
+        consumed, table = _table(data[1:])
+        return consumed + 1, table
+    if kind == b"A":
+        (length,) = struct.unpack(">I", data[1:5])
+        offset, end, items = 5, 5 + length, []
+        while offset < end:
+            consumed, item = _value(data[offset:])
+            offset += consumed
+            items.append(item)
+        return offset, items
+    return decode.embedded_value(data)

@@ -1,0 +1,328 @@
+"""Messages from producers oncely did not write, on each real broker (R2-R4, R20 step 6).
+
+A foreign producer can send ids, properties and headers that are not UTF-8. Each such message
+must be consumed and dead-lettered as ``rejected`` with a reason naming the field, the
+messages behind it processed normally, and no two different byte strings ever read as one
+key. Before, a RabbitMQ message whose ``message_id`` was not UTF-8 closed the connection on
+every delivery (the queue stalled), and Redis Streams and NATS replaced the bad bytes with
+U+FFFD, so ``inv-\\xff`` and ``inv-\\xfe`` became one key and the second message was acked as
+a duplicate of the first without ever running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import aio_pika
+import pytest
+import redis
+
+import oncely
+from oncely.brokers import BrokerConsumer, ConsumerSettings, open_transport
+from tests.brokers.common import remove_destinations, running, unique, wait_until
+from tests.brokers.foreign import publish_amqp, publish_nats, read_nats_stream, xadd_raw
+from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
+
+pytestmark = [pytest.mark.services]
+
+SETTINGS = ConsumerSettings(
+    concurrency=4,
+    poll=timedelta(milliseconds=200),
+    requeue_delay=timedelta(milliseconds=200),
+    max_body_bytes=64,
+)
+
+
+@dataclass
+class Sent:
+    """One foreign message: its id, correlation id and headers as raw bytes."""
+
+    body: bytes
+    message_id: bytes | None = None
+    correlation_id: bytes | None = None
+    headers: Sequence[tuple[bytes, bytes]] = ()
+
+
+@dataclass
+class Dead:
+    """A dead-letter copy as read back: why, and the id's exact bytes."""
+
+    outcome: str
+    reason: str
+    message_id: bytes | None
+    body: bytes
+
+
+@dataclass
+class Broker:
+    name: str
+    url: str
+    source: str
+    publish: Callable[[Sequence[Sent]], Awaitable[None]]
+    dead: Callable[[], Awaitable[list[Dead]]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode()
+    return str(value)
+
+
+def _rabbitmq(source: str) -> Broker:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+
+    async def publish(messages: Sequence[Sent]) -> None:
+        await publish_amqp(
+            source,
+            [
+                (
+                    m.body,
+                    {
+                        "message_id": m.message_id,
+                        "correlation_id": m.correlation_id,
+                        "headers": {n.decode("latin-1"): v for n, v in m.headers} or None,
+                    },
+                )
+                for m in messages
+            ],
+        )
+
+    async def dead() -> list[Dead]:
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        found: list[Dead] = []
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(f"{source}.dead", passive=True)
+            while (message := await queue.get(fail=False)) is not None:
+                headers = message.headers or {}
+                raw = headers.get("x-oncely-raw-message_id")
+                found.append(
+                    Dead(
+                        _text(headers["x-oncely-outcome"]),
+                        _text(headers["x-oncely-reason"]),
+                        bytes(raw) if raw is not None else _encoded(message.message_id),
+                        message.body,
+                    )
+                )
+                await message.ack()
+        return found
+
+    return Broker("rabbitmq", RABBITMQ_URL, source, publish, dead)
+
+
+def _encoded(text: str | None) -> bytes | None:
+    return text.encode() if text is not None else None
+
+
+def _redis(source: str) -> Broker:
+    require("Redis", REDIS_URL, 6379)
+
+    async def publish(messages: Sequence[Sent]) -> None:
+        entries = []
+        for m in messages:
+            fields: dict[bytes, bytes] = {b"body": m.body} if m.body != b"<none>" else {}
+            if m.message_id is not None:
+                fields[b"message_id"] = m.message_id
+            if m.correlation_id is not None:
+                fields[b"correlation_id"] = m.correlation_id
+            fields.update(dict(m.headers))
+            entries.append(fields)
+        await asyncio.to_thread(xadd_raw, source, entries)
+
+    async def dead() -> list[Dead]:
+        client = redis.Redis.from_url(REDIS_URL)
+        try:
+            entries = client.xrange(f"{source}.dead")
+        finally:
+            client.close()
+        return [
+            Dead(
+                fields[b"x-oncely-outcome"].decode(),
+                fields[b"x-oncely-reason"].decode(),
+                fields.get(b"message_id"),
+                fields.get(b"body", b""),
+            )
+            for _id, fields in entries
+        ]
+
+    return Broker("redis", REDIS_URL, source, publish, dead)
+
+
+def _nats(source: str) -> Broker:
+    require("NATS", NATS_URL, 4222)
+
+    async def publish(messages: Sequence[Sent]) -> None:
+        batch = []
+        for m in messages:
+            lines = list(m.headers)
+            if m.message_id is not None:
+                lines.append((b"Nats-Msg-Id", m.message_id))
+            if m.correlation_id is not None:
+                lines.append((b"Correlation-Id", m.correlation_id))
+            batch.append((lines, m.body))
+        await publish_nats(source, batch)
+
+    async def dead() -> list[Dead]:
+        found = []
+        for block, body in await read_nats_stream(f"{source}.dead"):
+            lines = dict(_header_lines(block))
+            raw = lines.get(b"x-oncely-raw-headers")
+            if raw is not None:
+                lines.update(_header_lines(base64.b64decode(raw)))
+            found.append(
+                Dead(
+                    lines[b"x-oncely-outcome"].decode(),
+                    lines[b"x-oncely-reason"].decode(),
+                    lines.get(b"Nats-Msg-Id"),
+                    body,
+                )
+            )
+        return found
+
+    return Broker("nats", NATS_URL, source, publish, dead)
+
+
+def _header_lines(block: bytes) -> list[tuple[bytes, bytes]]:
+    pairs = []
+    for line in block.split(b"\r\n"):
+        name, colon, value = line.partition(b":")
+        if colon and not line.startswith(b"NATS/"):
+            pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+@pytest.fixture(params=["rabbitmq", "redis", "nats"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
+    source = unique(f"foreign_{request.param}")
+    made = {"rabbitmq": _rabbitmq, "redis": _redis, "nats": _nats}[request.param](source)
+    try:
+        yield made
+    finally:
+        await remove_destinations(made.url, source)
+
+
+class Run:
+    """A consumer on ``broker`` with an in-memory inbox; ``effects`` lists what ran."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.effects: list[Any] = []
+        self.inbox = oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer="foreign")
+
+        async def handler(payload: Any) -> None:
+            self.effects.append(payload)
+
+        transport = open_transport(broker.url, broker.source, group="foreign")
+        self.consumer = BrokerConsumer(transport, self.inbox, handler, settings=SETTINGS)
+
+    def settled(self, n: int) -> Callable[[], bool]:
+        counts = self.consumer.counts
+        return lambda: sum(counts[o.value] for o in oncely.Outcome) >= n
+
+
+def _body(n: object) -> bytes:
+    return json.dumps({"n": n}).encode()
+
+
+async def _consume(broker: Broker, messages: Sequence[Sent]) -> Run:
+    run = Run(broker)
+    async with running(run.consumer):
+        await wait_until(lambda: run.consumer.counts["processed"] >= 0)  # started
+        await asyncio.sleep(0.5)  # the consumer declares the queue, group or stream first
+        await broker.publish(messages)
+        await wait_until(
+            run.settled(len(messages)),
+            timeout=timedelta(seconds=30),
+            what=f"all {len(messages)} messages to be settled",
+        )
+    return run
+
+
+async def test_r2_r4_ids_that_are_not_utf8_are_dead_lettered_and_never_merged(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``inv-\\xff`` and ``inv-\\xfe`` (and Latin-1 "Müller-7" and "Möller-7") are four
+    different ids: each is dead-lettered with a reason naming the message id and its exact
+    bytes, none is acked as a duplicate of another, and the queue moves on to the good
+    message behind them."""
+    ids = [b"inv-\xff", b"inv-\xfe", "Müller-7".encode("latin-1"), "Möller-7".encode("latin-1")]
+    messages = [Sent(_body(i), message_id=raw) for i, raw in enumerate(ids)]
+    messages.append(Sent(_body("good"), message_id="Müller-7".encode()))  # UTF-8: a fine id
+    caplog.set_level(logging.WARNING, logger="oncely")
+    run = await _consume(broker, messages)
+    counts = run.consumer.counts
+    assert counts["rejected"] == 4 and counts["processed"] == 1, counts
+    assert counts["duplicate"] == 0 and counts["store_unavailable"] == 0
+    assert run.effects == [{"n": "good"}]
+    dead = await broker.dead()
+    assert sorted(d.message_id or b"" for d in dead) == sorted(ids)  # the exact bytes kept
+    for copy in dead:
+        assert copy.outcome == "rejected"
+        assert "message id" in copy.reason and "not UTF-8" in copy.reason, copy.reason
+        assert repr(copy.message_id) in copy.reason
+    assert "unavailable" not in caplog.text  # RabbitMQ: no connection was lost on the way
+
+
+async def test_r2_a_correlation_id_that_is_not_utf8_is_refused_by_name(broker: Broker) -> None:
+    messages = [
+        Sent(_body(1), message_id=b"c-1", correlation_id=b"req-\xff"),
+        Sent(_body(2), message_id=b"c-2", correlation_id=b"req-2"),
+    ]
+    run = await _consume(broker, messages)
+    assert run.effects == [{"n": 2}]
+    (copy,) = await broker.dead()
+    assert copy.message_id == b"c-1"
+    assert "correlation" in copy.reason.lower() and "b'req-\\xff'" in copy.reason
+
+
+async def test_a_header_that_is_not_utf8_does_not_stop_a_message_keyed_otherwise(
+    broker: Broker,
+) -> None:
+    """Only what oncely reads as a key or id must be text: an application header holding
+    other bytes travels on, and the message is processed under its (valid) id."""
+    messages = [Sent(_body(1), message_id=b"h-1", headers=[(b"x-blob", b"\x00\xff\xfe")])]
+    run = await _consume(broker, messages)
+    assert run.effects == [{"n": 1}]
+    assert run.consumer.counts["processed"] == 1
+
+
+async def test_an_oversized_body_is_dead_lettered_before_decoding_with_its_id_logged(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``max_body_bytes`` (64 here): a body over it is refused without being decoded; the
+    rejected outcome names the message id in its log line (not ``key=None``)."""
+    big = b"{" + b" " * 100 + b"}"
+    messages = [
+        Sent(big, message_id=b"big-1"),
+        Sent(b"\xff not json", message_id=b"garbage-1"),
+        Sent(_body(3), message_id=b"fits-1"),
+    ]
+    caplog.set_level(logging.INFO, logger="oncely")
+    run = await _consume(broker, messages)
+    assert run.effects == [{"n": 3}]
+    reasons = {d.message_id: d.reason for d in await broker.dead()}
+    assert "102 bytes, over the limit of 64" in reasons[b"big-1"]
+    assert "undecodable body" in reasons[b"garbage-1"]
+    lines = [r.getMessage() for r in caplog.records if "outcome=rejected" in r.getMessage()]
+    assert any("key=big-1" in line for line in lines), lines
+    assert any("key=garbage-1" in line for line in lines), lines
+
+
+async def test_a_redis_entry_without_a_body_field_says_so() -> None:
+    require("Redis", REDIS_URL, 6379)
+    source = unique("foreign_redis_nobody")
+    broker = _redis(source)
+    try:
+        run = await _consume(broker, [Sent(b"<none>", message_id=b"nobody-1")])
+        assert run.effects == []
+        (copy,) = await broker.dead()
+        assert "no 'body' field" in copy.reason, copy.reason
+    finally:
+        await remove_destinations(REDIS_URL, source)
