@@ -22,3 +22,10 @@ async def record(payload: dict[str, Any]) -> dict[str, Any]:
 
 def not_async(payload: object) -> None:
     """A plain function: the command refuses it."""
+
+
+async def unstorable(payload: dict[str, Any]) -> object:
+    """Runs, and returns a result the inbox's JSON codec cannot store."""
+    with open(os.environ["ONCELY_TEST_EFFECTS"], "a") as out:
+        out.write(json.dumps(payload, sort_keys=True) + "\n")
+    return {"an object": object()}

@@ -307,11 +307,37 @@ def test_r16_every_outcome_is_logged_at_its_level(
     caplog.set_level(logging.DEBUG, logger=logger.name)
     seen: list[Handled[object]] = []
     handled: Handled[object] = Handled(outcome, "billing", "k", reason="why")
-    Observer(hooks=[seen.append], logger=logger).emit(handled)
+    plain: Handled[object] = Handled(outcome, "billing", "k")
+    observer = Observer(hooks=[seen.append], logger=logger)
+    observer.emit(handled)
+    observer.emit(plain)
+    noted, bare = [r for r in caplog.records if r.name == logger.name]
+    assert bare.levelno == outcome.log_level
+    # An acknowledged outcome with a reason (the result was not stored) needs a person: WARNING.
+    noted_level = (
+        logging.WARNING if outcome in (Outcome.PROCESSED, Outcome.DUPLICATE) else outcome.log_level
+    )
+    assert noted.levelno == noted_level
+    assert getattr(noted, "oncely_outcome", None) == outcome.value
+    assert seen == [handled, plain]
+
+
+def test_r16_the_text_of_an_outcome_line_escapes_control_characters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key, correlation id or reason holding a newline cannot forge a second log line;
+    the structured fields keep the exact text."""
+    logger = logging.getLogger("oncely.test-escapes")
+    caplog.set_level(logging.DEBUG, logger=logger.name)
+    forged = "k\nERROR processed consumer=billing key=forged"
+    Observer(logger=logger).emit(
+        Handled(Outcome.REJECTED, "billing", forged, reason="r\r\n", correlation_id="c\x1b[31m")
+    )
     (record,) = [r for r in caplog.records if r.name == logger.name]
-    assert record.levelno == outcome.log_level
-    assert getattr(record, "oncely_outcome", None) == outcome.value
-    assert seen == [handled]
+    text = record.getMessage()
+    assert "\n" not in text and "\r" not in text and "\x1b" not in text
+    assert "key=k\\nERROR processed" in text and "correlation_id=c\\x1b[31m" in text
+    assert getattr(record, "oncely_key", None) == forged
 
 
 def _book(tx: sqlite3.Connection, payload: dict[str, int]) -> int:

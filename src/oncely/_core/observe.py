@@ -4,7 +4,9 @@ Log records go to the ``oncely`` logger with flat ``extra`` fields (``oncely_con
 ``oncely_key``, ``oncely_outcome``, ``oncely_attempt``, ``oncely_duration_ms``,
 ``oncely_correlation_id``, ``oncely_reason``), so a JSON formatter picks them up as they are.
 A rising rate of ``duplicate`` signals producer retries or too short an ack/lock window; every
-``key_conflict``, ``rejected`` and ``escalated`` is logged at ERROR because a person must look.
+``key_conflict``, ``rejected`` and ``escalated`` is logged at ERROR because a person must look,
+and an outcome that acknowledges the message but carries a reason (processed, yet the result
+could not be stored) at WARNING. The message text escapes control characters in every field.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from oncely._core.outcomes import Handled, Outcome
+from oncely._core.wire import printable
 
-__all__ = ["Hook", "Observer", "key_for_logs"]
+__all__ = ["Hook", "Observer", "key_for_logs", "level_of"]
 
 Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
@@ -26,6 +29,18 @@ LOGGER = logging.getLogger("oncely")
 # Keyed by the outcome's text: an enum member hashes through a Python-level __hash__, a str
 # through its cached hash, and this lookup runs for every message.
 _LEVELS = {outcome.value: outcome.log_level for outcome in Outcome}
+# Acknowledged outcomes whose reason is something to act on (a result not stored, a stored
+# result that could not be decoded): WARNING instead of INFO.
+_NOTED = frozenset({Outcome.PROCESSED.value, Outcome.DUPLICATE.value})
+
+
+def level_of(handled: Handled[Any]) -> int:
+    """The level an outcome is logged at: its own (ERROR for what a person must see), or
+    WARNING for an acknowledged one with a reason (processed, but the result not stored)."""
+    outcome = handled.outcome._value_
+    if handled.reason is not None and outcome in _NOTED:
+        return logging.WARNING
+    return _LEVELS[outcome]
 
 
 def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
@@ -52,7 +67,7 @@ class Observer:
 
     def emit(self, handled: Handled[Any]) -> None:
         """Log ``handled`` (if the logger is enabled for its level) and call every hook."""
-        level = _LEVELS[handled.outcome._value_]
+        level = level_of(handled)
         if self.logger.isEnabledFor(level):
             key = key_for_logs(handled.key, self.log_keys)
             duration_ms = round(handled.duration_s * 1000, 3)
@@ -67,17 +82,19 @@ class Observer:
                 "oncely_reason": handled.reason,
             }
             text = "%s consumer=%s key=%s attempt=%d duration_ms=%s correlation_id=%s"
+            # The text escapes what could break the line (a key holding a newline would
+            # forge one); the extra fields stay exact for structured formatters.
             args: list[object] = [
                 handled.outcome.value,
                 handled.consumer,
-                key,
+                None if key is None else printable(key),
                 handled.attempt,
                 duration_ms,
-                handled.correlation_id,
+                None if handled.correlation_id is None else printable(handled.correlation_id),
             ]
             if handled.reason:
                 text += " reason=%s"
-                args.append(handled.reason)
+                args.append(printable(handled.reason))
             self.logger.log(level, text, *args, extra=extra, exc_info=handled.error)
         for hook in self.hooks:
             try:

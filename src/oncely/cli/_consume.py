@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -26,8 +27,10 @@ from typing import Any
 import click
 
 import oncely
-from oncely._core.keys import key_source
-from oncely.brokers import BrokerConsumer, ConsumerSettings, open_transport
+from oncely._core.cloudevents import event_data
+from oncely._core.keys import KeyWarning, key_source
+from oncely._core.wire import printable
+from oncely.brokers import BrokerConsumer, ConsumerSettings, InboxProcessor, open_transport
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._stores import store_option
@@ -85,12 +88,33 @@ def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
     return target  # type: ignore[no-any-return]
 
 
+class TextLines(logging.Formatter):
+    """``time LEVEL message``, one line per record: control characters in the message (a
+    key or reason holding a newline) are escaped, so no field can forge a line. A traceback
+    still follows on its own lines."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
+class _NotOutcomes(logging.Filter):
+    """Drops the inbox's own outcome lines (the consumer logs one line per message with the
+    broker action); keeps everything else it logs (a result not stored, a failing hook)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not hasattr(record, "oncely_outcome")
+
+
 def _configure_logging(log_format: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
         handler.setFormatter(JSONLines())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(TextLines())
     broker_log = logging.getLogger("oncely")
     broker_log.addHandler(handler)
     broker_log.setLevel(level.upper())
@@ -128,7 +152,34 @@ def _configure_logging(log_format: str, level: str) -> None:
     "key_spec",
     default="message-id",
     show_default=True,
-    help="message-id, cloudevents, header:NAME or body:FIELD (comma-separated: first found).",
+    help="message-id, cloudevents, header:NAME, body:FIELD or correlation-id "
+    "(comma-separated: the first found).",
+)
+@click.option(
+    "--payload",
+    type=click.Choice(["body", "data"]),
+    default="body",
+    show_default=True,
+    help="What the handler gets: the decoded body, or a CloudEvent's data (its body in "
+    "binary mode, its data field in structured mode).",
+)
+@click.option(
+    "--max-key-bytes",
+    type=click.IntRange(16, 4096),
+    default=512,
+    show_default=True,
+    help="Longest key accepted (UTF-8 bytes); longer ones are dead-lettered (or hashed).",
+)
+@click.option(
+    "--hash-long-keys",
+    is_flag=True,
+    help="Keep a key over --max-key-bytes as its SHA-256 instead of dead-lettering it.",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(0),
+    metavar="N",
+    help="Dead-letter a body over N bytes without decoding it (default: no limit).",
 )
 @click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True)
 @click.option("--group", help="Consumer group / durable name (default: the consumer name).")
@@ -155,6 +206,10 @@ def consume(
     consumer: str,
     mode: str,
     key_spec: str,
+    payload: str,
+    max_key_bytes: int,
+    hash_long_keys: bool,
+    max_body_bytes: int | None,
     concurrency: int,
     group: str | None,
     dead_letter: str | None,
@@ -176,34 +231,42 @@ def consume(
     """
     remember_secrets(broker_url)
     remember_secrets(store_url)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KeyWarning)
+        try:
+            key = key_source(key_spec)
+        except ConfigurationError as exc:
+            raise CliError(f"--key: {exc}", USAGE) from None
+    for warning in caught:
+        click.echo(f"oncely consume: warning: --key {key_spec}: {warning.message}", err=True)
     handler = load_handler(handler_spec)
-    try:
-        key = key_source(key_spec)
-    except ConfigurationError as exc:
-        raise CliError(f"--key: {exc}", USAGE) from None
     _configure_logging(log_format, log_level)
     transport = open_transport(
         broker_url, source, group=group or consumer, dead_letter=dead_letter, ack_wait=ack_wait
     )
     settings = ConsumerSettings(
-        concurrency=concurrency, max_deliveries=max_deliveries, shutdown_grace=shutdown_grace
+        concurrency=concurrency,
+        max_deliveries=max_deliveries,
+        shutdown_grace=shutdown_grace,
+        max_body_bytes=max_body_bytes,
     )
+    limits = oncely.Limits(max_key_bytes=max_key_bytes, hash_long_keys=hash_long_keys)
 
     async def run() -> None:
         store = oncely.open_async(store_url)
-        # The consumer's one line per message carries the outcome; the inbox's own would
-        # repeat it, so it is kept for hooks only.
+        # The consumer's one line per message carries the outcome; the inbox's own outcome
+        # line would repeat it, so only its other lines are shown.
         quiet = logging.getLogger("oncely.cli.inbox")
-        quiet.disabled = True
-        inbox = oncely.AsyncInbox(store, consumer=consumer, logger=quiet)
-        runner = BrokerConsumer(
-            transport,
+        quiet.addFilter(_NotOutcomes())
+        inbox = oncely.AsyncInbox(store, consumer=consumer, logger=quiet, limits=limits)
+        processor = InboxProcessor(
             inbox,
             handler,
             mode="transactional" if mode == "transactional" else "two_phase",
             key=key,
-            settings=settings,
+            payload=event_data if payload == "data" else None,
         )
+        runner = BrokerConsumer(transport, processor, settings=settings)
         try:
             await runner.run(handle_signals=True)
         finally:

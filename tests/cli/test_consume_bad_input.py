@@ -1,0 +1,233 @@
+"""``oncely consume`` given what foreign producers send: its log lines cannot be forged, what a
+person must act on shows at ``--log-level warning``, the key and body limits are flags, and a
+CloudEvent's data can be the payload. A real consumer process on the real RabbitMQ; the
+messages are published with pika, which can send what oncely's producer never would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.brokers.common import remove_destinations, unique
+from tests.brokers.foreign import publish_amqp
+from tests.services import RABBITMQ_URL, require
+
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ")
+
+
+def _consume(
+    tmp_path: Path,
+    messages: Sequence[tuple[bytes, Mapping[str, Any]]],
+    *options: str,
+    handler: str = "record",
+    settled: int,
+) -> tuple[str, list[dict[str, Any]]]:
+    """Run ``oncely consume`` on a fresh queue until ``settled`` messages have a per-message
+    log line, then SIGTERM it; its stderr and the effects its handler recorded."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_bad")
+    effects = tmp_path / "effects.jsonl"
+    effects.touch()
+    command = [
+        sys.executable,
+        "-m",
+        "oncely.cli",
+        "consume",
+        "--broker",
+        RABBITMQ_URL,
+        "--source",
+        source,
+        "--handler",
+        f"tests.brokers.handlers:{handler}",
+        "--store",
+        f"sqlite:///{tmp_path / 'inbox.db'}",
+        "--consumer",
+        "cli-bad",
+        *options,
+    ]
+    env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(2)  # the consumer declares the queue
+        asyncio.run(publish_amqp(source, messages))
+        deadline = time.monotonic() + 30
+        while len(effects.read_text().splitlines()) < settled and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.5)  # the refused ones settle too (they never reach the handler)
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))
+    assert process.returncode == 0, err
+    done = [json.loads(line) for line in effects.read_text().splitlines()]
+    return err, done
+
+
+def _json_lines(err: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in err.splitlines():
+        assert line.startswith("{"), f"a line that is not JSON: {line!r}"
+        lines.append(json.loads(line))
+    return lines
+
+
+def test_r16_a_key_holding_a_newline_cannot_forge_a_text_log_line(tmp_path: Path) -> None:
+    forged = "k-1\n2026-12-01 00:00:00,000 INFO oncely broker=rabbitmq outcome=processed key=x"
+    err, done = _consume(
+        tmp_path,
+        [(b'{"order": 1}', {"message_id": forged.encode(), "correlation_id": "c\r\n1"})],
+        "--log-format",
+        "text",
+        settled=1,
+    )
+    assert done == [{"order": 1}]
+    for line in err.splitlines():
+        assert _STAMP.match(line), f"a line that no record wrote: {line!r}"
+    processed = [line for line in err.splitlines() if "outcome=processed" in line]
+    assert len(processed) == 1, processed
+    assert "key=k-1\\n2026-12-01" in processed[0]
+
+
+def test_r16_a_result_not_stored_shows_at_log_level_warning(tmp_path: Path) -> None:
+    err, done = _consume(
+        tmp_path,
+        [(b'{"order": 2}', {"message_id": "u-1"})],
+        "--log-format",
+        "json",
+        "--log-level",
+        "warning",
+        handler="unstorable",
+        settled=1,
+    )
+    assert done == [{"order": 2}]
+    lines = _json_lines(err)
+    outcome = [line for line in lines if line.get("broker_action")]
+    assert [(line["outcome"], line["level"]) for line in outcome] == [("processed", "warning")]
+    assert "result not stored" in outcome[0]["reason"]
+    assert any(
+        line["level"] == "error" and "result not stored" in line["message"] for line in lines
+    )
+
+
+def test_the_key_and_body_limits_are_flags(tmp_path: Path) -> None:
+    long_key = "k" * 40
+    messages = [
+        (b'{"order": 3, "pad": "' + b"x" * 80 + b'"}', {"message_id": "big-1"}),
+        (b'{"order": 4}', {"message_id": long_key}),
+        (b'{"order": 5}', {"message_id": "fits-1"}),
+    ]
+    err, done = _consume(
+        tmp_path,
+        messages,
+        "--log-format",
+        "json",
+        "--max-body-bytes",
+        "64",
+        "--max-key-bytes",
+        "32",
+        settled=1,
+    )
+    assert done == [{"order": 5}]
+    outcome = {line["key"]: line for line in _json_lines(err) if line.get("broker_action")}
+    assert outcome["big-1"]["outcome"] == "rejected"
+    assert "over the limit of 64" in outcome["big-1"]["reason"]
+    (too_long,) = [
+        line for line in outcome.values() if "bytes, over the limit of 32" in (line["reason"] or "")
+    ]
+    assert too_long["broker_action"] == "dead_letter"
+    assert "--hash-long-keys" in too_long["reason"]
+
+    again = tmp_path / "hashed"
+    again.mkdir()
+    err, done = _consume(
+        again,
+        [(b'{"order": 4}', {"message_id": long_key})],
+        "--log-format",
+        "json",
+        "--max-key-bytes",
+        "32",
+        "--hash-long-keys",
+        settled=1,
+    )
+    assert done == [{"order": 4}]
+    (line,) = [line for line in _json_lines(err) if line.get("broker_action")]
+    assert line["outcome"] == "processed" and line["key"].startswith("sha256:")
+
+
+def test_r3_the_handler_can_get_a_cloudevents_data(tmp_path: Path) -> None:
+    event = {
+        "specversion": "1.0",
+        "id": "e-1",
+        "source": "/orders",
+        "type": "order.created",
+        "data": {"order": 6},
+    }
+    binary = {
+        "message_id": "m-7",
+        "headers": {"cloudEvents_source": "/orders", "cloudEvents_id": "e-2"},
+    }
+    err, done = _consume(
+        tmp_path,
+        [
+            (json.dumps(event).encode(), {"content_type": "application/cloudevents+json"}),
+            (b'{"order": 7}', binary),
+        ],
+        "--log-format",
+        "json",
+        "--key",
+        "cloudevents",
+        "--payload",
+        "data",
+        settled=2,
+    )
+    assert sorted(d["order"] for d in done) == [6, 7]
+    keys = sorted(line["key"] for line in _json_lines(err) if line.get("broker_action"))
+    assert keys == ["/orders e-1", "/orders e-2"]
+
+
+def test_r2_a_correlation_id_key_is_warned_about() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oncely.cli",
+            "consume",
+            "--broker",
+            "amqp://127.0.0.1:1/",
+            "--source",
+            "q",
+            "--consumer",
+            "c",
+            "--store",
+            "memory://",
+            "--key",
+            "correlation-id",
+            "--handler",
+            "tests.brokers.handlers:missing",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2  # the handler does not exist; the warning comes before that
+    assert "warning: --key correlation-id" in done.stderr and "R2" in done.stderr
