@@ -101,6 +101,30 @@ async def test_a_r14_r23_producer_retries_window_then_inbox(world: World) -> Non
     assert await consumer_state(world.url, world.stream, world.group) == (0, 0)
 
 
+async def test_a_r20_a_reused_id_within_the_window_reaches_the_consumer_as_a_conflict(
+    world: World,
+) -> None:
+    """The window drops a retry (same id, same body), but oncely's producer never lets it
+    drop the same id sent with another body: ``Nats-Msg-Id`` carries the body's hash, so the
+    reuse is stored and the consumer dead-letters it as a ``key_conflict`` (R20 step 6)
+    instead of it vanishing before any consumer sees it."""
+    producer = world.producer(duplicate_window=timedelta(minutes=1))
+    first = await producer.send(body("order-9", total=10), message_id="order-9")
+    retry = await producer.send(body("order-9", total=10), message_id="order-9")
+    reuse = await producer.send(body("order-9", total=999), message_id="order-9")
+    assert not first.duplicate and retry.duplicate and not reuse.duplicate
+    consumer = BrokerConsumer(
+        world.transport(), world.redis_inbox(), world.apply, settings=settings()
+    )
+    async with running(consumer):
+        await wait_until(lambda: consumer.counts["key_conflict"] == 1, what="the conflict")
+        await wait_until(world.settled, what="nothing pending")
+    assert world.ledger.counts() == {"order-9": 1}
+    [(headers, data)] = await read_stream(world.url, world.dead_stream)
+    assert headers["x-oncely-outcome"] == "key_conflict"
+    assert headers["Oncely-Message-Id"] == "order-9" and json.loads(data)["total"] in (10, 999)
+
+
 # ---------------------------------------------------------------------------- d. dead letters
 
 
@@ -142,7 +166,7 @@ async def test_d_r20_conflict_poison_undecodable_and_idless_are_dead_lettered(
 
     dead = await read_stream(world.url, world.dead_stream)
     assert len(dead) == 4
-    by_id = {headers.get("Nats-Msg-Id"): (headers, data) for headers, data in dead}
+    by_id = {headers.get("Oncely-Message-Id"): (headers, data) for headers, data in dead}
     assert set(by_id) == {"m-e1-again", "m-poison", "m-garbage", None}
     headers, data = by_id["m-e1-again"]
     assert headers["x-oncely-outcome"] == "key_conflict"

@@ -131,7 +131,7 @@ async def test_e_failing_handler_retried_then_dead_lettered(world: World) -> Non
     assert attempts == {"always": 3, "once": 2}
     assert world.ledger.counts() == {"once": 1}
     [(headers, data)] = await read_stream(world.url, world.dead_stream)
-    assert headers["Nats-Msg-Id"] == "always" and json.loads(data) == {"id": "always"}
+    assert headers["Oncely-Message-Id"] == "always" and json.loads(data) == {"id": "always"}
     assert headers["x-oncely-outcome"] == "rejected"
     assert "failed on all 3 deliveries" in headers["x-oncely-reason"]
     assert "downstream down for always" in headers["x-oncely-reason"]

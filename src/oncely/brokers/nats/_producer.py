@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Self
@@ -21,6 +22,7 @@ from oncely.brokers.nats._settings import (
     DEFAULT_RECONNECT_WAIT,
     DEFAULT_TIMEOUT,
     MSG_ID_HEADER,
+    ONCELY_ID_HEADER,
     PRODUCER_OPTIONS,
     UNAVAILABLE,
     check_subject,
@@ -31,19 +33,30 @@ from oncely.brokers.nats._settings import (
 from oncely.brokers.nats._topology import ensure_stream
 from oncely.errors import BrokerError, ConfigurationError
 
+
+def window_id(message_id: str, body: bytes) -> str:
+    """The ``Nats-Msg-Id`` oncely's producer sends: the message id and a hash of the body.
+    A retry (same id, same body) has the same one, so the stream's duplicate window stores it
+    once (R14, R23); the id reused for another body has another one, so the window cannot
+    drop it silently and the consumer sees it as a ``key_conflict`` (R20 step 6)."""
+    return f"{message_id}|sha256:{hashlib.sha256(body).hexdigest()[:32]}"
+
+
 # A stream that cannot be declared: the server unreachable, or JetStream refusing.
 _DECLARE_FAILURES: tuple[type[Exception], ...] = (*UNAVAILABLE, nats.js.errors.APIError)
 
 
 class JetStreamProducer:
-    """Publishes to ``destination`` (a subject) with ``Nats-Msg-Id`` set to the producer's
-    message id, and returns once the stream acknowledged the message.
+    """Publishes to ``destination`` (a subject) with the producer's message id in
+    ``Oncely-Message-Id`` and in ``Nats-Msg-Id`` together with a hash of the body
+    (:func:`window_id`), and returns once the stream acknowledged the message.
 
     The stream that captures the subject is used; when none does, one is created as
     :class:`JetStream` creates it (``stream``, ``duplicate_window``). Within the stream's
-    duplicate window a retry with the same id is stored once (R14, R23); outside it the
-    consumer's inbox answers it as ``duplicate``. :meth:`send` returns JetStream's answer,
-    whose ``duplicate`` says whether the window dropped the message.
+    duplicate window a retry with the same id and body is stored once (R14, R23); outside it
+    the consumer's inbox answers it as ``duplicate``. The same id with another body is always
+    stored, for the consumer to dead-letter as a ``key_conflict``. :meth:`send` returns
+    JetStream's answer, whose ``duplicate`` says whether the window dropped the message.
     """
 
     def __init__(
@@ -116,7 +129,8 @@ class JetStreamProducer:
     ) -> api.PubAck:
         """:meth:`publish`, returning JetStream's acknowledgement (``seq``, ``duplicate``)."""
         fields = {str(k): str(v) for k, v in (headers or {}).items()}
-        fields[MSG_ID_HEADER] = require_message_id(message_id)
+        fields[ONCELY_ID_HEADER] = require_message_id(message_id)
+        fields[MSG_ID_HEADER] = window_id(message_id, body)
         fields[CONTENT_TYPE_HEADER] = content_type
         if correlation_id is not None:
             fields[CORRELATION_HEADER] = correlation_id

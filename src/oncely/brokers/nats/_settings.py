@@ -15,9 +15,15 @@ from oncely.errors import BrokerUnavailable, ConfigurationError
 LOGGER = logging.getLogger("oncely.broker.nats")
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+ONCELY_ID_HEADER = "Oncely-Message-Id"
+"""The producer's message id as oncely's producer sends it; ``Nats-Msg-Id`` then carries the
+id and a hash of the body, so the stream's duplicate window drops a retry but never a reused
+id with other content (that reaches the consumer, as a ``key_conflict``)."""
 CONTENT_TYPE_HEADER = "Content-Type"
 CORRELATION_HEADER = "Correlation-Id"
 MESSAGE_ID_COPY_HEADER = "x-oncely-message-id"
+RAW_HEADERS_HEADER = "x-oncely-raw-headers"
+"""On a dead-letter copy: the original's header lines that are not UTF-8, base64-encoded."""
 
 DEFAULT_ACK_WAIT = timedelta(seconds=30)
 DEFAULT_MAX_DELIVER = 20
