@@ -27,7 +27,15 @@ import redis
 import oncely
 from oncely.brokers import BrokerConsumer, ConsumerSettings, open_transport
 from tests.brokers.common import remove_destinations, running, unique, wait_until
-from tests.brokers.foreign import publish_amqp, publish_nats, read_nats_stream, xadd_raw
+from tests.brokers.foreign import (
+    header_lines,
+    nats_headers,
+    publish_amqp,
+    publish_nats,
+    read_nats_stream,
+    stream_fields,
+    xadd_raw,
+)
 from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
 
 pytestmark = [pytest.mark.services]
@@ -126,15 +134,15 @@ def _redis(source: str) -> Broker:
     require("Redis", REDIS_URL, 6379)
 
     async def publish(messages: Sequence[Sent]) -> None:
-        entries = []
-        for m in messages:
-            fields: dict[bytes, bytes] = {b"body": m.body} if m.body != b"<none>" else {}
-            if m.message_id is not None:
-                fields[b"message_id"] = m.message_id
-            if m.correlation_id is not None:
-                fields[b"correlation_id"] = m.correlation_id
-            fields.update(dict(m.headers))
-            entries.append(fields)
+        entries = [
+            stream_fields(
+                m.body if m.body != b"<none>" else None,
+                message_id=m.message_id,
+                correlation_id=m.correlation_id,
+                headers=m.headers,
+            )
+            for m in messages
+        ]
         await asyncio.to_thread(xadd_raw, source, entries)
 
     async def dead() -> list[Dead]:
@@ -160,23 +168,24 @@ def _nats(source: str) -> Broker:
     require("NATS", NATS_URL, 4222)
 
     async def publish(messages: Sequence[Sent]) -> None:
-        batch = []
-        for m in messages:
-            lines = list(m.headers)
-            if m.message_id is not None:
-                lines.append((b"Nats-Msg-Id", m.message_id))
-            if m.correlation_id is not None:
-                lines.append((b"Correlation-Id", m.correlation_id))
-            batch.append((lines, m.body))
+        batch = [
+            (
+                nats_headers(
+                    message_id=m.message_id, correlation_id=m.correlation_id, headers=m.headers
+                ),
+                m.body,
+            )
+            for m in messages
+        ]
         await publish_nats(source, batch)
 
     async def dead() -> list[Dead]:
         found = []
         for block, body in await read_nats_stream(f"{source}.dead"):
-            lines = dict(_header_lines(block))
+            lines = dict(header_lines(block))
             raw = lines.get(b"x-oncely-raw-headers")
             if raw is not None:
-                lines.update(_header_lines(base64.b64decode(raw)))
+                lines.update(header_lines(base64.b64decode(raw)))
             found.append(
                 Dead(
                     lines[b"x-oncely-outcome"].decode(),
@@ -188,15 +197,6 @@ def _nats(source: str) -> Broker:
         return found
 
     return Broker("nats", NATS_URL, source, publish, dead)
-
-
-def _header_lines(block: bytes) -> list[tuple[bytes, bytes]]:
-    pairs = []
-    for line in block.split(b"\r\n"):
-        name, colon, value = line.partition(b":")
-        if colon and not line.startswith(b"NATS/"):
-            pairs.append((name.strip(), value.strip()))
-    return pairs
 
 
 @pytest.fixture(params=["rabbitmq", "redis", "nats"])
