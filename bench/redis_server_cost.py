@@ -26,7 +26,7 @@ import uuid
 import redis
 
 import oncely
-from oncely import ClaimRequest
+from oncely.stores import ClaimRequest
 
 URL = os.environ.get(
     "ONCELY_BENCH_REDIS_URL",

@@ -26,7 +26,7 @@ import uuid
 import redis
 
 import oncely
-from oncely._sync import _redis_io
+from oncely.stores.redis import sync_io as _redis_io
 
 URL = os.environ.get(
     "ONCELY_BENCH_REDIS_URL",

@@ -146,7 +146,7 @@ def batch_variants(store: Any, consumer: str) -> list[Variant]:
                 keep_ms=KEEP_MS,
                 takeover=True,
             )
-            if claim.status is not oncely.ClaimStatus.NEW:
+            if claim.status is not oncely.stores.ClaimStatus.NEW:
                 raise BenchError(f"claim of new key {k!r}: {claim.status}")
 
     def many(msgs: list[tuple[str, Any]]) -> None:
@@ -154,13 +154,13 @@ def batch_variants(store: Any, consumer: str) -> list[Variant]:
             part = msgs[start : start + BATCH]
             claims = store.claim_many(
                 consumer,
-                [oncely.ClaimRequest(k, FP, tokens()) for k, _p in part],
+                [oncely.stores.ClaimRequest(k, FP, tokens()) for k, _p in part],
                 lease_ms=LEASE_MS,
                 keep_ms=KEEP_MS,
                 takeover=True,
             )
             if len(claims) != len(part) or any(
-                c.status is not oncely.ClaimStatus.NEW for c in claims
+                c.status is not oncely.stores.ClaimStatus.NEW for c in claims
             ):
                 raise BenchError("claim_many of new keys did not win every key")
 

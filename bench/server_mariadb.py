@@ -30,14 +30,14 @@ from server_common import (
 from server_trips import Trips
 
 import oncely
-from oncely._dialects.mysql import WIDTH, MySQLDialect
+from oncely.stores.mysql.dialect import WIDTH, MySQLDialect
 
 
 class MariaDB(Database):
     name = "MariaDB"
     port = 3306
     driver = "pymysql"
-    module = "oncely._sync.mysql"
+    module = "oncely.stores.mysql.sync_store"
 
     def __init__(self) -> None:
         super().__init__(MYSQL_URL)
@@ -45,7 +45,7 @@ class MariaDB(Database):
     def connect(self) -> Any:
         """A PyMySQL connection set up exactly as the store's (autocommit, FOUND_ROWS, the
         same session settings)."""
-        s = driver("oncely._drivers.mysql").parse_url(self.url).settings
+        s = driver("oncely.stores.mysql.errors").parse_url(self.url).settings
         return driver("pymysql").connect(database=s.database, **s.connect_kwargs())
 
     def _tables(self) -> None:

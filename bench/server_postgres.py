@@ -30,20 +30,20 @@ from server_common import (
 from server_trips import Trips, trace_libpq
 
 import oncely
-from oncely._dialects.postgres import PostgresDialect
+from oncely.stores.postgres.dialect import PostgresDialect
 
 
 class Postgres(Database):
     name = "PostgreSQL"
     port = 5432
     driver = "psycopg"
-    module = "oncely._sync.postgres"
+    module = "oncely.stores.postgres.sync_store"
 
     def __init__(self) -> None:
         super().__init__(POSTGRES_URL)
 
     def _conninfo(self) -> str:
-        return str(driver("oncely._drivers.postgres").parse_url(self.url).conninfo)
+        return str(driver("oncely.stores.postgres.errors").parse_url(self.url).conninfo)
 
     def connect(self, trips: Trips | None) -> Any:
         conn = driver("psycopg").connect(self._conninfo(), autocommit=True)

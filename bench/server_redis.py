@@ -26,14 +26,14 @@ from server_common import (
 from server_trips import Trips, counting_redis_client
 
 import oncely
-from oncely._dialects import redis as redis_dialect
+from oncely.stores.redis import dialect as redis_dialect
 
 
 class Redis(Server):
     name = "Redis"
     port = 6379
     driver = "redis"
-    module = "oncely._sync.redis"
+    module = "oncely.stores.redis.sync_store"
 
     def __init__(self, tag: str = "") -> None:
         # Powertools' key is a hash of the payload alone, and every Keys() starts its payloads

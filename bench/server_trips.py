@@ -14,7 +14,7 @@ from typing import Any
 
 from server_common import RUN, driver
 
-from oncely._dialects import redis as redis_dialect
+from oncely.stores.redis import dialect as redis_dialect
 
 
 class Trips:

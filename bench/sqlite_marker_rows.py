@@ -36,7 +36,7 @@ from cases import Keys
 from tx_case import CLAIM_SQL, book, create_business_schema, marker_params
 
 import oncely
-from oncely._dialects.sqlite import OLD_STATUS_CHECK, STATUS_CHECK
+from oncely.stores.sqlite.dialect import OLD_STATUS_CHECK, STATUS_CHECK
 
 _FP = "v1:" + "0" * 32
 _TOKEN = "f" * 32

@@ -33,7 +33,7 @@ from cases import (
 )
 
 import oncely
-from oncely._dialects.sqlite import SQLiteDialect
+from oncely.stores.sqlite.dialect import SQLiteDialect
 
 LEDGER_SCHEMA = (
     """CREATE TABLE IF NOT EXISTS ledger (

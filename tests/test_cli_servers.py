@@ -46,7 +46,7 @@ def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
     elif request.param == "mysql":
         import pymysql
 
-        from oncely._drivers.mysql import parse_url
+        from oncely.stores.mysql.errors import parse_url
 
         settings = parse_url(services.MYSQL_URL).settings
         conn = pymysql.connect(database=settings.database, **settings.connect_kwargs())

@@ -169,7 +169,7 @@ def test_migrate_makes_a_dropped_inbox_table_again(tmp_path: Path) -> None:
 
 def _claim_program(path: Path) -> list[str]:
     """The opcodes SQLite runs for the store's claim INSERT on the database at ``path``."""
-    from oncely._dialects.sqlite import SQLiteDialect
+    from oncely.stores.sqlite.dialect import SQLiteDialect
 
     params = ("c", "k", "completed", None, "t", 1, 1, 2, None)
     with sqlite3.connect(path) as conn:
@@ -203,7 +203,7 @@ def test_migrate_rewrites_an_older_tables_status_check_in_place(
 ) -> None:
     """A table created before the constraint was rewritten keeps its rows and keeps working,
     also for a store that had it open, and refuses the same rows as before."""
-    from oncely._dialects.sqlite import OLD_STATUS_CHECK, STATUS_CHECK, SQLiteDialect
+    from oncely.stores.sqlite.dialect import OLD_STATUS_CHECK, STATUS_CHECK, SQLiteDialect
 
     path = tmp_path / "o.db"
     with sqlite3.connect(path) as conn:
@@ -382,7 +382,11 @@ async def test_r7_async_a_transaction_cancelled_while_its_statement_waits_record
     # A transaction with its own BEGIN hop (store.transaction(), as claim_many uses it).
     await cancelled_behind_slow_work(
         store.claim_many(
-            "c", [oncely.ClaimRequest("b", None, "t")], lease_ms=1000, keep_ms=1000, takeover=True
+            "c",
+            [oncely.stores.ClaimRequest("b", None, "t")],
+            lease_ms=1000,
+            keep_ms=1000,
+            takeover=True,
         )
     )
     # The next message on the pool: its claim must commit, nothing of a/b may have.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import unasync  # noqa: E402
 
 def test_rewrites_async_syntax_and_names() -> None:
     source = (
-        "from oncely._async.protocols import AsyncStore\n"
+        "from oncely.stores.async_protocols import AsyncStore\n"
         '__all__ = ["AsyncInbox"]\n'
         "class AsyncInbox:\n"
         "    async def handle(self, fn: Callable[[P], Awaitable[dict[str, R]]]) -> None:\n"
@@ -26,7 +27,7 @@ def test_rewrites_async_syntax_and_names() -> None:
         "        await asyncio.sleep(0)\n"
     )
     assert unasync.rewrite(source) == (
-        "from oncely._sync.protocols import Store\n"
+        "from oncely.stores.sync_protocols import Store\n"
         '__all__ = ["Inbox"]\n'
         "class Inbox:\n"
         "    def handle(self, fn: Callable[[P], dict[str, R]]) -> None:\n"
@@ -47,3 +48,73 @@ def test_generated_code_is_current() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_marked_differences_keep_the_sync_side() -> None:
+    source = (
+        "from oncely._twin import ASYNC\n"
+        "if ASYNC:\n"
+        "    import asyncio\n"
+        "else:\n"
+        "    import threading\n"
+        "class Pool:\n"
+        "    async def get(self) -> int:\n"
+        "        if ASYNC:\n"
+        "            await asyncio.sleep(0)  # only asyncio needs a turn\n"
+        "        n = 1\n"
+        "        if ASYNC:\n"
+        "            return n\n"
+        "        else:\n"
+        "            if n:\n"
+        "                return n + 1\n"
+        "            return 0\n"
+        "    if ASYNC:\n"
+        "        @property\n"
+        "        def loop(self) -> object:\n"
+        "            return asyncio.get_running_loop()\n"
+    )
+    assert unasync.unmark(source) == (
+        "import threading\n"
+        "class Pool:\n"
+        "    async def get(self) -> int:\n"
+        "        n = 1\n"
+        "        if n:\n"
+        "            return n + 1\n"
+        "        return 0\n"
+    )
+
+
+def test_make_lint_fails_on_a_stale_twin(tmp_path: Path) -> None:
+    """The check CI runs (``make lint`` calls ``tools/unasync.py --check``) fails when an async
+    source changed and its twin was not regenerated, or a twin was edited by hand."""
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "src", copy / "src", ignore=shutil.ignore_patterns("*.egg-info"))
+    shutil.copytree(ROOT / "tools", copy / "tools")
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(copy / "tools" / "unasync.py"), "--check"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=copy,
+        )
+
+    assert check().returncode == 0, check().stdout
+    source = copy / "src" / "oncely" / "stores" / "memory" / "async_store.py"
+    source.write_text(source.read_text() + "\n\nLIMIT = 1\n")
+    stale = check()
+    assert stale.returncode == 1
+    assert "oncely/stores/memory/sync_store.py" in stale.stdout
+    subprocess.run(
+        [sys.executable, str(copy / "tools" / "unasync.py")],
+        check=True,
+        cwd=copy,
+        capture_output=True,
+    )
+    assert check().returncode == 0
+    twin = copy / "src" / "oncely" / "inbox" / "sync_two_phase.py"
+    twin.write_text(twin.read_text().replace("def handle(", "def handle_(", 1))
+    edited = check()
+    assert edited.returncode == 1 and "oncely/inbox/sync_two_phase.py" in edited.stdout

@@ -1,26 +1,37 @@
-"""Generate the synchronous twin of oncely's asyncio code.
+"""Generate the synchronous twin of every asyncio module of oncely.
 
-    python tools/unasync.py           write src/oncely/_sync/<module>.py from src/oncely/_async/
+    python tools/unasync.py           write each sync_<name>.py beside its async_<name>.py
     python tools/unasync.py --check   exit 1 if a generated file is missing or stale
 
-The async code is the source; the sync code is produced by a token-level rewrite that keeps
-comments and layout, then formatted with ruff so both trees read alike:
+The async code is the source. Every module named ``async_<name>.py`` anywhere under
+``src/oncely`` has a twin ``sync_<name>.py`` in the same folder, produced by a token-level
+rewrite that keeps comments and layout, then formatted with ruff so both read alike:
 
 * ``await x`` -> ``x``; ``async def`` / ``async with`` / ``async for`` -> plain;
 * ``Awaitable[X]`` -> ``X``;
 * the names in ``RENAMES`` (``AsyncInbox`` -> ``Inbox``, ``aiosqlite`` -> ``sqlite3``,
-  ``asyncio`` -> ``threading`` for the locks, ``_async`` -> ``_sync`` in imports, ...), and
-  the ``Async...`` class names inside strings too (``__all__``, string annotations, docs).
+  ``asyncio`` -> ``threading`` for the locks, ...), any module name ``async_<name>`` ->
+  ``sync_<name>``, and the ``Async...`` class names inside strings too (``__all__``, string
+  annotations, docs);
+* the few places where the two really differ are marked in the source::
 
-Modules whose sync and async halves really differ are written by hand on both sides (those
-whose names start with an underscore); everything else under ``_async`` is generated.
-Generated files start with a ``# Generated`` line and must never be edited: CI fails when they
-are stale.
+      if ASYNC:
+          <the asyncio code>
+      else:
+          <the sync code>
+
+  (``from oncely._twin import ASYNC``). The sync twin keeps only the ``else`` part (nothing
+  when there is none); mypy reads ``ASYNC`` as always true (``always_true`` in pyproject), so
+  the async module is checked as it runs and the sync module, generated, is checked on its own.
+
+Generated files start with a ``# Generated`` line and must never be edited: ``make lint`` (and
+so CI) fails when one is stale.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import re
 import shutil
@@ -30,16 +41,18 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "src" / "oncely" / "_async"
-TARGET = ROOT / "src" / "oncely" / "_sync"
+PACKAGE = ROOT / "src" / "oncely"
 
-# Modules whose sync and async halves differ for real are written by hand on both sides: the
-# package __init__ and every module whose name starts with an underscore (driver shims such as
-# _sqlite_io.py, _concurrency.py, _types.py).
-
-
-def hand_written(name: str) -> bool:
-    return name.startswith("_")
+# Sync twins still written by hand (their source says why); everything else is generated.
+HAND_WRITTEN = frozenset(
+    {
+        "stores/sqlite/async_io.py",
+        "stores/postgres/async_io.py",
+        "stores/mysql/async_io.py",
+        "stores/redis/async_io.py",
+        "inbox/async_heartbeats.py",
+    }
+)
 
 
 RENAMES = {
@@ -73,7 +86,6 @@ RENAMES = {
     "aclose": "close",
     "aiosqlite": "sqlite3",
     "asyncio": "threading",
-    "_async": "_sync",
 }
 
 
@@ -127,10 +139,54 @@ def rewrite(text: str) -> str:
             closing.append(depth + 1)
         elif tok.string in RENAMES:
             edits.append((at(tok.start), at(tok.end), RENAMES[tok.string]))
+        elif tok.string.startswith("async_"):  # a module: async_store -> sync_store
+            edits.append((at(tok.start), at(tok.end), "sync_" + tok.string[6:]))
     out = text
     for start, end, new in sorted(edits, reverse=True):
         out = out[:start] + new + out[end:]
     return out
+
+
+_MARKER_IMPORT = re.compile(r"^from oncely\._twin import ASYNC\n", re.MULTILINE)
+
+
+def _is_marker(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "ASYNC"
+
+
+def unmark(text: str) -> str:
+    """``text`` with every ``if ASYNC: A else: B`` replaced by ``B`` (dedented to the
+    ``if``), or removed when it has no ``else``, and the marker's import dropped."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    blocks: list[tuple[int, int, list[str]]] = []  # (first line, end line, replacement)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            found = getattr(node, field, None)
+            for stmt in found if isinstance(found, list) else []:
+                if not isinstance(stmt, ast.stmt) or not _is_marker(stmt):
+                    continue
+                assert isinstance(stmt, ast.If)
+                if stmt.orelse and _is_marker(stmt.orelse[0]) and len(stmt.orelse) == 1:
+                    raise SystemExit(f"unasync: line {stmt.lineno}: no elif after if ASYNC")
+                indent = lines[stmt.lineno - 1][: stmt.col_offset]
+                keep: list[str] = []
+                if stmt.orelse:
+                    first, last = stmt.orelse[0], stmt.orelse[-1]
+                    body = lines[_first_line(first) - 1 : (last.end_lineno or last.lineno)]
+                    inner = len(body[0]) - len(body[0].lstrip())
+                    keep = [indent + line[inner:] if line.strip() else line for line in body]
+                end = stmt.end_lineno or stmt.lineno
+                blocks.append((stmt.lineno, end, keep))
+    for first, end, keep in sorted(blocks, reverse=True):
+        lines[first - 1 : end] = keep
+    return _MARKER_IMPORT.sub("", "".join(lines))
+
+
+def _first_line(node: ast.stmt) -> int:
+    # A decorated definition starts at its first decorator.
+    decorators = getattr(node, "decorator_list", None) or []
+    return min([node.lineno, *(d.lineno for d in decorators)])
 
 
 def _ruff() -> list[str]:
@@ -144,14 +200,18 @@ def _ruff() -> list[str]:
     return [exe]
 
 
+def twin_of(source: Path) -> Path:
+    return source.with_name("sync_" + source.name.removeprefix("async_"))
+
+
 def generate(source: Path) -> str:
     relative = source.relative_to(ROOT).as_posix()
     header = (
         f"# Generated by tools/unasync.py from {relative}.\n"
         "# Do not edit: change the async source and run `make generate`.\n"
     )
-    code = header + rewrite(source.read_text(encoding="utf-8"))
-    target = TARGET / source.name
+    code = header + rewrite(unmark(source.read_text(encoding="utf-8")))
+    target = twin_of(source)
     fixed = subprocess.run(
         [*_ruff(), "check", "--fix-only", "--select", "I,F401", "--quiet",
          "--stdin-filename", str(target), "-"],
@@ -163,33 +223,35 @@ def generate(source: Path) -> str:
     ).stdout  # fmt: skip
 
 
-def sources() -> list[Path]:
-    return sorted(p for p in SOURCE.glob("*.py") if not hand_written(p.name))
+def sources(package: Path = PACKAGE) -> list[Path]:
+    found = sorted(package.rglob("async_*.py"))
+    return [p for p in found if p.relative_to(package).as_posix() not in HAND_WRITTEN]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if generated code is stale")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    package = PACKAGE
     stale: list[str] = []
-    expected = set()
-    for source in sources():
-        target = TARGET / source.name
-        expected.add(target.name)
+    expected: set[Path] = set()
+    for source in sources(package):
+        target = twin_of(source)
+        expected.add(target)
         code = generate(source)
         current = target.read_text(encoding="utf-8") if target.exists() else None
         if current == code:
             continue
         if args.check:
-            stale.append(str(target.relative_to(ROOT)))
+            stale.append(str(target.relative_to(package.parent)))
         else:
             target.write_text(code, encoding="utf-8")
-            print(f"wrote {target.relative_to(ROOT)}")
-    for orphan in TARGET.glob("*.py"):
-        if orphan.name not in expected and not hand_written(orphan.name):
-            text = orphan.read_text(encoding="utf-8")
-            if text.startswith("# Generated by tools/unasync.py"):
-                stale.append(f"{orphan.relative_to(ROOT)} (its source is gone)")
+            print(f"wrote {target.relative_to(package.parent)}")
+    for orphan in package.rglob("sync_*.py"):
+        if orphan not in expected and orphan.read_text(encoding="utf-8").startswith(
+            "# Generated by tools/unasync.py"
+        ):
+            stale.append(f"{orphan.relative_to(package.parent)} (its source is gone)")
     if stale:
         print("unasync: stale generated code (run `make generate`):", *stale, sep="\n  ")
         return 1

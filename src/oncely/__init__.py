@@ -11,12 +11,11 @@ The public API lives here and nowhere else; every name below is stable. Start wi
     if handled.outcome is oncely.Outcome.KEY_CONFLICT: ...
 """
 
+import importlib
+import warnings
 from typing import TYPE_CHECKING
 
-from oncely._async.inbox import AsyncInbox
-from oncely._async.memory import AsyncMemoryStore
-from oncely._async.protocols import AsyncStore, AsyncTransactionalStore
-from oncely._async.sqlite import AsyncSQLiteStore
+from oncely._core import records as _records
 from oncely._core.clock import Clock, FakeClock, SystemClock
 from oncely._core.codec import Codec, JSONCodec, RawCodec
 from oncely._core.context import Current, current
@@ -44,12 +43,7 @@ from oncely._core.policy import (
     StaleClaim,
     format_duration,
 )
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
-from oncely._drivers.sqlite import SQLiteSettings
-from oncely._sync.inbox import Inbox
-from oncely._sync.memory import MemoryStore
-from oncely._sync.protocols import Store, TransactionalStore
-from oncely._sync.sqlite import SQLiteStore
+from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -78,43 +72,60 @@ from oncely.errors import (
     TransactionsUnsupported,
     UnfingerprintablePayload,
 )
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.sync_inbox import Inbox
 from oncely.stores import open_async_store as open_async
 from oncely.stores import open_store as open  # noqa: A004 - `oncely.open(url)` mirrors the URL API
 from oncely.stores import redact
+from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
+from oncely.stores.memory.async_store import AsyncMemoryStore
+from oncely.stores.memory.sync_store import MemoryStore
+from oncely.stores.sqlite.errors import SQLiteSettings
+from oncely.stores.sqlite.sync_store import SQLiteStore
+from oncely.stores.sync_protocols import Store, TransactionalStore
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the optional stores, for type checkers; imported lazily at run time
-    from oncely._async.mysql import AsyncMySQLStore as AsyncMySQLStore
-    from oncely._async.postgres import AsyncPostgresStore as AsyncPostgresStore
-    from oncely._async.redis import AsyncRedisStore as AsyncRedisStore
-    from oncely._sync.mysql import MySQLStore as MySQLStore
-    from oncely._sync.postgres import PostgresStore as PostgresStore
-    from oncely._sync.redis import RedisStore as RedisStore
+    from oncely._core.records import Claim as Claim
+    from oncely._core.records import ClaimRequest as ClaimRequest
+    from oncely._core.records import ClaimStatus as ClaimStatus
+    from oncely.stores.mysql import AsyncMySQLStore as AsyncMySQLStore
+    from oncely.stores.mysql import MySQLStore as MySQLStore
+    from oncely.stores.postgres import AsyncPostgresStore as AsyncPostgresStore
+    from oncely.stores.postgres import PostgresStore as PostgresStore
+    from oncely.stores.redis import AsyncRedisStore as AsyncRedisStore
+    from oncely.stores.redis import RedisStore as RedisStore
+    from oncely.stores.sqlite import AsyncSQLiteStore as AsyncSQLiteStore
 
-# Stores whose drivers are optional extras are imported on first use, so `import oncely` never
-# needs psycopg, PyMySQL or redis-py: `oncely.PostgresStore` works once `oncely[postgres]` is in.
+# Stores whose drivers are optional extras are imported on first use, so `import oncely` needs
+# nothing beyond the standard library: `oncely.PostgresStore` works once `oncely[postgres]` is
+# in, and says which extra to install when it is not.
 _OPTIONAL = {
-    "PostgresStore": ("oncely._sync.postgres", "postgres"),
-    "AsyncPostgresStore": ("oncely._async.postgres", "postgres"),
-    "MySQLStore": ("oncely._sync.mysql", "mysql"),
-    "AsyncMySQLStore": ("oncely._async.mysql", "mysql"),
-    "RedisStore": ("oncely._sync.redis", "redis"),
-    "AsyncRedisStore": ("oncely._async.redis", "redis"),
+    "PostgresStore": "oncely.stores.postgres",
+    "AsyncPostgresStore": "oncely.stores.postgres",
+    "MySQLStore": "oncely.stores.mysql",
+    "AsyncMySQLStore": "oncely.stores.mysql",
+    "RedisStore": "oncely.stores.redis",
+    "AsyncRedisStore": "oncely.stores.redis",
+    "AsyncSQLiteStore": "oncely.stores.sqlite",
 }
+# Types only store authors need; they live in oncely.stores now.
+_MOVED = {"Claim", "ClaimRequest", "ClaimStatus"}
 
 
 def __getattr__(name: str) -> object:
-    if name not in _OPTIONAL:
+    if name in _MOVED:
+        warnings.warn(
+            f"oncely.{name} is for store authors and moved to oncely.stores.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_records, name)
+    package = _OPTIONAL.get(name)
+    if package is None:
         raise AttributeError(f"module 'oncely' has no attribute {name!r}")
-    module_name, extra = _OPTIONAL[name]
-    try:
-        module = __import__(module_name, fromlist=[name])
-    except ModuleNotFoundError as exc:
-        raise ImportError(
-            f"oncely.{name} needs the {exc.name!r} package: pip install 'oncely[{extra}]'"
-        ) from exc
-    return getattr(module, name)
+    return getattr(importlib.import_module(package), name)
 
 
 __all__ = [
@@ -127,9 +138,6 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "BusinessKey",
-    "Claim",
-    "ClaimRequest",
-    "ClaimStatus",
     "Clock",
     "CloudEventsKey",
     "Codec",

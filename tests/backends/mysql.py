@@ -12,9 +12,9 @@ from typing import Any
 import pymysql
 
 import oncely
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._drivers.mysql import parse_url
-from oncely._sync.mysql import MySQLStore
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.errors import parse_url
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.services import MYSQL_URL, require
 
 from . import Backend, Scope

@@ -12,8 +12,8 @@ from typing import Any
 import psycopg
 
 import oncely
-from oncely._async.postgres import AsyncPostgresStore
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN, require
 
 from . import Backend, Scope

@@ -8,7 +8,7 @@ import redis
 
 import oncely
 from oncely import FakeClock
-from oncely._sync.redis import RedisStore
+from oncely.stores.redis.sync_store import RedisStore
 from tests.services import REDIS_URL, require
 
 from . import Backend, Scope

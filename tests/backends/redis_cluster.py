@@ -9,7 +9,7 @@ from redis.cluster import RedisCluster
 
 import oncely
 from oncely import FakeClock
-from oncely._sync.redis import RedisStore
+from oncely.stores.redis.sync_store import RedisStore
 from tests import redis_cluster
 from tests.services import REQUIRED
 

@@ -3,8 +3,8 @@
 A hypothesis :class:`RuleBasedStateMachine` drives a real store and
 :class:`oncely._core.table.RecordTable` (the state table of :mod:`oncely._core.state`, executed
 in memory) with the same operations on one shared :class:`oncely.FakeClock`, and asserts that
-every answer is equal: the :class:`~oncely.Claim` of each claim and takeover, the records that
-complete, fail and renew return, :class:`~oncely.LeaseLost` raised by both with the same
+every answer is equal: the :class:`~oncely.stores.Claim` of each claim and takeover, the records
+that complete, fail and renew return, :class:`~oncely.LeaseLost` raised by both with the same
 ``current`` record, release booleans, purge counts, and after every step each record (``get``)
 and the ``stats``.
 

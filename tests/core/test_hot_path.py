@@ -1,7 +1,7 @@
 """The per-message fast paths keep every behaviour of the slow ones they replace.
 
 * ``new_record`` / ``new_claim`` / ``new_handled`` / ``claim_event`` build frozen dataclasses
-  (:class:`~oncely.Record`, :class:`~oncely.Claim`, :class:`~oncely.Handled` and the state
+  (:class:`~oncely.Record`, :class:`~oncely.stores.Claim`, :class:`~oncely.Handled` and the state
   machine's ``ClaimEvent``) without their ``object.__setattr__`` per field: what they build
   must be indistinguishable from the constructor's object (type, equality, hash, repr,
   immutability, dataclass helpers, pickle).
@@ -36,7 +36,6 @@ from hypothesis import strategies as st
 
 import oncely
 from oncely import Outcome
-from oncely._async.inbox_base import new_token
 from oncely._core.fingerprint import canonical_json, fingerprint
 from oncely._core.observe import Observer
 from oncely._core.outcomes import Handled, new_handled
@@ -60,6 +59,7 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely.errors import UnfingerprintablePayload
+from oncely.inbox.async_base import new_token
 
 RECORD_FIELDS: tuple[Any, ...] = (
     "billing",

@@ -20,15 +20,15 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
-from oncely._async._concurrency import AsyncHeartbeats
-from oncely._async.inbox import AsyncInbox
-from oncely._async.protocols import AsyncTransactionalStore
 from oncely._core.keys import Envelope, KeySource, MessageIdKey
 from oncely._core.observe import level_of
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.wire import escaped, printable
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, OncelyError
+from oncely.inbox.async_heartbeats import AsyncHeartbeats
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.stores.async_protocols import AsyncTransactionalStore
 
 __all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
 

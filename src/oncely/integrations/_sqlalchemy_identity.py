@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
     from sqlalchemy.pool import PoolProxiedConnection
 
-    from oncely._async.protocols import AsyncTransactionalStore
-    from oncely._sync.protocols import TransactionalStore
+    from oncely.stores.async_protocols import AsyncTransactionalStore
+    from oncely.stores.sync_protocols import TransactionalStore
 
 __all__ = [
     "Identity",

@@ -38,7 +38,7 @@ _LITE = frozenset({"sqlite"})
 
 SYNC_KINDS = (
     Kind(
-        "oncely._sync.postgres",
+        "oncely.stores.postgres.sync_store",
         "PostgresStore",
         "postgresql",
         _PG,
@@ -48,7 +48,7 @@ SYNC_KINDS = (
         "create_engine('postgresql+psycopg://...')",
     ),
     Kind(
-        "oncely._sync.mysql",
+        "oncely.stores.mysql.sync_store",
         "MySQLStore",
         "mysql",
         _MY,
@@ -58,7 +58,7 @@ SYNC_KINDS = (
         "create_engine('mysql+pymysql://...') (or 'mariadb+pymysql://...')",
     ),
     Kind(
-        "oncely._sync.sqlite",
+        "oncely.stores.sqlite.sync_store",
         "SQLiteStore",
         "sqlite",
         _LITE,
@@ -71,7 +71,7 @@ SYNC_KINDS = (
 
 ASYNC_KINDS = (
     Kind(
-        "oncely._async.postgres",
+        "oncely.stores.postgres.async_store",
         "AsyncPostgresStore",
         "postgresql",
         _PG,
@@ -81,7 +81,7 @@ ASYNC_KINDS = (
         "create_async_engine('postgresql+psycopg://...')",
     ),
     Kind(
-        "oncely._async.mysql",
+        "oncely.stores.mysql.async_store",
         "AsyncMySQLStore",
         "mysql",
         _MY,
@@ -91,7 +91,7 @@ ASYNC_KINDS = (
         "create_async_engine('mysql+aiomysql://...') (or 'mariadb+aiomysql://...')",
     ),
     Kind(
-        "oncely._async.sqlite",
+        "oncely.stores.sqlite.async_store",
         "AsyncSQLiteStore",
         "sqlite",
         _LITE,

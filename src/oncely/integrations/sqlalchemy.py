@@ -95,12 +95,10 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         "function): pip install 'oncely[sqlalchemy]'"
     ) from exc
 
-from oncely._async.inbox import AsyncInbox
-from oncely._async.protocols import AsyncTransactionalStore
 from oncely._core.outcomes import Handled
-from oncely._sync.inbox import Inbox
-from oncely._sync.protocols import TransactionalStore
 from oncely.errors import PayloadError, StoreError
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.sync_inbox import Inbox
 from oncely.integrations._sqlalchemy_identity import (
     check_session,
     check_session_async,
@@ -114,6 +112,8 @@ from oncely.integrations._sqlalchemy_join import (
     kind_of,
     needs_begin,
 )
+from oncely.stores.async_protocols import AsyncTransactionalStore
+from oncely.stores.sync_protocols import TransactionalStore
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession

@@ -16,54 +16,55 @@ Each store reads its own options from the query string (for SQLite: ``table``,
 ``synchronous``, ``busy_timeout``, ``pool_size``, ``migrate``) and refuses unknown ones. The
 backend module is imported only when its scheme is used, so a missing driver is reported with
 the extra that installs it. Passwords never appear in errors or logs (:func:`redact`).
+
+Stores are found through the entry-point group ``oncely.stores`` (scheme -> a
+:class:`StoreBackend`), so a package of its own adds a scheme (see :mod:`._backend`). This
+package also holds what a store author needs: the protocols (:class:`Store`,
+:class:`AsyncStore`, the transactional ones), the records and claims a store returns, and
+``oncely.testing.contract``, the suite that certifies a store.
+
+One folder per store, each of the same shape: ``dialect`` (statements or scripts as text),
+``errors`` (the driver's exceptions as oncely's, and the URL options), ``async_io`` (the
+driver's calls and connection pool), ``async_base``, ``async_tx`` and ``async_store`` (the
+store), each ``async_*`` module the source of a generated ``sync_*`` twin beside it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, cast
-
-from oncely._async.protocols import AsyncStore
 from oncely._core.clock import Clock
-from oncely._sync.protocols import Store
-from oncely._urls import load_by_scheme, redact
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._urls import redact
+from oncely.stores._backend import ENTRY_POINT_GROUP, Backend, StoreBackend, backend_for, schemes
+from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
+from oncely.stores.sync_protocols import Store, TransactionalStore
 
-__all__ = ["SCHEMES", "open_async_store", "open_store", "redact"]
-
-
-class _FromUrl(Protocol):
-    def from_url(self, url: str, *, clock: Clock | None = None) -> object: ...
-
-
-# scheme -> (sync "module:Class", async "module:Class", extra that installs its driver)
-_BACKENDS: dict[str, tuple[str, str, str]] = {
-    "memory": ("oncely._sync.memory:MemoryStore", "oncely._async.memory:AsyncMemoryStore", ""),
-    "sqlite": (
-        "oncely._sync.sqlite:SQLiteStore",
-        "oncely._async.sqlite:AsyncSQLiteStore",
-        "sqlite",
-    ),
-    "postgresql": (
-        "oncely._sync.postgres:PostgresStore",
-        "oncely._async.postgres:AsyncPostgresStore",
-        "postgres",
-    ),
-    "mysql": ("oncely._sync.mysql:MySQLStore", "oncely._async.mysql:AsyncMySQLStore", "mysql"),
-    "redis": ("oncely._sync.redis:RedisStore", "oncely._async.redis:AsyncRedisStore", "redis"),
-}
-_ALIASES = {"postgres": "postgresql", "mariadb": "mysql", "rediss": "redis"}
-
-SCHEMES = tuple(sorted({*_BACKENDS, *_ALIASES}))
-
-
-def _load(url: str, which: int) -> _FromUrl:
-    return cast(_FromUrl, load_by_scheme(url, _BACKENDS, _ALIASES, which, "store"))
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "Backend",
+    "Claim",
+    "ClaimRequest",
+    "ClaimStatus",
+    "Record",
+    "Status",
+    "Store",
+    "StoreBackend",
+    "StoreStats",
+    "TransactionalStore",
+    "backend_for",
+    "open_async_store",
+    "open_store",
+    "redact",
+    "schemes",
+]
 
 
 def open_store(url: str, *, clock: Clock | None = None) -> Store:
     """A synchronous store for ``url`` (see the module docstring for the schemes)."""
-    return cast(Store, _load(url, 0).from_url(url, clock=clock))
+    return backend_for(url).open(url, clock=clock)
 
 
 def open_async_store(url: str, *, clock: Clock | None = None) -> AsyncStore:
     """An asyncio store for ``url`` (see the module docstring for the schemes)."""
-    return cast(AsyncStore, _load(url, 1).from_url(url, clock=clock))
+    return backend_for(url).open_async(url, clock=clock)

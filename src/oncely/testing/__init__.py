@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from oncely._async._types import AsyncHandler
-from oncely._async.inbox import AsyncInbox
-from oncely._async.memory import AsyncMemoryStore
 from oncely._core.clock import FakeClock
 from oncely._core.outcomes import Handled
-from oncely._sync._types import Handler
-from oncely._sync.inbox import Inbox
-from oncely._sync.memory import MemoryStore
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.async_types import AsyncHandler
+from oncely.inbox.sync_inbox import Inbox
+from oncely.inbox.sync_types import Handler
+from oncely.stores.memory.async_store import AsyncMemoryStore
+from oncely.stores.memory.sync_store import MemoryStore
 
 __all__ = [
     "AsyncMemoryStore",

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from oncely._sync.mysql import MySQLStore
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import drop_tables, url
 from tests.services import MYSQL_URL, require
 

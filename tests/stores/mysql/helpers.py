@@ -14,16 +14,16 @@ LEASE_MS = 30_000
 KEEP_MS = 7 * 86_400_000
 
 
-def _claim(store: Any, key: str, token: str, *, consumer: str = "billing") -> oncely.Claim:
-    claim: oncely.Claim = store.claim(
+def _claim(store: Any, key: str, token: str, *, consumer: str = "billing") -> oncely.stores.Claim:
+    claim: oncely.stores.Claim = store.claim(
         consumer, key, fingerprint="f", token=token, lease_ms=LEASE_MS, keep_ms=KEEP_MS,
         takeover=False,
     )  # fmt: skip
     return claim
 
 
-def _claim_in(store: Any, tx: Any, key: str, token: str) -> oncely.Claim:
-    claim: oncely.Claim = store.claim_in(
+def _claim_in(store: Any, tx: Any, key: str, token: str) -> oncely.stores.Claim:
+    claim: oncely.stores.Claim = store.claim_in(
         tx, "billing", key, fingerprint="f", token=token, keep_ms=KEEP_MS, takeover=False
     )
     return claim

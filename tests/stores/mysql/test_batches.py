@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 import oncely
-from oncely import ClaimStatus
 from oncely._core.records import ClaimRequest
 from oncely._core.state import ClaimEvent, CompleteEvent, FailEvent
 from oncely._core.table import RecordTable
-from oncely._dialects.mysql import MAX_KEY_BYTES
-from oncely._sync.mysql import MySQLStore
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.dialect import MAX_KEY_BYTES
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import url
 from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _server_ms
 

@@ -18,10 +18,10 @@ import pytest
 
 import oncely
 from oncely import Outcome, Status
-from oncely._sync.mysql import MySQLStore
 from oncely.errors import (
     StoreUnavailable,
 )
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import sql, url
 from tests.chaos.crash_workers import Broker, Log, Tripwire
 from tests.chaos.harness import Processes

@@ -11,15 +11,16 @@ import pymysql
 import pytest
 
 import oncely
-from oncely import ClaimStatus, Status
+from oncely import Status
 from oncely._core.records import ClaimRequest
-from oncely._drivers.mysql import translate
-from oncely._sync.mysql import MySQLStore
 from oncely.errors import (
     StoreError,
     StoreUnavailable,
     TransactionRequired,
 )
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.errors import translate
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import admin, sql
 from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _claim_in, _deadlocks, _in_thread
 
@@ -60,7 +61,7 @@ def test_r8_a_claim_waits_for_a_first_claimer_that_has_not_committed(
     a.begin()
     assert _claim_in(store, a, "k", "A").status is ClaimStatus.NEW
 
-    def claim_b() -> oncely.Claim:
+    def claim_b() -> oncely.stores.Claim:
         if second == "two_phase":
             return _claim(store, "k", "B")
         b = admin()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._sync.mysql import MySQLStore
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import drop_tables, url
 from tests.contract.test_model_stateful import Blocking, StoreMatchesModel
 

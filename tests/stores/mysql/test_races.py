@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 import oncely
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._sync.mysql import MySQLStore
 from oncely.errors import (
     StoreError,
 )
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import url
 from tests.chaos.harness import Processes
 from tests.chaos.workers import Orphan, write_json
@@ -38,7 +38,7 @@ def race_worker(
     tally: dict[str, Any] = {"worker": worker, "won": [], "seen": {}, "errors": []}
     orphan = Orphan(parent_pid)
 
-    def note(key: str, claim: oncely.Claim) -> None:
+    def note(key: str, claim: oncely.stores.Claim) -> None:
         if claim.won:
             tally["won"].append(key)
         tally["seen"][key] = claim.record.token

@@ -14,12 +14,12 @@ from pathlib import Path
 import pymysql
 import pytest
 
-from oncely import ClaimStatus
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._sync.mysql import MySQLStore
 from oncely.errors import (
     StoreUnavailable,
 )
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.stores.mysql.helpers import _claim, _claim_in, _free_port
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import oncely
 from oncely._core.records import ClaimRequest
-from oncely._sync.mysql import MySQLStore
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import admin, sql, url
 from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _claim_in, _questions
 

@@ -9,14 +9,15 @@ import threading
 import pytest
 
 import oncely
-from oncely import ClaimStatus, Outcome
-from oncely._dialects.mysql import MAX_KEY_BYTES
-from oncely._sync.mysql import MySQLStore
+from oncely import Outcome
 from oncely.errors import (
     KeyTooLong,
     SchemaMissing,
     SchemaTooNew,
 )
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.dialect import MAX_KEY_BYTES
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import admin, drop_tables, sql, url
 from tests.stores.mysql.helpers import LEASE_MS, _claim, _claim_in, _in_thread, _server_ms
 

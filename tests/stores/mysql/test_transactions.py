@@ -10,13 +10,14 @@ import aiomysql
 import pytest
 
 import oncely
-from oncely import ClaimStatus, Outcome
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._drivers.mysql import parse_url
-from oncely._sync.mysql import MySQLStore
+from oncely import Outcome
 from oncely.errors import (
     TransactionRequired,
 )
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.errors import parse_url
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import admin, sql, url
 from tests.services import MYSQL_URL
 from tests.stores.mysql.helpers import KEEP_MS

@@ -10,14 +10,14 @@ import uuid
 import pytest
 
 import oncely
-from oncely import ClaimStatus
-from oncely._async.mysql import AsyncMySQLStore
-from oncely._drivers.mysql import parse_url
-from oncely._sync.mysql import MySQLStore
 from oncely.errors import (
     ConfigurationError,
     InvalidIdentifier,
 )
+from oncely.stores import ClaimStatus
+from oncely.stores.mysql.async_store import AsyncMySQLStore
+from oncely.stores.mysql.errors import parse_url
+from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import drop_tables, sql, url
 from tests.stores.mysql.helpers import _claim
 

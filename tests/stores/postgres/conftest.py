@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.backends.postgres import drop_tables
 from tests.services import POSTGRES_DSN, require
 

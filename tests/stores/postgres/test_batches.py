@@ -12,12 +12,12 @@ import psycopg
 import pytest
 
 import oncely
-from oncely import ClaimStatus
 from oncely._core.records import ClaimRequest
 from oncely._core.state import ClaimEvent, CompleteEvent, FailEvent
 from oncely._core.table import RecordTable
-from oncely._dialects.postgres import PostgresDialect, text_array
-from oncely._sync.postgres import PostgresStore
+from oncely.stores import ClaimStatus
+from oncely.stores.postgres.dialect import PostgresDialect, text_array
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _TWO_PHASE, KEEP_MS, LEASE_MS, _sql
 

@@ -20,7 +20,7 @@ import pytest
 
 import oncely
 from oncely import Outcome, Status
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.chaos.harness import Processes
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _ledger, _ledger_counts, _sql

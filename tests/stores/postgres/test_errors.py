@@ -9,9 +9,9 @@ import pytest
 
 import oncely
 from oncely import Outcome
-from oncely._async.postgres import AsyncPostgresStore
 from oncely._core.records import ClaimRequest
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _TWO_PHASE, _traced
 

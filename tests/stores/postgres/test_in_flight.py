@@ -15,11 +15,11 @@ import psycopg
 import pytest
 
 import oncely
-from oncely import ClaimStatus
-from oncely._async.postgres import AsyncPostgresStore
-from oncely._dialects.postgres import PostgresDialect
-from oncely._sync._postgres_io import fetchall
-from oncely._sync.postgres import PostgresStore
+from oncely.stores import ClaimStatus
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.dialect import PostgresDialect
+from oncely.stores.postgres.sync_io import fetchall
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import KEEP_MS, LEASE_MS, _claim, _sql
 
@@ -81,7 +81,7 @@ def test_r8_a_claim_waits_for_an_uncommitted_claim_and_sees_how_it_ends(
             raise _Abort
     b.join(10)
     got = answers["b"]
-    assert isinstance(got, oncely.Claim), got
+    assert isinstance(got, oncely.stores.Claim), got
     record = store.get("c", "k")
     if first == "commits":
         assert got.status is ClaimStatus.EXISTING and got.record == won.record == record
@@ -135,7 +135,7 @@ async def test_r8_async_claim_waits_for_an_uncommitted_claim(table: str) -> None
     await store.aclose()
 
 
-async def _claim_async(store: AsyncPostgresStore) -> oncely.Claim:
+async def _claim_async(store: AsyncPostgresStore) -> oncely.stores.Claim:
     return await store.claim(
         "c", "k", fingerprint=None, token="B", lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=True
     )

@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import oncely
-from oncely._async.postgres import AsyncPostgresStore
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.contract.test_model_stateful import Blocking, _machine
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _sql

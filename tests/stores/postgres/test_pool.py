@@ -18,7 +18,7 @@ import pytest
 
 import oncely
 from oncely import Outcome
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _sql
 
@@ -190,7 +190,7 @@ def test_kept_connections_go_back_to_the_pool_once_their_time_is_up(
     table: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """So the pool's checks and max_lifetime still reach them (see PostgresStore._release)."""
-    monkeypatch.setattr("oncely._sync.postgres_base._KEEP_SECONDS", 0.5)
+    monkeypatch.setattr("oncely.stores.postgres.sync_base._KEEP_SECONDS", 0.5)
     store = PostgresStore(POSTGRES_DSN, table=table, pool_max=4)
     inbox = oncely.Inbox(store, consumer="c")
     inbox.handle("warm", 1, lambda p: p)
@@ -242,7 +242,7 @@ def test_only_connections_the_store_holds_alone_reuse_its_cursor(table: str) -> 
     connection goes back to a pool, also to a pool of the caller's."""
     from psycopg_pool import ConnectionPool
 
-    from oncely._sync import _postgres_io
+    from oncely.stores.postgres import sync_io as _postgres_io
 
     store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
     inbox = oncely.Inbox(store, consumer="c")

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import oncely
-from oncely._async.postgres import AsyncPostgresStore
 from oncely._core.records import ClaimRequest
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.chaos.harness import Processes
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _TWO_PHASE, KEEP_MS, LEASE_MS, _claim, _sql
@@ -73,7 +73,7 @@ def _race_worker(table: str, worker: int, keys: int, api: str, out: str, start_l
     random.Random(worker).shuffle(order)
     answers: dict[str, tuple[str, str]] = {}
 
-    def note(key: str, claim: oncely.Claim) -> None:
+    def note(key: str, claim: oncely.stores.Claim) -> None:
         answers[key] = (claim.status.value, claim.record.token)
 
     common = {"lease_ms": LEASE_MS, "keep_ms": KEEP_MS, "takeover": False}

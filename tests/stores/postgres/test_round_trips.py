@@ -10,7 +10,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 import oncely
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import KEEP_MS, _claim, _ledger, _ledger_counts, _traced
 

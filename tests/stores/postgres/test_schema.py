@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import oncely
-from oncely import ClaimStatus
-from oncely._sync.postgres import PostgresStore
+from oncely.stores import ClaimStatus
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.backends.postgres import drop_tables
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import LEASE_MS, _claim, _sql

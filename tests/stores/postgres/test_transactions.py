@@ -16,9 +16,10 @@ import pytest
 from psycopg import pq
 
 import oncely
-from oncely import ClaimStatus, Outcome
-from oncely._async.postgres import AsyncPostgresStore
-from oncely._sync.postgres import PostgresStore
+from oncely import Outcome
+from oncely.stores import ClaimStatus
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import KEEP_MS, _claim, _ledger, _ledger_counts, _traced
 
@@ -185,7 +186,7 @@ def test_r7_a_claim_failing_after_its_savepoint_leaves_the_caller_transaction_us
 def test_r7_savepoints_left_open_are_bounded_per_caller_transaction(table: str) -> None:
     """At most OPEN_SAVEPOINTS of them stay open in one transaction; past that each message
     releases its own. A new transaction on the same connection starts the count again."""
-    from oncely._sync.postgres_tx import OPEN_SAVEPOINTS
+    from oncely.stores.postgres.sync_tx import OPEN_SAVEPOINTS
 
     store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
     ledger = _ledger(table)
@@ -497,7 +498,7 @@ def test_r7_a_statement_failing_with_the_commit_always_raises_its_own_error() ->
     connection, a result too long for a CHECK became StoreUnavailable and threw away the
     store's kept connections (a loaded host did it about once in a hundred). The statement's
     own error comes out, every time, and the transaction is left for the caller to roll back."""
-    from oncely._sync._postgres_io import commit_after
+    from oncely.stores.postgres.sync_io import commit_after
 
     with psycopg.connect(POSTGRES_DSN) as conn:
         conn.execute("CREATE TEMP TABLE small (v int CHECK (v < 10))")
@@ -514,7 +515,7 @@ def test_r7_a_statement_failing_with_the_commit_always_raises_its_own_error() ->
 
 
 async def test_r7_async_a_statement_failing_with_the_commit_always_raises_its_own_error() -> None:
-    from oncely._async._postgres_io import commit_after
+    from oncely.stores.postgres.async_io import commit_after
 
     async with await psycopg.AsyncConnection.connect(POSTGRES_DSN) as conn:
         await conn.execute("CREATE TEMP TABLE small (v int CHECK (v < 10))")

@@ -12,8 +12,8 @@ from psycopg_pool import ConnectionPool
 
 import oncely
 from oncely import Outcome
-from oncely._async.postgres import AsyncPostgresStore
-from oncely._sync.postgres import PostgresStore
+from oncely.stores.postgres.async_store import AsyncPostgresStore
+from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
 from tests.stores.postgres.helpers import _sql
 

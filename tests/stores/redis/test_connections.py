@@ -18,10 +18,11 @@ from redis.exceptions import ConnectionError as ConnError
 from redis.retry import Retry
 
 import oncely
-from oncely import ClaimStatus, Outcome, StoreUnavailable
-from oncely._async.redis import AsyncRedisStore
+from oncely import Outcome, StoreUnavailable
 from oncely._core.records import ClaimRequest
-from oncely._sync.redis import RedisStore
+from oncely.stores import ClaimStatus
+from oncely.stores.redis.async_store import AsyncRedisStore
+from oncely.stores.redis.sync_store import RedisStore
 from tests import redis_cluster
 from tests.backends.redis import drop_prefix, with_options
 from tests.stores.redis.helpers import KEEP_MS, LEASE_MS, _charge

@@ -12,7 +12,6 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 import oncely
 from oncely import (
-    ClaimStatus,
     ConfigurationError,
     InvalidIdentifier,
     Outcome,
@@ -21,11 +20,11 @@ from oncely import (
     StoreUnavailable,
     TransactionsUnsupported,
 )
-from oncely._async.redis import AsyncRedisStore
-from oncely._core.records import ClaimRequest
-from oncely._dialects.redis import RedisKeys
-from oncely._drivers.redis import parse_url
-from oncely._sync.redis import RedisStore
+from oncely.stores import ClaimRequest, ClaimStatus
+from oncely.stores.redis.async_store import AsyncRedisStore
+from oncely.stores.redis.dialect import RedisKeys
+from oncely.stores.redis.errors import parse_url
+from oncely.stores.redis.sync_store import RedisStore
 from tests import redis_cluster
 from tests.backends.redis import with_options
 from tests.stores.redis.helpers import KEEP_MS, LEASE_MS, _charge

@@ -16,10 +16,11 @@ import redis
 from redis._parsers.base import BaseParser
 
 import oncely
-from oncely import ClaimStatus, StoreError, StoreUnavailable
-from oncely._dialects.redis import RedisKeys
-from oncely._drivers.redis import translate
-from oncely._sync.redis import RedisStore
+from oncely import StoreError, StoreUnavailable
+from oncely.stores import ClaimStatus
+from oncely.stores.redis.dialect import RedisKeys
+from oncely.stores.redis.errors import translate
+from oncely.stores.redis.sync_store import RedisStore
 from tests.backends.redis import drop_prefix
 
 # ----------------------------------------------------------------------------- errors

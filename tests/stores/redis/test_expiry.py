@@ -10,10 +10,11 @@ import pytest
 import redis
 
 import oncely
-from oncely import ClaimStatus, FakeClock, Status
+from oncely import FakeClock, Status
 from oncely._core.records import ClaimRequest
-from oncely._dialects.redis import RedisKeys
-from oncely._sync.redis import RedisStore
+from oncely.stores import ClaimStatus
+from oncely.stores.redis.dialect import RedisKeys
+from oncely.stores.redis.sync_store import RedisStore
 from tests.stores.redis.helpers import KEEP_MS, LEASE_MS
 
 # ----------------------------------------------------------------------------- expiry

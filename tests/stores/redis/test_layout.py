@@ -14,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oncely
-from oncely import ClaimStatus, FakeClock
-from oncely._async.redis import AsyncRedisStore
+from oncely import FakeClock
 from oncely._core.records import ClaimRequest
-from oncely._dialects.redis import RedisKeys
-from oncely._drivers.redis import pack_evalsha, slot_of
-from oncely._sync.redis import RedisStore
+from oncely.stores import ClaimStatus
+from oncely.stores.redis.async_store import AsyncRedisStore
+from oncely.stores.redis.dialect import RedisKeys
+from oncely.stores.redis.errors import pack_evalsha, slot_of
+from oncely.stores.redis.sync_store import RedisStore
 from tests.backends.redis import with_options
 from tests.stores.redis.helpers import KEEP_MS, LEASE_MS, _url_for
 

@@ -1,1 +1,0 @@
-"""The asyncio implementation: the source from which ``oncely._sync`` is generated."""

@@ -1,0 +1,142 @@
+"""How a store is found from its URL: a backend per scheme, registered by entry point.
+
+A backend is any object with ``open(url, *, clock=None)`` (a :class:`~oncely.Store`) and
+``open_async(url, *, clock=None)`` (an :class:`~oncely.AsyncStore`). Packages register theirs
+under the entry-point group ``oncely.stores``, the scheme as the name::
+
+    [project.entry-points."oncely.stores"]
+    shelf = "my_package.shelf:backend"
+
+oncely registers its own stores the same way (see ``pyproject.toml``), so a store published as
+a separate package works with :func:`oncely.open` and the command line with no change to
+oncely. :class:`Backend` is the usual way to write one: two ``"module:Class"`` names whose
+classes have a ``from_url(url, *, clock=None)``, imported only when the scheme is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Protocol, cast
+
+from oncely._urls import redact, split
+from oncely.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from oncely._core.clock import Clock
+    from oncely.stores.async_protocols import AsyncStore
+    from oncely.stores.sync_protocols import Store
+
+__all__ = ["ENTRY_POINT_GROUP", "Backend", "StoreBackend", "backend_for", "schemes"]
+
+ENTRY_POINT_GROUP = "oncely.stores"
+
+
+class StoreBackend(Protocol):
+    """What an ``oncely.stores`` entry point names: the stores of one URL scheme."""
+
+    def open(self, url: str, *, clock: Clock | None = None) -> Store:
+        """A synchronous store for ``url``."""
+        ...
+
+    def open_async(self, url: str, *, clock: Clock | None = None) -> AsyncStore:
+        """An asyncio store for ``url``."""
+        ...
+
+
+class _FromUrl(Protocol):
+    def from_url(self, url: str, *, clock: Clock | None = None) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A backend whose two store classes are imported on first use: ``sync`` and ``async_``
+    are ``"module:Class"``; a driver that is not installed is reported with the extra that
+    installs it (``pip install 'oncely[<extra>]'``)."""
+
+    name: str
+    sync: str
+    async_: str
+    extra: str = ""
+
+    def open(self, url: str, *, clock: Clock | None = None) -> Store:
+        return cast("Store", self._load(self.sync, url).from_url(url, clock=clock))
+
+    def open_async(self, url: str, *, clock: Clock | None = None) -> AsyncStore:
+        return cast("AsyncStore", self._load(self.async_, url).from_url(url, clock=clock))
+
+    def load(self, target: str) -> object:
+        """The class ``target`` names (``"module:Class"``), or :class:`ImportError` naming the
+        extra to install when its driver is missing."""
+        module_name, _, class_name = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.startswith("oncely"):
+                raise
+            hint = f": pip install 'oncely[{self.extra}]'" if self.extra else ""
+            raise ImportError(
+                f"the {self.name} store needs the {exc.name!r} package{hint}", name=exc.name
+            ) from exc
+        return getattr(module, class_name)
+
+    def _load(self, target: str, url: str) -> _FromUrl:
+        try:
+            return cast(_FromUrl, self.load(target))
+        except ImportError as exc:
+            raise ConfigurationError(f"{redact(url)}: {exc}") from None
+
+
+# The stores that come with oncely, as pyproject.toml registers them; used when oncely runs
+# from a source tree without installed metadata (and as the order of precedence: a package
+# cannot take over one of these schemes).
+BUILT_IN: Mapping[str, str] = {
+    "memory": "oncely.stores.memory:backend",
+    "sqlite": "oncely.stores.sqlite:backend",
+    "postgresql": "oncely.stores.postgres:backend",
+    "postgres": "oncely.stores.postgres:backend",
+    "mysql": "oncely.stores.mysql:backend",
+    "mariadb": "oncely.stores.mysql:backend",
+    "redis": "oncely.stores.redis:backend",
+    "rediss": "oncely.stores.redis:backend",
+}
+
+
+def _registered() -> dict[str, str]:
+    found = dict(BUILT_IN)
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        scheme = entry.name.lower()
+        if scheme in BUILT_IN:
+            continue  # oncely's own (its metadata), or a package trying to take one over
+        found.setdefault(scheme, entry.value)
+    return found
+
+
+def schemes() -> tuple[str, ...]:
+    """Every URL scheme a store is registered for, oncely's and other packages'."""
+    return tuple(sorted(_registered()))
+
+
+def backend_for(url: str) -> StoreBackend:
+    """The backend registered for ``url``'s scheme, or :class:`~oncely.ConfigurationError`
+    naming the schemes there are."""
+    scheme = split(url).scheme.lower()
+    registered = _registered()
+    target = registered.get(scheme)
+    if target is None:
+        raise ConfigurationError(
+            f"{redact(url)}: unsupported store URL scheme {scheme!r}; supported: "
+            + ", ".join(f"{s}://" for s in sorted(registered))
+            + " (a package adds one with an 'oncely.stores' entry point)"
+        )
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigurationError(
+            f"{redact(url)}: the store registered for {scheme}:// ({target}) cannot be "
+            f"imported: {exc}"
+        ) from None
+    return cast(StoreBackend, getattr(module, attribute))

@@ -1,0 +1,140 @@
+"""What the SQL stores share that is pure text and rows: identifier checks, statement
+parameters and the row parsers.
+
+SQLite and PostgreSQL hand back the record's columns (``status, fingerprint, token, attempt,
+created_ms, updated_ms, lease_until_ms, expires_ms, result, error``) as Python values of the
+right type and bind named parameters from plain values, so one parser and one set of
+parameter builders (:class:`PlainRows`) serve both. MariaDB / MySQL keep text in
+``VARBINARY`` columns and have their own in :mod:`oncely.stores.mysql.dialect`; the stats rows
+of all three are parsed here. Names spliced into statements (tables, schemas) are checked by
+:func:`check_identifier`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+from oncely._core.records import Record, Status, StoreStats
+from oncely.errors import InvalidIdentifier
+
+__all__ = [
+    "STATUS",
+    "PlainRows",
+    "check_identifier",
+    "parse_record",
+    "parse_scanned",
+    "parse_stats",
+    "scan_params",
+]
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def check_identifier(name: str) -> str:
+    """``name`` if it is a plain SQL identifier (letters, digits, underscores; at most 63
+    characters, PostgreSQL's limit), else :class:`~oncely.InvalidIdentifier`. Names are
+    spliced into statements, so nothing else is accepted, quoted or not."""
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name):
+        raise InvalidIdentifier(
+            f"{name!r} is not a plain identifier: use letters, digits and underscores, "
+            "starting with a letter or underscore, at most 63 characters"
+        )
+    return name
+
+
+def scan_params(
+    now: int | None,
+    consumer: str | None,
+    status: Status | None,
+    after: tuple[str, str] | None,
+    limit: int,
+) -> dict[str, object]:
+    """The parameters of a ``scan`` statement: unexpired records in ``(consumer, key)`` order
+    after ``after`` (from the start when ``None``), optionally of one consumer and status.
+    ``now`` is ``None`` where the statement reads the server's clock."""
+    after_consumer, after_key = after if after is not None else ("", "")
+    return {
+        "now": now,
+        "consumer": consumer,
+        "status": status.value if status is not None else None,
+        "after_consumer": after_consumer,
+        "after_key": after_key,
+        "limit": limit,
+    }
+
+
+Q = TypeVar("Q", str, bytes)
+
+STATUS: dict[str, Status] = {s.value: s for s in Status}
+"""A status column's text to its :class:`Status` (faster than calling the enum)."""
+
+
+def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
+    """A record from a row of the record's columns (in that order)."""
+    result = row[8]
+    return Record(
+        consumer=consumer,
+        key=key,
+        status=STATUS[row[0]],
+        fingerprint=row[1],
+        token=row[2],
+        attempt=row[3],
+        created_ms=row[4],
+        updated_ms=row[5],
+        lease_until_ms=row[6],
+        expires_ms=row[7],
+        result=bytes(result) if result is not None else None,
+        error=row[9],
+    )
+
+
+def parse_scanned(row: Sequence[Any]) -> Record:
+    """A record from a row of ``scan``: consumer, key, then the record's columns."""
+    return parse_record(row[0], row[1], row[2:])
+
+
+def parse_stats(rows: Iterable[Sequence[Any]]) -> StoreStats:
+    """Store stats from rows of ``(consumer, status, live count, expired count)``, one per
+    consumer and status. A consumer may come as UTF-8 bytes and a count as a ``Decimal`` or
+    NULL (MariaDB's ``SUM``)."""
+    counts: dict[str, dict[Status, int]] = {}
+    expired = 0
+    for consumer, status, live, dead in rows:
+        expired += int(dead or 0)
+        if live:
+            name = consumer if isinstance(consumer, str) else bytes(consumer).decode("utf-8")
+            counts.setdefault(name, {})[STATUS[status]] = int(live)
+    return StoreStats(counts=counts, expired=expired)
+
+
+class PlainRows(Generic[Q]):
+    """The read side of a dialect whose driver binds and returns plain Python values (SQLite,
+    PostgreSQL): the parameters naming a record and those of ``scan``, and the row parsers.
+    :class:`~oncely.stores.async_sql.SQLStoreBase` runs ``get``, ``scan`` and ``stats`` with
+    them."""
+
+    __slots__ = ()
+
+    scan: Q
+
+    parse_record = staticmethod(parse_record)
+    parse_scanned = staticmethod(parse_scanned)
+
+    @staticmethod
+    def who(consumer: str, key: str) -> dict[str, object]:
+        """The parameters naming one record."""
+        return {"consumer": consumer, "key": key}
+
+    def scan_query(
+        self,
+        now: int | None,
+        consumer: str | None,
+        status: Status | None,
+        after: tuple[str, str] | None,
+        limit: int,
+    ) -> tuple[Q, dict[str, object]]:
+        """The ``scan`` statement and its parameters."""
+        return self.scan, scan_params(now, consumer, status, after, limit)

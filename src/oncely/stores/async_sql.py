@@ -1,0 +1,214 @@
+"""What the three SQL stores (SQLite, PostgreSQL, MariaDB / MySQL) share, written once.
+
+:class:`SQLStoreBase` holds the parts of the store contract whose logic is the same in each,
+whatever the driver: the schema check on first use and :meth:`~SQLStoreBase.migrate` (when to
+create the tables, when to refuse), the reads (``get``, ``scan``, ``stats``), ``forget`` and
+the batch loop of ``purge_expired``. A store gives it:
+
+* ``_dialect``, whose statements and row parsers it runs (:class:`Statements`);
+* ``_rows(op, sql, params)``: one statement on one of its connections, driver errors
+  translated (MariaDB's also retries a deadlock victim);
+* ``_setup(migrating=...)``: read the schema version and create the tables where
+  :meth:`~SQLStoreBase._tables_needed` says so, on a connection of its choosing;
+* ``_purge_batch(after, limit)``: one batch of the purge;
+* ``_place``: "table T in WHERE", for messages.
+
+What really differs stays in each store: connections and pools, the claim and the fenced
+writes (the hot path, tuned call by call per driver) and the transactional mode. Each store
+is three flat modules, one class each, each class built on the one before:
+
+* ``<db>_base``, ``<Db>StoreBase(SQLStoreBase)``: construction, connections, schema,
+  maintenance;
+* ``<db>_tx``, ``<Db>Transactions``: the transactional mode but for its claim (transaction
+  blocks, savepoints, checks and writes on a caller's connection);
+* ``<db>``, the public ``Async<Db>Store``: the message path (the claim, the fenced writes, and
+  ``claim_in``, which shares the claim's code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from oncely._core.forking import forget_parent_in_children
+from oncely._core.records import Record, Status, StoreStats
+from oncely.errors import SchemaMissing, SchemaTooNew, StoreError
+from oncely.stores._sql import parse_stats
+
+__all__ = ["Position", "SQLStoreBase", "Statements", "server_time"]
+
+Q = TypeVar("Q", str, bytes)
+
+Position = tuple[object, object]
+"""Where a purge stopped: the last (consumer, key) it looked at, as the driver returned them."""
+
+
+def server_time() -> None:
+    """The clock of a store whose statements read the server's (no fixed time)."""
+    return None
+
+
+class Statements(Protocol[Q]):
+    """What :class:`SQLStoreBase` runs of a dialect: statements (``str``, or ``bytes`` for
+    psycopg), parameter builders and row parsers."""
+
+    get: Q
+    stats: Q
+    forget: Q
+
+    def who(self, consumer: str, key: str) -> dict[str, object]:
+        """The parameters naming one record."""
+        ...
+
+    def scan_query(
+        self,
+        now: int | None,
+        consumer: str | None,
+        status: Status | None,
+        after: tuple[str, str] | None,
+        limit: int,
+    ) -> tuple[Q, dict[str, object]]:
+        """The ``scan`` statement for these filters, and its parameters."""
+        ...
+
+    def parse_record(self, consumer: str, key: str, row: Sequence[Any]) -> Record:
+        """A record from a row of the record's columns."""
+        ...
+
+    def parse_scanned(self, row: Sequence[Any]) -> Record:
+        """A record from a row of the ``scan`` statement."""
+        ...
+
+
+class SQLStoreBase(Generic[Q]):
+    """The shared part of the SQL stores (see the module's docstring)."""
+
+    supports_transactions = True
+
+    _SCHEMA_VERSION: ClassVar[int]
+    """The schema version this oncely writes (the store's dialect's)."""
+
+    _dialect: Statements[Q]
+    _now: Callable[[], int | None]
+    """The store's clock in epoch milliseconds, or None where the statement reads the server's."""
+
+    def __init__(self, *, migrate: bool) -> None:
+        self._auto_migrate = migrate
+        self._ready_lock = asyncio.Lock()
+        self._ready = False
+        self._closed = False
+        forget_parent_in_children(self)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: locks a thread of the parent may have held at the fork (a
+        heartbeat renewing a lease) start afresh; what else is the parent's is dropped where
+        the store next looks (its connections: on the next use)."""
+        self._ready_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ what each store gives
+
+    @property
+    def _place(self) -> str:
+        """The inbox table and where it is ("table T in WHERE"), for messages."""
+        raise NotImplementedError
+
+    async def _setup(self, *, migrating: bool) -> None:
+        """Check the schema, creating the tables where :meth:`_tables_needed` says so."""
+        raise NotImplementedError
+
+    async def _rows(self, op: str, sql: Q, params: Mapping[str, object]) -> list[Any]:
+        """One statement on one of the store's connections; its rows."""
+        raise NotImplementedError
+
+    async def _purge_batch(
+        self, after: Position | None, limit: int
+    ) -> tuple[int, int, Position | None]:
+        """Delete up to ``limit`` expired records after ``after`` (from the start when None)
+        in key order: how many it looked at, how many it deleted, and where it stopped."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ schema
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"{self!r} is closed")
+
+    def _tables_needed(self, version: int | None, *, migrating: bool) -> bool:
+        """Whether to create the tables, given the schema ``version`` found (None: no tables):
+        when they are missing, or older than this oncely's and ``migrating``.
+
+        Raises :class:`~oncely.SchemaTooNew` for a newer schema, and
+        :class:`~oncely.SchemaMissing` for missing tables unless ``migrating`` or the store
+        was opened with ``migrate=True``."""
+        supported = self._SCHEMA_VERSION
+        if version is not None and version > supported:
+            raise SchemaTooNew(
+                f"the {self._place} holds oncely schema version {version}; this oncely "
+                f"understands up to {supported}: upgrade oncely"
+            )
+        if version is None:
+            if not (migrating or self._auto_migrate):
+                raise SchemaMissing(
+                    f"no oncely {self._place}; run `oncely migrate --store URL` or open the "
+                    "store with migrate=True"
+                )
+            return True
+        return migrating and version < supported
+
+    async def _prepare(self) -> None:
+        async with self._ready_lock:
+            if not self._ready:
+                await self._setup(migrating=False)
+                self._ready = True
+
+    async def migrate(self) -> int:
+        if self._closed:
+            raise self._closed_error()
+        await self._setup(migrating=True)
+        self._ready = True
+        return self._SCHEMA_VERSION
+
+    # ------------------------------------------------------------ reads and maintenance
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        d = self._dialect
+        params = d.who(consumer, key)
+        params["now"] = self._now()
+        rows = await self._rows("get", d.get, params)
+        return d.parse_record(consumer, key, rows[0]) if rows else None
+
+    async def stats(self) -> StoreStats:
+        return parse_stats(await self._rows("stats", self._dialect.stats, {"now": self._now()}))
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        d = self._dialect
+        sql, params = d.scan_query(self._now(), consumer, status, after, limit)
+        return [d.parse_scanned(row) for row in await self._rows("scan", sql, params)]
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        # A DELETE ... RETURNING 1 (MariaDB / MySQL count affected rows instead: overridden).
+        d = self._dialect
+        return bool(await self._rows("forget", d.forget, d.who(consumer, key)))
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
+        deleted = 0
+        batches = 0
+        after: Position | None = None
+        while max_batches is None or batches < max_batches:
+            seen, gone, after = await self._purge_batch(after, batch_size)
+            if not seen:
+                break
+            deleted += gone
+            batches += 1
+            if seen < batch_size:
+                break
+        return deleted

@@ -1,0 +1,254 @@
+"""Hand-written: psycopg's asyncio classes and calls (twin: ``sync_io.py``).
+
+psycopg's sync and asyncio APIs have the same method names, so the store itself is generated;
+only the class names, connecting, and a background pool check differ, and live here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import tuple_row
+from psycopg_pool import AsyncConnectionPool
+
+__all__ = [
+    "ConnPool",
+    "Connection",
+    "Params",
+    "close_pool",
+    "commit_after",
+    "connect",
+    "disown",
+    "execute",
+    "fetchall",
+    "fetchall_after",
+    "fetchall_begun",
+    "is_connection",
+    "is_pool",
+    "make_pool",
+    "open_pool",
+    "own",
+    "recheck_soon",
+]
+
+Connection: TypeAlias = psycopg.AsyncConnection[Any]
+ConnPool: TypeAlias = AsyncConnectionPool[Any]
+Params = Mapping[str, object] | None
+
+_PIPELINE = psycopg.AsyncPipeline.is_supported()
+
+TupleCursor: TypeAlias = psycopg.AsyncCursor[tuple[Any, ...]]
+_OWN: weakref.WeakKeyDictionary[Connection, TupleCursor] = weakref.WeakKeyDictionary()
+"""A cursor for each connection a store has checked out of its pool (:func:`own`), reused
+by every statement the store runs on it: creating a psycopg cursor (its adapters map
+included) costs about 8 µs of CPU, a sixth of a duplicate's claim. Only connections a store
+holds alone are here, never a caller's (``tx=``), which other threads may share: two
+statements on one cursor at once would read each other's rows."""
+
+
+def own(conn: Connection) -> None:
+    """Give ``conn`` (just checked out by a store, used by it alone) a cursor to reuse."""
+    _OWN[conn] = conn.cursor(row_factory=tuple_row)
+
+
+def disown(conn: Connection) -> None:
+    """Forget ``conn``'s reused cursor before the connection goes back to a pool."""
+    _OWN.pop(conn, None)
+
+
+def _cursor(conn: Connection) -> TupleCursor:
+    cursor = _OWN.get(conn)
+    return conn.cursor(row_factory=tuple_row) if cursor is None else cursor
+
+
+def make_pool(
+    conninfo: str, *, min_size: int, max_size: int, connect_timeout: timedelta
+) -> ConnPool:
+    """A closed pool of autocommit connections: each statement oncely runs outside a
+    transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
+    seconds = connect_timeout.total_seconds()
+    return AsyncConnectionPool(
+        conninfo,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=seconds,
+        open=False,
+        kwargs={"autocommit": True, "connect_timeout": max(1, round(seconds))},
+        name="oncely",
+    )
+
+
+async def open_pool(pool: ConnPool) -> None:
+    """Open ``pool`` without waiting for its connections, and watch the event loop's end.
+
+    psycopg_pool's workers swallow a cancellation that lands while they open a connection
+    (3.3 counts ``CancelledError`` among the errors a connection attempt retries on): the
+    worker goes back to waiting for work. ``asyncio.run`` cancels every task when the main
+    coroutine returns and waits for them all, so a store nobody closed, whose pool was still
+    connecting at that moment, would keep the process alive forever. The watch is a task of
+    its own that only the loop's end (or :func:`close_pool`) cancels; it then closes the
+    pool, which stops every worker, the one that swallowed its cancellation included.
+    """
+    await pool.open(wait=False)
+    watch = asyncio.get_running_loop().create_task(_close_on_cancel(pool), name="oncely-pool")
+    _WATCHES[pool] = watch
+    watch.add_done_callback(lambda _task: _WATCHES.pop(pool, None))
+
+
+async def close_pool(pool: ConnPool) -> None:
+    """Close a pool :func:`open_pool` opened, and its watch."""
+    watch = _WATCHES.pop(pool, None)
+    if watch is not None:
+        watch.cancel()
+    await pool.close()
+
+
+async def _close_on_cancel(pool: ConnPool) -> None:
+    try:
+        await asyncio.get_running_loop().create_future()  # never set: only a cancel ends it
+    except asyncio.CancelledError:
+        if not pool.closed:
+            await pool.close(timeout=_CLOSE_TIMEOUT)
+        raise
+
+
+# Each watch task by its pool (a running task needs a strong reference somewhere).
+_WATCHES: dict[ConnPool, asyncio.Task[None]] = {}
+_CLOSE_TIMEOUT = 5.0  # seconds a closing pool waits for its workers
+
+
+async def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
+    """One autocommit connection outside the pool (schema checks: its errors say exactly
+    why the server refused, where a pool would only time out)."""
+    return await psycopg.AsyncConnection.connect(
+        conninfo,
+        autocommit=True,
+        connect_timeout=max(1, round(connect_timeout.total_seconds())),
+    )
+
+
+async def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[Any, ...]]:
+    """Run one statement and return its rows as tuples (whatever the connection's row
+    factory: a caller's connection may have another)."""
+    cursor = _cursor(conn)
+    await cursor.execute(sql, params)
+    return await cursor.fetchall()
+
+
+@contextlib.asynccontextmanager
+async def _pipeline(conn: Connection) -> AsyncIterator[None]:
+    """``conn.pipeline()``, raising a failed statement's own error. psycopg usually raises it
+    from the block; but when its result arrives while the block is still sending (a loaded
+    host), the pipeline's exit raises ``PipelineAborted``, an ``OperationalError`` that would
+    read as a lost connection, with the statement's error only as its context."""
+    try:
+        async with conn.pipeline():
+            yield
+    except psycopg.errors.PipelineAborted as aborted:
+        cause = aborted.__context__
+        if isinstance(cause, psycopg.Error) and not isinstance(
+            cause, psycopg.errors.PipelineAborted
+        ):
+            raise cause from None
+        raise
+
+
+async def fetchall_after(
+    conn: Connection, first: bytes, sql: bytes, params: Params, done: Callable[[], object]
+) -> list[tuple[Any, ...]]:
+    """Run ``first`` (no parameters, no rows: a ``SAVEPOINT``) and then ``sql`` in one round
+    trip, in libpq's pipeline mode, and return ``sql``'s rows. ``done()`` is called as soon as
+    ``first`` is known to have succeeded, also when ``sql`` then fails. The pipeline is left
+    before the rows are read: one Sync, one wait (reading inside it would add a flush and a
+    second wait). Without pipeline support (libpq before 14) the two go one after the other."""
+    head = conn.cursor(row_factory=tuple_row)
+    if not _PIPELINE:
+        await head.execute(first)
+        done()
+        return await fetchall(conn, sql, params)
+    cursor = conn.cursor(row_factory=tuple_row)
+    try:
+        async with _pipeline(conn):
+            await head.execute(first)
+            await cursor.execute(sql, params)
+    finally:
+        result = head.pgresult
+        if result is not None and result.status == pq.ExecStatus.COMMAND_OK:
+            done()
+    return await cursor.fetchall()
+
+
+async def fetchall_begun(
+    conn: Connection, block: Any, sql: bytes, params: Params
+) -> list[tuple[Any, ...]]:
+    """Enter ``block`` (a psycopg ``Transaction`` of ``conn``, not yet entered: its ``BEGIN``)
+    and run ``sql`` in one round trip, in libpq's pipeline mode, and return ``sql``'s rows.
+    The block is entered even when the round trip then fails (its ``status`` is no longer
+    ``NOT_STARTED``), so the caller ends it as usual: a failed claim rolls the transaction
+    back. psycopg lets a block entered inside a pipeline outlive it, and still forbids
+    ``conn.commit()`` inside it. Without pipeline support the two go one after the other."""
+    if not _PIPELINE:
+        await block.__aenter__()
+        return await fetchall(conn, sql, params)
+    cursor = _cursor(conn)
+    async with _pipeline(conn):
+        await block.__aenter__()
+        await cursor.execute(sql, params)
+    return await cursor.fetchall()
+
+
+async def commit_after(conn: Connection, block: Any, sql: bytes, params: Params) -> None:
+    """Run ``sql`` (no rows) and end ``block`` (an entered ``psycopg`` transaction block: its
+    ``COMMIT``) in one round trip, in libpq's pipeline mode. When ``sql`` fails the server
+    skips the ``COMMIT`` and the transaction is left failed, for the caller to roll back.
+    Without pipeline support the two go one after the other."""
+    cursor = _cursor(conn)
+    if not _PIPELINE:
+        await cursor.execute(sql, params)
+        await block.__aexit__(None, None, None)
+        return
+    async with _pipeline(conn):
+        await cursor.execute(sql, params)
+        await block.__aexit__(None, None, None)
+
+
+async def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
+    """Run one statement (or, without parameters, several) whose rows do not matter."""
+    await _cursor(conn).execute(sql, params)
+
+
+def is_connection(obj: object) -> bool:
+    return isinstance(obj, psycopg.AsyncConnection)
+
+
+def is_pool(obj: object) -> bool:
+    return isinstance(obj, AsyncConnectionPool)
+
+
+_checking: dict[int, asyncio.Task[None]] = {}
+
+
+def recheck_soon(pool: ConnPool) -> None:
+    """Test the pool's idle connections in the background and replace the dead ones (after
+    a server restart every idle connection is dead; without this each would fail one call).
+    At most one check per pool at a time; never raises."""
+    if id(pool) in _checking:
+        return
+    try:
+        task = asyncio.get_running_loop().create_task(_check(pool))
+    except RuntimeError:
+        return
+    _checking[id(pool)] = task
+    task.add_done_callback(lambda _: _checking.pop(id(pool), None))
+
+
+async def _check(pool: ConnPool) -> None:
+    with contextlib.suppress(Exception):
+        await pool.check()

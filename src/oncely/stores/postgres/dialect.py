@@ -1,0 +1,369 @@
+"""PostgreSQL: the schema and every statement of the store contract, as text.
+
+How a claim works
+=================
+
+A claim is one statement: a CTE that tries ``INSERT ... ON CONFLICT (consumer, key) DO NOTHING``
+and, in the same statement, reads the existing row when the insert did not happen. The unique
+primary key makes the database the arbiter (R8, R9); ``DO NOTHING`` never raises, so a conflict
+never aborts the caller's transaction (a unique violation would poison it).
+
+Why not ``ON CONFLICT DO UPDATE ... WHERE <claimable>``: that locks the existing row even when
+the ``WHERE`` is false, and a row lock is a write (WAL, a transaction id, a flush at commit).
+A duplicate would then cost a disk flush; with ``DO NOTHING`` plus a read it costs none.
+
+The READ COMMITTED snapshot trap: when the key was inserted by a transaction still open, the
+insert waits for it. If that transaction commits, the insert does nothing, but the read in the
+same statement uses the snapshot taken *before* the wait and does not see the new row: the
+statement returns no row at all. The store then simply runs the statement again; the new
+statement takes a new snapshot and returns the winner (EXISTING). If that transaction rolls
+back, the insert goes ahead after the wait and returns our row (NEW). So: a new key and a
+duplicate cost one round trip; only a claim that raced an uncommitted insert costs two.
+
+An expired record, or a stale claim this claim may take over, is replaced by a second statement,
+a compare-and-set on the token that was read (tokens are never reused), exactly like the SQLite
+dialect. The rules are those of :mod:`oncely._core.state`, written in SQL.
+
+Time
+====
+
+``%(now)s`` is the fixed time of a test clock, or NULL: then the statement reads the server's
+``clock_timestamp()`` once (in a one-row subquery) and uses that value everywhere, and returns
+it, so ``Claim.now_ms`` is the time the decision was made with. ``now()`` would be the start of
+the caller's transaction, possibly long ago: leases would be short by that much.
+
+Statements are ``bytes``: psycopg takes them as already encoded SQL (the text is built once from
+checked identifiers, never from values), and its type hints reject non-literal ``str``. Rows are
+parsed as SQLite's are (:mod:`oncely.stores._sql`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Final
+
+from oncely.stores._sql import PlainRows, check_identifier, parse_record
+
+__all__ = ["SCHEMA_VERSION", "PostgresDialect", "parse_record", "text_array"]
+
+SCHEMA_VERSION: Final = 1
+
+_FIELDS: Final = (
+    "status",
+    "fingerprint",
+    "token",
+    "attempt",
+    "created_ms",
+    "updated_ms",
+    "lease_until_ms",
+    "expires_ms",
+    "result",
+    "error",
+)
+_COLUMNS: Final = ", ".join(_FIELDS)
+_T_COLUMNS: Final = ", ".join(f"t.{name}" for name in _FIELDS)
+
+# The server's clock in epoch milliseconds, unless the store was given a clock.
+_NOW: Final = (
+    "(SELECT COALESCE(%(now)s::bigint, "
+    "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now) AS n"
+)
+
+# When the current transaction started, in microseconds: the same for every statement of one
+# transaction, different for the next one on the same connection (read without writing).
+_TX_STARTED: Final = "(extract(epoch FROM transaction_timestamp()) * 1000000)::bigint"
+
+
+def text_array(values: Sequence[str | None]) -> str:
+    """``values`` as a PostgreSQL array literal (``None`` is NULL), for a ``%s::text[]``
+    parameter. psycopg's list dumper quotes element by element in Python; this is a join and
+    three scans in the common case (no NULL, no quote, no backslash), and exact otherwise."""
+    if not values:
+        return "{}"
+    if None not in values:
+        joined = '","'.join(values)  # type: ignore[arg-type]
+        # No quote but the separators' and no backslash: nothing to escape.
+        if joined.count('"') == 2 * len(values) - 2 and "\\" not in joined:
+            return '{"' + joined + '"}'
+    return (
+        "{"
+        + ",".join(
+            "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            for v in values
+        )
+        + "}"
+    )
+
+
+def _b(text: str) -> bytes:
+    return text.encode()
+
+
+def _claim(t: str, extra: str) -> str:
+    """The one-key claim on table ``t``; ``extra`` adds columns (after ``now``) to its row."""
+    return f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
+            ins AS (
+                INSERT INTO {t} AS t (consumer, key, status, fingerprint, token, attempt,
+                    created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+                SELECT %(consumer)s::text, %(key)s::text, %(status)s::text,
+                    %(fingerprint)s::text, %(token)s::text, 1, n.now, n.now,
+                    n.now + %(lease)s::bigint, n.now + %(span)s::bigint, NULL, %(error)s::text
+                FROM n
+                ON CONFLICT (consumer, key) DO NOTHING
+                RETURNING {_T_COLUMNS})
+            SELECT true, ins.*, n.now{extra} FROM ins, n
+            UNION ALL
+            SELECT false, {_T_COLUMNS}, n.now{extra} FROM {t} AS t, n
+            WHERE t.consumer = %(consumer)s::text AND t.key = %(key)s::text
+                AND NOT EXISTS (SELECT FROM ins)"""
+
+
+class PostgresDialect(PlainRows[bytes]):
+    """Every statement for one inbox table in one schema, built once."""
+
+    __slots__ = (
+        "claim",
+        "claim_joined",
+        "claim_many",
+        "complete",
+        "create",
+        "fail",
+        "forget",
+        "get",
+        "lock_key",
+        "meta_table",
+        "names",
+        "purge",
+        "read_version",
+        "regclass",
+        "release",
+        "renew",
+        "replace",
+        "scan",
+        "schema",
+        "set_result",
+        "stats",
+        "table",
+        "takeover",
+    )
+
+    def __init__(self, schema: str = "public", table: str = "oncely_inbox") -> None:
+        self.schema = check_identifier(schema)
+        self.table = check_identifier(table)
+        self.meta_table = check_identifier(f"{table}_meta")
+        # Names are quoted, so they are used exactly as given (case included) and a name that
+        # happens to be a keyword still works; check_identifier allows nothing to escape.
+        t = f'"{self.schema}"."{self.table}"'
+        m = f'"{self.schema}"."{self.meta_table}"'
+        digest = hashlib.sha256(f"oncely:{self.schema}.{self.table}".encode()).digest()
+        # Serialises concurrent migrations of this table: CREATE TABLE IF NOT EXISTS run at
+        # the same moment by two sessions can still fail on the catalog's unique index.
+        self.lock_key = int.from_bytes(digest[:8], "big", signed=True)
+        # Which of the table, its meta table and the schema exist (parameters: ``names``).
+        self.regclass = _b(
+            "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(meta)s) IS NOT NULL, "
+            "to_regnamespace(%(schema)s) IS NOT NULL"
+        )
+        self.names = {"table": t, "meta": m, "schema": f'"{self.schema}"'}
+        self.read_version = _b(f"SELECT value FROM {m} WHERE name = 'schema_version'")
+        # consumer and key compare byte-wise (COLLATE "C"): the order of scan() and purge is
+        # Python's string order, and comparisons skip the locale's rules (faster). There is
+        # deliberately no index on expires_ms: a completion or renewal changes expires_ms, so
+        # with an index on it no update could be HOT (heap-only: no index write at all), and
+        # every claim would write a second B-tree; it would only speed up the background purge,
+        # which sweeps the primary key instead. fillfactor 90 leaves room on each page for
+        # those HOT updates (complete, renew) of freshly inserted rows.
+        self.create = (
+            _b(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'),
+            _b(
+                f"""CREATE TABLE IF NOT EXISTS {t} (
+                consumer TEXT COLLATE "C" NOT NULL,
+                key TEXT COLLATE "C" NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('in_progress', 'completed', 'failed')),
+                fingerprint TEXT,
+                token TEXT NOT NULL,
+                attempt INTEGER NOT NULL,
+                created_ms BIGINT NOT NULL,
+                updated_ms BIGINT NOT NULL,
+                lease_until_ms BIGINT NOT NULL,
+                expires_ms BIGINT NOT NULL,
+                result BYTEA,
+                error TEXT,
+                PRIMARY KEY (consumer, key)
+            ) WITH (fillfactor = 90)"""
+            ),
+            _b(f"CREATE TABLE IF NOT EXISTS {m} (name TEXT PRIMARY KEY, value TEXT NOT NULL)"),
+            _b(
+                f"INSERT INTO {m} (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
+                "ON CONFLICT (name) DO NOTHING"
+            ),
+        )
+        self.claim = _b(_claim(t, ""))
+        # The same claim for a caller's transaction under a savepoint: also returns when that
+        # transaction started, which tells two transactions of one connection apart (the
+        # store bounds how many of its savepoints stay open in one transaction).
+        self.claim_joined = _b(_claim(t, f", {_TX_STARTED}"))
+        expired = "t.expires_ms <= n.now"
+        agrees = (
+            "(%(fingerprint)s::text IS NULL OR t.fingerprint IS NULL "
+            "OR t.fingerprint = %(fingerprint)s::text)"
+        )
+        # Replace an expired record, or take over a stale claim, but only if the record still
+        # carries the token the caller saw (compare-and-set: tokens are never reused). A
+        # concurrent writer makes this match nothing, and the caller looks again.
+        self.replace = _b(
+            f"""UPDATE {t} AS t SET
+                status = %(status)s::text,
+                fingerprint = CASE WHEN {expired} THEN %(fingerprint)s::text
+                    ELSE COALESCE(%(fingerprint)s::text, t.fingerprint) END,
+                token = %(token)s::text,
+                attempt = CASE WHEN {expired} THEN 1 ELSE t.attempt + 1 END,
+                created_ms = CASE WHEN {expired} THEN n.now ELSE t.created_ms END,
+                updated_ms = n.now,
+                lease_until_ms = n.now + %(lease)s::bigint,
+                expires_ms = n.now + %(span)s::bigint,
+                result = NULL,
+                error = %(error)s::text
+            FROM {_NOW}
+            WHERE t.consumer = %(consumer)s::text AND t.key = %(key)s::text
+                AND t.token = %(seen)s::text
+                AND ({expired}
+                    OR (%(takeover)s::boolean AND t.status = 'in_progress'
+                        AND t.lease_until_ms <= n.now AND {agrees}))
+            RETURNING {_T_COLUMNS}, n.now"""
+        )
+        mine = (
+            "t.consumer = %(consumer)s::text AND t.key = %(key)s::text "
+            "AND t.token = %(token)s::text"
+        )
+        live = "t.expires_ms > n.now"
+        self.takeover = _b(
+            f"""UPDATE {t} AS t SET
+                status = 'in_progress',
+                fingerprint = COALESCE(%(fingerprint)s::text, t.fingerprint),
+                token = %(new_token)s::text,
+                attempt = t.attempt + 1,
+                updated_ms = n.now,
+                lease_until_ms = n.now + %(lease)s::bigint,
+                expires_ms = n.now + %(span)s::bigint,
+                result = NULL,
+                error = NULL
+            FROM {_NOW}
+            WHERE {mine} AND t.status = 'in_progress' AND t.lease_until_ms <= n.now AND {live}
+                AND {agrees}
+            RETURNING {_T_COLUMNS}, n.now"""
+        )
+        self.complete = _b(
+            f"""UPDATE {t} AS t SET status = 'completed', updated_ms = n.now,
+                expires_ms = n.now + %(keep)s::bigint, result = %(result)s::bytea,
+                error = %(note)s::text
+            FROM {_NOW}
+            WHERE {mine} AND t.status = 'in_progress' AND {live}
+            RETURNING {_T_COLUMNS}"""
+        )
+        self.fail = _b(
+            f"""UPDATE {t} AS t SET status = 'failed', updated_ms = n.now,
+                expires_ms = n.now + %(keep)s::bigint, result = NULL, error = %(error)s::text
+            FROM {_NOW}
+            WHERE {mine} AND t.status = 'in_progress' AND {live}
+            RETURNING {_T_COLUMNS}"""
+        )
+        self.renew = _b(
+            f"""UPDATE {t} AS t SET updated_ms = n.now,
+                lease_until_ms = n.now + %(lease)s::bigint, expires_ms = n.now + %(span)s::bigint
+            FROM {_NOW}
+            WHERE {mine} AND t.status = 'in_progress' AND {live}
+            RETURNING {_T_COLUMNS}"""
+        )
+        self.release = _b(
+            f"""DELETE FROM {t} AS t USING {_NOW}
+            WHERE {mine} AND t.status = 'in_progress' AND {live}
+            RETURNING 1"""
+        )
+        self.set_result = _b(f"UPDATE {t} AS t SET result = %(result)s::bytea WHERE {mine}")
+        self.get = _b(
+            f"""SELECT {_T_COLUMNS} FROM {t} AS t, {_NOW}
+            WHERE t.consumer = %(consumer)s::text AND t.key = %(key)s::text AND {live}"""
+        )
+        self.forget = _b(
+            f"DELETE FROM {t} WHERE consumer = %(consumer)s::text AND key = %(key)s::text "
+            "RETURNING 1"
+        )
+        # Purging sweeps the primary key in order from where the last batch stopped (no index
+        # on expires_ms, see above); each batch is one short statement of its own. SKIP LOCKED:
+        # a row a claim is re-using right now is not worth waiting for (it is no longer
+        # expired), and the DELETE re-checks expiry on the row's latest version anyway.
+        self.purge = _b(
+            f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
+            doomed AS (
+                SELECT t.consumer, t.key FROM {t} AS t, n
+                WHERE (t.consumer, t.key) > (%(after_consumer)s::text, %(after_key)s::text)
+                    AND {expired}
+                ORDER BY t.consumer, t.key
+                LIMIT %(limit)s
+                FOR UPDATE OF t SKIP LOCKED),
+            gone AS (
+                DELETE FROM {t} AS t USING doomed, n
+                WHERE t.consumer = doomed.consumer AND t.key = doomed.key AND {expired}
+                RETURNING t.consumer, t.key)
+            SELECT count(*) OVER (), consumer, key FROM gone
+            ORDER BY consumer DESC, key DESC
+            LIMIT 1"""
+        )
+        # One pass over the table: live counts per (consumer, status) and the expired total.
+        self.stats = _b(
+            f"""SELECT t.consumer, t.status, count(*) FILTER (WHERE {live}),
+                count(*) FILTER (WHERE NOT ({live}))
+            FROM {t} AS t, {_NOW}
+            GROUP BY t.consumer, t.status"""
+        )
+        self.scan = _b(
+            f"""SELECT t.consumer, t.key, {_T_COLUMNS} FROM {t} AS t, {_NOW}
+            WHERE {live}
+                AND (%(consumer)s::text IS NULL OR t.consumer = %(consumer)s::text)
+                AND (%(status)s::text IS NULL OR t.status = %(status)s::text)
+                AND (t.consumer, t.key) > (%(after_consumer)s::text, %(after_key)s::text)
+            ORDER BY t.consumer, t.key
+            LIMIT %(limit)s"""
+        )
+        # A batch of claims in one statement. The rows are inserted in key order (then request
+        # order): two batches sharing keys take their row locks in the same order, so they
+        # cannot deadlock, and of a key repeated in the batch the first request inserts it
+        # (DO NOTHING skips rows that conflict with rows of the same command). The answer is
+        # one row per request, in request order: now, whether the request's own row went in
+        # (true), another request of the batch inserted the key (false) or nobody did (NULL),
+        # and only in that last case the row visible before the statement. An inserted row is
+        # not sent back: the caller knows every value it holds. The existing row is read by
+        # a lateral lookup on the primary key, skipped for inserted keys; its LIMIT keeps the
+        # planner from turning it into a join, which it may plan as a scan of every row of
+        # the consumer when the table's statistics are stale (a fresh, fast-growing table).
+        self.claim_many = _b(
+            f"""WITH n AS MATERIALIZED (SELECT COALESCE(%(now)s::bigint,
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now),
+            req AS MATERIALIZED (
+                SELECT r.key COLLATE "C" AS key, r.fingerprint, r.token, r.ord
+                FROM unnest(%(keys)s::text[], %(fingerprints)s::text[], %(tokens)s::text[])
+                    WITH ORDINALITY AS r(key, fingerprint, token, ord)),
+            ins AS (
+                INSERT INTO {t} AS t (consumer, key, status, fingerprint, token, attempt,
+                    created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+                SELECT %(consumer)s::text, req.key, 'in_progress', req.fingerprint, req.token,
+                    1, n.now, n.now, n.now + %(lease)s::bigint, n.now + %(span)s::bigint,
+                    NULL, NULL
+                FROM req, n
+                ORDER BY req.key, req.ord
+                ON CONFLICT (consumer, key) DO NOTHING
+                RETURNING t.key, t.token)
+            SELECT n.now, ins.token = req.token, e.*
+            FROM req CROSS JOIN n
+                LEFT JOIN ins ON ins.key = req.key
+                LEFT JOIN LATERAL (
+                    SELECT {_T_COLUMNS} FROM {t} AS t
+                    WHERE ins.key IS NULL
+                        AND t.consumer = %(consumer)s::text AND t.key = req.key
+                    LIMIT 1) AS e ON true
+            ORDER BY req.ord"""
+        )

@@ -1,0 +1,228 @@
+"""Hand-written: psycopg's sync classes and calls (twin: ``async_io.py``).
+
+psycopg's sync and asyncio APIs have the same method names, so the store itself is generated;
+only the class names, connecting, and a background pool check differ, and live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import tuple_row
+from psycopg_pool import ConnectionPool
+
+__all__ = [
+    "ConnPool",
+    "Connection",
+    "Params",
+    "close_pool",
+    "commit_after",
+    "connect",
+    "disown",
+    "execute",
+    "fetchall",
+    "fetchall_after",
+    "fetchall_begun",
+    "is_connection",
+    "is_pool",
+    "make_pool",
+    "open_pool",
+    "own",
+    "recheck_soon",
+]
+
+Connection: TypeAlias = psycopg.Connection[Any]
+ConnPool: TypeAlias = ConnectionPool[Any]
+Params = Mapping[str, object] | None
+
+_PIPELINE = psycopg.Pipeline.is_supported()
+
+TupleCursor: TypeAlias = psycopg.Cursor[tuple[Any, ...]]
+_OWN: weakref.WeakKeyDictionary[Connection, TupleCursor] = weakref.WeakKeyDictionary()
+"""A cursor for each connection a store has checked out of its pool (:func:`own`), reused
+by every statement the store runs on it: creating a psycopg cursor (its adapters map
+included) costs about 8 µs of CPU, a sixth of a duplicate's claim. Only connections a store
+holds alone are here, never a caller's (``tx=``), which other threads may share: two
+statements on one cursor at once would read each other's rows."""
+
+
+def own(conn: Connection) -> None:
+    """Give ``conn`` (just checked out by a store, used by it alone) a cursor to reuse."""
+    _OWN[conn] = conn.cursor(row_factory=tuple_row)
+
+
+def disown(conn: Connection) -> None:
+    """Forget ``conn``'s reused cursor before the connection goes back to a pool."""
+    _OWN.pop(conn, None)
+
+
+def _cursor(conn: Connection) -> TupleCursor:
+    cursor = _OWN.get(conn)
+    return conn.cursor(row_factory=tuple_row) if cursor is None else cursor
+
+
+def make_pool(
+    conninfo: str, *, min_size: int, max_size: int, connect_timeout: timedelta
+) -> ConnPool:
+    """A closed pool of autocommit connections: each statement oncely runs outside a
+    transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
+    seconds = connect_timeout.total_seconds()
+    return ConnectionPool(
+        conninfo,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=seconds,
+        open=False,
+        kwargs={"autocommit": True, "connect_timeout": max(1, round(seconds))},
+        name="oncely",
+    )
+
+
+def open_pool(pool: ConnPool) -> None:
+    """Open ``pool`` without waiting for its connections (its workers are daemon threads:
+    a store nobody closed never keeps the process alive)."""
+    pool.open(wait=False)
+
+
+def close_pool(pool: ConnPool) -> None:
+    """Close a pool :func:`open_pool` opened."""
+    pool.close()
+
+
+def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
+    """One autocommit connection outside the pool (schema checks: its errors say exactly
+    why the server refused, where a pool would only time out)."""
+    return psycopg.Connection.connect(
+        conninfo,
+        autocommit=True,
+        connect_timeout=max(1, round(connect_timeout.total_seconds())),
+    )
+
+
+def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[Any, ...]]:
+    """Run one statement and return its rows as tuples (whatever the connection's row
+    factory: a caller's connection may have another)."""
+    cursor = _cursor(conn)
+    cursor.execute(sql, params)
+    return cursor.fetchall()
+
+
+@contextlib.contextmanager
+def _pipeline(conn: Connection) -> Iterator[None]:
+    """``conn.pipeline()``, raising a failed statement's own error. psycopg usually raises it
+    from the block; but when its result arrives while the block is still sending (a loaded
+    host), the pipeline's exit raises ``PipelineAborted``, an ``OperationalError`` that would
+    read as a lost connection, with the statement's error only as its context."""
+    try:
+        with conn.pipeline():
+            yield
+    except psycopg.errors.PipelineAborted as aborted:
+        cause = aborted.__context__
+        if isinstance(cause, psycopg.Error) and not isinstance(
+            cause, psycopg.errors.PipelineAborted
+        ):
+            raise cause from None
+        raise
+
+
+def fetchall_after(
+    conn: Connection, first: bytes, sql: bytes, params: Params, done: Callable[[], object]
+) -> list[tuple[Any, ...]]:
+    """Run ``first`` (no parameters, no rows: a ``SAVEPOINT``) and then ``sql`` in one round
+    trip, in libpq's pipeline mode, and return ``sql``'s rows. ``done()`` is called as soon as
+    ``first`` is known to have succeeded, also when ``sql`` then fails. The pipeline is left
+    before the rows are read: one Sync, one wait (reading inside it would add a flush and a
+    second wait). Without pipeline support (libpq before 14) the two go one after the other."""
+    head = conn.cursor(row_factory=tuple_row)
+    if not _PIPELINE:
+        head.execute(first)
+        done()
+        return fetchall(conn, sql, params)
+    cursor = conn.cursor(row_factory=tuple_row)
+    try:
+        with _pipeline(conn):
+            head.execute(first)
+            cursor.execute(sql, params)
+    finally:
+        result = head.pgresult
+        if result is not None and result.status == pq.ExecStatus.COMMAND_OK:
+            done()
+    return cursor.fetchall()
+
+
+def fetchall_begun(
+    conn: Connection, block: Any, sql: bytes, params: Params
+) -> list[tuple[Any, ...]]:
+    """Enter ``block`` (a psycopg ``Transaction`` of ``conn``, not yet entered: its ``BEGIN``)
+    and run ``sql`` in one round trip, in libpq's pipeline mode, and return ``sql``'s rows.
+    The block is entered even when the round trip then fails (its ``status`` is no longer
+    ``NOT_STARTED``), so the caller ends it as usual: a failed claim rolls the transaction
+    back. psycopg lets a block entered inside a pipeline outlive it, and still forbids
+    ``conn.commit()`` inside it. Without pipeline support the two go one after the other."""
+    if not _PIPELINE:
+        block.__enter__()
+        return fetchall(conn, sql, params)
+    cursor = _cursor(conn)
+    with _pipeline(conn):
+        block.__enter__()
+        cursor.execute(sql, params)
+    return cursor.fetchall()
+
+
+def commit_after(conn: Connection, block: Any, sql: bytes, params: Params) -> None:
+    """Run ``sql`` (no rows) and end ``block`` (an entered ``psycopg`` transaction block: its
+    ``COMMIT``) in one round trip, in libpq's pipeline mode. When ``sql`` fails the server
+    skips the ``COMMIT`` and the transaction is left failed, for the caller to roll back.
+    Without pipeline support the two go one after the other."""
+    cursor = _cursor(conn)
+    if not _PIPELINE:
+        cursor.execute(sql, params)
+        block.__exit__(None, None, None)
+        return
+    with _pipeline(conn):
+        cursor.execute(sql, params)
+        block.__exit__(None, None, None)
+
+
+def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
+    """Run one statement (or, without parameters, several) whose rows do not matter."""
+    _cursor(conn).execute(sql, params)
+
+
+def is_connection(obj: object) -> bool:
+    return isinstance(obj, psycopg.Connection)
+
+
+def is_pool(obj: object) -> bool:
+    return isinstance(obj, ConnectionPool)
+
+
+_checking: set[int] = set()
+_lock = threading.Lock()
+
+
+def recheck_soon(pool: ConnPool) -> None:
+    """Test the pool's idle connections in the background and replace the dead ones (after
+    a server restart every idle connection is dead; without this each would fail one call).
+    At most one check per pool at a time; never raises."""
+    with _lock:
+        if id(pool) in _checking:
+            return
+        _checking.add(id(pool))
+    threading.Thread(target=_check, args=(pool,), name="oncely-pool-check", daemon=True).start()
+
+
+def _check(pool: ConnPool) -> None:
+    try:
+        with contextlib.suppress(Exception):
+            pool.check()
+    finally:
+        with _lock:
+            _checking.discard(id(pool))

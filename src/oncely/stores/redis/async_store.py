@@ -1,0 +1,372 @@
+"""The Redis store: one Lua script per operation, on a single Redis or a Redis Cluster.
+
+Every operation of the contract is one atomic script (:mod:`oncely.stores.redis.lua`) sent
+with ``EVALSHA``: a new key costs one round trip to claim and one to complete, a duplicate one. A
+batch claim is one round trip on a single Redis and one per node, sent to all at once, on a
+cluster. Time is the server's (``TIME`` inside each script) unless the store is given a clock;
+retention is Redis's own key expiry. The scripts answer with as little as the client needs
+(the record it already knows is built here, from the call's own arguments), because parsing a
+reply costs the client more than the server's work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.state import Lost
+from oncely._core.table import lease_lost
+from oncely.stores.redis.async_base import RedisStoreBase
+from oncely.stores.redis.async_io import SCAN_START, unlink
+from oncely.stores.redis.dialect import (
+    CLAIM,
+    CLAIM_MANY,
+    COMPLETE,
+    FAIL,
+    GET,
+    PURGE,
+    RELEASE,
+    RENEW,
+    Script,
+    opt,
+    parse_batch,
+    parse_claim,
+    parse_reply,
+    parse_stored,
+    parse_written,
+    stored_status,
+)
+from oncely.stores.redis.errors import DRIVER_ERRORS, translate
+
+__all__ = ["AsyncRedisStore"]
+
+
+class AsyncRedisStore(RedisStoreBase):
+    """A dedup store in Redis or a Redis Cluster (two-phase mode only).
+
+    ``client`` is a redis-py ``Redis`` or ``RedisCluster`` (from ``redis.asyncio`` for the
+    asyncio store) made with ``decode_responses=False`` (results are bytes); the caller keeps
+    owning it and closes it. :meth:`from_url` builds and owns one. Every key starts with
+    ``prefix`` (a plain identifier), so several stores can share a server.
+
+    Redis cannot join a SQL transaction, so this store has no transactional mode:
+    ``Inbox.handle_in_transaction`` raises :class:`~oncely.TransactionsUnsupported`. Use the
+    two-phase mode (``Inbox.handle``, R10): a claim, the handler, then a completion, with a
+    reconciler (``on_stale``) for a worker that died in between.
+
+    Time is Redis's own clock, read inside every script, and each record expires by itself
+    (``PXAT``) at the end of its retention. With ``clock`` (a :class:`~oncely.FakeClock`
+    in tests) that clock decides instead, records get no Redis expiry (it would follow the
+    wrong clock) and :meth:`purge_expired` deletes them.
+
+    Durability is the server's. A Redis without persistence forgets every record when it
+    restarts: a message redelivered after that, or one whose handler ran while it went down,
+    is processed again. ``appendonly yes`` with ``appendfsync always`` keeps every record a
+    reply confirmed (``everysec`` may lose the last second), and a failover may lose the
+    writes the replica had not yet received (replication is asynchronous).
+
+    A schema marker (``<prefix>:meta``) is written on first use unless ``migrate=False``, in
+    which case its absence raises :class:`~oncely.SchemaMissing`. The asyncio variant belongs
+    to the event loop that first uses it (as its client does): open one store per loop. The
+    threaded variant may be shared by any number of threads.
+    """
+
+    supports_transactions = False
+
+    # ------------------------------------------------------------------ the contract
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        args = (
+            self._now(),
+            b"%d" % lease_ms,
+            b"%d" % keep_ms,
+            b"1" if takeover else b"0",
+            b"",
+            opt(fingerprint),
+            token.encode(),
+        )
+        reply = await self._run(CLAIM, self._keys.record(consumer, key), args, "claim")
+        return parse_claim(consumer, key, fingerprint, token, lease_ms, keep_ms, reply)
+
+    async def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        if not requests:
+            return []
+        names, tails = self._keys.claim_batch(consumer, requests)
+        head = [self._now(), b"%d" % lease_ms, b"%d" % keep_ms, b"1" if takeover else b"0", b""]
+        groups = self._groups(names)
+        if len(groups) == 1:
+            calls = [(names, head + tails)]
+        else:
+            calls = [([names[i] for i in g], head + [tails[i] for i in g]) for g in groups]
+        replies = await self._run_groups(CLAIM_MANY, calls, "claim_many")
+        if len(groups) == 1:
+            return parse_batch(consumer, requests, lease_ms, keep_ms, replies[0])
+        claims: list[Claim | None] = [None] * len(requests)
+        for group, reply in zip(groups, replies, strict=True):
+            found = parse_batch(consumer, [requests[i] for i in group], lease_ms, keep_ms, reply)
+            for i, claim in zip(group, found, strict=True):
+                claims[i] = claim
+        return [claim for claim in claims if claim is not None]
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        args = (
+            self._now(),
+            b"%d" % lease_ms,
+            b"%d" % keep_ms,
+            b"1",
+            opt(expected_token),
+            opt(fingerprint),
+            token.encode(),
+        )
+        reply = await self._run(CLAIM, self._keys.record(consumer, key), args, "takeover")
+        return parse_claim(consumer, key, fingerprint, token, lease_ms, keep_ms, reply)
+
+    async def _fenced(
+        self, op: str, script: Script, consumer: str, key: str, args: Sequence[bytes]
+    ) -> tuple[int, bytes] | Record:
+        """Run a write that applies only while ``args``' token owns the record: ``(now,
+        brief)`` when it wrote, the record when it had already been written by this token (a
+        repeat); otherwise raise :class:`~oncely.LeaseLost` with the current record."""
+        reply = await self._run(script, self._keys.record(consumer, key), args, op)
+        code = reply[0]
+        if code == b"ok":
+            return int(reply[1]), reply[2]
+        _code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"done" and record is not None:
+            return record
+        raise lease_lost(op, consumer, key, Lost(record))
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        args = (self._now(), token.encode(), b"%d" % keep_ms, opt(result), opt(note))
+        done = await self._fenced("complete", COMPLETE, consumer, key, args)
+        if isinstance(done, Record):
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.COMPLETED,
+            token=token,
+            now=now,
+            expires=now + keep_ms,
+            result=None if result is None else bytes(result),
+            error=note,
+        )
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        args = (self._now(), token.encode(), b"%d" % keep_ms, error.encode())
+        done = await self._fenced("fail", FAIL, consumer, key, args)
+        if isinstance(done, Record):
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.FAILED,
+            token=token,
+            now=now,
+            expires=now + keep_ms,
+            error=error,
+        )
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        args = (self._now(), token.encode(), b"%d" % lease_ms, b"%d" % keep_ms)
+        done = await self._fenced("renew", RENEW, consumer, key, args)
+        if isinstance(done, Record):  # renew has no repeat: a record here is never "done"
+            return done
+        now, brief = done
+        return parse_written(
+            consumer,
+            key,
+            brief,
+            status=Status.IN_PROGRESS,
+            token=token,
+            now=now,
+            expires=now + max(keep_ms, lease_ms),
+            lease_until=now + lease_ms,
+        )
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        reply = await self._run(
+            RELEASE, self._keys.record(consumer, key), (self._now(), token.encode()), "release"
+        )
+        code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"true":
+            return True
+        if code == b"false":
+            return False
+        raise lease_lost("release", consumer, key, Lost(record))
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        reply = await self._run(GET, self._keys.record(consumer, key), (self._now(),), "get")
+        return parse_reply(consumer, key, reply)[2]
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        """Delete expired records in batches of ``batch_size`` and return how many went.
+
+        With the server's clock there is nothing to do and this returns 0 at once: Redis
+        deletes every record itself at its ``expires`` time (``PXAT``), on the same
+        clock the scripts judge expiry by. With a clock given to the store, records carry no
+        Redis expiry: this scans the store's keys (every primary of a cluster) and deletes,
+        one script per batch, those the clock says are expired."""
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
+        await self._check()
+        if self._clock is None:
+            return 0
+        now = self._clock.now_ms()
+        deleted = batches = 0
+        expired: list[bytes] = []
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None or expired:
+            if where is not None:
+                where, names = await self._scan_page(where, self._keys.pattern)
+                if names:
+                    rows = await self._read(names)
+                    expired += [n for n, raw in zip(names, rows, strict=True) if _due(raw, now)]
+            while len(expired) >= batch_size or (where is None and expired):
+                if max_batches is not None and batches >= max_batches:
+                    return deleted
+                deleted += await self._purge(expired[:batch_size], now)
+                del expired[:batch_size]
+                batches += 1
+        return deleted
+
+    async def _purge(self, names: list[bytes], now: int) -> int:
+        args = [b"%d" % now]
+        calls = [([names[i] for i in group], args) for group in self._groups(names)]
+        return sum(int(n) for n in await self._run_groups(PURGE, calls, "purge"))
+
+    async def stats(self) -> StoreStats:
+        """Record counts per consumer and status, from a ``SCAN`` of the store's keys (every
+        primary of a cluster), for operators. ``SCAN`` matches the store's prefix but visits
+        every key of the database: the cost grows with the whole keyspace, not with the
+        store's records alone, so give oncely a database of its own on a Redis that holds
+        many other keys (``scan`` and a purge with a given clock walk it the same way). A
+        record written meanwhile may be counted twice or not at all, as ``SCAN`` allows."""
+        await self._check()
+        now = await self._time()
+        counts: dict[str, dict[Status, int]] = {}
+        expired = 0
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None:
+            where, names = await self._scan_page(where, self._keys.pattern)
+            if not names:
+                continue
+            for name, raw in zip(names, await self._read(names), strict=True):
+                ident = self._keys.ident(name)
+                if ident is None or raw is None:
+                    continue  # not a record, or gone meanwhile
+                state, expires = stored_status(raw)
+                if expires <= now:
+                    expired += 1
+                    continue
+                by_status = counts.setdefault(ident[0], {})
+                by_status[state] = by_status.get(state, 0) + 1
+        return StoreStats(counts=counts, expired=expired)
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Unexpired records in ``(consumer, key)`` order, starting after ``after``.
+
+        Redis keeps no order, so every page visits every key of the store (of ``consumer``
+        when given) and keeps only the ``limit`` smallest: O(records) per page, memory
+        O(limit). For operators, not for the message path."""
+        await self._check()
+        if limit <= 0:
+            return []
+        now = await self._time()
+        pattern = self._keys.pattern if consumer is None else self._keys.consumer_pattern(consumer)
+        found: dict[tuple[str, str], Record] = {}
+        bound: tuple[str, str] | None = None  # the largest kept, once ``limit`` are kept
+        where: tuple[int, int] | None = SCAN_START
+        while where is not None:
+            where, names = await self._scan_page(where, pattern)
+            wanted: list[tuple[tuple[str, str], bytes]] = []
+            for name in names:
+                ident = self._keys.ident(name)
+                if (
+                    ident is None
+                    or ident in found
+                    or (consumer is not None and ident[0] != consumer)
+                    or (after is not None and ident <= after)
+                    or (bound is not None and ident >= bound)
+                ):
+                    continue
+                wanted.append((ident, name))
+            if not wanted:
+                continue
+            rows = await self._read([name for _, name in wanted])
+            for (ident, _name), raw in zip(wanted, rows, strict=True):
+                if raw is None:
+                    continue  # gone meanwhile
+                record = parse_stored(ident[0], ident[1], raw)
+                if record.expires_ms <= now:
+                    continue
+                if status is None or record.status is status:
+                    found[ident] = record
+            if len(found) >= limit:
+                kept = sorted(found)[:limit]
+                found = {ident: found[ident] for ident in kept}
+                bound = kept[-1]
+        return [found[ident] for ident in sorted(found)[:limit]]
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        await self._check()
+        try:
+            return await unlink(self._client, self._keys.record(consumer, key))
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "forget") from exc
+
+
+def _due(stored: bytes | None, now: int) -> bool:
+    return stored is not None and stored_status(stored)[1] <= now

@@ -1,0 +1,171 @@
+"""Contract, the rest of the inbox's surface (R2-R4, R16, R17): batches, keys and payloads it
+refuses, results over the limit, the handler's context, logs and hooks, the decorator, and broker
+messages keyed by their source."""
+
+from __future__ import annotations
+
+import pytest
+
+from oncely._core.context import current
+from oncely._core.keys import CloudEventsKey, Envelope
+from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.policy import Limits
+from oncely.errors import KeyConflict
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.stores.async_protocols import AsyncStore
+from oncely.testing.contract.async_base import Calls, ContractBase
+
+__all__ = ["InboxContract"]
+
+
+class InboxContract(ContractBase):
+    """The inbox's entry points and observability on the store."""
+
+    async def test_r1_batches_are_claimed_together_and_answered_per_item(
+        self, inbox: AsyncInbox
+    ) -> None:
+        handler = Calls("ok")
+        await inbox.handle("seen", {"n": 0}, handler)
+        handled = await inbox.handle_batch(
+            [
+                ("a", {"n": 1}),
+                ("seen", {"n": 0}),
+                ("", {"n": 2}),
+                ("seen", {"n": 99}),
+                ("b", {"n": 3}),
+                ("a", {"n": 1}),
+            ],
+            handler,
+        )
+        assert [h.outcome for h in handled] == [
+            Outcome.PROCESSED,
+            Outcome.DUPLICATE,
+            Outcome.REJECTED,
+            Outcome.KEY_CONFLICT,
+            Outcome.PROCESSED,
+            Outcome.IN_FLIGHT,  # its first copy held the claim when the batch was claimed
+        ]
+        assert [h.key for h in handled] == ["a", "seen", None, "seen", "b", "a"]
+        assert handler.count == 3
+        again = await inbox.handle_batch([("a", {"n": 1}), ("b", {"n": 3})], handler)
+        assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.DUPLICATE]
+
+    async def test_r2_r4_messages_without_a_usable_key_are_rejected(
+        self, store: AsyncStore
+    ) -> None:
+        inbox = AsyncInbox(store, consumer="billing", limits=Limits(max_key_bytes=32))
+        handler = Calls()
+        for bad in (None, "", 42, "x" * 33, "nul\x00byte"):
+            handled = await inbox.handle(bad, {"a": 1}, handler)  # type: ignore[arg-type]
+            assert handled.outcome is Outcome.REJECTED and handled.action is Action.DEAD_LETTER
+            assert handled.reason
+        assert handler.count == 0
+        hashing = AsyncInbox(
+            store, consumer="billing", limits=Limits(max_key_bytes=32, hash_long_keys=True)
+        )
+        long_key = "y" * 100
+        assert (await hashing.handle(long_key, {"a": 1}, handler)).outcome is Outcome.PROCESSED
+        assert (await hashing.handle(long_key, {"a": 1}, handler)).outcome is Outcome.DUPLICATE
+        assert handler.count == 1
+
+    async def test_unfingerprintable_payload_is_rejected_not_crashed(
+        self, inbox: AsyncInbox
+    ) -> None:
+        handler = Calls()
+        handled = await inbox.handle("k", {"obj": object()}, handler)
+        assert handled.outcome is Outcome.REJECTED and "fingerprint" in (handled.reason or "")
+        assert handler.count == 0
+
+    async def test_result_too_large_is_not_stored_but_the_effect_is_recorded(
+        self, store: AsyncStore
+    ) -> None:
+        inbox = AsyncInbox(store, consumer="billing", limits=Limits(max_result_bytes=100))
+        handler = Calls("x" * 500)
+        first = await inbox.handle("k", {"a": 1}, handler)
+        assert first.outcome is Outcome.PROCESSED and first.value == "x" * 500
+        assert "result not stored" in (first.reason or "")
+        second = await inbox.handle("k", {"a": 1}, handler)
+        assert second.outcome is Outcome.DUPLICATE and second.value is None
+        assert "result not stored" in (second.reason or "")
+        assert handler.count == 1
+
+    async def test_r17_handler_sees_its_message_and_a_downstream_key(
+        self, inbox: AsyncInbox
+    ) -> None:
+        seen: list[tuple[str, str, int, str | None, str]] = []
+
+        async def handler(payload: object) -> None:
+            now = current()
+            assert now is not None
+            seen.append(
+                (
+                    now.consumer,
+                    now.key,
+                    now.attempt,
+                    now.correlation_id,
+                    now.downstream_key("charge"),
+                )
+            )
+
+        await inbox.handle("k", {"a": 1}, handler, correlation_id="corr-1")
+        assert current() is None
+        (consumer, key, attempt, correlation, downstream) = seen[0]
+        assert (consumer, key, attempt, correlation) == ("billing", "k", 1, "corr-1")
+        other = AsyncInbox(inbox.store, consumer="billing")
+        await other.forget("k")
+        await other.handle("k", {"a": 1}, handler)
+        assert seen[1][4] == downstream  # the same on every attempt and redelivery
+
+    async def test_r16_every_outcome_is_logged_with_its_fields(
+        self, inbox: AsyncInbox, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        await inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
+        await inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
+        records = [r for r in caplog.records if r.name == "oncely"]
+        assert [getattr(r, "oncely_outcome", None) for r in records] == ["processed", "duplicate"]
+        for record in records:
+            assert getattr(record, "oncely_consumer", None) == "billing"
+            assert getattr(record, "oncely_key", None) == "k"
+            assert getattr(record, "oncely_correlation_id", None) == "c-9"
+            assert isinstance(getattr(record, "oncely_duration_ms", None), float)
+
+    async def test_r16_keys_can_be_hashed_in_logs_and_hooks_never_break_the_flow(
+        self, store: AsyncStore, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def broken_hook(handled: Handled[object]) -> None:
+            raise RuntimeError("exporter down")
+
+        inbox = AsyncInbox(store, consumer="billing", log_keys="hash", hooks=[broken_hook])
+        handled = await inbox.handle("secret-card-4111", {"a": 1}, Calls())
+        assert handled.outcome is Outcome.PROCESSED
+        logged = [getattr(r, "oncely_key", None) for r in caplog.records if r.name == "oncely"]
+        assert "secret-card-4111" not in " ".join(caplog.text.split())
+        assert any(isinstance(k, str) and k.startswith("h:") for k in logged)
+
+    async def test_call_style_api_runs_once_and_raises_on_conflict(self, inbox: AsyncInbox) -> None:
+        runs: list[int] = []
+
+        @inbox.idempotent(key=lambda order_id, amount: f"charge:{order_id}")
+        async def charge(order_id: str, amount: int) -> dict[str, object]:
+            runs.append(amount)
+            return {"order": order_id, "charged": amount}
+
+        assert await charge("o-1", 5) == {"order": "o-1", "charged": 5}
+        assert await charge("o-1", amount=5) == {"order": "o-1", "charged": 5}
+        with pytest.raises(KeyConflict):
+            await charge("o-1", 6)
+        assert runs == [5]
+
+    async def test_r3_messages_are_keyed_by_their_source(self, inbox: AsyncInbox) -> None:
+        handler = Calls()
+        missing = await inbox.handle_message(Envelope(body={"a": 1}), handler)
+        assert missing.outcome is Outcome.REJECTED and missing.key is None
+        by_id = Envelope(body={"a": 1}, message_id="m-1", correlation_id="c")
+        assert (await inbox.handle_message(by_id, handler)).outcome is Outcome.PROCESSED
+        assert (await inbox.handle_message(by_id, handler)).outcome is Outcome.DUPLICATE
+        event = Envelope(
+            body={"specversion": "1.0", "source": "/shop", "id": "e-1", "data": {"a": 1}}
+        )
+        ce = await inbox.handle_message(event, handler, key=CloudEventsKey())
+        assert ce.outcome is Outcome.PROCESSED and ce.key == "/shop e-1"
+        assert handler.count == 2
