@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 
 REQUIRED = os.environ.get("ONCELY_REQUIRE_SERVICES") == "1"
+DISRUPTIVE = os.environ.get("ONCELY_DISRUPTIVE_TESTS") == "1"
 
 POSTGRES_DSN = os.environ.get(
     "ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"
@@ -46,3 +47,12 @@ def require(name: str, url: str, default_port: int) -> None:
     if REQUIRED:
         pytest.fail(f"ONCELY_REQUIRE_SERVICES=1 and {reason}")
     pytest.skip(reason)
+
+
+def disruptive(what: str) -> pytest.MarkDecorator:
+    """Mark a test that stops or restarts a server other programs share (``what``): it runs
+    only with ONCELY_DISRUPTIVE_TESTS=1 (set by .ci/run), never on somebody's laptop unasked."""
+    return pytest.mark.skipif(
+        not DISRUPTIVE,
+        reason=f"{what}; set ONCELY_DISRUPTIVE_TESTS=1 to run it (it starts the server again)",
+    )

@@ -32,7 +32,7 @@ from tests.brokers.rabbitmq_helpers import (
     released_on_exit,
     transport,
 )
-from tests.services import RABBITMQ_URL
+from tests.services import RABBITMQ_URL, disruptive
 
 pytestmark = pytest.mark.services
 
@@ -86,6 +86,7 @@ async def test_r8_r10_connection_killed_under_slow_handler_applies_once(
 
 
 @pytest.mark.slow
+@disruptive("stops and starts the machine's RabbitMQ application")
 async def test_broker_restart_mid_run_loses_nothing_and_applies_once(
     rabbit: Rabbit, ledger: Ledger, pg_inbox: oncely.AsyncInbox
 ) -> None:

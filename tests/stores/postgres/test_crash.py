@@ -22,7 +22,7 @@ import oncely
 from oncely import Outcome, Status
 from oncely.stores.postgres.sync_store import PostgresStore
 from tests.chaos.harness import Processes
-from tests.services import POSTGRES_DSN
+from tests.services import POSTGRES_DSN, disruptive
 from tests.stores.postgres.helpers import _ledger, _ledger_counts, _sql
 
 # ------------------------------------------------------------------ the outage (slow)
@@ -53,6 +53,7 @@ def _wait_until_ready(seconds: float = 60) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@disruptive("stops and starts the machine's PostgreSQL cluster")
 def test_r7_server_restart_mid_run_loses_nothing_and_doubles_nothing(table: str) -> None:
     """PostgreSQL stops (fast shutdown: every session is cut) and starts again while three
     threads process messages in the transactional mode, each message delivered twice. Calls

@@ -17,6 +17,7 @@ import pytest
 import oncely
 from oncely import StoreUnavailable
 from tests.backends.redis import with_options
+from tests.services import disruptive
 
 # -------------------------------------------------------------- outage (real restart)
 
@@ -50,6 +51,7 @@ def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.services
 @pytest.mark.timeout(120)
+@disruptive("shuts down the machine's Redis (shutdown nosave)")
 def test_outage_a_redis_restart_mid_run_is_ridden_out(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
