@@ -31,58 +31,35 @@ Errors go to stderr as one line; ``oncely --debug ...`` shows the traceback inst
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import click
-
-import oncely
-from oncely.cli._consume import consume
-from oncely.cli._demo import demo
-from oncely.cli._errors import OncelyGroup, enable_debug
-from oncely.cli._inbox import inbox
-from oncely.cli._migrate import migrate
-from oncely.cli._retention import retention
+if TYPE_CHECKING:
+    from oncely.cli._app import cli as cli
 
 __all__ = ["cli", "main"]
 
-_EPILOG = """\b
-Exit codes:
-  0  success
-  1  a check failed (demo self-check, retention too short, no such record)
-  2  usage error (bad option, duration or store URL)
-  3  store unavailable (cannot open it, or it stayed locked): retry later
-  4  schema problem: tables missing (run `oncely migrate`) or too new (upgrade oncely)
-  5  any other oncely or store error
-
-\b
-The store URL comes from --store, else $ONCELY_STORE, else sqlite:///oncely.db.
-Errors are one line on stderr; add --debug for the traceback."""
-
-
-@click.group(
-    name="oncely",
-    cls=OncelyGroup,
-    epilog=_EPILOG,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-@click.version_option(oncely.__version__, prog_name="oncely")
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
-    """oncely: effectively-once message processing on at-least-once brokers.
-
-    Run `oncely demo` to watch duplicates hit a naive consumer and miss oncely's.
-    """
-    enable_debug(ctx, debug)
-
-
-cli.add_command(demo)
-cli.add_command(consume)
-cli.add_command(migrate)
-cli.add_command(inbox)
-cli.add_command(retention)
+INSTALL_HINT = "the oncely command needs the cli extra: pip install 'oncely[cli]'"
+_CLI_PACKAGES = ("click", "rich")
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """The ``oncely`` executable. Exits with the codes listed in the module docstring."""
-    cli.main(args=list(args) if args is not None else None, prog_name="oncely")
+    """The ``oncely`` executable. Exits with the codes listed in the module docstring; without
+    the ``cli`` extra it says how to install it and exits 2."""
+    try:
+        from oncely.cli._app import main as run  # noqa: PLC0415 - click may be missing
+    except ModuleNotFoundError as exc:
+        if exc.name not in _CLI_PACKAGES:
+            raise
+        print(f"oncely: {INSTALL_HINT} (no module named {exc.name!r})", file=sys.stderr)
+        raise SystemExit(2) from None
+    run(args)
+
+
+def __getattr__(name: str) -> object:
+    if name == "cli":
+        from oncely.cli._app import cli as group  # noqa: PLC0415 - imported on first use
+
+        return group
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
