@@ -70,6 +70,7 @@ from oncely.errors import (
     StoreUnavailable,
     TransactionRequired,
     TransactionsUnsupported,
+    UndecodableBody,
     UnfingerprintablePayload,
 )
 from oncely.inbox.async_inbox import AsyncInbox
@@ -197,6 +198,7 @@ __all__ = [
     "TransactionRequired",
     "TransactionalStore",
     "TransactionsUnsupported",
+    "UndecodableBody",
     "UnfingerprintablePayload",
     "__version__",
     "canonical_json",

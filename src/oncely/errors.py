@@ -11,7 +11,8 @@
     │   └── KeyTooLong                 over the configured size limit
     ├── PayloadError                   a payload or result oncely cannot handle
     │   ├── UnfingerprintablePayload   a value the canonical fingerprint cannot encode
-    │   └── ResultTooLarge             an encoded result over the configured size limit
+    │   ├── ResultTooLarge             an encoded result over the configured size limit
+    │   └── UndecodableBody            a message body the consumer's decoder cannot read
     ├── StoreError                     the dedup store failed; no driver exception escapes
     │   ├── StoreUnavailable           cannot reach or lock the store now; retry later
     │   ├── SchemaError                tables missing or of an unknown version
@@ -75,6 +76,7 @@ __all__ = [
     "StoreUnavailable",
     "TransactionRequired",
     "TransactionsUnsupported",
+    "UndecodableBody",
     "UnfingerprintablePayload",
 ]
 
@@ -141,6 +143,11 @@ class UnfingerprintablePayload(PayloadError):
 
 class ResultTooLarge(PayloadError):
     """The handler's encoded result is larger than the configured limit."""
+
+
+class UndecodableBody(PayloadError):
+    """A broker message's body cannot be decoded (not JSON, not UTF-8 text, or a decoder
+    refused it). The consumer rejects the message and dead-letters it with the reason."""
 
 
 class StoreError(OncelyError):

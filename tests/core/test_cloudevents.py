@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 
 from oncely._core.keys import CloudEventsKey, Envelope, FirstOf, MessageIdKey
-from oncely._core.wire import wire_text
 from oncely.brokers._consumer import decode_body
 from oncely.errors import InvalidKey, MissingKey
+from oncely.wire import wire_text
 
 STRUCTURED = "application/cloudevents+json; charset=utf-8"
 EVENT = {
@@ -290,7 +290,7 @@ def test_r2_r3_undecodable_attributes_are_refused(headers: dict[str, object], fi
 
 
 def test_r3_event_data_binary_mode_is_the_body() -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     env = Envelope(body={"order": 1}, headers={"ce_source": "/s", "ce_id": "1"})
     assert event_data(env) == {"order": 1}
@@ -301,7 +301,7 @@ def test_r3_event_data_binary_mode_is_the_body() -> None:
 
 
 def test_r3_event_data_structured_mode() -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     assert event_data(Envelope(body=EVENT)) == {"order": 42}
     assert event_data(Envelope(body=EVENT | {"data": "plain text"})) == "plain text"
@@ -310,7 +310,7 @@ def test_r3_event_data_structured_mode() -> None:
 
 
 def test_r3_event_data_base64() -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     payload = b"\x00\xffbinary"
     event = {k: v for k, v in EVENT.items() if k != "data"}
@@ -319,14 +319,14 @@ def test_r3_event_data_base64() -> None:
 
 
 def test_r3_event_data_absent() -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     event = {k: v for k, v in EVENT.items() if k != "data"}
     assert event_data(Envelope(body=event)) is None
 
 
 def test_r3_event_data_follows_the_mode_of_the_key() -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     # Structured content type: the body is the event, even with ce- headers beside it.
     env = Envelope(
@@ -350,14 +350,14 @@ def test_r3_event_data_follows_the_mode_of_the_key() -> None:
     ],
 )
 def test_r3_event_data_refuses_a_malformed_event(event: dict[str, object]) -> None:
-    from oncely._core.cloudevents import event_data
+    from oncely.cloudevents import event_data
 
     with pytest.raises(ValueError, match="data"):
         event_data(Envelope(body=event))
 
 
 def test_r3_binding_prefixes_are_exported() -> None:
-    from oncely._core import cloudevents
+    from oncely import cloudevents
 
     assert {p.lower() for p in cloudevents.BINARY_PREFIXES} == {
         "ce-",

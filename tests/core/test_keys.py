@@ -24,7 +24,6 @@ from oncely._core.keys import (
     validate_key,
 )
 from oncely._core.policy import Limits
-from oncely._core.wire import wire_text
 from oncely.errors import (
     ConfigurationError,
     InvalidIdentifier,
@@ -32,6 +31,7 @@ from oncely.errors import (
     KeyTooLong,
     MissingKey,
 )
+from oncely.wire import wire_text
 
 # ------------------------------------------------------------------ validate_key
 

@@ -6,7 +6,7 @@ the broker regenerates per delivery, nor anything derived from the attempt or th
 (R4). Records are scoped by consumer (R5), so the consumer name is validated here too.
 
 Keys are lossless: an id whose bytes are not UTF-8 (kept as escapes by
-:func:`oncely._core.wire.wire_text`) is refused by every key source with the field named, never
+:func:`oncely.wire.wire_text`) is refused by every key source with the field named, never
 replaced, so two different byte strings can never become one key (R2).
 """
 
@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from oncely._core import cloudevents
+from oncely import cloudevents
 from oncely._core.policy import Limits
-from oncely._core.wire import escaped, undecodable_reason
 from oncely.errors import ConfigurationError, InvalidIdentifier, InvalidKey, KeyTooLong, MissingKey
+from oncely.wire import escaped, undecodable_reason
 
 __all__ = [
     "TRANSPORT_FIELDS",
@@ -221,7 +221,7 @@ def validate_key(key: object, limits: Limits) -> str:
     """Check a dedup key and return it (hashed if too long and ``limits.hash_long_keys``).
 
     Raises :class:`MissingKey` for ``None`` or an empty string, :class:`InvalidKey` for a
-    non-string, a NUL character or text that is not UTF-8 (bytes :func:`~oncely._core.wire.
+    non-string, a NUL character or text that is not UTF-8 (bytes :func:`~oncely.wire.
     wire_text` kept as escapes, or a lone surrogate), :class:`KeyTooLong` over
     ``limits.max_key_bytes``. ASCII keys take the fast path: no encoding at all.
     """
@@ -263,7 +263,7 @@ class Envelope:
     sequence, redelivered flag) for logs only: no key source reads an id from it (R4); only
     its ``content_type`` is read, to tell a structured-mode CloudEvent.
 
-    Adapters decode wire bytes with :func:`oncely._core.wire.wire_text`, so an id that is not
+    Adapters decode wire bytes with :func:`oncely.wire.wire_text`, so an id that is not
     UTF-8 arrives as text with escape code points; every key source refuses it (R2).
     """
 
@@ -344,7 +344,7 @@ class CloudEventsKey:
     for Kafka, ``cloudEvents_`` and ``cloudEvents:`` for AMQP, in any case; MQTT user
     properties when unmistakable); structured mode reads a body with ``specversion`` (content
     type ``application/cloudevents+json``), decoded or not. See
-    :mod:`oncely._core.cloudevents`."""
+    :mod:`oncely.cloudevents`."""
 
     def __call__(self, envelope: Envelope) -> str:
         return cloudevents.event_key(envelope)

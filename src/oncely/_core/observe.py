@@ -16,31 +16,16 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from oncely._core.outcomes import Handled, Outcome
-from oncely._core.wire import printable
+from oncely._core.outcomes import Handled
+from oncely.wire import printable
 
-__all__ = ["Hook", "Observer", "key_for_logs", "level_of"]
+__all__ = ["Hook", "Observer", "key_for_logs"]
 
 Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
 
 LOGGER = logging.getLogger("oncely")
 
-# Keyed by the outcome's text: an enum member hashes through a Python-level __hash__, a str
-# through its cached hash, and this lookup runs for every message.
-_LEVELS = {outcome.value: outcome.log_level for outcome in Outcome}
-# Acknowledged outcomes whose reason is something to act on (a result not stored, a stored
-# result that could not be decoded): WARNING instead of INFO.
-_NOTED = frozenset({Outcome.PROCESSED.value, Outcome.DUPLICATE.value})
-
-
-def level_of(handled: Handled[Any]) -> int:
-    """The level an outcome is logged at: its own (ERROR for what a person must see), or
-    WARNING for an acknowledged one with a reason (processed, but the result not stored)."""
-    outcome = handled.outcome._value_
-    if handled.reason is not None and outcome in _NOTED:
-        return logging.WARNING
-    return _LEVELS[outcome]
 
 
 def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
@@ -67,7 +52,7 @@ class Observer:
 
     def emit(self, handled: Handled[Any]) -> None:
         """Log ``handled`` (if the logger is enabled for its level) and call every hook."""
-        level = level_of(handled)
+        level = handled.log_level
         if self.logger.isEnabledFor(level):
             key = key_for_logs(handled.key, self.log_keys)
             duration_ms = round(handled.duration_s * 1000, 3)

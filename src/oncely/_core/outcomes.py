@@ -122,6 +122,18 @@ class Handled(Generic[R]):
         return _ACTIONS[self.outcome]
 
     @property
+    def log_level(self) -> int:
+        """The level this outcome is logged at: its outcome's (ERROR for what a person must
+        see), or WARNING for an acknowledged one that carries a reason (processed, but the
+        result could not be stored, or a duplicate whose stored result cannot be read)."""
+        # Keyed by the outcome's text: an enum member hashes through a Python-level __hash__,
+        # a str through its cached hash, and this runs for every message that is logged.
+        outcome = self.outcome._value_
+        if self.reason is not None and outcome in _NOTED:
+            return logging.WARNING
+        return _LEVEL_OF[outcome]
+
+    @property
     def ok(self) -> bool:
         """True when the message's effect exists (processed, duplicate, stale_reclaimed)."""
         return self.outcome in _DONE
@@ -156,6 +168,8 @@ class Handled(Generic[R]):
 
 
 _DONE = frozenset({Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.STALE_RECLAIMED})
+_NOTED = frozenset({Outcome.PROCESSED.value, Outcome.DUPLICATE.value})
+_LEVEL_OF = {outcome.value: level for outcome, level in _LEVELS.items()}
 
 
 class _HandledSlots(Generic[R]):

@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Protocol, cast
 
-from oncely._core.keys import key_source
 from oncely._urls import load_by_scheme
 from oncely.brokers._consumer import (
     BrokerConsumer,
@@ -46,6 +45,7 @@ from oncely.brokers._consumer import (
 )
 from oncely.brokers._shape import Backoff, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import ConfigurationError
+from oncely.keys import key_source
 
 __all__ = [
     "Backoff",

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from datetime import timedelta
 from urllib.parse import urlunsplit
 
-from oncely._core.wire import escaped, undecodable_reason
 from oncely._urls import redact, split
 from oncely.errors import ConfigurationError
+from oncely.wire import escaped, undecodable_reason
 
 __all__ = ["missing_driver", "not_utf8", "positive", "require_message_id", "server_url"]
 
@@ -55,7 +55,7 @@ def missing_driver(exc: ModuleNotFoundError, adapter: str, extra: str) -> Module
 
 def not_utf8(fields: Iterable[tuple[str, str | None]]) -> str | None:
     """The refusal of a delivery whose id, correlation id or property (``(name, text)``
-    pairs, text as :func:`oncely._core.wire.wire_text` decoded it) is not UTF-8, naming the
+    pairs, text as :func:`oncely.wire.wire_text` decoded it) is not UTF-8, naming the
     first such field; ``None`` when every one is text."""
     for name, text in fields:
         if text is not None and escaped(text):

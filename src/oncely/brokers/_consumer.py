@@ -20,15 +20,14 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
-from oncely._core.keys import Envelope, KeySource, MessageIdKey
-from oncely._core.observe import level_of
-from oncely._core.outcomes import Action, Handled, Outcome
-from oncely._core.wire import escaped, printable
+from oncely import Action, Handled, Outcome
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
-from oncely.errors import BrokerUnavailable, ConfigurationError, OncelyError
+from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_heartbeats import AsyncHeartbeats
 from oncely.inbox.async_inbox import AsyncInbox
+from oncely.keys import Envelope, KeySource, MessageIdKey
 from oncely.stores.async_protocols import AsyncTransactionalStore
+from oncely.wire import escaped, printable
 
 __all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
 
@@ -36,10 +35,6 @@ LOGGER = logging.getLogger("oncely.broker")
 
 Mode = Literal["two_phase", "transactional"]
 Decoder = Callable[[Envelope], object]
-
-
-class UndecodableBody(OncelyError, ValueError):
-    """The message body cannot be decoded; the message is rejected and dead-lettered."""
 
 
 def decode_body(envelope: Envelope) -> object:
@@ -98,7 +93,7 @@ class InboxProcessor:
     """Runs ``handler`` through ``inbox``: two-phase (``handler(payload)``) or transactional
     (``handler(transaction, payload)``), with the key read by ``key`` (default: the producer's
     message id). The payload is the decoded body, or what ``payload`` reads from the message
-    (``oncely._core.cloudevents.event_data``: a CloudEvent's data); the key is always read
+    (``oncely.cloudevents.event_data``: a CloudEvent's data); the key is always read
     from the whole message, and the fingerprint is the payload's. A message ``payload``
     cannot read is ``rejected`` with its reason."""
 
@@ -390,7 +385,7 @@ class BrokerConsumer:
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
             )
             step, how = delivery.dead_letter(why), "dead_letter"
-        level = logging.ERROR if how == "dead_letter" else level_of(handled)
+        level = logging.ERROR if how == "dead_letter" else handled.log_level
         if self._log.isEnabledFor(level):
             transport = delivery.describe()
             self._log.log(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
-from oncely._core.keys import Envelope
 from oncely.errors import ConfigurationError
+from oncely.keys import Envelope
 
 __all__ = ["Backoff", "ConsumerSettings", "DeadLetter", "Delivery", "Transport"]
 

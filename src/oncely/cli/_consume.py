@@ -27,14 +27,14 @@ from typing import Any
 import click
 
 import oncely
-from oncely._core.cloudevents import event_data
-from oncely._core.keys import KeyWarning, key_source
-from oncely._core.wire import printable
 from oncely.brokers import BrokerConsumer, ConsumerSettings, InboxProcessor, open_transport
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._stores import store_option
+from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
+from oncely.keys import KeyWarning, key_source
+from oncely.wire import printable
 
 __all__ = ["consume"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import click
@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.text import Text
 
 from oncely import Record, Status, format_duration
-from oncely._core.clock import ms_to_datetime
 
 __all__ = [
     "console",
@@ -76,7 +75,7 @@ def now_ms() -> int:
 
 def iso(ms: int) -> str:
     """Epoch milliseconds as ISO 8601 in UTC, to the millisecond."""
-    return ms_to_datetime(ms).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
 
 def relative(ms: int, now: int) -> str:

@@ -12,11 +12,11 @@ import nats.aio.client
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
-from oncely._core.wire import wire_text
 from oncely._urls import redact
 from oncely.brokers._common import positive, server_url
 from oncely.brokers.nats._settings import LOGGER, SCHEMES, UNAVAILABLE
 from oncely.errors import BrokerUnavailable
+from oncely.wire import wire_text
 
 
 class LosslessClient(Client):
@@ -24,7 +24,7 @@ class LosslessClient(Client):
 
     nats-py decodes header values with ``errors="replace"`` and drops a header whose name is
     not ASCII, so ``Nats-Msg-Id: inv-\\xff`` and ``inv-\\xfe`` would arrive as one id. Here
-    names and values are decoded by :func:`oncely._core.wire.wire_text` (lossless; text that
+    names and values are decoded by :func:`oncely.wire.wire_text` (lossless; text that
     is not UTF-8 is refused as a key). Status lines (the server's own, ASCII) are left to
     nats-py, as is everything when the optional ``fast_mail_parser`` is what nats-py uses.
     """

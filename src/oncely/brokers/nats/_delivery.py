@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
-from oncely._core.keys import Envelope
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
 from oncely.brokers.nats._settings import (
@@ -21,6 +20,7 @@ from oncely.brokers.nats._settings import (
     ONCELY_ID_HEADER,
 )
 from oncely.errors import BrokerError
+from oncely.keys import Envelope
 
 if TYPE_CHECKING:
     from oncely.brokers.nats._transport import JetStream

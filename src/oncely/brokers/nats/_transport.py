@@ -16,7 +16,6 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from oncely._core.wire import escaped, raw_bytes
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._shape import DeadLetter, Delivery
 from oncely.brokers.nats._connection import Link
@@ -39,6 +38,7 @@ from oncely.brokers.nats._settings import (
 )
 from oncely.brokers.nats._topology import Topology
 from oncely.errors import BrokerError, BrokerUnavailable
+from oncely.wire import escaped, raw_bytes
 
 
 class JetStream:

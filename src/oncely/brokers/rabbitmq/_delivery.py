@@ -13,8 +13,6 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
-from oncely._core.keys import Envelope
-from oncely._core.wire import escaped, raw_bytes, wire_text
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
 from oncely.brokers.rabbitmq._topology import (
@@ -24,6 +22,8 @@ from oncely.brokers.rabbitmq._topology import (
     raise_translated,
 )
 from oncely.errors import BrokerError, BrokerUnavailable
+from oncely.keys import Envelope
+from oncely.wire import escaped, raw_bytes, wire_text
 
 if TYPE_CHECKING:
     from oncely.brokers.rabbitmq._transport import RabbitMQ, Session

@@ -9,7 +9,7 @@ message prefetched behind it).
 
 oncely wraps ``pamqp.frame.unmarshal``: a frame that decodes is untouched (no cost), and one
 that fails on a ``UnicodeDecodeError`` is decoded again here with every short string and table
-key read by :func:`oncely._core.wire.wire_text` (UTF-8 with ``surrogateescape``, lossless). This
+key read by :func:`oncely.wire.wire_text` (UTF-8 with ``surrogateescape``, lossless). This
 happens only on connections oncely opened (:func:`lossless_frames` marks them through a context
 variable that aiormq's reader task inherits); on any other connection in the process the frame
 fails exactly as before. The delivery then reaches oncely, which dead-letters it as ``rejected``
@@ -28,7 +28,7 @@ import pamqp.frame
 from pamqp import commands, constants, decode, header
 from pamqp.exceptions import UnmarshalingException
 
-from oncely._core.wire import wire_text
+from oncely.wire import wire_text
 
 __all__ = ["install", "lossless_frames"]
 

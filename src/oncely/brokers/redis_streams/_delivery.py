@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from oncely._core.keys import Envelope
 from oncely.brokers._shape import (
     CONSUMER_HEADER,
     DELIVERIES_HEADER,
@@ -15,6 +14,7 @@ from oncely.brokers._shape import (
     DeadLetter,
 )
 from oncely.brokers.redis_streams._layout import LOGGER, as_text, ms
+from oncely.keys import Envelope
 
 if TYPE_CHECKING:
     from oncely.brokers.redis_streams._transport import RedisStreams

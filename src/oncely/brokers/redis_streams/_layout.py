@@ -16,11 +16,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from oncely._core.keys import Envelope, is_transport_field
-from oncely._core.wire import wire_text
 from oncely._urls import UrlOptions
 from oncely.brokers._common import not_utf8, require_message_id, server_url
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
+from oncely.keys import Envelope, is_transport_field
+from oncely.wire import wire_text
 
 LOGGER = logging.getLogger("oncely.broker")
 
@@ -39,7 +39,7 @@ def ms(value: timedelta) -> int:
 
 def as_text(value: bytes) -> str:
     """A field name or value as text, losslessly (bytes that are not UTF-8 are kept as escape
-    code points and refused wherever they would be a key: :mod:`oncely._core.wire`)."""
+    code points and refused wherever they would be a key: :mod:`oncely.wire`)."""
     return wire_text(value)
 
 

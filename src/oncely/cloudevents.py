@@ -25,7 +25,7 @@ allow copies there); without one, complete binary headers win, then a body with
 ``specversion``.
 
 Header values are used as they arrive (bytes decoded losslessly as UTF-8, see
-:mod:`oncely._core.wire`); HTTP/NATS percent-encoding is not undone, so the key of a message is
+:mod:`oncely.wire`); HTTP/NATS percent-encoding is not undone, so the key of a message is
 the one earlier versions computed for it.
 """
 
@@ -37,8 +37,8 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
-from oncely._core.wire import escaped, undecodable_reason, wire_text
 from oncely.errors import InvalidKey, MissingKey
+from oncely.wire import escaped, undecodable_reason, wire_text
 
 if TYPE_CHECKING:
     from oncely._core.keys import Envelope
@@ -78,7 +78,7 @@ def _where(header: str) -> str:
 
 def header_text(value: object) -> object:
     """A header value as text when it arrives as bytes (Kafka always sends them so), decoded
-    with :func:`~oncely._core.wire.wire_text`: lossless, never replaced."""
+    with :func:`~oncely.wire.wire_text`: lossless, never replaced."""
     if isinstance(value, _BYTES):  # a tuple: faster than a union on the per-message path
         return wire_text(value)
     return value
