@@ -50,7 +50,6 @@ HAND_WRITTEN = frozenset(
         "stores/postgres/async_io.py",
         "stores/mysql/async_io.py",
         "stores/redis/async_io.py",
-        "inbox/async_heartbeats.py",
     }
 )
 

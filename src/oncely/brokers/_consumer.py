@@ -23,8 +23,8 @@ from typing import Any, Literal, Protocol
 from oncely import Action, Handled, Outcome
 from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
-from oncely.inbox.async_heartbeats import AsyncHeartbeats
 from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.heartbeats import AsyncHeartbeats
 from oncely.keys import Envelope, KeySource, MessageIdKey
 from oncely.stores.async_protocols import AsyncTransactionalStore
 from oncely.wire import escaped, printable

@@ -25,7 +25,7 @@ from oncely._core.outcomes import Handled, Outcome, new_handled
 from oncely._core.policy import AsyncReconciler, Lease, Limits, OnStale, Retention
 from oncely._core.records import Claim, Record
 from oncely.errors import ConfigurationError, LeaseLost, PayloadError, ResultTooLarge
-from oncely.inbox.async_heartbeats import AsyncHeartbeats
+from oncely.inbox.heartbeats import AsyncHeartbeats
 from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
 
 __all__ = ["InboxBase", "new_token"]

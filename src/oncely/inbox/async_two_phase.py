@@ -9,6 +9,13 @@ good; a lapsed lease goes through the ``on_stale`` policy or its reconciler.
 
 from __future__ import annotations
 
+from oncely._twin import ASYNC
+
+if ASYNC:
+    from asyncio import sleep
+else:
+    from time import sleep
+
 import functools
 from datetime import timedelta
 from time import perf_counter
@@ -22,7 +29,6 @@ from oncely._core.policy import StaleClaim
 from oncely._core.records import Claim, ClaimStatus, Record
 from oncely.errors import LeaseLost, Reject, StoreError, StoreUnavailable
 from oncely.inbox.async_base import InboxBase, lost_reason, new_token, reclaim_reason
-from oncely.inbox.async_heartbeats import sleep
 from oncely.inbox.async_types import AsyncHandler
 
 __all__ = ["TwoPhaseMode"]

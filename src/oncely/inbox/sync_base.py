@@ -27,7 +27,7 @@ from oncely._core.outcomes import Handled, Outcome, new_handled
 from oncely._core.policy import Lease, Limits, OnStale, Reconciler, Retention
 from oncely._core.records import Claim, Record
 from oncely.errors import ConfigurationError, LeaseLost, PayloadError, ResultTooLarge
-from oncely.inbox.sync_heartbeats import Heartbeats
+from oncely.inbox.heartbeats import Heartbeats
 from oncely.stores.sync_protocols import Store, TransactionalStore
 
 __all__ = ["InboxBase", "new_token"]

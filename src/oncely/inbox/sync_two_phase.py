@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
-from time import perf_counter
+from time import perf_counter, sleep
 from typing import TypeVar, cast
 
 from oncely._core.context import _CURRENT
@@ -24,7 +24,6 @@ from oncely._core.policy import StaleClaim
 from oncely._core.records import Claim, ClaimStatus, Record
 from oncely.errors import LeaseLost, Reject, StoreError, StoreUnavailable
 from oncely.inbox.sync_base import InboxBase, lost_reason, new_token, reclaim_reason
-from oncely.inbox.sync_heartbeats import sleep
 from oncely.inbox.sync_types import Handler
 
 __all__ = ["TwoPhaseMode"]

@@ -17,6 +17,13 @@ that very transaction holds.
 
 from __future__ import annotations
 
+from oncely._twin import ASYNC
+
+if ASYNC:
+    from asyncio import sleep
+else:
+    from time import sleep
+
 import os
 import random
 import sqlite3
@@ -29,7 +36,6 @@ import aiosqlite
 
 from oncely._core.clock import Clock, SystemClock
 from oncely.errors import SchemaMissing
-from oncely.inbox.async_heartbeats import sleep
 from oncely.stores.async_sql import Position, SQLStoreBase
 from oncely.stores.sqlite.async_io import AsyncPool, close, connect, fetchall
 from oncely.stores.sqlite.dialect import OLD_STATUS_CHECK, SCHEMA_VERSION, SQLiteDialect

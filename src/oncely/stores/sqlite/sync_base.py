@@ -24,12 +24,11 @@ import random
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
-from time import monotonic
+from time import monotonic, sleep
 from typing import Any, Final, Self, TypeVar
 
 from oncely._core.clock import Clock, SystemClock
 from oncely.errors import SchemaMissing
-from oncely.inbox.sync_heartbeats import sleep
 from oncely.stores.sqlite.dialect import OLD_STATUS_CHECK, SCHEMA_VERSION, SQLiteDialect
 from oncely.stores.sqlite.errors import SQLiteSettings, is_busy, parse_url, translate
 from oncely.stores.sqlite.sync_io import Pool, close, connect, fetchall

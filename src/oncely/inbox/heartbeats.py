@@ -1,28 +1,83 @@
-"""Hand-written: the threading half of the few places where sync and async truly differ.
+"""Heartbeats: what keeps a claim's lease alive while its handler runs (R10).
 
-Its twin is ``async_heartbeats.py``. Heartbeats share one daemon thread per inbox
-instead of a thread per claim: starting a thread costs more than a whole SQLite transaction.
+One concept, two runtimes, so two implementations side by side (neither is generated from the
+other): :class:`AsyncHeartbeats` puts a timer per claim on the running event loop (a task
+only when a renewal is due); :class:`Heartbeats` shares one daemon thread per inbox instead of
+a thread per claim, since starting a thread costs more than a whole SQLite transaction. The
+generated sync inbox uses the second where the async source names the first.
 
-A forked child (a prefork server's worker, made after the inbox) starts with heartbeats of
-its own, in a fork hook: the parent's thread does not exist there, its lock may have been
+A forked child (a prefork server's worker, made after the inbox) starts with thread heartbeats
+of its own, in a fork hook: the parent's thread does not exist there, its lock may have been
 held at the moment of the fork, and its tickets renew the parent's claims.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from oncely._core.forking import forget_parent_in_children
 
-__all__ = ["Heartbeats", "Ticket", "sleep"]
-
-sleep = time.sleep
+__all__ = ["AsyncHeartbeats", "AsyncTicket", "Heartbeats", "Ticket"]
 
 _IDLE_EXIT_S = 2.0
 _LOGGER = logging.getLogger("oncely")
+
+
+class AsyncTicket:
+    """One claim's heartbeat: calls ``renew`` every ``every`` seconds until stopped."""
+
+    __slots__ = ("_every", "_handle", "_loop", "_renew", "_stopped", "_task")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, renew: Callable[[], Awaitable[None]], every: float
+    ) -> None:
+        self._loop = loop
+        self._renew = renew
+        self._every = every
+        self._stopped = False
+        self._task: asyncio.Task[None] | None = None
+        self._handle: asyncio.TimerHandle | None = loop.call_later(every, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._stopped:
+            self._task = self._loop.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        await self._renew()
+        if not self._stopped:
+            self._handle = self._loop.call_later(self._every, self._fire)
+
+    async def stop(self) -> None:
+        """Stop renewing; wait for a renewal already under way so none lands afterwards."""
+        self._stopped = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+
+class AsyncHeartbeats:
+    """Starts heartbeats on the running event loop (a timer per claim, no task until due)."""
+
+    __slots__ = ()
+
+    def start(self, renew: Callable[[], Awaitable[None]], every: float) -> AsyncTicket:
+        return AsyncTicket(asyncio.get_running_loop(), renew, every)
+
+    def close(self) -> None:
+        """Nothing to stop: timers die with their tickets."""
+
+
+# ---------------------------------------------------------------- one thread per inbox
 
 
 class Ticket:
