@@ -118,3 +118,17 @@ def test_make_lint_fails_on_a_stale_twin(tmp_path: Path) -> None:
     twin.write_text(twin.read_text().replace("def handle(", "def handle_(", 1))
     edited = check()
     assert edited.returncode == 1 and "oncely/inbox/sync_two_phase.py" in edited.stdout
+
+
+def test_the_sync_side_of_a_marked_block_is_left_as_written() -> None:
+    source = (
+        "if ASYNC:\n"
+        "    NAME = 'AsyncInbox'\n"
+        "else:\n"
+        "    NAME = 'Inbox, not AsyncInbox'  # sync code already: not rewritten\n"
+        "def run_async(inbox: AsyncInbox) -> None: ...\n"
+    )
+    assert unasync.rewrite(unasync.unmark(source, fence=True)) == (
+        "NAME = 'Inbox, not AsyncInbox'  # sync code already: not rewritten\n"
+        "def run(inbox: Inbox) -> None: ...\n"
+    )

@@ -11,9 +11,17 @@ import sqlite3
 import sys
 from dataclasses import dataclass
 
-from oncely.errors import TransactionsUnsupported
+from oncely.errors import PayloadError, TransactionsUnsupported
 
-__all__ = ["ASYNC_KINDS", "SYNC_KINDS", "Kind", "check_driver", "kind_of", "needs_begin"]
+__all__ = [
+    "ASYNC_KINDS",
+    "SYNC_KINDS",
+    "Kind",
+    "check_driver",
+    "handler_failed",
+    "kind_of",
+    "needs_begin",
+]
 
 _LEGACY = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)
 
@@ -150,3 +158,10 @@ def needs_begin(driver: object) -> bool:
     if getattr(driver, "autocommit", _LEGACY) != _LEGACY:
         return False
     return getattr(driver, "isolation_level", None) is not None
+
+
+def handler_failed(error: Exception, failures: list[Exception]) -> bool:
+    """Whether ``error``, out of the rolled-back savepoint, is the handler's own (or oncely's
+    refusal of its result). Anything else, such as a rollback that itself failed, is not an
+    outcome: it propagates."""
+    return any(error is failure for failure in failures) or isinstance(error, PayloadError)

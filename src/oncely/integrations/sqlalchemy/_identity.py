@@ -15,28 +15,22 @@ import contextlib
 import os
 import sqlite3
 import weakref
-from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from oncely.errors import ConfigurationError, OncelyError, StoreError, StoreUnavailable
-from oncely.integrations._sqlalchemy_join import Kind
-
-if TYPE_CHECKING:
-    from sqlalchemy import Connection
-    from sqlalchemy.ext.asyncio import AsyncConnection
-    from sqlalchemy.pool import PoolProxiedConnection
-
-    from oncely.stores.async_protocols import AsyncTransactionalStore
-    from oncely.stores.sync_protocols import TransactionalStore
+from oncely.errors import ConfigurationError, StoreUnavailable
 
 __all__ = [
+    "INFO_KEY",
+    "PROBE",
+    "SQL",
     "Identity",
-    "check_session",
-    "check_session_async",
+    "identity_of",
+    "locked_out",
+    "may_open",
+    "remember",
+    "remembered",
     "same_database",
     "sqlite_identity",
-    "store_identity",
-    "store_identity_async",
     "store_path",
 ]
 
@@ -47,115 +41,21 @@ INFO_KEY = "oncely.sqlalchemy.database"
 """Where a DB-API connection's identity is kept in SQLAlchemy's ``PoolProxiedConnection.info``
 (which lives as long as the DB-API connection, across pool check-outs)."""
 
-_SQL = {
+SQL = {
     "postgresql": "SELECT current_database(), pg_postmaster_start_time()",
     "mysql": "SELECT DATABASE(), @@hostname, @@port, @@datadir, @@server_id",
     "sqlite": "PRAGMA database_list",
 }
-_PROBE = "oncely.integrations.sqlalchemy"  # a key read once to open a SQLite store's tables
+PROBE = "oncely.integrations.sqlalchemy"  # a key read once to open a SQLite store's tables
 
 
-def store_identity(
-    store: TransactionalStore[object], kind: Kind, consumer: str, driver: object
-) -> Identity:
-    """The identity of ``store``'s database (read once per store). Call it before the session's
-    transaction writes on SQLite: opening the store may need SQLite's write lock."""
-    known = _remembered(store)
-    if known is not None:
-        return known
-    if kind.family == "sqlite":
-        # Opens the store (creating its tables unless migrate=False) before the session's
-        # transaction holds SQLite's write lock, which the creation would wait for. When the
-        # lock is taken already (the session has written), the store reads its schema through
-        # the session's own connection instead (missing tables: SchemaMissing at once, never
-        # a wait on the session's own lock).
-        if _may_open(store, driver):
-            try:
-                store.get(consumer, _PROBE)
-            except StoreUnavailable as exc:
-                raise _locked_out(exc, driver) from exc
-        return _remember(store, ("sqlite", store_path(store.url) or ""))
-    try:
-        with store.transaction() as tx:
-            conn: Any = tx
-            if kind.family == "postgresql":
-                row = conn.execute(_SQL[kind.family]).fetchone()
-            else:
-                with conn.cursor() as cursor:
-                    cursor.execute(_SQL[kind.family])
-                    row = cursor.fetchone()
-    except OncelyError:
-        raise
-    except Exception as exc:
-        raise StoreError(f"{store.url}: cannot read which database it is in: {exc}") from exc
-    return _remember(store, (kind.family, *row))
-
-
-async def store_identity_async(
-    store: AsyncTransactionalStore[object], kind: Kind, consumer: str, driver: object
-) -> Identity:
-    """:func:`store_identity` for an asyncio store."""
-    known = _remembered(store)
-    if known is not None:
-        return known
-    if kind.family == "sqlite":
-        if _may_open(store, driver):  # see store_identity
-            try:
-                await store.get(consumer, _PROBE)
-            except StoreUnavailable as exc:
-                raise _locked_out(exc, driver) from exc
-        return _remember(store, ("sqlite", store_path(store.url) or ""))
-    try:
-        async with store.transaction() as tx:
-            conn: Any = tx
-            if kind.family == "postgresql":
-                row = await (await conn.execute(_SQL[kind.family])).fetchone()
-            else:
-                cursor = await conn.cursor()
-                try:
-                    await cursor.execute(_SQL[kind.family])
-                    row = await cursor.fetchone()
-                finally:
-                    await cursor.close()
-    except OncelyError:
-        raise
-    except Exception as exc:
-        raise StoreError(f"{store.url}: cannot read which database it is in: {exc}") from exc
-    return _remember(store, (kind.family, *row))
-
-
-def check_session(
-    store_url: str, expected: Identity, connection: Connection, fairy: PoolProxiedConnection
-) -> None:
-    """Raise :class:`~oncely.ConfigurationError` unless the session's connection is on the
-    database ``expected`` identifies."""
-    found = cast("Identity | None", fairy.info.get(INFO_KEY))
-    if found is None:
-        result = connection.exec_driver_sql(_SQL[str(expected[0])])
-        found = fairy.info[INFO_KEY] = _identity(str(expected[0]), [tuple(r) for r in result])
-    if not same_database(expected, found):
-        raise mismatch(store_url, expected, found)
-
-
-async def check_session_async(
-    store_url: str, expected: Identity, connection: AsyncConnection, fairy: PoolProxiedConnection
-) -> None:
-    """:func:`check_session` for an ``AsyncConnection``."""
-    found = cast("Identity | None", fairy.info.get(INFO_KEY))
-    if found is None:
-        result = await connection.exec_driver_sql(_SQL[str(expected[0])])
-        found = fairy.info[INFO_KEY] = _identity(str(expected[0]), [tuple(r) for r in result])
-    if not same_database(expected, found):
-        raise mismatch(store_url, expected, found)
-
-
-def _identity(family: str, rows: list[tuple[object, ...]]) -> Identity:
+def identity_of(family: str, rows: list[tuple[object, ...]]) -> Identity:
     if family == "sqlite":
         return sqlite_identity(rows)
     return (family, *rows[0])
 
 
-def _may_open(store: object, driver: object) -> bool:
+def may_open(store: object, driver: object) -> bool:
     """Whether opening a SQLite store on its own connection cannot wait on a lock the
     session's transaction holds: the session has no transaction, or nobody holds the write
     lock now (tried without waiting: ``BEGIN IMMEDIATE`` with a zero timeout, rolled back)."""
@@ -173,7 +73,7 @@ def _may_open(store: object, driver: object) -> bool:
     return True
 
 
-def _locked_out(error: StoreUnavailable, driver: object) -> StoreUnavailable:
+def locked_out(error: StoreUnavailable, driver: object) -> StoreUnavailable:
     if not getattr(driver, "in_transaction", False):
         return error
     return StoreUnavailable(
@@ -247,7 +147,7 @@ def _describe(identity: Identity) -> str:
 _STORES: weakref.WeakKeyDictionary[object, Identity] = weakref.WeakKeyDictionary()
 
 
-def _remembered(store: object) -> Identity | None:
+def remembered(store: object) -> Identity | None:
     """The identity of ``store``'s database read before, if any."""
     try:
         return _STORES.get(store)
@@ -255,7 +155,7 @@ def _remembered(store: object) -> Identity | None:
         return None
 
 
-def _remember(store: object, identity: Identity) -> Identity:
+def remember(store: object, identity: Identity) -> Identity:
     """Keep the identity of ``store``'s database for the store's lifetime; return it."""
     with contextlib.suppress(TypeError):  # not weakly referable: checked every time
         _STORES[store] = identity

@@ -1,0 +1,146 @@
+"""The transactional inbox in an ``AsyncSession`` (source of the generated ``sync_session``,
+which does the same in a ``Session``); the contract is in :mod:`oncely.integrations.sqlalchemy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar, cast
+
+from oncely._core.outcomes import Handled
+from oncely._twin import ASYNC
+from oncely.errors import StoreError
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.integrations.sqlalchemy._join import (
+    ASYNC_KINDS,
+    SYNC_KINDS,
+    check_driver,
+    handler_failed,
+    kind_of,
+    needs_begin,
+)
+from oncely.integrations.sqlalchemy.async_identity import check_session_async, store_identity_async
+from oncely.stores.async_protocols import AsyncTransactionalStore
+
+if ASYNC:
+    if TYPE_CHECKING:
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    S = TypeVar("S", "AsyncSession", "AsyncConnection")
+    KINDS = ASYNC_KINDS
+    NAME, INBOX = "handle_in_session_async", "AsyncInbox"
+    OTHER = "use handle_in_session for an Inbox"
+else:
+    from sqlalchemy import Connection
+    from sqlalchemy.orm import Session
+
+    S = TypeVar("S", Session, Connection)
+    KINDS = SYNC_KINDS
+    NAME, INBOX = "handle_in_session", "Inbox"
+    OTHER = "use handle_in_session_async for an AsyncInbox"
+
+__all__ = ["handle_in_session_async"]
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+
+async def handle_in_session_async(
+    inbox: AsyncInbox,
+    session: S,
+    key: str,
+    payload: P,
+    handler: Callable[[S, P], Awaitable[R]],
+    *,
+    savepoint: bool = True,
+    correlation_id: str | None = None,
+) -> Handled[R]:
+    """Run ``handler(session, payload)`` and record ``key`` in the session's transaction (R7).
+
+    ``session`` is a session or connection on the database of ``inbox``'s store, inside a
+    transaction you commit (see :mod:`oncely.integrations.sqlalchemy` for the contract, the
+    savepoint and the checks). Returns the outcome as :class:`oncely.Handled`; raises
+    :class:`~oncely.TransactionsUnsupported` for a store or driver that cannot join,
+    :class:`~oncely.ConfigurationError` for a session on another database,
+    :class:`~oncely.TransactionRequired` without an open transaction, and
+    :class:`~oncely.StoreError` when the store fails (roll back then).
+    """
+    if not isinstance(inbox, AsyncInbox):
+        raise TypeError(f"{NAME} takes an oncely.{INBOX}, not {type(inbox).__name__}; {OTHER}")
+    store = inbox.store
+    kind = kind_of(store, KINDS, NAME)
+    joined = cast("AsyncTransactionalStore[object]", store)
+    orm, connection = await _split_async(session)
+    if ASYNC:
+        fairy = await connection.get_raw_connection()
+    else:
+        fairy = connection.connection
+    driver = fairy.driver_connection
+    check_driver(kind, driver, connection.dialect.name, connection.dialect.driver)
+    expected = await store_identity_async(joined, kind, inbox.consumer, driver)  # no lock yet
+    if orm is not None:
+        await orm.flush()  # your pending changes go before the savepoint: a failure keeps them
+    if kind.family == "sqlite" and needs_begin(driver):
+        await connection.exec_driver_sql("BEGIN IMMEDIATE")
+    joined.check_transaction(driver)
+    await check_session_async(store.url, expected, connection, fairy)
+
+    failures: list[Exception] = []
+
+    async def run(_tx: object, body: P) -> R:
+        try:
+            result = await handler(session, body)
+            if orm is not None:
+                await orm.flush()  # inside the savepoint: a failing flush fails the handler
+        except Exception as exc:
+            failures.append(exc)
+            raise
+        return result
+
+    if not savepoint:
+        return await inbox.handle_in_transaction(
+            key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
+        )
+    try:
+        async with session.begin_nested():
+            if orm is not None:
+                await (
+                    orm.connection()
+                )  # a session emits its SAVEPOINT lazily: now, before the claim
+            return await inbox.handle_in_transaction(
+                key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
+            )
+    except StoreError:
+        raise
+    except Exception as exc:
+        if not handler_failed(exc, failures):
+            raise
+        error = exc
+
+    async def again(_tx: object, _body: P) -> R:
+        raise error
+
+    return await inbox.handle_in_transaction(
+        key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
+    )
+
+
+if ASYNC:
+
+    async def _split_async(
+        session: AsyncSession | AsyncConnection,
+    ) -> tuple[AsyncSession | None, AsyncConnection]:
+        """The session (None for a connection) and the connection its transaction runs on."""
+        from sqlalchemy.ext.asyncio import AsyncSession  # noqa: PLC0415 - needs greenlet
+
+        if isinstance(session, AsyncSession):
+            return session, await session.connection()
+        return None, session
+
+else:
+
+    def _split(session: Session | Connection) -> tuple[Session | None, Connection]:
+        """The session (None for a connection) and the connection its transaction runs on."""
+        if isinstance(session, Session):
+            return session, session.connection()
+        return None, session
