@@ -12,8 +12,8 @@ from sqlalchemy.dialects import mysql, oracle, sqlite
 from sqlalchemy.exc import IntegrityError
 
 import oncely
-from oncely.integrations import _entity_flow
 from oncely.integrations.entity import EntityOutcome, EntityResult
+from oncely.integrations.entity import _flow as _entity_flow
 from tests.integrations.entity_helpers import BODY, CREATED, DUPLICATE, KEY_CONFLICT, ORDER, _tables
 
 # --- the pure part: outcomes, configuration, the flow --------------------------------

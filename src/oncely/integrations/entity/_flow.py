@@ -4,7 +4,7 @@ Everything here is pure: it builds SQLAlchemy statements and decides from rows, 
 step-by-step flow is a generator that *yields* each statement and is *sent* what the database
 answered. :mod:`oncely.integrations.entity` drives it with a sync or an async connection, so the
 logic exists once and the two shells only execute. What the flow comes to is an
-:class:`~oncely.integrations.entity.EntityResult` (:mod:`oncely.integrations._entity_result`).
+:class:`~oncely.integrations.entity.EntityResult` (:mod:`oncely.integrations.entity._result`).
 
 The flow (R20 steps 2-6, R21)::
 
@@ -42,7 +42,7 @@ from sqlalchemy.sql import Executable
 
 from oncely._core.fingerprint import Fingerprinter
 from oncely.errors import ConfigurationError, InvalidKey, StoreUnavailable
-from oncely.integrations._entity_result import EntityOutcome, EntityResult
+from oncely.integrations.entity._result import EntityOutcome, EntityResult
 
 __all__ = [
     "MISSING",

@@ -2,7 +2,7 @@
 
 Plain values without SQLAlchemy: the outcome of one create (R20 steps 5 and 6), the row it is
 about, and its translation into the :class:`oncely.Handled` that adapters, logs and metrics take.
-:mod:`oncely.integrations.entity` exports them; :mod:`oncely.integrations._entity_flow` makes them.
+:mod:`oncely.integrations.entity` exports them; :mod:`oncely.integrations.entity._flow` makes them.
 """
 
 from __future__ import annotations
