@@ -95,7 +95,7 @@ def stats_text(prof: cProfile.Profile, header: str, top: int, n: int) -> str:
 
 
 def where(func: tuple[str, int, str]) -> str:
-    """``oncely/_sync/inbox_two_phase.py:44 handle`` rather than a full path."""
+    """``oncely/inbox/sync_inbox.py:44 handle`` rather than a full path."""
     path, line, name = func
     if path == "~":
         return name  # a C function: "<method 'execute' of 'sqlite3.Connection' objects>"

@@ -114,10 +114,10 @@ def test_make_lint_fails_on_a_stale_twin(tmp_path: Path) -> None:
         capture_output=True,
     )
     assert check().returncode == 0
-    twin = copy / "src" / "oncely" / "inbox" / "sync_two_phase.py"
+    twin = copy / "src" / "oncely" / "inbox" / "sync_inbox.py"
     twin.write_text(twin.read_text().replace("def handle(", "def handle_(", 1))
     edited = check()
-    assert edited.returncode == 1 and "oncely/inbox/sync_two_phase.py" in edited.stdout
+    assert edited.returncode == 1 and "oncely/inbox/sync_inbox.py" in edited.stdout
 
 
 def test_the_sync_side_of_a_marked_block_is_left_as_written() -> None:

@@ -59,7 +59,7 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely.errors import UnfingerprintablePayload
-from oncely.inbox.async_base import new_token
+from oncely._core.inbox_rules import new_token
 
 RECORD_FIELDS: tuple[Any, ...] = (
     "billing",

@@ -4,45 +4,82 @@ Two modes, one decision table (:mod:`oncely._core.flows`):
 
 * **Transactional** (:meth:`AsyncInbox.handle_in_transaction`, R7, R8): the dedup marker is
   inserted inside the transaction the handler writes in, so marker, business writes and result
-  commit together or not at all. A crash anywhere leaves either everything or nothing.
+  commit together or not at all. A crash anywhere leaves either everything or nothing; a poison
+  message is recorded ``failed`` without its writes.
 * **Two-phase** (:meth:`AsyncInbox.handle`, R10): for effects outside any transaction (an HTTP
   call, an e-mail). The key is claimed ``in_progress`` under a lease that a heartbeat renews; the
-  result is recorded under the claim's fencing token; a failure releases the claim so a
-  redelivery retries; a lapsed lease goes through the ``on_stale`` policy.
+  result is recorded under the claim's fencing token (a short store outage is ridden out, since
+  the effects are done); a failure releases the claim so a redelivery retries; a lapsed lease
+  goes through the ``on_stale`` policy or its reconciler.
 
-:class:`AsyncInbox` is one class assembled from its parts: the configuration and the outcome
-of every message (:mod:`oncely.inbox.async_base`), the two-phase mode
-(:mod:`oncely.inbox.async_two_phase`) and the transactional mode
-(:mod:`oncely.inbox.async_transactional`). This module adds what is built on them: batches,
-broker messages, the decorator, and the records of one consumer.
+:class:`AsyncInbox` is one class: the I/O of both modes against its store. What needs no I/O
+(admission, encoding, the outcome of each step, fencing tokens) is decided by the pure
+:class:`~oncely._core.inbox_rules.InboxRules` it holds, written once for this class and its
+generated sync twin :class:`~oncely.Inbox`.
 """
 
 from __future__ import annotations
 
+from oncely._twin import ASYNC
+
+if ASYNC:
+    from asyncio import sleep
+else:
+    from time import sleep
+
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter
-from typing import ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, TypeVar, cast
 
+from oncely._core.codec import Codec, JSONCodec
+from oncely._core.context import _CURRENT
+from oncely._core.fingerprint import Fingerprinter
+from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
-from oncely._core.keys import Envelope, KeySource, validate_key
-from oncely._core.outcomes import Handled
-from oncely._core.records import ClaimRequest, Record
-from oncely.inbox.async_base import new_token
-from oncely.inbox.async_transactional import TransactionalMode
-from oncely.inbox.async_two_phase import TwoPhaseMode
-from oncely.inbox.async_types import AsyncFunction, AsyncHandler
+from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
+from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
+from oncely._core.observe import Hook, Observer
+from oncely._core.outcomes import Handled, Outcome, new_handled
+from oncely._core.policy import AsyncReconciler, Lease, Limits, OnStale, Retention, StaleClaim
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    Reject,
+    StoreError,
+    StoreUnavailable,
+    TransactionsUnsupported,
+)
+from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
+from oncely.inbox.heartbeats import AsyncHeartbeats
+from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
 
 __all__ = ["AsyncInbox"]
 
 P = TypeVar("P")
 R = TypeVar("R")
+Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
 
+_COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
+_MAX_ROUNDS = 8
+_PROCESSED_LEVEL = Outcome.PROCESSED.log_level
 
-class AsyncInbox(TwoPhaseMode, TransactionalMode):
+
+class _HandlerError(Exception):
+    """Carries a handler's exception out of a transaction block so the block rolls back."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class AsyncInbox:
     """Processes each logical message once for one consumer, on top of a store.
 
     ``consumer`` scopes every record (R5): give each independent subscriber of a channel its
@@ -54,7 +91,90 @@ class AsyncInbox(TwoPhaseMode, TransactionalMode):
     after which nothing was acknowledged and retrying the message later is safe.
     """
 
-    __slots__ = ()
+    # The hot path reads its configuration from its own slots (the rules hold the same
+    # values): one attribute lookup per field instead of two, on every message.
+    __slots__ = (
+        "_consumer",
+        "_fingerprint",
+        "_heartbeats",
+        "_keep_failed_ms",
+        "_keep_ms",
+        "_lease",
+        "_lease_ms",
+        "_limits",
+        "_reconciler",
+        "_renew_every",
+        "_retention",
+        "_rules",
+        "_store",
+        "_takeover",
+        "_tx_store",
+    )
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        *,
+        consumer: str,
+        retention: Retention | None = None,
+        lease: Lease | None = None,
+        on_stale: OnStale | Literal["retry", "escalate"] | AsyncReconciler = OnStale.RETRY,
+        fingerprint: Fingerprinter = payload_fingerprint,
+        limits: Limits | None = None,
+        codec: Codec | None = None,
+        hooks: tuple[Hook, ...] | list[Hook] = (),
+        logger: logging.Logger | None = None,
+        log_keys: Literal["plain", "hash"] = "plain",
+    ) -> None:
+        self._store = store
+        # Checked once: a runtime Protocol check costs tens of microseconds per call.
+        self._tx_store: AsyncTransactionalStore[Any] | None = (
+            store if isinstance(store, AsyncTransactionalStore) else None
+        )
+        self._consumer = validate_consumer(consumer)
+        self._retention = retention if retention is not None else Retention()
+        self._lease = lease if lease is not None else Lease()
+        if self._lease.duration >= self._retention.keep:
+            raise ConfigurationError(
+                "the lease must be shorter than retention: a record must outlive its claim"
+            )
+        self._lease_ms = self._lease.duration_ms
+        self._keep_ms = self._retention.keep_ms
+        self._keep_failed_ms = self._retention.keep_failed_ms
+        self._renew_every = self._lease.renew_every_s
+        if callable(on_stale) and not isinstance(on_stale, str):
+            self._reconciler: AsyncReconciler | None = on_stale
+            self._takeover = False
+        else:
+            self._reconciler = None
+            self._takeover = OnStale(on_stale) is OnStale.RETRY
+        self._fingerprint = fingerprint
+        self._limits = limits if limits is not None else Limits()
+        self._rules = InboxRules(
+            self._consumer,
+            fingerprint=fingerprint,
+            limits=self._limits,
+            codec=codec if codec is not None else JSONCodec(),
+            observer=Observer(hooks=hooks, logger=logger, log_keys=log_keys),
+        )
+        self._heartbeats = AsyncHeartbeats()
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> Handled[Any]:
+        """The ``rejected`` outcome for a message that cannot be processed at all (a body that
+        does not decode, a message too large): logged and passed to hooks like every outcome,
+        so an adapter dead-letters it with ``reason`` instead of dropping it. No record is
+        written: nothing was claimed."""
+        return self._rules.refuse(reason, key=key, correlation_id=correlation_id)
 
     async def handle_batch(
         self,
@@ -74,7 +194,7 @@ class AsyncInbox(TwoPhaseMode, TransactionalMode):
         """
         started = perf_counter()
         admitted: list[tuple[str, str | None] | Handled[R]] = [
-            self._admit(key, payload, started, correlation_id) for key, payload in items
+            self._rules.admit(key, payload, started, correlation_id) for key, payload in items
         ]
         requests = [
             ClaimRequest(entry[0], entry[1], new_token())
@@ -107,7 +227,7 @@ class AsyncInbox(TwoPhaseMode, TransactionalMode):
                     await self.handle(entry[0], payload, handler, correlation_id=correlation_id)
                 )
             else:
-                results.append(self._settle(step, claim, correlation_id, started))
+                results.append(self._rules.settle(step, claim, correlation_id, started))
         return results
 
     async def handle_message(
@@ -121,7 +241,7 @@ class AsyncInbox(TwoPhaseMode, TransactionalMode):
         """:meth:`handle` for a broker message: the key comes from ``key`` (default: the
         producer's message id). A message without a usable key is ``rejected`` with the reason
         (dead-lettered by adapters), never processed unprotected (R2-R4)."""
-        found: str | Handled[R] = self._message_key(envelope, key, perf_counter())
+        found: str | Handled[R] = self._rules.message_key(envelope, key, perf_counter())
         if isinstance(found, Handled):
             return found
         return await self.handle(
@@ -174,3 +294,412 @@ class AsyncInbox(TwoPhaseMode, TransactionalMode):
     async def aclose(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""
         self._heartbeats.close()
+
+    # ------------------------------------------------------------------ two-phase mode (R10)
+
+    async def handle(
+        self,
+        key: str,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        *,
+        correlation_id: str | None = None,
+        wait: timedelta | None = None,
+    ) -> Handled[R]:
+        """Run ``handler(payload)`` unless ``key`` was processed before (two-phase mode).
+
+        Returns ``processed`` (or ``stale_reclaimed``) with the handler's result, ``duplicate``
+        with the result stored the first time, ``in_flight`` while another worker holds a live
+        claim, ``key_conflict`` when the key was used for other content, ``escalated`` when a
+        lapsed claim needs a person, ``failed`` when the handler raised (the claim is released
+        so a redelivery retries) and ``rejected`` for a bad key or a poison message (the handler
+        raised :class:`~oncely.Reject`, or did so for this key before).
+
+        With ``wait``, a caller that is not a broker waits up to that long for an in-flight
+        claim to finish and receives its result (or takes over its work if it is released).
+        """
+        started = perf_counter()
+        try:  # _admit, inline: this runs for every message
+            checked = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._rules.refused(key, exc, started, correlation_id)
+        deadline = None if wait is None else started + wait.total_seconds()
+        pause = 0.005
+        store = self._store
+        rounds = 0
+        while rounds < _MAX_ROUNDS:
+            claim = await store.claim(
+                self._consumer,
+                checked,
+                fingerprint=fp,
+                token=new_token(),
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+                takeover=self._takeover,
+            )
+            step = decide(claim, fp)
+            if step is Step.PROCEED:
+                return await self._run(claim, payload, handler, correlation_id, started)
+            if step is Step.STALE:
+                handled = await self._stale(claim, fp, payload, handler, correlation_id, started)
+                if handled is not None:
+                    return handled
+                rounds += 1
+                continue
+            if step is Step.IN_FLIGHT and deadline is not None:
+                remaining = deadline - perf_counter()
+                if remaining > 0:
+                    await sleep(min(pause, remaining))
+                    pause = min(pause * 2, 0.25)
+                    continue
+            return self._rules.settle(step, claim, correlation_id, started)
+        raise StoreUnavailable(f"claim for key {checked!r} kept changing hands; try again later")
+
+    async def _run(
+        self,
+        claim: Claim,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        correlation_id: str | None,
+        started: float,
+    ) -> Handled[R]:
+        record = claim.record
+        key = record.key
+        token = record.token
+        beat = None
+        if self._lease.heartbeat:
+            beat = self._heartbeats.start(
+                functools.partial(self._renew, key, token), self._renew_every
+            )
+        context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
+        error: BaseException | None = None
+        result: R | None = None
+        try:
+            result = await handler(payload)
+        except BaseException as exc:
+            error = exc
+        finally:
+            _CURRENT.reset(context)
+            if beat is not None:
+                await beat.stop()
+        if error is not None:
+            if isinstance(error, Reject):
+                return await self._reject(record, error.reason, correlation_id, started)
+            await self._release_quietly(key, token)
+            if not isinstance(error, Exception):
+                raise error
+            # The record itself was released: the outcome reports the attempt, not the record.
+            return self._rules.failed(key, error, started, correlation_id, record.attempt)
+        data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
+        try:
+            done = await self._complete(key, token, data, note)
+        except LeaseLost as lost:
+            return self._rules.lost(lost, key, record.attempt, correlation_id, started)
+        outcome = Outcome.PROCESSED
+        reason = note
+        if claim.status is ClaimStatus.TAKEN_OVER:
+            outcome = Outcome.STALE_RECLAIMED
+            reason = note or reclaim_reason(claim)
+        # Positional: the hot path (value, reason, error, record, attempt, correlation_id).
+        return self._rules.done(
+            outcome, key, started, result, reason, None, done, None, correlation_id
+        )
+
+    async def _complete(self, key: str, token: str, data: bytes | None, note: str | None) -> Record:
+        # The effects are done: losing the completion would let a redelivery repeat them, so
+        # a short outage is ridden out (complete is idempotent for the same token).
+        for pause in _COMPLETE_PAUSES:
+            try:
+                return await self._store.complete(
+                    self._consumer, key, token=token, result=data, keep_ms=self._keep_ms, note=note
+                )
+            except StoreUnavailable:
+                if pause is None:
+                    raise
+                await sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _renew(self, key: str, token: str) -> None:
+        try:
+            await self._store.renew(
+                self._consumer, key, token=token, lease_ms=self._lease_ms, keep_ms=self._keep_ms
+            )
+        except LeaseLost as lost:
+            self._rules.observer.logger.warning(
+                "oncely lease lost consumer=%s key=%s: %s", self._consumer, key, lost_reason(lost)
+            )
+        except Exception as exc:
+            self._rules.observer.logger.warning(
+                "oncely could not renew the lease consumer=%s key=%s: %s", self._consumer, key, exc
+            )
+
+    async def _release_quietly(self, key: str, token: str) -> None:
+        try:
+            await self._store.release(self._consumer, key, token=token)
+        except LeaseLost:
+            pass  # another worker owns the key now; nothing of ours to release
+        except StoreError as exc:
+            self._rules.observer.logger.warning(
+                "oncely could not release the claim consumer=%s key=%s (%s); a redelivery "
+                "retries once the lease lapses",
+                self._consumer,
+                key,
+                exc,
+            )
+
+    async def _reject(
+        self, record: Record, reason: str, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        key = record.key
+        try:
+            done = await self._store.fail(
+                self._consumer,
+                key,
+                token=record.token,
+                error=reason[: self._limits.max_error_chars],
+                keep_ms=self._keep_failed_ms,
+            )
+        except LeaseLost as lost:
+            return self._rules.lost(lost, key, record.attempt, correlation_id, started)
+        return self._rules.rejected(key, reason, started, correlation_id, done)
+
+    async def _stale(
+        self,
+        claim: Claim,
+        fp: str | None,
+        payload: P,
+        handler: AsyncHandler[P, R],
+        correlation_id: str | None,
+        started: float,
+    ) -> Handled[R] | None:
+        """Apply ``on_stale`` to a lapsed claim. None: the record moved on; decide again."""
+        record = claim.record
+        key = record.key
+        if self._reconciler is None:
+            return self._rules.settle(Step.STALE, claim, correlation_id, started)
+        try:
+            resolution = await self._reconciler(StaleClaim(record, payload))
+        except Exception as exc:
+            return self._rules.done(
+                Outcome.FAILED,
+                key,
+                started,
+                reason=f"reconciler raised {type(exc).__name__}: {exc}",
+                error=exc,
+                record=record,
+                correlation_id=correlation_id,
+            )
+        if resolution.action == "retry":
+            taken = await self._store.takeover(
+                self._consumer,
+                key,
+                expected_token=record.token,
+                fingerprint=fp,
+                token=new_token(),
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+            )
+            if taken.won:
+                return await self._run(taken, payload, handler, correlation_id, started)
+            return None
+        if resolution.action == "completed":
+            data, note = self._rules.encode(resolution.result, strict=False)
+            try:
+                done = await self._store.complete(
+                    self._consumer,
+                    key,
+                    token=record.token,
+                    result=data,
+                    keep_ms=self._keep_ms,
+                    note=note or "reconciled: the external system showed the effect done",
+                )
+            except LeaseLost:
+                return None
+            return self._rules.done(
+                Outcome.DUPLICATE,
+                key,
+                started,
+                value=cast(R, resolution.result),
+                record=done,
+                reason="stale claim reconciled as completed",
+                correlation_id=correlation_id,
+            )
+        return self._rules.done(
+            Outcome.ESCALATED,
+            key,
+            started,
+            reason=resolution.reason or "the reconciler escalated the stale claim",
+            record=record,
+            correlation_id=correlation_id,
+        )
+
+    # ------------------------------------------------------------------ transactional mode (R7)
+
+    async def handle_in_transaction(
+        self,
+        key: str,
+        payload: P,
+        handler: AsyncTxHandler[Tx, P, R],
+        *,
+        tx: Tx | None = None,
+        savepoint: bool = True,
+        correlation_id: str | None = None,
+    ) -> Handled[R]:
+        """Run ``handler(tx, payload)`` and record ``key`` in the same transaction (R7).
+
+        Without ``tx``, oncely opens a transaction on one of the store's connections and commits
+        it. With ``tx`` (a connection of yours with an open transaction on the store's
+        database), *you* commit: until then ``processed`` is tentative, and if you roll back
+        nothing was recorded. oncely then works inside a savepoint, so a failing handler is
+        rolled back alone and your transaction stays usable; with ``savepoint=False`` it adds
+        only the claim to your transaction (one round trip), and a handler's exception
+        (:class:`~oncely.Reject` included) propagates unchanged: your transaction must then
+        roll back, as a ``with`` block does.
+
+        Outcomes are those of :meth:`handle`; ``failed`` means the handler raised and its
+        writes were rolled back with the marker, so a redelivery retries. A result that cannot
+        be stored also fails the transaction (nothing happened, so nothing is lost).
+        """
+        # The hot path of the transactional mode: every call layer and temporary object here
+        # costs a fixed share of each message's time, so the admission step and the outcome
+        # of a new key are written inline (the rules stay in validate_key, the fingerprinter
+        # and decide).
+        started = perf_counter()
+        try:
+            checked = validate_key(key, self._limits)
+            fp = self._fingerprint(payload)
+        except Exception as exc:
+            return self._rules.refused(key, exc, started, correlation_id)
+        store: AsyncTransactionalStore[Tx] | None = self._tx_store
+        if store is None:
+            raise TransactionsUnsupported(
+                f"{type(self._store).__name__} cannot join a transaction; use the two-phase "
+                "mode (Inbox.handle) for it, or a SQL store for the transactional mode"
+            )
+        token = new_token()
+        consumer = self._consumer
+        # One body for the three ways in: oncely's own transaction, a savepoint in the
+        # caller's, or the caller's transaction as it is.
+        block: AbstractAsyncContextManager[Any]
+        if tx is None:
+            block = store.transaction(claim_first=True)  # the claim is the first statement
+        else:
+            store.check_transaction(tx)
+            block = store.savepoint(tx) if savepoint else nullcontext()
+        try:
+            async with block as opened:
+                # Any: mypy does not narrow ``Tx | None`` here; ``opened`` is the Tx then.
+                conn: Any = tx if tx is not None else opened
+                claim = await store.claim_in(
+                    conn,
+                    consumer,
+                    checked,
+                    fingerprint=fp,
+                    token=token,
+                    keep_ms=self._keep_ms,
+                    takeover=self._takeover,
+                )
+                step = decide(claim, fp)
+                record = claim.record
+                value: R | None = None
+                if step is Step.PROCEED:
+                    context = _CURRENT.set(
+                        (consumer, checked, record.attempt, correlation_id, "transactional")
+                    )
+                    try:
+                        value = await handler(conn, payload)
+                        data = None if value is None else self._rules.encode(value, strict=True)[0]
+                    except Exception as exc:
+                        raise _HandlerError(exc) from exc
+                    finally:
+                        _CURRENT.reset(context)
+                    if data is not None:
+                        await store.set_result_in(conn, consumer, checked, token=token, result=data)
+                        record = with_result(record, data)
+        except _HandlerError as failure:
+            error = failure.error
+            if tx is not None and not savepoint:
+                raise error from None  # the caller's transaction rolls back
+            if isinstance(error, Reject):
+                await self._reject_in(store, tx, checked, fp, error.reason)
+                return self._rules.rejected(checked, error.reason, started, correlation_id)
+            return self._rules.failed(checked, error, started, correlation_id)
+        if step is not Step.PROCEED:
+            return self._rules.settle(step, claim, correlation_id, started)
+        if claim.status is ClaimStatus.NEW:
+            handled: Handled[R] = new_handled(
+                Outcome.PROCESSED,
+                consumer,
+                checked,
+                value,
+                None,
+                None,
+                record,
+                record.attempt,
+                perf_counter() - started,
+                correlation_id,
+            )
+            observer = self._rules.observer
+            if observer.hooks or observer.logger.isEnabledFor(_PROCESSED_LEVEL):
+                observer.emit(handled)  # (skipped when nothing would come of it)
+            return handled
+        return self._rules.done(
+            Outcome.STALE_RECLAIMED,
+            checked,
+            started,
+            value=value,
+            record=record,
+            correlation_id=correlation_id,
+            reason=reclaim_reason(claim),
+        )
+
+    async def handle_message_in_transaction(
+        self,
+        envelope: Envelope,
+        handler: AsyncTxHandler[Tx, object, R],
+        *,
+        key: KeySource | None = None,
+        tx: Tx | None = None,
+        savepoint: bool = True,
+    ) -> Handled[R]:
+        """:meth:`handle_in_transaction` for a broker message, with the key read as
+        :meth:`handle_message` reads it: a message without a usable key is ``rejected``."""
+        found: str | Handled[R] = self._rules.message_key(envelope, key, perf_counter())
+        if isinstance(found, Handled):
+            return found
+        return await self.handle_in_transaction(
+            found,
+            envelope.body,
+            handler,
+            tx=tx,
+            savepoint=savepoint,
+            correlation_id=envelope.correlation_id,
+        )
+
+    async def _reject_in(
+        self,
+        store: AsyncTransactionalStore[Tx],
+        tx: Tx | None,
+        key: str,
+        fp: str | None,
+        reason: str,
+    ) -> None:
+        # The handler's writes were rolled back; record the poison key so redeliveries are
+        # rejected without running the handler again (in the caller's transaction, or in one
+        # of oncely's own).
+        block: AbstractAsyncContextManager[Tx] = (
+            store.transaction() if tx is None else nullcontext(tx)
+        )
+        async with block as conn:
+            await store.claim_in(
+                conn,
+                self._consumer,
+                key,
+                fingerprint=fp,
+                token=new_token(),
+                keep_ms=self._keep_failed_ms,
+                takeover=self._takeover,
+                initial=Status.FAILED,
+                error=reason[: self._limits.max_error_chars],
+            )
