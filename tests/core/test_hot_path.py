@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import oncely
 from oncely import Outcome
 from oncely._core.fingerprint import canonical_json, fingerprint
+from oncely._core.inbox_rules import new_token
 from oncely._core.observe import Observer
 from oncely._core.outcomes import Handled, new_handled
 from oncely._core.records import (
@@ -59,7 +60,6 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely.errors import UnfingerprintablePayload
-from oncely._core.inbox_rules import new_token
 
 RECORD_FIELDS: tuple[Any, ...] = (
     "billing",

@@ -27,7 +27,6 @@ Hook = Callable[[Handled[object]], None]
 LOGGER = logging.getLogger("oncely")
 
 
-
 def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
     if key is None or mode == "plain":
         return key
