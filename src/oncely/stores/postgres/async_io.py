@@ -1,12 +1,12 @@
-"""Hand-written: psycopg's asyncio classes and calls (twin: ``sync_io.py``).
+"""psycopg's classes and calls: the part of the PostgreSQL store where asyncio and sync differ.
 
-psycopg's sync and asyncio APIs have the same method names, so the store itself is generated;
-only the class names, connecting, and a background pool check differ, and live here.
+psycopg's sync and asyncio APIs have the same method names, so the store itself is written once;
+only the class names, opening and closing a pool, and a background pool check differ. They are
+marked ``if ASYNC:`` in ``async_io.py``, from which ``sync_io.py`` is generated like the rest.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -16,7 +16,23 @@ from typing import Any, TypeAlias
 import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
-from psycopg_pool import AsyncConnectionPool
+
+from oncely._twin import ASYNC
+
+if ASYNC:
+    import asyncio
+
+    from psycopg import AsyncConnection as _Connection
+    from psycopg import AsyncCursor as _Cursor
+    from psycopg import AsyncPipeline as _Pipeline
+    from psycopg_pool import AsyncConnectionPool as _ConnectionPool
+else:
+    import threading
+
+    from psycopg import Connection as _Connection
+    from psycopg import Cursor as _Cursor
+    from psycopg import Pipeline as _Pipeline
+    from psycopg_pool import ConnectionPool as _ConnectionPool
 
 __all__ = [
     "ConnPool",
@@ -38,13 +54,13 @@ __all__ = [
     "recheck_soon",
 ]
 
-Connection: TypeAlias = psycopg.AsyncConnection[Any]
-ConnPool: TypeAlias = AsyncConnectionPool[Any]
+Connection: TypeAlias = _Connection[Any]
+ConnPool: TypeAlias = _ConnectionPool[Any]
 Params = Mapping[str, object] | None
 
-_PIPELINE = psycopg.AsyncPipeline.is_supported()
+_PIPELINE = _Pipeline.is_supported()
 
-TupleCursor: TypeAlias = psycopg.AsyncCursor[tuple[Any, ...]]
+TupleCursor: TypeAlias = _Cursor[tuple[Any, ...]]
 _OWN: weakref.WeakKeyDictionary[Connection, TupleCursor] = weakref.WeakKeyDictionary()
 """A cursor for each connection a store has checked out of its pool (:func:`own`), reused
 by every statement the store runs on it: creating a psycopg cursor (its adapters map
@@ -74,7 +90,7 @@ def make_pool(
     """A closed pool of autocommit connections: each statement oncely runs outside a
     transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
     seconds = connect_timeout.total_seconds()
-    return AsyncConnectionPool(
+    return _ConnectionPool(
         conninfo,
         min_size=min_size,
         max_size=max_size,
@@ -85,49 +101,58 @@ def make_pool(
     )
 
 
-async def open_pool(pool: ConnPool) -> None:
-    """Open ``pool`` without waiting for its connections, and watch the event loop's end.
+if ASYNC:
 
-    psycopg_pool's workers swallow a cancellation that lands while they open a connection
-    (3.3 counts ``CancelledError`` among the errors a connection attempt retries on): the
-    worker goes back to waiting for work. ``asyncio.run`` cancels every task when the main
-    coroutine returns and waits for them all, so a store nobody closed, whose pool was still
-    connecting at that moment, would keep the process alive forever. The watch is a task of
-    its own that only the loop's end (or :func:`close_pool`) cancels; it then closes the
-    pool, which stops every worker, the one that swallowed its cancellation included.
-    """
-    await pool.open(wait=False)
-    watch = asyncio.get_running_loop().create_task(_close_on_cancel(pool), name="oncely-pool")
-    _WATCHES[pool] = watch
-    watch.add_done_callback(lambda _task: _WATCHES.pop(pool, None))
+    async def open_pool(pool: ConnPool) -> None:
+        """Open ``pool`` without waiting for its connections, and watch the event loop's end.
 
+        psycopg_pool's workers swallow a cancellation that lands while they open a connection
+        (3.3 counts ``CancelledError`` among the errors a connection attempt retries on): the
+        worker goes back to waiting for work. ``asyncio.run`` cancels every task when the main
+        coroutine returns and waits for them all, so a store nobody closed, whose pool was still
+        connecting at that moment, would keep the process alive forever. The watch is a task of
+        its own that only the loop's end (or :func:`close_pool`) cancels; it then closes the
+        pool, which stops every worker, the one that swallowed its cancellation included.
+        """
+        await pool.open(wait=False)
+        watch = asyncio.get_running_loop().create_task(_close_on_cancel(pool), name="oncely-pool")
+        _WATCHES[pool] = watch
+        watch.add_done_callback(lambda _task: _WATCHES.pop(pool, None))
 
-async def close_pool(pool: ConnPool) -> None:
-    """Close a pool :func:`open_pool` opened, and its watch."""
-    watch = _WATCHES.pop(pool, None)
-    if watch is not None:
-        watch.cancel()
-    await pool.close()
+    async def close_pool(pool: ConnPool) -> None:
+        """Close a pool :func:`open_pool` opened, and its watch."""
+        watch = _WATCHES.pop(pool, None)
+        if watch is not None:
+            watch.cancel()
+        await pool.close()
 
+    async def _close_on_cancel(pool: ConnPool) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()  # never set: only a cancel ends it
+        except asyncio.CancelledError:
+            if not pool.closed:
+                await pool.close(timeout=_CLOSE_TIMEOUT)
+            raise
 
-async def _close_on_cancel(pool: ConnPool) -> None:
-    try:
-        await asyncio.get_running_loop().create_future()  # never set: only a cancel ends it
-    except asyncio.CancelledError:
-        if not pool.closed:
-            await pool.close(timeout=_CLOSE_TIMEOUT)
-        raise
+    # Each watch task by its pool (a running task needs a strong reference somewhere).
+    _WATCHES: dict[ConnPool, asyncio.Task[None]] = {}
+    _CLOSE_TIMEOUT = 5.0  # seconds a closing pool waits for its workers
+else:
 
+    def open_pool(pool: ConnPool) -> None:
+        """Open ``pool`` without waiting for its connections (its workers are daemon threads:
+        a store nobody closed never keeps the process alive)."""
+        pool.open(wait=False)
 
-# Each watch task by its pool (a running task needs a strong reference somewhere).
-_WATCHES: dict[ConnPool, asyncio.Task[None]] = {}
-_CLOSE_TIMEOUT = 5.0  # seconds a closing pool waits for its workers
+    def close_pool(pool: ConnPool) -> None:
+        """Close a pool :func:`open_pool` opened."""
+        pool.close()
 
 
 async def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
     """One autocommit connection outside the pool (schema checks: its errors say exactly
     why the server refused, where a pool would only time out)."""
-    return await psycopg.AsyncConnection.connect(
+    return await _Connection.connect(
         conninfo,
         autocommit=True,
         connect_timeout=max(1, round(connect_timeout.total_seconds())),
@@ -225,30 +250,49 @@ async def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
 
 
 def is_connection(obj: object) -> bool:
-    return isinstance(obj, psycopg.AsyncConnection)
+    return isinstance(obj, _Connection)
 
 
 def is_pool(obj: object) -> bool:
-    return isinstance(obj, AsyncConnectionPool)
+    return isinstance(obj, _ConnectionPool)
 
 
-_checking: dict[int, asyncio.Task[None]] = {}
+if ASYNC:
+    _checking: dict[int, asyncio.Task[None]] = {}
+else:
+    _checking: set[int] = set()
+    _lock = threading.Lock()
 
 
 def recheck_soon(pool: ConnPool) -> None:
     """Test the pool's idle connections in the background and replace the dead ones (after
     a server restart every idle connection is dead; without this each would fail one call).
     At most one check per pool at a time; never raises."""
-    if id(pool) in _checking:
-        return
-    try:
-        task = asyncio.get_running_loop().create_task(_check(pool))
-    except RuntimeError:
-        return
-    _checking[id(pool)] = task
-    task.add_done_callback(lambda _: _checking.pop(id(pool), None))
+    if ASYNC:
+        if id(pool) in _checking:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(_check(pool))
+        except RuntimeError:
+            return
+        _checking[id(pool)] = task
+        task.add_done_callback(lambda _: _checking.pop(id(pool), None))
+    else:
+        with _lock:
+            if id(pool) in _checking:
+                return
+            _checking.add(id(pool))
+        threading.Thread(target=_check, args=(pool,), name="oncely-pool-check", daemon=True).start()
 
 
 async def _check(pool: ConnPool) -> None:
-    with contextlib.suppress(Exception):
-        await pool.check()
+    if ASYNC:
+        with contextlib.suppress(Exception):
+            await pool.check()
+    else:
+        try:
+            with contextlib.suppress(Exception):
+                pool.check()
+        finally:
+            with _lock:
+                _checking.discard(id(pool))

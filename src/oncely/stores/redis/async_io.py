@@ -1,8 +1,11 @@
-"""Hand-written: redis-py asyncio calls (twin: ``sync_io.py``).
+"""redis-py calls: the part of the Redis store where asyncio and sync differ.
 
-The store speaks to Redis only through these functions, so the generated sync store needs no
-driver renames. One client is a single Redis (``redis.asyncio.Redis``) or a Redis Cluster
-(``redis.asyncio.cluster.RedisCluster``); the functions work on both.
+The store speaks to Redis only through these functions, so the store itself needs no driver
+renames. One client is a single Redis (``redis.asyncio.Redis``, or ``redis.Redis`` in sync) or a
+Redis Cluster (``redis.asyncio.cluster.RedisCluster``, or ``redis.cluster.RedisCluster``); the
+functions work on both. The differences (the driver's classes, kernel socket timeouts on sync
+connections, a cluster client's explicit initialization in asyncio) are marked ``if ASYNC:`` in
+``async_io.py``, from which ``sync_io.py`` is generated like the rest.
 """
 
 from __future__ import annotations
@@ -13,17 +16,29 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
-import redis.asyncio
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from oncely._core.forking import forget_parent_in_children
+from oncely._twin import ASYNC
 from oncely.stores.redis.errors import POOL_ARGS, RedisOptions, pack_evalsha
 from oncely.stores.redis.lua import Script
+
+if ASYNC:
+    from redis.asyncio import BlockingConnectionPool, Redis, SSLConnection
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.retry import Retry
+else:
+    import socket
+    import struct
+    import sys
+    from typing import Final
+
+    from redis import BlockingConnectionPool, Connection, Redis, SSLConnection
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
 
 __all__ = [
     "SCAN_START",
@@ -45,7 +60,7 @@ __all__ = [
     "unlink",
 ]
 
-Client: TypeAlias = redis.asyncio.Redis | RedisCluster
+Client: TypeAlias = Redis | RedisCluster
 
 
 def _bytes(value: bytes | str) -> bytes:
@@ -74,16 +89,73 @@ def connect(options: RedisOptions) -> Client:
             socket_connect_timeout=connect_timeout,
             **extra,
         )
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
+    if ASYNC:
+        # redis-py times asyncio reads out itself (kernel timeouts: sync only, below).
+        socket_timeout: float | None = timeout
+    else:
+        socket_timeout: float | None = timeout
+        if _KERNEL_TIMEOUTS and options.server.startswith("redis://"):
+            # The kernel enforces the timeout (see _KernelTimeoutConnection), so the socket
+            # itself is a blocking one.
+            extra["connection_class"] = _kernel_timeout_class(timeout)
+            socket_timeout = None
+    pool = BlockingConnectionPool.from_url(
         options.server,
         max_connections=options.max_connections,
         timeout=timeout,
-        socket_timeout=timeout,
+        socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         retry=Retry(NoBackoff(), 1),
         **extra,
     )
-    return redis.asyncio.Redis.from_pool(pool)
+    return Redis.from_pool(pool)
+
+
+if ASYNC:
+    pass  # asyncio's sockets never block: redis-py times their reads out itself
+else:
+    _KERNEL_TIMEOUTS: Final = sys.platform == "linux"
+    """Whether the store's plain TCP connections time out in the kernel (``SO_RCVTIMEO`` and
+    ``SO_SNDTIMEO``, whose ``struct timeval`` layout is Linux's) instead of in Python."""
+
+    class _KernelTimeoutConnection(Connection):
+        """A redis-py connection on a blocking socket whose sends and receives the kernel times
+        out (``_timeval``, the store's ``timeout`` as a ``struct timeval``).
+
+        Python's own socket timeout polls the socket before every ``send`` and ``recv``: one more
+        system call each way, a few per cent of a script's client CPU on loopback (``python
+        bench/redis_socket_timeouts.py`` compares the two). Here the kernel ends a call that
+        waited too long with ``EAGAIN``, which redis-py reports as a
+        :class:`redis.ConnectionError` (the connection is then dropped) and
+        :func:`oncely.stores.redis.errors.translate` as :class:`~oncely.StoreUnavailable`, as
+        it does a Python timeout."""
+
+        _timeval: bytes = struct.pack("ll", 5, 0)
+
+        def _connect(self) -> socket.socket:
+            # redis-py's own TCP connect (with the connect timeout), then the kernel timeouts;
+            # _connect is where every redis-py version since 5.0 makes the socket.
+            sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._timeval)
+            return sock
+
+    _CLASSES: dict[float, type[_KernelTimeoutConnection]] = {}
+
+    def _kernel_timeout_class(timeout: float) -> type[_KernelTimeoutConnection]:
+        """The connection class for one timeout (redis-py builds connections from a class and
+        keyword arguments it knows, so the timeout travels as a class attribute)."""
+        found = _CLASSES.get(timeout)
+        if found is None:
+            micros = round(timeout * 1_000_000)  # 0 would mean "never": at least 1 us
+            timeval = struct.pack("ll", *divmod(max(micros, 1), 1_000_000))
+            found = type(
+                "KernelTimeoutConnection",
+                (_KernelTimeoutConnection,),
+                {"_timeval": timeval},
+            )
+            _CLASSES[timeout] = found
+        return found
 
 
 def is_cluster(client: object) -> bool:
@@ -91,7 +163,7 @@ def is_cluster(client: object) -> bool:
 
 
 def is_client(client: object) -> bool:
-    return isinstance(client, redis.asyncio.Redis | RedisCluster)
+    return isinstance(client, Redis | RedisCluster)
 
 
 def decodes_responses(client: Client) -> bool:
@@ -108,7 +180,7 @@ def describe(client: Client) -> str:
     kwargs = pool.connection_kwargs
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    scheme = "rediss" if issubclass(pool.connection_class, redis.asyncio.SSLConnection) else "redis"
+    scheme = "rediss" if issubclass(pool.connection_class, SSLConnection) else "redis"
     host, port = kwargs.get("host", "localhost"), kwargs.get("port", 6379)
     return f"{scheme}://{host}:{port}/{kwargs.get('db', 0)}"
 
@@ -130,8 +202,7 @@ async def evalsha(
 
 
 class Runner:
-    """Runs the store's scripts on one client: ``await run(script, keys, args)`` is
-    :func:`evalsha`.
+    """Runs the store's scripts on one client: its ``run(script, keys, args)`` is :func:`evalsha`.
 
     On a single Redis the script goes out with the store's own packing
     (:func:`~oncely.stores.redis.errors.pack_evalsha`) and comes back through redis-py's parser, on
@@ -155,9 +226,14 @@ class Runner:
 
     def __init__(self, client: Client, options: RedisOptions | None = None) -> None:
         self._client = client
+        if ASYNC:
+            # redis.asyncio opens a single-connection client's connection on first use.
+            single = not isinstance(client, RedisCluster) and client.single_connection_client
+        else:
+            single = not isinstance(client, RedisCluster) and client.connection is not None
         self._direct = not (
             isinstance(client, RedisCluster)
-            or client.single_connection_client
+            or single
             or getattr(client.connection_pool, "cache", None) is not None
         )
         self._pool: Any = None if isinstance(client, RedisCluster) else client.connection_pool
@@ -186,7 +262,13 @@ class Runner:
                 return await _exchange(conn, packed)
             finally:
                 await self._pool.release(conn)
-        conn = self._idle.pop() if self._idle else await self._take()
+        if ASYNC:
+            conn = self._idle.pop() if self._idle else await self._take()
+        else:
+            try:
+                conn = self._idle.pop()  # atomic: no lock on the common path
+            except IndexError:
+                conn = self._take()
         try:
             return await _exchange(conn, packed)
         finally:
@@ -200,6 +282,8 @@ class Runner:
         given back within the timeout."""
         deadline = time.monotonic() + self._timeout
         async with self._cond:
+            # Counted as waiting before looking: a connection given back after the look
+            # notifies, one given back before it is found.
             self._waiting += 1
             try:
                 while True:
@@ -212,8 +296,11 @@ class Runner:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise RedisConnectionError("No connection available.")
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), remaining)
+                    if ASYNC:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._cond.wait(), remaining)
+                    else:
+                        self._cond.wait(remaining)
             finally:
                 self._waiting -= 1
 
@@ -249,10 +336,11 @@ async def evalsha_many(
     loading it. Any other error is raised (calls before it may have run)."""
     replies: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
-    cluster: Any = client if isinstance(client, RedisCluster) else None
-    if cluster is not None:
-        await cluster.initialize()
-
+    cluster: Any = None
+    if isinstance(client, RedisCluster):
+        cluster = client
+        if ASYNC:
+            await cluster.initialize()
     for _ in range(2):
         pipe = client.pipeline(transaction=False)
         for i in todo:
@@ -321,7 +409,8 @@ async def scan_page(
         return ((0, int(following)) if int(following) else None), [_bytes(n) for n in names]
     # redis-py types a cluster SCAN like a single one; it answers ({node: cursor}, keys).
     cluster: Any = client
-    await cluster.initialize()
+    if ASYNC:
+        await cluster.initialize()
     nodes = sorted(cluster.get_primaries(), key=lambda node: str(node.name))
     if index >= len(nodes):
         return None, []

@@ -2,11 +2,11 @@
 # Do not edit: change the async source and run `make generate`.
 """The Redis store's construction, connection, schema marker and script plumbing.
 
-:class:`RedisStoreBase` is the part of :class:`~oncely.stores.redis.async_store.RedisStore`
+:class:`RedisStoreBase` is the part of :class:`~oncely.stores.redis.sync_store.RedisStore`
 that does not depend on the operation: building or adopting the client, sending a script with
 ``EVALSHA`` and translating driver errors, grouping a batch by hash slot on a cluster, reading
 records in bulk, the schema marker and closing. The operations of the store contract are in
-:mod:`oncely.stores.redis.async_store`.
+:mod:`oncely.stores.redis.sync_store`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _BATCH = 500
 
 class RedisStoreBase:
     """Construction and plumbing of the Redis store (see
-    :class:`~oncely.stores.redis.async_store.RedisStore`)."""
+    :class:`~oncely.stores.redis.sync_store.RedisStore`)."""
 
     def __init__(
         self,

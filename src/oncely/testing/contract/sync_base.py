@@ -4,7 +4,7 @@
 the :class:`Business` helper of the transactional tests, a counting handler, and the
 ``clock`` / ``store`` / ``inbox`` fixtures with the claim helpers (:class:`ContractBase`).
 
-The suite itself is :class:`~oncely.testing.contract.async_contract.StoreContract`.
+The suite itself is :class:`~oncely.testing.contract.sync_contract.StoreContract`.
 """
 
 from __future__ import annotations
