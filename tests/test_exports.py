@@ -60,3 +60,18 @@ def test_no_public_name_shadows_a_builtin_except_open() -> None:
 def test_errors_form_one_tree() -> None:
     for name in oncely.errors.__all__:
         assert issubclass(getattr(oncely.errors, name), oncely.OncelyError), name
+
+
+async def test_an_async_inbox_closes_at_the_end_of_an_async_with_block() -> None:
+    store = oncely.AsyncMemoryStore()
+    async with oncely.AsyncInbox(store, consumer="c") as inbox:
+        assert (await inbox.handle("k", 1, _one)).outcome is oncely.Outcome.PROCESSED
+    assert (await oncely.AsyncInbox(store, consumer="c").handle("k", 1, _one)).outcome == (
+        oncely.Outcome.DUPLICATE
+    )  # the store is the caller's: still open
+    with oncely.Inbox(oncely.MemoryStore(), consumer="c") as sync_inbox:
+        assert sync_inbox.handle("k", 1, lambda p: p).outcome is oncely.Outcome.PROCESSED
+
+
+async def _one(payload: int) -> int:
+    return payload

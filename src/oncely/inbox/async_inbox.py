@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, Self, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.context import _CURRENT
@@ -294,6 +294,14 @@ class AsyncInbox:
     async def aclose(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""
         self._heartbeats.close()
+
+    async def __aenter__(self) -> Self:
+        """As a context manager (``async with``; ``with`` for the sync inbox) the inbox is
+        closed at the end of the block; the store is not (it is yours)."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # ------------------------------------------------------------------ two-phase mode (R10)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter, sleep
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, Self, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.context import _CURRENT
@@ -287,6 +287,14 @@ class Inbox:
     def close(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""
         self._heartbeats.close()
+
+    def __enter__(self) -> Self:
+        """As a context manager (``async with``; ``with`` for the sync inbox) the inbox is
+        closed at the end of the block; the store is not (it is yours)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ two-phase mode (R10)
 
