@@ -72,7 +72,9 @@ __all__ = [
     "apply_renew",
     "apply_takeover",
     "claim_event",
+    "claimable",
     "fingerprints_agree",
+    "takes_over",
 ]
 
 
@@ -195,6 +197,18 @@ def fingerprints_agree(a: str | None, b: str | None) -> bool:
     return a is None or b is None or a == b
 
 
+def takes_over(rec: Record, now: int, fingerprint: str | None, takeover: bool) -> bool:
+    """Whether a claim takes the live record ``rec`` over: the inbox retries stale claims
+    (``takeover``), ``rec``'s lease has lapsed, and the payloads agree (R10, R20)."""
+    return takeover and rec.is_stale(now) and fingerprints_agree(rec.fingerprint, fingerprint)
+
+
+def claimable(current: Record, now: int, fingerprint: str | None, takeover: bool) -> bool:
+    """Whether a claim replaces ``current``: it expired, or the claim takes it over. The one
+    rule every store asks, whether it runs :func:`apply_claim` or its own statement."""
+    return current.expires_ms <= now or takes_over(current, now, fingerprint, takeover)
+
+
 def _live(current: Record | None, now: int) -> Record | None:
     """The record, or None when it is absent (missing or expired)."""
     if current is None or current.expires_ms <= now:
@@ -268,7 +282,7 @@ def apply_claim(current: Record | None, ev: ClaimEvent, now: int) -> tuple[NewSt
     if rec is None:
         new = _insert(ev, now)
         return new, new_claim(ClaimStatus.NEW, new, now)
-    if ev.takeover and rec.is_stale(now) and fingerprints_agree(rec.fingerprint, ev.fingerprint):
+    if takes_over(rec, now, ev.fingerprint, ev.takeover):
         new = _take(rec, ev, now)
         return new, new_claim(ClaimStatus.TAKEN_OVER, new, now)
     return UNCHANGED, new_claim(ClaimStatus.EXISTING, rec, now)

@@ -1,9 +1,13 @@
-"""Hand-written: aiomysql calls and the connection pool (twin: ``sync_io.py``).
+"""The MySQL calls and the connection pool: aiomysql in the asyncio module, PyMySQL in its
+generated sync twin (``sync_io.py``).
 
 aiomysql mirrors PyMySQL (``await conn.cursor()``, ``await cursor.execute()``) and raises
-PyMySQL's exceptions; what differs is here: how a connection is opened, how an idle one is
-seen to be dead (its stream reader is at end of file), and a pool that waits on an asyncio
-semaphore.
+PyMySQL's exceptions; what differs is marked ``if ASYNC``: how a connection is opened, how a
+statement is sent, how an idle connection is seen to be dead (asyncio: its stream reader is at
+end of file; threads: a zero-timeout poll of its socket, no round trip) and the pool. The
+asyncio pool waits on a semaphore. The threaded pool's common path is one ``list.pop`` and one
+``list.append`` (atomic under the GIL), plus that poll: a connection the server closed (a
+restart, a ``KILL``, ``wait_timeout``) is dropped there instead of failing the next call.
 """
 
 from __future__ import annotations
@@ -14,42 +18,56 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeAlias
 
-import aiomysql  # type: ignore[import-untyped]
-from pymysql.converters import escape_bytes  # type: ignore[import-untyped]
-
+from oncely._twin import ASYNC
 from oncely.stores.mysql.errors import MySQLSettings
 
-__all__ = ["AsyncPool", "Connection", "close", "connect", "execute", "fetchall", "sleep"]
+if ASYNC:
+    import aiomysql  # type: ignore[import-untyped]
+    from pymysql.converters import escape_bytes  # type: ignore[import-untyped]
+else:
+    import select
+    import threading
+    import time
+
+    import pymysql  # type: ignore[import-untyped]
+
+__all__ = ["Connection", "close", "connect", "execute", "fetchall", "sleep"]
+__all__ += ["AsyncPool"]  # apart: sorted, AsyncPool and Pool take different places
 
 Connection: TypeAlias = Any
-"""An ``aiomysql.Connection`` (aiomysql ships no type information)."""
+"""An ``aiomysql.Connection``; in the sync twin a ``pymysql.connections.Connection`` (neither
+library ships type information)."""
 
 
 async def connect(settings: MySQLSettings) -> Connection:
-    return await aiomysql.connect(db=settings.database, **settings.connect_kwargs())
+    if ASYNC:
+        return await aiomysql.connect(db=settings.database, **settings.connect_kwargs())
+    else:
+        return pymysql.connect(database=settings.database, **settings.connect_kwargs())
 
 
-class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
-    """aiomysql's cursor without its reaction to server warnings: a ``SHOW WARNINGS`` round
-    trip and a Python ``Warning`` per note (PyMySQL's cursor does neither). oncely's only
-    expected notes are "table already exists" from ``CREATE TABLE IF NOT EXISTS``; its
-    sessions are strict, so what would truncate data is an error, not a warning."""
+if ASYNC:
 
-    async def _show_warnings(self, conn: Connection) -> None:
-        return None
+    class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
+        """aiomysql's cursor without its reaction to server warnings: a ``SHOW WARNINGS`` round
+        trip and a Python ``Warning`` per note (PyMySQL's cursor does neither). oncely's only
+        expected notes are "table already exists" from ``CREATE TABLE IF NOT EXISTS``; its
+        sessions are strict, so what would truncate data is an error, not a warning."""
 
+        async def _show_warnings(self, conn: Connection) -> None:
+            return None
 
-def _query(conn: Connection, sql: str, params: Mapping[str, object] | None) -> str:
-    # aiomysql 0.3 escapes bytes with a PyMySQL helper that PyMySQL 1.2 replaced by a
-    # placeholder string ("TypeError: 'str' object is not callable"), so the statement is
-    # formatted here, bytes as PyMySQL 1.2 writes them (_binary X'..'), anything else by the
-    # connection (which honours NO_BACKSLASH_ESCAPES).
-    if params is None:
-        return sql
-    return sql % {
-        name: escape_bytes(value) if isinstance(value, bytes) else conn.escape(value)
-        for name, value in params.items()
-    }
+    def _query(conn: Connection, sql: str, params: Mapping[str, object] | None) -> str:
+        # aiomysql 0.3 escapes bytes with a PyMySQL helper that PyMySQL 1.2 replaced by a
+        # placeholder string ("TypeError: 'str' object is not callable"), so the statement is
+        # formatted here, bytes as PyMySQL 1.2 writes them (_binary X'..'), anything else by the
+        # connection (which honours NO_BACKSLASH_ESCAPES).
+        if params is None:
+            return sql
+        return sql % {
+            name: escape_bytes(value) if isinstance(value, bytes) else conn.escape(value)
+            for name, value in params.items()
+        }
 
 
 async def execute(
@@ -57,50 +75,84 @@ async def execute(
 ) -> tuple[int, int]:
     """Run one statement; its affected (with ``CLIENT_FOUND_ROWS``: matched) row count and
     the insert id of its OK packet."""
-    cursor = await conn.cursor(_Cursor)
-    try:
-        affected = await cursor.execute(_query(conn, sql, params))
-        return int(affected), int(cursor.lastrowid or 0)
-    finally:
-        await cursor.close()
+    if ASYNC:
+        cursor = await conn.cursor(_Cursor)
+        try:
+            affected = await cursor.execute(_query(conn, sql, params))
+            return int(affected), int(cursor.lastrowid or 0)
+        finally:
+            await cursor.close()
+    else:
+        with conn.cursor() as cursor:
+            affected = cursor.execute(sql, params)
+            return int(affected), int(cursor.lastrowid or 0)
 
 
 async def fetchall(
     conn: Connection, sql: str, params: Mapping[str, object] | None = None
 ) -> list[Any]:
     """Run one statement and return its rows."""
-    cursor = await conn.cursor(_Cursor)
-    try:
-        await cursor.execute(_query(conn, sql, params))
-        return list(await cursor.fetchall())
-    finally:
-        await cursor.close()
+    if ASYNC:
+        cursor = await conn.cursor(_Cursor)
+        try:
+            await cursor.execute(_query(conn, sql, params))
+            return list(await cursor.fetchall())
+        finally:
+            await cursor.close()
+    else:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
 
 
 async def close(conn: Connection) -> None:
     """Say goodbye to a live server (it would log an aborted connection otherwise), then
-    drop the transport."""
-    with contextlib.suppress(Exception):
-        if alive(conn):
-            await conn.ensure_closed()
+    drop the transport (PyMySQL's ``close`` does both)."""
+    if ASYNC:
+        with contextlib.suppress(Exception):
+            if alive(conn):
+                await conn.ensure_closed()
     with contextlib.suppress(Exception):
         conn.close()
 
 
-def alive(conn: Connection) -> bool:
-    """False when an idle connection was closed by the server: the event loop has already
-    fed its stream reader the end of file (or a goodbye packet)."""
-    if conn.closed:
-        return False
-    reader = getattr(conn, "_reader", None)
-    writer = getattr(conn, "_writer", None)
-    if reader is None or writer is None or writer.transport.is_closing():
-        return False
-    return not reader.at_eof() and reader.exception() is None and not len(reader._buffer)
+if ASYNC:
+
+    def alive(conn: Connection) -> bool:
+        """False when an idle connection was closed by the server: the event loop has already
+        fed its stream reader the end of file (or a goodbye packet)."""
+        if conn.closed:
+            return False
+        reader = getattr(conn, "_reader", None)
+        writer = getattr(conn, "_writer", None)
+        if reader is None or writer is None or writer.transport.is_closing():
+            return False
+        return not reader.at_eof() and reader.exception() is None and not len(reader._buffer)
+
+else:
+
+    def alive(conn: Connection) -> bool:
+        """False when an idle connection's socket is gone or readable: an idle connection has
+        nothing to read unless the server closed it (end of file: a restart, a ``KILL``,
+        ``wait_timeout``) or sent a goodbye packet. A zero-timeout poll, no round trip."""
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            return False
+        try:
+            if hasattr(select, "poll"):  # select() refuses descriptors above 1023
+                poller = select.poll()
+                poller.register(sock, select.POLLIN | select.POLLPRI)
+                return not poller.poll(0)
+            return not select.select([sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
 
 
 async def sleep(seconds: float) -> None:
-    await asyncio.sleep(seconds)
+    if ASYNC:
+        await asyncio.sleep(seconds)
+    else:
+        time.sleep(seconds)
 
 
 class AsyncPool:
@@ -110,42 +162,97 @@ class AsyncPool:
     shared by two processes.
     """
 
-    __slots__ = ("_closed", "_connect", "_idle", "_pid", "_size", "_slots")
+    if ASYNC:
+        __slots__ = ("_closed", "_connect", "_idle", "_pid", "_size", "_slots")
+    else:
+        __slots__ = ("_closed", "_cond", "_connect", "_idle", "_opened", "_pid", "_size")
 
     def __init__(self, connect: Callable[[], Awaitable[Connection]], size: int) -> None:
         self._connect = connect
         self._size = size
         self._idle: list[Connection] = []
-        self._slots: asyncio.Semaphore | None = None
+        if ASYNC:
+            self._slots: asyncio.Semaphore | None = None
+        else:
+            self._opened = 0
+            self._cond = threading.Condition(threading.Lock())
         self._pid = os.getpid()
         self._closed = False
 
-    async def acquire(self) -> Connection:
-        if self._pid != os.getpid():
-            self._idle, self._slots, self._pid = [], None, os.getpid()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._size)
-        await self._slots.acquire()
-        try:
-            while self._idle:
-                conn = self._idle.pop()
+    if ASYNC:
+
+        async def acquire(self) -> Connection:
+            if self._pid != os.getpid():
+                self._idle, self._slots, self._pid = [], None, os.getpid()
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self._size)
+            await self._slots.acquire()
+            try:
+                while self._idle:
+                    conn = self._idle.pop()
+                    if alive(conn):
+                        return conn
+                    await close(conn)
+                return await self._connect()
+            except BaseException:
+                self._slots.release()
+                raise
+
+    else:
+
+        def acquire(self) -> Connection:
+            if self._pid != os.getpid():
+                self._idle, self._opened, self._pid = [], 0, os.getpid()
+                self._cond = threading.Condition(threading.Lock())
+            while True:
+                try:
+                    conn = self._idle.pop()
+                except IndexError:
+                    return self._acquire_slowly()
                 if alive(conn):
                     return conn
-                await close(conn)
-            return await self._connect()
-        except BaseException:
-            self._slots.release()
-            raise
+                self.release(conn, discard=True)
+
+        def _acquire_slowly(self) -> Connection:
+            with self._cond:
+                while True:
+                    if self._idle:
+                        conn = self._idle.pop()
+                        if alive(conn):
+                            return conn
+                        close(conn)
+                        self._opened -= 1
+                        continue
+                    if self._opened < self._size:
+                        self._opened += 1
+                        break
+                    # A short timed wait instead of relying on a notify: release() never takes
+                    # the lock on its fast path, so a wake-up could be missed.
+                    self._cond.wait(0.01)
+            try:
+                return self._connect()
+            except BaseException:
+                with self._cond:
+                    self._opened -= 1
+                raise
 
     async def release(self, conn: Connection, *, discard: bool = False) -> None:
-        try:
+        if ASYNC:
+            try:
+                if discard or self._closed:
+                    await close(conn)
+                else:
+                    self._idle.append(conn)
+            finally:
+                if self._slots is not None:
+                    self._slots.release()
+        else:
             if discard or self._closed:
-                await close(conn)
-            else:
-                self._idle.append(conn)
-        finally:
-            if self._slots is not None:
-                self._slots.release()
+                close(conn)
+                with self._cond:
+                    self._opened -= 1
+                return
+            self._idle.append(conn)
 
     async def close(self) -> None:
         self._closed = True

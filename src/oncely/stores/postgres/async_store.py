@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
-from oncely._core.state import Lost, fingerprints_agree
+from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import StoreError, StoreUnavailable
 from oncely.stores.postgres.async_io import Connection, fetchall, fetchall_after, fetchall_begun
@@ -38,13 +38,6 @@ _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
-
-
-def _claimable(current: Record, now: int, fingerprint: str | None, takeover: bool) -> bool:
-    """Whether a claim may replace ``current``: expired, or stale and taken over (state.py)."""
-    return current.expires_ms <= now or (
-        takeover and current.is_stale(now) and fingerprints_agree(current.fingerprint, fingerprint)
-    )
 
 
 def _check_size(consumer: str, key: str) -> None:
@@ -146,7 +139,7 @@ class AsyncPostgresStore(PostgresTransactions):
                         now, now, now + lease_ms, now + span,
                     )  # fmt: skip
                     claim = Claim(ClaimStatus.NEW, record, now)
-                elif row[2] is not None and not _claimable(
+                elif row[2] is not None and not claimable(
                     current := parse_record(consumer, r.key, row[2:12]), now, r.fingerprint,
                     takeover,
                 ):  # fmt: skip
@@ -219,7 +212,7 @@ class AsyncPostgresStore(PostgresTransactions):
                 current = parse_record(consumer, key, row[1:11])
                 if row[0]:
                     return Claim(ClaimStatus.NEW, current, now)
-                if not _claimable(current, now, fingerprint, takeover):
+                if not claimable(current, now, fingerprint, takeover):
                     return Claim(ClaimStatus.EXISTING, current, now)
                 params["seen"] = current.token
                 params["takeover"] = takeover

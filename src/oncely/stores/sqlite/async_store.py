@@ -27,7 +27,7 @@ from oncely._core.records import (
     new_claim,
     new_record,
 )
-from oncely._core.state import Lost, fingerprints_agree
+from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import StoreUnavailable
 from oncely.stores.sqlite.async_tx import SQLiteTransactions
@@ -192,11 +192,7 @@ class AsyncSQLiteStore(SQLiteTransactions):
                 if not rows:
                     continue  # the winner's record vanished (released): claim again
                 current = parse_record(consumer, key, rows[0])
-                if current.expires_ms > now and not (
-                    takeover
-                    and current.is_stale(now)
-                    and fingerprints_agree(current.fingerprint, fingerprint)
-                ):
+                if not claimable(current, now, fingerprint, takeover):
                     return new_claim(ClaimStatus.EXISTING, current, now)
                 params["seen"] = current.token
                 params["takeover"] = takeover
