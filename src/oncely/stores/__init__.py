@@ -25,8 +25,9 @@ package also holds what a store author needs: the protocols (:class:`Store`,
 
 One folder per store, each of the same shape: ``dialect`` (statements or scripts as text),
 ``errors`` (the driver's exceptions as oncely's, and the URL options), ``async_io`` (the
-driver's calls and connection pool), ``async_base``, ``async_tx`` and ``async_store`` (the
-store), each ``async_*`` module the source of a generated ``sync_*`` twin beside it.
+driver's calls and connection pool), ``async_store`` (the store, one class) and, for the SQL
+stores, ``async_tx`` (its transaction blocks), each ``async_*`` module the source of a
+generated ``sync_*`` twin beside it.
 """
 
 from __future__ import annotations

@@ -17,14 +17,17 @@ the batch loop of ``purge_expired``. A store gives it:
 
 What really differs stays in each store: connections and pools, the claim and the fenced
 writes (the hot path, tuned call by call per driver) and the transactional mode. Each store
-is three flat modules, one class each, each class built on the one before:
+is one class, the public ``Async<Db>Store(SQLStoreBase)`` in its folder's ``async_store``, in
+sections by responsibility:
 
-* ``<db>_base``, ``<Db>StoreBase(SQLStoreBase)``: construction, connections, schema,
-  maintenance;
-* ``<db>_tx``, ``<Db>Transactions``: the transactional mode but for its claim (transaction
-  blocks, savepoints, checks and writes on a caller's connection);
-* ``<db>``, the public ``Async<Db>Store``: the message path (the claim, the fenced writes, and
-  ``claim_in``, which shares the claim's code).
+* construction and connections (the pool, closing);
+* schema and maintenance (``_setup`` and ``_purge_batch``, which this class runs);
+* the message path (the claim, the fenced writes);
+* the transactional mode (transaction blocks, savepoints, checks and writes on a caller's
+  connection, and ``claim_in``, which shares the claim's code).
+
+What is a concept of its own (a transaction block, a savepoint's bookkeeping) is a class of
+its own beside the store, never a layer of it.
 """
 
 from __future__ import annotations

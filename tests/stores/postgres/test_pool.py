@@ -190,7 +190,7 @@ def test_kept_connections_go_back_to_the_pool_once_their_time_is_up(
     table: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """So the pool's checks and max_lifetime still reach them (see PostgresStore._release)."""
-    monkeypatch.setattr("oncely.stores.postgres.sync_base._KEEP_SECONDS", 0.5)
+    monkeypatch.setattr("oncely.stores.postgres.sync_store._KEEP_SECONDS", 0.5)
     store = PostgresStore(POSTGRES_DSN, table=table, pool_max=4)
     inbox = oncely.Inbox(store, consumer="c")
     inbox.handle("warm", 1, lambda p: p)

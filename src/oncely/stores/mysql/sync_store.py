@@ -9,17 +9,32 @@ the arbiter (R8, R9). A duplicate costs a second round trip (the winner's row an
 server's time); only an expired record or a stale claim to take over costs a third, a
 compare-and-set write. Every decision is made by :mod:`oncely._core.state` in Python on a row
 version the write then insists on. The SQL is :mod:`oncely.stores.mysql.dialect`; the driver
-differences (PyMySQL, aiomysql) are in ``_mysql_io``.
+differences (PyMySQL, aiomysql) are in :mod:`oncely.stores.mysql.sync_io`.
 
-This module is the message path: the claim, the fenced writes and the claim inside a
-caller's transaction. How the store's modules divide the rest is told in ``sql_base``.
+:class:`MySQLStore` is one class, in four sections: construction and connections (the
+pool, and running work on an autocommit connection with a bounded retry of deadlock victims,
+:meth:`MySQLStore._run`, which every operation runs through); schema and maintenance
+(the schema, ``forget``, the purge); the message path (the claim, the fenced writes); the
+transactional mode (transactions opened for the caller, ``BEGIN`` on a pooled connection
+that stays in autocommit mode for two-phase work; savepoints in a caller's transaction, left
+in place, not released; checks and writes on a caller's connection; and ``claim_in``, which
+shares the claim's code). The reads, the schema check and the purge's loop are
+:class:`~oncely.stores.sync_sql.SQLStoreBase`'s; the transaction block is a class of its
+own, in :mod:`oncely.stores.mysql.sync_tx`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+import itertools
+import random
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial
+from typing import Any, Self, TypeVar
 
+from oncely._core.clock import Clock
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely._core.state import (
     DELETE,
@@ -44,7 +59,9 @@ from oncely._core.table import lease_lost
 from oncely.errors import StoreUnavailable, TransactionRequired
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
+    SCHEMA_VERSION,
     WIDTH,
+    MySQLDialect,
     batch_rows,
     claim_params,
     parse_record,
@@ -52,20 +69,45 @@ from oncely.stores.mysql.dialect import (
     who,
     write_params,
 )
-from oncely.stores.mysql.errors import DRIVER_ERRORS, in_transaction, translate
-from oncely.stores.mysql.sync_io import Connection, execute, fetchall
-from oncely.stores.mysql.sync_tx import MySQLTransactions
+from oncely.stores.mysql.errors import (
+    DRIVER_ERRORS,
+    NO_SUCH_TABLE,
+    MySQLSettings,
+    autocommits,
+    code_of,
+    disconnected,
+    in_transaction,
+    joinable,
+    parse_url,
+    retries_for,
+    translate,
+)
+from oncely.stores.mysql.sync_io import (
+    Connection,
+    Pool,
+    close,
+    connect,
+    execute,
+    fetchall,
+    sleep,
+)
+from oncely.stores.mysql.sync_tx import _Transaction
+from oncely.stores.sync_sql import Position, SQLStoreBase, server_time
 
 __all__ = ["MySQLStore"]
 
+T = TypeVar("T")
 E = TypeVar("E")
 R = TypeVar("R")
 
+_BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
+# Numbers the stores of the process: each names its savepoints apart from the others'.
+_STORES = itertools.count(1)
 _ROUNDS = 8  # reads and compare-and-set writes before a key that keeps changing gives up
 _BATCH = 500  # keys per multi-row statement of claim_many
 
 
-class MySQLStore(MySQLTransactions):
+class MySQLStore(SQLStoreBase[str]):
     """A dedup store in a MariaDB (10.5+) or MySQL (8.0+) database, InnoDB tables (transactional
     and two-phase modes).
 
@@ -92,7 +134,209 @@ class MySQLStore(MySQLTransactions):
     opens connections of its own; never fork in the middle of a transaction.
     """
 
-    # ------------------------------------------------------------------ the contract
+    _SCHEMA_VERSION = SCHEMA_VERSION
+    _dialect: MySQLDialect
+
+    # ------------------------------------------------------------ construction and connections
+
+    def __init__(
+        self,
+        database: str,
+        *,
+        host: str = "localhost",
+        port: int = 3306,
+        user: str | None = None,
+        password: str | None = None,
+        unix_socket: str | None = None,
+        table: str = "oncely_inbox",
+        pool_size: int = 4,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        lock_timeout: timedelta | None = None,
+        clock: Clock | None = None,
+        migrate: bool = True,
+    ) -> None:
+        super().__init__(migrate=migrate)
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        self._settings = MySQLSettings(
+            database=database,
+            host=host,
+            port=port,
+            user=user,
+            password=password,
+            unix_socket=unix_socket,
+            connect_timeout=connect_timeout,
+            lock_timeout=lock_timeout,
+        )
+        self._dialect = MySQLDialect(table, server_clock=clock is None)
+        self._now = clock.now_ms if clock is not None else server_time
+        self._pool = Pool(self._open, pool_size)
+        # The transactional mode's savepoints (savepoint, below): how many of this store's
+        # savepoint blocks are open on each caller connection, and the prefix of their names.
+        self._depth: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
+        self._savepoint_prefix = f"oncely_{next(_STORES)}_"
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for a ``mysql://`` or ``mariadb://`` URL (see :func:`oncely.open`)."""
+        options = parse_url(url)
+        s = options.settings
+        return cls(
+            s.database,
+            host=s.host,
+            port=s.port,
+            user=s.user,
+            password=s.password,
+            unix_socket=s.unix_socket,
+            table=options.table,
+            pool_size=options.pool_size,
+            connect_timeout=s.connect_timeout,
+            lock_timeout=s.lock_timeout,
+            clock=clock,
+            migrate=options.migrate,
+        )
+
+    @property
+    def url(self) -> str:
+        return self._settings.url(self._dialect.table)
+
+    @property
+    def table(self) -> str:
+        return self._dialect.table
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @property
+    def _place(self) -> str:
+        return f"table {self._dialect.table} in {self.url}"
+
+    def _open(self) -> Connection:
+        try:
+            return connect(self._settings)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, f"connecting to {self.url}") from exc
+
+    def _acquire(self) -> Connection:
+        if self._closed:
+            raise self._closed_error()
+        if not self._ready:
+            self._prepare()
+        return self._pool.acquire()
+
+    def _release(self, conn: Connection, *, discard: bool = False) -> None:
+        """Return a connection, rolling back anything an interrupted operation left open. One
+        a handler turned autocommit off on is dropped: oncely's own writes on it would wait
+        for a COMMIT that never comes."""
+        if not autocommits(conn):
+            discard = True
+        if not discard and in_transaction(conn):
+            try:
+                execute(conn, "ROLLBACK")
+            except DRIVER_ERRORS:
+                discard = True
+        self._pool.release(conn, discard=discard)
+
+    def _run(self, op: str, work: Callable[[Connection], T]) -> T:
+        """``work`` on a pooled autocommit connection. A deadlock victim or a lock wait
+        timeout was rolled back whole by InnoDB, so the work is run again (a bounded number
+        of times); any other driver error is translated at once."""
+        conn = self._acquire()
+        discard = False
+        try:
+            tries = 0
+            while True:
+                try:
+                    return work(conn)
+                except DRIVER_ERRORS as exc:
+                    tries += 1
+                    if tries <= retries_for(exc):
+                        sleep(_BACKOFF_S * 2**tries * random.random())
+                        continue
+                    discard = disconnected(exc)
+                    raise translate(exc, op) from exc
+        finally:
+            self._release(conn, discard=discard)
+
+    def _rows(self, op: str, sql: str, params: Mapping[str, object]) -> list[Any]:
+        return self._run(op, lambda conn: fetchall(conn, sql, params))
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.close()
+
+    # ------------------------------------------------------------ schema and maintenance
+
+    def _setup(self, *, migrating: bool) -> None:
+        conn = self._pool.acquire()
+        try:
+            version = self._version(conn)
+            # migrate runs the CREATE ... IF NOT EXISTS again whatever the version: the
+            # version row says nothing of the inbox table itself.
+            if self._tables_needed(version, migrating=migrating) or migrating:
+                self._create(conn)
+        finally:
+            self._release(conn)
+
+    def _version(self, conn: Connection) -> int | None:
+        try:
+            rows = fetchall(conn, self._dialect.read_version)
+        except DRIVER_ERRORS as exc:
+            if code_of(exc) == NO_SUCH_TABLE:
+                return None
+            raise translate(exc, "reading the schema version") from exc
+        return int(rows[0][0]) if rows else None
+
+    def _create(self, conn: Connection) -> None:
+        # CREATE TABLE IF NOT EXISTS and the upsert of the version row are safe when several
+        # processes migrate at once: the data dictionary lock orders them.
+        try:
+            for statement in self._dialect.create:
+                execute(conn, statement)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "creating the tables") from exc
+
+    def schema_version(self) -> int | None:
+        """The schema version in the database, or None when there are no tables yet."""
+        conn = self._open()
+        try:
+            return self._version(conn)
+        finally:
+            close(conn)
+
+    def forget(self, consumer: str, key: str) -> bool:
+        # No DELETE ... RETURNING in MySQL: the affected row count tells.
+        params = who(consumer, key)
+        found = self._run("forget", lambda conn: execute(conn, self._dialect.forget, params))
+        return found[0] > 0
+
+    def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
+        found, count = self._run("purge", partial(self._purge_keys, after=after, limit=limit))
+        if not found:
+            return 0, 0, after
+        return len(found), count, (bytes(found[-1][0]), bytes(found[-1][1]))
+
+    def _purge_keys(
+        self, conn: Connection, after: Position | None, limit: int
+    ) -> tuple[list[Any], int]:
+        # Sweep the primary key in order: the candidates are read without locks, then deleted
+        # by key, still expired, in one short statement. There is deliberately no index on
+        # expires_ms: it would cost every claim and completion a second B-tree write, to speed
+        # up only the background purge.
+        now = self._now()
+        params: dict[str, Any] = {"now": now, "limit": limit}
+        if after is not None:
+            params["after_consumer"], params["after_key"] = after
+        found = fetchall(conn, self._dialect.purge_candidates(first=after is None), params)
+        if not found:
+            return found, 0
+        doomed: dict[str, Any] = {"now": now}
+        for i, (consumer, key) in enumerate(found):
+            doomed[f"c{i}"], doomed[f"k{i}"] = consumer, key
+        count = (execute(conn, self._dialect.purge_delete(len(found)), doomed))[0]
+        return found, count
+
+    # ------------------------------------------------------------ the message path
 
     def claim(
         self,
@@ -328,6 +572,57 @@ class MySQLStore(MySQLTransactions):
         )
 
     # ------------------------------------------------------------ transactional mode (R7)
+
+    def transaction(self, *, claim_first: bool = False) -> _Transaction:
+        # PyMySQL cannot send BEGIN with the claim in one round trip: claim_first changes
+        # nothing here.
+        return _Transaction(self)
+
+    @contextmanager
+    def savepoint(self, tx: Connection) -> Iterator[None]:
+        """A savepoint around the block: rolled back to when it raises; left in place when it
+        succeeds (no RELEASE round trip).
+
+        MariaDB and MySQL replace a savepoint by a new one of the same name, and a left one
+        costs nothing but its entry in the transaction's list, so the name is the store's
+        and the number of its blocks open on ``tx`` around this one: the next message's
+        savepoint replaces it (the list stays as long as the deepest nesting), while a block
+        open around this one keeps its own name, which a rollback to it still finds (and the
+        rollback drops every savepoint set after it). The transaction's end drops them all.
+        """
+        depth = self._depth.get(tx, 0)
+        name = f"{self._savepoint_prefix}{depth}"
+        self._joined(tx, f"SAVEPOINT {name}", "savepoint")
+        self._depth[tx] = depth + 1
+        try:
+            yield
+        except BaseException:
+            self._joined(tx, f"ROLLBACK TO SAVEPOINT {name}", "rolling back to a savepoint")
+            raise
+        finally:
+            self._depth[tx] = depth
+
+    def _joined(
+        self, tx: Connection, sql: str, op: str, params: dict[str, Any] | None = None
+    ) -> None:
+        try:
+            execute(tx, sql, params)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, op, joined=True) from exc
+
+    def check_transaction(self, tx: Connection) -> None:
+        if not joinable(tx):
+            raise TransactionRequired(
+                "the connection has no open transaction: run BEGIN (conn.begin()) first or "
+                "turn autocommit off, or call without tx= to let oncely open and commit one"
+            )
+
+    def set_result_in(
+        self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
+    ) -> None:
+        params = who(consumer, key)
+        params.update(token=token.encode("utf-8"), result=result)
+        self._joined(tx, self._dialect.set_result, "storing the result", params)
 
     def claim_in(
         self,

@@ -1,29 +1,30 @@
-"""The PostgreSQL store's transactional mode (R7), but for its claim (``claim_in``).
+"""The PostgreSQL store's transaction block and savepoint bookkeeping, each its own class.
 
-:class:`PostgresTransactions`: transactions opened for the caller (a psycopg transaction
-block), oncely's savepoints in a caller's transaction (pipelined with the claim that
-``claim_in`` sends, left open rather than released: see
-:meth:`PostgresTransactions.savepoint`), checks and writes on a caller's connection. How the
-store's modules divide the work is told in ``sql_base``.
+:class:`_Transaction` is the block of :meth:`AsyncPostgresStore.transaction
+<oncely.stores.postgres.async_store.AsyncPostgresStore.transaction>` (a psycopg transaction on
+a pooled connection, its ``BEGIN`` pipelined with the claim when asked to);
+:class:`Savepoint` one block of :meth:`AsyncPostgresStore.savepoint
+<oncely.stores.postgres.async_store.AsyncPostgresStore.savepoint>`; :class:`Joined`, found with
+:func:`joined_on`, oncely's savepoints on one caller connection, shared by every store of the
+process. The store, in :mod:`oncely.stores.postgres.async_store`, decides when each is used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import pq
 
-from oncely.errors import StoreUnavailable, TransactionRequired
-from oncely.stores.postgres.async_base import PostgresStoreBase
-from oncely.stores.postgres.async_io import Connection, commit_after, execute, is_connection
+from oncely.stores.postgres.async_io import Connection, commit_after
 
-__all__ = ["JOINED", "OPEN_SAVEPOINTS", "Joined", "PostgresTransactions", "Savepoint", "joined_on"]
+if TYPE_CHECKING:
+    from oncely.stores.postgres.async_store import AsyncPostgresStore
+
+__all__ = ["JOINED", "OPEN_SAVEPOINTS", "Joined", "Savepoint", "joined_on"]
 
 _TX = pq.TransactionStatus
 _NOT_STARTED = psycopg.Transaction.Status.NOT_STARTED  # (the one enum of both kinds)
@@ -32,127 +33,6 @@ _NOT_STARTED = psycopg.Transaction.Status.NOT_STARTED  # (the one enum of both k
 # and one more level that parts of it walk); past that, each is released at the end of its
 # block, one more round trip.
 OPEN_SAVEPOINTS = 100
-
-
-class PostgresTransactions(PostgresStoreBase):
-    """The transactional mode of :class:`~oncely.AsyncPostgresStore` (see there)."""
-
-    def transaction(self, *, claim_first: bool = False) -> _Transaction:
-        """A transaction on a pooled connection. With ``claim_first`` (the block's first
-        statement is :meth:`claim_in`, as in :meth:`Inbox.handle_in_transaction
-        <oncely.AsyncInbox.handle_in_transaction>`), its ``BEGIN`` is not sent on entry but
-        with that claim, in one pipeline: the transaction costs no round trip of its own."""
-        return _Transaction(self, claim_first)
-
-    @asynccontextmanager
-    async def savepoint(self, tx: Connection) -> AsyncIterator[None]:
-        """A savepoint around the store's work in ``tx``, at no extra round trip when the
-        block succeeds.
-
-        Nothing is sent on entry: the ``SAVEPOINT`` goes out in one round trip with the
-        first statement the store runs inside the block (the claim of :meth:`claim_in`,
-        pipelined), so a block in which the store runs nothing sets none. When the block
-        raises, the transaction is rolled back to it (one round trip). Either way it is then
-        left open, not released: the enclosing transaction (or savepoint) takes its work over
-        when it ends, exactly as a RELEASE would have, and no round trip is spent.
-
-        ``ROLLBACK TO`` names the most recent savepoint of a name, and one left open may
-        still be there: a savepoint is named after the number of oncely's blocks open on
-        ``tx`` around it, so none created while it is open has its name, and a rollback to it
-        (which also drops every savepoint opened inside it) finds it. The names being few,
-        psycopg's statement cache does not churn (and it clears its prepared statements only
-        the first time it sees a rollback text). At most ``OPEN_SAVEPOINTS`` are left open
-        per caller transaction (told apart by their start time); past that each is released
-        as its block ends.
-        """
-        joined = joined_on(tx)
-        if joined.pending is not None:  # an enclosing block has sent nothing yet: set it first
-            await self._establish(tx, joined)
-        depth = joined.depth
-        point = Savepoint(depth)
-        joined.pending = point
-        joined.depth = depth + 1
-        try:
-            yield
-        except BaseException:
-            if joined.pending is point:
-                joined.pending = None  # never set: the store did nothing to undo
-            elif point.set:
-                await self._run(tx, b"ROLLBACK TO SAVEPOINT " + point.name, "rollback to savepoint")
-                joined.kept = min(joined.kept, point.base)  # those opened inside it are gone
-                await self._leave(tx, joined, point)
-            raise
-        else:
-            if joined.pending is point:
-                joined.pending = None
-            elif point.set:
-                await self._leave(tx, joined, point)
-        finally:
-            joined.depth = depth
-
-    async def _leave(self, tx: Connection, joined: Joined, point: Savepoint) -> None:
-        """Leave a savepoint open at the end of its block, or release it past the bound."""
-        if joined.kept < OPEN_SAVEPOINTS:
-            joined.kept += 1
-        else:
-            await self._run(tx, b"RELEASE SAVEPOINT " + point.name, "release savepoint")
-
-    async def _establish(self, tx: Connection, joined: Joined) -> None:
-        """Send the pending ``SAVEPOINT`` on its own (the store is about to run something
-        other than a claim in its block)."""
-        point = joined.pending
-        assert point is not None
-        joined.pending = None
-        await self._run(tx, point.sql, "savepoint")
-        point.established()
-        point.base = joined.kept
-
-    async def _run(self, tx: Connection, sql: bytes, op: str, params: Any = None) -> None:
-        try:
-            await execute(tx, sql, params)
-        except psycopg.Error as exc:
-            raise self._error(exc, op) from exc
-
-    def check_transaction(self, tx: Connection) -> None:
-        if not is_connection(tx):
-            raise TransactionRequired(
-                f"{type(self).__name__} joins a psycopg connection of its kind (sync or "
-                f"asyncio), not {type(tx).__name__}"
-            )
-        status = tx.info.transaction_status
-        if status == _TX.INTRANS or (status == _TX.IDLE and not tx.autocommit):
-            return  # without autocommit, psycopg opens the transaction at the first statement
-        if status == _TX.INERROR:
-            raise TransactionRequired(
-                "the connection's transaction failed earlier (a statement raised): roll it back"
-            )
-        if status == _TX.UNKNOWN or tx.closed:
-            raise StoreUnavailable("the connection is closed or broken")
-        if status == _TX.ACTIVE:
-            raise TransactionRequired("a statement is still running on the connection")
-        raise TransactionRequired(
-            "the connection is in autocommit mode with no open transaction: open one with "
-            "`conn.transaction()`, or call without tx= to let oncely open and commit one"
-        )
-
-    async def set_result_in(
-        self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
-    ) -> None:
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
-        joined = JOINED.get(tx)
-        if joined is not None:
-            begin = joined.begin
-            if begin is not None:  # a transaction whose claim never ran: begin it now
-                joined.begin = None
-                await begin.__aenter__()
-            if joined.own and not joined.depth and joined.result is None:
-                # The store's own transaction, outside any savepoint of a nested message:
-                # the UPDATE goes out with its COMMIT.
-                joined.result = params
-                return
-            if joined.pending is not None:
-                await self._establish(tx, joined)
-        await self._run(tx, self._dialect.set_result, "storing the result", params)
 
 
 class _Transaction:
@@ -171,7 +51,7 @@ class _Transaction:
 
     __slots__ = ("_block", "_claim_first", "_conn", "_store")
 
-    def __init__(self, store: PostgresStoreBase, claim_first: bool = False) -> None:
+    def __init__(self, store: AsyncPostgresStore, claim_first: bool = False) -> None:
         self._store = store
         self._claim_first = claim_first
         self._conn: Connection | None = None
@@ -240,7 +120,7 @@ async def _rollback_quietly(conn: Connection) -> None:
 
 
 class Savepoint:
-    """One block of :meth:`PostgresTransactions.savepoint`: its name, whether the server has
+    """One block of :meth:`AsyncPostgresStore.savepoint`: its name, whether the server has
     set it, when its transaction started (from the claim that set it), and how many of
     oncely's savepoints were left open before it."""
 

@@ -1,66 +1,26 @@
-"""The SQLite store's transactional mode (R7), but for its claim (``claim_in``).
+"""The SQLite store's transaction block, a class of its own.
 
-:class:`SQLiteTransactions`: transactions opened for the caller (``BEGIN IMMEDIATE``, so a
-reader never has to upgrade to a writer and deadlock), savepoints, checks and writes on a
-caller's connection. How the store's modules divide the work is told in ``sql_base``.
+:class:`_Transaction` is the block of :meth:`AsyncSQLiteStore.transaction
+<oncely.stores.sqlite.async_store.AsyncSQLiteStore.transaction>`: ``BEGIN IMMEDIATE`` on a
+pooled connection (so a reader never has to upgrade to a writer and deadlock); ``COMMIT`` when
+the block ends, ``ROLLBACK`` when it raises. The store, in
+:mod:`oncely.stores.sqlite.async_store`, holds the rest of the transactional mode.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import aiosqlite
 
-from oncely.errors import TransactionRequired
-from oncely.stores.sqlite.async_base import SQLiteStoreBase
-from oncely.stores.sqlite.async_io import Params
 from oncely.stores.sqlite.errors import translate
 
-__all__ = ["SQLiteTransactions"]
+if TYPE_CHECKING:
+    from oncely.stores.sqlite.async_store import AsyncSQLiteStore
 
-
-class SQLiteTransactions(SQLiteStoreBase):
-    """The transactional mode of :class:`~oncely.AsyncSQLiteStore` (see
-    there)."""
-
-    def transaction(self, *, claim_first: bool = False) -> _Transaction:
-        """``BEGIN IMMEDIATE`` on a pooled connection. With ``claim_first`` (the block's first
-        statement is :meth:`claim_in`), the asyncio store lets that claim's INSERT begin the
-        transaction, in the claim's own hop to the connection's thread."""
-        return _Transaction(self, claim_first)
-
-    @asynccontextmanager
-    async def savepoint(self, tx: aiosqlite.Connection) -> AsyncIterator[None]:
-        await self._run(tx, "SAVEPOINT oncely", (), "savepoint")
-        try:
-            yield
-        except BaseException:
-            await self._run(tx, "ROLLBACK TO oncely", (), "rollback to savepoint")
-            await self._run(tx, "RELEASE oncely", (), "release savepoint")
-            raise
-        await self._run(tx, "RELEASE oncely", (), "release savepoint")
-
-    async def _run(self, conn: aiosqlite.Connection, sql: str, params: Params, op: str) -> None:
-        try:
-            await self._pool.execute(conn, sql, params)
-        except sqlite3.Error as exc:
-            raise translate(exc, op) from exc
-
-    def check_transaction(self, tx: aiosqlite.Connection) -> None:
-        if not tx.in_transaction:
-            raise TransactionRequired(
-                "the connection has no open transaction: run BEGIN (or BEGIN IMMEDIATE) first, "
-                "or call without tx= to let oncely open and commit one"
-            )
-
-    async def set_result_in(
-        self, tx: aiosqlite.Connection, consumer: str, key: str, *, token: str, result: bytes | None
-    ) -> None:
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
-        await self._run(tx, self._dialect.set_result, params, "storing the result")
+__all__: list[str] = []  # _Transaction is the store's own
 
 
 class _Transaction:
@@ -73,7 +33,7 @@ class _Transaction:
 
     __slots__ = ("_claim_first", "_conn", "_store")
 
-    def __init__(self, store: SQLiteStoreBase, claim_first: bool = False) -> None:
+    def __init__(self, store: AsyncSQLiteStore, claim_first: bool = False) -> None:
         self._store = store
         self._claim_first = claim_first
         self._conn: aiosqlite.Connection | None = None
