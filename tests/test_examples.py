@@ -79,3 +79,22 @@ def test_orders_example(broker: str, url: str, port: int) -> None:
         assert "  duplicate     0" in done.stdout
     else:
         assert "  duplicate     10" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_r7_the_broker_consumer_example_books_each_payment_once() -> None:
+    """The README's broker example, end to end on RabbitMQ and PostgreSQL."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "broker_consumer.py"), RABBITMQ_URL, POSTGRES_DSN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "outcomes: {'duplicate': 1, 'processed': 3}" in done.stdout, done.stdout
+    assert "ledger: [('pay-1', 10), ('pay-2', 20), ('pay-3', 30)]" in done.stdout

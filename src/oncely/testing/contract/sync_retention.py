@@ -35,6 +35,34 @@ class RetentionContract(ContractBase):
         assert fresh.status is ClaimStatus.NEW and fresh.record.attempt == 1
         assert fresh.record.created_ms == clock.now_ms() and fresh.record.result is None
 
+    def test_r10_r13_the_edges_of_the_contract(self, store: Store, clock: FakeClock) -> None:
+        """Where a store could differ from another and still look right, oncely's answer:
+        times are whole milliseconds; a lease ends when ``deadline <= now`` (at its deadline
+        the claim is stale); a repeated ``complete`` by the owner keeps the first result and
+        retention; every record expires, one left in progress included (R10, R13)."""
+        first = self._claim(store, "edge", token="t1")
+        record = first.record
+        for ms in (record.created_ms, record.lease_until_ms, record.expires_ms):
+            assert type(ms) is int
+        assert record.lease_until_ms == clock.now_ms() + LEASE_MS
+        clock.advance(timedelta(milliseconds=LEASE_MS - 1))
+        assert (self._claim(store, "edge", token="t2")).status is ClaimStatus.EXISTING
+        clock.advance(timedelta(milliseconds=1))  # now == the lease's deadline
+        taken = self._claim(store, "edge", token="t3")
+        assert taken.status is ClaimStatus.TAKEN_OVER
+        done = store.complete("billing", "edge", token="t3", result=b"first", keep_ms=60_000)
+        again = store.complete("billing", "edge", token="t3", result=b"second", keep_ms=KEEP_MS)
+        assert again.result == b"first" and again.expires_ms == done.expires_ms
+        assert (store.get("billing", "edge")) == again
+
+        stuck = (self._claim(store, "stuck", token="s1", keep_ms=120_000)).record
+        assert stuck.status is Status.IN_PROGRESS
+        clock.advance(timedelta(milliseconds=stuck.expires_ms - clock.now_ms() - 1))
+        assert store.get("billing", "stuck") is not None
+        clock.advance(timedelta(milliseconds=1))  # now == its retention's deadline
+        assert store.get("billing", "stuck") is None
+        assert (self._claim(store, "stuck", token="s2")).status is ClaimStatus.NEW
+
     def test_r13_a_record_always_outlives_its_lease(self, store: Store) -> None:
         claim = self._claim(store, token="t", fp=None, keep_ms=10)
         assert claim.record.expires_ms >= claim.record.lease_until_ms

@@ -1,0 +1,78 @@
+"""Every code block of the README runs as written, or is a file the tests run.
+
+Python blocks run one after the other in one namespace, in a fresh directory (the tour builds on
+itself). A block whose first line is ``# from examples/<file>`` is an excerpt: each of its lines
+must appear in that file, in order, and that file is run by ``tests/test_examples.py``. Console
+blocks name ``oncely`` subcommands that must exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, re.S)
+
+
+def _python_blocks() -> list[str]:
+    return [code for lang, code in BLOCKS if lang == "python"]
+
+
+def test_the_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
+    run = [code for code in _python_blocks() if not code.startswith("# from examples/")]
+    assert len(run) >= 6
+    namespace: dict[str, object] = {"__name__": "readme"}
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        for number, code in enumerate(run, 1):
+            try:
+                exec(compile(code, f"README python block {number}", "exec"), namespace)
+            except Exception as exc:
+                pytest.fail(f"README python block {number} fails: {exc!r}\n{code}")
+    finally:
+        os.chdir(here)
+
+
+def test_the_readme_excerpts_are_in_the_examples_the_tests_run() -> None:
+    excerpts = [code for code in _python_blocks() if code.startswith("# from examples/")]
+    assert excerpts
+    tested = (ROOT / "tests" / "test_examples.py").read_text()
+    for code in excerpts:
+        first, *lines = code.splitlines()
+        name = first.removeprefix("# from ").split(",")[0].split()[0]
+        assert Path(name).name in tested, f"{name} is not run by tests/test_examples.py"
+        source = (ROOT / name).read_text().splitlines()
+        at = 0
+        for line in (line for line in lines if line.strip()):
+            found = [i for i, text in enumerate(source[at:], at) if text.strip() == line.strip()]
+            assert found, f"{line!r} is not in {name} (after line {at})"
+            at = found[0] + 1
+
+
+def test_the_oncely_commands_the_readme_shows_exist() -> None:
+    commands = set()
+    for lang, code in BLOCKS:
+        if lang == "console":
+            for line in code.splitlines():
+                words = line.split()
+                if words[:1] == ["oncely"] and len(words) > 1:
+                    commands.add(tuple(w for w in words[1:3] if not w.startswith("-"))[:2])
+    assert commands
+    for command in sorted(commands):
+        done = subprocess.run(
+            [sys.executable, "-m", "oncely.cli", *command, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, (command, done.stderr)
