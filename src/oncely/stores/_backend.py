@@ -16,7 +16,7 @@ classes have a ``from_url(url, *, clock=None)``, imported only when the scheme i
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Protocol, cast
@@ -81,6 +81,19 @@ class Backend:
                 f"the {self.name} store needs the {exc.name!r} package{hint}", name=exc.name
             ) from exc
         return getattr(module, class_name)
+
+    def module_getattr(self, module: str) -> Callable[[str], object]:
+        """A module ``__getattr__`` for a store package: its two classes, imported on first
+        use (so importing the package needs no driver)."""
+        targets = {target.partition(":")[2]: target for target in (self.sync, self.async_)}
+
+        def attribute(name: str) -> object:
+            target = targets.get(name)
+            if target is None:
+                raise AttributeError(f"module {module!r} has no attribute {name!r}")
+            return self.load(target)
+
+        return attribute
 
     def _load(self, target: str, url: str) -> _FromUrl:
         try:

@@ -25,11 +25,4 @@ backend = Backend(
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 
-_CLASSES = {"MySQLStore": backend.sync, "AsyncMySQLStore": backend.async_}
-
-
-def __getattr__(name: str) -> object:
-    target = _CLASSES.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return backend.load(target)
+__getattr__ = backend.module_getattr(__name__)
