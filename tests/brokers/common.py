@@ -1,5 +1,6 @@
-"""What every broker's end-to-end tests share: unique names, a ledger of effects kept in
-PostgreSQL next to the dedup marker, and a consumer run in the background until a condition.
+"""What every broker's end-to-end tests share: unique names and free ports, a ledger of effects
+kept in PostgreSQL next to the dedup marker, a consumer run in the background until a
+condition, a producer's retry loop, and a relay that cuts a test's own connections.
 
 The ledger has no unique constraint on purpose: a duplicate effect would show as a second row
 (a test that could not see a double effect could not fail).
@@ -9,22 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Self
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import psycopg.types.json
 
 import oncely
-from oncely.brokers import BrokerConsumer
+from oncely.brokers import BrokerConsumer, Producer
 from tests.services import POSTGRES_DSN, require
 
 
 def unique(prefix: str) -> str:
     """A name no other test (or earlier run) uses: queues, streams, subjects, tables."""
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (once this returns): for a private server, or an
+    address where no broker answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def with_port(url: str, port: int) -> str:
+    """``url`` pointing at ``port`` on loopback (credentials, path and query kept)."""
+    parts = urlsplit(url)
+    userinfo, at, _address = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}127.0.0.1:{port}"))
 
 
 def require_postgres() -> None:
@@ -145,3 +163,79 @@ async def remove_destinations(url: str, source: str) -> None:
                     await js.delete_stream(await js.find_stream_name_by_subject(subject))
         finally:
             await connection.close()
+
+
+async def publish_until_confirmed(
+    producer: Producer, body: bytes, message_id: str, *, tries: int = 200
+) -> None:
+    """What a producer does while the broker is away: retry with the same id (R2) until the
+    broker confirms."""
+    for _ in range(tries):
+        try:
+            await producer.publish(body, message_id=message_id)
+            return
+        except oncely.BrokerUnavailable:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"could not publish {message_id}")
+
+
+class Proxy:
+    """A TCP relay on loopback in front of a broker, so a test can cut its own clients'
+    connections (:meth:`cut`) and refuse new ones (``refusing``) without touching the server
+    other tests share. Point a client at :meth:`url`."""
+
+    def __init__(self, url: str) -> None:
+        self._parts = urlsplit(url)
+        self.accepted = 0
+        self.refusing = False
+        self._open: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.cut()
+        await self._server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        """The broker's URL with this relay's address in it."""
+        assert self._server is not None
+        return with_port(urlunsplit(self._parts), self._server.sockets[0].getsockname()[1])
+
+    def cut(self) -> int:
+        """Abort every relayed connection, both sides at once, as a network fault would;
+        how many clients were connected."""
+        clients = len(self._open) // 2
+        for writer in list(self._open):
+            writer.transport.abort()
+        self._open.clear()
+        return clients
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            writer.transport.abort()
+            return
+        try:
+            upstream_reader, upstream = await asyncio.open_connection(
+                self._parts.hostname or "127.0.0.1", self._parts.port
+            )
+        except OSError:
+            writer.transport.abort()
+            return
+        self.accepted += 1
+        self._open |= {writer, upstream}
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.transport.abort()  # either side gone: the other goes too
+
+        await asyncio.gather(pump(reader, upstream), pump(upstream_reader, writer))
+        self._open -= {writer, upstream}

@@ -1,0 +1,803 @@
+"""The behaviours every broker adapter shares, written once and run against each real broker.
+
+:class:`BrokerSuite` holds one test method per behaviour. Each broker's module subclasses it
+(``test_rabbitmq.py::TestRabbitMQ``, ``test_redis_streams.py::TestRedisStreams``,
+``test_nats.py::TestJetStream``), implements the small interface at the top of the class (its
+transport on this test's source, a publish without any message id, the dead-letter destination
+read back, what the broker still holds) and adds the tests only its broker has. Adding a broker
+is one adapter package plus one subclass.
+
+Every scenario ends by checking the facts: each logical message's effect is one ledger row (no
+unique constraint: a double effect would show), nothing lost, nothing dead-lettered that should
+not be, and nothing left unacknowledged on the broker once the test's consumers are gone.
+Transactional mode runs on PostgreSQL (the effect and the marker in one transaction, R7);
+two-phase mode on Redis, with a 1 s lease that the heartbeat keeps renewing (R10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, TypeVar, cast
+
+import pytest
+import redis.asyncio
+
+import oncely
+from oncely.brokers import (
+    Backoff,
+    BrokerConsumer,
+    ConsumerSettings,
+    Delivery,
+    Producer,
+    Transport,
+    cloudevent_headers,
+)
+from tests.brokers.common import (
+    Ledger,
+    Proxy,
+    drop_store_table,
+    free_port,
+    pg_store,
+    remove_destinations,
+    running,
+    unique,
+    wait_until,
+    with_port,
+)
+from tests.services import REDIS_URL, require
+
+Mode = Literal["two_phase", "transactional"]
+T = TypeVar("T", bound=Transport)
+MS = timedelta(milliseconds=1)
+SECOND = timedelta(seconds=1)
+
+FAST = ConsumerSettings(
+    concurrency=4,
+    requeue_delay=200 * MS,
+    backoff=Backoff(first=50 * MS, most=200 * MS),
+    max_deliveries=3,
+    poll=200 * MS,
+    reconnect=Backoff(first=100 * MS, most=500 * MS),
+    shutdown_grace=timedelta(seconds=10),
+)
+"""Short delays, so the scenarios run in seconds (never asserted as times)."""
+
+
+def body(key: str, **fields: object) -> bytes:
+    """A message's JSON body: ``{"k": key, ...}`` (the ledger row's key is ``k``)."""
+    return json.dumps({"k": key, **fields}).encode()
+
+
+def total(*consumers: BrokerConsumer) -> Counter[str]:
+    """The outcome counts of several consumers added up."""
+    counts: Counter[str] = Counter()
+    for each in consumers:
+        counts.update(each.counts)
+    return counts
+
+
+@dataclass(frozen=True)
+class DeadCopy:
+    """A message as the dead-letter destination holds it, read back with a plain client: the
+    producer's id, the body, the content type, and every header (or stream field) besides; the
+    ``x-oncely-*`` ones say why it is there."""
+
+    message_id: str | None
+    body: bytes
+    headers: Mapping[str, Any]
+    content_type: str | None
+
+    @property
+    def outcome(self) -> str | None:
+        return self.headers.get("x-oncely-outcome")
+
+    @property
+    def reason(self) -> str:
+        return str(self.headers.get("x-oncely-reason", ""))
+
+    @property
+    def consumer(self) -> str | None:
+        return self.headers.get("x-oncely-consumer")
+
+    @property
+    def deliveries(self) -> str | None:
+        return self.headers.get("x-oncely-deliveries")
+
+
+class Watched:
+    """A transport that notes every delivery it hands out: (message id, delivery count)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.seen: list[tuple[str | None, int | None]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        found = await self.inner.fetch(limit, timeout)
+        self.seen.extend((d.envelope.message_id, d.delivery_count) for d in found)
+        return found
+
+    def counts(self, message_id: str) -> list[int | None]:
+        """The broker's delivery count of each delivery of ``message_id``, in order."""
+        return [count for seen, count in self.seen if seen == message_id]
+
+    def as_transport(self) -> Transport:
+        return cast(Transport, self)
+
+
+async def fetch_one(transport: Transport, *, tries: int = 100) -> Delivery:
+    """The next delivery, riding out a connection that is still coming back."""
+    for _ in range(tries):
+        with contextlib.suppress(oncely.BrokerUnavailable):
+            found = await transport.fetch(1, 200 * MS)
+            if found:
+                return found[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError("no delivery came")
+
+
+class BrokerSuite:
+    """The shared behaviours. A subclass sets ``url`` and ``producer_class``, implements the
+    methods below that raise ``NotImplementedError`` and overrides the others where its broker
+    says more; pytest makes one instance per test, and ``_one_test`` gives it a fresh
+    ``source`` (queue, stream or subject) and ``ledger``."""
+
+    url: ClassVar[str]
+    producer_class: ClassVar[Callable[..., Producer]]
+    group: ClassVar[str] = "billing"
+    """The consumer group and inbox consumer name (recorded on dead-letter copies)."""
+    retries_reach_the_consumer: ClassVar[bool] = True
+    """False where the broker itself drops a producer retry (JetStream's duplicate window)."""
+    redelivers_on_connection_loss: ClassVar[bool] = False
+    """True where a lost connection gives its unacknowledged deliveries back at once
+    (RabbitMQ); elsewhere a delivery waits for its ack wait and is extended meanwhile."""
+
+    source: str
+    ledger: Ledger
+
+    # ------------------------------------------------------------------ per broker
+
+    def require(self) -> None:
+        """Skip (or, in CI, fail) unless the broker answers."""
+        raise NotImplementedError
+
+    def new_source(self) -> str:
+        """A queue, stream or subject name no other test uses."""
+        raise NotImplementedError
+
+    def transport(self, *, url: str | None = None, **options: Any) -> Transport:
+        """A transport reading this test's source (at ``url``, default the test broker's),
+        closed after the test. ``ack_wait`` and ``connect_timeout`` are understood by all."""
+        raise NotImplementedError
+
+    async def publish_raw_without_id(self, payload: bytes) -> None:
+        """Publish ``payload`` (content type JSON) with no message id at all."""
+        raise NotImplementedError
+
+    async def dead_letters(self) -> list[DeadCopy]:
+        """Every message in the dead-letter destination (RabbitMQ: taken out of it)."""
+        raise NotImplementedError
+
+    async def unsettled(self) -> int | None:
+        """How many messages of the source the broker holds unacknowledged: not yet
+        delivered, or delivered and neither acknowledged nor dead-lettered; ``None`` while the
+        broker cannot say (RabbitMQ, with a consumer holding messages)."""
+        raise NotImplementedError
+
+    async def consumers_reading(self) -> int:
+        """How many consumers are reading the source now."""
+        raise NotImplementedError
+
+    async def deliveries_made(self) -> int | None:
+        """How many deliveries the broker has made in all, where it says (None)."""
+        return None
+
+    def check_transport_fields(self, first: Delivery, again: Delivery) -> None:
+        """The broker's own per-delivery fields of a first delivery and its redelivery."""
+
+    async def settled(self) -> bool:
+        """Once the test's consumers are gone: nothing unacknowledged, nothing unread."""
+        return await self.unsettled() == 0
+
+    async def remove(self) -> None:
+        """Delete what the test made on the broker."""
+        await remove_destinations(self.url, self.source)
+
+    # ------------------------------------------------------------------ shared plumbing
+
+    @pytest.fixture(autouse=True)
+    async def _one_test(self, ledger: Ledger) -> AsyncIterator[None]:
+        require("Redis", REDIS_URL, 6379)  # the two-phase inbox's store
+        self.require()
+        self.ledger = ledger
+        self.source = self.new_source()
+        self._cleanups: list[Callable[[], Awaitable[object]]] = []
+        self._producer: Producer | None = None
+        try:
+            yield
+        finally:
+            for cleanup in reversed(self._cleanups):
+                with contextlib.suppress(Exception):
+                    await cleanup()
+            await self.remove()
+
+    def after(self, cleanup: Callable[[], Awaitable[object]]) -> None:
+        """Run ``cleanup`` after the test (last registered, first run)."""
+        self._cleanups.append(cleanup)
+
+    def closed_after(self, made: T) -> T:
+        """``made``, closed after the test (closing twice is harmless)."""
+        self.after(made.close)
+        return made
+
+    def settings(self, **overrides: Any) -> ConsumerSettings:
+        return dataclasses.replace(FAST, **overrides)
+
+    def producer(self, *, url: str | None = None, **options: Any) -> Producer:
+        made = self.producer_class(url or self.url, self.source, **options)
+        self.after(made.close)
+        return made
+
+    async def publish(
+        self,
+        key: str,
+        *,
+        message_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        correlation_id: str | None = None,
+        **fields: object,
+    ) -> None:
+        """Publish ``body(key, **fields)`` with ``message_id`` (default: ``key``)."""
+        if self._producer is None:
+            self._producer = self.producer()
+        await self._producer.publish(
+            body(key, **fields),
+            message_id=message_id or key,
+            headers=headers,
+            correlation_id=correlation_id,
+        )
+
+    def inboxes(self, mode: Mode, n: int) -> list[oncely.AsyncInbox]:
+        """``n`` inboxes on one marker table (transactional) or key prefix (two-phase), each
+        with connections of its own, as ``n`` consumer processes would have."""
+        where = unique("inbox")
+        if mode == "transactional":
+            self.after(lambda: asyncio.to_thread(drop_store_table, where))
+            made = [oncely.AsyncInbox(pg_store(where), consumer=self.group) for _ in range(n)]
+        else:
+            self.after(lambda: _drop_redis_prefix(where))
+            made = [
+                oncely.AsyncInbox(
+                    oncely.AsyncRedisStore.from_url(f"{REDIS_URL}?prefix={where}"),
+                    consumer=self.group,
+                    lease=oncely.Lease(duration=SECOND),
+                )
+                for _ in range(n)
+            ]
+        for inbox in made:
+            self.after(inbox.aclose)
+        return made
+
+    def consumer(
+        self,
+        handler: Callable[..., Awaitable[Any]],
+        *,
+        mode: Mode = "two_phase",
+        inbox: oncely.AsyncInbox | None = None,
+        transport: Transport | Watched | None = None,
+        key: oncely.KeySource | None = None,
+        **settings: Any,
+    ) -> BrokerConsumer:
+        """A consumer of this test's source (its own inbox unless one is given)."""
+        if isinstance(transport, Watched):
+            transport = transport.as_transport()
+        return BrokerConsumer(
+            transport or self.transport(),
+            inbox or self.inboxes(mode, 1)[0],
+            handler,
+            mode=mode,
+            key=key,
+            settings=self.settings(**settings),
+        )
+
+    async def apply(self, payload: dict[str, Any]) -> None:
+        """The two-phase effect: one ledger row."""
+        await self.ledger.apply(payload["k"], payload)
+
+    async def apply_in(self, tx: Any, payload: dict[str, Any]) -> None:
+        """The transactional effect: one ledger row in the marker's transaction."""
+        await self.ledger.apply_in(tx, payload["k"], payload)
+
+    async def assert_settled(self) -> None:
+        assert await self.settled(), "messages were left on the broker (unacknowledged)"
+
+    async def assert_unsettled(self, n: int) -> None:
+        """The broker holds ``n`` messages of the source unacknowledged (where it can say)."""
+        found = await self.unsettled()
+        assert found is None or found == n, f"the broker holds {found} messages, not {n}"
+
+    async def _reading(self, n: int) -> bool:
+        return await self.consumers_reading() == n
+
+    # ------------------------------------------------------------------ a. producer retries
+
+    async def test_r1_r2_producer_retries_are_duplicates_and_all_acked(self) -> None:
+        """Five messages, each published three times with the same id (a producer retrying):
+        one effect each, every copy acknowledged. Where the broker drops a retry itself
+        (JetStream's duplicate window) the inbox sees one copy: the window is a complement to
+        the inbox, never a replacement (R14)."""
+        keys = [f"m{n}" for n in range(5)]
+        for _attempt in range(3):
+            for key in keys:
+                await self.publish(key)
+        copies = 15 if self.retries_reach_the_consumer else 5
+        worker = self.consumer(self.apply_in, mode="transactional")
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] + worker.counts["duplicate"] == copies,
+                what=f"all {copies} copies to be settled",
+            )
+        assert self.ledger.counts() == dict.fromkeys(keys, 1)
+        assert worker.counts == Counter({"processed": 5, "duplicate": copies - 5})
+        assert await self.dead_letters() == []
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ d. dead letters
+
+    async def test_r2_r4_r20_conflicts_poison_undecodable_and_idless_are_dead_lettered(
+        self,
+    ) -> None:
+        """A reused id with other content and a reused CloudEvent under a new id are key
+        conflicts (R20 step 6); a handler's ``Reject``, a body that is not JSON and a message
+        with no id at all are rejected (R2-R4). Each copy keeps its id, body and headers and
+        says why it is there."""
+
+        async def handler(tx: Any, payload: dict[str, Any]) -> None:
+            if payload.get("poison"):
+                raise oncely.Reject("poison pill: no such account")
+            await self.apply_in(tx, payload)
+
+        ce = cloudevent_headers(source="/shop", event_type="order.paid", event_id="e1")
+        worker = self.consumer(
+            handler,
+            mode="transactional",
+            key=oncely.FirstOf(oncely.CloudEventsKey(), oncely.MessageIdKey()),
+        )
+        async with running(worker):
+            await self.publish("pay", amount=10)
+            await self.publish("e1", message_id="m-e1", headers=ce, total=10)
+            await wait_until(lambda: len(self.ledger.counts()) == 2, what="the first two")
+            await self.publish("pay", amount=99, headers={"x-app": "billing"})
+            await self.publish("e1", message_id="m-e1-again", headers=ce, total=99)
+            await self.publish("bad", poison=True, headers={"tenant": "t1"})
+            assert self._producer is not None
+            await self._producer.publish(b"{not json", message_id="garbled")
+            await self.publish_raw_without_id(body("anon"))
+            await wait_until(
+                lambda: worker.counts["key_conflict"] + worker.counts["rejected"] == 5,
+                what="five dead letters",
+            )
+        copies = await self.dead_letters()
+        by_key = {_key_of(copy.body): copy for copy in copies}
+        assert len(copies) == 5
+        assert set(by_key) == {"pay", "e1", "bad", "garbled", "anon"}
+        for copy in copies:
+            assert copy.consumer == self.group
+            assert copy.deliveries == "1"
+            assert copy.reason
+        for key, sent in (("pay", "pay"), ("e1", "m-e1-again"), ("bad", "bad"), ("garbled",) * 2):
+            assert by_key[key].message_id == sent
+            assert by_key[key].content_type == "application/json"
+        conflict = by_key["pay"]
+        assert conflict.outcome == "key_conflict"
+        assert json.loads(conflict.body) == {"k": "pay", "amount": 99}
+        assert conflict.headers["x-app"] == "billing"  # the original's headers travel along
+        event = by_key["e1"]
+        assert event.outcome == "key_conflict"
+        assert event.headers["ce-id"] == "e1"
+        assert json.loads(event.body)["total"] == 99
+        poison = by_key["bad"]
+        assert poison.outcome == "rejected"
+        assert "poison pill: no such account" in poison.reason
+        assert poison.headers["tenant"] == "t1"
+        garbled = by_key["garbled"]
+        assert garbled.outcome == "rejected"
+        assert "undecodable body" in garbled.reason
+        assert garbled.body == b"{not json"
+        anonymous = by_key["anon"]
+        assert anonymous.message_id is None  # never an id the producer did not set
+        assert anonymous.outcome == "rejected"
+        assert "message id" in anonymous.reason
+        assert json.loads(anonymous.body) == {"k": "anon"}
+        assert self.ledger.counts() == {"pay": 1, "e1": 1}
+        assert worker.counts == Counter({"processed": 2, "key_conflict": 2, "rejected": 3})
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ e. failing handlers
+
+    async def test_r13_failing_handler_is_retried_up_to_max_deliveries_then_dead_lettered(
+        self,
+    ) -> None:
+        """A handler that always fails is run ``max_deliveries`` times (the broker's delivery
+        count rising 1, 2, 3), then dead-lettered with the last error; one that fails once is
+        retried and applied once."""
+        attempts = Counter[str]()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            key = payload["k"]
+            attempts[key] += 1
+            if key == "always" or (key == "once" and attempts[key] == 1):
+                raise RuntimeError(f"boom {attempts[key]} for {key}")
+            await self.apply(payload)
+
+        await self.publish("always")
+        await self.publish("once")
+        watched = Watched(self.transport())
+        worker = self.consumer(handler, transport=watched, max_deliveries=3)
+        async with running(worker):
+            await wait_until(
+                lambda: (
+                    worker.counts["dead_lettered_after_retries"] == 1
+                    and worker.counts["processed"] == 1
+                ),
+                what="the failing message dead-lettered and the flaky one applied",
+            )
+        assert attempts == {"always": 3, "once": 2}
+        assert watched.counts("always") == [1, 2, 3]
+        assert watched.counts("once") == [1, 2]
+        assert self.ledger.counts() == {"once": 1}
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "always"
+        assert json.loads(copy.body) == {"k": "always"}
+        assert copy.outcome == "rejected"
+        assert "failed on all 3 deliveries" in copy.reason
+        assert "boom 3 for always" in copy.reason  # the last error
+        assert copy.deliveries == "3"
+        assert copy.consumer == self.group
+        assert worker.counts == Counter(
+            {"failed": 4, "processed": 1, "dead_lettered_after_retries": 1}
+        )
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ g. in_flight
+
+    async def test_r8_r10_in_flight_copy_is_requeued_not_acked_while_another_holds_the_claim(
+        self,
+    ) -> None:
+        """Another worker holds the claim (a live lease, renewed): the consumer's copy is
+        answered ``in_flight`` and given back after ``requeue_delay``, again and again, its
+        delivery count rising each time, never acknowledged; once the holder has finished it
+        is a ``duplicate`` and acknowledged."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        release = asyncio.Event()
+
+        async def holder(payload: dict[str, Any]) -> None:
+            await release.wait()
+            await self.apply(payload)
+
+        other = asyncio.create_task(inbox.handle("held", {"k": "held"}, holder))
+        watched = Watched(self.transport())
+        worker = self.consumer(self.apply, inbox=inbox, transport=watched)
+        try:
+            await wait_until(lambda: _claimed(inbox, "held"), what="the other worker's claim")
+            await self.publish("held")
+            async with running(worker):
+                await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
+                await self.assert_unsettled(1)  # still on the broker, unacknowledged
+                assert self.ledger.counts() == {}
+                release.set()
+                assert (await other).outcome is oncely.Outcome.PROCESSED
+                await wait_until(lambda: worker.counts["duplicate"] == 1, what="the duplicate")
+        finally:
+            release.set()
+            with contextlib.suppress(Exception):
+                await other
+        in_flight = worker.counts["in_flight"]
+        assert watched.counts("held") == list(range(1, in_flight + 2))
+        assert worker.counts == Counter({"in_flight": in_flight, "duplicate": 1})
+        assert self.ledger.counts() == {"held": 1}
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ c. two consumers
+
+    @pytest.mark.parametrize("mode", ["transactional", "two_phase"])
+    async def test_r3_r8_two_consumers_receiving_copies_at_once_apply_once(
+        self, mode: Mode
+    ) -> None:
+        """Two relays publish each event under their own message ids (the same CloudEvents
+        source and id), and one of them retries with its id; two consumers with inboxes of
+        their own on one marker table or key prefix, as two processes would have, get the
+        copies at the same time. The marker is the arbiter (R8): one effect per event, every
+        other copy a ``duplicate``; in two-phase mode a copy met while the other runs is
+        ``in_flight`` first. (JetStream's duplicate window drops the retry itself.)"""
+
+        async def slow_in(tx: Any, payload: dict[str, Any]) -> None:
+            await self.apply_in(tx, payload)
+            await asyncio.sleep(0.3)  # the transaction stays open: the other copy waits
+
+        async def slow(payload: dict[str, Any]) -> None:
+            await asyncio.sleep(0.3)
+            await self.apply(payload)
+
+        handler = slow_in if mode == "transactional" else slow
+        workers = [
+            self.consumer(
+                handler, mode=mode, inbox=inbox, key=oncely.CloudEventsKey(), concurrency=2
+            )
+            for inbox in self.inboxes(mode, 2)
+        ]
+        events = [f"evt-{n}" for n in range(4)]
+        copies = len(events) * (3 if self.retries_reach_the_consumer else 2)
+        async with running(workers[0]), running(workers[1]):
+            await wait_until(lambda: self._reading(2), what="both consumers reading")
+            for event in events:
+                ce = cloudevent_headers(source="/relay", event_type="order", event_id=event)
+                for relay in ("a", "b", "a"):
+                    await self.publish(event, message_id=f"{relay}-{event}", headers=ce)
+            await wait_until(
+                lambda: total(*workers)["processed"] + total(*workers)["duplicate"] == copies,
+                what=f"all {copies} copies to be settled",
+            )
+        assert self.ledger.counts() == dict.fromkeys(events, 1)
+        counts = total(*workers)
+        in_flight = counts.pop("in_flight", 0)
+        assert counts == Counter({"processed": len(events), "duplicate": copies - len(events)})
+        if mode == "two_phase":
+            assert in_flight >= 1  # copies really were handled at the same time
+        else:
+            assert in_flight == 0  # a transaction waits for the other's commit instead
+        assert all(sum(worker.counts.values()) >= 1 for worker in workers)
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ b. slow handlers
+
+    async def test_r10_a_handler_slower_than_the_ack_wait_is_kept_alive_and_delivered_once(
+        self,
+    ) -> None:
+        """An ack wait of 1 s and handlers of 2.5 s: the running handler's delivery is
+        extended (JetStream ``+WPI``, Redis idle time reset; RabbitMQ holds a delivery for its
+        live consumer anyway), so the second consumer never gets it: one delivery each."""
+
+        async def slow(payload: dict[str, Any]) -> None:
+            await asyncio.sleep(2.5)
+            await self.apply(payload)
+
+        for key in ("slow-1", "slow-2"):
+            await self.publish(key)
+        (inbox,) = self.inboxes("two_phase", 1)
+        watched = [Watched(self.transport(ack_wait=SECOND)) for _ in range(2)]
+        workers = [self.consumer(slow, inbox=inbox, transport=each) for each in watched]
+        async with running(workers[0]), running(workers[1]):
+            await wait_until(lambda: len(self.ledger.counts()) == 2, what="both slow messages")
+        assert self.ledger.counts() == {"slow-1": 1, "slow-2": 1}
+        assert total(*workers) == Counter({"processed": 2})  # no redelivery at all
+        assert sorted(watched[0].seen + watched[1].seen) == [("slow-1", 1), ("slow-2", 1)]
+        made = await self.deliveries_made()
+        assert made is None or made == 2
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ graceful stop
+
+    async def _stop_while_running(
+        self, keys: list[str], inbox: oncely.AsyncInbox, concurrency: int
+    ) -> tuple[BrokerConsumer, list[str]]:
+        """Publish ``keys``, start a consumer whose handlers wait, ask it to stop once every
+        slot is busy, then let the handlers finish: the consumer and the keys it started."""
+        release = asyncio.Event()
+        started: list[str] = []
+
+        async def held(tx: Any, payload: dict[str, Any]) -> None:
+            started.append(payload["k"])
+            await release.wait()
+            await self.apply_in(tx, payload)
+
+        for key in keys:
+            await self.publish(key)
+        worker = self.consumer(held, mode="transactional", inbox=inbox, concurrency=concurrency)
+        task = asyncio.create_task(worker.run())
+        try:
+            await wait_until(lambda: len(started) == concurrency, what="every slot busy")
+            worker.stop()
+            await asyncio.sleep(0.5)
+            assert not task.done()  # waiting for the running handlers
+            release.set()
+            await asyncio.wait_for(task, 30)
+        finally:
+            release.set()
+            worker.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 30)
+        return worker, started
+
+    async def test_r7_graceful_stop_finishes_running_handlers_and_loses_nothing(self) -> None:
+        """``stop()`` while every handler slot is busy: the consumer returns only once the
+        running handlers have finished and their messages are acknowledged (after the
+        transport stopped reading); the messages it never took stay on the broker for the
+        next consumer, which applies them and meets no copy of the others."""
+        keys = [f"s{n}" for n in range(5)]
+        first_inbox, second_inbox = self.inboxes("transactional", 2)
+        first, started = await self._stop_while_running(keys, first_inbox, 2)
+        done = len(started)
+        assert first.counts == Counter({"processed": done})
+        assert self.ledger.counts() == dict.fromkeys(started, 1)
+        await self.assert_unsettled(len(keys) - done)
+        second = self.consumer(self.apply_in, mode="transactional", inbox=second_inbox)
+        async with running(second):
+            await wait_until(
+                lambda: second.counts["processed"] == len(keys) - done, what="the rest"
+            )
+        assert second.counts == Counter({"processed": len(keys) - done})
+        assert self.ledger.counts() == dict.fromkeys(keys, 1)
+        await self.assert_settled()
+
+    async def test_r7_stop_takes_no_new_message_once_asked(self) -> None:
+        """Once ``stop()`` is asked, no message is taken any more: only the handlers already
+        running finish."""
+        (inbox,) = self.inboxes("transactional", 1)
+        worker, started = await self._stop_while_running(["t0", "t1"], inbox, 1)
+        assert len(started) == 1 and worker.counts == Counter({"processed": 1})
+
+    # ------------------------------------------------------------------ the envelope
+
+    async def test_r2_r4_envelope_carries_the_producers_id_and_headers_never_delivery_data(
+        self,
+    ) -> None:
+        """The producer's id, correlation id, headers and CloudEvents attributes reach the
+        envelope; per-delivery data (delivery tag, entry id, sequence, delivery count) stays
+        in ``Envelope.transport``, which no key source reads (R4). A message given back
+        comes again with its delivery count raised."""
+        ce = cloudevent_headers(source="/orders", event_type="order.placed", event_id="o-1")
+        sent = {**ce, "tenant": "t1"}
+        await self.publish("one", message_id="m-1", headers=sent, correlation_id="c-9")
+        await self.publish("two", message_id="m-2", headers=sent)
+        made = self.transport()
+        await made.open(4)
+        got: list[Delivery] = []
+        while len(got) < 2:
+            got.append(await fetch_one(made))
+        first, second = sorted(got, key=lambda d: d.envelope.message_id or "")
+        for delivery, key in ((first, "one"), (second, "two")):
+            env = delivery.envelope
+            assert json.loads(env.body) == {"k": key}
+            assert env.delivery_count == delivery.delivery_count == 1
+            assert env.headers.items() >= sent.items()
+            assert set(delivery.describe()).isdisjoint(env.headers)
+            assert env.transport["content_type"] == "application/json"
+            assert env.transport["redelivered"] is False
+            assert oncely.CloudEventsKey()(env) == "/orders o-1"
+            assert oncely.HeaderKey("tenant")(env) == "t1"
+        assert oncely.MessageIdKey()(first.envelope) == "m-1"
+        assert first.envelope.correlation_id == "c-9"
+        assert second.envelope.correlation_id is None
+        await first.retry(timedelta(0))
+        again = await fetch_one(made)
+        assert again.envelope.message_id == "m-1"
+        assert again.delivery_count == again.envelope.delivery_count == 2
+        assert again.envelope.transport["redelivered"] is True
+        assert set(again.describe()).isdisjoint(again.envelope.headers)
+        self.check_transport_fields(first, again)
+        await again.ack()
+        await second.ack()
+        await made.close()
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ faults
+
+    async def test_unreachable_broker_is_broker_unavailable(self) -> None:
+        """Nothing listens at the address: opening the transport and publishing raise
+        BrokerUnavailable (never a raw client error), within the connect timeout."""
+        url = with_port(self.url, free_port())
+        made = self.transport(url=url, connect_timeout=2 * SECOND)
+        with pytest.raises(oncely.BrokerUnavailable):
+            await made.open(1)
+        producer = self.producer(url=url, connect_timeout=2 * SECOND)
+        with pytest.raises(oncely.BrokerUnavailable):
+            await producer.publish(b"{}", message_id="m")
+
+    async def test_settling_on_a_lost_connection_raises_broker_unavailable_and_it_comes_back(
+        self,
+    ) -> None:
+        """The connection drops with a delivery held: an empty fetch had returned []; now
+        fetch and ack raise BrokerUnavailable (never a raw client error, never a silent
+        buffer); once the broker can be reached again the message comes back, delivered
+        again, and is acknowledged."""
+        async with Proxy(self.url) as proxy:
+            made = self.transport(url=proxy.url, ack_wait=SECOND)
+            await made.open(1)
+            assert await made.fetch(1, 300 * MS) == []
+            await self.publish("x")
+            held = await fetch_one(made)
+            assert held.envelope.message_id == "x" and held.delivery_count == 1
+            proxy.refusing = True
+            assert proxy.cut() >= 1
+            with pytest.raises(oncely.BrokerUnavailable):
+                for _ in range(100):  # until the transport notices the loss
+                    await made.fetch(1, 100 * MS)
+            with pytest.raises(oncely.BrokerUnavailable):
+                await held.ack()
+            proxy.refusing = False
+            again = await fetch_one(made)
+            assert again.envelope.message_id == "x"
+            assert (again.delivery_count or 0) >= 2
+            await again.ack()
+            await made.close()
+        await self.assert_settled()
+
+    async def test_r8_r10_connection_cut_under_a_slow_handler_applies_once(self) -> None:
+        """The consumer's connection is cut while a handler runs longer than its lease: the
+        consumer reconnects by itself and the handler's effect is applied once. Where the
+        broker gives the delivery back at once (RabbitMQ), the copy meets the live, renewed
+        claim and is requeued as ``in_flight``, the first handler's ack then fails on the dead
+        channel, and the next copy is a ``duplicate``."""
+        started, release = asyncio.Event(), asyncio.Event()
+        calls = Counter[str]()
+
+        async def slow(payload: dict[str, Any]) -> None:
+            calls[payload["k"]] += 1
+            started.set()
+            await release.wait()
+            await self.apply(payload)
+
+        async with Proxy(self.url) as proxy:
+            worker = self.consumer(slow, transport=self.transport(url=proxy.url))
+            try:
+                async with running(worker) as task:
+                    await self.publish("slow")
+                    await asyncio.wait_for(started.wait(), 30)
+                    connected = proxy.accepted
+                    assert proxy.cut() >= 1
+                    await wait_until(lambda: proxy.accepted > connected, what="a reconnection")
+                    if self.redelivers_on_connection_loss:
+                        # Requeued at least 6 times, 0.2 s apart: it outlived its 1 s lease.
+                        await wait_until(
+                            lambda: worker.counts["in_flight"] >= 6,
+                            what="the redelivered copy to be requeued as in_flight",
+                        )
+                    assert self.ledger.counts() == {}
+                    release.set()
+                    await wait_until(lambda: worker.counts["processed"] == 1, what="the effect")
+                    if self.redelivers_on_connection_loss:
+                        await wait_until(
+                            lambda: worker.counts["duplicate"] >= 1, what="the copy a duplicate"
+                        )
+                    assert not task.done()  # the same consumer rode the cut out
+            finally:
+                release.set()
+        assert self.ledger.counts() == {"slow": 1}
+        assert calls == {"slow": 1}
+        assert worker.counts["processed"] == 1
+        if self.redelivers_on_connection_loss:
+            assert worker.counts["settle_failed"] >= 1  # the stale delivery's ack
+        assert await self.dead_letters() == []
+        await self.assert_settled()
+
+
+def _key_of(payload: bytes) -> str:
+    """A dead-letter copy's key: its body's ``k``, or ``garbled`` for the body that is not
+    JSON."""
+    try:
+        return str(json.loads(payload)["k"])
+    except ValueError:
+        return "garbled"
+
+
+async def _claimed(inbox: oncely.AsyncInbox, key: str) -> bool:
+    return await inbox.get(key) is not None
+
+
+async def _drop_redis_prefix(prefix: str) -> None:
+    client = redis.asyncio.Redis.from_url(REDIS_URL)
+    try:
+        async for name in client.scan_iter(match=f"{prefix}*"):
+            await client.unlink(name)
+    finally:
+        await client.aclose()

@@ -1,0 +1,328 @@
+"""RabbitMQ end to end, against the real broker: a quorum queue with a dead-letter exchange and
+queue. The behaviours every broker shares are :class:`~tests.brokers.suite.BrokerSuite`'s; here
+is how the suite reaches RabbitMQ, and what only RabbitMQ has: the queue's topology and its
+delivery limit, the URL options, a producer whose message no queue takes, the delivery tag, a
+delivery gone stale with its connection, and the broker application restarted mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+import time
+from datetime import timedelta
+from typing import Any
+
+import aio_pika
+import aiormq
+import pytest
+
+import oncely
+from oncely.brokers import Delivery, open_producer, open_transport
+from oncely.brokers.rabbitmq import DEFAULT_DELIVERY_LIMIT, RabbitMQ, RabbitMQProducer
+from tests.brokers.common import running, unique, wait_until
+from tests.brokers.foreign import publish_amqp
+from tests.brokers.suite import BrokerSuite, DeadCopy, body, fetch_one
+from tests.services import RABBITMQ_URL, disruptive, require
+
+pytestmark = pytest.mark.services
+
+
+async def rabbitmqctl(*args: str) -> str:
+    """Run ``rabbitmqctl`` without blocking the event loop the consumers run on."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not installed here")
+    proc = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise AssertionError(f"rabbitmqctl {' '.join(args)} failed: {err.decode()}")
+    return out.decode()
+
+
+class TestRabbitMQ(BrokerSuite):
+    url = RABBITMQ_URL
+    producer_class = RabbitMQProducer
+    redelivers_on_connection_loss = True
+    # The dead-letter copy is published with aio-pika, which makes up a message id for a
+    # message that has none (oncely.brokers.rabbitmq._delivery, RabbitMQDelivery.dead_letter).
+    # ------------------------------------------------------------------ the suite's interface
+
+    def require(self) -> None:
+        require("RabbitMQ", RABBITMQ_URL, 5672)
+
+    def new_source(self) -> str:
+        return unique("rmq")
+
+    def transport(self, *, url: str | None = None, **options: Any) -> RabbitMQ:
+        # No ack wait: RabbitMQ holds a delivery for its live consumer as long as it takes.
+        options.pop("ack_wait", None)
+        made = RabbitMQ(
+            url or self.url, self.source, connection_name=self.connection_name, **options
+        )
+        return self.closed_after(made)
+
+    async def publish_raw_without_id(self, payload: bytes) -> None:
+        # pika sends no message_id property when none is set (aio-pika would make one up).
+        properties = {"content_type": "application/json", "delivery_mode": 2}
+        await publish_amqp(self.source, [(payload, properties)])
+
+    async def dead_letters(self) -> list[DeadCopy]:
+        # A copy of a message that had no id says so (the client library gives each one an id).
+        return [
+            DeadCopy(
+                None if "x-oncely-no-message-id" in (m.headers or {}) else m.message_id,
+                m.body,
+                dict(m.headers or {}),
+                m.content_type,
+            )
+            for m in await self.drain_dead()
+        ]
+
+    async def unsettled(self) -> int | None:
+        """The ready messages once no consumer is left (a consumer's unacknowledged ones go
+        back to the queue with it); while one reads, AMQP says nothing of those it holds."""
+        ready, consumers = await self._declare(self.source)
+        return None if consumers else ready
+
+    async def consumers_reading(self) -> int:
+        return (await self._declare(self.source, missing_ok=True))[1]
+
+    async def settled(self) -> bool:
+        """Once the queue has no consumer, whatever a consumer had not acknowledged is back in
+        the queue, so an empty queue means all were acknowledged."""
+        await wait_until(lambda: self._reading(0), what="the queue to have no consumer left")
+        return await self.ready() == 0
+
+    def check_transport_fields(self, first: Delivery, again: Delivery) -> None:
+        assert isinstance(first.describe()["delivery_tag"], int)
+        assert first.describe()["x-delivery-count"] is None
+        assert again.describe()["x-delivery-count"] == 1  # the quorum queue's count
+
+    # ------------------------------------------------------------------ RabbitMQ's own state
+
+    @property
+    def dead(self) -> str:
+        return f"{self.source}.dead"
+
+    @property
+    def connection_name(self) -> str:
+        return f"oncely {self.group} {self.source}"
+
+    async def _declare(self, name: str, *, missing_ok: bool = False) -> tuple[int, int]:
+        """(ready messages, consumers) of a queue, by a passive declare."""
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            try:
+                queue = await channel.declare_queue(name, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                if missing_ok:  # the consumer has not declared it yet
+                    return 0, 0
+                raise
+            result = queue.declaration_result
+            return result.message_count or 0, result.consumer_count or 0
+
+    async def ready(self) -> int:
+        return (await self._declare(self.source))[0]
+
+    async def dead_count(self) -> int:
+        return (await self._declare(self.dead))[0]
+
+    async def drain_dead(self) -> list[aio_pika.abc.AbstractIncomingMessage]:
+        """Every message in the dead-letter queue, acknowledged (so the queue ends empty)."""
+        found = []
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            with contextlib.suppress(aiormq.exceptions.ChannelNotFoundEntity):
+                queue = await channel.declare_queue(self.dead, passive=True)
+                while (message := await queue.get(fail=False)) is not None:
+                    await message.ack()
+                    found.append(message)
+                queue = await channel.declare_queue(self.dead, passive=True)
+                assert queue.declaration_result.message_count == 0
+        return found
+
+    async def kill_consumer_connections(self) -> int:
+        """Close this test's consumer connections from the broker's side."""
+        table = await rabbitmqctl(
+            "-q", "--no-table-headers", "list_connections", "pid", "client_properties"
+        )
+        pids = [row.split("\t", 1)[0] for row in table.splitlines() if self.connection_name in row]
+        for pid in pids:
+            await rabbitmqctl("close_connection", pid, "oncely test: connection killed")
+        return len(pids)
+
+    # ------------------------------------------------------------------ topology
+
+    async def test_queue_is_quorum_with_dead_letter_exchange_and_delivery_limit(self) -> None:
+        made = self.transport()
+        await made.open(2)
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            # Redeclaring with exactly these arguments succeeds; anything else is refused.
+            channel = await connection.channel()
+            await channel.declare_queue(
+                self.source,
+                durable=True,
+                arguments={
+                    "x-queue-type": "quorum",
+                    "x-dead-letter-exchange": self.dead,
+                    "x-delivery-limit": DEFAULT_DELIVERY_LIMIT,
+                },
+            )
+            with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+                await channel.declare_queue(
+                    self.source, durable=True, arguments={"x-queue-type": "classic"}
+                )
+        # A transport configured differently is told so, not left guessing.
+        other = self.transport(delivery_limit=7)
+        with pytest.raises(oncely.ConfigurationError, match="other arguments"):
+            await other.open(1)
+
+    async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
+        producer = self.producer(declare=False)
+        with pytest.raises(oncely.BrokerError, match="no queue"):
+            await producer.publish(body("lost"), message_id="m")
+
+    async def test_r13_broker_delivery_limit_is_a_safety_net_without_a_reason(self) -> None:
+        """Past ``x-delivery-limit`` the quorum queue dead-letters by itself, with no
+        ``x-oncely-*`` reason: that is why the limit sits above ``max_deliveries``."""
+        made = self.transport(delivery_limit=2)
+        producer = self.producer(delivery_limit=2)
+        await made.open(1)
+        await producer.publish(body("x"), message_id="x")
+        counts = []
+        while found := await made.fetch(1, timedelta(seconds=1)):
+            counts.append(found[0].delivery_count)
+            await found[0].retry(timedelta(0))
+        assert counts == [1, 2, 3]
+        await wait_until(lambda: _equals(self.dead_count(), 1), what="the broker's dead letter")
+        (dead,) = await self.dead_letters()
+        assert dead.message_id == "x"
+        assert "x-oncely-reason" not in dead.headers
+        assert await self.ready() == 0
+
+    # ------------------------------------------------------------------ connections
+
+    async def test_stale_delivery_after_a_broker_side_close_raises_broker_unavailable(
+        self,
+    ) -> None:
+        """The broker closes the consumer's connection (``rabbitmqctl close_connection``): the
+        transport reconnects, the message comes again, and the delivery held from before
+        cannot be acknowledged any more (its tag belonged to the closed channel)."""
+        made = self.transport()
+        await made.open(1)
+        await self.publish("stale")
+        (held,) = await made.fetch(1, timedelta(seconds=10))
+        assert await self.kill_consumer_connections() == 1
+        with pytest.raises(oncely.BrokerUnavailable):
+            for _ in range(100):  # until the transport notices the loss
+                await made.fetch(1, timedelta(milliseconds=100))
+        again = await fetch_one(made)  # reconnected
+        assert again.envelope.message_id == held.envelope.message_id
+        assert again.delivery_count == 2
+        with pytest.raises(oncely.BrokerUnavailable):
+            await held.ack()
+        await again.ack()
+        await made.close()
+        await self.assert_settled()
+
+    @pytest.mark.slow
+    @disruptive("stops and starts the machine's RabbitMQ application")
+    async def test_r1_r8_broker_restart_mid_run_loses_nothing_and_applies_once(self) -> None:
+        """``rabbitmqctl stop_app`` / ``start_app`` under a running consumer whose handlers
+        hold their transactions: the quorum queue keeps its messages; the consumer reconnects
+        by itself and finishes them, then takes new ones; the handlers that ran across the
+        restart commit, their acks fail, and their copies come back as duplicates."""
+        resume = asyncio.Event()
+        calls = 0
+
+        async def apply(tx: Any, payload: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls > 10:  # from the 11th on, handlers hold their transaction until the restart
+                await resume.wait()
+            await self.apply_in(tx, payload)
+
+        before, after = 40, 10
+        producer = self.producer()
+        for n in range(before):
+            await producer.publish(body(f"r{n}"), message_id=f"r{n}")
+        worker = self.consumer(apply, mode="transactional")
+        concurrency = worker.settings.concurrency
+        try:
+            async with running(worker) as task:
+                await wait_until(
+                    lambda: calls == 10 + concurrency, what="every handler slot to be mid-run"
+                )
+                try:
+                    await rabbitmqctl("stop_app")
+                finally:
+                    await _start_app()
+                resume.set()
+                for n in range(after):  # the producer reconnects too
+                    await producer.publish(body(f"s{n}"), message_id=f"s{n}")
+                await wait_until(
+                    lambda: len(self.ledger.counts()) == before + after,
+                    timeout=timedelta(seconds=90),
+                    what="every message after the restart",
+                )
+                await wait_until(
+                    lambda: worker.counts["duplicate"] >= concurrency,
+                    what="the copies redelivered after the restart to be acked as duplicates",
+                )
+                assert not task.done()
+        finally:
+            resume.set()
+        expected = {f"r{n}": 1 for n in range(before)} | {f"s{n}": 1 for n in range(after)}
+        assert self.ledger.counts() == expected
+        assert worker.counts["settle_failed"] >= 1  # acks on the channel the restart closed
+        await self.assert_settled()
+        assert await self.dead_count() == 0
+
+
+async def _equals(value: Any, expected: int) -> bool:
+    return await value == expected
+
+
+async def _start_app() -> None:
+    """Start the RabbitMQ application and wait until it answers again (always run)."""
+    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+    deadline = time.monotonic() + 120
+    while True:
+        ping = await asyncio.create_subprocess_exec(
+            "rabbitmq-diagnostics",
+            "-q",
+            "check_running",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        if await ping.wait() == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("RabbitMQ did not come back after start_app")
+        await asyncio.sleep(0.5)
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_url_options_are_checked() -> None:
+    with pytest.raises(oncely.ConfigurationError, match="delivery_limit"):
+        open_transport(f"{RABBITMQ_URL}?prefetch=3", "q", group="g")
+    made = open_transport(
+        f"{RABBITMQ_URL}?delivery_limit=0&declare=false&heartbeat=5", "q", group="g"
+    )
+    assert isinstance(made, RabbitMQ)
+    assert made.topology.delivery_limit is None
+    assert made.topology.dead_letter == "q.dead"
+    assert made.extend_every is None
+    with pytest.raises(oncely.ConfigurationError):
+        RabbitMQ(RABBITMQ_URL, "q", dead_letter="q")
+    with pytest.raises(oncely.ConfigurationError):
+        open_producer(f"{RABBITMQ_URL}?delivery_limit=-1", "q")

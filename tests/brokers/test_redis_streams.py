@@ -1,0 +1,386 @@
+"""Redis Streams end to end, against a real Redis: a stream read by a consumer group, a
+dead-letter stream beside it. The behaviours every broker shares are
+:class:`~tests.brokers.suite.BrokerSuite`'s; here is how the suite reaches Redis Streams, and
+what only it has: the URL options, the entry layout, an entry taken over by ``XAUTOCLAIM``,
+consumers killed with SIGKILL pruned by housekeeping, and Redis killed and restarted mid-run
+(on a redis-server of the test's own, append-only file on, fsync always, on a free port: the
+shared server on 6379 is never touched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import oncely
+from oncely.brokers import DeadLetter, Delivery, cloudevent_headers, open_producer, open_transport
+from oncely.brokers.redis_streams import RedisStreams, RedisStreamsProducer
+from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
+from tests.brokers.foreign import stream_fields, xadd_raw
+from tests.brokers.suite import MS, BrokerSuite, DeadCopy, body, fetch_one
+from tests.services import REDIS_URL, require
+
+pytestmark = pytest.mark.services
+
+GROUP = BrokerSuite.group
+
+
+def group_state(client: redis.Redis, stream: str) -> tuple[int, int | None] | None:
+    """(pending entries, entries not yet delivered to the group); None before the group."""
+    if not client.exists(stream):
+        return None
+    for info in client.xinfo_groups(stream):
+        if info["name"] == GROUP.encode():
+            return int(info["pending"]), info["lag"]
+    return None
+
+
+def settled_on(client: redis.Redis, stream: str) -> bool:
+    """Nothing pending, nothing unread: every entry was delivered and acknowledged."""
+    return group_state(client, stream) == (0, 0) and client.xpending(stream, GROUP)["pending"] == 0
+
+
+class TestRedisStreams(BrokerSuite):
+    url = REDIS_URL
+    producer_class = RedisStreamsProducer
+
+    # ------------------------------------------------------------------ the suite's interface
+
+    def require(self) -> None:
+        require("Redis", REDIS_URL, 6379)
+
+    def new_source(self) -> str:
+        return unique("rs")
+
+    def transport(self, *, url: str | None = None, **options: Any) -> RedisStreams:
+        options.setdefault("claim_every", 100 * MS)
+        made = RedisStreams(url or self.url, self.source, group=self.group, **options)
+        return self.closed_after(made)
+
+    async def publish_raw_without_id(self, payload: bytes) -> None:
+        xadd_raw(self.source, [stream_fields(payload, content_type=b"application/json")])
+
+    async def dead_letters(self) -> list[DeadCopy]:
+        copies = []
+        for _id, raw in self.admin.xrange(f"{self.source}.dead"):
+            fields = {k.decode(): v for k, v in raw.items()}
+            text = {k: v.decode("utf-8", "replace") for k, v in fields.items()}
+            copies.append(
+                DeadCopy(
+                    message_id=text.pop("message_id", None),
+                    body=fields["body"],
+                    content_type=text.pop("content_type", None),
+                    headers={k: v for k, v in text.items() if k != "body"},
+                )
+            )
+        return copies
+
+    async def unsettled(self) -> int:
+        pending, lag = group_state(self.admin, self.source) or (0, 0)
+        assert lag is not None
+        return pending + lag
+
+    async def settled(self) -> bool:
+        return settled_on(self.admin, self.source)
+
+    async def consumers_reading(self) -> int:
+        return len(self.consumers())
+
+    def check_transport_fields(self, first: Delivery, again: Delivery) -> None:
+        # Given back, an entry stays pending and comes again as itself (XAUTOCLAIM).
+        assert again.describe()["entry_id"] == first.describe()["entry_id"]
+        assert again.describe()["stream"] == self.source
+
+    # ------------------------------------------------------------------ Redis's own state
+
+    @cached_property
+    def admin(self) -> redis.Redis:
+        client = redis.Redis.from_url(REDIS_URL)
+        self.after(lambda: asyncio.to_thread(client.close))
+        return client
+
+    def consumers(self, client: redis.Redis | None = None) -> dict[str, tuple[int, int]]:
+        """Each consumer of the group: (pending entries, idle milliseconds)."""
+        client = client or self.admin
+        if group_state(client, self.source) is None:
+            return {}
+        return {
+            c["name"].decode(): (int(c["pending"]), int(c["idle"]))
+            for c in client.xinfo_consumers(self.source, GROUP)
+        }
+
+    def pending(self) -> list[tuple[bytes, int]]:
+        """(consumer, times delivered) of each pending entry."""
+        found = self.admin.xpending_range(self.source, GROUP, "-", "+", 10)
+        return [(p["consumer"], p["times_delivered"]) for p in found]
+
+    # ------------------------------------------------------------------ the entry layout
+
+    async def test_r4_entry_layout_keys_never_come_from_the_entry_id(self) -> None:
+        """The headers are fields of their own, and a field a header would overwrite is
+        refused; a producer retry is a new entry with a new entry id, the id a transport
+        field only; closing a consumer that holds nothing leaves the group."""
+        producer = self.producer()
+        with pytest.raises(oncely.ConfigurationError, match="collides"):
+            await producer.publish(b"{}", message_id="m", headers={"body": "x"})
+        ce = cloudevent_headers(source="/orders", event_type="order.paid", event_id="e-1")
+        sent = {**ce, "tenant": "t1"}
+        for _retry in range(2):
+            await producer.publish(body("m-1"), message_id="m-1", headers=sent)
+        reader = self.transport()
+        await reader.open(8)
+        first, second = await reader.fetch(8, timedelta(seconds=1))
+        for delivery in (first, second):
+            assert delivery.envelope.headers == sent
+            assert delivery.envelope.message_id == "m-1"
+        assert first.envelope.transport["entry_id"] != second.envelope.transport["entry_id"]
+        assert group_state(self.admin, self.source) == (2, 0)
+        await first.ack()
+        await second.ack()
+        await reader.close()
+        await self.assert_settled()
+        assert self.consumers() == {}  # close left the group: it held nothing
+
+    # ------------------------------------------------------------------ XAUTOCLAIM
+
+    async def test_r10_an_entry_taken_over_is_settled_by_its_new_owner_only(self) -> None:
+        """A consumer that lost an entry to XAUTOCLAIM cannot retry or dead-letter it any more;
+        the delivery count rises with the takeover; the delivery limit dead-letters it."""
+        await self.publish("m-1")
+        slow = self.transport(ack_wait=200 * MS, consumer="slow")
+        other = self.transport(ack_wait=200 * MS, consumer="other")
+        limited = self.transport(ack_wait=200 * MS, consumer="limited", delivery_limit=2)
+        for each in (slow, other, limited):
+            await each.open(4)
+        (held,) = await slow.fetch(4, timedelta(seconds=1))
+        again = await fetch_one(other)  # once idle past ack_wait
+        assert again.envelope.message_id == "m-1"
+        assert again.delivery_count == 2
+        assert again.envelope.transport["redelivered"] is True
+        await held.retry(timedelta(0))  # no longer ours: left alone
+        await held.dead_letter(
+            DeadLetter(outcome="rejected", reason="x", consumer="c", deliveries=1)
+        )
+        assert self.admin.xlen(f"{self.source}.dead") == 0
+        assert self.pending() == [(b"other", 2)]
+        # The new owner stops settling; the third delivery is over the limit of 2.
+        seen: list[Any] = []
+
+        async def limit_reached() -> bool:
+            seen.extend(await limited.fetch(4, 50 * MS))
+            return self.admin.xlen(f"{self.source}.dead") == 1
+
+        await wait_until(limit_reached, what="the delivery limit to dead-letter the entry")
+        assert seen == []
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "m-1"
+        assert copy.body == body("m-1")
+        assert copy.outcome == "rejected"
+        assert "over the delivery limit of 2" in copy.reason
+        assert copy.deliveries == "3"
+        assert copy.consumer == "limited"
+        for each in (slow, other, limited):
+            await each.close()
+        await self.assert_settled()
+
+    async def test_consumers_killed_with_sigkill_are_pruned_once_idle_and_empty(self) -> None:
+        """Consumers whose process was SIGKILLed stay registered; a transport that opens
+        deletes those idle past ``prune_idle_consumers`` that hold nothing, keeps one holding
+        an entry until XAUTOCLAIM took the entry over, then deletes it too on a later round."""
+        await self.publish("m-1")
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _KILLED_CONSUMERS,
+            REDIS_URL,
+            self.source,
+            GROUP,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert child.stdout is not None
+            line = await asyncio.wait_for(child.stdout.readline(), 60)
+            assert line.strip() == b"1"  # "holder" holds the entry
+        finally:
+            child.kill()  # SIGKILL: neither consumer leaves the group
+            await child.wait()
+        threshold = timedelta(seconds=2)
+        limit_ms = threshold.total_seconds() * 1000
+
+        def both_idle_past_the_threshold() -> bool:
+            found = self.consumers()
+            return all(found[name][1] > limit_ms for name in ("gone", "holder"))
+
+        await wait_until(both_idle_past_the_threshold, what="the killed consumers to be idle")
+        self.admin.xgroup_createconsumer(self.source, GROUP, "fresh")  # idle for far less
+        sweeper = self.transport(
+            consumer="sweeper", ack_wait=200 * MS, prune_idle_consumers=threshold
+        )
+        await sweeper.open(4)
+        found = self.consumers()
+        assert set(found) == {"holder", "fresh", "sweeper"}  # "gone" was deleted
+        assert found["holder"][0] == 1  # kept: it still holds the entry
+        assert [owner for owner, _times in self.pending()] == [b"holder"]
+        delivery = await fetch_one(sweeper)  # XAUTOCLAIM takes it
+        assert delivery.delivery_count == 2
+        await delivery.ack()
+
+        async def holder_pruned() -> bool:
+            await sweeper.fetch(4, 50 * MS)  # housekeeping runs again while reading
+            return "holder" not in self.consumers()
+
+        await wait_until(holder_pruned, what="the emptied holder to be deleted")
+        assert "sweeper" in self.consumers()
+        await sweeper.close()
+        await self.assert_settled()
+
+    # ------------------------------------------------------------------ broker restart
+
+    @pytest.mark.slow
+    async def test_f_r1_redis_killed_and_restarted_mid_run(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """SIGKILL to a redis-server of the test's own mid-run, then started again on the same
+        append-only file: the same consumer rides it out, the producer retries with the same
+        ids (R2), and every message is applied once."""
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed")
+        port = free_port()
+        url = f"redis://127.0.0.1:{port}/0"
+        server = _start_redis(port, tmp_path)
+        try:
+            producer = self.producer(url=url)
+            keys = [f"m-{i}" for i in range(40)]
+            for key in keys:
+                await producer.publish(body(key), message_id=key)
+
+            async def handler(tx: Any, payload: dict[str, str]) -> None:
+                await self.apply_in(tx, payload)
+                await asyncio.sleep(0.05)
+
+            made = self.transport(url=url, ack_wait=timedelta(seconds=1))
+            worker = self.consumer(handler, mode="transactional", transport=made, concurrency=2)
+            async with running(worker) as task:
+                await wait_until(lambda: len(self.ledger.counts()) >= 8, what="some processed")
+                server.send_signal(signal.SIGKILL)
+                server.wait()
+                done_at_kill = len(self.ledger.counts())
+                await asyncio.sleep(0.5)  # the consumer meets the dead connection
+                server = _start_redis(port, tmp_path)
+                later = [f"m-{i}" for i in range(40, 50)]
+                for key in later:
+                    await publish_until_confirmed(producer, body(key), key)
+                keys += later
+                private = redis.Redis(port=port)
+                try:
+                    await wait_until(
+                        lambda: (
+                            len(self.ledger.counts()) == 50 and settled_on(private, self.source)
+                        ),
+                        what="every message after the restart",
+                    )
+                finally:
+                    private.close()
+                assert not task.done()  # the same consumer rode the restart out
+            assert done_at_kill < 40  # the kill really was mid-run
+            assert any("unavailable" in r.getMessage() for r in caplog.records)  # and noticed
+            assert self.ledger.counts() == dict.fromkeys(keys, 1)
+            assert worker.counts["processed"] == 50
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+# A process with two consumers of the group: "gone" reads nothing, "holder" reads one entry and
+# never settles it. It prints once both are registered and is then killed with SIGKILL.
+_KILLED_CONSUMERS = """
+import asyncio, sys
+from datetime import timedelta
+from oncely.brokers.redis_streams import RedisStreams
+
+async def main(url, stream, group):
+    gone = RedisStreams(url, stream, group=group, consumer="gone", prune_idle_consumers=None)
+    holder = RedisStreams(url, stream, group=group, consumer="holder", prune_idle_consumers=None)
+    await gone.open(1)
+    await holder.open(1)
+    print(len(await holder.fetch(1, timedelta(seconds=10))), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _start_redis(port: int, directory: Path) -> subprocess.Popen[bytes]:
+    server = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "redis-server",
+            *("--port", str(port), "--bind", "127.0.0.1", "--save", ""),
+            *("--appendonly", "yes", "--appendfsync", "always", "--dir", str(directory)),
+            *("--logfile", str(directory / "redis.log")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    try:
+        while True:
+            try:
+                if client.ping():
+                    return server
+            except redis.exceptions.RedisError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+def test_registry_urls_and_options() -> None:
+    url = "redis://127.0.0.1:6379/0?ack_wait=2&consumer=c-1&delivery_limit=9&start=new"
+    opened = open_transport(url, "orders", group=GROUP)
+    assert isinstance(opened, RedisStreams)
+    assert opened.ack_wait == timedelta(seconds=2)
+    assert opened.extend_every == timedelta(seconds=2) / 3
+    assert (opened.consumer, opened.delivery_limit) == ("c-1", 9)
+    assert opened.dead_letter_stream == "orders.dead"
+    keyword = open_transport(url, "orders", group=GROUP, ack_wait=timedelta(seconds=5))
+    assert keyword.ack_wait == timedelta(seconds=5)  # type: ignore[attr-defined]
+    first = RedisStreams(REDIS_URL, "orders", group=GROUP)
+    assert first.consumer != RedisStreams(REDIS_URL, "orders", group=GROUP).consumer
+    assert first.consumer.startswith(f"{socket.gethostname()}-{os.getpid()}-")
+    with pytest.raises(oncely.ConfigurationError, match=r"'prefetch'.*known: consumer, ack_wait"):
+        open_transport("redis://127.0.0.1/0?prefetch=3", "orders", group=GROUP)
+    with pytest.raises(oncely.ConfigurationError, match="R4"):
+        RedisStreams(REDIS_URL, "orders", group=GROUP, message_id_field="entry_id")
+    with pytest.raises(oncely.ConfigurationError, match="dead-letter"):
+        RedisStreams(REDIS_URL, "orders", group=GROUP, dead_letter="orders")
+    assert isinstance(
+        open_producer("redis://127.0.0.1:6379/0?maxlen=100", "orders"), RedisStreamsProducer
+    )
+    with pytest.raises(oncely.ConfigurationError, match="known: maxlen"):
+        open_producer("redis://127.0.0.1:6379/0?ack_wait=1", "orders")
+    assert first.prune_idle_consumers == timedelta(hours=1)
+    never = open_transport(f"{REDIS_URL}?prune_idle_consumers=0", "orders", group=GROUP)
+    assert never.prune_idle_consumers is None  # type: ignore[attr-defined]
+    with pytest.raises(oncely.ConfigurationError, match="prune_idle_consumers"):
+        RedisStreams(REDIS_URL, "orders", group=GROUP, prune_idle_consumers=timedelta(0))
