@@ -245,6 +245,9 @@ class BrokerConsumer:
         settings = self.settings
         while not self.stopping:
             await self._slots.acquire()  # wait for one free slot, then take all free ones
+            if self._stopping.is_set():  # asked to stop while every slot was busy: take none
+                self._slots.release()
+                break
             free = 1
             while free < settings.concurrency and not self._slots.locked():
                 await self._slots.acquire()

@@ -54,6 +54,9 @@ _COPIED_PROPERTIES = (
 RAW_PROPERTY_HEADER = "x-oncely-raw-"
 """A dead-letter copy carries a property that is not UTF-8 as this header plus the property's
 name, holding its exact bytes (AMQP cannot send it as a property through the client)."""
+NO_MESSAGE_ID_HEADER = "x-oncely-no-message-id"
+"""On a dead-letter copy of a message that had no ``message_id``: the copy's own id was
+assigned by the client library (aiormq sets one on every publish), not by the producer."""
 RAW_HEADERS_HEADER = "x-oncely-raw-headers"
 """A dead-letter copy carries headers whose names are not UTF-8 here: a list of
 ``[name bytes, value]`` pairs."""
@@ -181,6 +184,10 @@ class RabbitMQDelivery:
             name: _sendable_property(name, getattr(message, name), headers)
             for name in _COPIED_PROPERTIES
         }
+        if message.message_id is None:
+            # The client library gives every message it publishes an id; say this copy's was
+            # not the producer's, so nobody replaying the dead letters takes it for one.
+            headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
         headers.update(why.headers())
         copy = aio_pika.Message(
             message.body,
