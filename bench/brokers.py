@@ -24,7 +24,7 @@ pre-published messages four ways:
 
 Messages per second is the count drained over the time from the consumer's start until the
 last one is acknowledged. Variants run in rounds with a rotating order and each round uses a
-fresh queue; the table reports the medians and the ratio plain/oncely (the issue's target:
+fresh queue; the table reports the medians and the ratio plain/oncely (the target:
 oncely costs at most 1.5x in throughput). Every run checks its effects: one ledger row or one
 increment per message, or the run fails.
 

@@ -166,7 +166,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "of oncely's Python but the fingerprint's (its share of the overhead)",
                     f"ratios: median of per-round ratios over {rounds} interleaved rounds of "
                     f"{n} messages (rotating order)",
-                    f"target (issue): oncely/raw <= {TARGET_TX_RATIO}x on SQLite: "
+                    f"target: oncely/raw <= {TARGET_TX_RATIO}x on SQLite: "
                     + ("met in every configuration" if target_ok else "NOT met everywhere"),
                 ],
             )

@@ -59,7 +59,7 @@ from server_trips import Trips, counting_pymysql, per_message
 
 import oncely
 
-# Targets of issue 3 ("Done when", benchmark item).
+# The performance targets the project set for the server stores.
 TARGET_REDIS_TRIPS_NEW = 2
 TARGET_REDIS_TRIPS_DUP = 1
 TARGET_CPU_SHARE = 0.5  # oncely's client CPU per message at most half of Powertools'

@@ -1,5 +1,5 @@
 """Tables of the servers section (``bench/servers.py``): per-message paths against their raw
-floors, the transactional mode, batch claims, round trips, and the issue's targets, each marked
+floors, the transactional mode, batch claims, round trips, and the targets, each marked
 met or not met. Its chart panels are in ``charts.py``."""
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def server_tables(results: dict[str, Any], table: type) -> list[Any]:
         )
 
     # ---- targets
-    out.append(table("Targets (issue 3)", ["target", "measured", "result"], targets(rows), []))
+    out.append(table("Targets", ["target", "measured", "result"], targets(rows), []))
 
     # ---- round trip sequences
     body = []
@@ -299,7 +299,7 @@ def targets(rows: Sequence[Row]) -> list[list[str]]:
         pt_dup = find(rows, "Redis", "twophase", "duplicate", "Powertools")
         if pt_new is not None and pt_dup is not None:
             add(
-                "Powertools round trips, new / duplicate (issue: 2 / 3)",
+                "Powertools round trips, new / duplicate (expected: 2 / 3)",
                 f"{trips_text(pt_new['trips'])} / {trips_text(pt_dup['trips'])}",
                 None,
             )
@@ -340,7 +340,7 @@ def targets(rows: Sequence[Row]) -> list[list[str]]:
             judged = store == "PostgreSQL"
             add(
                 f"{store} transactional, {TX_NAMES[v]}: adds <= {TARGET_TX_EXTRA_TRIPS} "
-                "round trip" + ("" if judged else " (not an issue target; for comparison)"),
+                "round trip" + ("" if judged else " (no target; for comparison)"),
                 f"+{trips_text(extra)}",
                 extra <= TARGET_TX_EXTRA_TRIPS if judged else None,
             )
@@ -369,13 +369,13 @@ def targets(rows: Sequence[Row]) -> list[list[str]]:
                     f"{to_marker:.2f}x",
                     to_marker <= TARGET_FLOOR_RATIO,
                 )
-                # The issue's raw floor is "the same driver running the same statements
+                # The raw floor is "the same driver running the same statements
                 # without oncely": for this path that includes the marker statement, so the
                 # business transaction alone is a comparison, not the target (its marker
                 # statement by hand is printed in the transactional table, "raw + marker").
                 add(
                     f"{store} transactional, {TX_NAMES[v]}: vs the business transaction "
-                    "alone, no marker (not an issue target; for comparison)",
+                    "alone, no marker (no target; for comparison)",
                     f"{to_raw:.2f}x",
                     None,
                 )

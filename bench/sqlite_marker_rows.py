@@ -17,7 +17,7 @@ chosen ``synchronous`` (``--synchronous``, default ``full``); rounds are interle
 rotating order and the medians of the per-round times and ratios are printed, with the WAL
 pages each transaction appends (counted afterwards with automatic checkpoints off). It shows
 how much of the transactional mode's cost is the marker row itself, which no oncely code can
-remove: at ``normal`` even the key-only row costs far more than the 1.3x of the issue target.
+remove: at ``normal`` even the key-only row costs far more than the 1.3x target.
 About 30 seconds.
 """
 
