@@ -9,18 +9,29 @@ import pytest
 
 import oncely
 from oncely.stores import ENTRY_POINT_GROUP, backend_for, schemes
-from oncely.stores._backend import BUILT_IN
+from oncely.stores._backend import built_in
 from tests.backends import shelf
 
 
 def test_oncelys_own_stores_are_registered_as_entry_points() -> None:
-    """The installed metadata (pyproject.toml) and the table used without metadata agree."""
+    """The installed metadata (pyproject.toml) names exactly the store folders' backends and
+    schemes: adding a store is its folder plus its entry-point line."""
     found = {
         e.name: e.value
         for e in entry_points(group=ENTRY_POINT_GROUP)
         if e.value.startswith("oncely.")
     }
-    assert found == dict(BUILT_IN)
+    assert found == dict(built_in())
+    assert set(found) == {
+        "memory",
+        "sqlite",
+        "postgresql",
+        "postgres",
+        "mysql",
+        "mariadb",
+        "redis",
+        "rediss",
+    }
 
 
 def test_a_store_of_another_package_is_found_by_its_entry_point() -> None:

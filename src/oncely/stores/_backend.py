@@ -15,7 +15,9 @@ classes have a ``from_url(url, *, clock=None)``, imported only when the scheme i
 
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -60,6 +62,9 @@ class Backend:
     sync: str
     async_: str
     extra: str = ""
+    schemes: tuple[str, ...] = ()
+    """The URL schemes it serves; read for oncely's own stores (a package's entry point
+    names its scheme instead)."""
 
     def open(self, url: str, *, clock: Clock | None = None) -> Store:
         return cast("Store", self._load(self.sync, url).from_url(url, clock=clock))
@@ -102,28 +107,31 @@ class Backend:
             raise ConfigurationError(f"{redact(url)}: {exc}") from None
 
 
-# The stores that come with oncely, as pyproject.toml registers them; used when oncely runs
-# from a source tree without installed metadata (and as the order of precedence: a package
-# cannot take over one of these schemes).
-BUILT_IN: Mapping[str, str] = {
-    "memory": "oncely.stores.memory:backend",
-    "sqlite": "oncely.stores.sqlite:backend",
-    "postgresql": "oncely.stores.postgres:backend",
-    "postgres": "oncely.stores.postgres:backend",
-    "mysql": "oncely.stores.mysql:backend",
-    "mariadb": "oncely.stores.mysql:backend",
-    "redis": "oncely.stores.redis:backend",
-    "rediss": "oncely.stores.redis:backend",
-}
+@functools.cache
+def built_in() -> Mapping[str, str]:
+    """oncely's own stores by scheme, read from the store folders themselves (each package
+    of ``oncely.stores`` names its ``backend`` and that backend's schemes): what
+    ``pyproject.toml`` registers as entry points, and what is used without installed metadata.
+    They come first: a package cannot take one of their schemes over."""
+    import oncely.stores  # noqa: PLC0415 - this module is imported by it
+
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(oncely.stores.__path__, "oncely.stores."):
+        if not info.ispkg:
+            continue
+        backend = getattr(importlib.import_module(info.name), "backend", None)
+        if isinstance(backend, Backend):
+            found.update(dict.fromkeys(backend.schemes, f"{info.name}:backend"))
+    return found
 
 
 def _registered() -> dict[str, str]:
-    found = dict(BUILT_IN)
+    own = built_in()
+    found = dict(own)
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         scheme = entry.name.lower()
-        if scheme in BUILT_IN:
-            continue  # oncely's own (its metadata), or a package trying to take one over
-        found.setdefault(scheme, entry.value)
+        if scheme not in own:  # oncely's own (its metadata), or a package taking one over
+            found.setdefault(scheme, entry.value)
     return found
 
 

@@ -22,6 +22,7 @@ backend = Backend(
     sync="oncely.stores.memory.sync_store:MemoryStore",
     async_="oncely.stores.memory.async_store:AsyncMemoryStore",
     extra="",
+    schemes=("memory",),
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 

@@ -22,6 +22,7 @@ backend = Backend(
     sync="oncely.stores.mysql.sync_store:MySQLStore",
     async_="oncely.stores.mysql.async_store:AsyncMySQLStore",
     extra="mysql",
+    schemes=("mysql", "mariadb"),
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 

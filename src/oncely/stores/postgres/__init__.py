@@ -22,6 +22,7 @@ backend = Backend(
     sync="oncely.stores.postgres.sync_store:PostgresStore",
     async_="oncely.stores.postgres.async_store:AsyncPostgresStore",
     extra="postgres",
+    schemes=("postgresql", "postgres"),
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 

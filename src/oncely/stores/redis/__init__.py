@@ -22,6 +22,7 @@ backend = Backend(
     sync="oncely.stores.redis.sync_store:RedisStore",
     async_="oncely.stores.redis.async_store:AsyncRedisStore",
     extra="redis",
+    schemes=("redis", "rediss"),
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 

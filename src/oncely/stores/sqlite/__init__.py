@@ -22,6 +22,7 @@ backend = Backend(
     sync="oncely.stores.sqlite.sync_store:SQLiteStore",
     async_="oncely.stores.sqlite.async_store:AsyncSQLiteStore",
     extra="sqlite",
+    schemes=("sqlite",),
 )
 """The store of this backend's URL schemes, for :func:`oncely.open`."""
 
