@@ -17,7 +17,7 @@ import pytest
 import oncely
 from oncely.brokers import Backoff, BrokerConsumer, ConsumerSettings, key_source
 from oncely.errors import ConfigurationError, StoreUnavailable
-from oncely.testing.broker import MemoryBroker
+from oncely.testing import MemoryBroker
 
 FAST = ConsumerSettings(
     concurrency=4,

@@ -1,9 +1,9 @@
 """The crash side of the chaos tests (R7, R10): consumers that die at chosen points.
 
-A small peek-lock broker in its own SQLite file hands out the messages; each consumer drains
-it, SIGKILLs itself on cue (after the claim, after the effect, after the completion) and logs
-every event as one whole line, so the test reads back what happened after any kill.
-"""
+oncely's cross-process test broker (:class:`oncely.testing.FileBroker`) hands out the messages;
+each consumer drains it, SIGKILLs itself on cue (after the claim, after the effect, after the
+completion) and logs every event as one whole line, so the test reads back what happened after
+any kill."""
 
 from __future__ import annotations
 
@@ -17,92 +17,26 @@ from datetime import timedelta
 from typing import Any
 
 import oncely
+from oncely.testing import FileBroker, Published
 from tests.chaos.workers import CONSUMER, INSERT_EFFECT, Orphan, connect, route_logs
 
 # --------------------------------------------------------------------------- the broker
 
 
-class Broker:
-    """A small at-least-once queue in its own SQLite file, shaped like a peek-lock broker.
+def open_broker(path: str, *, visibility_s: float) -> FileBroker:
+    """The fleet's queue: oncely's own test broker in ``path``, handing out any visible copy
+    (random order mixes the copies of one key between workers)."""
+    return FileBroker(path, visibility_timeout=timedelta(seconds=visibility_s), order="random")
 
-    ``receive`` hides a message for ``visibility_s`` (the lock); a consumer that dies without
-    acknowledging it gets it redelivered when the lock lapses. ``requeue`` makes it visible
-    again after a delay (in_flight: "requeue later"; failed: retry). Each logical message is
-    published ``copies`` times, as a producer that retried after a lost acknowledgement would.
-    """
 
-    DDL = """CREATE TABLE IF NOT EXISTS queue (
-        id INTEGER PRIMARY KEY,
-        key TEXT NOT NULL,
-        acked INTEGER NOT NULL DEFAULT 0,
-        visible_at REAL NOT NULL DEFAULT 0,
-        deliveries INTEGER NOT NULL DEFAULT 0)"""
-
-    def __init__(self, path: str, *, visibility_s: float) -> None:
-        self._conn = connect(path)
-        self._visibility = visibility_s
-
-    @classmethod
-    def create(cls, path: str, keys: list[str], *, copies: int) -> None:
-        conn = connect(path)
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute(cls.DDL)
-            conn.executemany(
-                "INSERT INTO queue (key) VALUES (?)", [(k,) for k in keys for _ in range(copies)]
-            )
-        finally:
-            conn.close()
-
-    def receive(self) -> tuple[int, str] | None:
-        """The next visible message, now locked for this consumer; None if none is visible."""
-        conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            now = time.time()
-            row = conn.execute(
-                "SELECT id, key FROM queue WHERE acked = 0 AND visible_at <= ? "
-                "ORDER BY random() LIMIT 1",
-                (now,),
-            ).fetchone()
-            if row is not None:
-                conn.execute(
-                    "UPDATE queue SET visible_at = ?, deliveries = deliveries + 1 WHERE id = ?",
-                    (now + self._visibility, row[0]),
-                )
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        return None if row is None else (row[0], row[1])
-
-    def next(self, orphan: Orphan) -> tuple[int, str] | None:
-        """The next message to handle, waiting while others hold every unfinished one; None
-        once every message is acknowledged (the queue is drained). Exits the process first if
-        the test that started it is gone."""
-        while True:
-            orphan.check()
-            delivery = self.receive()
-            if delivery is not None or self.unfinished() == 0:
-                return delivery
-            time.sleep(0.02)
-
-    def ack(self, message_id: int) -> None:
-        self._conn.execute("UPDATE queue SET acked = 1 WHERE id = ?", (message_id,))
-
-    def requeue(self, message_id: int, *, delay_s: float) -> None:
-        self._conn.execute(
-            "UPDATE queue SET visible_at = ? WHERE id = ?", (time.time() + delay_s, message_id)
-        )
-
-    def unfinished(self) -> int:
-        return int(self._conn.execute("SELECT count(*) FROM queue WHERE acked = 0").fetchone()[0])
-
-    def deliveries(self) -> int:
-        return int(self._conn.execute("SELECT sum(deliveries) FROM queue").fetchone()[0] or 0)
-
-    def close(self) -> None:
-        self._conn.close()
+def fill_broker(path: str, keys: list[str], *, copies: int) -> None:
+    """Publish each key ``copies`` times, as a producer that retried after a lost ack would."""
+    broker = FileBroker(path)
+    try:
+        broker.create()
+        broker.publish(Published(k, b"") for k in keys for _ in range(copies))
+    finally:
+        broker.close()
 
 
 # --------------------------------------------------------------------------- crashes (R7, R10)
@@ -112,6 +46,7 @@ CLAIMED = "claimed"  # the handler started: the key is claimed, no effect yet
 EFFECT_WRITTEN = "effect_written"  # the effect is written, the marker not completed/committed
 COMPLETED = "completed"  # the marker is completed/committed, the broker not acknowledged
 KILL_POINTS = (CLAIMED, EFFECT_WRITTEN, COMPLETED)
+REQUEUE_DELAY = timedelta(milliseconds=50)  # in_flight: "requeue later"; failed: retry
 
 
 @dataclass(frozen=True)
@@ -184,7 +119,7 @@ def crash_worker(job: CrashJob) -> None:
 def _consume(job: CrashJob, log: Log) -> None:
     orphan = Orphan(job.parent_pid)
     trip = Tripwire(job.kill_point, job.kill_after, log)
-    broker = Broker(job.broker, visibility_s=job.visibility_s)
+    broker = open_broker(job.broker, visibility_s=job.visibility_s)
     store = oncely.SQLiteStore(job.db)
     external = connect(job.effects_db)
     transactional = job.mode == "transactional"
@@ -222,8 +157,8 @@ def _consume(job: CrashJob, log: Log) -> None:
         on_stale=reconcile if job.on_stale == "reconcile" else oncely.OnStale(job.on_stale),
     )
     log.write("START", "-", f"kill_point={job.kill_point} kill_after={job.kill_after}")
-    while (delivery := broker.next(orphan)) is not None:
-        message_id, key = delivery
+    while (delivery := broker.next(job.worker, check=orphan.check)) is not None:
+        key = delivery.message_id
         payload = {"key": key}
         if transactional:
             handled = inbox.handle_in_transaction(key, payload, book)
@@ -235,9 +170,9 @@ def _consume(job: CrashJob, log: Log) -> None:
             trip.reached(COMPLETED, key)
         action = handled.action
         if action is oncely.Action.ACK:
-            broker.ack(message_id)
+            broker.settle(delivery, "ack", outcome=outcome.value)
         elif action is oncely.Action.REQUEUE_LATER:
-            broker.requeue(message_id, delay_s=0.05)
+            broker.settle(delivery, "requeue", outcome=outcome.value, delay=REQUEUE_DELAY)
         else:
             raise AssertionError(f"unexpected outcome {outcome} for {key}: {handled.reason}")
     log.write("DONE", "-")

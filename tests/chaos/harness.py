@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import oncely
-from tests.chaos.crash_workers import Broker, CrashJob, crash_worker
+from tests.chaos.crash_workers import CrashJob, crash_worker, open_broker
 from tests.chaos.workers import CONSUMER
 
 
@@ -110,8 +110,8 @@ def run_fleet(
     other way than 0 or SIGKILL fails the run with its log.
     """
     rng = random.Random(seed)
-    broker = Broker(template.broker, visibility_s=template.visibility_s)
-    report = FleetReport(seed=seed, messages=broker.unfinished())
+    broker = open_broker(template.broker, visibility_s=template.visibility_s)
+    report = FleetReport(seed=seed, messages=broker.open_copies())
     pending = deque(plans)
     live: dict[int, tuple[SpawnProcess, CrashJob]] = {}
     sent: set[SpawnProcess] = set()  # the workers this supervisor killed
@@ -136,7 +136,7 @@ def run_fleet(
             if now - started > deadline_s:
                 raise AssertionError(
                     f"the fleet did not drain the broker in {deadline_s}s "
-                    f"({broker.unfinished()} messages left): {report.summary()}"
+                    f"({broker.open_copies()} messages left): {report.summary()}"
                 )
             for slot, (process, job) in list(live.items()):
                 code = process.exitcode
@@ -156,7 +156,7 @@ def run_fleet(
                     report.parent_kills += process in sent
                     if job.kill_point is not None:
                         pending.appendleft((job.kill_point, job.kill_after))
-                if broker.unfinished() > 0:
+                if broker.open_copies() > 0:
                     launch(slot)
                     report.restarts += 1
             if kills_left and now >= next_kill:
@@ -173,7 +173,7 @@ def run_fleet(
                 next_kill = now + rng.uniform(0.05, 0.3)
             time.sleep(0.01)
         report.deliveries = broker.deliveries()
-        assert broker.unfinished() == 0
+        assert broker.open_copies() == 0
     finally:
         broker.close()
         procs.reap()

@@ -1,10 +1,11 @@
 """SIGKILL at any point, restart, and every effect still lands exactly once (R7, R10).
 
-A fleet of consumer processes drains a broker (a peek-lock queue in its own SQLite file,
-every message published twice as a retrying producer would). Workers are SIGKILLed by the test
-at random moments and by themselves at chosen points: right after the claim, right after the
-effect is written but before the marker completes (or commits), and right after completion
-but before the acknowledgement. Killed workers are restarted until the broker is drained.
+A fleet of consumer processes drains a broker (oncely.testing.FileBroker, a peek-lock queue in
+its own SQLite file, every message published twice as a retrying producer would). Workers are
+SIGKILLed by the test at random moments and by themselves at chosen points: right after the
+claim, right after the effect is written but before the marker completes (or commits), and right
+after completion but before the acknowledgement. Killed workers are restarted until the broker
+is drained.
 
 Run with ``pytest tests/chaos -s`` to see the counts; set ONCELY_CHAOS_SEED to replay a run's
 schedule (the processes' interleaving is the OS's, so a replay is close, not identical).
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import oncely
-from tests.chaos.crash_workers import CLAIMED, COMPLETED, EFFECT_WRITTEN, Broker, CrashJob
+from tests.chaos.crash_workers import CLAIMED, COMPLETED, EFFECT_WRITTEN, CrashJob, fill_broker
 from tests.chaos.harness import FleetReport, Processes, records, run_fleet, stored_worker
 from tests.chaos.workers import create_effects, effect_counts
 
@@ -53,7 +54,7 @@ def _setup(tmp_path: Path, *, mode: str, keys: list[str], copies: int) -> tuple[
     store.migrate()
     store.close()
     create_effects(effects)
-    Broker.create(broker, keys, copies=copies)
+    fill_broker(broker, keys, copies=copies)
     (tmp_path / "logs").mkdir()
     return db, broker, effects
 

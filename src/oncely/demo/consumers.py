@@ -30,6 +30,7 @@ before oncely records the completion (two-phase, the hardest case for R10).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,8 +40,8 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 import oncely
-from oncely.demo.broker import Delivery
 from oncely.errors import ConfigurationError
+from oncely.testing.file_broker import Leased
 
 __all__ = [
     "CONSUMERS",
@@ -81,7 +82,7 @@ class Settlement:
 class Consumer(Protocol):
     """One consumer instance in one worker process."""
 
-    def process(self, delivery: Delivery, chaos: Chaos) -> Settlement: ...
+    def process(self, delivery: Leased, chaos: Chaos) -> Settlement: ...
 
     def close(self) -> None: ...
 
@@ -229,6 +230,12 @@ def connect(path: str) -> sqlite3.Connection:
 # ---------------------------------------------------------------------------- consumers
 
 
+def payment(delivery: Leased) -> dict[str, object]:
+    """The payment a copy carries (the producer published it as JSON)."""
+    body: dict[str, object] = json.loads(delivery.body)
+    return body
+
+
 class Naive:
     """Applies every delivery and acknowledges it."""
 
@@ -237,10 +244,10 @@ class Naive:
         self._ledger = Ledger(setup.prefix)
         self._conn = connect(setup.ledger_path)
 
-    def process(self, delivery: Delivery, chaos: Chaos) -> Settlement:
+    def process(self, delivery: Leased, chaos: Chaos) -> Settlement:
         chaos.slow_down()
         with _immediate(self._conn) as conn:
-            self._ledger.apply(conn, delivery.message_id, delivery.body, None)
+            self._ledger.apply(conn, delivery.message_id, payment(delivery), None)
         return Settlement(oncely.Action.ACK, "applied")
 
     def close(self) -> None:
@@ -256,7 +263,7 @@ class Transactional:
         self._store = oncely.open(setup.store_url)
         self._inbox = oncely.Inbox(self._store, consumer=setup.consumer)
 
-    def process(self, delivery: Delivery, chaos: Chaos) -> Settlement:
+    def process(self, delivery: Leased, chaos: Chaos) -> Settlement:
         # The slow part of a handler (a call to a slow service) runs before its transaction:
         # sleeping inside it would hold SQLite's single write lock and stall every worker.
         chaos.slow_down()
@@ -265,7 +272,7 @@ class Transactional:
         def book(conn: sqlite3.Connection, body: dict[str, object]) -> dict[str, int]:
             return {"ledger_id": self._ledger.apply(conn, message_id, body, message_id)}
 
-        handled = self._inbox.handle_in_transaction(message_id, delivery.body, book)
+        handled = self._inbox.handle_in_transaction(message_id, payment(delivery), book)
         return Settlement(handled.action, handled.outcome.value, handled.reason)
 
     def close(self) -> None:
@@ -299,7 +306,7 @@ class TwoPhase:
             return oncely.Resolution.retry()
         return oncely.Resolution.completed({"payment_id": found})
 
-    def process(self, delivery: Delivery, chaos: Chaos) -> Settlement:
+    def process(self, delivery: Leased, chaos: Chaos) -> Settlement:
         message_id = delivery.message_id
 
         def charge(body: dict[str, object]) -> dict[str, int]:
@@ -309,7 +316,7 @@ class TwoPhase:
             chaos.crash_point()  # the provider charged; oncely has not recorded it yet
             return {"payment_id": payment_id}
 
-        handled = self._inbox.handle(message_id, delivery.body, charge)
+        handled = self._inbox.handle(message_id, payment(delivery), charge)
         return Settlement(handled.action, handled.outcome.value, handled.reason)
 
     def close(self) -> None:

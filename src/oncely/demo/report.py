@@ -56,7 +56,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from oncely.demo.broker import Broker
+from oncely.testing.file_broker import FileBroker
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -68,7 +68,7 @@ __all__ = ["ConsumerReport", "DemoReport", "Injected", "measure"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Injected:
-    """Broker-side evidence of each duplicate source (see the module docstring)."""
+    """FileBroker-side evidence of each duplicate source (see the module docstring)."""
 
     producer_retries_delivered: int
     acks_lost: int
@@ -107,13 +107,13 @@ class ConsumerReport:
         return data
 
 
-def _count(broker: Broker, sql: str) -> int:
+def _count(broker: FileBroker, sql: str) -> int:
     return int(broker.read(sql)[0][0] or 0)
 
 
 def measure(
     consumer: str,
-    broker: Broker,
+    broker: FileBroker,
     effects: dict[str, int],
     *,
     balances_consistent: bool,

@@ -24,7 +24,6 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Literal
 
-from oncely.demo.broker import Broker
 from oncely.demo.consumers import (
     CONSUMERS,
     ConsumerName,
@@ -39,6 +38,7 @@ from oncely.demo.report import ConsumerReport, DemoReport, measure
 from oncely.demo.worker import WorkerSpec, worker_main
 from oncely.demo.workload import Workload
 from oncely.errors import ConfigurationError
+from oncely.testing.file_broker import FileBroker
 
 __all__ = ["DemoError", "DemoOptions", "run_demo"]
 
@@ -118,7 +118,9 @@ class _ConsumerRun:
         self.options = options
         self._context = context
         vt = options.visibility_timeout.total_seconds()
-        self.broker = Broker(directory / "broker.db", visibility_timeout_s=vt)
+        self.broker = FileBroker(
+            directory / "broker.db", visibility_timeout=options.visibility_timeout
+        )
         self._spec = WorkerSpec(
             name="",
             broker_path=self.broker.path,
@@ -142,7 +144,7 @@ class _ConsumerRun:
 
     def prepare(self, workload: Workload) -> None:
         self.broker.create()
-        self.broker.publish(workload.copies)
+        self.broker.publish(c.published() for c in workload.copies)
         prepare(self.setup)
 
     def start(self) -> None:

@@ -18,10 +18,11 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import oncely
-from oncely.demo.broker import Broker, Delivery, SettleAction
 from oncely.demo.consumers import Setup, open_consumer
+from oncely.testing.file_broker import FileBroker, Leased, SettleAction
 
 __all__ = ["Harness", "WorkerSpec", "worker_main"]
 
@@ -54,7 +55,7 @@ class Harness:
     """Applies the worker-side fault of one delivery (see :class:`oncely.demo.consumers.Chaos`)."""
 
     def __init__(
-        self, broker: Broker, delivery: Delivery, worker: str, slow_s: float, overlap_s: float
+        self, broker: FileBroker, delivery: Leased, worker: str, slow_s: float, overlap_s: float
     ) -> None:
         self._broker = broker
         self._delivery = delivery
@@ -96,10 +97,10 @@ def worker_main(spec: WorkerSpec) -> None:
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
     parent = os.getppid()  # the runner, or the fork server that started this process
-    broker = Broker(
+    broker = FileBroker(
         spec.broker_path,
-        visibility_timeout_s=spec.visibility_timeout_s,
-        twin_wait_s=spec.twin_wait_s,
+        visibility_timeout=timedelta(seconds=spec.visibility_timeout_s),
+        twin_wait=timedelta(seconds=spec.twin_wait_s),
     )
     consumer = open_consumer(spec.setup)
     try:
@@ -126,7 +127,11 @@ def worker_main(spec: WorkerSpec) -> None:
             if action in ("dead_letter", "park"):
                 reason = f"{settlement.outcome}: {reason}"
             broker.settle(
-                delivery, action, outcome=settlement.outcome, reason=reason, delay_s=delay
+                delivery,
+                action,
+                outcome=settlement.outcome,
+                reason=reason,
+                delay=timedelta(seconds=delay),
             )
     finally:
         consumer.close()

@@ -22,9 +22,12 @@ Each fault lands on a different logical message, so every count in the report ha
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Literal
+
+from oncely.testing.file_broker import Published
 
 __all__ = ["Copy", "FaultCounts", "Origin", "Payment", "WorkerFault", "Workload"]
 
@@ -60,6 +63,11 @@ class Copy:
     payment: Payment
     origin: Origin
     fault: WorkerFault | None = None
+
+    def published(self) -> Published:
+        """This copy as the test broker stores it (the payment as JSON)."""
+        body = json.dumps(self.payment.to_json()).encode()
+        return Published(self.message_id, body, self.origin, self.fault)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

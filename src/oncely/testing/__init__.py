@@ -1,6 +1,10 @@
-"""What users need to test their own consumers: a fake clock, an in-memory store, and a helper
-that delivers every message twice. The store contract suite is in
-:mod:`oncely.testing.contract` (it needs pytest).
+"""What users need to test their own consumers: a fake clock, an in-memory store, a helper
+that delivers every message twice, and two at-least-once brokers that need no server:
+:class:`MemoryBroker` (a :class:`~oncely.brokers.Transport` in one process, for a
+``BrokerConsumer``'s tests in milliseconds) and :class:`FileBroker` (a peek-lock queue in a
+SQLite file that a fleet of worker processes shares, SIGKILLs included, with lost
+acknowledgements and twin deliveries injected on demand; oncely's demo and crash tests run on
+it). The store contract suite is in :mod:`oncely.testing.contract` (it needs pytest).
 """
 
 from __future__ import annotations
@@ -15,11 +19,18 @@ from oncely.inbox.sync_inbox import Inbox
 from oncely.inbox.sync_types import Handler
 from oncely.stores.memory.async_store import AsyncMemoryStore
 from oncely.stores.memory.sync_store import MemoryStore
+from oncely.testing.broker import DeadMessage, MemoryBroker
+from oncely.testing.file_broker import FileBroker, Leased, Published
 
 __all__ = [
     "AsyncMemoryStore",
+    "DeadMessage",
     "FakeClock",
+    "FileBroker",
+    "Leased",
+    "MemoryBroker",
     "MemoryStore",
+    "Published",
     "deliver_twice",
     "deliver_twice_async",
 ]

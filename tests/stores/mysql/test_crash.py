@@ -23,7 +23,7 @@ from oncely.errors import (
 )
 from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import sql, url
-from tests.chaos.crash_workers import Broker, Log, Tripwire
+from tests.chaos.crash_workers import REQUEUE_DELAY, Log, Tripwire, fill_broker, open_broker
 from tests.chaos.harness import Processes
 from tests.chaos.workers import Orphan
 
@@ -65,7 +65,7 @@ def crash_worker(job: CrashJob) -> None:
 def _consume(job: CrashJob, log: Log) -> None:
     orphan = Orphan(job.parent_pid)
     trip = Tripwire(job.kill_point, job.kill_after, log)
-    broker = Broker(job.broker, visibility_s=job.visibility_s)
+    broker = open_broker(job.broker, visibility_s=job.visibility_s)
     store = MySQLStore.from_url(job.store_url)
     inbox = oncely.Inbox(store, consumer="chaos")
 
@@ -80,21 +80,21 @@ def _consume(job: CrashJob, log: Log) -> None:
         return {"worker": job.worker}
 
     log.write("START", "-", f"kill_point={job.kill_point} kill_after={job.kill_after}")
-    while (delivery := broker.next(orphan)) is not None:
-        message_id, key = delivery
+    while (delivery := broker.next(job.worker, check=orphan.check)) is not None:
+        key = delivery.message_id
         try:
             handled = inbox.handle_in_transaction(key, {"key": key}, book)
         except StoreUnavailable as exc:  # a lock wait or a deadlock: nothing was recorded
             log.write("UNAVAILABLE", key, str(exc))
-            broker.requeue(message_id, delay_s=0.05)
+            broker.settle(delivery, "requeue", outcome="store_unavailable", delay=REQUEUE_DELAY)
             continue
         log.write("OUT", key, f"{handled.outcome} {handled.reason or ''}")
         if handled.outcome is Outcome.PROCESSED:
             trip.reached(COMPLETED, key)
         if handled.action is oncely.Action.ACK:
-            broker.ack(message_id)
+            broker.settle(delivery, "ack", outcome=handled.outcome.value)
         elif handled.action in (oncely.Action.REQUEUE_LATER, oncely.Action.RETRY):
-            broker.requeue(message_id, delay_s=0.05)
+            broker.settle(delivery, "requeue", outcome=handled.outcome.value, delay=REQUEUE_DELAY)
         else:
             raise AssertionError(f"unexpected outcome {handled.outcome} for {key}")
     log.write("DONE", "-")
@@ -113,7 +113,7 @@ def _drain_with_kills(
     """Run ``slots`` consumers until the broker is drained, SIGKILLing them (by plan, and from
     here at random moments) and restarting the dead; the kills that fired, by point."""
     rng = random.Random(seed)
-    broker = Broker(template.broker, visibility_s=template.visibility_s)
+    broker = open_broker(template.broker, visibility_s=template.visibility_s)
     plans = deque(CRASH_PLANS)
     live: dict[int, tuple[Any, CrashJob]] = {}
     report: dict[str, Any] = {"self": [], "parent": 0, "incarnations": 0}
@@ -133,7 +133,7 @@ def _drain_with_kills(
         for slot in range(slots):
             launch(slot)
         while live:
-            assert time.monotonic() - started < 90, f"not drained: {broker.unfinished()} left"
+            assert time.monotonic() - started < 90, f"not drained: {broker.open_copies()} left"
             for slot, (process, job) in list(live.items()):
                 if process.exitcode is None:
                     continue
@@ -145,7 +145,7 @@ def _drain_with_kills(
                     report["self"].append((fired[0][1], fired[0][0], job.worker))
                 elif job.kill_point is not None:
                     plans.appendleft((job.kill_point, job.kill_after))
-                if broker.unfinished() > 0:
+                if broker.open_copies() > 0:
                     launch(slot)
             now = time.monotonic()
             if kills_left and now >= next_kill:
@@ -156,7 +156,7 @@ def _drain_with_kills(
                     kills_left -= 1
                 next_kill = now + rng.uniform(0.05, 0.3)
             time.sleep(0.01)
-        assert broker.unfinished() == 0
+        assert broker.open_copies() == 0
         report["deliveries"] = broker.deliveries()
     finally:
         broker.close()
@@ -180,7 +180,7 @@ def test_r7_sigkill_at_any_point_applies_every_effect_exactly_once(
     store_url = url(table)
     MySQLStore.from_url(store_url).migrate()
     keys = [f"order-{i:04d}" for i in range(CRASH_KEYS)]
-    Broker.create(str(tmp_path / "broker.db"), keys, copies=2)
+    fill_broker(str(tmp_path / "broker.db"), keys, copies=2)
     (tmp_path / "logs").mkdir()
     seed = int(os.environ.get("ONCELY_CHAOS_SEED", random.randrange(2**32)))
     template = CrashJob(
