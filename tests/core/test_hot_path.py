@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import multiprocessing
 import pickle
 import sqlite3
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -36,6 +38,7 @@ from hypothesis import strategies as st
 
 import oncely
 from oncely import Outcome
+from oncely._core.fast import frozen_builder
 from oncely._core.fingerprint import canonical_json, fingerprint
 from oncely._core.inbox_rules import new_token
 from oncely._core.observe import Observer
@@ -434,3 +437,34 @@ def test_r9_a_winner_that_vanishes_before_it_is_read_is_claimed_afresh(tmp_path:
     assert store.get("c", "k") == second.record
     other.close()
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("builder", "cls"),
+    [(new_record, Record), (new_claim, Claim), (new_handled, Handled), (claim_event, ClaimEvent)],
+)
+def test_each_builder_has_its_dataclass_s_signature(builder: object, cls: type) -> None:
+    # The typed stubs mypy reads are written by hand: the runtime builder is derived from the
+    # class, so a field added, moved or given a default shows here.
+    built = inspect.signature(builder)  # type: ignore[arg-type]
+    own = inspect.signature(cls)
+    assert [(p.name, p.default) for p in built.parameters.values()] == [
+        (p.name, p.default) for p in own.parameters.values()
+    ]
+
+
+def test_frozen_builder_refuses_what_it_cannot_build_the_same() -> None:
+    @dataclass(frozen=True)
+    class NoSlots:
+        a: int
+
+    @dataclass(frozen=True, slots=True)
+    class Factory:
+        a: list[int] = field(default_factory=list)
+
+    with pytest.raises(TypeError, match="slotted"):
+        frozen_builder(NoSlots)
+    with pytest.raises(TypeError, match="default factory"):
+        frozen_builder(Factory)
+    with pytest.raises(TypeError, match="slotted"):
+        frozen_builder(int)

@@ -50,8 +50,9 @@ so there is nothing to lease).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
+from oncely._core.fast import frozen_builder
 from oncely._core.records import Claim, ClaimStatus, Record, Status, new_claim, new_record
 
 __all__ = [
@@ -117,46 +118,24 @@ class ClaimEvent:
     error: str | None = None
 
 
-class _ClaimEventSlots:
-    # ClaimEvent's slot layout without its frozen ``__setattr__``: see records.new_record.
-    __slots__ = ClaimEvent.__slots__  # the same names in the same order: the same layout
-    consumer: str
-    key: str
-    fingerprint: str | None
-    token: str
-    lease_ms: int
-    keep_ms: int
-    takeover: bool
-    initial: Status
-    error: str | None
+if TYPE_CHECKING:
 
+    def claim_event(
+        consumer: str,
+        key: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status = Status.IN_PROGRESS,
+        error: str | None = None,
+    ) -> ClaimEvent:
+        """``ClaimEvent(...)``: the stores that decide in Python make one per claim (speed: see
+        :mod:`oncely._core.fast`)."""
 
-def claim_event(
-    consumer: str,
-    key: str,
-    fingerprint: str | None,
-    token: str,
-    lease_ms: int,
-    keep_ms: int,
-    takeover: bool,
-    initial: Status = Status.IN_PROGRESS,
-    error: str | None = None,
-) -> ClaimEvent:
-    """``ClaimEvent(...)``, built the way :func:`~oncely._core.records.new_record` builds a
-    Record: the stores that decide in Python make one per claim, and a frozen dataclass's
-    ``__init__`` costs several times as much."""
-    e = _ClaimEventSlots()
-    e.consumer = consumer
-    e.key = key
-    e.fingerprint = fingerprint
-    e.token = token
-    e.lease_ms = lease_ms
-    e.keep_ms = keep_ms
-    e.takeover = takeover
-    e.initial = initial
-    e.error = error
-    e.__class__ = ClaimEvent  # type: ignore[assignment]
-    return e  # type: ignore[return-value]
+else:
+    claim_event = frozen_builder(ClaimEvent)
 
 
 @dataclass(frozen=True, slots=True)

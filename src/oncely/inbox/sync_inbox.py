@@ -39,7 +39,7 @@ from oncely._core.flows import Step, decide
 from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
-from oncely._core.outcomes import Handled, Outcome, new_handled
+from oncely._core.outcomes import Handled, Outcome
 from oncely._core.policy import Lease, Limits, OnStale, Reconciler, Retention, StaleClaim
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely.errors import (
@@ -63,7 +63,6 @@ PS = ParamSpec("PS")
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
-_PROCESSED_LEVEL = Outcome.PROCESSED.log_level
 
 
 class _HandlerError(Exception):
@@ -320,7 +319,7 @@ class Inbox:
         claim to finish and receives its result (or takes over its work if it is released).
         """
         started = perf_counter()
-        try:  # _admit, inline: this runs for every message
+        try:
             checked = validate_key(key, self._limits)
             fp = self._fingerprint(payload)
         except Exception as exc:
@@ -397,15 +396,27 @@ class Inbox:
             done = self._complete(key, token, data, note)
         except LeaseLost as lost:
             return self._rules.lost(lost, key, record.attempt, correlation_id, started)
-        outcome = Outcome.PROCESSED
-        reason = note
         if claim.status is ClaimStatus.TAKEN_OVER:
-            outcome = Outcome.STALE_RECLAIMED
-            reason = note or reclaim_reason(claim)
-        # Positional: the hot path (value, reason, error, record, attempt, correlation_id).
-        return self._rules.done(
-            outcome, key, started, result, reason, None, done, None, correlation_id
-        )
+            return self._rules.done(
+                Outcome.STALE_RECLAIMED,
+                key,
+                started,
+                value=result,
+                reason=note or reclaim_reason(claim),
+                record=done,
+                correlation_id=correlation_id,
+            )
+        if note is not None:
+            return self._rules.done(
+                Outcome.PROCESSED,
+                key,
+                started,
+                value=result,
+                reason=note,
+                record=done,
+                correlation_id=correlation_id,
+            )
+        return self._rules.processed(key, started, result, done, correlation_id)
 
     def _complete(self, key: str, token: str, data: bytes | None, note: str | None) -> Record:
         # The effects are done: losing the completion would let a redelivery repeat them, so
@@ -562,10 +573,6 @@ class Inbox:
         writes were rolled back with the marker, so a redelivery retries. A result that cannot
         be stored also fails the transaction (nothing happened, so nothing is lost).
         """
-        # The hot path of the transactional mode: every call layer and temporary object here
-        # costs a fixed share of each message's time, so the admission step and the outcome
-        # of a new key are written inline (the rules stay in validate_key, the fingerprinter
-        # and decide).
         started = perf_counter()
         try:
             checked = validate_key(key, self._limits)
@@ -629,22 +636,7 @@ class Inbox:
         if step is not Step.PROCEED:
             return self._rules.settle(step, claim, correlation_id, started)
         if claim.status is ClaimStatus.NEW:
-            handled: Handled[R] = new_handled(
-                Outcome.PROCESSED,
-                consumer,
-                checked,
-                value,
-                None,
-                None,
-                record,
-                record.attempt,
-                perf_counter() - started,
-                correlation_id,
-            )
-            observer = self._rules.observer
-            if observer.hooks or observer.logger.isEnabledFor(_PROCESSED_LEVEL):
-                observer.emit(handled)  # (skipped when nothing would come of it)
-            return handled
+            return self._rules.processed(checked, started, value, record, correlation_id)
         return self._rules.done(
             Outcome.STALE_RECLAIMED,
             checked,
