@@ -206,8 +206,9 @@ def test_migrate_rewrites_an_older_tables_status_check_in_place(
     from oncely.stores.sqlite.dialect import OLD_STATUS_CHECK, STATUS_CHECK, SQLiteDialect
 
     path = tmp_path / "o.db"
-    with sqlite3.connect(path) as conn:
-        for statement in SQLiteDialect().create:
+    d = SQLiteDialect()
+    with sqlite3.connect(path) as conn:  # the old constraint, at this oncely's revision
+        for statement in (*d.create, d.create_purge_index, d.set_revision):
             conn.execute(statement.replace(STATUS_CHECK, OLD_STATUS_CHECK))
     assert OLD_STATUS_CHECK in _table_sql(path)
     assert "OpenEphemeral" in _claim_program(path)  # what the rewrite saves

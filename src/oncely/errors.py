@@ -17,6 +17,7 @@
     │   ├── StoreUnavailable           cannot reach or lock the store now; retry later
     │   ├── SchemaError                tables missing or of an unknown version
     │   │   ├── SchemaMissing          run ``oncely migrate``
+    │   │   ├── SchemaOutdated         an older revision this oncely needs migrated (online)
     │   │   └── SchemaTooNew           written by a newer oncely; upgrade
     │   ├── TransactionRequired        transactional mode outside an open transaction
     │   └── TransactionsUnsupported    the store cannot join a caller's transaction
@@ -71,6 +72,7 @@ __all__ = [
     "RetentionTooShort",
     "SchemaError",
     "SchemaMissing",
+    "SchemaOutdated",
     "SchemaTooNew",
     "StoreError",
     "StoreUnavailable",
@@ -165,6 +167,12 @@ class SchemaError(StoreError):
 
 class SchemaMissing(SchemaError):
     """The tables do not exist. Run ``oncely migrate --store URL`` (or open with migrate=True)."""
+
+
+class SchemaOutdated(SchemaError):
+    """The tables are of an older revision than this oncely needs. Run ``oncely migrate
+    --store URL``: the migration is online, and workers of the older oncely keep working on
+    the migrated tables."""
 
 
 class SchemaTooNew(SchemaError):

@@ -29,7 +29,8 @@ def test_installed_executable_help_and_migrate(tmp_path: Path) -> None:
     )  # fmt: skip
     assert migrated.returncode == 0, migrated.stderr
     assert migrated.stdout.strip() == f"schema version 1 ready in {url_of(path)}"
-    assert rows(path, "SELECT value FROM oncely_inbox_meta") == [("1",)]
+    meta = rows(path, "SELECT name, value FROM oncely_inbox_meta ORDER BY name")
+    assert meta == [("revision", "2"), ("schema_version", "1")]
     stats = subprocess.run(
         [str(EXECUTABLE), "inbox", "stats", "--json"], capture_output=True, text=True, env=env,
         timeout=60, check=False,

@@ -14,20 +14,53 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import InvalidIdentifier
 
 __all__ = [
+    "PURGE_BUCKET_MS",
     "STATUS",
     "PlainRows",
+    "bucket_sql",
     "check_identifier",
     "parse_record",
     "parse_scanned",
     "parse_stats",
+    "purge_bucket",
     "scan_params",
 ]
+
+
+PURGE_BUCKET_MS: Final = 60_000
+"""The purge's time bucket. Each row carries ``purge_ms``: its expiry rounded *up* to a whole
+minute, indexed. A purge walks that index (what expired, not the whole table): every row of a
+bucket that ended is expired, and the bucket that holds "now" is checked row by row.
+
+Why a bucket and not an index on ``expires_ms`` itself: a completion moves ``expires_ms`` by the
+handler's duration, and an update that changes an indexed column writes every index again
+(PostgreSQL can no longer update the row in place, "HOT"; InnoDB rewrites the secondary entry).
+A completion leaves its minute unchanged (the claim already set the same expiry, give or take
+the handler's duration), so it writes no index at all; and equal keys compress (PostgreSQL's
+B-tree deduplication keeps one key per posting list).
+
+The invariant every write keeps: ``purge_ms <= bucket(expires_ms)``, so no expired row is ever
+missed. A write that extends the expiry may leave ``purge_ms`` behind (a completion that
+crossed a minute, a row written by an older oncely with the column's default 0); the purge
+finds such a row early, sees it is not expired, and moves its ``purge_ms`` forward."""
+
+
+def purge_bucket(ms: int) -> int:
+    """``ms`` rounded up to a whole :data:`PURGE_BUCKET_MS`."""
+    return -(-ms // PURGE_BUCKET_MS) * PURGE_BUCKET_MS
+
+
+def bucket_sql(expr: str, div: str = "/") -> str:
+    """:func:`purge_bucket` of the SQL integer expression ``expr``; ``div`` is the dialect's
+    integer division (MariaDB's is ``DIV``)."""
+    b = PURGE_BUCKET_MS
+    return f"((({expr}) + {b - 1}) {div} {b} * {b})"
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
-from oncely.errors import SchemaMissing, SchemaTooNew, StoreError
+from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
 from oncely.stores._sql import parse_stats
 
 __all__ = ["Position", "SQLStoreBase", "Statements", "server_time"]
@@ -90,7 +90,13 @@ class SQLStoreBase(Generic[Q]):
     supports_transactions = True
 
     _SCHEMA_VERSION: ClassVar[int]
-    """The schema version this oncely writes (the store's dialect's)."""
+    """The schema version this oncely writes (the store's dialect's): tables of a higher one
+    are refused (:class:`~oncely.SchemaTooNew`)."""
+
+    _SCHEMA_REVISION: ClassVar[int] = 1
+    """Additive changes within a version (a column with a default, an index): an older oncely
+    reads and writes a table of a higher revision unchanged, so it does not look at the
+    revision; this oncely needs at least its own (:meth:`_upgrade_needed`)."""
 
     _dialect: Statements[Q]
     _now: Callable[[], int | None]
@@ -157,6 +163,20 @@ class SQLStoreBase(Generic[Q]):
                 )
             return True
         return migrating and version < supported
+
+    def _upgrade_needed(self, revision: int, *, migrating: bool) -> bool:
+        """Whether to bring a table at ``revision`` up to this oncely's: when it is older and
+        ``migrating`` (or the store was opened with ``migrate=True``); an older one otherwise
+        raises :class:`~oncely.SchemaOutdated`."""
+        if revision >= self._SCHEMA_REVISION:
+            return False
+        if migrating or self._auto_migrate:
+            return True
+        raise SchemaOutdated(
+            f"the {self._place} is at schema revision {revision}; this oncely needs "
+            f"{self._SCHEMA_REVISION} (the purge index): run `oncely migrate --store URL`. "
+            "The migration is online, and workers of the older oncely keep working on it"
+        )
 
     async def _prepare(self) -> None:
         async with self._ready_lock:

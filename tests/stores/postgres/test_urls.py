@@ -83,7 +83,8 @@ def test_a_schema_of_its_own_and_names_used_as_given() -> None:
         inbox = oncely.Inbox(store, consumer="c")
         assert inbox.handle("k", 1, lambda p: p).outcome is Outcome.PROCESSED
         assert _sql(f'SELECT count(*) FROM "{schema}"."Order"') == [(1,)]
-        assert _sql(f'SELECT value FROM "{schema}"."Order_meta"') == [("1",)]
+        meta = _sql(f'SELECT name, value FROM "{schema}"."Order_meta" ORDER BY name')
+        assert meta == [("revision", "2"), ("schema_version", "1")]
         store.close()
     finally:
         _sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

@@ -68,6 +68,7 @@ from oncely.stores.mysql.async_io import (
 from oncely.stores.mysql.async_tx import _Transaction
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
+    SCHEMA_REVISION,
     SCHEMA_VERSION,
     WIDTH,
     MySQLDialect,
@@ -133,6 +134,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     """
 
     _SCHEMA_VERSION = SCHEMA_VERSION
+    _SCHEMA_REVISION = SCHEMA_REVISION
     _dialect: MySQLDialect
 
     # ------------------------------------------------------------ construction and connections
@@ -268,29 +270,47 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     async def _setup(self, *, migrating: bool) -> None:
         conn = await self._pool.acquire()
         try:
-            version = await self._version(conn)
+            version, revision = await self._versions(conn)
             # migrate runs the CREATE ... IF NOT EXISTS again whatever the version: the
             # version row says nothing of the inbox table itself.
-            if self._tables_needed(version, migrating=migrating) or migrating:
+            if (
+                self._tables_needed(version, migrating=migrating)
+                or migrating
+                or self._upgrade_needed(revision, migrating=migrating)
+            ):
                 await self._create(conn)
         finally:
             await self._release(conn)
 
-    async def _version(self, conn: Connection) -> int | None:
+    async def _versions(self, conn: Connection) -> tuple[int | None, int]:
+        """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            rows = await fetchall(conn, self._dialect.read_version)
+            rows = dict(await fetchall(conn, self._dialect.read_version))
         except DRIVER_ERRORS as exc:
             if code_of(exc) == NO_SUCH_TABLE:
-                return None
+                return None, 1
             raise translate(exc, "reading the schema version") from exc
-        return int(rows[0][0]) if rows else None
+        if "schema_version" not in rows:
+            return None, 1
+        return int(rows["schema_version"]), int(rows.get("revision", 1))
+
+    async def _version(self, conn: Connection) -> int | None:
+        return (await self._versions(conn))[0]
 
     async def _create(self, conn: Connection) -> None:
         # CREATE TABLE IF NOT EXISTS and the upsert of the version row are safe when several
         # processes migrate at once: the data dictionary lock orders them.
+        d = self._dialect
         try:
-            for statement in self._dialect.create:
+            for statement in d.create:
                 await execute(conn, statement)
+            # Revision 2 on a table an older oncely created (online, see the dialect).
+            found = await fetchall(conn, d.columns, {"table": d.table})
+            if not found:
+                await execute(conn, d.add_purge_column)
+            if not any(index for _, index in found):
+                await execute(conn, d.add_purge_index)
+            await execute(conn, d.set_revision)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "creating the tables") from exc
 
@@ -311,30 +331,27 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     async def _purge_batch(
         self, after: Position | None, limit: int
     ) -> tuple[int, int, Position | None]:
-        found, count = await self._run("purge", partial(self._purge_keys, after=after, limit=limit))
-        if not found:
-            return 0, 0, after
-        return len(found), count, (bytes(found[-1][0]), bytes(found[-1][1]))
+        found, count = await self._run("purge", partial(self._purge_keys, limit=limit))
+        return found, count, None
 
-    async def _purge_keys(
-        self, conn: Connection, after: Position | None, limit: int
-    ) -> tuple[list[Any], int]:
-        # Sweep the primary key in order: the candidates are read without locks, then deleted
-        # by key, still expired, in one short statement. There is deliberately no index on
-        # expires_ms: it would cost every claim and completion a second B-tree write, to speed
-        # up only the background purge.
+    async def _purge_keys(self, conn: Connection, limit: int) -> tuple[int, int]:
+        # Candidates from the start of the purge index, read without locks; then the expired
+        # ones deleted by key, still expired, and the others (behind their expiry) moved to
+        # their minute, each in one short statement. Every candidate leaves the range, so the
+        # next batch starts from the index's start again.
         now = self._now()
-        params: dict[str, Any] = {"now": now, "limit": limit}
-        if after is not None:
-            params["after_consumer"], params["after_key"] = after
-        found = await fetchall(conn, self._dialect.purge_candidates(first=after is None), params)
-        if not found:
-            return found, 0
-        doomed: dict[str, Any] = {"now": now}
-        for i, (consumer, key) in enumerate(found):
-            doomed[f"c{i}"], doomed[f"k{i}"] = consumer, key
-        count = (await execute(conn, self._dialect.purge_delete(len(found)), doomed))[0]
-        return found, count
+        d = self._dialect
+        found = await fetchall(conn, d.purge_candidates(), {"now": now, "limit": limit})
+        count = 0
+        for gone, write in ((True, d.purge_delete), (False, d.purge_move)):
+            pairs = [(c, k) for c, k, expired in found if bool(expired) is gone]
+            if pairs:
+                params: dict[str, Any] = {"now": now}
+                for i, (consumer, key) in enumerate(pairs):
+                    params[f"c{i}"], params[f"k{i}"] = consumer, key
+                changed = (await execute(conn, write(len(pairs)), params))[0]
+                count += changed if gone else 0
+        return len(found), count
 
     # ------------------------------------------------------------ the message path
 

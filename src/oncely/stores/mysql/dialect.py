@@ -40,12 +40,13 @@ from typing import Any, Final
 from oncely._core.records import Record, Status
 from oncely._core.state import ClaimEvent
 from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
-from oncely.stores._sql import STATUS, check_identifier
+from oncely.stores._sql import STATUS, bucket_sql, check_identifier
 
 __all__ = [
     "MAX_CONSUMER_BYTES",
     "MAX_KEY_BYTES",
     "MAX_TOKEN_BYTES",
+    "SCHEMA_REVISION",
     "SCHEMA_VERSION",
     "SERVER_NOW",
     "WIDTH",
@@ -60,6 +61,8 @@ __all__ = [
 ]
 
 SCHEMA_VERSION: Final = 1
+SCHEMA_REVISION: Final = 2
+"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`)."""
 MAX_CONSUMER_BYTES: Final = 800
 MAX_KEY_BYTES: Final = 2048
 MAX_TOKEN_BYTES: Final = 255  # tokens and fingerprints
@@ -217,11 +220,18 @@ def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
     )
 
 
+def _named_pairs(count: int) -> str:
+    return ", ".join(f"(%(c{i})s, %(k{i})s)" for i in range(count))
+
+
 class MySQLDialect:
     """Every statement for one inbox table, built once. Parameters are PyMySQL's
     ``%(name)s``; ``consumer``, ``key``, ``token`` and ``fingerprint`` bind as UTF-8 bytes."""
 
     __slots__ = (
+        "add_purge_column",
+        "add_purge_index",
+        "columns",
         "create",
         "delete",
         "forget",
@@ -234,6 +244,7 @@ class MySQLDialect:
         "read_locked",
         "read_version",
         "set_result",
+        "set_revision",
         "stats",
         "table",
         "write",
@@ -258,7 +269,9 @@ class MySQLDialect:
                 expires_ms BIGINT NOT NULL,
                 result LONGBLOB NULL,
                 error MEDIUMTEXT NULL,
-                PRIMARY KEY (consumer, `key`)
+                purge_ms BIGINT NOT NULL DEFAULT 0,
+                PRIMARY KEY (consumer, `key`),
+                KEY `{t}_purge` (purge_ms)
             ) ENGINE=InnoDB ROW_FORMAT=DYNAMIC DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
             f"""CREATE TABLE IF NOT EXISTS `{m}` (
                 name VARCHAR(64) NOT NULL PRIMARY KEY,
@@ -267,14 +280,38 @@ class MySQLDialect:
             f"INSERT INTO `{m}` (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
             "ON DUPLICATE KEY UPDATE name = name",
         )
-        self.read_version = f"SELECT value FROM `{m}` WHERE name = 'schema_version'"
+        # A value may name a column set earlier in its row: purge_ms reads the expiry just set.
+        bucket = bucket_sql("expires_ms", "DIV")
+        self.read_version = (
+            f"SELECT name, value FROM `{m}` WHERE name IN ('schema_version', 'revision')"
+        )
+        # Revision 2, online: ADD COLUMN ... INSTANT only edits the data dictionary (MariaDB
+        # 10.3+, MySQL 8.0.12+), and the index is built INPLACE with LOCK=NONE (claims go on
+        # meanwhile). See oncely.stores._sql.PURGE_BUCKET_MS.
+        self.columns = (
+            "SELECT column_name, index_name FROM information_schema.columns AS c "
+            "LEFT JOIN information_schema.statistics AS s USING (table_schema, table_name, "
+            "column_name) WHERE c.table_schema = DATABASE() AND c.table_name = %(table)s "
+            "AND c.column_name = 'purge_ms'"
+        )
+        self.add_purge_column = (
+            f"ALTER TABLE `{t}` ADD COLUMN purge_ms BIGINT NOT NULL DEFAULT 0, ALGORITHM=INSTANT"
+        )
+        self.add_purge_index = (
+            f"ALTER TABLE `{t}` ADD INDEX `{t}_purge` (purge_ms), ALGORITHM=INPLACE, LOCK=NONE"
+        )
+        self.set_revision = (
+            f"INSERT INTO `{m}` (name, value) VALUES ('revision', '{SCHEMA_REVISION}') "
+            "ON DUPLICATE KEY UPDATE value = VALUES(value)"
+        )
         # Not INSERT IGNORE: IGNORE also turns a too-long value or a bad status into a warning
         # and stores a truncated key. The duplicate branch adds 0 and changes nothing.
         self.insert = f"""INSERT INTO `{t}` (consumer, `key`, status, fingerprint, token,
-                attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
+                attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error,
+                purge_ms)
             VALUES (%(consumer)s, %(key)s, %(status)s, %(fingerprint)s, %(token)s, 1,
                 LAST_INSERT_ID({now} + 1) - 1, {now}, {now} + %(lease)s, {now} + %(span)s,
-                NULL, %(error)s)
+                NULL, %(error)s, {bucket})
             ON DUPLICATE KEY UPDATE created_ms = created_ms + LAST_INSERT_ID(0)"""
         self.read = f"SELECT {_COLUMNS}, {now} FROM `{t}` WHERE {_WHO}"
         # Inside a caller's transaction (REPEATABLE READ) a plain SELECT reads the snapshot of
@@ -288,11 +325,14 @@ class MySQLDialect:
             "AND lease_until_ms = %(lease_until)s AND expires_ms = %(expires)s"
         )
         # Compare-and-set on the version read: every write changes the token, the status or
-        # the times, so a row still equal to them is the row the decision was made on.
+        # the times, so a row still equal to them is the row the decision was made on. It sets
+        # purge_ms to the expiry's minute: InnoDB writes the purge index only when that value
+        # changes (a completion keeps the claim's minute).
         self.write = f"""UPDATE `{t}` SET status = %(n_status)s,
                 fingerprint = %(n_fingerprint)s, token = %(n_token)s, attempt = %(n_attempt)s,
                 created_ms = %(n_created)s, updated_ms = %(n_updated)s,
                 lease_until_ms = %(n_lease_until)s, expires_ms = %(n_expires)s,
+                purge_ms = {bucket_sql("%(n_expires)s", "DIV")},
                 result = %(n_result)s, error = %(n_error)s
             WHERE {_WHO} AND {seen}"""
         self.delete = f"DELETE FROM `{t}` WHERE {_WHO} AND {seen}"
@@ -315,7 +355,11 @@ class MySQLDialect:
         c = _hex(consumer)
         # A value may name a column set earlier in its row: the clock is read once per row
         # (each reading of the server's clock costs the server about a microsecond).
-        times = f"created_ms, created_ms + {int(lease)}, created_ms + {int(span)}, NULL, NULL)"
+        bucket = bucket_sql("expires_ms", "DIV")
+        times = (
+            f"created_ms, created_ms + {int(lease)}, created_ms + {int(span)}, NULL, NULL, "
+            f"{bucket})"
+        )
         tails = (f", 1, LAST_INSERT_ID({n} + 1) - 1, {times}", f", 1, {n}, {times}")
         values = [
             f"({c}, {_hex(key)}, 'in_progress', {_hex(fingerprint)}, {_hex(token)}" + tails[i > 0]
@@ -323,8 +367,8 @@ class MySQLDialect:
         ]
         return (
             f"INSERT INTO `{self.table}` (consumer, `key`, status, fingerprint, token, "
-            "attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error) "
-            f"VALUES {', '.join(values)} "
+            "attempt, created_ms, updated_ms, lease_until_ms, expires_ms, result, error, "
+            f"purge_ms) VALUES {', '.join(values)} "
             "ON DUPLICATE KEY UPDATE created_ms = created_ms + LAST_INSERT_ID(0)"
         )
 
@@ -337,27 +381,32 @@ class MySQLDialect:
             f"WHERE consumer = {_hex(consumer)} AND `key` IN ({keys})"
         )
 
-    def purge_candidates(self, *, first: bool) -> str:
-        """Up to ``%(limit)s`` expired keys in primary-key order, after ``(%(after_consumer)s,
-        %(after_key)s)`` unless ``first``. Written as OR/AND, which the range optimizer of
-        both servers turns into an index range (a row comparison may not be)."""
-        after = (
-            ""
-            if first
-            else "(consumer > %(after_consumer)s OR "
-            "(consumer = %(after_consumer)s AND `key` > %(after_key)s)) AND "
-        )
+    def purge_candidates(self) -> str:
+        """Up to ``%(limit)s`` rows from the start of the purge index: those of minutes that
+        ended (expired, or behind their expiry), then the current minute's expired ones; each
+        with whether it is expired."""
+        now, current = self.now, bucket_sql(self.now, "DIV")
         return (
-            f"SELECT consumer, `key` FROM `{self.table}` WHERE {after}expires_ms <= {self.now} "
-            "ORDER BY consumer, `key` LIMIT %(limit)s"
+            f"SELECT consumer, `key`, expires_ms <= {now} FROM `{self.table}` "
+            f"WHERE purge_ms <= {current} AND (purge_ms < {current} OR expires_ms <= {now}) "
+            "ORDER BY purge_ms LIMIT %(limit)s"
         )
 
     def purge_delete(self, count: int) -> str:
         """Delete ``count`` (``%(c<i>)s``, ``%(k<i>)s``) rows that are still expired."""
-        pairs = ", ".join(f"(%(c{i})s, %(k{i})s)" for i in range(count))
         return (
-            f"DELETE FROM `{self.table}` WHERE (consumer, `key`) IN ({pairs}) "
+            f"DELETE FROM `{self.table}` WHERE (consumer, `key`) IN ({_named_pairs(count)}) "
             f"AND expires_ms <= {self.now}"
+        )
+
+    def purge_move(self, count: int) -> str:
+        """Move ``count`` (``%(c<i>)s``, ``%(k<i>)s``) unexpired rows whose purge_ms is behind
+        their expiry to their expiry's minute."""
+        bucket = bucket_sql("expires_ms", "DIV")
+        return (
+            f"UPDATE `{self.table}` SET purge_ms = {bucket} "
+            f"WHERE (consumer, `key`) IN ({_named_pairs(count)}) "
+            f"AND expires_ms > {self.now} AND purge_ms < {bucket}"
         )
 
     parse_record = staticmethod(parse_record)

@@ -70,6 +70,7 @@ from oncely.stores.postgres.async_tx import (
     joined_on,
 )
 from oncely.stores.postgres.dialect import (
+    SCHEMA_REVISION,
     SCHEMA_VERSION,
     PostgresDialect,
     parse_record,
@@ -124,6 +125,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     """
 
     _SCHEMA_VERSION = SCHEMA_VERSION
+    _SCHEMA_REVISION = SCHEMA_REVISION
     _dialect: PostgresDialect
 
     # ------------------------------------------------------------ construction and connections
@@ -383,16 +385,52 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     async def _setup(self, *, migrating: bool) -> None:
         try:
             async with self._admin() as conn:
-                if self._tables_needed(await self._version(conn), migrating=migrating):
+                version, revision = await self._versions(conn)
+                if self._tables_needed(version, migrating=migrating):
                     await self._create(conn)
+                elif self._upgrade_needed(revision, migrating=migrating):
+                    await self._upgrade(conn)
         except psycopg.Error as exc:
             raise self._error(exc, "migrate" if migrating else "opening the store") from exc
 
-    async def _version(self, conn: Connection) -> int | None:
+    async def _versions(self, conn: Connection) -> tuple[int | None, int]:
+        """The schema version (None: no tables) and revision (1 where none is written)."""
         d = self._dialect
         table, meta, _ = (await fetchall(conn, d.regclass, d.names))[0]
-        rows = await fetchall(conn, d.read_version) if meta else []
-        return int(rows[0][0]) if rows and table else None
+        rows = dict(await fetchall(conn, d.read_version)) if meta else {}
+        if not table or "schema_version" not in rows:
+            return None, 1
+        return int(rows["schema_version"]), int(rows.get("revision", 1))
+
+    async def _version(self, conn: Connection) -> int | None:
+        return (await self._versions(conn))[0]
+
+    async def _upgrade(self, conn: Connection) -> None:
+        """Bring the table to this revision, online (see the dialect's ``add_purge_column``),
+        under a session advisory lock: a second migrator waits, then finds the work done."""
+        d = self._dialect
+        lock = {"key": d.lock_key}
+        autocommit = conn.autocommit
+        if not autocommit:  # a connection of the caller's pool: CONCURRENTLY needs autocommit
+            await conn.set_autocommit(True)
+        await execute(conn, b"SELECT pg_advisory_lock(%(key)s)", lock)
+        try:
+            async with conn.transaction():
+                # ADD COLUMN waits for the table's lock behind running transactions, and
+                # every claim would queue behind it: give up after a while instead.
+                await execute(conn, b"SET LOCAL lock_timeout = '10s'")
+                await execute(conn, d.add_purge_column)
+                await execute(conn, d.set_autovacuum)
+            index = {"schema": d.schema, "index": d.purge_index}
+            valid = await fetchall(conn, d.purge_index_valid, index)
+            if valid and not valid[0][0]:  # left invalid by a build that failed
+                await execute(conn, d.drop_purge_index)
+            await execute(conn, d.create_purge_index)
+            await execute(conn, d.set_revision)
+        finally:
+            await execute(conn, b"SELECT pg_advisory_unlock(%(key)s)", lock)
+            if not autocommit:
+                await conn.set_autocommit(False)
 
     async def _create(self, conn: Connection) -> None:
         """Create the tables under an advisory lock, so that processes migrating at the same
@@ -417,19 +455,11 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     async def _purge_batch(
         self, after: Position | None, limit: int
     ) -> tuple[int, int, Position | None]:
-        # One statement deletes the batch and says how many and the last key it deleted.
-        start = after if after is not None else ("", "")
-        params = {
-            "now": self._now(),
-            "limit": limit,
-            "after_consumer": start[0],
-            "after_key": start[1],
-        }
-        rows = await self._rows("purge", self._dialect.purge, params)
-        if not rows:
-            return 0, 0, after
-        count, last_consumer, last_key = rows[0]
-        return count, count, (last_consumer, last_key)
+        # One statement takes a batch from the start of the purge_ms index, deletes what
+        # expired and moves the rest forward: every batch starts from the start again.
+        params = {"now": self._now(), "limit": limit}
+        taken, gone, _moved = (await self._rows("purge", self._dialect.purge, params))[0]
+        return taken, gone, None
 
     # ------------------------------------------------------------ the message path
 

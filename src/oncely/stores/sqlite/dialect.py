@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from oncely.stores._sql import PlainRows, check_identifier, parse_record
+from oncely.stores._sql import PlainRows, bucket_sql, check_identifier, parse_record
 
-__all__ = ["SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
+__all__ = ["SCHEMA_REVISION", "SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
 
 SCHEMA_VERSION: Final = 1
+SCHEMA_REVISION: Final = 2
+"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`)."""
 
 STATUS_CHECK: Final = "CHECK (status = 'in_progress' OR status = 'completed' OR status = 'failed')"
 """The inbox table's status constraint. Written as comparisons: SQLite compiles the
@@ -36,14 +38,22 @@ _COLUMNS: Final = (
 )
 
 
+def _pairs(count: int) -> str:
+    return "SELECT column1, column2 FROM (VALUES " + ", ".join(["(?, ?)"] * count) + ")"
+
+
 class SQLiteDialect(PlainRows[str]):
     """Every statement for one inbox table, built once."""
 
     __slots__ = (
+        "add_purge_column",
+        "columns",
         "complete",
         "create",
+        "create_purge_index",
         "current",
         "fail",
+        "fix_purge",
         "forget",
         "get",
         "insert",
@@ -55,6 +65,7 @@ class SQLiteDialect(PlainRows[str]):
         "replace",
         "scan",
         "set_result",
+        "set_revision",
         "stats",
         "table",
         "table_sql",
@@ -80,23 +91,36 @@ class SQLiteDialect(PlainRows[str]):
                 expires_ms INTEGER NOT NULL,
                 result BLOB,
                 error TEXT,
+                purge_ms INTEGER NOT NULL DEFAULT 0,
                 PRIMARY KEY (consumer, key)
             ) WITHOUT ROWID""",
             f"CREATE TABLE IF NOT EXISTS {m} (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
             f"INSERT INTO {m} (name, value) VALUES ('schema_version', '{SCHEMA_VERSION}') "
             "ON CONFLICT (name) DO NOTHING",
         )
-        self.read_version = f"SELECT value FROM {m} WHERE name = 'schema_version'"
+        self.read_version = (
+            f"SELECT name, value FROM {m} WHERE name IN ('schema_version', 'revision')"
+        )
+        # Revision 2: the purge_ms column (ADD COLUMN with a constant default only edits the
+        # schema) and its index, then the revision row. See oncely.stores._sql.PURGE_BUCKET_MS.
+        self.columns = f"SELECT name FROM pragma_table_info('{t}')"
+        self.add_purge_column = f"ALTER TABLE {t} ADD COLUMN purge_ms INTEGER NOT NULL DEFAULT 0"
+        self.create_purge_index = f'CREATE INDEX IF NOT EXISTS "{t}_purge" ON {t} (purge_ms)'
+        self.set_revision = (
+            f"INSERT INTO {m} (name, value) VALUES ('revision', '{SCHEMA_REVISION}') "
+            "ON CONFLICT (name) DO UPDATE SET value = excluded.value"
+        )
         self.table_sql = f"SELECT sql FROM sqlite_master WHERE type = 'table' AND name = '{t}'"
         # Numbered parameters, bound from a tuple (consumer, key, status, fingerprint, token,
         # now, lease_until, expires, error): sqlite3 binds a named parameter by building a
         # str per name and looking it up in the dict, which costs ~2 us per claim.
         self.insert = f"""INSERT INTO {t} (consumer, key, status, fingerprint, token, attempt,
-                created_ms, updated_ms, lease_until_ms, expires_ms, result, error)
-            VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?6, ?7, ?8, NULL, ?9)
+                created_ms, updated_ms, lease_until_ms, expires_ms, result, error, purge_ms)
+            VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?6, ?7, ?8, NULL, ?9, {bucket_sql("?8")})
             ON CONFLICT (consumer, key) DO NOTHING"""
         self.current = f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key"
         expired = "expires_ms <= :now"
+        bucket = bucket_sql(":expires")
         # Replace an expired record, or take over a stale claim, but only if the record still
         # carries the token the caller saw (compare-and-set: tokens are never reused).
         self.replace = f"""UPDATE {t} SET
@@ -109,6 +133,7 @@ class SQLiteDialect(PlainRows[str]):
                 updated_ms = :now,
                 lease_until_ms = :lease_until,
                 expires_ms = :expires,
+                purge_ms = {bucket},
                 result = NULL,
                 error = :error
             WHERE consumer = :consumer AND key = :key AND token = :seen
@@ -127,23 +152,30 @@ class SQLiteDialect(PlainRows[str]):
                 updated_ms = :now,
                 lease_until_ms = :lease_until,
                 expires_ms = :expires,
+                purge_ms = {bucket},
                 result = NULL,
                 error = NULL
             WHERE {mine} AND status = 'in_progress' AND lease_until_ms <= :now AND {live}
                 AND (:fingerprint IS NULL OR fingerprint IS NULL OR fingerprint = :fingerprint)
             RETURNING {_COLUMNS}"""
+        # A completion (and a renewal) leaves purge_ms alone: SQLite writes an index again
+        # whenever its column is in the SET list, even to the same value (a second WAL page
+        # per completion). They return purge_ms instead, and the store lowers it in the rare
+        # case the expiry moved to an earlier minute (fix_purge). A failure is rare: it sets it.
         self.complete = f"""UPDATE {t} SET status = 'completed', updated_ms = :now,
                 expires_ms = :expires, result = :result, error = :note
             WHERE {mine} AND status = 'in_progress' AND {live}
-            RETURNING {_COLUMNS}"""
+            RETURNING {_COLUMNS}, purge_ms"""
         self.fail = f"""UPDATE {t} SET status = 'failed', updated_ms = :now,
-                expires_ms = :expires, result = NULL, error = :error
+                expires_ms = :expires, purge_ms = {bucket}, result = NULL, error = :error
             WHERE {mine} AND status = 'in_progress' AND {live}
             RETURNING {_COLUMNS}"""
+        self.fix_purge = f"""UPDATE {t} SET purge_ms = {bucket}
+            WHERE consumer = :consumer AND key = :key AND purge_ms > {bucket}"""
         self.renew = f"""UPDATE {t} SET updated_ms = :now, lease_until_ms = :lease_until,
                 expires_ms = :expires
             WHERE {mine} AND status = 'in_progress' AND {live}
-            RETURNING {_COLUMNS}"""
+            RETURNING {_COLUMNS}, purge_ms"""
         self.release = f"""DELETE FROM {t}
             WHERE {mine} AND status = 'in_progress' AND {live}
             RETURNING 1"""
@@ -152,13 +184,15 @@ class SQLiteDialect(PlainRows[str]):
             f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key AND {live}"
         )
         self.forget = f"DELETE FROM {t} WHERE consumer = :consumer AND key = :key RETURNING 1"
-        # Purging sweeps the primary key in order: candidates are read without the write lock
-        # (WAL readers never block writers), then deleted by key in one short write. There is
-        # deliberately no index on expires_ms: it would cost every claim and completion a
-        # second B-tree write, to speed up only the background purge.
-        self.purge_candidates = f"""SELECT consumer, key FROM {t}
-            WHERE (consumer, key) > (:after_consumer, :after_key) AND expires_ms <= :now
-            ORDER BY consumer, key
+        # Purging walks the purge_ms index from its start: the rows of minutes that ended
+        # (expired, or behind their expiry: moved forward), then the current minute's expired
+        # ones. Candidates are read without the write lock (WAL readers never block writers),
+        # then deleted or moved by key in short writes; every one leaves the range, so the
+        # next batch starts from the index's start again.
+        current = bucket_sql(":now")
+        self.purge_candidates = f"""SELECT consumer, key, {expired} FROM {t}
+            WHERE purge_ms <= {current} AND (purge_ms < {current} OR {expired})
+            ORDER BY purge_ms
             LIMIT :limit"""
         # One pass over the table: live and expired counts per (consumer, status).
         self.stats = f"""SELECT consumer, status, SUM({live}), SUM(NOT ({live}))
@@ -173,11 +207,21 @@ class SQLiteDialect(PlainRows[str]):
 
     def purge_delete(self, count: int) -> str:
         """Delete ``count`` (consumer, key) pairs given as ``?`` parameters, still expired at
-        the last parameter (``now``)."""
-        pairs = ", ".join(["(?, ?)"] * count)
+        the last parameter (``now``). The pairs are a subquery: ``(consumer, key) IN (VALUES
+        ...)`` written directly makes SQLite scan the whole table for every batch."""
         return (
-            f"DELETE FROM {self.table} WHERE (consumer, key) IN (VALUES {pairs}) "
+            f"DELETE FROM {self.table} WHERE (consumer, key) IN ({_pairs(count)}) "
             "AND expires_ms <= ? RETURNING 1"
+        )
+
+    def purge_move(self, count: int) -> str:
+        """Move ``count`` pairs (``?`` parameters), unexpired at the last (``now``), whose
+        purge_ms is behind their expiry, to their expiry's minute."""
+        bucket = bucket_sql("expires_ms")
+        return (
+            f"UPDATE {self.table} SET purge_ms = {bucket} "
+            f"WHERE (consumer, key) IN ({_pairs(count)}) "
+            f"AND expires_ms > ? AND purge_ms < {bucket}"
         )
 
     def upgrade_check(self, version: int) -> tuple[tuple[str, tuple[object, ...]], ...]:
