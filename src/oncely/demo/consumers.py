@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import oncely
 from oncely.errors import ConfigurationError
-from oncely.testing.file_broker import Leased
+from oncely.testing.file_broker import Leased, immediate
 
 __all__ = [
     "CONSUMERS",
@@ -209,17 +209,6 @@ class Ledger:
         return dict(totals) == dict(balances)
 
 
-@contextmanager
-def _immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
 def connect(path: str) -> sqlite3.Connection:
     """A connection to one of the demo's own SQLite files (WAL, autocommit)."""
     conn = sqlite3.connect(path, isolation_level=None, timeout=30.0)
@@ -246,7 +235,7 @@ class Naive:
 
     def process(self, delivery: Leased, chaos: Chaos) -> Settlement:
         chaos.slow_down()
-        with _immediate(self._conn) as conn:
+        with immediate(self._conn) as conn:
             self._ledger.apply(conn, delivery.message_id, payment(delivery), None)
         return Settlement(oncely.Action.ACK, "applied")
 
@@ -311,7 +300,7 @@ class TwoPhase:
 
         def charge(body: dict[str, object]) -> dict[str, int]:
             chaos.slow_down()
-            with _immediate(self._conn) as conn:
+            with immediate(self._conn) as conn:
                 payment_id = self._provider.apply(conn, message_id, body, message_id)
             chaos.crash_point()  # the provider charged; oncely has not recorded it yet
             return {"payment_id": payment_id}
@@ -374,7 +363,7 @@ def prepare(setup: Setup) -> None:
         if setup.kind == "oncely-transactional":
             Ledger(setup.prefix).create(conn)
         else:
-            with _immediate(conn):
+            with immediate(conn):
                 Ledger(setup.prefix).create(conn)
 
 

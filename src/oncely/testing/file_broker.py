@@ -55,12 +55,20 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-__all__ = ["FileBroker", "Leased", "Published", "SettleAction", "SettleResult", "now_ms"]
+__all__ = [
+    "FileBroker",
+    "Leased",
+    "Published",
+    "SettleAction",
+    "SettleResult",
+    "immediate",
+    "now_ms",
+]
 
 SettleAction = Literal["ack", "requeue", "dead_letter", "park"]
 SettleResult = Literal["done", "ack_lost", "lock_lost", "already_settled"]
@@ -118,6 +126,19 @@ SCHEMA = (
     )""",
     "CREATE TABLE IF NOT EXISTS control (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
 )
+
+
+@contextmanager
+def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A write transaction on an autocommit connection: ``BEGIN IMMEDIATE`` (the write lock at
+    once), committed at the end of the block, rolled back on any exception."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def now_ms() -> int:
@@ -193,16 +214,8 @@ class FileBroker:
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return immediate(self._connection())
 
     def read(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         """Rows of a read-only query on the tables above (ground truth for a report)."""
