@@ -79,12 +79,15 @@ from oncely.inbox.sync_inbox import Inbox
 from oncely.stores import open_async_store as open_async
 from oncely.stores import open_store as open  # noqa: A004 - `oncely.open(url)` mirrors the URL API
 from oncely.stores import redact
+from oncely.stores._purging import PurgeRun
 from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
+from oncely.stores.async_purging import AsyncPurgeService
 from oncely.stores.memory.async_store import AsyncMemoryStore
 from oncely.stores.memory.sync_store import MemoryStore
 from oncely.stores.sqlite.errors import SQLiteSettings
 from oncely.stores.sqlite.sync_store import SQLiteStore
 from oncely.stores.sync_protocols import Store, TransactionalStore
+from oncely.stores.sync_purging import PurgeService
 
 __version__ = "0.1.0"
 
@@ -134,6 +137,7 @@ __all__ = [
     "Action",
     "AsyncInbox",
     "AsyncMemoryStore",
+    "AsyncPurgeService",
     "AsyncSQLiteStore",
     "AsyncStore",
     "AsyncTransactionalStore",
@@ -175,6 +179,8 @@ __all__ = [
     "Outcome",
     "OutcomeError",
     "PayloadError",
+    "PurgeRun",
+    "PurgeService",
     "RawCodec",
     "Record",
     "RedeliveryHorizon",

@@ -27,6 +27,7 @@ from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.heartbeats import AsyncHeartbeats
 from oncely.keys import Envelope, KeySource, MessageIdKey
 from oncely.stores.async_protocols import AsyncTransactionalStore
+from oncely.stores.async_purging import AsyncPurgeService
 from oncely.wire import escaped, printable
 
 __all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
@@ -218,6 +219,8 @@ class BrokerConsumer:
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
+        purge = self._purge_service()
+        purging = asyncio.create_task(purge.run()) if purge is not None else None
         try:
             await self._open()
             await self._read()
@@ -225,10 +228,20 @@ class BrokerConsumer:
             try:
                 await self._drain()
             finally:
+                if purge is not None and purging is not None:
+                    purge.stop()
+                    await asyncio.gather(purging, return_exceptions=True)
                 await self.transport.close()
                 if handle_signals:
                     for sig in (signal.SIGTERM, signal.SIGINT):
                         loop.remove_signal_handler(sig)
+
+    def _purge_service(self) -> AsyncPurgeService | None:
+        every = self.settings.purge_every
+        inbox = getattr(self.processor, "inbox", None)  # a processor of your own has none
+        if every is None or inbox is None:
+            return None
+        return AsyncPurgeService(inbox.store, every=every)
 
     async def _open(self) -> None:
         failures = 0

@@ -176,7 +176,9 @@ class ConsumerSettings:
     the broker's own limit at or above this one, or set it here to the broker's). On
     shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
     claims released and their messages given back. A body longer than ``max_body_bytes``
-    (``None``: no limit) is dead-lettered as ``rejected`` without being decoded.
+    (``None``: no limit) is dead-lettered as ``rejected`` without being decoded. With
+    ``purge_every``, the consumer also runs a purge service on its inbox's store
+    (:class:`~oncely.AsyncPurgeService`): across a fleet, one consumer per table leads it.
     """
 
     concurrency: int = 16
@@ -187,6 +189,7 @@ class ConsumerSettings:
     reconnect: Backoff = Backoff(first=timedelta(milliseconds=200), most=timedelta(seconds=10))
     shutdown_grace: timedelta = timedelta(seconds=30)
     max_body_bytes: int | None = None
+    purge_every: timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -197,3 +200,5 @@ class ConsumerSettings:
             raise ConfigurationError("poll must be positive")
         if self.max_body_bytes is not None and self.max_body_bytes < 0:
             raise ConfigurationError("max_body_bytes must not be negative (None: no limit)")
+        if self.purge_every is not None and self.purge_every <= timedelta(0):
+            raise ConfigurationError("purge_every must be positive (None: no purge service)")

@@ -190,6 +190,13 @@ def _configure_logging(log_format: str, level: str) -> None:
 @click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True)
 @click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True)
 @click.option(
+    "--purge-every",
+    type=Duration(),
+    default=None,
+    help="Also purge expired records every DURATION (e.g. 1m); one consumer of a fleet "
+    "leads the purge of a table at a time.",
+)
+@click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
 @click.option(
@@ -216,6 +223,7 @@ def consume(
     ack_wait: timedelta | None,
     max_deliveries: int,
     shutdown_grace: timedelta,
+    purge_every: timedelta | None,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -249,6 +257,7 @@ def consume(
         max_deliveries=max_deliveries,
         shutdown_grace=shutdown_grace,
         max_body_bytes=max_body_bytes,
+        purge_every=purge_every,
     )
     limits = oncely.Limits(max_key_bytes=max_key_bytes, hash_long_keys=hash_long_keys)
 

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import shlex
+import signal
+import sys
+import time
+from datetime import timedelta
 
 import click
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import oncely
-from oncely import Record, Status, Store
+from oncely import Record, Status, Store, format_duration
+from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
 from oncely.cli._output import (
     console,
@@ -258,14 +265,75 @@ def show(store_url: str, consumer: str, key: str, as_json: bool) -> None:
     default=None,
     help="Stop after this many batches (default: until none are left).",
 )
-def purge(store_url: str, batch_size: int, max_batches: int | None) -> None:
+@click.option(
+    "--every",
+    type=Duration(),
+    default=None,
+    help="Run as a service: purge again every DURATION (e.g. 1m) until stopped. Among "
+    "several purges of one table, one leads at a time; the others wait their turn.",
+)
+def purge(
+    store_url: str, batch_size: int, max_batches: int | None, every: timedelta | None
+) -> None:
     """Delete expired records, in batches, and print how many were deleted.
 
-    Safe to run at any time (from cron, say): expired records already count as absent.
+    Safe to run at any time (from cron, or as a service with --every): expired records
+    already count as absent. On a terminal a one-off purge shows its progress.
     """
     with opened(store_url) as store:
-        deleted = store.purge_expired(batch_size=batch_size, max_batches=max_batches)
+        if every is not None:
+            _purge_service(store, every, batch_size)
+            return
+        if max_batches is not None:
+            deleted = store.purge_expired(batch_size=batch_size, max_batches=max_batches)
+        else:
+            deleted = _purge_with_progress(store, batch_size)
     click.echo(f"purged {deleted} expired record{'s' if deleted != 1 else ''}")
+
+
+def _purge_with_progress(store: Store, batch_size: int) -> int:
+    service = oncely.PurgeService(store, every=timedelta(seconds=1), batch_size=batch_size)
+    if not sys.stderr.isatty():
+        return service.run_once().deleted
+    done = [0, 0]
+    started = time.monotonic()
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
+        console=Console(stderr=True),
+    ) as progress:  # fmt: skip
+        task = progress.add_task("purging")
+
+        def batch(taken: int, deleted: int) -> None:
+            done[0] += taken
+            done[1] += deleted
+            rate = done[1] / max(time.monotonic() - started, 1e-6)
+            progress.update(
+                task, description=f"purged {done[1]:,} of {done[0]:,} looked at ({rate:,.0f}/s)"
+            )
+
+        service.on_batch = batch
+        return service.run_once().deleted
+
+
+def _purge_service(store: Store, every: timedelta, batch_size: int) -> None:
+    def report(run: oncely.PurgeRun) -> None:
+        if run.leader:
+            click.echo(
+                f"purged {run.deleted} expired record{'s' if run.deleted != 1 else ''} in "
+                f"{run.seconds:.2f}s ({run.rows_per_s:,.0f}/s); next in {format_duration(every)}"
+            )
+        else:
+            click.echo(f"another purge leads; next try in {format_duration(every)}")
+
+    service = oncely.PurgeService(store, every=every, batch_size=batch_size, on_run=report)
+    previous = signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    try:
+        service.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    click.echo("purge service stopped")
 
 
 # ----------------------------------------------------------------------------- forget

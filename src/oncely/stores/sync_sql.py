@@ -33,7 +33,8 @@ its own beside the store, never a layer of it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from oncely._core.forking import forget_parent_in_children
@@ -220,7 +221,16 @@ class SQLStoreBase(Generic[Q]):
         d = self._dialect
         return bool(self._rows("forget", d.forget, d.who(consumer, key)))
 
-    def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+    def purge_expired(
+        self,
+        *,
+        batch_size: int = 1000,
+        max_batches: int | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Delete expired records in batches of ``batch_size`` (at most ``max_batches``) and
+        return how many went. ``on_batch(taken, deleted)`` is called after each batch (a
+        progress display, a purge service's report)."""
         if not 1 <= batch_size <= 10_000:
             raise ValueError("batch_size must be between 1 and 10000")
         deleted = 0
@@ -228,6 +238,8 @@ class SQLStoreBase(Generic[Q]):
         after: Position | None = None
         while max_batches is None or batches < max_batches:
             seen, gone, after = self._purge_batch(after, batch_size)
+            if on_batch is not None:
+                on_batch(seen, gone)
             if not seen:
                 break
             deleted += gone
@@ -235,3 +247,11 @@ class SQLStoreBase(Generic[Q]):
             if seen < batch_size:
                 break
         return deleted
+
+    @contextmanager
+    def purge_leader(self) -> Iterator[bool]:
+        """Whether this process leads the purge of this table while the block runs: at most
+        one does at a time, across processes and machines (a purge service asks before each
+        run). The lead ends with the block, or with the process. Each store overrides this
+        with its server's lock; this default leads always (one process)."""
+        yield True

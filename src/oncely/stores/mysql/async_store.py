@@ -23,11 +23,12 @@ own, in :mod:`oncely.stores.mysql.async_tx`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from datetime import timedelta
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -327,6 +328,28 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         params = who(consumer, key)
         found = await self._run("forget", lambda conn: execute(conn, self._dialect.forget, params))
         return found[0] > 0
+
+    @asynccontextmanager
+    async def purge_leader(self) -> AsyncIterator[bool]:
+        # A named lock (GET_LOCK) on a connection of its own, held for the lead: the server
+        # frees it when the connection ends, also when the process dies. Names are at most
+        # 64 characters: the table's name is hashed into it.
+        table = f"{self._settings.database}.{self._dialect.table}".encode()
+        name = {"name": "oncely-purge-" + hashlib.sha256(table).hexdigest()[:40]}
+        conn = await self._open()
+        try:
+            try:
+                (held,) = (await fetchall(conn, "SELECT GET_LOCK(%(name)s, 0)", name))[0]
+            except DRIVER_ERRORS as exc:
+                raise translate(exc, "the purge's lead") from exc
+            try:
+                yield held == 1
+            finally:
+                if held == 1:
+                    with suppress(*DRIVER_ERRORS):
+                        await fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+        finally:
+            await close(conn)
 
     async def _purge_batch(
         self, after: Position | None, limit: int

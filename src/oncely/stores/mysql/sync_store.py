@@ -25,11 +25,12 @@ own, in :mod:`oncely.stores.mysql.sync_tx`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -329,6 +330,28 @@ class MySQLStore(SQLStoreBase[str]):
         params = who(consumer, key)
         found = self._run("forget", lambda conn: execute(conn, self._dialect.forget, params))
         return found[0] > 0
+
+    @contextmanager
+    def purge_leader(self) -> Iterator[bool]:
+        # A named lock (GET_LOCK) on a connection of its own, held for the lead: the server
+        # frees it when the connection ends, also when the process dies. Names are at most
+        # 64 characters: the table's name is hashed into it.
+        table = f"{self._settings.database}.{self._dialect.table}".encode()
+        name = {"name": "oncely-purge-" + hashlib.sha256(table).hexdigest()[:40]}
+        conn = self._open()
+        try:
+            try:
+                (held,) = (fetchall(conn, "SELECT GET_LOCK(%(name)s, 0)", name))[0]
+            except DRIVER_ERRORS as exc:
+                raise translate(exc, "the purge's lead") from exc
+            try:
+                yield held == 1
+            finally:
+                if held == 1:
+                    with suppress(*DRIVER_ERRORS):
+                        fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+        finally:
+            close(conn)
 
     def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
         found, count = self._run("purge", partial(self._purge_keys, limit=limit))

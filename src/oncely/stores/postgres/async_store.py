@@ -452,6 +452,22 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         except psycopg.Error as exc:
             raise self._error(exc, "reading the schema version") from exc
 
+    @asynccontextmanager
+    async def purge_leader(self) -> AsyncIterator[bool]:
+        # A session-level advisory lock, on a connection held for the lead: if the process
+        # dies, its session ends and the lock with it.
+        key = {"key": self._dialect.purge_lock_key}
+        try:
+            async with self._admin() as conn:
+                (held,) = (await fetchall(conn, b"SELECT pg_try_advisory_lock(%(key)s)", key))[0]
+                try:
+                    yield bool(held)
+                finally:
+                    if held:
+                        await fetchall(conn, b"SELECT pg_advisory_unlock(%(key)s)", key)
+        except psycopg.Error as exc:
+            raise self._error(exc, "the purge's lead") from exc
+
     async def _purge_batch(
         self, after: Position | None, limit: int
     ) -> tuple[int, int, Position | None]:

@@ -156,6 +156,7 @@ class PostgresDialect(PlainRows[bytes]):
         "purge",
         "purge_index",
         "purge_index_valid",
+        "purge_lock_key",
         "read_version",
         "regclass",
         "release",
@@ -183,6 +184,9 @@ class PostgresDialect(PlainRows[bytes]):
         # Serialises concurrent migrations of this table: CREATE TABLE IF NOT EXISTS run at
         # the same moment by two sessions can still fail on the catalog's unique index.
         self.lock_key = int.from_bytes(digest[:8], "big", signed=True)
+        # One purge leader per table (the purge service's session-level advisory lock).
+        purge = hashlib.sha256(f"oncely-purge:{self.schema}.{self.table}".encode()).digest()
+        self.purge_lock_key = int.from_bytes(purge[:8], "big", signed=True)
         # Which of the table, its meta table and the schema exist (parameters: ``names``).
         self.regclass = _b(
             "SELECT to_regclass(%(table)s) IS NOT NULL, to_regclass(%(meta)s) IS NOT NULL, "

@@ -454,6 +454,22 @@ class PostgresStore(SQLStoreBase[bytes]):
         except psycopg.Error as exc:
             raise self._error(exc, "reading the schema version") from exc
 
+    @contextmanager
+    def purge_leader(self) -> Iterator[bool]:
+        # A session-level advisory lock, on a connection held for the lead: if the process
+        # dies, its session ends and the lock with it.
+        key = {"key": self._dialect.purge_lock_key}
+        try:
+            with self._admin() as conn:
+                (held,) = (fetchall(conn, b"SELECT pg_try_advisory_lock(%(key)s)", key))[0]
+                try:
+                    yield bool(held)
+                finally:
+                    if held:
+                        fetchall(conn, b"SELECT pg_advisory_unlock(%(key)s)", key)
+        except psycopg.Error as exc:
+            raise self._error(exc, "the purge's lead") from exc
+
     def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
         # One statement takes a batch from the start of the purge_ms index, deletes what
         # expired and moves the rest forward: every batch starts from the start again.

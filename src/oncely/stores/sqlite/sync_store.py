@@ -73,6 +73,11 @@ _FIRST_BACKOFF_S: Final = 0.001
 _MAX_BACKOFF_S: Final = 0.05
 
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: one process leads the purge, unchecked
+    fcntl = None  # type: ignore[assignment]
+
 _PURGE_WRITE_ROWS = 100
 """Rows a purge deletes (or moves) per write transaction (see ``_purge_batch``)."""
 
@@ -372,6 +377,27 @@ class SQLiteStore(SQLStoreBase[str]):
             return self._patiently("reading the schema version", self._version, conn, deadline)
         finally:
             close(conn)
+
+    @contextmanager
+    def purge_leader(self) -> Iterator[bool]:
+        # An exclusive lock (flock) on a file beside the database, held for the lead: the
+        # kernel frees it when the process dies. A database in memory is one process's.
+        if self._memory or self._uri or fcntl is None:
+            yield True
+            return
+        fd = os.open(f"{self._path}-oncely-purge.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
         # Candidates are read first (WAL readers never block writers), then deleted by key,

@@ -1,0 +1,129 @@
+"""The purge service: expired records deleted every so often by one process per table.
+
+Expired records already count as absent everywhere, so purging is housekeeping: it keeps the
+table the size of what is retained. :class:`AsyncPurgeService` (and the generated
+:class:`~oncely.stores.sync_purging.PurgeService`) runs ``purge_expired`` every ``every``, but
+only while it holds the store's purge lead (:meth:`purge_leader`: a PostgreSQL advisory lock,
+a MariaDB ``GET_LOCK``, a lock file beside a SQLite database), so a fleet of consumers that all
+run it purges each table once at a time. Each run is reported to ``on_run`` and logged on the
+``oncely`` logger: rows deleted, rows per second, and whether this process led.
+
+``oncely inbox purge --every 1m`` runs one from the command line; ``BrokerConsumer`` and
+``oncely consume`` run one beside the consumer with ``purge_every``.
+"""
+
+from __future__ import annotations
+
+from oncely._twin import ASYNC
+
+if ASYNC:
+    from asyncio import Event, sleep, wait_for
+else:
+    from threading import Event
+    from time import sleep
+
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from time import perf_counter
+from typing import Any
+
+from oncely.errors import ConfigurationError, StoreError
+from oncely.stores._purging import LOGGER, PurgeRun, _Stopped
+
+__all__ = ["AsyncPurgeService", "PurgeRun"]  # noqa: RUF022, RUF100 - its sync twin sorts otherwise
+
+
+class AsyncPurgeService:
+    """Purges ``store`` every ``every`` while this process leads its purge.
+
+    ``batch_size`` rows per batch (each a short transaction of its own); ``on_run`` receives
+    each :class:`PurgeRun`; ``on_batch(taken, deleted)`` each batch (a progress display).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        every: timedelta,
+        batch_size: int = 1000,
+        on_run: Callable[[PurgeRun], None] | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if every <= timedelta(0):
+            raise ConfigurationError("a purge service needs a positive interval (every)")
+        if not 1 <= batch_size <= 10_000:
+            raise ConfigurationError("batch_size must be between 1 and 10000")
+        self.store = store
+        self.every = every
+        self.batch_size = batch_size
+        self.on_run = on_run
+        self.on_batch = on_batch
+        self._stop = Event()
+        self._batches = 0
+        # Stores of oncely's own report each batch; one of a third party may not.
+        self._reports = "on_batch" in inspect.signature(store.purge_expired).parameters
+
+    def stop(self) -> None:
+        """End :meth:`run` after the current batch (from another task or thread)."""
+        self._stop.set()
+
+    @asynccontextmanager
+    async def _lead(self) -> AsyncIterator[bool]:
+        leader = getattr(self.store, "purge_leader", None)
+        if leader is None:  # a store without a lock of its own: one process is assumed
+            yield True
+            return
+        async with leader() as held:
+            yield held
+
+    def _batch(self, taken: int, deleted: int) -> None:
+        self._batches += 1
+        if self.on_batch is not None:
+            self.on_batch(taken, deleted)
+        if self._stop.is_set():
+            raise _Stopped
+
+    async def run_once(self) -> PurgeRun:
+        """One run: purge everything expired if this process leads, else nothing."""
+        started = perf_counter()
+        self._batches = 0
+        deleted = 0
+        async with self._lead() as leader:
+            if leader:
+                options: dict[str, Any] = {"batch_size": self.batch_size}
+                if self._reports:
+                    options["on_batch"] = self._batch
+                with contextlib.suppress(_Stopped):
+                    deleted = await self.store.purge_expired(**options)
+        run = PurgeRun(leader, deleted, self._batches, perf_counter() - started)
+        if leader:
+            LOGGER.info(
+                "purge deleted=%d batches=%d seconds=%.3f rows_per_s=%.0f",
+                run.deleted, run.batches, run.seconds, run.rows_per_s,
+            )  # fmt: skip
+        else:
+            LOGGER.debug("purge skipped: another process leads the purge of %r", self.store)
+        if self.on_run is not None:
+            self.on_run(run)
+        return run
+
+    async def run(self) -> None:
+        """Run every ``every`` until :meth:`stop`. A store failure is logged and the next run
+        tries again: the purge is never the reason a consumer stops."""
+        while not self._stop.is_set():
+            try:
+                await self.run_once()
+            except StoreError as exc:
+                LOGGER.warning("purge failed, trying again in %s: %s", self.every, exc)
+            await self._pause()
+
+    async def _pause(self) -> None:
+        if ASYNC:
+            with contextlib.suppress(TimeoutError):
+                await wait_for(self._stop.wait(), self.every.total_seconds())
+        else:
+            self._stop.wait(self.every.total_seconds())
+        await sleep(0)
