@@ -1,0 +1,469 @@
+"""The inbox at production size: ``python bench/scale.py --store postgres``.
+
+Loads records in oncely's exact shape (36-character uuid keys in random order, real-size
+fingerprints and tokens, 100-byte results, expiry spread over 7 days, 10% already expired)
+into a table of its own, growing it through ``--sizes``, and at each size measures with the
+store's own API (the sync class, one connection's worth of calls):
+
+* claim latency p50/p99 for new keys (claim + complete) and duplicates (a claim that finds the
+  completed record), ``--probe`` of each;
+* a concurrent consumer's claim p99 with no purge running, then during a purge of the 10%
+  expired, and the purge's rows per second;
+* an empty purge (nothing expired any more): its wall time;
+* bytes per record (table and indexes, as the server or the file reports them).
+
+Writes ``bench/results/scale-<store>.md`` / ``.json`` / ``.png`` (``--out`` to change). The
+table is dropped afterwards. ``--sizes 10000,100000,1000000,10000000`` for the 10^7 run.
+Records are loaded by the driver's bulk path (COPY, executemany), not through oncely; rows
+carry ``purge_ms`` when the table has it, so the same command measures an older oncely too
+(``PYTHONPATH=<old checkout>/src python bench/scale.py ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import oncely
+from oncely.stores import ClaimStatus
+
+HERE = Path(__file__).resolve().parent
+DAY_MS = 86_400_000
+KEEP_MS = 7 * DAY_MS
+LEASE_MS = 30_000
+BUCKET_MS = 60_000
+FP = oncely.fingerprint({"order": "x" * 200})
+RESULT = os.urandom(100)
+POSTGRES_URL = os.environ.get(
+    "ONCELY_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+MYSQL_URL = os.environ.get("ONCELY_BENCH_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+COLUMNS = (
+    "consumer, key, status, fingerprint, token, attempt, created_ms, updated_ms, "
+    "lease_until_ms, expires_ms, result, error"
+)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def bucket(ms: int) -> int:
+    return -(-ms // BUCKET_MS) * BUCKET_MS
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ------------------------------------------------------------------------------- the stores
+
+
+class Target:
+    """One store kind: how to open the oncely store, bulk-load rows, and read the size."""
+
+    name: str
+    store: Any
+
+    def has_purge_column(self) -> bool:
+        raise NotImplementedError
+
+    def load(self, rows: list[tuple[Any, ...]]) -> None:
+        raise NotImplementedError
+
+    def bytes_used(self) -> int:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        raise NotImplementedError
+
+    def server(self) -> str:
+        return ""
+
+
+class Postgres(Target):
+    name = "postgres"
+
+    def __init__(self) -> None:
+        import psycopg  # noqa: PLC0415 - only this store needs it
+
+        from oncely.stores.postgres import PostgresStore  # noqa: PLC0415
+
+        self.table = f"oncely_scale_{os.urandom(3).hex()}"
+        self.conn = psycopg.connect(POSTGRES_URL, autocommit=True)
+        self.store = PostgresStore(POSTGRES_URL, table=self.table, pool_max=4)
+        self.store.migrate()
+
+    def has_purge_column(self) -> bool:
+        rows = self.conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = %s "
+            "AND column_name = 'purge_ms'",
+            (self.table,),
+        ).fetchall()
+        return bool(rows)
+
+    def load(self, rows: list[tuple[Any, ...]]) -> None:
+        columns = COLUMNS + (", purge_ms" if len(rows[0]) == 13 else "")
+        with self.conn.cursor().copy(f'COPY "{self.table}" ({columns}) FROM STDIN') as copy:
+            for row in rows:
+                copy.write_row(row)
+        self.conn.execute(f'ANALYZE "{self.table}"')
+
+    def bytes_used(self) -> int:
+        row = self.conn.execute("SELECT pg_total_relation_size(%s)", (self.table,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def drop(self) -> None:
+        self.store.close()
+        self.conn.execute(f'DROP TABLE IF EXISTS "{self.table}", "{self.table}_meta"')
+
+    def server(self) -> str:
+        row = self.conn.execute("SHOW server_version").fetchone()
+        return f"PostgreSQL {row[0] if row else '?'}"
+
+
+class SQLite(Target):
+    name = "sqlite"
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="oncely-scale-")
+        self.path = os.path.join(self.dir, "inbox.db")
+        self.store = oncely.SQLiteStore(self.path)
+        self.store.migrate()
+        self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+
+    def has_purge_column(self) -> bool:
+        names = [r[1] for r in self.conn.execute("PRAGMA table_info(oncely_inbox)")]
+        return "purge_ms" in names
+
+    def load(self, rows: list[tuple[Any, ...]]) -> None:
+        marks = ", ".join("?" * len(rows[0]))
+        columns = COLUMNS + (", purge_ms" if len(rows[0]) == 13 else "")
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.executemany(f"INSERT INTO oncely_inbox ({columns}) VALUES ({marks})", rows)
+        self.conn.execute("COMMIT")
+        self.conn.execute("ANALYZE")
+
+    def bytes_used(self) -> int:
+        ((pages,),) = self.conn.execute("PRAGMA page_count")
+        ((size,),) = self.conn.execute("PRAGMA page_size")
+        ((free,),) = self.conn.execute("PRAGMA freelist_count")
+        return int((pages - free) * size)
+
+    def drop(self) -> None:
+        self.store.close()
+        self.conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.remove(self.path + suffix)
+        os.rmdir(self.dir)
+
+    def server(self) -> str:
+        return f"SQLite {sqlite3.sqlite_version}"
+
+
+class MySQL(Target):
+    name = "mysql"
+
+    def __init__(self) -> None:
+        import pymysql  # noqa: PLC0415 - only this store needs it
+
+        from oncely.stores.mysql import MySQLStore  # noqa: PLC0415
+        from oncely.stores.mysql.errors import parse_url  # noqa: PLC0415
+
+        self.table = f"oncely_scale_{os.urandom(3).hex()}"
+        s = parse_url(MYSQL_URL).settings
+        self.conn = pymysql.connect(
+            host=s.host, port=s.port, user=s.user, password=s.password or "",
+            database=s.database, autocommit=True, charset="utf8mb4",
+        )  # fmt: skip
+        self.store = MySQLStore.from_url(f"{MYSQL_URL}?table={self.table}")
+        self.store.migrate()
+
+    def _sql(self, statement: str, params: Any = None) -> list[Any]:
+        with self.conn.cursor() as cursor:
+            cursor.execute(statement, params)
+            return list(cursor.fetchall())
+
+    def has_purge_column(self) -> bool:
+        return bool(self._sql(f"SHOW COLUMNS FROM `{self.table}` LIKE 'purge_ms'"))
+
+    def load(self, rows: list[tuple[Any, ...]]) -> None:
+        columns = COLUMNS.replace("key", "`key`") + (", purge_ms" if len(rows[0]) == 13 else "")
+        marks = ", ".join(["%s"] * len(rows[0]))
+        statement = f"INSERT INTO `{self.table}` ({columns}) VALUES ({marks})"
+        with self.conn.cursor() as cursor:
+            for start in range(0, len(rows), 5000):
+                self.conn.begin()
+                cursor.executemany(statement, rows[start : start + 5000])
+                self.conn.commit()
+        self._sql(f"ANALYZE TABLE `{self.table}`")
+
+    def bytes_used(self) -> int:
+        rows = self._sql(
+            "SELECT data_length + index_length FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %s",
+            (self.table,),
+        )
+        return int(rows[0][0]) if rows else 0
+
+    def drop(self) -> None:
+        self.store.close()
+        self._sql(f"DROP TABLE IF EXISTS `{self.table}`, `{self.table}_meta`")
+        self.conn.close()
+
+    def server(self) -> str:
+        return f"MariaDB/MySQL {self._sql('SELECT version()')[0][0]}"
+
+
+TARGETS: dict[str, Callable[[], Target]] = {"postgres": Postgres, "sqlite": SQLite, "mysql": MySQL}
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+def make_rows(
+    n: int, expired: float, purge_column: bool, keys: list[str], order: str
+) -> list[tuple[Any, ...]]:
+    """``n`` completed records; a share ``expired`` already past their expiry. ``order``
+    "time" writes them in expiry order, as a live inbox does (a record's expiry is its last
+    write plus the retention); "random" in random order, the worst case for the purge."""
+    now = now_ms()
+    rows = []
+    for _ in range(n):
+        key = str(uuid.uuid4())
+        if random.random() < expired:
+            expires = now - random.randint(1_000, DAY_MS)
+        else:
+            expires = now + random.randint(BUCKET_MS, KEEP_MS)
+            if len(keys) < 200_000:
+                keys.append(key)
+        written = expires - KEEP_MS
+        row: tuple[Any, ...] = (
+            "bench", key, "completed", FP, os.urandom(16).hex(), 1, written, written,
+            written, expires, RESULT, None,
+        )  # fmt: skip
+        rows.append((*row, bucket(expires)) if purge_column else row)
+    if order == "time":
+        rows.sort(key=lambda r: r[9])
+    return rows
+
+
+def claim_new(store: Any, key: str) -> None:
+    token = os.urandom(16).hex()
+    claim = store.claim(
+        "bench", key, fingerprint=FP, token=token, lease_ms=LEASE_MS, keep_ms=KEEP_MS,
+        takeover=True,
+    )  # fmt: skip
+    store.complete("bench", key, token=claim.record.token, result=RESULT, keep_ms=KEEP_MS)
+
+
+def claim_duplicate(store: Any, key: str) -> None:
+    claim = store.claim(
+        "bench", key, fingerprint=FP, token=os.urandom(16).hex(), lease_ms=LEASE_MS,
+        keep_ms=KEEP_MS, takeover=True,
+    )  # fmt: skip
+    if claim.status is not ClaimStatus.EXISTING:
+        raise SystemExit(f"a duplicate of {key} was not found: {claim.status}")
+
+
+def timed(calls: Iterator[Callable[[], None]]) -> list[float]:
+    out = []
+    for call in calls:
+        started = time.perf_counter()
+        call()
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+@contextmanager
+def consumer(store: Any) -> Iterator[list[float]]:
+    """A consumer claiming new keys (claim + complete) in a thread while the block runs; its
+    latencies in ms."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            key = str(uuid.uuid4())
+            started = time.perf_counter()
+            claim_new(store, key)
+            latencies.append((time.perf_counter() - started) * 1000)
+            time.sleep(0.002)  # about 400 messages a second: a busy consumer, not a flood
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+@dataclass
+class Point:
+    size: int
+    new_p50: float = 0.0
+    new_p99: float = 0.0
+    dup_p50: float = 0.0
+    dup_p99: float = 0.0
+    quiet_p99: float = 0.0
+    purge_p99: float = 0.0
+    purge_max: float = 0.0
+    purged: int = 0
+    purge_s: float = 0.0
+    purge_rate: float = 0.0
+    empty_purge_s: float = 0.0
+    bytes_per_record: float = 0.0
+    load_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def measure(target: Target, size: int, probe: int, keys: list[str], load_s: float) -> Point:
+    store = target.store
+    point = Point(size=size, load_s=load_s)
+    point.bytes_per_record = target.bytes_used() / size
+    fresh = [str(uuid.uuid4()) for _ in range(probe)]
+    new = timed(lambda k=k: claim_new(store, k) for k in fresh)
+    sample = random.sample(keys, min(probe, len(keys)))
+    dup = timed(lambda k=k: claim_duplicate(store, k) for k in sample)
+    point.new_p50, point.new_p99 = pct(new, 0.5), pct(new, 0.99)
+    point.dup_p50, point.dup_p99 = pct(dup, 0.5), pct(dup, 0.99)
+    with consumer(store) as quiet:
+        time.sleep(3)
+    point.quiet_p99 = pct(quiet, 0.99)
+    with consumer(store) as during:
+        started = time.perf_counter()
+        point.purged = store.purge_expired(batch_size=1000)
+        point.purge_s = time.perf_counter() - started
+    point.purge_p99 = pct(during, 0.99)
+    point.purge_max = max(during, default=float("nan"))
+    point.purge_rate = point.purged / point.purge_s if point.purge_s else 0.0
+    started = time.perf_counter()
+    left = store.purge_expired(batch_size=1000)
+    point.empty_purge_s = time.perf_counter() - started
+    point.extra["empty_purge_deleted"] = left
+    return point
+
+
+def table(points: list[Point]) -> str:
+    head = (
+        "| records | claim new p50 / p99 (ms) | duplicate p50 / p99 (ms) | consumer p99 quiet / "
+        "during purge (ms) | purge: rows, rows/s | empty purge (s) | bytes/record |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = [
+        f"| {p.size:,} | {p.new_p50:.2f} / {p.new_p99:.2f} | {p.dup_p50:.2f} / {p.dup_p99:.2f} | "
+        f"{p.quiet_p99:.2f} / {p.purge_p99:.2f} | {p.purged:,}, {p.purge_rate:,.0f} | "
+        f"{p.empty_purge_s:.3f} | {p.bytes_per_record:.0f} |"
+        for p in points
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def chart(points: list[Point], title: str, path: Path) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415 - optional, the bench extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return
+    sizes = [p.size for p in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, values in (
+        ("new p50", [p.new_p50 for p in points]), ("new p99", [p.new_p99 for p in points]),
+        ("duplicate p50", [p.dup_p50 for p in points]),
+        ("duplicate p99", [p.dup_p99 for p in points]),
+        ("consumer p99 during purge", [p.purge_p99 for p in points]),
+    ):  # fmt: skip
+        left.plot(sizes, values, marker="o", label=label)
+    left.set(xscale="log", xlabel="records", ylabel="ms", title="claim latency")
+    left.legend(fontsize=8)
+    right.plot(sizes, [p.purge_rate for p in points], marker="o", label="purge rows/s")
+    right.set(xscale="log", yscale="log", xlabel="records", ylabel="rows/s", title="purge rate")
+    right2 = right.twinx()
+    right2.plot(sizes, [p.empty_purge_s for p in points], marker="s", color="tab:red",
+                label="empty purge (s)")  # fmt: skip
+    right2.set_ylabel("empty purge (s)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python bench/scale.py", description=__doc__.split("\n")[0])
+    p.add_argument("--store", choices=sorted(TARGETS), required=True)
+    p.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated")
+    p.add_argument("--expired", type=float, default=0.10, help="share loaded already expired")
+    p.add_argument("--probe", type=int, default=2000, help="claims timed per kind and size")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="where results go")
+    p.add_argument("--label", default="", help="a suffix for the result files")
+    p.add_argument(
+        "--order", choices=("time", "random"), default="time",
+        help="rows written in expiry order, as a live inbox writes them (default), or at random",
+    )  # fmt: skip
+    args = p.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    target = TARGETS[args.store]()
+    command = "python bench/scale.py " + " ".join(sys.argv[1:])
+    points: list[Point] = []
+    keys: list[str] = []
+    try:
+        purge_column = target.has_purge_column()
+        loaded = 0
+        for size in sizes:
+            started = time.perf_counter()
+            while loaded < size:
+                chunk = min(200_000, size - loaded)
+                target.load(make_rows(chunk, args.expired, purge_column, keys, args.order))
+                loaded += chunk
+            load_s = time.perf_counter() - started
+            point = measure(target, size, args.probe, keys, load_s)
+            loaded -= point.purged
+            points.append(point)
+            print(table([point]).splitlines()[-1], flush=True)
+        server = target.server()
+    finally:
+        target.drop()
+    stem = f"scale-{args.store}{'-' + args.label if args.label else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    host = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    title = f"{server}: oncely {getattr(oncely, '__version__', '?')} (purge_ms: {purge_column})"
+    text = (
+        f"# {title}\n\n`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{host}\n\n{table(points)}\n"
+        f"Each size: {args.probe} claims of each kind timed one by one; the consumer runs "
+        "claim + complete about 400 times a second in a thread; the purge deletes the "
+        f"{args.expired:.0%} loaded expired (batches of 1000). Rows loaded in {args.order} "
+        "order; load times: " + ", ".join(f"{p.size:,}: {p.load_s:.0f} s" for p in points) + ".\n"
+    )
+    (args.out / f"{stem}.md").write_text(text)
+    data = {"title": title, "command": command, "points": [vars(p) for p in points]}
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    chart(points, title, args.out / f"{stem}.png")
+    print(text)
+    print(f"median claim p50 over sizes: {statistics.median(p.new_p50 for p in points):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
