@@ -244,8 +244,9 @@ def make_rows(
     n: int, expired: float, purge_column: bool, keys: list[str], order: str
 ) -> list[tuple[Any, ...]]:
     """``n`` completed records; a share ``expired`` already past their expiry. ``order``
-    "time" writes them in expiry order, as a live inbox does (a record's expiry is its last
-    write plus the retention); "random" in random order, the worst case for the purge."""
+    "time" writes them in expiry order (within each call), as a live inbox does (a record's
+    expiry is its last write plus the retention); "random" in random order, the worst case
+    for the purge."""
     now = now_ms()
     rows = []
     for _ in range(n):

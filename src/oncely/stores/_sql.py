@@ -28,6 +28,7 @@ __all__ = [
     "parse_record",
     "parse_scanned",
     "parse_stats",
+    "parse_versions",
     "purge_bucket",
     "scan_params",
 ]
@@ -49,6 +50,15 @@ The invariant every write keeps: ``purge_ms <= bucket(expires_ms)``, so no expir
 missed. A write that extends the expiry may leave ``purge_ms`` behind (a completion that
 crossed a minute, a row written by an older oncely with the column's default 0); the purge
 finds such a row early, sees it is not expired, and moves its ``purge_ms`` forward."""
+
+
+def parse_versions(rows: Iterable[Sequence[Any]]) -> tuple[int | None, int]:
+    """The schema version (None: no tables) and revision (1 where none is written) from the
+    meta table's ``(name, value)`` rows."""
+    found = {str(name): value for name, value in rows}
+    if "schema_version" not in found:
+        return None, 1
+    return int(found["schema_version"]), int(found.get("revision", 1))
 
 
 def purge_bucket(ms: int) -> int:

@@ -17,10 +17,9 @@ from __future__ import annotations
 from oncely._twin import ASYNC
 
 if ASYNC:
-    from asyncio import Event, sleep, wait_for
+    from asyncio import Event, wait_for
 else:
     from threading import Event
-    from time import sleep
 
 import contextlib
 import inspect
@@ -126,4 +125,3 @@ class AsyncPurgeService:
                 await wait_for(self._stop.wait(), self.every.total_seconds())
         else:
             self._stop.wait(self.every.total_seconds())
-        await sleep(0)

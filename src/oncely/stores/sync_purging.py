@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from threading import Event
-from time import perf_counter, sleep
+from time import perf_counter
 from typing import Any
 
 from oncely.errors import ConfigurationError, StoreError
@@ -117,4 +117,3 @@ class PurgeService:
 
     def _pause(self) -> None:
         self._stop.wait(self.every.total_seconds())
-        sleep(0)

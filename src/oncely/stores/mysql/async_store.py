@@ -56,6 +56,7 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import StoreUnavailable, TransactionRequired
+from oncely.stores._sql import parse_versions
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.mysql.async_io import (
     AsyncPool,
@@ -286,14 +287,11 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     async def _versions(self, conn: Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            rows = dict(await fetchall(conn, self._dialect.read_version))
+            return parse_versions(await fetchall(conn, self._dialect.read_version))
         except DRIVER_ERRORS as exc:
             if code_of(exc) == NO_SUCH_TABLE:
                 return None, 1
             raise translate(exc, "reading the schema version") from exc
-        if "schema_version" not in rows:
-            return None, 1
-        return int(rows["schema_version"]), int(rows.get("revision", 1))
 
     async def _version(self, conn: Connection) -> int | None:
         return (await self._versions(conn))[0]

@@ -43,6 +43,7 @@ from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Statu
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import ConfigurationError, StoreError, StoreUnavailable, TransactionRequired
+from oncely.stores._sql import parse_versions
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.postgres.async_io import (
     Connection,
@@ -397,10 +398,9 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         """The schema version (None: no tables) and revision (1 where none is written)."""
         d = self._dialect
         table, meta, _ = (await fetchall(conn, d.regclass, d.names))[0]
-        rows = dict(await fetchall(conn, d.read_version)) if meta else {}
-        if not table or "schema_version" not in rows:
+        if not (table and meta):
             return None, 1
-        return int(rows["schema_version"]), int(rows.get("revision", 1))
+        return parse_versions(await fetchall(conn, d.read_version))
 
     async def _version(self, conn: Connection) -> int | None:
         return (await self._versions(conn))[0]

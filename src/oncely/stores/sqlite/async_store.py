@@ -59,7 +59,7 @@ from oncely._core.records import (
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
-from oncely.stores._sql import purge_bucket
+from oncely.stores._sql import parse_versions, purge_bucket
 from oncely.stores.async_sql import Position, SQLStoreBase
 from oncely.stores.sqlite.async_io import AsyncPool, Params, close, connect, fetchall
 from oncely.stores.sqlite.async_tx import _Transaction
@@ -276,14 +276,11 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     async def _versions(self, conn: aiosqlite.Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            rows = dict(await fetchall(conn, self._dialect.read_version))
+            return parse_versions(await fetchall(conn, self._dialect.read_version))
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc).lower():
                 return None, 1
             raise
-        if "schema_version" not in rows:
-            return None, 1
-        return int(rows["schema_version"]), int(rows.get("revision", 1))
 
     async def _version(self, conn: aiosqlite.Connection) -> int | None:
         return (await self._versions(conn))[0]
@@ -412,7 +409,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         self, after: Position | None, limit: int
     ) -> tuple[int, int, Position | None]:
         # Candidates are read first (WAL readers never block writers), then deleted by key,
-        # still expired, in one short write; rows behind their expiry are moved forward.
+        # still expired, in short writes; rows behind their expiry are moved forward.
         now = self._now()
         params = {"now": now, "limit": limit}
         d = self._dialect
@@ -429,19 +426,19 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             # lock free half the time (a claim that finds it taken sleeps in SQLite's busy
             # handler, in steps of 1, 2, 5, 10 ms and more).
             step = 2 * _PURGE_WRITE_ROWS
-            for start in range(0, len(expired), step):
-                pairs = expired[start : start + step]
-                began = monotonic()
-                sql = d.purge_delete(len(pairs) // 2)
-                deleted += len(await self._pool.fetchall(conn, sql, [*pairs, now]))
-                if not self._memory:
-                    await self._pool.fetchall(conn, "PRAGMA wal_checkpoint(PASSIVE)")
-                await sleep(monotonic() - began)
-            for start in range(0, len(behind), step):
-                pairs = behind[start : start + step]
-                began = monotonic()
-                await self._pool.fetchall(conn, d.purge_move(len(pairs) // 2), [*pairs, now])
-                await sleep(monotonic() - began)
+            for pairs, write, deleting in (
+                (expired, d.purge_delete, True),
+                (behind, d.purge_move, False),
+            ):
+                for start in range(0, len(pairs), step):
+                    chunk = pairs[start : start + step]
+                    began = monotonic()
+                    rows = await self._pool.fetchall(conn, write(len(chunk) // 2), [*chunk, now])
+                    if deleting:
+                        deleted += len(rows)
+                        if not self._memory:
+                            await self._pool.fetchall(conn, "PRAGMA wal_checkpoint(PASSIVE)")
+                    await sleep(monotonic() - began)
         except sqlite3.Error as exc:
             raise translate(exc, "purge") from exc
         finally:

@@ -52,7 +52,7 @@ from oncely._core.records import (
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
-from oncely.stores._sql import purge_bucket
+from oncely.stores._sql import parse_versions, purge_bucket
 from oncely.stores.sqlite.dialect import (
     OLD_STATUS_CHECK,
     SCHEMA_REVISION,
@@ -269,14 +269,11 @@ class SQLiteStore(SQLStoreBase[str]):
     def _versions(self, conn: sqlite3.Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            rows = dict(fetchall(conn, self._dialect.read_version))
+            return parse_versions(fetchall(conn, self._dialect.read_version))
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc).lower():
                 return None, 1
             raise
-        if "schema_version" not in rows:
-            return None, 1
-        return int(rows["schema_version"]), int(rows.get("revision", 1))
 
     def _version(self, conn: sqlite3.Connection) -> int | None:
         return (self._versions(conn))[0]
@@ -401,7 +398,7 @@ class SQLiteStore(SQLStoreBase[str]):
 
     def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
         # Candidates are read first (WAL readers never block writers), then deleted by key,
-        # still expired, in one short write; rows behind their expiry are moved forward.
+        # still expired, in short writes; rows behind their expiry are moved forward.
         now = self._now()
         params = {"now": now, "limit": limit}
         d = self._dialect
@@ -418,19 +415,19 @@ class SQLiteStore(SQLStoreBase[str]):
             # lock free half the time (a claim that finds it taken sleeps in SQLite's busy
             # handler, in steps of 1, 2, 5, 10 ms and more).
             step = 2 * _PURGE_WRITE_ROWS
-            for start in range(0, len(expired), step):
-                pairs = expired[start : start + step]
-                began = monotonic()
-                sql = d.purge_delete(len(pairs) // 2)
-                deleted += len(self._pool.fetchall(conn, sql, [*pairs, now]))
-                if not self._memory:
-                    self._pool.fetchall(conn, "PRAGMA wal_checkpoint(PASSIVE)")
-                sleep(monotonic() - began)
-            for start in range(0, len(behind), step):
-                pairs = behind[start : start + step]
-                began = monotonic()
-                self._pool.fetchall(conn, d.purge_move(len(pairs) // 2), [*pairs, now])
-                sleep(monotonic() - began)
+            for pairs, write, deleting in (
+                (expired, d.purge_delete, True),
+                (behind, d.purge_move, False),
+            ):
+                for start in range(0, len(pairs), step):
+                    chunk = pairs[start : start + step]
+                    began = monotonic()
+                    rows = self._pool.fetchall(conn, write(len(chunk) // 2), [*chunk, now])
+                    if deleting:
+                        deleted += len(rows)
+                        if not self._memory:
+                            self._pool.fetchall(conn, "PRAGMA wal_checkpoint(PASSIVE)")
+                    sleep(monotonic() - began)
         except sqlite3.Error as exc:
             raise translate(exc, "purge") from exc
         finally:
