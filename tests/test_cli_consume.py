@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from oncely.brokers import open_producer
-from tests.brokers.common import unique
+from tests.brokers.common import remove_destinations, unique
 from tests.services import RABBITMQ_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,3 +119,43 @@ def test_consume_runs_a_handler_once_per_message_and_stops_on_sigterm(tmp_path: 
     applied = sorted(json.loads(line)["order"] for line in effects.read_text().splitlines())
     assert applied == [1, 2]
     assert any("oncely consume stopped" in line["message"] for line in lines)
+    horizon = [line for line in lines if "horizon_ms" in line]
+    assert len(horizon) == 1, lines
+    # R13: 5 deliveries x (RabbitMQ's 30 min consumer timeout + up to 8 s of backoff) + 1 day
+    assert horizon[0]["horizon_ms"] == (5 * (1800 + 8) + 86_400) * 1000
+    assert "redelivery horizon 1d2h30m40s" in horizon[0]["message"]
+    assert "retention 7d covers it" in horizon[0]["message"]
+
+
+@pytest.mark.services
+def test_r13_consume_refuses_a_retention_below_its_horizon(tmp_path: Path) -> None:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_horizon")
+    done = _run(
+        [
+            "consume",
+            "--broker",
+            RABBITMQ_URL,
+            "--source",
+            source,
+            "--handler",
+            "tests.brokers.handlers:record",
+            "--store",
+            f"sqlite:///{tmp_path / 'inbox.db'}",
+            "--consumer",
+            "cli-test",
+            "--max-deliveries",
+            "1000",
+            "--retention",
+            "2h",
+            "--resubmit-window",
+            "0s",
+        ]
+    )
+    assert done.returncode == 1, done.stderr
+    # 1000 deliveries would pass RabbitMQ's delivery limit of 20: 20 x (30 min + 1 min).
+    assert (
+        "retention 2h is below the redelivery horizon of this consumer on rabbitmq 10h20m "
+        "(max_deliveries=20 x (lock=30m + delay=1m) + message_ttl=0s)"
+    ) in done.stderr
+    asyncio.run(remove_destinations(RABBITMQ_URL, source))

@@ -33,6 +33,7 @@ import oncely
 from oncely.brokers import (
     Backoff,
     BrokerConsumer,
+    BrokerLimits,
     ConsumerSettings,
     Delivery,
     Producer,
@@ -266,13 +267,18 @@ class BrokerSuite:
             correlation_id=correlation_id,
         )
 
-    def inboxes(self, mode: Mode, n: int) -> list[oncely.AsyncInbox]:
+    def inboxes(
+        self, mode: Mode, n: int, *, retention: oncely.Retention | None = None
+    ) -> list[oncely.AsyncInbox]:
         """``n`` inboxes on one marker table (transactional) or key prefix (two-phase), each
         with connections of its own, as ``n`` consumer processes would have."""
         where = unique("inbox")
         if mode == "transactional":
             self.after(lambda: asyncio.to_thread(drop_store_table, where))
-            made = [oncely.AsyncInbox(pg_store(where), consumer=self.group) for _ in range(n)]
+            made = [
+                oncely.AsyncInbox(pg_store(where), consumer=self.group, retention=retention)
+                for _ in range(n)
+            ]
         else:
             self.after(lambda: _drop_redis_prefix(where))
             made = [
@@ -280,6 +286,7 @@ class BrokerSuite:
                     oncely.AsyncRedisStore.from_url(f"{REDIS_URL}?prefix={where}"),
                     consumer=self.group,
                     lease=oncely.Lease(duration=SECOND),
+                    retention=retention,
                 )
                 for _ in range(n)
             ]
@@ -421,6 +428,66 @@ class BrokerSuite:
         assert self.ledger.counts() == {"pay": 1, "e1": 1}
         assert worker.counts == Counter({"processed": 2, "key_conflict": 2, "rejected": 3})
         await self.assert_settled()
+
+    # ------------------------------------------------------------------ d. retention (R13)
+
+    def expected_limits(self, transport: Transport) -> BrokerLimits:
+        """What the transport, once open, must report about this test broker (without
+        ``source``)."""
+        raise NotImplementedError
+
+    async def test_r13_a_retention_below_the_derived_horizon_refuses_to_start(self) -> None:
+        """1,000 deliveries with a backoff up to an hour: no 2-minute retention covers that.
+        The consumer refuses at start, names the numbers, and takes no message."""
+        await self.publish("order-1")
+        transport = self.transport()
+        short = oncely.Retention(keep=timedelta(minutes=2))
+        consumer = self.consumer(
+            self.apply,
+            inbox=self.inboxes("two_phase", 1, retention=short)[0],
+            transport=transport,
+            max_deliveries=1000,
+            backoff=Backoff(first=SECOND, most=timedelta(hours=1)),
+        )
+        with pytest.raises(oncely.RetentionTooShort) as refused:
+            await asyncio.wait_for(consumer.run(), 30)
+        limits = getattr(transport, "limits", None)
+        assert isinstance(limits, BrokerLimits) and limits.source
+        assert dataclasses.replace(limits, source="") == self.expected_limits(transport)
+        horizon = consumer.settings.horizon(limits)
+        assert consumer.horizon == horizon
+        deliveries = min(1000, limits.max_deliveries or 1000)
+        assert horizon.max_deliveries == deliveries
+        assert horizon.lock == limits.ack_wait
+        assert horizon.redelivery_delay == timedelta(hours=1)
+        assert str(refused.value) == (
+            f"retention 2m is below the redelivery horizon of this consumer on "
+            f"{transport.name} {oncely.format_duration(horizon.total)} ({horizon.explain()}); "
+            "raise the inbox's Retention(keep=...), or lower max_deliveries, the backoff, the "
+            "ack wait or ConsumerSettings.resubmit_window"
+        )
+        assert f"lock={oncely.format_duration(limits.ack_wait or timedelta(0))}" in str(
+            refused.value
+        )
+        assert consumer.counts == Counter()  # nothing was read, nothing settled
+        assert self.ledger.counts() == {}
+        await self.assert_unsettled(1)
+
+    async def test_r13_a_covering_retention_starts_and_logs_its_horizon(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        await self.publish("order-1")
+        consumer = self.consumer(self.apply, resubmit_window=timedelta(hours=6))
+        with caplog.at_level("INFO", logger="oncely.broker"):
+            async with running(consumer):
+                await wait_until(lambda: consumer.counts["processed"] == 1)
+        horizon = consumer.horizon
+        assert horizon.resubmit_window == timedelta(hours=6)
+        lines = [r.getMessage() for r in caplog.records if "redelivery horizon" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"redelivery horizon {oncely.format_duration(horizon.total)} = " in lines[0]
+        assert "retention 7d covers it" in lines[0]
+        assert self.ledger.counts() == {"order-1": 1}
 
     # ------------------------------------------------------------------ e. failing handlers
 

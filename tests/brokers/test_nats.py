@@ -28,7 +28,7 @@ import nats.js.errors
 import pytest
 
 import oncely
-from oncely.brokers import Delivery, open_producer, open_transport
+from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
 from oncely.brokers.nats import JetStream, JetStreamProducer
 from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
 from tests.brokers.foreign import header_lines, publish_nats, read_nats_stream
@@ -135,6 +135,11 @@ class TestJetStream(BrokerSuite):
         assert again.describe()["stream_seq"] == first.describe()["stream_seq"]
         assert again.describe()["consumer_seq"] > first.describe()["consumer_seq"]  # type: ignore[operator]
 
+    def expected_limits(self, transport: Transport) -> BrokerLimits:
+        # The consumer's ack wait (5 s here) and max_deliver (20 by default); the stream
+        # oncely creates has no max_age.
+        return BrokerLimits(ack_wait=timedelta(seconds=5), max_deliveries=20)
+
     # ------------------------------------------------------------------ JetStream's own state
 
     @pytest.fixture
@@ -188,6 +193,34 @@ class TestJetStream(BrokerSuite):
             with contextlib.suppress(Exception):
                 await nc.jetstream().delete_stream(f"{base}_all")
             await nc.close()
+
+    async def test_r13_the_streams_max_age_is_part_of_the_horizon(self) -> None:
+        """A stream that keeps messages for an hour: any consumer of it may be handed a
+        message for an hour, so the horizon counts that hour as the message's time-to-live."""
+        nc = await nats.connect(self.url)
+        try:
+            await nc.jetstream().add_stream(
+                name=self.stream, subjects=[self.source], max_age=3600.0
+            )
+        finally:
+            await nc.close()
+        await self.publish("order-1")
+        transport = self.transport()
+        consumer = self.consumer(
+            self.apply,
+            inbox=self.inboxes(
+                "two_phase", 1, retention=oncely.Retention(keep=timedelta(minutes=30))
+            )[0],
+            transport=transport,
+            resubmit_window=timedelta(0),
+        )
+        with pytest.raises(oncely.RetentionTooShort, match=r"message_ttl=1h\)") as refused:
+            await asyncio.wait_for(consumer.run(), 30)
+        assert transport.limits.message_ttl == timedelta(hours=1)
+        # 3 deliveries x (ack wait 5 s + 200 ms backoff) + the stream's hour
+        assert consumer.horizon.total == timedelta(hours=1, seconds=15.6)
+        assert "retention 30m is below the redelivery horizon" in str(refused.value)
+        assert self.ledger.counts() == {}
 
     # ------------------------------------------------------------------ the duplicate window
 

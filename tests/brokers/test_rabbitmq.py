@@ -20,7 +20,7 @@ import aiormq
 import pytest
 
 import oncely
-from oncely.brokers import Delivery, open_producer, open_transport
+from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
 from oncely.brokers.rabbitmq import DEFAULT_DELIVERY_LIMIT, RabbitMQ, RabbitMQProducer
 from tests.brokers.common import running, unique, wait_until
 from tests.brokers.foreign import publish_amqp
@@ -101,6 +101,10 @@ class TestRabbitMQ(BrokerSuite):
         assert isinstance(first.describe()["delivery_tag"], int)
         assert first.describe()["x-delivery-count"] is None
         assert again.describe()["x-delivery-count"] == 1  # the quorum queue's count
+
+    def expected_limits(self, transport: Transport) -> BrokerLimits:
+        # RabbitMQ's default consumer_timeout (a client cannot read it) and the queue's limit.
+        return BrokerLimits(ack_wait=timedelta(minutes=30), max_deliveries=DEFAULT_DELIVERY_LIMIT)
 
     # ------------------------------------------------------------------ RabbitMQ's own state
 

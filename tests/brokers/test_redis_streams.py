@@ -27,7 +27,15 @@ import pytest
 import redis
 
 import oncely
-from oncely.brokers import DeadLetter, Delivery, cloudevent_headers, open_producer, open_transport
+from oncely.brokers import (
+    BrokerLimits,
+    DeadLetter,
+    Delivery,
+    Transport,
+    cloudevent_headers,
+    open_producer,
+    open_transport,
+)
 from oncely.brokers.redis_streams import RedisStreams, RedisStreamsProducer
 from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
 from tests.brokers.foreign import stream_fields, xadd_raw
@@ -70,6 +78,10 @@ class TestRedisStreams(BrokerSuite):
         options.setdefault("claim_every", 100 * MS)
         made = RedisStreams(url or self.url, self.source, group=self.group, **options)
         return self.closed_after(made)
+
+    def expected_limits(self, transport: Transport) -> BrokerLimits:
+        # An idle entry is taken over at the next claim round: ack wait 30 s + 100 ms.
+        return BrokerLimits(ack_wait=timedelta(seconds=30, milliseconds=100))
 
     async def publish_raw_without_id(self, payload: bytes) -> None:
         xadd_raw(self.source, [stream_fields(payload, content_type=b"application/json")])

@@ -106,14 +106,20 @@ class Retention:
         if self.keep_failed is not None and self.keep_failed <= timedelta(0):
             raise ConfigurationError("retention keep_failed must be positive")
         if self.horizon is not None:
-            total = self.horizon.total
-            for name, value in (("retention", self.keep), ("keep_failed", self.keep_failed)):
-                if value is not None and value < total:
-                    raise RetentionTooShort(
-                        f"{name} {format_duration(value)} is below the redelivery horizon "
-                        f"{format_duration(total)} ({self.horizon.explain()}); raise {name} "
-                        "or lower the broker's limits"
-                    )
+            self.check(self.horizon)
+
+    def check(self, horizon: RedeliveryHorizon, *, of: str = "", advice: str = "") -> None:
+        """Raise :class:`~oncely.RetentionTooShort`, with the numbers, when ``keep`` or
+        ``keep_failed`` is shorter than ``horizon`` (R13). ``of`` says whose horizon it is
+        (``" of this consumer"``); ``advice`` replaces the closing hint."""
+        total = horizon.total
+        for name, value in (("retention", self.keep), ("keep_failed", self.keep_failed)):
+            if value is not None and value < total:
+                raise RetentionTooShort(
+                    f"{name} {format_duration(value)} is below the redelivery horizon{of} "
+                    f"{format_duration(total)} ({horizon.explain()}); "
+                    + (advice or f"raise {name} or lower the broker's limits")
+                )
 
     @property
     def keep_ms(self) -> int:

@@ -43,13 +43,21 @@ from oncely.brokers._consumer import (
     UndecodableBody,
     decode_body,
 )
-from oncely.brokers._shape import Backoff, ConsumerSettings, DeadLetter, Delivery, Transport
+from oncely.brokers._shape import (
+    Backoff,
+    BrokerLimits,
+    ConsumerSettings,
+    DeadLetter,
+    Delivery,
+    Transport,
+)
 from oncely.errors import ConfigurationError
 from oncely.keys import key_source
 
 __all__ = [
     "Backoff",
     "BrokerConsumer",
+    "BrokerLimits",
     "ConsumerSettings",
     "DeadLetter",
     "Delivery",

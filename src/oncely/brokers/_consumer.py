@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
-from oncely import Action, Handled, Outcome
-from oncely.brokers._shape import ConsumerSettings, DeadLetter, Delivery, Transport
+from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
+from oncely._core.clock import to_ms
+from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.heartbeats import AsyncHeartbeats
@@ -219,10 +220,13 @@ class BrokerConsumer:
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
-        purge = self._purge_service()
-        purging = asyncio.create_task(purge.run()) if purge is not None else None
+        purge: AsyncPurgeService | None = None
+        purging: asyncio.Task[None] | None = None
         try:
             await self._open()
+            self._check_horizon()
+            purge = self._purge_service()
+            purging = asyncio.create_task(purge.run()) if purge is not None else None
             await self._read()
         finally:
             try:
@@ -235,6 +239,50 @@ class BrokerConsumer:
                 if handle_signals:
                     for sig in (signal.SIGTERM, signal.SIGINT):
                         loop.remove_signal_handler(sig)
+
+    @property
+    def horizon(self) -> RedeliveryHorizon:
+        """This consumer's redelivery horizon (R13), from its settings and what the transport
+        says about the broker (:meth:`ConsumerSettings.horizon`); exact once :meth:`run`
+        has opened the transport (a broker's limits are read when it connects)."""
+        return self.settings.horizon(self._limits())
+
+    def _limits(self) -> BrokerLimits:
+        limits = getattr(self.transport, "limits", None)
+        if isinstance(limits, BrokerLimits):
+            return limits
+        every = self.transport.extend_every
+        return BrokerLimits(ack_wait=every * 3 if every is not None else None)
+
+    def _check_horizon(self) -> None:
+        """Refuse an inbox that forgets records before the broker stops redelivering (R13)."""
+        inbox = getattr(self.processor, "inbox", None)
+        if not isinstance(inbox, AsyncInbox):
+            return  # a processor of your own keeps its own records
+        limits = self._limits()
+        horizon = self.settings.horizon(limits)
+        retention = inbox.retention
+        retention.check(
+            horizon,
+            of=f" of this consumer on {self.transport.name}",
+            advice="raise the inbox's Retention(keep=...), or lower max_deliveries, the "
+            "backoff, the ack wait or ConsumerSettings.resubmit_window",
+        )
+        self._log.info(
+            "oncely broker=%s consumer=%s redelivery horizon %s = %s%s; retention %s covers it",
+            self.transport.name,
+            self.processor.consumer,
+            format_duration(horizon.total),
+            horizon.explain(),
+            f" (from {limits.source})" if limits.source else "",
+            format_duration(retention.keep),
+            extra={
+                "oncely_broker": self.transport.name,
+                "oncely_consumer": self.processor.consumer,
+                "oncely_horizon_ms": to_ms(horizon.total),
+                "oncely_retention_ms": retention.keep_ms,
+            },
+        )
 
     def _purge_service(self) -> AsyncPurgeService | None:
         every = self.settings.purge_every

@@ -27,10 +27,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
+from oncely._core.policy import RedeliveryHorizon
 from oncely.errors import ConfigurationError
 from oncely.keys import Envelope
 
-__all__ = ["Backoff", "ConsumerSettings", "DeadLetter", "Delivery", "Transport"]
+__all__ = [
+    "Backoff",
+    "BrokerLimits",
+    "ConsumerSettings",
+    "DeadLetter",
+    "Delivery",
+    "Transport",
+]
 
 REASON_HEADER = "x-oncely-reason"
 OUTCOME_HEADER = "x-oncely-outcome"
@@ -110,6 +118,29 @@ class Delivery(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BrokerLimits:
+    """What a transport knows, after :meth:`Transport.open`, about how long its broker can keep
+    handing out a message: the inputs of the consumer's redelivery horizon (R13).
+
+    ``ack_wait`` is how long one delivery may stay unsettled before the broker gives the
+    message to another consumer (JetStream's ack wait, the Redis Streams idle time before a
+    takeover, RabbitMQ's consumer timeout); ``message_ttl`` how long a message may wait in the
+    queue or stream (``None``: the broker sets no limit, or the transport cannot read it);
+    ``max_deliveries`` the broker's own delivery limit (``None``: none). ``source`` says where
+    the numbers come from, for the consumer's start-up line.
+
+    A transport of your own may offer them as a ``limits`` property; without it the consumer
+    assumes an ack wait of three times :attr:`Transport.extend_every` (zero when that is
+    ``None``) and takes the time-to-live from :attr:`ConsumerSettings.message_ttl`.
+    """
+
+    ack_wait: timedelta | None = None
+    message_ttl: timedelta | None = None
+    max_deliveries: int | None = None
+    source: str = ""
+
+
 @runtime_checkable
 class Transport(Protocol):
     """A broker connection that reads deliveries with manual acknowledgement."""
@@ -161,8 +192,10 @@ class Backoff:
     def delay(self, deliveries: int | None) -> timedelta:
         """The delay before the next delivery after ``deliveries`` failed ones."""
         n = max(1, deliveries or 1)
+        most = self.most.total_seconds()
         seconds = self.first.total_seconds() * self.factor ** min(n - 1, 64)
-        return min(self.most, timedelta(seconds=seconds))
+        # Compared as floats: a high delivery count overflows a timedelta long before ``most``.
+        return self.most if seconds >= most else timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +212,13 @@ class ConsumerSettings:
     (``None``: no limit) is dead-lettered as ``rejected`` without being decoded. With
     ``purge_every``, the consumer also runs a purge service on its inbox's store
     (:class:`~oncely.AsyncPurgeService`): across a fleet, one consumer per table leads it.
+
+    The redelivery horizon (R13) is derived from these settings and what the broker says
+    (:meth:`horizon`), and a consumer whose inbox keeps records for less refuses to start.
+    ``resubmit_window`` is how long after a message is dead-lettered an operator may still
+    send it back to the queue; ``message_ttl`` how long a message may wait before its
+    first delivery, for a broker whose transport cannot read it (a queue policy, the longest
+    backlog you allow); when the broker says too, the longer of the two counts.
     """
 
     concurrency: int = 16
@@ -190,6 +230,8 @@ class ConsumerSettings:
     shutdown_grace: timedelta = timedelta(seconds=30)
     max_body_bytes: int | None = None
     purge_every: timedelta | None = None
+    resubmit_window: timedelta = timedelta(days=1)
+    message_ttl: timedelta | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -202,3 +244,35 @@ class ConsumerSettings:
             raise ConfigurationError("max_body_bytes must not be negative (None: no limit)")
         if self.purge_every is not None and self.purge_every <= timedelta(0):
             raise ConfigurationError("purge_every must be positive (None: no purge service)")
+        if self.resubmit_window < timedelta(0):
+            raise ConfigurationError("resubmit_window must not be negative")
+        if self.message_ttl is not None and self.message_ttl < timedelta(0):
+            raise ConfigurationError("message_ttl must not be negative (None: unknown)")
+
+    def horizon(self, limits: BrokerLimits | None = None) -> RedeliveryHorizon:
+        """The redelivery horizon of a consumer with these settings on a broker with
+        ``limits`` (R13): the longest time after a record's last write that the broker may
+        still hand out a copy of its message.
+
+        Each of up to ``max_deliveries`` deliveries (or the broker's own lower limit) may be
+        held for the broker's ack wait and then wait for the longest retry delay this
+        consumer asks for (the backoff before the last retry, or ``requeue_delay``); the
+        message may wait in the queue for its time-to-live first, and an operator may
+        resubmit it from the dead-letter queue for ``resubmit_window`` after that.
+        """
+        limits = limits if limits is not None else BrokerLimits()
+        deliveries = self.max_deliveries
+        if limits.max_deliveries is not None and limits.max_deliveries > 0:
+            deliveries = min(deliveries, limits.max_deliveries)
+        delay = self.requeue_delay
+        if deliveries > 1:
+            delay = max(delay, self.backoff.delay(deliveries - 1))
+        known = [t for t in (self.message_ttl, limits.message_ttl) if t is not None]
+        ttl = max(known) if known else None
+        return RedeliveryHorizon(
+            max_deliveries=deliveries,
+            lock=limits.ack_wait if limits.ack_wait is not None else timedelta(0),
+            message_ttl=ttl if ttl is not None else timedelta(0),
+            redelivery_delay=delay,
+            resubmit_window=self.resubmit_window,
+        )

@@ -188,6 +188,28 @@ def _configure_logging(log_format: str, level: str) -> None:
 )
 @click.option("--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery.")
 @click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True)
+@click.option(
+    "--retention",
+    type=Duration(),
+    default="7d",
+    show_default=True,
+    help="How long records are kept; the consumer refuses to start when it is shorter than "
+    "its redelivery horizon (printed at start).",
+)
+@click.option(
+    "--resubmit-window",
+    type=Duration(),
+    default="1d",
+    show_default=True,
+    help="How long after dead-lettering an operator may send a message back; part of the horizon.",
+)
+@click.option(
+    "--message-ttl",
+    type=Duration(),
+    default=None,
+    help="The longest a message may wait in the queue, when the broker cannot say (a queue "
+    "policy); part of the horizon.",
+)
 @click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True)
 @click.option(
     "--purge-every",
@@ -222,6 +244,9 @@ def consume(
     dead_letter: str | None,
     ack_wait: timedelta | None,
     max_deliveries: int,
+    retention: timedelta,
+    resubmit_window: timedelta,
+    message_ttl: timedelta | None,
     shutdown_grace: timedelta,
     purge_every: timedelta | None,
     log_format: str,
@@ -233,6 +258,10 @@ def consume(
     in_flight and failed are given back for a later delivery (failed ones dead-lettered after
     --max-deliveries); key_conflict, rejected and escalated go to the dead-letter destination
     with the reason. Stops cleanly on SIGTERM or SIGINT.
+
+    At start it prints its redelivery horizon (how long the broker may still hand out a
+    copy, from --max-deliveries, the backoff, the broker's ack wait, delivery limit and
+    message time-to-live, and --resubmit-window) and exits 1 if --retention is shorter.
 
     The broker URL comes from --broker or $ONCELY_BROKER; the store URL from --store or
     $ONCELY_STORE.
@@ -258,7 +287,13 @@ def consume(
         shutdown_grace=shutdown_grace,
         max_body_bytes=max_body_bytes,
         purge_every=purge_every,
+        resubmit_window=resubmit_window,
+        message_ttl=message_ttl,
     )
+    try:
+        keep = oncely.Retention(keep=retention)
+    except ConfigurationError as exc:
+        raise CliError(f"--retention: {exc}", USAGE) from None
     limits = oncely.Limits(max_key_bytes=max_key_bytes, hash_long_keys=hash_long_keys)
 
     async def run() -> None:
@@ -267,7 +302,9 @@ def consume(
         # line would repeat it, so only its other lines are shown.
         quiet = logging.getLogger("oncely.cli.inbox")
         quiet.addFilter(_NotOutcomes())
-        inbox = oncely.AsyncInbox(store, consumer=consumer, logger=quiet, limits=limits)
+        inbox = oncely.AsyncInbox(
+            store, consumer=consumer, logger=quiet, limits=limits, retention=keep
+        )
         processor = InboxProcessor(
             inbox,
             handler,

@@ -16,6 +16,7 @@ import click
 from oncely.errors import (
     ConfigurationError,
     OncelyError,
+    RetentionTooShort,
     SchemaError,
     StoreUnavailable,
 )
@@ -104,6 +105,8 @@ def exit_code_for(exc: OncelyError) -> int:
         return STORE_UNAVAILABLE
     if isinstance(exc, SchemaError):
         return SCHEMA
+    if isinstance(exc, RetentionTooShort):
+        return CHECK_FAILED
     if isinstance(exc, ConfigurationError):
         return USAGE
     return STORE_ERROR

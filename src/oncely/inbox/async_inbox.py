@@ -166,6 +166,11 @@ class AsyncInbox:
     def store(self) -> AsyncStore:
         return self._store
 
+    @property
+    def retention(self) -> Retention:
+        """How long this inbox keeps records (R13)."""
+        return self._retention
+
     def refuse(
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None
     ) -> Handled[Any]:

@@ -161,6 +161,11 @@ class Inbox:
     def store(self) -> Store:
         return self._store
 
+    @property
+    def retention(self) -> Retention:
+        """How long this inbox keeps records (R13)."""
+        return self._retention
+
     def refuse(
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None
     ) -> Handled[Any]:

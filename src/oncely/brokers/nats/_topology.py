@@ -71,6 +71,7 @@ class Topology:
         "duplicate_window",
         "group",
         "max_ack_pending",
+        "max_age",
         "max_deliver",
         "source",
         "stream_option",
@@ -113,6 +114,7 @@ class Topology:
         if max_deliver == 0 or max_deliver < -1:
             raise ConfigurationError("max_deliver must be positive, or -1 for no limit")
         self.max_deliver = max_deliver
+        self.max_age: timedelta | None = None  # the stream's, read by declare()
         if max_ack_pending is not None and max_ack_pending < 1:
             raise ConfigurationError("max_ack_pending must be at least 1")
         self.max_ack_pending = max_ack_pending
@@ -142,6 +144,7 @@ class Topology:
                     js, self.dead_letter, self.dead_letter_stream_option, DEAD_LETTER_WINDOW
                 )
             info = await self._ensure_consumer(js, stream)
+            stream_config = (await js.stream_info(stream)).config
         except nats.js.errors.NotFoundError as exc:
             raise unavailable("declaration", exc) from None
         except nats.js.errors.BadRequestError as exc:
@@ -149,6 +152,8 @@ class Topology:
         except UNAVAILABLE as exc:
             raise unavailable("declaration", exc) from None
         self.max_deliver = info.config.max_deliver or -1
+        age = stream_config.max_age or 0.0  # seconds; 0: no limit
+        self.max_age = timedelta(seconds=age) if age > 0 else None
         return stream, captor
 
     async def _ensure_consumer(self, js: JetStreamContext, stream: str) -> api.ConsumerInfo:

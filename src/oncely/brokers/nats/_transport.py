@@ -17,7 +17,7 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 
 from oncely._urls import UrlOptions, redact
-from oncely.brokers._shape import DeadLetter, Delivery
+from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.nats._connection import Link
 from oncely.brokers.nats._delivery import JetStreamDelivery
 from oncely.brokers.nats._settings import (
@@ -165,6 +165,20 @@ class JetStream:
     def max_deliver(self) -> int:
         """The consumer's delivery limit as the server holds it (-1: none)."""
         return self._topology.max_deliver
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """The horizon's inputs as the server holds them once the transport is open: the
+        consumer's ``ack_wait`` and ``max_deliver``, the stream's ``max_age`` (a message is
+        kept, and a new consumer of the stream can read it, until then; none when 0)."""
+        topology = self._topology
+        return BrokerLimits(
+            ack_wait=self.ack_wait,
+            max_deliveries=topology.max_deliver if topology.max_deliver > 0 else None,
+            message_ttl=topology.max_age,
+            source=f"JetStream consumer {self.group!r} ack_wait and max_deliver, stream "
+            f"{self.stream!r} max_age",
+        )
 
     # ------------------------------------------------------------------ connection
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from oncely._urls import redact
-from oncely.brokers._shape import Delivery
+from oncely.brokers._shape import BrokerLimits, Delivery
 from oncely.brokers.rabbitmq._delivery import RabbitMQDelivery
 from oncely.brokers.rabbitmq._topology import (
     DEFAULT_DELIVERY_LIMIT,
@@ -20,6 +20,9 @@ from oncely.brokers.rabbitmq._topology import (
     raise_translated,
 )
 from oncely.errors import BrokerUnavailable, ConfigurationError
+
+DEFAULT_CONSUMER_TIMEOUT = timedelta(minutes=30)
+"""RabbitMQ's own default ``consumer_timeout`` (since 3.8.15)."""
 
 
 class Session:
@@ -54,6 +57,11 @@ class RabbitMQ:
     the topology must exist already (it is checked passively). ``heartbeat`` is the AMQP
     heartbeat, ``connect_timeout`` bounds connecting and ``confirm_timeout`` waiting for the
     broker to confirm a dead-letter copy.
+
+    RabbitMQ gives a message back only when its consumer's channel closes: a dead consumer's
+    at once, a stuck one's after the server's ``consumer_timeout`` (30 minutes unless the
+    server is configured otherwise). A client cannot read that setting, so
+    ``consumer_timeout`` states it, for the consumer's redelivery horizon (R13).
     """
 
     def __init__(
@@ -68,7 +76,11 @@ class RabbitMQ:
         connect_timeout: timedelta = timedelta(seconds=10),
         confirm_timeout: timedelta = timedelta(seconds=30),
         connection_name: str | None = None,
+        consumer_timeout: timedelta = DEFAULT_CONSUMER_TIMEOUT,
     ) -> None:
+        if consumer_timeout < timedelta(0):
+            raise ConfigurationError("consumer_timeout must not be negative")
+        self.consumer_timeout = consumer_timeout
         self._link = Link(
             url,
             heartbeat=heartbeat,
@@ -97,14 +109,15 @@ class RabbitMQ:
     ) -> RabbitMQ:
         """The transport for ``url`` (options: ``delivery_limit``, ``declare``, ``heartbeat``,
         ``connect_timeout``, ``confirm_timeout``) reading the queue ``source``. ``group``
-        names the connection; ``ack_wait`` is unused (see the module docs)."""
-        del ack_wait  # RabbitMQ holds a message for its live consumer as long as it takes
+        names the connection; ``ack_wait`` is the server's ``consumer_timeout`` (RabbitMQ
+        holds a message for its live consumer as long as it takes, up to that)."""
         base, options = parse_url(url)
         return cls(
             base,
             source,
             dead_letter=dead_letter,
             connection_name=f"oncely {group} {source}",
+            consumer_timeout=ack_wait if ack_wait is not None else DEFAULT_CONSUMER_TIMEOUT,
             **options,
         )
 
@@ -118,6 +131,17 @@ class RabbitMQ:
     @property
     def extend_every(self) -> timedelta | None:
         return None
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """The horizon's inputs: the consumer timeout as stated, the queue's delivery limit;
+        no time-to-live (oncely declares none; one set by a policy counts through
+        ``ConsumerSettings.message_ttl``)."""
+        return BrokerLimits(
+            ack_wait=self.consumer_timeout,
+            max_deliveries=self.topology.delivery_limit,
+            source=f"RabbitMQ consumer_timeout (stated), queue {self.queue!r} x-delivery-limit",
+        )
 
     async def open(self, prefetch: int) -> None:
         if prefetch < 1:

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._shape import (
+    BrokerLimits,
     DeadLetter,
     Delivery,
 )
@@ -195,6 +196,17 @@ class RedisStreams:
     @property
     def extend_every(self) -> timedelta:
         return self.ack_wait / 3
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """The horizon's inputs: an entry idle for ``ack_wait`` is taken over by the next
+        claim round (up to ``claim_every`` later); the delivery limit; no time-to-live (a
+        stream is trimmed by length, if at all, never by age)."""
+        return BrokerLimits(
+            ack_wait=self.ack_wait + self.claim_every,
+            max_deliveries=self.delivery_limit,
+            source="Redis Streams ack_wait + claim_every, delivery_limit",
+        )
 
     async def open(self, prefetch: int) -> None:
         """Connect, create the group (and stream) if missing, delete the group's long idle
