@@ -24,6 +24,7 @@
     ├── BrokerError                    a broker adapter failed; driver exceptions are wrapped
     │   └── BrokerUnavailable          cannot reach the broker now; the adapter reconnects
     ├── LeaseLost                      a fenced write found another owner (or nothing)
+    ├── ResolveRefused                 an operator's resolve that the record's state forbids
     ├── Reject                         raised BY A HANDLER: the message is poison (R20.6)
     └── OutcomeError                   raised by the call-style API for a non-success outcome
         ├── InFlight                   another worker holds a live claim on the key
@@ -68,6 +69,7 @@ __all__ = [
     "PayloadError",
     "Reject",
     "Rejected",
+    "ResolveRefused",
     "ResultTooLarge",
     "RetentionTooShort",
     "SchemaError",
@@ -202,6 +204,17 @@ class LeaseLost(OncelyError):
 
     Nothing was changed. ``current`` is the record as the store holds it now (``None`` if absent).
     """
+
+    def __init__(self, message: str, current: Record | None) -> None:
+        super().__init__(message)
+        self.current = current
+
+
+class ResolveRefused(OncelyError):
+    """:meth:`~oncely.AsyncInbox.resolve` changed nothing: a live claim holds the record (an
+    operator never overrides a running worker), the record is already settled that way, or
+    there is nothing to retry. ``current`` is the record as the store holds it (``None`` if
+    absent)."""
 
     def __init__(self, message: str, current: Record | None) -> None:
         super().__init__(message)

@@ -65,3 +65,12 @@ LIVE_KEYS = [
 def count(path: Path, consumer: str) -> int:
     found = rows(path, f"SELECT count(*) FROM oncely_inbox WHERE consumer = '{consumer}'")
     return int(str(found[0][0]))
+
+
+def reconcile_sent(stale: oncely.StaleClaim) -> oncely.Resolution:
+    """A reconciler that finds every lapsed e-mail sent (for ``oncely reconcile``)."""
+    return oncely.Resolution.completed({"sent": stale.record.key})
+
+
+async def reconcile_async(stale: oncely.StaleClaim) -> oncely.Resolution:
+    return oncely.Resolution.failed(f"bounced: {stale.record.key}")

@@ -40,6 +40,7 @@ from oncely.errors import (
     OncelyError,
     OutcomeError,
     Reject,
+    ResolveRefused,
     Rejected,
 )
 
@@ -142,6 +143,10 @@ EXAMPLES: dict[type[BaseException], Callable[[], list[BaseException]]] = {
     LeaseLost: lambda: [
         LOST,
         LeaseLost("renew: no live record for key 'refund:o-1' (consumer 'billing')", None),
+    ],
+    ResolveRefused: lambda: [
+        ResolveRefused("'refund:o-1' is held by a live claim", LOST.current),
+        ResolveRefused("'refund:o-1' has no record: there is nothing to retry", None),
     ],
     Reject: lambda: [Reject("order o-1 has a negative amount")],
     OutcomeError: lambda: [outcome_error(OutcomeError, FAILED_NO_ERROR)],

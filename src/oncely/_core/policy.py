@@ -20,6 +20,7 @@ __all__ = [
     "Reconciler",
     "RedeliveryHorizon",
     "Resolution",
+    "Resolved",
     "Retention",
     "StaleClaim",
     "format_duration",
@@ -191,8 +192,11 @@ class OnStale(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    """A reconciler's answer about a stale record: ``retry()``, ``completed(result)`` when the
-    external system shows the effect happened, or ``escalate(reason)``."""
+    """A decision about a record: a reconciler's answer about a stale one, or an operator's
+    (:meth:`~oncely.AsyncInbox.resolve`). ``retry()`` runs the handler again (on the next
+    delivery), ``completed(result)`` records the effect as done (the external system shows it
+    happened), ``failed(reason)`` records a poison message (its deliveries are rejected), and
+    ``escalate(reason)`` leaves the record for a person."""
 
     action: str
     result: object = None
@@ -207,8 +211,28 @@ class Resolution:
         return cls("completed", result=result)
 
     @classmethod
+    def failed(cls, reason: str) -> Resolution:
+        return cls("failed", reason=reason)
+
+    @classmethod
     def escalate(cls, reason: str) -> Resolution:
         return cls("escalate", reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What :meth:`~oncely.AsyncInbox.resolve` or :meth:`~oncely.AsyncInbox.reconcile` did to
+    one record: ``action`` is the resolution applied (``completed``, ``failed``, ``retry``:
+    the record was deleted so the next delivery runs the handler, ``escalate``: left as it
+    was), or ``skipped`` when the record moved on meanwhile (settled, or its owner came back)
+    and ``error`` when the reconciler raised; ``before`` and ``after`` are the record then and
+    now (``None``: absent), ``detail`` says why."""
+
+    key: str
+    action: str
+    before: Record | None
+    after: Record | None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ Commands::
     oncely demo       the same duplicate-laden traffic through a naive consumer and oncely
     oncely consume    run a broker consumer: a handler (module:function) once per message
     oncely migrate    create or upgrade the store's tables
-    oncely inbox      stats | list | show | purge | forget: the dedup records of a store
+    oncely inbox      stats | list | show | purge | forget | resolve: the dedup records
+    oncely reconcile  settle a consumer's stale claims now, with its reconciler (R10)
     oncely retention  the redelivery horizon of a broker and the retention it needs (R13)
 
 The store comes from ``--store URL``, else the ``ONCELY_STORE`` environment variable, else

@@ -12,6 +12,7 @@ from oncely.cli._demo import demo
 from oncely.cli._errors import OncelyGroup, enable_debug
 from oncely.cli._inbox import inbox
 from oncely.cli._migrate import migrate
+from oncely.cli._operate import reconcile, resolve
 from oncely.cli._retention import retention
 
 __all__ = ["cli", "main"]
@@ -50,7 +51,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 cli.add_command(demo)
 cli.add_command(consume)
 cli.add_command(migrate)
+inbox.add_command(resolve)
 cli.add_command(inbox)
+cli.add_command(reconcile)
 cli.add_command(retention)
 
 

@@ -13,11 +13,9 @@ what finished and exits 0.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Awaitable, Callable
@@ -30,6 +28,7 @@ import oncely
 from oncely.brokers import BrokerConsumer, ConsumerSettings, InboxProcessor, open_transport
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
+from oncely.cli._loading import load_attribute
 from oncely.cli._stores import store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
@@ -61,24 +60,7 @@ class JSONLines(logging.Formatter):
 
 def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
     """The ``async def`` named by ``module:function`` (``package.module:object.method``)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise CliError(f"--handler {spec!r}: write it as module:function", USAGE)
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the project's own modules
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CliError(
-            f"--handler {spec!r}: cannot import {module_name!r} ({exc})", USAGE
-        ) from None
-    for name in attribute.split("."):
-        try:
-            target = getattr(target, name)
-        except AttributeError:
-            raise CliError(
-                f"--handler {spec!r}: {module_name} has no {attribute!r}", USAGE
-            ) from None
+    target = load_attribute(spec, "--handler")
     if not inspect.iscoroutinefunction(target):
         raise CliError(
             f"--handler {spec!r} must be an async function (async def handler(payload) for "

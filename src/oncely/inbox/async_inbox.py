@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
-from time import perf_counter
+from time import perf_counter, time
 from typing import Any, Literal, ParamSpec, Self, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
@@ -45,12 +45,22 @@ from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
 from oncely._core.outcomes import Handled, Outcome
-from oncely._core.policy import AsyncReconciler, Lease, Limits, OnStale, Retention, StaleClaim
+from oncely._core.policy import (
+    AsyncReconciler,
+    Lease,
+    Limits,
+    OnStale,
+    Resolution,
+    Resolved,
+    Retention,
+    StaleClaim,
+)
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
 from oncely.errors import (
     ConfigurationError,
     LeaseLost,
     Reject,
+    ResolveRefused,
     StoreError,
     StoreUnavailable,
     TransactionsUnsupported,
@@ -294,6 +304,185 @@ class AsyncInbox:
         """Delete this consumer's record for ``key`` (an operator's decision: the next delivery
         is processed again). True if there was one."""
         return await self._store.forget(self._consumer, validate_key(key, self._limits))
+
+    # ------------------------------------------------------------------ operations
+
+    async def resolve(
+        self, key: str, resolution: Resolution, *, note: str | None = None
+    ) -> Resolved:
+        """Settle ``key``'s record by an operator's decision, with no redelivery needed: an
+        escalated or stuck claim, a poison message fixed by hand.
+
+        ``Resolution.completed(result)`` records the effect as done (its deliveries are then
+        duplicates answered with ``result``); ``Resolution.failed(reason)`` records a poison
+        message (its deliveries are rejected); ``Resolution.retry()`` deletes the record so the
+        next delivery runs the handler. Every write is fenced: an in-progress record is first
+        taken over, which the store refuses while its lease is live, so a running worker is
+        never overridden. ``note`` is kept on a completed record (default: that an operator
+        resolved it). Raises :class:`~oncely.ResolveRefused`, changing nothing, when a live
+        claim holds the record, the record is already settled that way (or completed: forget
+        it to run it again), or there is nothing to retry.
+        """
+        checked = validate_key(key, self._limits)
+        action = resolution.action
+        if action not in ("completed", "failed", "retry"):
+            raise ConfigurationError(
+                "resolve takes Resolution.completed(result), Resolution.failed(reason) or "
+                f"Resolution.retry(), not {action!r}"
+            )
+        data = self._rules.encode(resolution.result, strict=True)[0]
+        before = await self._store.get(self._consumer, checked)
+        record = before
+        token: str | None = None
+        for _ in range(_MAX_ROUNDS):
+            token, record = await self._own(checked, record, action)
+            if token is not None:
+                break
+        if token is None:
+            raise StoreUnavailable(f"the record of {checked!r} kept changing; try again later")
+        try:
+            if action == "retry":
+                if record is not None:  # a failed record, deleted as an operator's decision
+                    await self._store.forget(self._consumer, checked)
+                else:
+                    await self._store.release(self._consumer, checked, token=token)
+                return Resolved(checked, action, before, None, "deleted: the next delivery runs")
+            if action == "completed":
+                after = await self._store.complete(
+                    self._consumer,
+                    checked,
+                    token=token,
+                    result=data,
+                    keep_ms=self._keep_ms,
+                    note=note or "resolved as completed by an operator",
+                )
+            else:
+                reason = resolution.reason or "resolved as failed by an operator"
+                after = await self._store.fail(
+                    self._consumer,
+                    checked,
+                    token=token,
+                    error=reason[: self._limits.max_error_chars],
+                    keep_ms=self._keep_failed_ms,
+                )
+        except LeaseLost as lost:  # our own fresh claim, taken over already: not ours to settle
+            raise ResolveRefused(
+                f"{checked!r} changed hands while it was being resolved: {lost_reason(lost)}",
+                lost.current,
+            ) from None
+        return Resolved(checked, action, before, after, f"{action} by an operator")
+
+    async def _own(
+        self, key: str, record: Record | None, action: str
+    ) -> tuple[str | None, Record | None]:
+        """A token that owns ``key``'s record (taken over, or claimed afresh), or ``(None,
+        record now)`` to decide again. A failed record asked to retry is owned as it is
+        (``(token, record)``: it is deleted by an operator's decision)."""
+        token = new_token()
+        if record is None:
+            if action == "retry":
+                raise ResolveRefused(
+                    f"{key!r} has no record: there is nothing to retry (its next delivery "
+                    "runs the handler)",
+                    None,
+                )
+            claim = await self._store.claim(
+                self._consumer,
+                key,
+                fingerprint=None,
+                token=token,
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+                takeover=False,
+            )
+            return (token, None) if claim.won else (None, claim.record)
+        if record.status is Status.IN_PROGRESS:
+            claim = await self._store.takeover(
+                self._consumer,
+                key,
+                expected_token=record.token,
+                fingerprint=record.fingerprint,
+                token=token,
+                lease_ms=self._lease_ms,
+                keep_ms=self._keep_ms,
+            )
+            if claim.won:
+                return token, None
+            current = claim.record
+            if current.status is Status.IN_PROGRESS and current.token == record.token:
+                raise ResolveRefused(
+                    f"{key!r} is held by a live claim (attempt {current.attempt}, lease until "
+                    f"{current.lease_until.isoformat()}); resolve never overrides a running "
+                    "worker: let its lease lapse (stop it) and resolve again",
+                    current,
+                )
+            return None, current  # settled or taken over meanwhile: decide on what it is now
+        if record.status is Status.COMPLETED:
+            raise ResolveRefused(
+                f"{key!r} is already completed; to have its next delivery run the handler "
+                "again, forget it (oncely inbox forget)",
+                record,
+            )
+        if action == "failed":
+            raise ResolveRefused(f"{key!r} is already failed: {record.error}", record)
+        # A failed record: terminal, no worker writes it again. Delete it, then (completed)
+        # claim the key afresh; a delivery that claims it first in between wins.
+        if action == "retry":
+            return token, record
+        await self._store.forget(self._consumer, key)
+        return None, None
+
+    async def reconcile(self, *, limit: int | None = None, page: int = 100) -> list[Resolved]:
+        """Apply this inbox's ``on_stale`` policy now to its stale in-progress records (their
+        worker's lease lapsed), instead of when each message happens to be redelivered (R10).
+
+        A reconciler is asked about each (``StaleClaim.payload`` is ``None``: there is no
+        delivery); with ``on_stale="retry"`` each is deleted so its next delivery runs the
+        handler, with ``"escalate"`` each is left for a person and reported. Every write is
+        fenced by a takeover the store refuses while the lease is live, so a worker that came
+        back keeps its claim (``skipped``). Reads ``page`` records at a time; stops after
+        ``limit`` stale ones. Returns what happened to each.
+        """
+        done: list[Resolved] = []
+        after: tuple[str, str] | None = None
+        while limit is None or len(done) < limit:
+            records = await self._store.scan(
+                consumer=self._consumer, status=Status.IN_PROGRESS, after=after, limit=page
+            )
+            if not records:
+                break
+            after = (records[-1].consumer, records[-1].key)
+            now = int(time() * 1000)
+            for record in records:
+                if record.is_stale(now) and (limit is None or len(done) < limit):
+                    done.append(await self._reconcile_one(record))
+        return done
+
+    async def _reconcile_one(self, record: Record) -> Resolved:
+        key = record.key
+        if self._reconciler is None:
+            resolution = (
+                Resolution.retry()
+                if self._takeover
+                else Resolution.escalate("on_stale=escalate: left for a person")
+            )
+        else:
+            try:
+                resolution = await self._reconciler(StaleClaim(record, None))
+            except Exception as exc:
+                return Resolved(
+                    key, "error", record, record, f"reconciler raised {type(exc).__name__}: {exc}"
+                )
+        if resolution.action == "escalate":
+            return Resolved(key, "escalate", record, record, resolution.reason or "escalated")
+        try:
+            return await self.resolve(
+                key,
+                resolution,
+                note=resolution.reason or "reconciled: the external system showed it done",
+            )
+        except ResolveRefused as refused:
+            return Resolved(key, "skipped", record, refused.current, str(refused))
 
     async def aclose(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""
@@ -549,6 +738,9 @@ class AsyncInbox:
                 reason="stale claim reconciled as completed",
                 correlation_id=correlation_id,
             )
+        if resolution.action == "failed":  # the external system shows it failed for good
+            reason = resolution.reason or "the reconciler found the message failed for good"
+            return await self._reject(record, reason, correlation_id, started)
         return self._rules.done(
             Outcome.ESCALATED,
             key,

@@ -1,0 +1,223 @@
+"""Operations without a redelivery (R10): ``oncely inbox resolve`` settles one escalated or
+stuck record by an operator's decision; ``oncely reconcile`` runs a consumer's reconciler over
+its stale in-progress records now. Both are fenced: a live claim is never overridden."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import click
+
+import oncely
+from oncely import Resolution, Resolved, StaleClaim, Status
+from oncely.cli._durations import Duration
+from oncely.cli._errors import CHECK_FAILED, USAGE, CliError
+from oncely.cli._loading import load_attribute
+from oncely.cli._output import echo_json, lease_state, now_ms, record_dict, safe
+from oncely.cli._stores import opened, store_option
+from oncely.errors import ConfigurationError, ResolveRefused
+
+__all__ = ["reconcile", "resolve"]
+
+_KEEP_HELP = "How long the settled record is kept: give the consumer's own retention (R13)."
+
+
+def _inbox(
+    store: oncely.Store, consumer: str, keep: timedelta, on_stale: Any = "retry"
+) -> oncely.Inbox:
+    try:
+        return oncely.Inbox(
+            store, consumer=consumer, retention=oncely.Retention(keep=keep), on_stale=on_stale
+        )
+    except ConfigurationError as exc:
+        raise CliError(str(exc), USAGE) from None
+
+
+def _resolved_dict(done: Resolved) -> dict[str, Any]:
+    now = now_ms()
+    return {
+        "key": done.key,
+        "action": done.action,
+        "detail": done.detail,
+        "before": None if done.before is None else record_dict(done.before, full=False, now=now),
+        "after": None if done.after is None else record_dict(done.after, full=False, now=now),
+    }
+
+
+def _state(record: oncely.Record | None) -> str:
+    if record is None:
+        return "absent"
+    if record.status is Status.IN_PROGRESS:
+        return f"in_progress ({lease_state(record, now_ms())})"
+    return record.status.value
+
+
+# ------------------------------------------------------------------------------ resolve
+
+
+@click.command()
+@store_option
+@click.option("--consumer", required=True, help="The consumer the record belongs to.")
+@click.argument("key")
+@click.option(
+    "--completed",
+    "completed",
+    metavar="JSON",
+    help="Record the effect as done, with this JSON as the result its duplicates get.",
+)
+@click.option("--failed", "failed", metavar="REASON", help="Record a poison message.")
+@click.option(
+    "--retry", is_flag=True, help="Delete the record so the next delivery runs the handler."
+)
+@click.option("--note", help="Kept on a completed record (default: resolved by an operator).")
+@click.option("--keep", type=Duration(), default="7d", show_default=True, help=_KEEP_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def resolve(
+    store_url: str,
+    consumer: str,
+    key: str,
+    completed: str | None,
+    failed: str | None,
+    retry: bool,
+    note: str | None,
+    keep: timedelta,
+    as_json: bool,
+) -> None:
+    """Settle KEY's record by hand: an escalated or stuck claim, a poison message fixed.
+
+    --completed JSON records the effect as done (deliveries of KEY become duplicates answered
+    with JSON); --failed REASON records a poison message (deliveries are rejected); --retry
+    deletes the record so the next delivery (or a resubmission from the dead-letter queue)
+    runs the handler. An in-progress record is taken over first, which the store refuses
+    while a worker holds a live lease: a running worker is never overridden.
+
+    Exits 1, changing nothing, when a live claim holds the record, it is already settled that
+    way (a completed record: `oncely inbox forget` it to run it again), or there is nothing
+    to retry.
+    """
+    chosen = [name for name, given in (("--completed", completed is not None),
+              ("--failed", failed is not None), ("--retry", retry)) if given]  # fmt: skip
+    if len(chosen) != 1:
+        raise click.UsageError("give exactly one of --completed JSON, --failed REASON, --retry")
+    if completed is not None:
+        try:
+            resolution = Resolution.completed(json.loads(completed))
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="'--completed'") from None
+    elif failed is not None:
+        if not failed.strip():
+            raise click.BadParameter("give a reason", param_hint="'--failed'")
+        resolution = Resolution.failed(failed)
+    else:
+        resolution = Resolution.retry()
+    with opened(store_url) as store:
+        inbox = _inbox(store, consumer, keep)
+        try:
+            done = inbox.resolve(key, resolution, note=note)
+        except ResolveRefused as refused:
+            raise CliError(f"not resolved: {refused}", CHECK_FAILED) from None
+    if as_json:
+        echo_json(_resolved_dict(done))
+        return
+    shown = f"consumer {safe(consumer)!r}, key {safe(key)!r}"
+    click.echo(f"resolved {shown}: {_state(done.before)} -> {_state(done.after)}")
+    if done.action == "retry":
+        click.echo("its next delivery runs the handler")
+
+
+# ---------------------------------------------------------------------------- reconcile
+
+
+def _reconciler(spec: str) -> Callable[[StaleClaim], Resolution]:
+    target = load_attribute(spec, "--reconciler")
+    if not callable(target):
+        raise CliError(f"--reconciler {spec!r} is not callable", USAGE)
+    if inspect.iscoroutinefunction(target):
+
+        def run(stale: StaleClaim) -> Resolution:
+            return asyncio.run(target(stale))  # type: ignore[no-any-return]
+
+        return run
+    return target  # type: ignore[no-any-return]
+
+
+@click.command()
+@store_option
+@click.option("--consumer", required=True, help="The consumer whose stale claims to settle.")
+@click.option(
+    "--reconciler",
+    "reconciler_spec",
+    metavar="MODULE:FUNCTION",
+    help="The consumer's reconciler: reconciler(stale) -> oncely.Resolution (def or async def).",
+)
+@click.option(
+    "--on-stale",
+    type=click.Choice(["retry", "escalate"]),
+    help="Without a reconciler: retry deletes each stale claim (its next delivery runs the "
+    "handler), escalate only lists them.",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Settle at most N stale claims.")
+@click.option("--dry-run", is_flag=True, help="List the stale claims; change nothing.")
+@click.option("--keep", type=Duration(), default="7d", show_default=True, help=_KEEP_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def reconcile(
+    store_url: str,
+    consumer: str,
+    reconciler_spec: str | None,
+    on_stale: str | None,
+    limit: int | None,
+    dry_run: bool,
+    keep: timedelta,
+    as_json: bool,
+) -> None:
+    """Settle a consumer's stale in-progress records now (their worker's lease lapsed),
+    instead of when each message happens to be redelivered.
+
+    The reconciler is asked about each (StaleClaim.payload is None: there is no delivery) and
+    its answer applied: completed records the effect as done, retry deletes the claim so the
+    next delivery runs the handler, failed records a poison message, escalate leaves it for a
+    person. Every write is fenced: a worker that came back to its claim keeps it (skipped).
+
+    Exits 1 when a stale claim was escalated or the reconciler raised for it (a person must
+    look); 0 when every one was settled or its worker came back.
+    """
+    if (reconciler_spec is None) == (on_stale is None) and not dry_run:
+        raise click.UsageError("give --reconciler MODULE:FUNCTION or --on-stale retry|escalate")
+    policy: Any = _reconciler(reconciler_spec) if reconciler_spec else (on_stale or "escalate")
+    with opened(store_url) as store:
+        if dry_run:
+            found = _stale_records(store, consumer, limit)
+            done = [Resolved(r.key, "stale", r, r, "dry run: nothing changed") for r in found]
+        else:
+            done = _inbox(store, consumer, keep, policy).reconcile(limit=limit)
+    unsettled = [d for d in done if d.action in ("escalate", "error")]
+    if as_json:
+        echo_json({"consumer": consumer, "stale": len(done), "results": [
+            _resolved_dict(d) for d in done]})  # fmt: skip
+    else:
+        for each in done:
+            click.echo(
+                f"{safe(each.key)}: {each.action} ({_state(each.before)} -> "
+                f"{_state(each.after)}) {safe(each.detail)}"
+            )
+        click.echo(f"{len(done)} stale claim(s) of consumer {safe(consumer)!r}")
+    if unsettled and not dry_run:
+        raise CliError(f"{len(unsettled)} stale claim(s) left for a person", CHECK_FAILED)
+
+
+def _stale_records(store: oncely.Store, consumer: str, limit: int | None) -> list[oncely.Record]:
+    found: list[oncely.Record] = []
+    after: tuple[str, str] | None = None
+    while limit is None or len(found) < limit:
+        page = store.scan(consumer=consumer, status=Status.IN_PROGRESS, after=after, limit=500)
+        if not page:
+            break
+        after = (page[-1].consumer, page[-1].key)
+        now = now_ms()
+        found.extend(r for r in page if r.is_stale(now))
+    return found[:limit] if limit is not None else found

@@ -1,0 +1,115 @@
+"""``oncely inbox resolve`` and ``oncely reconcile`` against a real SQLite file (R10): an
+operator settles an escalated or stuck record without a redelivery, and a live claim is never
+overridden. The library's fencing is tested on every store in tests/contract/test_resolve.py.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import closing
+from pathlib import Path
+
+import oncely
+from oncely import Outcome, Status
+from tests.cli.helpers import TOKEN, run, url_of
+
+
+def _get(db: Path, consumer: str, key: str) -> oncely.Record | None:
+    with closing(oncely.SQLiteStore(db)) as store:
+        return store.get(consumer, key)
+
+
+def _never(payload: object) -> object:
+    raise AssertionError("the handler must not run")
+
+
+def test_r10_resolve_a_stuck_claim_as_completed(db: Path) -> None:
+    result = run("inbox", "resolve", "--store", url_of(db), "--consumer", "email", "msg-stale",
+                 "--completed", '{"sent": true}')  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("resolved consumer 'email', key 'msg-stale': in_progress (")
+    assert result.stdout.rstrip().endswith("-> completed")
+    with closing(oncely.SQLiteStore(db)) as store:
+        handled = oncely.Inbox(store, consumer="email").handle("msg-stale", {}, _never)
+    assert handled.outcome is Outcome.DUPLICATE and handled.value == {"sent": True}
+
+
+def test_r10_resolve_refuses_a_live_claim_and_changes_nothing(db: Path) -> None:
+    before = _get(db, "email", "msg-live")
+    for action in (["--retry"], ["--failed", "gave up"], ["--completed", "1"]):
+        result = run("inbox", "resolve", "--store", url_of(db), "--consumer", "email",
+                     "msg-live", *action)  # fmt: skip
+        assert result.exit_code == 1
+        assert "not resolved: 'msg-live' is held by a live claim (attempt 1" in result.stderr
+        assert "resolve never overrides a running worker" in result.stderr
+    after = _get(db, "email", "msg-live")
+    assert after == before and after is not None and after.token == TOKEN
+
+
+def test_resolve_retry_a_poison_message_and_refusals(db: Path) -> None:
+    store = url_of(db)
+    result = run("inbox", "resolve", "--store", store, "--consumer", "billing", "order-bad",
+                 "--retry", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["action"] == "retry" and shown["after"] is None
+    assert shown["before"]["status"] == "failed"
+    assert _get(db, "billing", "order-bad") is None
+    done = run("inbox", "resolve", "--store", store, "--consumer", "billing", "order-1",
+               "--failed", "x")  # fmt: skip
+    assert done.exit_code == 1 and "already completed" in done.stderr
+    assert _get(db, "billing", "order-1") is not None
+    nothing = run("inbox", "resolve", "--store", store, "--consumer", "billing", "nope", "--retry")
+    assert nothing.exit_code == 1 and "nothing to retry" in nothing.stderr
+
+
+def test_resolve_usage_errors(db: Path) -> None:
+    base = ("inbox", "resolve", "--store", url_of(db), "--consumer", "email", "msg-stale")
+    assert run(*base).exit_code == 2
+    assert run(*base, "--retry", "--failed", "x").exit_code == 2
+    bad = run(*base, "--completed", "{not json")
+    assert bad.exit_code == 2 and "not JSON" in bad.stderr
+    assert run(*base, "--failed", " ").exit_code == 2
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.IN_PROGRESS
+
+
+def test_r10_reconcile_dry_run_lists_the_stale_claims_only(db: Path) -> None:
+    result = run("reconcile", "--store", url_of(db), "--consumer", "email", "--dry-run", "--json")
+    assert result.exit_code == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert [r["key"] for r in shown["results"]] == ["msg-stale"]
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.token == TOKEN
+
+
+def test_r10_reconcile_runs_the_reconciler_and_spares_the_live_claim(db: Path) -> None:
+    result = run("reconcile", "--store", url_of(db), "--consumer", "email",
+                 "--reconciler", "tests.cli.helpers:reconcile_sent")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("msg-stale: completed (in_progress (")
+    assert "1 stale claim(s) of consumer 'email'" in result.stdout
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.COMPLETED
+    assert record.result == b'{"sent":"msg-stale"}'
+    live = _get(db, "email", "msg-live")
+    assert live is not None and live.status is Status.IN_PROGRESS and live.token == TOKEN
+    again = run("reconcile", "--store", url_of(db), "--consumer", "email", "--on-stale", "retry")
+    assert again.exit_code == 0 and "0 stale claim(s)" in again.stdout
+
+
+def test_r10_reconcile_with_an_async_reconciler_or_escalation(db: Path) -> None:
+    store = url_of(db)
+    escalated = run("reconcile", "--store", store, "--consumer", "email", "--on-stale", "escalate")
+    assert escalated.exit_code == 1 and "1 stale claim(s) left for a person" in escalated.stderr
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.IN_PROGRESS
+    failed = run("reconcile", "--store", store, "--consumer", "email",
+                 "--reconciler", "tests.cli.helpers:reconcile_async")  # fmt: skip
+    assert failed.exit_code == 0, failed.stderr
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.FAILED
+    assert record.error == "bounced: msg-stale"
+    assert run("reconcile", "--store", store, "--consumer", "email").exit_code == 2
+    missing = run("reconcile", "--store", store, "--consumer", "email", "--reconciler", "x:y")
+    assert missing.exit_code == 2 and "cannot import 'x'" in missing.stderr
