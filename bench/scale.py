@@ -10,6 +10,9 @@ store's own API (the sync class, one connection's worth of calls):
 * a concurrent consumer's claim p99 with no purge running, then during a purge of the 10%
   expired, and the purge's rows per second;
 * an empty purge (nothing expired any more): its wall time;
+* ``stats(exact=False)`` (estimates from the database's statistics) and ``stats()`` (every
+  record counted): their wall times, before the purge, and how far the estimate's live total
+  and expired count are from the exact ones;
 * bytes per record (table and indexes, as the server or the file reports them).
 
 Writes ``bench/results/scale-<store>.md`` / ``.json`` / ``.png`` (``--out`` to change). The
@@ -333,6 +336,9 @@ class Point:
     purge_s: float = 0.0
     purge_rate: float = 0.0
     empty_purge_s: float = 0.0
+    stats_estimate_s: float = 0.0
+    stats_exact_s: float = 0.0
+    estimate_error: float = 0.0
     bytes_per_record: float = 0.0
     load_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -348,6 +354,20 @@ def measure(target: Target, size: int, probe: int, keys: list[str], load_s: floa
     dup = timed(lambda k=k: claim_duplicate(store, k) for k in sample)
     point.new_p50, point.new_p99 = pct(new, 0.5), pct(new, 0.99)
     point.dup_p50, point.dup_p99 = pct(dup, 0.5), pct(dup, 0.99)
+    started = time.perf_counter()
+    estimate = store.stats(exact=False)
+    point.stats_estimate_s = time.perf_counter() - started
+    started = time.perf_counter()
+    exact = store.stats()
+    point.stats_exact_s = time.perf_counter() - started
+    point.estimate_error = max(
+        abs(estimate.total - exact.total) / max(exact.total, 1),
+        abs(estimate.expired - exact.expired) / max(exact.expired, 1),
+    )
+    point.extra["stats"] = {
+        "estimate": {"total": estimate.total, "expired": estimate.expired},
+        "exact": {"total": exact.total, "expired": exact.expired},
+    }
     with consumer(store) as quiet:
         time.sleep(3)
     point.quiet_p99 = pct(quiet, 0.99)
@@ -368,13 +388,15 @@ def measure(target: Target, size: int, probe: int, keys: list[str], load_s: floa
 def table(points: list[Point]) -> str:
     head = (
         "| records | claim new p50 / p99 (ms) | duplicate p50 / p99 (ms) | consumer p99 quiet / "
-        "during purge (ms) | purge: rows, rows/s | empty purge (s) | bytes/record |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|\n"
+        "during purge (ms) | purge: rows, rows/s | empty purge (s) | stats estimate / exact "
+        "(s) | estimate off by | bytes/record |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
         f"| {p.size:,} | {p.new_p50:.2f} / {p.new_p99:.2f} | {p.dup_p50:.2f} / {p.dup_p99:.2f} | "
         f"{p.quiet_p99:.2f} / {p.purge_p99:.2f} | {p.purged:,}, {p.purge_rate:,.0f} | "
-        f"{p.empty_purge_s:.3f} | {p.bytes_per_record:.0f} |"
+        f"{p.empty_purge_s:.3f} | {p.stats_estimate_s:.3f} / {p.stats_exact_s:.3f} | "
+        f"{p.estimate_error:.1%} | {p.bytes_per_record:.0f} |"
         for p in points
     ]
     return head + "\n".join(lines) + "\n"
@@ -456,7 +478,9 @@ def main() -> None:
         f"Each size: {args.probe} claims of each kind timed one by one; the consumer runs "
         "claim + complete about 400 times a second in a thread; the purge deletes the "
         f"{args.expired:.0%} loaded expired (batches of 1000). Rows loaded in {args.order} "
-        "order; load times: " + ", ".join(f"{p.size:,}: {p.load_s:.0f} s" for p in points) + ".\n"
+        "order; load times: " + ", ".join(f"{p.size:,}: {p.load_s:.0f} s" for p in points) + ". "
+        'Stats are read before the purge; "estimate off by" is the larger relative error of '
+        "the estimate's live total and expired count.\n"
     )
     (args.out / f"{stem}.md").write_text(text)
     data = {"title": title, "command": command, "points": [vars(p) for p in points]}

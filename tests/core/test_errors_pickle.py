@@ -40,8 +40,8 @@ from oncely.errors import (
     OncelyError,
     OutcomeError,
     Reject,
-    ResolveRefused,
     Rejected,
+    ResolveRefused,
 )
 
 PROTOCOLS = list(range(pickle.HIGHEST_PROTOCOL + 1))

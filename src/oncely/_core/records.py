@@ -154,11 +154,55 @@ else:
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     """Counts of live (unexpired) records per consumer and status, and of expired records
-    waiting for a purge."""
+    waiting for a purge.
+
+    ``exact`` (the default of ``Store.stats()``): every record was counted, and ``counts``
+    holds each consumer's count per status.
+
+    ``stats(exact=False)`` answers from the database's own statistics instead (catalogue
+    row counts, the planner's or the index's estimates, a bounded sample), without reading
+    the table; every number is then an estimate:
+
+    * ``consumers``: the live records of each consumer (:attr:`per_consumer` reads it);
+    * ``statuses``: the live records per status over all consumers, where the store has a
+      statistic of its own for it (PostgreSQL's column statistics, a sample); ``None`` when
+      it has none (MariaDB, SQLite);
+    * ``counts``: each consumer's split by status only where the store measured the pair
+      (a sample of records); empty dicts otherwise. A database keeps statistics per column,
+      not per pair, and oncely does not make a split up from them;
+    * ``note``: how the numbers were made, when that deserves a word (a table never
+      analyzed: a rough estimate from a sample of its pages).
+    """
 
     counts: dict[str, dict[Status, int]]
     expired: int
+    exact: bool = True
+    consumers: dict[str, int] | None = None
+    statuses: dict[Status, int] | None = None
+    note: str = ""
+
+    @property
+    def per_consumer(self) -> dict[str, int]:
+        """Live records per consumer (estimated unless :attr:`exact`)."""
+        if self.consumers is not None:
+            return dict(self.consumers)
+        return {consumer: sum(by.values()) for consumer, by in self.counts.items()}
+
+    @property
+    def per_status(self) -> dict[Status, int] | None:
+        """Live records per status over all consumers (estimated unless :attr:`exact`), or
+        None when an estimate has nothing to say about statuses."""
+        if self.statuses is not None:
+            return dict(self.statuses)
+        if not self.exact and not any(self.counts.values()):
+            return None
+        found = dict.fromkeys(Status, 0)
+        for by_status in self.counts.values():
+            for status, n in by_status.items():
+                found[status] += n
+        return found
 
     @property
     def total(self) -> int:
-        return sum(sum(by_status.values()) for by_status in self.counts.values())
+        """Live records in all (estimated unless :attr:`exact`)."""
+        return sum(self.per_consumer.values())

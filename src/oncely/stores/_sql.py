@@ -12,16 +12,21 @@ of all three are parsed here. Names spliced into statements (tables, schemas) ar
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import InvalidIdentifier
 
 __all__ = [
+    "MAX_CONSUMERS",
     "PURGE_BUCKET_MS",
+    "SMALL",
     "STATUS",
+    "Estimate",
     "PlainRows",
     "bucket_sql",
     "check_identifier",
@@ -29,8 +34,10 @@ __all__ = [
     "parse_scanned",
     "parse_stats",
     "parse_versions",
+    "plan_rows",
     "purge_bucket",
     "scan_params",
+    "status_shares",
 ]
 
 
@@ -181,3 +188,83 @@ class PlainRows(Generic[Q]):
     ) -> tuple[Q, dict[str, object]]:
         """The ``scan`` statement and its parameters."""
         return self.scan, scan_params(now, consumer, status, after, limit)
+
+
+# ----------------------------------------------------------------- stats(exact=False)
+
+SMALL: Final = 1000
+"""Estimates count a consumer (and the expired records) outright while they are this few: a
+bounded read of an index range, at most ``SMALL + 1`` entries (about a millisecond), that
+makes a small or new consumer exact where the statistics know it badly or not at all."""
+
+MAX_CONSUMERS: Final = 10_000
+"""Estimates list at most this many consumers (a skip scan, one index descent each)."""
+
+
+def plan_rows(plan: Any) -> int:
+    """The row estimate of the top node of a PostgreSQL ``EXPLAIN (FORMAT JSON)`` (a list
+    holding ``{"Plan": {"Plan Rows": n}}``, or its JSON text); 0 when there is none."""
+    if isinstance(plan, str | bytes | bytearray):
+        plan = json.loads(plan)
+    if isinstance(plan, list) and plan and isinstance(plan[0], Mapping):
+        top = plan[0].get("Plan")
+        if isinstance(top, Mapping):
+            rows = top.get("Plan Rows")
+            if isinstance(rows, int | float):
+                return round(rows)
+    return 0
+
+
+def status_shares(
+    values: Sequence[str] | None, freqs: Sequence[float] | None
+) -> dict[Status, float]:
+    """Each status's share of the records, from a column statistic's most common values and
+    their frequencies (PostgreSQL's ``pg_stats``); empty when there is none."""
+    if not values or not freqs:
+        return {}
+    found = {STATUS[v]: float(f) for v, f in zip(values, freqs, strict=False) if v in STATUS}
+    whole = sum(found.values())
+    return {s: f / whole for s, f in found.items()} if whole > 0 else {}
+
+
+@dataclass
+class Estimate:
+    """What a SQL store's ``stats(exact=False)`` gathers, and how it becomes
+    :class:`~oncely.StoreStats`.
+
+    ``seen`` holds, per consumer, the rows read by the bounded count (at most
+    :data:`SMALL` + 1) and how many of them were live: a consumer with at most ``SMALL`` rows
+    is exact. ``big`` holds the live estimate of every other consumer (the store's planner
+    or a sample). ``expired`` is the estimate of expired records."""
+
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)
+    big: dict[str, int] = field(default_factory=dict)
+    expired: int = 0
+    counted: int = SMALL
+    """Up to how many expired records ``expired`` was counted outright (more: estimated)."""
+    shares: dict[Status, float] = field(default_factory=dict)
+    note: str = ""
+
+    def small(self, consumer: str) -> bool:
+        return self.seen[consumer][0] <= SMALL
+
+    def stats(self) -> StoreStats:
+        consumers: dict[str, int] = {}
+        for consumer, (rows, live) in self.seen.items():
+            if rows <= SMALL:
+                if live:
+                    consumers[consumer] = live
+            else:  # more rows than read: at least the live ones read, whatever the estimate
+                consumers[consumer] = max(self.big.get(consumer, 0), live, 1)
+        total = sum(consumers.values())
+        statuses = None
+        if self.shares:
+            statuses = {s: round(total * self.shares.get(s, 0.0)) for s in Status}
+        return StoreStats(
+            counts={consumer: {} for consumer in consumers},
+            expired=max(self.expired, 0),
+            exact=False,
+            consumers=consumers,
+            statuses=statuses,
+            note=self.note,
+        )

@@ -117,8 +117,10 @@ class AsyncStore(Protocol):
         return how many were deleted."""
         ...
 
-    async def stats(self) -> StoreStats:
-        """Record counts per consumer and status."""
+    async def stats(self, *, exact: bool = True) -> StoreStats:
+        """Record counts per consumer and status. ``exact=False`` answers from the
+        database's statistics instead of counting (see :class:`~oncely.StoreStats`): no
+        read of the whole table, for operators of large ones."""
         ...
 
     async def scan(

@@ -115,8 +115,10 @@ class Store(Protocol):
         return how many were deleted."""
         ...
 
-    def stats(self) -> StoreStats:
-        """Record counts per consumer and status."""
+    def stats(self, *, exact: bool = True) -> StoreStats:
+        """Record counts per consumer and status. ``exact=False`` answers from the
+        database's statistics instead of counting (see :class:`~oncely.StoreStats`): no
+        read of the whole table, for operators of large ones."""
         ...
 
     def scan(

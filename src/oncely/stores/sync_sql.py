@@ -13,6 +13,7 @@ the batch loop of ``purge_expired``. A store gives it:
 * ``_setup(migrating=...)``: read the schema version and create the tables where
   :meth:`~SQLStoreBase._tables_needed` says so, on a connection of its choosing;
 * ``_purge_batch(after, limit)``: one batch of the purge;
+* ``_estimate()``: ``stats(exact=False)``, from the database's statistics;
 * ``_place``: "table T in WHERE", for messages.
 
 What really differs stays in each store: connections and pools, the claim and the fenced
@@ -32,6 +33,7 @@ its own beside the store, never a layer of it.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -40,9 +42,9 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
-from oncely.stores._sql import parse_stats
+from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
 
-__all__ = ["Position", "SQLStoreBase", "Statements", "server_time"]
+__all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
 
 Q = TypeVar("Q", str, bytes)
 
@@ -85,6 +87,28 @@ class Statements(Protocol[Q]):
     def parse_scanned(self, row: Sequence[Any]) -> Record:
         """A record from a row of the ``scan`` statement."""
         ...
+
+
+class Minutes(Protocol[Q]):
+    """The statements of :meth:`SQLStoreBase._sample_minutes`: the purge index's lowest
+    (non-zero) and highest ``purge_ms``, and the rows per consumer of some minutes."""
+
+    purge_low: Q
+    purge_high: Q
+
+    def minutes_consumers(self, count: int) -> Q:
+        """Rows per consumer whose ``purge_ms`` is one of ``count`` parameters ``m<i>``."""
+        ...
+
+
+_MINUTES = 256
+"""Minutes sampled per stratum (those that ended, those to come) by an estimate."""
+_FIRST_READ = 8
+_MINUTES_PER_READ = 64
+"""Minutes read per statement: 8 first, twice as many each time after, up to 64."""
+_MINUTE_ROWS = 50_000
+"""An estimate's sample of a stratum stops once it read this many index entries (at least
+the first :data:`_FIRST_READ` minutes)."""
 
 
 class SQLStoreBase(Generic[Q]):
@@ -201,8 +225,87 @@ class SQLStoreBase(Generic[Q]):
         rows = self._rows("get", d.get, params)
         return d.parse_record(consumer, key, rows[0]) if rows else None
 
-    def stats(self) -> StoreStats:
+    def stats(self, *, exact: bool = True) -> StoreStats:
+        if not exact:
+            return self._estimate()
         return parse_stats(self._rows("stats", self._dialect.stats, {"now": self._now()}))
+
+    def _estimate(self) -> StoreStats:
+        """``stats(exact=False)``: the counts from the database's statistics and bounded
+        index reads, never a read of the whole table (each store's, in its section on
+        schema and maintenance)."""
+        raise NotImplementedError
+
+    def _split_rest(self, found: Estimate, total_rows: int, cur: int, d: Minutes[Q]) -> StoreStats:
+        """The stats of SQLite and MariaDB, whose consumers were counted up to SMALL + 1
+        (``found.seen``) and whose table holds about ``total_rows`` rows: what the small
+        consumers and the expired records leave is the larger consumers' live records. One
+        larger consumer takes it all; several share it as a sample of minutes shares its
+        rows (:meth:`_sample_minutes`), which also estimates the expired past those counted."""
+        big = [c for c in found.seen if not found.small(c)]
+        shares = dict.fromkeys(big, 1.0)
+        counting = found.expired > found.counted
+        if len(big) > 1 or counting:
+            live, ended = self._sample_minutes(d, cur, ended=counting, to_come=len(big) > 1)
+            if counting:
+                found.expired = max(found.expired, round(ended))
+            among = sum(live.get(c, 0.0) for c in big)
+            shares = {c: live.get(c, 0.0) / among if among else 1 / len(big) for c in big}
+        small_rows = sum(seen for c, (seen, _) in found.seen.items() if found.small(c))
+        small_dead = sum(s - live for c, (s, live) in found.seen.items() if found.small(c))
+        rest = max(total_rows - small_rows - max(found.expired - small_dead, 0), 0)
+        found.big = {c: round(rest * share) for c, share in shares.items()}
+        return found.stats()
+
+    def _sample_minutes(
+        self, d: Minutes[Q], cur: int, *, ended: bool, to_come: bool
+    ) -> tuple[dict[str, float], float]:
+        """A sample of the table by minute of expiry: the purge index is read for whole
+        minutes (``purge_ms`` values) picked at random between its ends, up to
+        :data:`_MINUTES` of those that ended (before ``cur``, the current minute) and as many
+        of those to come. Every row is in exactly one minute, and every minute of a stratum is
+        as likely to be picked, so each picked minute's rows stand for ``minutes in the
+        stratum / minutes read`` rows. Returns the estimated rows of each consumer in the
+        minutes to come (its live records, but for the current minute's expired ones) and of
+        the minutes that ended (the expired records). Only index entries are read: at most
+        about :data:`_MINUTE_ROWS` of them. ``ended`` and ``to_come`` say which strata to
+        read (the other one's answer is then empty)."""
+        low = (self._rows("stats", d.purge_low, {}))[0][0]
+        high = (self._rows("stats", d.purge_high, {}))[0][0]
+        live: dict[str, float] = {}
+        dead = 0.0
+        if low is None or high is None:
+            return live, dead
+        step = PURGE_BUCKET_MS
+        strata = (
+            (int(low), min(int(high), cur - step), False, ended),
+            (max(int(low), cur), int(high), True, to_come),
+        )
+        for first, last, coming, wanted in strata:
+            if last < first or not wanted:
+                continue
+            minutes = (last - first) // step + 1
+            # In random order: a sample cut short by _MINUTE_ROWS is still a random one.
+            picked = random.sample(range(minutes), min(minutes, _MINUTES))
+            read = taken = 0
+            chunk = _FIRST_READ
+            rows_of: dict[str, int] = {}
+            while taken < len(picked) and read < _MINUTE_ROWS:
+                some = sorted(picked[taken : taken + chunk])
+                params = {f"m{i}": first + m * step for i, m in enumerate(some)}
+                sql = d.minutes_consumers(len(some))
+                for consumer, n in self._rows("stats", sql, params):
+                    name = consumer if isinstance(consumer, str) else bytes(consumer).decode()
+                    rows_of[name] = rows_of.get(name, 0) + int(n)
+                    read += int(n)
+                taken += len(some)
+                chunk = min(2 * chunk, _MINUTES_PER_READ)
+            weight = minutes / taken
+            if coming:
+                live = {name: n * weight for name, n in rows_of.items()}
+            else:
+                dead = sum(rows_of.values()) * weight
+        return live, dead
 
     def scan(
         self,

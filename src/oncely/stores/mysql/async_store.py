@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any, Self, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import (
     DELETE,
     UNCHANGED,
@@ -56,7 +56,7 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import StoreUnavailable, TransactionRequired
-from oncely.stores._sql import parse_versions
+from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.mysql.async_io import (
     AsyncPool,
@@ -373,6 +373,24 @@ class AsyncMySQLStore(SQLStoreBase[str]):
                 changed = (await execute(conn, write(len(pairs)), params))[0]
                 count += changed if gone else 0
         return len(found), count
+
+    async def _estimate(self) -> StoreStats:
+        # InnoDB's row estimate and the expired counted up to SMALL + 1; the consumers one
+        # descent each, each counted up to SMALL + 1; the rest split by a sample of minutes.
+        d = self._dialect
+        now, cur, table_rows, expired = (
+            await self._rows("stats", d.estimate_table, {"now": self._now(), "table": d.table})
+        )[0]
+        found = Estimate(expired=int(expired))
+        rows = await self._rows("stats", d.first_consumer, {})
+        while rows and rows[0][0] is not None and len(found.seen) < MAX_CONSUMERS:
+            raw = bytes(rows[0][0])
+            seen, live = (
+                await self._rows("stats", d.count_consumer, {"now": now, "consumer": raw})
+            )[0]
+            found.seen[raw.decode("utf-8")] = (int(seen), int(live))
+            rows = await self._rows("stats", d.next_consumer, {"after": raw})
+        return await self._split_rest(found, int(table_rows or 0), int(cur), d)
 
     # ------------------------------------------------------------ the message path
 

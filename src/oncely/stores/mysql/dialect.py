@@ -40,7 +40,7 @@ from typing import Any, Final
 from oncely._core.records import Record, Status
 from oncely._core.state import ClaimEvent
 from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
-from oncely.stores._sql import STATUS, bucket_sql, check_identifier
+from oncely.stores._sql import SMALL, STATUS, bucket_sql, check_identifier
 
 __all__ = [
     "MAX_CONSUMER_BYTES",
@@ -232,14 +232,20 @@ class MySQLDialect:
         "add_purge_column",
         "add_purge_index",
         "columns",
+        "count_consumer",
         "create",
         "delete",
+        "estimate_table",
+        "first_consumer",
         "forget",
         "forget_token",
         "get",
         "insert",
         "meta_table",
+        "next_consumer",
         "now",
+        "purge_high",
+        "purge_low",
         "read",
         "read_locked",
         "read_version",
@@ -342,6 +348,33 @@ class MySQLDialect:
         self.forget_token = f"DELETE FROM `{t}` WHERE {_WHO} AND token = %(token)s"
         self.stats = f"""SELECT consumer, status, SUM(expires_ms > {now}), SUM(expires_ms <= {now})
             FROM `{t}` GROUP BY consumer, status"""
+        # stats(exact=False): InnoDB's statistics and bounded index reads, never the whole
+        # table.
+        # The clock reading (the statements after it bind it), the current minute, InnoDB's
+        # row estimate, and the expired counted off the purge index's start, at most
+        # SMALL + 1 of them (exact while a purge keeps up).
+        cur = bucket_sql(now, "DIV")
+        self.estimate_table = f"""SELECT {now}, {cur},
+                (SELECT TABLE_ROWS FROM information_schema.TABLES
+                    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %(table)s),
+                (SELECT count(*) FROM (SELECT 1 FROM `{t}`
+                    WHERE purge_ms <= {cur} AND (purge_ms < {cur} OR expires_ms <= {now})
+                    LIMIT {SMALL + 1}) AS x)"""
+        # The consumers one by one, each one descent of the primary key (MariaDB plans
+        # neither DISTINCT nor a recursive CTE of these as a skip scan: both read the index).
+        self.first_consumer = f"SELECT MIN(consumer) FROM `{t}`"
+        self.next_consumer = f"SELECT MIN(consumer) FROM `{t}` WHERE consumer > %(after)s"
+        # A consumer's first SMALL + 1 rows counted, live ones apart.
+        self.count_consumer = f"""SELECT count(*), COALESCE(SUM(e > %(now)s), 0)
+            FROM (SELECT expires_ms AS e FROM `{t}` WHERE consumer = %(consumer)s
+                ORDER BY consumer, `key` LIMIT {SMALL + 1}) AS x"""
+        # The sample of minutes (SQLStoreBase._sample_minutes): the purge index's ends, and
+        # the rows per consumer of some minutes (minutes_consumers). InnoDB's own index dives
+        # are no help here: a dive that is not exact is capped at half the table, and one
+        # into a large range is a guess (measured at 10^6 rows: a 30% consumer read as 49%,
+        # the expired 10% as 18%).
+        self.purge_low = f"SELECT MIN(purge_ms) FROM `{t}` WHERE purge_ms > 0"
+        self.purge_high = f"SELECT MAX(purge_ms) FROM `{t}`"
 
     def claim_many_insert(
         self, consumer: bytes, rows: Sequence[BatchRow], lease: int, span: int, now: int | None
@@ -379,6 +412,15 @@ class MySQLDialect:
         return (
             f"SELECT `key`, {_COLUMNS}, {n} FROM `{self.table}` "
             f"WHERE consumer = {_hex(consumer)} AND `key` IN ({keys})"
+        )
+
+    def minutes_consumers(self, count: int) -> str:
+        """The rows per consumer of ``count`` minutes of expiry (``%(m<i>)s``), read off the
+        purge index (which holds the primary key's columns: no row is read)."""
+        minutes = ", ".join(f"%(m{i})s" for i in range(count))
+        return (
+            f"SELECT consumer, count(*) FROM `{self.table}` WHERE purge_ms IN ({minutes}) "
+            "GROUP BY consumer"
         )
 
     def purge_candidates(self) -> str:

@@ -36,7 +36,7 @@ from functools import partial
 from typing import Any, Self, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import (
     DELETE,
     UNCHANGED,
@@ -58,7 +58,7 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import StoreUnavailable, TransactionRequired
-from oncely.stores._sql import parse_versions
+from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
     SCHEMA_REVISION,
@@ -373,6 +373,22 @@ class MySQLStore(SQLStoreBase[str]):
                 changed = (execute(conn, write(len(pairs)), params))[0]
                 count += changed if gone else 0
         return len(found), count
+
+    def _estimate(self) -> StoreStats:
+        # InnoDB's row estimate and the expired counted up to SMALL + 1; the consumers one
+        # descent each, each counted up to SMALL + 1; the rest split by a sample of minutes.
+        d = self._dialect
+        now, cur, table_rows, expired = (
+            self._rows("stats", d.estimate_table, {"now": self._now(), "table": d.table})
+        )[0]
+        found = Estimate(expired=int(expired))
+        rows = self._rows("stats", d.first_consumer, {})
+        while rows and rows[0][0] is not None and len(found.seen) < MAX_CONSUMERS:
+            raw = bytes(rows[0][0])
+            seen, live = (self._rows("stats", d.count_consumer, {"now": now, "consumer": raw}))[0]
+            found.seen[raw.decode("utf-8")] = (int(seen), int(live))
+            rows = self._rows("stats", d.next_consumer, {"after": raw})
+        return self._split_rest(found, int(table_rows or 0), int(cur), d)
 
     # ------------------------------------------------------------ the message path
 

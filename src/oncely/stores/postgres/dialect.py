@@ -43,7 +43,14 @@ import hashlib
 from collections.abc import Sequence
 from typing import Final
 
-from oncely.stores._sql import PlainRows, bucket_sql, check_identifier, parse_record
+from oncely.stores._sql import (
+    MAX_CONSUMERS,
+    SMALL,
+    PlainRows,
+    bucket_sql,
+    check_identifier,
+    parse_record,
+)
 
 __all__ = ["SCHEMA_REVISION", "SCHEMA_VERSION", "PostgresDialect", "parse_record", "text_array"]
 
@@ -147,12 +154,16 @@ class PostgresDialect(PlainRows[bytes]):
         "create",
         "create_purge_index",
         "drop_purge_index",
+        "estimate_consumers",
+        "estimate_table",
         "fail",
         "forget",
         "get",
         "lock_key",
         "meta_table",
         "names",
+        "plan_consumer",
+        "plan_expired",
         "purge",
         "purge_index",
         "purge_index_valid",
@@ -162,6 +173,7 @@ class PostgresDialect(PlainRows[bytes]):
         "release",
         "renew",
         "replace",
+        "sample",
         "scan",
         "schema",
         "set_autovacuum",
@@ -394,6 +406,70 @@ class PostgresDialect(PlainRows[bytes]):
                 count(*) FILTER (WHERE NOT ({live}))
             FROM {t} AS t, {_NOW}
             GROUP BY t.consumer, t.status"""
+        )
+        # stats(exact=False): the database's statistics and bounded index reads only.
+        # The table: its clock reading, whether ANALYZE has run (column statistics exist:
+        # reltuples is -1 before on PostgreSQL 14+, and the planner's guesses are then
+        # rough), the status column's most common values, the heap's current size in pages
+        # (for the sample below), and the expired records counted off the purge index's
+        # start, at most SMALL + 1 of them (a purge that keeps up leaves fewer: exact).
+        stat = (
+            "FROM pg_stats AS s WHERE s.schemaname = %(schema)s AND s.tablename = %(table)s "
+            "AND NOT s.inherited AND s.attname = "
+        )
+        self.estimate_table = _b(
+            f"""WITH n AS MATERIALIZED (SELECT c.now, {bucket_sql("c.now")} AS cur
+                FROM (SELECT COALESCE(%(now)s::bigint,
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now) AS c)
+            SELECT n.now, n.cur,
+                EXISTS (SELECT {stat}'consumer'),
+                (SELECT s.most_common_vals::text::text[] {stat}'status'),
+                (SELECT s.most_common_freqs {stat}'status'),
+                pg_relation_size(%(regclass)s::regclass)
+                    / current_setting('block_size')::bigint,
+                (SELECT count(*) FROM (SELECT FROM {t} AS t
+                    WHERE t.purge_ms <= n.cur AND (t.purge_ms < n.cur OR t.expires_ms <= n.now)
+                    LIMIT {SMALL + 1}) AS x)
+            FROM n"""
+        )
+        # The consumers, by a skip scan of the primary key (one descent per consumer, the
+        # recursive CTE PostgreSQL's wiki gives for a "loose index scan"), each with its
+        # first SMALL + 1 rows counted (live ones apart). ORDER BY keeps the bounded read on
+        # the primary key whatever the planner believes of the consumer.
+        self.estimate_consumers = _b(
+            f"""WITH RECURSIVE c AS (
+                (SELECT t.consumer FROM {t} AS t ORDER BY t.consumer LIMIT 1)
+                UNION ALL
+                SELECT (SELECT t.consumer FROM {t} AS t WHERE t.consumer > c.consumer
+                    ORDER BY t.consumer LIMIT 1)
+                FROM c WHERE c.consumer IS NOT NULL)
+            SELECT c.consumer, x.seen, x.live
+            FROM (SELECT consumer FROM c WHERE consumer IS NOT NULL
+                LIMIT {MAX_CONSUMERS}) AS c,
+            LATERAL (SELECT count(*) AS seen,
+                    count(*) FILTER (WHERE r.expires_ms > %(now)s::bigint) AS live
+                FROM (SELECT t.expires_ms FROM {t} AS t WHERE t.consumer = c.consumer
+                    ORDER BY t.consumer, t.key LIMIT {SMALL + 1}) AS r) AS x"""
+        )
+        # The planner's row estimates (what it would plan a query with: its statistics,
+        # reltuples scaled by the heap's current size), for a larger consumer's live
+        # records.
+        self.plan_consumer = _b(
+            f"""EXPLAIN (FORMAT JSON) SELECT FROM {t} AS t
+            WHERE t.consumer = %(consumer)s::text AND t.expires_ms > %(now)s::bigint"""
+        )
+        # The expired: the rows of the minutes that ended (the current minute's expired
+        # ones are left out: the planner would multiply the two conditions' selectivities as
+        # if they were independent, and they are not).
+        self.plan_expired = _b(
+            f"EXPLAIN (FORMAT JSON) SELECT FROM {t} AS t WHERE t.purge_ms < %(cur)s::bigint"
+        )
+        # A table never analyzed: a sample of its pages (TABLESAMPLE SYSTEM reads only the
+        # pages it picks), counted per consumer, status and expiry.
+        self.sample = _b(
+            f"""SELECT t.consumer, t.status, t.expires_ms > %(now)s::bigint, count(*)
+            FROM {t} AS t TABLESAMPLE SYSTEM (%(percent)s::float8)
+            GROUP BY 1, 2, 3"""
         )
         self.scan = _b(
             f"""SELECT t.consumer, t.key, {_T_COLUMNS} FROM {t} AS t, {_NOW}

@@ -41,11 +41,11 @@ import psycopg
 from psycopg import pq
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import ConfigurationError, StoreError, StoreUnavailable, TransactionRequired
-from oncely.stores._sql import parse_versions
+from oncely.stores._sql import SMALL, STATUS, Estimate, parse_versions, plan_rows, status_shares
 from oncely.stores.postgres.dialect import (
     SCHEMA_REVISION,
     SCHEMA_VERSION,
@@ -93,6 +93,8 @@ _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
+# stats(exact=False) on a table never analyzed reads about this many pages (8 KiB each) of it.
+_SAMPLE_PAGES = 2000
 
 
 def _check_size(consumer: str, key: str) -> None:
@@ -476,6 +478,59 @@ class PostgresStore(SQLStoreBase[bytes]):
         params = {"now": self._now(), "limit": limit}
         taken, gone, _moved = (self._rows("purge", self._dialect.purge, params))[0]
         return taken, gone, None
+
+    def _estimate(self) -> StoreStats:
+        # The table's row, then the consumers (skip scan and bounded counts), then the
+        # planner's estimate for each larger consumer and, past SMALL, for the expired. A
+        # table without statistics (never analyzed) is sampled instead: a few pages.
+        d = self._dialect
+        place = {"schema": d.schema, "table": d.table, "regclass": d.names["table"]}
+        row = (self._rows("stats", d.estimate_table, {"now": self._now(), **place}))[0]
+        now, cur, analyzed, values, freqs, pages, expired = row
+        times = {"now": now, "cur": cur}
+        found = Estimate(expired=expired)
+        for consumer, seen, live in self._rows("stats", d.estimate_consumers, times):
+            found.seen[consumer] = (seen, live)
+        if not analyzed:
+            percent = min(100.0, 100.0 * _SAMPLE_PAGES / max(pages, 1))
+            self._sample(found, times, percent)
+            return found.stats()
+        found.shares = status_shares(values, freqs)
+        for consumer in found.seen:
+            if not found.small(consumer):
+                plan = self._rows("stats", d.plan_consumer, {**times, "consumer": consumer})
+                found.big[consumer] = plan_rows(plan[0][0])
+        if expired > SMALL:
+            plan = self._rows("stats", d.plan_expired, times)
+            found.expired = max(plan_rows(plan[0][0]), expired)
+        return found.stats()
+
+    def _sample(self, found: Estimate, times: dict[str, object], percent: float) -> None:
+        """Fill ``found`` from a sample of ``percent`` of the table's pages: the larger
+        consumers, the statuses and, past SMALL, the expired."""
+        rows = self._rows("stats", self._dialect.sample, {**times, "percent": percent})
+        scale = 100.0 / percent
+        live_by: dict[str, float] = {}
+        statuses: dict[Status, float] = {}
+        dead = 0.0
+        for consumer, status, live, n in rows:
+            if not live:
+                dead += n * scale
+                continue
+            live_by[consumer] = live_by.get(consumer, 0.0) + n * scale
+            statuses[STATUS[status]] = statuses.get(STATUS[status], 0.0) + n
+        for consumer in found.seen:
+            if not found.small(consumer):
+                found.big[consumer] = round(live_by.get(consumer, 0.0))
+        if found.expired > SMALL:
+            found.expired = max(round(dead), found.expired)
+        whole = sum(statuses.values())
+        found.shares = {s: n / whole for s, n in statuses.items()} if whole else {}
+        found.note = (
+            "the table has no statistics yet (never analyzed): a rough estimate from a "
+            f"sample of {percent:.3g}% of its pages; ANALYZE (autovacuum runs it) or "
+            "--exact for better"
+        )
 
     # ------------------------------------------------------------ the message path
 

@@ -25,6 +25,7 @@ from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
 from oncely._core.state import Lost
 from oncely._core.table import lease_lost
+from oncely._twin import ASYNC
 from oncely._urls import redact
 from oncely.errors import ConfigurationError, SchemaMissing, SchemaTooNew, StoreError
 from oncely.stores.redis.async_io import (
@@ -73,6 +74,8 @@ _VERSION_FIELD = b"schema_version"
 # Keys per script in a batch on a single Redis (a longer script blocks the server longer), and
 # keys per SCAN step for stats, scan and purge (memory stays bounded by this and ``limit``).
 _BATCH = 500
+# Keys drawn by stats(exact=False) (RANDOMKEY, pipelined on a single Redis).
+_SAMPLE = 2000
 
 
 class AsyncRedisStore:
@@ -553,14 +556,19 @@ class AsyncRedisStore:
         calls = [([names[i] for i in group], args) for group in self._groups(names)]
         return sum(int(n) for n in await self._run_groups(PURGE, calls, "purge"))
 
-    async def stats(self) -> StoreStats:
+    async def stats(self, *, exact: bool = True) -> StoreStats:
         """Record counts per consumer and status, from a ``SCAN`` of the store's keys (every
         primary of a cluster), for operators. ``SCAN`` matches the store's prefix but visits
         every key of the database: the cost grows with the whole keyspace, not with the
         store's records alone, so give oncely a database of its own on a Redis that holds
         many other keys (``scan`` and a purge with a given clock walk it the same way). A
-        record written meanwhile may be counted twice or not at all, as ``SCAN`` allows."""
+        record written meanwhile may be counted twice or not at all, as ``SCAN`` allows.
+
+        ``exact=False`` samples instead: :data:`_SAMPLE` keys drawn with ``RANDOMKEY`` (on a
+        cluster, as many from each primary), scaled by ``DBSIZE``; see :meth:`_estimate`."""
         await self._check()
+        if not exact:
+            return await self._estimate()
         now = await self._time()
         counts: dict[str, dict[Status, int]] = {}
         expired = 0
@@ -580,6 +588,85 @@ class AsyncRedisStore:
                 by_status = counts.setdefault(ident[0], {})
                 by_status[state] = by_status.get(state, 0) + 1
         return StoreStats(counts=counts, expired=expired)
+
+    async def _estimate(self) -> StoreStats:
+        """``stats(exact=False)``: a sample of random keys, scaled by ``DBSIZE``.
+
+        Each key is drawn with ``RANDOMKEY`` (with replacement; Redis picks a random slot of
+        its hash table, then a key in it: close to uniform), the store's records among them
+        are read, and each stands for ``DBSIZE / drawn`` keys. A count whose share of the
+        database is ``p`` is off by ``DBSIZE * sqrt(p * (1 - p) / drawn)`` (one standard
+        error: at most ``DBSIZE / (2 * sqrt(drawn))``, 1.1% of the database for 2,000
+        draws); a consumer holding far less than ``1 / drawn`` of the database may not be
+        drawn at all. Other keys in the database cost precision, not time. A database of at
+        most :data:`_SAMPLE` keys is counted exactly instead."""
+        now = await self._time()
+        try:
+            drawn = await self._draw()
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "sampling keys") from exc
+        if sum(size for size, _ in drawn) <= _SAMPLE:
+            return await self.stats()
+        found: dict[str, dict[Status, float]] = {}
+        expired = 0.0
+        for size, names in drawn:
+            mine = [n for n in names if n is not None and self._keys.ident(n) is not None]
+            if not mine:
+                continue
+            weight = size / len(names)
+            for name, raw in zip(mine, await self._read(mine), strict=True):
+                ident = self._keys.ident(name)
+                if ident is None or raw is None:
+                    continue  # gone meanwhile
+                state, expires = stored_status(raw)
+                if expires <= now:
+                    expired += weight
+                    continue
+                by_status = found.setdefault(ident[0], {})
+                by_status[state] = by_status.get(state, 0.0) + weight
+        counts = {c: {s: round(n) for s, n in by.items()} for c, by in found.items()}
+        statuses = dict.fromkeys(Status, 0)
+        for rounded in counts.values():
+            for state, count in rounded.items():
+                statuses[state] += count
+        size = sum(size for size, _ in drawn)
+        draws = sum(len(names) for _, names in drawn)
+        return StoreStats(
+            counts=counts,
+            expired=round(expired),
+            exact=False,
+            consumers={c: sum(by.values()) for c, by in counts.items()},
+            statuses=statuses,
+            note=(
+                f"a sample of {draws:,} random keys of the database's {size:,}: each count "
+                f"is within about {size / draws**0.5:,.0f} (two standard errors) of the truth"
+            ),
+        )
+
+    async def _draw(self) -> list[tuple[int, list[bytes | None]]]:
+        """``(DBSIZE, keys drawn by RANDOMKEY)`` of the database (of each primary of a
+        cluster); None for a draw that found the database empty."""
+        client: Any = self._client
+        if not self._cluster:
+            size = int(await client.dbsize())
+            if size <= _SAMPLE:
+                return [(size, [])]
+            pipe = client.pipeline(transaction=False)
+            for _ in range(_SAMPLE):
+                pipe.randomkey()
+            return [(size, [_name(n) for n in await pipe.execute()])]
+        if ASYNC:
+            await client.initialize()
+        nodes = sorted(client.get_primaries(), key=lambda node: str(node.name))
+        sizes = [int(await client.dbsize(target_nodes=node)) for node in nodes]
+        if sum(sizes) <= _SAMPLE:
+            return [(sum(sizes), [])]
+        each = max(1, _SAMPLE // len(nodes))
+        drawn = []
+        for node, size in zip(nodes, sizes, strict=True):
+            names = [_name(await client.randomkey(target_nodes=node)) for _ in range(each)]
+            drawn.append((size, names))
+        return drawn
 
     async def scan(
         self,
@@ -639,6 +726,10 @@ class AsyncRedisStore:
             return await unlink(self._client, self._keys.record(consumer, key))
         except DRIVER_ERRORS as exc:
             raise translate(exc, "forget") from exc
+
+
+def _name(name: bytes | str | None) -> bytes | None:
+    return name.encode() if isinstance(name, str) else name
 
 
 def _due(stored: bytes | None, now: int) -> bool:

@@ -46,14 +46,16 @@ from oncely._core.records import (
     ClaimStatus,
     Record,
     Status,
+    StoreStats,
     new_claim,
     new_record,
 )
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
-from oncely.stores._sql import parse_versions, purge_bucket
+from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
 from oncely.stores.sqlite.dialect import (
+    ENDED_COUNTED,
     OLD_STATUS_CHECK,
     SCHEMA_REVISION,
     SCHEMA_VERSION,
@@ -433,6 +435,26 @@ class SQLiteStore(SQLStoreBase[str]):
         finally:
             self._release(conn)
         return len(found), deleted, None
+
+    def _estimate(self) -> StoreStats:
+        # count(*) (SQLite counts its smallest index's entries without reading them) and the
+        # expired counted (see the dialect); the consumers one descent each, each counted up to
+        # SMALL + 1; the rest split by a sample of minutes (see the dialect).
+        d = self._dialect
+        now = self._now()
+        cur = purge_bucket(now)
+        (total,) = (self._rows("stats", d.count_rows, {}))[0]
+        (ended,) = (self._rows("stats", d.count_ended, {"cur": cur}))[0]
+        (expiring,) = (self._rows("stats", d.count_expiring, {"now": now, "cur": cur}))[0]
+        found = Estimate(expired=ended + expiring, counted=ENDED_COUNTED + SMALL)
+        rows = self._rows("stats", d.first_consumer, {})
+        while rows and rows[0][0] is not None and len(found.seen) < MAX_CONSUMERS:
+            consumer = rows[0][0]
+            params = {"now": now, "consumer": consumer}
+            seen, live = (self._rows("stats", d.count_consumer, params))[0]
+            found.seen[consumer] = (seen, live)
+            rows = self._rows("stats", d.next_consumer, {"after": consumer})
+        return self._split_rest(found, total, cur, d)
 
     # ------------------------------------------------------------ the message path
 
