@@ -48,7 +48,7 @@ __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
 
 Q = TypeVar("Q", str, bytes)
 
-Position = tuple[object, object]
+Position = tuple[object, ...]
 """Where a purge stopped: the last (consumer, key) it looked at, as the driver returned them."""
 
 

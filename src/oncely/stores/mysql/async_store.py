@@ -97,6 +97,13 @@ from oncely.stores.mysql.errors import (
 
 __all__ = ["AsyncMySQLStore"]
 
+SWEEP_FROM_ROWS = 50_000
+"""Below this many rows a purge always takes the purge index (either path is quick)."""
+SWEEP_SHARE_COLD = 0.03
+SWEEP_SHARE_WARM = 0.10
+"""The expired share of the table past which a purge walks the table instead of the index,
+when the table is larger than InnoDB's buffer pool and when it fits."""
+
 T = TypeVar("T")
 E = TypeVar("E")
 R = TypeVar("R")
@@ -352,27 +359,76 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     async def _purge_batch(
         self, after: Position | None, limit: int
     ) -> tuple[int, int, Position | None]:
-        found, count = await self._run("purge", partial(self._purge_keys, limit=limit))
-        return found, count, None
+        return await self._run("purge", partial(self._purge_keys, after=after, limit=limit))
 
-    async def _purge_keys(self, conn: Connection, limit: int) -> tuple[int, int]:
-        # Candidates from the start of the purge index, read without locks; then the expired
-        # ones deleted by key, still expired, and the others (behind their expiry) moved to
-        # their minute, each in one short statement. Every candidate leaves the range, so the
-        # next batch starts from the index's start again.
+    async def _purge_keys(
+        self, conn: Connection, after: Position | None, limit: int
+    ) -> tuple[int, int, Position | None]:
+        # A run takes one of two paths, chosen at its first batch and carried in the
+        # position: the purge index (cost: what expired, one random row read each) or, when
+        # a large share of the table expired, a walk of the clustered index in order (cost:
+        # the table, read sequentially). The candidates of either are read without locks,
+        # then the expired ones deleted by key, still expired, in one short statement.
+        if after is None:
+            path = await self._purge_path(conn)
+            cursor: tuple[object, ...] = ()
+        else:
+            path, cursor = str(after[0]), after[1:]
         now = self._now()
         d = self._dialect
-        found = await fetchall(conn, d.purge_candidates(), {"now": now, "limit": limit})
-        count = 0
-        for gone, write in ((True, d.purge_delete), (False, d.purge_move)):
-            pairs = [(c, k) for c, k, expired in found if bool(expired) is gone]
-            if pairs:
-                params: dict[str, Any] = {"now": now}
-                for i, (consumer, key) in enumerate(pairs):
-                    params[f"c{i}"], params[f"k{i}"] = consumer, key
-                changed = (await execute(conn, write(len(pairs)), params))[0]
-                count += changed if gone else 0
-        return len(found), count
+        params: dict[str, Any] = {"now": now, "limit": limit}
+        if path == "sweep":
+            if cursor:
+                params["c"], params["k"] = cursor
+            found = await fetchall(conn, d.purge_sweep(bool(cursor)), params)
+            if not found:
+                return 0, 0, None
+            deleted = await self._purge_found(conn, [(c, k) for c, k in found], now, move=False)
+            return len(found), deleted, ("sweep", found[-1][0], found[-1][1])
+        # The index: the minutes that ended first (the index alone), then the current
+        # minute's expired rows; past where the last batch ended (see purge_candidates). The
+        # rows left behind their expiry are moved to its minute, past this run's range.
+        if cursor:
+            params["p"], params["c"], params["k"] = cursor
+        rows = await fetchall(conn, d.purge_candidates(ended=True, after=bool(cursor)), params)
+        if len(rows) < limit:
+            params["limit"] = limit - len(rows)
+            rows += await fetchall(
+                conn, d.purge_candidates(ended=False, after=bool(cursor)), params
+            )
+        if not rows:
+            return 0, 0, None
+        deleted = await self._purge_found(conn, [(c, k) for c, k, _ in rows], now, move=True)
+        last = rows[-1]
+        return len(rows), deleted, ("index", last[2], last[0], last[1])
+
+    async def _purge_found(
+        self, conn: Connection, keys: list[tuple[Any, Any]], now: int | None, *, move: bool
+    ) -> int:
+        d = self._dialect
+        params: dict[str, Any] = {"now": now}
+        for i, (consumer, key) in enumerate(keys):
+            params[f"c{i}"], params[f"k{i}"] = consumer, key
+        deleted = int((await execute(conn, d.purge_delete(len(keys)), params))[0])
+        if move and deleted < len(keys):
+            await execute(conn, d.purge_move(len(keys)), params)
+        return deleted
+
+    async def _purge_path(self, conn: Connection) -> str:
+        """``"sweep"`` when the minutes up to now hold more than a share of the table's rows
+        that makes one sequential walk cheaper than a random read per expired row: 3% when
+        the table is larger than the buffer pool (measured at 10^6 rows, 128 MB pool: a walk
+        4.4 us per row, a random read 134 us), 10% when it fits (45 us); else ``"index"``."""
+        d = self._dialect
+        info = await fetchall(conn, d.purge_share, {"now": self._now(), "table": d.table,
+                                                    "cap": 0})  # fmt: skip
+        if not info or info[0][0] is None or int(info[0][0]) < SWEEP_FROM_ROWS:
+            return "index"
+        rows, size, pool = int(info[0][0]), int(info[0][1] or 0), int(info[0][2] or 0)
+        cap = int(rows * (SWEEP_SHARE_COLD if size > pool else SWEEP_SHARE_WARM)) + 1
+        counted = await fetchall(conn, d.purge_share, {"now": self._now(), "table": d.table,
+                                                       "cap": cap})  # fmt: skip
+        return "sweep" if counted and int(counted[0][3]) >= cap else "index"
 
     async def _estimate(self) -> StoreStats:
         # InnoDB's row estimate and the expired counted up to SMALL + 1; the consumers one
