@@ -433,6 +433,32 @@ def chart(points: list[Point], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def rss_mb() -> float:
+    """This process's resident set size, from /proc (Linux)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_over(store: Any, messages: int) -> list[tuple[int, float]]:
+    """RSS sampled ten times while ``messages`` go through ``Inbox.handle`` on ``store``
+    (new keys, one in ten sent twice), as a long-running consumer would handle them."""
+    inbox = oncely.Inbox(store, consumer="rss", lease=oncely.Lease(heartbeat=False))
+    result = {"charged": 1999, "receipt": "r" * 60}
+    samples = [(0, rss_mb())]
+    step = max(1, messages // 10)
+    last = ""
+    for n in range(1, messages + 1):
+        key = last if n % 10 == 0 else str(uuid.uuid4())
+        inbox.handle(key, {"order": key, "amount": 1999}, lambda _payload: result)
+        last = key
+        if n % step == 0:
+            samples.append((n, rss_mb()))
+    return samples
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python bench/scale.py", description=__doc__.split("\n")[0])
     p.add_argument("--store", choices=sorted(TARGETS), required=True)
@@ -444,6 +470,10 @@ def main() -> None:
     p.add_argument(
         "--order", choices=("time", "random"), default="time",
         help="rows written in expiry order, as a live inbox writes them (default), or at random",
+    )  # fmt: skip
+    p.add_argument(
+        "--rss", type=int, default=0, metavar="N",
+        help="after the sizes, send N messages through Inbox.handle and sample the RSS",
     )  # fmt: skip
     args = p.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -465,6 +495,7 @@ def main() -> None:
             loaded -= point.purged
             points.append(point)
             print(table([point]).splitlines()[-1], flush=True)
+        rss = rss_over(target.store, args.rss) if args.rss else []
         server = target.server()
     finally:
         target.drop()
@@ -482,8 +513,14 @@ def main() -> None:
         'Stats are read before the purge; "estimate off by" is the larger relative error of '
         "the estimate's live total and expired count.\n"
     )
+    if rss:
+        text += (
+            f"\nRSS while {args.rss:,} messages went through `Inbox.handle` (one in ten twice): "
+            + ", ".join(f"{n:,}: {mb:.1f} MB" for n, mb in rss)
+            + f" (growth {rss[-1][1] - rss[1][1]:+.1f} MB after the first tenth).\n"
+        )
     (args.out / f"{stem}.md").write_text(text)
-    data = {"title": title, "command": command, "points": [vars(p) for p in points]}
+    data = {"title": title, "command": command, "points": [vars(p) for p in points], "rss": rss}
     (args.out / f"{stem}.json").write_text(json.dumps(data, indent=2))
     chart(points, title, args.out / f"{stem}.png")
     print(text)
