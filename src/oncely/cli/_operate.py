@@ -190,11 +190,12 @@ def reconcile(
         raise click.UsageError("give --reconciler MODULE:FUNCTION or --on-stale retry|escalate")
     policy: Any = _reconciler(reconciler_spec) if reconciler_spec else (on_stale or "escalate")
     with opened(store_url) as store:
+        inbox = _inbox(store, consumer, keep, policy)
         if dry_run:
-            found = _stale_records(store, consumer, limit)
+            found = inbox.stale_claims(limit=limit)
             done = [Resolved(r.key, "stale", r, r, "dry run: nothing changed") for r in found]
         else:
-            done = _inbox(store, consumer, keep, policy).reconcile(limit=limit)
+            done = inbox.reconcile(limit=limit)
     unsettled = [d for d in done if d.action in ("escalate", "error")]
     if as_json:
         echo_json({"consumer": consumer, "stale": len(done), "results": [
@@ -208,16 +209,3 @@ def reconcile(
         click.echo(f"{len(done)} stale claim(s) of consumer {safe(consumer)!r}")
     if unsettled and not dry_run:
         raise CliError(f"{len(unsettled)} stale claim(s) left for a person", CHECK_FAILED)
-
-
-def _stale_records(store: oncely.Store, consumer: str, limit: int | None) -> list[oncely.Record]:
-    found: list[oncely.Record] = []
-    after: tuple[str, str] | None = None
-    while limit is None or len(found) < limit:
-        page = store.scan(consumer=consumer, status=Status.IN_PROGRESS, after=after, limit=500)
-        if not page:
-            break
-        after = (page[-1].consumer, page[-1].key)
-        now = now_ms()
-        found.extend(r for r in page if r.is_stale(now))
-    return found[:limit] if limit is not None else found

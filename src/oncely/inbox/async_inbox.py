@@ -432,20 +432,13 @@ class AsyncInbox:
         await self._store.forget(self._consumer, key)
         return None, None
 
-    async def reconcile(self, *, limit: int | None = None, page: int = 100) -> list[Resolved]:
-        """Apply this inbox's ``on_stale`` policy now to its stale in-progress records (their
-        worker's lease lapsed), instead of when each message happens to be redelivered (R10).
-
-        A reconciler is asked about each (``StaleClaim.payload`` is ``None``: there is no
-        delivery); with ``on_stale="retry"`` each is deleted so its next delivery runs the
-        handler, with ``"escalate"`` each is left for a person and reported. Every write is
-        fenced by a takeover the store refuses while the lease is live, so a worker that came
-        back keeps its claim (``skipped``). Reads ``page`` records at a time; stops after
-        ``limit`` stale ones. Returns what happened to each.
-        """
-        done: list[Resolved] = []
+    async def stale_claims(self, *, limit: int | None = None, page: int = 100) -> list[Record]:
+        """This consumer's in-progress records whose lease has lapsed by this process's clock
+        (their worker died or stalled), in key order, reading ``page`` records at a time; at
+        most ``limit``. What :meth:`reconcile` works on; reading them changes nothing."""
+        found: list[Record] = []
         after: tuple[str, str] | None = None
-        while limit is None or len(done) < limit:
+        while limit is None or len(found) < limit:
             records = await self._store.scan(
                 consumer=self._consumer, status=Status.IN_PROGRESS, after=after, limit=page
             )
@@ -453,10 +446,24 @@ class AsyncInbox:
                 break
             after = (records[-1].consumer, records[-1].key)
             now = int(time() * 1000)
-            for record in records:
-                if record.is_stale(now) and (limit is None or len(done) < limit):
-                    done.append(await self._reconcile_one(record))
-        return done
+            found.extend(record for record in records if record.is_stale(now))
+        return found if limit is None else found[:limit]
+
+    async def reconcile(self, *, limit: int | None = None, page: int = 100) -> list[Resolved]:
+        """Apply this inbox's ``on_stale`` policy now to its stale in-progress records
+        (:meth:`stale_claims`), instead of when each message happens to be redelivered (R10).
+
+        A reconciler is asked about each (``StaleClaim.payload`` is ``None``: there is no
+        delivery); with ``on_stale="retry"`` each is deleted so its next delivery runs the
+        handler, with ``"escalate"`` each is left for a person and reported. Every write is
+        fenced by a takeover the store refuses while the lease is live (by the store's clock),
+        so a worker that came back keeps its claim (``skipped``). Returns what happened to
+        each.
+        """
+        return [
+            await self._reconcile_one(record)
+            for record in await self.stale_claims(limit=limit, page=page)
+        ]
 
     async def _reconcile_one(self, record: Record) -> Resolved:
         key = record.key
