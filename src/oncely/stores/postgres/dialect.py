@@ -380,7 +380,7 @@ class PostgresDialect(PlainRows[bytes]):
                 FROM (SELECT COALESCE(%(now)s::bigint,
                     floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now) AS c),
             doomed AS MATERIALIZED (
-                SELECT t.consumer, t.key FROM {t} AS t
+                SELECT t.ctid AS tid FROM {t} AS t
                 WHERE t.purge_ms <= (SELECT cur FROM n)
                     AND (t.purge_ms < (SELECT cur FROM n)
                         OR t.expires_ms <= (SELECT now FROM n))
@@ -388,13 +388,13 @@ class PostgresDialect(PlainRows[bytes]):
                 LIMIT %(limit)s
                 FOR UPDATE OF t SKIP LOCKED),
             gone AS (
-                DELETE FROM {t} AS t USING doomed, n
-                WHERE t.consumer = doomed.consumer AND t.key = doomed.key AND {expired}
+                DELETE FROM {t} AS t USING n
+                WHERE t.ctid = ANY (ARRAY(SELECT tid FROM doomed)) AND {expired}
                 RETURNING 1),
             moved AS (
                 UPDATE {t} AS t SET purge_ms = {bucket_sql("t.expires_ms")}
-                FROM doomed, n
-                WHERE t.consumer = doomed.consumer AND t.key = doomed.key
+                FROM n
+                WHERE t.ctid = ANY (ARRAY(SELECT tid FROM doomed))
                     AND NOT ({expired}) AND t.purge_ms < {bucket_sql("t.expires_ms")}
                 RETURNING 1)
             SELECT (SELECT count(*) FROM doomed), (SELECT count(*) FROM gone),
