@@ -34,6 +34,16 @@ def test_purge_in_bounded_batches(db: Path) -> None:
     assert count(db, "old") == 1
 
 
+def test_purge_takes_a_pause_between_batches(db: Path) -> None:
+    result = run("inbox", "purge", "--store", url_of(db), "--batch-size", "1",
+                 "--pause", "0.5")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == "purged 3 expired records"
+    refused = run("inbox", "purge", "--store", url_of(db), "--pause", "-1")
+    assert refused.exit_code == 2
+    assert "--pause" in refused.stderr
+
+
 # --------------------------------------------------------------------------- forget
 
 

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import click
 from rich.console import Console
@@ -31,6 +32,7 @@ from oncely.cli._output import (
     text,
 )
 from oncely.cli._stores import opened, store_option
+from oncely.stores._purging import PURGE_PAUSE
 
 __all__ = ["inbox"]
 
@@ -347,8 +349,20 @@ def show(store_url: str, consumer: str, key: str, as_json: bool) -> None:
     help="Run as a service: purge again every DURATION (e.g. 1m) until stopped. Among "
     "several purges of one table, one leads at a time; the others wait their turn.",
 )
+@click.option(
+    "--pause",
+    type=click.FloatRange(0, 100),
+    default=PURGE_PAUSE,
+    show_default=True,
+    help="Rest after each batch for this many times the batch's own time: 1 leaves the "
+    "database to the consumers half the time, 0 purges as fast as it can.",
+)
 def purge(
-    store_url: str, batch_size: int, max_batches: int | None, every: timedelta | None
+    store_url: str,
+    batch_size: int,
+    max_batches: int | None,
+    every: timedelta | None,
+    pause: float,
 ) -> None:
     """Delete expired records, in batches, and print how many were deleted.
 
@@ -357,17 +371,24 @@ def purge(
     """
     with opened(store_url) as store:
         if every is not None:
-            _purge_service(store, every, batch_size)
+            _purge_service(
+                oncely.PurgeService(store, every=every, batch_size=batch_size, pause=pause)
+            )
             return
         if max_batches is not None:
-            deleted = store.purge_expired(batch_size=batch_size, max_batches=max_batches)
+            options: dict[str, Any] = {"batch_size": batch_size, "max_batches": max_batches}
+            if "pause" in inspect.signature(store.purge_expired).parameters:
+                options["pause"] = pause
+            deleted = store.purge_expired(**options)
         else:
-            deleted = _purge_with_progress(store, batch_size)
+            once = timedelta(seconds=1)
+            deleted = _purge_with_progress(
+                oncely.PurgeService(store, every=once, batch_size=batch_size, pause=pause)
+            )
     click.echo(f"purged {deleted} expired record{'s' if deleted != 1 else ''}")
 
 
-def _purge_with_progress(store: Store, batch_size: int) -> int:
-    service = oncely.PurgeService(store, every=timedelta(seconds=1), batch_size=batch_size)
+def _purge_with_progress(service: oncely.PurgeService) -> int:
     if not sys.stderr.isatty():
         return service.run_once().deleted
     done = [0, 0]
@@ -390,7 +411,9 @@ def _purge_with_progress(store: Store, batch_size: int) -> int:
         return service.run_once().deleted
 
 
-def _purge_service(store: Store, every: timedelta, batch_size: int) -> None:
+def _purge_service(service: oncely.PurgeService) -> None:
+    every = service.every
+
     def report(run: oncely.PurgeRun) -> None:
         if run.leader:
             click.echo(
@@ -400,7 +423,7 @@ def _purge_service(store: Store, every: timedelta, batch_size: int) -> None:
         else:
             click.echo(f"another purge leads; next try in {format_duration(every)}")
 
-    service = oncely.PurgeService(store, every=every, batch_size=batch_size, on_run=report)
+    service.on_run = report
     previous = signal.signal(signal.SIGTERM, lambda *_: service.stop())
     try:
         service.run()

@@ -5,9 +5,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-__all__ = ["LOGGER", "PurgeRun"]
+from oncely.errors import ConfigurationError
+
+__all__ = ["LOGGER", "PURGE_PAUSE", "PurgeRun", "check_pause"]
 
 LOGGER = logging.getLogger("oncely.purge")
+
+PURGE_PAUSE = 1.0
+"""The rest after each purge batch, as a multiple of the batch's own time: the purge takes at
+most half of the database's time, and a claim finds it between batches half the time."""
+
+
+def check_pause(pause: float) -> None:
+    """Refuse a pause that is not a finite number of at least 0 (a multiple of the batch's
+    time: 0 for no rest)."""
+    if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= 100:
+        raise ConfigurationError(
+            f"the purge's pause is a multiple of each batch's time between 0 and 100, not {pause!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

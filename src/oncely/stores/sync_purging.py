@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import Any
 
 from oncely.errors import ConfigurationError, StoreError
-from oncely.stores._purging import LOGGER, PurgeRun, _Stopped
+from oncely.stores._purging import LOGGER, PURGE_PAUSE, PurgeRun, _Stopped, check_pause
 
 __all__ = ["PurgeService", "PurgeRun"]  # noqa: RUF022, RUF100 - its sync twin sorts otherwise
 
@@ -34,8 +34,9 @@ __all__ = ["PurgeService", "PurgeRun"]  # noqa: RUF022, RUF100 - its sync twin s
 class PurgeService:
     """Purges ``store`` every ``every`` while this process leads its purge.
 
-    ``batch_size`` rows per batch (each a short transaction of its own); ``on_run`` receives
-    each :class:`PurgeRun`; ``on_batch(taken, deleted)`` each batch (a progress display).
+    ``batch_size`` rows per batch (each a short transaction of its own), resting ``pause``
+    times each batch's time after it (see ``purge_expired``); ``on_run`` receives each
+    :class:`PurgeRun`; ``on_batch(taken, deleted)`` each batch (a progress display).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class PurgeService:
         *,
         every: timedelta,
         batch_size: int = 1000,
+        pause: float = PURGE_PAUSE,
         on_run: Callable[[PurgeRun], None] | None = None,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -53,13 +55,17 @@ class PurgeService:
             raise ConfigurationError("batch_size must be between 1 and 10000")
         self.store = store
         self.every = every
+        check_pause(pause)
         self.batch_size = batch_size
+        self.pause = pause
         self.on_run = on_run
         self.on_batch = on_batch
         self._stop = Event()
         self._batches = 0
         # Stores of oncely's own report each batch; one of a third party may not.
-        self._reports = "on_batch" in inspect.signature(store.purge_expired).parameters
+        accepts = inspect.signature(store.purge_expired).parameters
+        self._reports = "on_batch" in accepts
+        self._pauses = "pause" in accepts
 
     def stop(self) -> None:
         """End :meth:`run` after the current batch (from another task or thread)."""
@@ -91,6 +97,8 @@ class PurgeService:
                 options: dict[str, Any] = {"batch_size": self.batch_size}
                 if self._reports:
                     options["on_batch"] = self._batch
+                if self._pauses:
+                    options["pause"] = self.pause
                 with contextlib.suppress(_Stopped):
                     deleted = self.store.purge_expired(**options)
         run = PurgeRun(leader, deleted, self._batches, perf_counter() - started)

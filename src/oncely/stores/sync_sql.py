@@ -12,7 +12,7 @@ the batch loop of ``purge_expired``. A store gives it:
   translated (MariaDB's also retries a deadlock victim);
 * ``_setup(migrating=...)``: read the schema version and create the tables where
   :meth:`~SQLStoreBase._tables_needed` says so, on a connection of its choosing;
-* ``_purge_batch(after, limit)``: one batch of the purge;
+* ``_purge_batch(after, limit, pause)``: one batch of the purge;
 * ``_estimate()``: ``stats(exact=False)``, from the database's statistics;
 * ``_place``: "table T in WHERE", for messages.
 
@@ -37,11 +37,13 @@ import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from time import monotonic, sleep
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
+from oncely.stores._purging import PURGE_PAUSE, check_pause
 from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
 
 __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
@@ -157,9 +159,13 @@ class SQLStoreBase(Generic[Q]):
         """One statement on one of the store's connections; its rows."""
         raise NotImplementedError
 
-    def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
+    def _purge_batch(
+        self, after: Position | None, limit: int, pause: float
+    ) -> tuple[int, int, Position | None]:
         """Delete up to ``limit`` expired records after ``after`` (from the start when None)
-        in key order: how many it looked at, how many it deleted, and where it stopped."""
+        in key order: how many it looked at, how many it deleted, and where it stopped. A
+        batch of several writes rests ``pause`` times each write's time between them (the
+        loop rests after the batch)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ schema
@@ -330,17 +336,24 @@ class SQLStoreBase(Generic[Q]):
         batch_size: int = 1000,
         max_batches: int | None = None,
         on_batch: Callable[[int, int], None] | None = None,
+        pause: float = PURGE_PAUSE,
     ) -> int:
         """Delete expired records in batches of ``batch_size`` (at most ``max_batches``) and
         return how many went. ``on_batch(taken, deleted)`` is called after each batch (a
-        progress display, a purge service's report)."""
+        progress display, a purge service's report).
+
+        Between batches the purge rests ``pause`` times as long as the batch took (1.0: as
+        long as it worked, so the purge has at most half of the database's time and a
+        concurrent claim finds it idle half the time; 0: no rest, the fastest purge)."""
         if not 1 <= batch_size <= 10_000:
             raise ValueError("batch_size must be between 1 and 10000")
+        check_pause(pause)
         deleted = 0
         batches = 0
         after: Position | None = None
         while max_batches is None or batches < max_batches:
-            seen, gone, after = self._purge_batch(after, batch_size)
+            began = monotonic()
+            seen, gone, after = self._purge_batch(after, batch_size, pause)
             if on_batch is not None:
                 on_batch(seen, gone)
             if not seen:
@@ -349,6 +362,8 @@ class SQLStoreBase(Generic[Q]):
             batches += 1
             if seen < batch_size:
                 break
+            if pause:
+                sleep(pause * (monotonic() - began))
         return deleted
 
     @contextmanager

@@ -357,7 +357,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
             await close(conn)
 
     async def _purge_batch(
-        self, after: Position | None, limit: int
+        self, after: Position | None, limit: int, pause: float
     ) -> tuple[int, int, Position | None]:
         return await self._run("purge", partial(self._purge_keys, after=after, limit=limit))
 

@@ -358,7 +358,9 @@ class MySQLStore(SQLStoreBase[str]):
         finally:
             close(conn)
 
-    def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
+    def _purge_batch(
+        self, after: Position | None, limit: int, pause: float
+    ) -> tuple[int, int, Position | None]:
         return self._run("purge", partial(self._purge_keys, after=after, limit=limit))
 
     def _purge_keys(

@@ -471,7 +471,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             raise self._error(exc, "the purge's lead") from exc
 
     async def _purge_batch(
-        self, after: Position | None, limit: int
+        self, after: Position | None, limit: int, pause: float
     ) -> tuple[int, int, Position | None]:
         # One statement takes a batch from the start of the purge_ms index, deletes what
         # expired and moves the rest forward: every batch starts from the start again.

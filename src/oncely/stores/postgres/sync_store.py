@@ -472,7 +472,9 @@ class PostgresStore(SQLStoreBase[bytes]):
         except psycopg.Error as exc:
             raise self._error(exc, "the purge's lead") from exc
 
-    def _purge_batch(self, after: Position | None, limit: int) -> tuple[int, int, Position | None]:
+    def _purge_batch(
+        self, after: Position | None, limit: int, pause: float
+    ) -> tuple[int, int, Position | None]:
         # One statement takes a batch from the start of the purge_ms index, deletes what
         # expired and moves the rest forward: every batch starts from the start again.
         params = {"now": self._now(), "limit": limit}
