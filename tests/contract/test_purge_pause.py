@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -56,7 +57,7 @@ def test_r13_the_purge_rests_pause_times_each_batch(name: str, pause: float, sco
     spans = _timed_batches(store)
     assert store.purge_expired(batch_size=10, pause=pause) == 40
     assert len(spans) >= 4  # four full batches, then one that finds nothing
-    for (began, ended), (after, _) in zip(spans, spans[1:], strict=False):
+    for (began, ended), (after, _) in pairwise(spans):
         assert after - ended >= pause * (ended - began)
     assert store.get("c", "k0") is None
     store.close()
@@ -83,6 +84,6 @@ def test_the_purge_service_hands_its_pause_to_the_store(scope: Scope) -> None:
     spans = _timed_batches(store)
     service = oncely.PurgeService(store, every=timedelta(minutes=1), batch_size=10, pause=2.0)
     assert service.run_once().deleted == 25
-    for (began, ended), (after, _) in zip(spans, spans[1:], strict=False):
+    for (began, ended), (after, _) in pairwise(spans):
         assert after - ended >= 2.0 * (ended - began)
     store.close()
