@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from typing import Any
 
 import click
 from rich.console import Console
@@ -32,7 +31,7 @@ from oncely.cli._output import (
     text,
 )
 from oncely.cli._stores import opened, store_option
-from oncely.stores._purging import PURGE_PAUSE
+from oncely.stores._purging import PURGE_PAUSE, purge_options
 
 __all__ = ["inbox"]
 
@@ -376,9 +375,9 @@ def purge(
             )
             return
         if max_batches is not None:
-            options: dict[str, Any] = {"batch_size": batch_size, "max_batches": max_batches}
-            if "pause" in inspect.signature(store.purge_expired).parameters:
-                options["pause"] = pause
+            options = purge_options(
+                store, batch_size=batch_size, max_batches=max_batches, pause=pause
+            )
             deleted = store.purge_expired(**options)
         else:
             once = timedelta(seconds=1)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from oncely.errors import ConfigurationError
 
-__all__ = ["LOGGER", "PURGE_PAUSE", "PurgeRun", "check_pause"]
+__all__ = ["LOGGER", "PURGE_PAUSE", "PurgeRun", "check_pause", "purge_options"]
 
 LOGGER = logging.getLogger("oncely.purge")
 
@@ -17,12 +19,24 @@ most half of the database's time, and a claim finds it between batches half the 
 
 
 def check_pause(pause: float) -> None:
-    """Refuse a pause that is not a finite number of at least 0 (a multiple of the batch's
-    time: 0 for no rest)."""
+    """Refuse a pause that is not a number from 0 (no rest) to 100 (a multiple of the
+    batch's time)."""
     if isinstance(pause, bool) or not isinstance(pause, int | float) or not 0 <= pause <= 100:
         raise ConfigurationError(
             f"the purge's pause is a multiple of each batch's time between 0 and 100, not {pause!r}"
         )
+
+
+def purge_options(store: Any, **options: Any) -> dict[str, Any]:
+    """``options`` for ``store.purge_expired``, less the optional ones it does not take:
+    oncely's stores take ``on_batch`` and ``pause`` (where they batch), a third party's store
+    may take only the protocol's ``batch_size`` and ``max_batches``."""
+    takes = inspect.signature(store.purge_expired).parameters
+    return {
+        name: value
+        for name, value in options.items()
+        if name in takes or name in ("batch_size", "max_batches")
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,6 @@ run it purges each table once at a time. Each run is reported to ``on_run`` and 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,7 +25,14 @@ from time import perf_counter
 from typing import Any
 
 from oncely.errors import ConfigurationError, StoreError
-from oncely.stores._purging import LOGGER, PURGE_PAUSE, PurgeRun, _Stopped, check_pause
+from oncely.stores._purging import (
+    LOGGER,
+    PURGE_PAUSE,
+    PurgeRun,
+    _Stopped,
+    check_pause,
+    purge_options,
+)
 
 __all__ = ["PurgeService", "PurgeRun"]  # noqa: RUF022, RUF100 - its sync twin sorts otherwise
 
@@ -62,10 +68,6 @@ class PurgeService:
         self.on_batch = on_batch
         self._stop = Event()
         self._batches = 0
-        # Stores of oncely's own report each batch; one of a third party may not.
-        accepts = inspect.signature(store.purge_expired).parameters
-        self._reports = "on_batch" in accepts
-        self._pauses = "pause" in accepts
 
     def stop(self) -> None:
         """End :meth:`run` after the current batch (from another task or thread)."""
@@ -94,11 +96,9 @@ class PurgeService:
         deleted = 0
         with self._lead() as leader:
             if leader:
-                options: dict[str, Any] = {"batch_size": self.batch_size}
-                if self._reports:
-                    options["on_batch"] = self._batch
-                if self._pauses:
-                    options["pause"] = self.pause
+                options = purge_options(
+                    self.store, batch_size=self.batch_size, on_batch=self._batch, pause=self.pause
+                )
                 with contextlib.suppress(_Stopped):
                     deleted = self.store.purge_expired(**options)
         run = PurgeRun(leader, deleted, self._batches, perf_counter() - started)

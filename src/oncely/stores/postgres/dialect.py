@@ -371,7 +371,10 @@ class PostgresDialect(PlainRows[bytes]):
         # deleted or moved out of the range, so the next batch starts from the index's start
         # again. SKIP LOCKED: a row a claim is re-using right now is not worth waiting for
         # (it is no longer expired), and the DELETE re-checks expiry on the row's latest
-        # version anyway. The answer: rows taken, deleted, moved. The bounds are scalar
+        # version anyway. The DELETE and UPDATE find the rows by tuple id (ctid): a row this
+        # statement locked cannot move before they run, and a lookup by ctid skips one
+        # primary-key descent per row (at 10^7 rows the purge went from 28,287 to 292,502
+        # rows/s, bench/scale.py). The answer: rows taken, deleted, moved. The bounds are scalar
         # subqueries: the planner then makes them the index scan's condition (a join with n
         # read the whole index and filtered it: 0.84 s at 3x10^5 rows with nothing expired).
         current = bucket_sql("c.now")
