@@ -7,8 +7,10 @@ store's own API (the sync class, one connection's worth of calls):
 
 * claim latency p50/p99 for new keys (claim + complete) and duplicates (a claim that finds the
   completed record), ``--probe`` of each;
-* a concurrent consumer's claim p99 with no purge running, then during a purge of the 10%
-  expired, and the purge's rows per second;
+* a concurrent consumer's claim p99 (a process of its own, as a deployed consumer is) with no
+  purge running and during a purge of the 10% expired, the two interleaved in ``--slice``
+  seconds (the purge rests a slice after each slice of work, so host noise falls on both),
+  and the purge's rows per second (over its working time);
 * an empty purge (nothing expired any more): its wall time;
 * ``stats(exact=False)`` (estimates from the database's statistics) and ``stats()`` (every
   record counted): their wall times, before the purge, and how far the estimate's live total
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -34,7 +37,6 @@ import sqlite3
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -45,6 +47,11 @@ from typing import Any
 
 import oncely
 from oncely.stores import ClaimStatus
+
+try:
+    from oncely.stores._purging import PURGE_BATCH
+except ImportError:  # an older oncely: its own default then
+    PURGE_BATCH = 1000
 
 HERE = Path(__file__).resolve().parent
 DAY_MS = 86_400_000
@@ -102,6 +109,22 @@ class Target:
     def server(self) -> str:
         return ""
 
+    def where(self) -> tuple[str, str]:
+        """What another process needs to open the same store: ``open_store(*where())``."""
+        raise NotImplementedError
+
+
+def open_store(kind: str, where: str) -> Any:
+    if kind == "postgres":
+        from oncely.stores.postgres import PostgresStore  # noqa: PLC0415
+
+        return PostgresStore(POSTGRES_URL, table=where, pool_max=2)
+    if kind == "mysql":
+        from oncely.stores.mysql import MySQLStore  # noqa: PLC0415
+
+        return MySQLStore.from_url(f"{MYSQL_URL}?table={where}")
+    return oncely.SQLiteStore(where)
+
 
 class Postgres(Target):
     name = "postgres"
@@ -143,6 +166,9 @@ class Postgres(Target):
         row = self.conn.execute("SHOW server_version").fetchone()
         return f"PostgreSQL {row[0] if row else '?'}"
 
+    def where(self) -> tuple[str, str]:
+        return "postgres", self.table
+
 
 class SQLite(Target):
     name = "sqlite"
@@ -182,6 +208,9 @@ class SQLite(Target):
 
     def server(self) -> str:
         return f"SQLite {sqlite3.sqlite_version}"
+
+    def where(self) -> tuple[str, str]:
+        return "sqlite", self.path
 
 
 class MySQL(Target):
@@ -236,6 +265,9 @@ class MySQL(Target):
 
     def server(self) -> str:
         return f"MariaDB/MySQL {self._sql('SELECT version()')[0][0]}"
+
+    def where(self) -> tuple[str, str]:
+        return "mysql", self.table
 
 
 TARGETS: dict[str, Callable[[], Target]] = {"postgres": Postgres, "sqlite": SQLite, "mysql": MySQL}
@@ -299,28 +331,73 @@ def timed(calls: Iterator[Callable[[], None]]) -> list[float]:
     return out
 
 
+def consumer_main(kind: str, where: str, stop: Any, ready: Any, out: Any) -> None:
+    """The consumer process: claim + complete new keys about 400 times a second until told to
+    stop; sends back (monotonic start, latency ms) per claim."""
+    store = open_store(kind, where)
+    samples: list[tuple[float, float]] = []
+    ready.set()
+    while not stop.is_set():
+        started = time.monotonic()
+        claim_new(store, str(uuid.uuid4()))
+        samples.append((started, (time.monotonic() - started) * 1000))
+        time.sleep(0.002)  # about 400 messages a second: a busy consumer, not a flood
+    store.close()
+    out.put(samples)
+
+
 @contextmanager
-def consumer(store: Any) -> Iterator[list[float]]:
-    """A consumer claiming new keys (claim + complete) in a thread while the block runs; its
-    latencies in ms."""
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def run() -> None:
-        while not stop.is_set():
-            key = str(uuid.uuid4())
-            started = time.perf_counter()
-            claim_new(store, key)
-            latencies.append((time.perf_counter() - started) * 1000)
-            time.sleep(0.002)  # about 400 messages a second: a busy consumer, not a flood
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+def consumer(target: Target) -> Iterator[list[tuple[float, float]]]:
+    """A consumer in a process of its own (as a deployed one is: no GIL shared with the purge)
+    claiming new keys while the block runs; its (start, latency ms) samples, filled on exit."""
+    context = multiprocessing.get_context("spawn")
+    stop, ready, out = context.Event(), context.Event(), context.Queue()
+    kind, where = target.where()
+    child = context.Process(target=consumer_main, args=(kind, where, stop, ready, out))
+    child.start()
+    samples: list[tuple[float, float]] = []
     try:
-        yield latencies
+        if not ready.wait(60):
+            raise SystemExit("the consumer process did not start")
+        time.sleep(1)  # its connections warm
+        yield samples
     finally:
         stop.set()
-        thread.join(30)
+        samples.extend(out.get(timeout=60))
+        child.join(30)
+
+
+class Slices:
+    """Quiet and purging time interleaved in slices of ``length`` seconds: the purge's
+    ``on_batch`` rests a slice whenever it has purged for one, so a noisy host's moods fall on
+    both windows alike and the consumer's p99 with and without a purge are compared fairly."""
+
+    def __init__(self, length: float) -> None:
+        self.length = length
+        self.quiet: list[tuple[float, float]] = []
+        self.purging: list[tuple[float, float]] = []
+        self.began = 0.0
+
+    def rest(self) -> None:
+        began = time.monotonic()
+        time.sleep(self.length)
+        self.quiet.append((began, time.monotonic()))
+
+    def start(self) -> None:
+        self.began = time.monotonic()
+
+    def stop(self) -> None:
+        self.purging.append((self.began, time.monotonic()))
+
+    def on_batch(self, _taken: int, _deleted: int) -> None:
+        if time.monotonic() - self.began >= self.length:
+            self.stop()
+            self.rest()
+            self.start()
+
+
+def between(samples: list[tuple[float, float]], start: float, end: float) -> list[float]:
+    return [ms for at, ms in samples if start <= at <= end]
 
 
 @dataclass
@@ -346,7 +423,14 @@ class Point:
 
 
 def measure(
-    target: Target, size: int, probe: int, keys: list[str], load_s: float, pause: float, batch: int
+    target: Target,
+    size: int,
+    probe: int,
+    keys: list[str],
+    load_s: float,
+    pause: float,
+    batch: int,
+    quiet: float,
 ) -> Point:
     store = target.store
     point = Point(size=size, load_s=load_s)
@@ -371,15 +455,22 @@ def measure(
         "estimate": {"total": estimate.total, "expired": estimate.expired},
         "exact": {"total": exact.total, "expired": exact.expired},
     }
-    with consumer(store) as quiet:
-        time.sleep(3)
-    point.quiet_p99 = pct(quiet, 0.99)
-    with consumer(store) as during:
-        started = time.perf_counter()
-        point.purged = store.purge_expired(batch_size=batch, **pausing(store, pause))
-        point.purge_s = time.perf_counter() - started
+    slices = Slices(quiet)
+    options = pausing(store, pause)
+    if "on_batch" in inspect.signature(store.purge_expired).parameters:
+        options["on_batch"] = slices.on_batch
+    with consumer(target) as samples:
+        slices.rest()
+        slices.start()
+        point.purged = store.purge_expired(batch_size=batch, **options)
+        slices.stop()
+        slices.rest()
+    point.purge_s = sum(b - a for a, b in slices.purging)
+    during = [ms for a, b in slices.purging for ms in between(samples, a, b)]
+    point.quiet_p99 = pct([ms for a, b in slices.quiet for ms in between(samples, a, b)], 0.99)
     point.purge_p99 = pct(during, 0.99)
     point.purge_max = max(during, default=float("nan"))
+    point.extra["slices"] = len(slices.purging)
     point.purge_rate = point.purged / point.purge_s if point.purge_s else 0.0
     started = time.perf_counter()
     left = store.purge_expired(batch_size=1000)
@@ -475,10 +566,14 @@ def main() -> None:
     p.add_argument("--probe", type=int, default=2000, help="claims timed per kind and size")
     p.add_argument("--out", type=Path, default=HERE / "results", help="where results go")
     p.add_argument("--label", default="", help="a suffix for the result files")
-    p.add_argument("--batch", type=int, default=1000, help="the purge's batch size")
+    p.add_argument("--batch", type=int, default=PURGE_BATCH, help="the purge's batch size")
     p.add_argument(
         "--pause", type=float, default=1.0,
         help="the purge's rest after each batch, times the batch's time (the library's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slice", dest="quiet", type=float, default=1.0,
+        help="seconds of purging, then of quiet, in turn: the consumer's two p99 windows",
     )  # fmt: skip
     p.add_argument(
         "--order", choices=("time", "random"), default="time",
@@ -504,7 +599,9 @@ def main() -> None:
                 target.load(make_rows(chunk, args.expired, purge_column, keys, args.order))
                 loaded += chunk
             load_s = time.perf_counter() - started
-            point = measure(target, size, args.probe, keys, load_s, args.pause, args.batch)
+            point = measure(
+                target, size, args.probe, keys, load_s, args.pause, args.batch, args.quiet
+            )
             loaded -= point.purged
             points.append(point)
             print(table([point]).splitlines()[-1], flush=True)
@@ -520,7 +617,9 @@ def main() -> None:
         f"# {title}\n\n`{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{host}\n\n{table(points)}\n"
         f"Each size: {args.probe} claims of each kind timed one by one; the consumer runs "
-        "claim + complete about 400 times a second in a thread; the purge deletes the "
+        "claim + complete about 400 times a second in a process of its own, while the purge "
+        f"runs and rests in turn in slices of {args.quiet:g} s (its p99 during and quiet); the "
+        "purge deletes the "
         f"{args.expired:.0%} loaded expired (batches of {args.batch}, resting {args.pause:g}x each "
         f"batch's time after it). Rows loaded in {args.order} "
         "order; load times: " + ", ".join(f"{p.size:,}: {p.load_s:.0f} s" for p in points) + ". "

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import oncely
+import oncely.stores.sync_sql as sync_sql
 from tests.backends import BACKENDS, Scope
 
 SQL = sorted(n for n in ("mysql", "postgres", "sqlite") if n in BACKENDS)
@@ -86,4 +87,23 @@ def test_the_purge_service_hands_its_pause_to_the_store(scope: Scope) -> None:
     assert service.run_once().deleted == 25
     for (began, ended), (after, _) in pairwise(spans):
         assert after - ended >= 2.0 * (ended - began)
+    store.close()
+
+
+def test_a_slow_on_batch_does_not_lengthen_the_rest(
+    monkeypatch: pytest.MonkeyPatch, scope: Scope
+) -> None:
+    """The rest is pause x the batch's own time; a progress callback that takes long (a
+    display, a report over the network) is not counted as the batch's work."""
+    store = BACKENDS["sqlite"].make_sync(scope, None)
+    store.migrate()
+    _expired(store, 30)
+    spans = _timed_batches(store)
+    rests: list[float] = []
+    monkeypatch.setattr(sync_sql, "sleep", rests.append)
+    store.purge_expired(batch_size=10, pause=1.0, on_batch=lambda _s, _g: time.sleep(0.5))
+    assert len(rests) == 3  # after each full batch
+    for rest, (began, ended) in zip(rests, spans, strict=False):
+        assert rest < 0.5
+        assert rest >= ended - began
     store.close()

@@ -31,7 +31,7 @@ from oncely.cli._output import (
     text,
 )
 from oncely.cli._stores import opened, store_option
-from oncely.stores._purging import PURGE_PAUSE, purge_options
+from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, purge_options
 
 __all__ = ["inbox"]
 
@@ -331,7 +331,7 @@ def show(store_url: str, consumer: str, key: str, as_json: bool) -> None:
 @click.option(
     "--batch-size",
     type=click.IntRange(min=1),
-    default=1000,
+    default=PURGE_BATCH,
     show_default=True,
     help="Records deleted per short write transaction.",
 )

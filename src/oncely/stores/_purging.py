@@ -9,9 +9,15 @@ from typing import Any
 
 from oncely.errors import ConfigurationError
 
-__all__ = ["LOGGER", "PURGE_PAUSE", "PurgeRun", "check_pause", "purge_options"]
+__all__ = ["LOGGER", "PURGE_BATCH", "PURGE_PAUSE", "PurgeRun", "check_pause", "purge_options"]
 
 LOGGER = logging.getLogger("oncely.purge")
+
+PURGE_BATCH = 200
+"""Records per purge batch, each a short transaction of its own. Measured with a consumer
+claiming beside a purge of 10^5 expired among 10^6 (``bench/scale.py``): at 1,000 a batch the
+consumer's p99 was 2.3-2.5x its quiet p99 on PostgreSQL, at 200 1.1-1.3x, the purge still over
+50,000 rows/s; on MariaDB 1.2x at 200."""
 
 PURGE_PAUSE = 1.0
 """The rest after each purge batch, as a multiple of the batch's own time: the purge takes at

@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
-from oncely.stores._purging import PURGE_PAUSE, check_pause
+from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, check_pause
 from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
 
 __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
@@ -340,7 +340,7 @@ class SQLStoreBase(Generic[Q]):
     async def purge_expired(
         self,
         *,
-        batch_size: int = 1000,
+        batch_size: int = PURGE_BATCH,
         max_batches: int | None = None,
         on_batch: Callable[[int, int], None] | None = None,
         pause: float = PURGE_PAUSE,
@@ -361,6 +361,7 @@ class SQLStoreBase(Generic[Q]):
         while max_batches is None or batches < max_batches:
             began = monotonic()
             seen, gone, after = await self._purge_batch(after, batch_size, pause)
+            took = monotonic() - began  # the batch's own time: a slow on_batch adds no rest
             if on_batch is not None:
                 on_batch(seen, gone)
             if not seen:
@@ -370,7 +371,7 @@ class SQLStoreBase(Generic[Q]):
             if seen < batch_size:
                 break
             if pause:
-                await sleep(pause * (monotonic() - began))
+                await sleep(pause * took)
         return deleted
 
     @asynccontextmanager

@@ -27,6 +27,7 @@ from typing import Any
 from oncely.errors import ConfigurationError, StoreError
 from oncely.stores._purging import (
     LOGGER,
+    PURGE_BATCH,
     PURGE_PAUSE,
     PurgeRun,
     _Stopped,
@@ -50,7 +51,7 @@ class PurgeService:
         store: Any,
         *,
         every: timedelta,
-        batch_size: int = 1000,
+        batch_size: int = PURGE_BATCH,
         pause: float = PURGE_PAUSE,
         on_run: Callable[[PurgeRun], None] | None = None,
         on_batch: Callable[[int, int], None] | None = None,

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
-from oncely.stores._purging import PURGE_PAUSE, check_pause
+from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, check_pause
 from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
 
 __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
@@ -333,7 +333,7 @@ class SQLStoreBase(Generic[Q]):
     def purge_expired(
         self,
         *,
-        batch_size: int = 1000,
+        batch_size: int = PURGE_BATCH,
         max_batches: int | None = None,
         on_batch: Callable[[int, int], None] | None = None,
         pause: float = PURGE_PAUSE,
@@ -354,6 +354,7 @@ class SQLStoreBase(Generic[Q]):
         while max_batches is None or batches < max_batches:
             began = monotonic()
             seen, gone, after = self._purge_batch(after, batch_size, pause)
+            took = monotonic() - began  # the batch's own time: a slow on_batch adds no rest
             if on_batch is not None:
                 on_batch(seen, gone)
             if not seen:
@@ -363,7 +364,7 @@ class SQLStoreBase(Generic[Q]):
             if seen < batch_size:
                 break
             if pause:
-                sleep(pause * (monotonic() - began))
+                sleep(pause * took)
         return deleted
 
     @contextmanager
