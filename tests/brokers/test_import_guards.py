@@ -17,6 +17,8 @@ import pytest
         ("rabbitmq", "aio_pika", "rabbitmq"),
         ("nats", "nats", "nats"),
         ("redis_streams", "redis", "redis"),
+        ("kafka", "aiokafka", "kafka"),
+        ("kafka", "confluent_kafka", "kafka"),
     ],
 )
 def test_an_adapter_without_its_client_names_the_extra(

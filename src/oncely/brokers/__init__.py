@@ -19,13 +19,15 @@ URL                    transport (extra)                            ``source`` i
 ``nats://``            :class:`~oncely.brokers.nats.JetStream`      a subject of a stream,
                        (``oncely[nats]``)                           read by the durable
                                                                     pull consumer ``group``
+``kafka://``           :class:`~oncely.brokers.kafka.Kafka`         a topic, read by the
+                       (``oncely[kafka]``)                          consumer group ``group``
 =====================  ===========================================  =======================
 
 Every transport has the same shape (:mod:`oncely.brokers._shape`); producers
 (:func:`open_producer`) publish with a stable message id so producer retries are recognisable
-downstream (R2, R14). Kafka, Azure Service Bus and SQS have no adapter yet: no real broker of
-theirs can run where oncely is tested, and an adapter that was never run against the real thing
-is not shipped.
+downstream (R2, R14). Kafka is tested on Tansu, a Kafka-protocol broker, not on Apache Kafka
+itself. Azure Service Bus and SQS have no adapter yet: an adapter that was never run against
+something that speaks the broker's protocol is not shipped.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ _BROKERS: dict[str, tuple[str, str, str]] = {
         "redis",
     ),
     "nats": ("oncely.brokers.nats:JetStream", "oncely.brokers.nats:JetStreamProducer", "nats"),
+    "kafka": ("oncely.brokers.kafka:Kafka", "oncely.brokers.kafka:KafkaProducer", "kafka"),
 }
 _ALIASES = {"amqps": "amqp", "rediss": "redis", "tls": "nats"}
 SCHEMES = tuple(sorted({*_BROKERS, *_ALIASES}))

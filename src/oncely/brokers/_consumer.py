@@ -432,6 +432,10 @@ class BrokerConsumer:
         settings = self.settings
         action = handled.action
         count = delivery.delivery_count
+        if handled.attempt and getattr(self.transport, "local_delivery_counts", False):
+            # The broker counts no deliveries (Kafka): the transport's count is this
+            # process's own, the inbox's attempts count across processes and restarts.
+            count = max(count or 0, handled.attempt)
         if action is Action.ACK:
             step, how = delivery.ack(), "ack"
         elif action is Action.REQUEUE_LATER:

