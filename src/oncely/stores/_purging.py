@@ -13,11 +13,12 @@ __all__ = ["LOGGER", "PURGE_BATCH", "PURGE_PAUSE", "PurgeRun", "check_pause", "p
 
 LOGGER = logging.getLogger("oncely.purge")
 
-PURGE_BATCH = 200
+PURGE_BATCH = 500
 """Records per purge batch, each a short transaction of its own. Measured with a consumer
-claiming beside a purge of 10^5 expired among 10^6 (``bench/scale.py``): at 1,000 a batch the
-consumer's p99 was 2.3-2.5x its quiet p99 on PostgreSQL, at 200 1.1-1.3x, the purge still over
-50,000 rows/s; on MariaDB 1.2x at 200."""
+process claiming beside a purge of 10% expired records (``bench/scale.py``, quiet and purging
+slices interleaved): on PostgreSQL at 10^6 records, batches of 1,000 left the consumer's p99
+at 2.3-2.5x its quiet p99, 500 at 1.75x (82,000 rows/s), 200 at 1.1-1.3x; at 10^7, 500 gave
+55,000 rows/s at 0.95x and 200 43,000 rows/s at 1.4x."""
 
 PURGE_PAUSE = 1.0
 """The rest after each purge batch, as a multiple of the batch's own time: the purge takes at
