@@ -163,6 +163,21 @@ async def remove_destinations(url: str, source: str) -> None:
                     await js.delete_stream(await js.find_stream_name_by_subject(subject))
         finally:
             await connection.close()
+    elif scheme == "kafka":
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=url.split("://", 1)[1].split("?", maxsplit=1)[0]
+        )
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            gone = [name for name in (source, dead) if name in existing]
+            if gone:
+                with contextlib.suppress(Exception):
+                    await admin.delete_topics(gone)
+        finally:
+            await admin.close()
 
 
 async def publish_until_confirmed(
