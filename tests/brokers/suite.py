@@ -290,7 +290,8 @@ class BrokerSuite:
                 )
                 for _ in range(n)
             ]
-        for inbox in made:
+        for inbox in made:  # closed before its store (cleanups run last first)
+            self.after(inbox.store.aclose)
             self.after(inbox.aclose)
         return made
 
