@@ -417,9 +417,11 @@ class Kafka:
 
     async def _copy_to_dead_letter(self, held: _Held, why: DeadLetter) -> None:
         record = held.record
-        reasons = {name.encode(): text for name, text in why.headers().items()}
-        headers = [(n, v or b"") for n, v in (record.headers or ()) if n.encode() not in reasons]
-        headers += [(name.decode(), text.encode()) for name, text in reasons.items()]
+        reasons = why.headers()
+        headers: list[tuple[str, str | bytes | None]] = [
+            (name, value or b"") for name, value in (record.headers or ()) if name not in reasons
+        ]
+        headers += [(name, text.encode()) for name, text in reasons.items()]
         headers += [
             ("x-oncely-topic", record.topic.encode()),
             ("x-oncely-partition", str(record.partition).encode()),
