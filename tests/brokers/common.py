@@ -163,6 +163,10 @@ async def remove_destinations(url: str, source: str) -> None:
                     await js.delete_stream(await js.find_stream_name_by_subject(subject))
         finally:
             await connection.close()
+    elif scheme == "sqs":
+        from tests.brokers.sqs_broker import delete_queues
+
+        await delete_queues(url, source, f"{source}-dead")
     elif scheme == "kafka":
         from aiokafka.admin import AIOKafkaAdminClient
 

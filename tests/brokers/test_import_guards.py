@@ -19,6 +19,7 @@ import pytest
         ("redis_streams", "redis", "redis"),
         ("kafka", "aiokafka", "kafka"),
         ("kafka", "confluent_kafka", "kafka"),
+        ("sqs", "aiobotocore", "sqs"),
     ],
 )
 def test_an_adapter_without_its_client_names_the_extra(

@@ -21,13 +21,16 @@ URL                    transport (extra)                            ``source`` i
                                                                     pull consumer ``group``
 ``kafka://``           :class:`~oncely.brokers.kafka.Kafka`         a topic, read by the
                        (``oncely[kafka]``)                          consumer group ``group``
+``sqs://``             :class:`~oncely.brokers.sqs.SQS`             a queue (standard or
+                       (``oncely[sqs]``)                            FIFO)
 =====================  ===========================================  =======================
 
 Every transport has the same shape (:mod:`oncely.brokers._shape`); producers
 (:func:`open_producer`) publish with a stable message id so producer retries are recognisable
 downstream (R2, R14). Kafka is tested on Tansu, a Kafka-protocol broker, not on Apache Kafka
-itself. Azure Service Bus and SQS have no adapter yet: an adapter that was never run against
-something that speaks the broker's protocol is not shipped.
+itself; SQS on moto's server (the SQS API), not on AWS. Azure Service Bus has no adapter: an
+adapter that was never run against something that speaks the broker's protocol is not
+shipped.
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ _BROKERS: dict[str, tuple[str, str, str]] = {
     ),
     "nats": ("oncely.brokers.nats:JetStream", "oncely.brokers.nats:JetStreamProducer", "nats"),
     "kafka": ("oncely.brokers.kafka:Kafka", "oncely.brokers.kafka:KafkaProducer", "kafka"),
+    "sqs": ("oncely.brokers.sqs:SQS", "oncely.brokers.sqs:SQSProducer", "sqs"),
 }
 _ALIASES = {"amqps": "amqp", "rediss": "redis", "tls": "nats"}
 SCHEMES = tuple(sorted({*_BROKERS, *_ALIASES}))

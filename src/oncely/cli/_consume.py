@@ -111,7 +111,10 @@ def _configure_logging(log_format: str, level: str) -> None:
     envvar=ENV_BROKER,
     show_envvar=True,
     required=True,
-    help="amqp://user:pass@host/vhost, redis://host:6379/0, nats://host:4222 or kafka://host:9092.",
+    help=(
+        "amqp://user:pass@host/vhost, redis://host:6379/0, nats://host:4222, kafka://host:9092 "
+        "or sqs://REGION (sqs://host:port for a plain-HTTP endpoint)."
+    ),
 )
 @click.option(
     "--source",

@@ -1,0 +1,82 @@
+"""Amazon SQS: a queue read with long polling, the key in the ``message-id`` message attribute.
+
+::
+
+    import oncely
+    from oncely.brokers import BrokerConsumer, open_producer, open_transport
+
+    producer = open_producer("sqs://eu-west-1", "payments")
+    await producer.publish(b'{"order": 7}', message_id=order_id)  # reuse order_id on retries
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
+    transport = open_transport("sqs://eu-west-1", "payments", group="billing")
+    await BrokerConsumer(transport, inbox, charge).run(handle_signals=True)
+
+Needs ``pip install 'oncely[sqs]'`` (aiobotocore). ``sqs://HOST:PORT`` is a plain-HTTP
+endpoint such as an emulator's (``?secure=true`` for HTTPS); ``sqs://REGION`` and ``sqs://``
+are AWS itself, with the region from the URL, ``?region=`` or ``AWS_REGION``, and credentials
+from the usual AWS environment (never the URL). Tested on moto's server (the SQS API), not on
+AWS.
+
+Message layout
+--------------
+:class:`SQSProducer` sends the body as the message body (UTF-8 text; other bytes base64 with
+``x-oncely-body-encoding: base64``) and String message attributes:
+
+==================  ===========================================================================
+``message-id``      the producer-assigned message id (R2): the dedup key by default; on a FIFO
+                    queue also the ``MessageDeduplicationId`` (R14)
+``content-type``    e.g. ``application/json`` (read by the default decoder)
+``correlation-id``  optional
+anything else       an application header (CloudEvents ``ce-*``, R3; a business key)
+==================  ===========================================================================
+
+SQS carries at most ten attributes per message. SQS's own ``MessageId`` is new on every send,
+so a producer retry gets a new one: it is never a key (R4) and goes to ``Envelope.transport``
+only (``sqs_message_id``), with the receive count. A message without a ``message-id`` is
+dead-lettered as ``rejected`` unless the key source reads another key (a business key in the
+body or an attribute).
+
+How outcomes are carried out
+----------------------------
+===================  ==========================================================================
+outcome              on SQS
+===================  ==========================================================================
+processed,           ``DeleteMessage``
+duplicate,
+stale_reclaimed
+in_flight, failed    ``ChangeMessageVisibility`` to the delay (whole seconds): SQS hands it out
+                     again then, its ``ApproximateReceiveCount`` (the delivery count) one higher
+key_conflict,        a copy with the original's attributes plus ``x-oncely-outcome``,
+rejected,            ``x-oncely-reason``, ``x-oncely-consumer``, ``x-oncely-deliveries`` and
+escalated            ``x-oncely-queue`` is sent to ``<queue>-dead`` (``<name>-dead.fifo``), then
+                     the original deleted. Where that would pass ten attributes the original's
+                     application attributes travel as one JSON attribute, ``x-oncely-attributes``.
+===================  ==========================================================================
+
+Each received message gets the transport's visibility timeout (``ack_wait``, 30 s by default)
+and a running handler's is extended every third of it, so another consumer never receives a
+message a live handler holds (R10); a crashed consumer's messages come back once it lapses. A
+queue with a redrive policy moves a message to its own dead-letter queue after
+``maxReceiveCount`` receives, without a reason: keep that count above the consumer's
+``max_deliveries`` (R13), which the consumer reads from the queue for its horizon, with the
+queue's ``MessageRetentionPeriod``. Missing queues are created (``create=false`` refuses
+instead); a FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``), and a
+message given back holds up its group until it is settled.
+"""
+
+from __future__ import annotations
+
+from oncely.brokers._common import missing_driver
+
+try:  # the import guard: a missing client names the extra that installs it
+    import aiobotocore  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise missing_driver(exc, "sqs", "sqs") from exc
+
+from oncely.brokers.sqs._endpoint import LOGGER as LOGGER
+from oncely.brokers.sqs._endpoint import MESSAGE_ID_ATTRIBUTE as MESSAGE_ID_ATTRIBUTE
+from oncely.brokers.sqs._producer import SQSProducer
+from oncely.brokers.sqs._transport import SQS, SQSDelivery
+
+__all__ = ["SQS", "SQSDelivery", "SQSProducer"]

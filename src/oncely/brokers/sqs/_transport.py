@@ -1,0 +1,370 @@
+"""The SQS transport: long polls the queue, holds each message by its receipt handle, keeps its
+visibility timeout extended while the handler runs, and settles it."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Self
+
+from oncely.brokers._common import not_utf8
+from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
+from oncely.brokers.sqs._endpoint import (
+    BODY_ENCODING_ATTRIBUTE,
+    CONTENT_TYPE_ATTRIBUTE,
+    CORRELATION_ATTRIBUTE,
+    LOGGER,
+    MAX_ATTRIBUTES,
+    MESSAGE_ID_ATTRIBUTE,
+    SHARED_URL_OPTIONS,
+    Endpoint,
+    check_queue,
+    error_code,
+)
+from oncely.brokers.sqs._producer import SQSProducer, text_attributes
+from oncely.errors import BrokerError, ConfigurationError
+from oncely.keys import Envelope
+from oncely.wire import wire_text
+
+_TRANSPORT_OPTIONS = ("visibility_timeout", "create", *SHARED_URL_OPTIONS)
+_MOST_VISIBILITY = 12 * 3600
+"""SQS's ceiling on a visibility timeout, in seconds."""
+PACKED_ATTRIBUTE = "x-oncely-attributes"
+"""On a dead-letter copy whose attributes would pass SQS's ten: the original's application
+attributes, as one JSON object."""
+
+
+def dead_letter_name(source: str) -> str:
+    """``<source>-dead``, or ``<name>-dead.fifo`` for a FIFO queue (SQS queue names allow no
+    dot but the FIFO suffix's)."""
+    if source.endswith(".fifo"):
+        return f"{source.removesuffix('.fifo')}-dead.fifo"
+    return f"{source}-dead"
+
+
+class SQS:
+    """Reads the queue ``source`` (see the module docstring).
+
+    ``ack_wait`` is the visibility timeout each received message gets (SQS hands it to
+    another consumer once it lapses; running handlers extend it every third of it);
+    ``dead_letter`` the queue that receives dead letters (default ``<source>-dead``);
+    ``create`` whether missing queues are created (with ``ack_wait`` as their visibility
+    timeout).
+    """
+
+    name = "sqs"
+
+    def __init__(
+        self,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+        create: bool = True,
+        connect_timeout: timedelta | None = None,
+    ) -> None:
+        endpoint, options = Endpoint.from_url(url)
+        url_wait = options.seconds("visibility_timeout", timedelta(seconds=30))
+        create = options.boolean("create", create)
+        options.done(_TRANSPORT_OPTIONS)
+        if connect_timeout is not None:
+            endpoint = Endpoint(
+                endpoint.region,
+                endpoint.endpoint_url,
+                endpoint.timeout,
+                connect_timeout,
+                endpoint.shown,
+            )
+        self.endpoint = endpoint
+        self.source = check_queue("queue", source)
+        self.group = group or source
+        self.dead_letter = check_queue(
+            "dead-letter queue",
+            dead_letter if dead_letter is not None else dead_letter_name(source),
+        )
+        if self.dead_letter == self.source:
+            raise ConfigurationError("the dead-letter queue must not be the queue it serves")
+        if self.source.endswith(".fifo") != self.dead_letter.endswith(".fifo"):
+            raise ConfigurationError("a FIFO queue's dead-letter queue is a FIFO queue too")
+        wait = ack_wait if ack_wait is not None else url_wait
+        seconds = math.ceil(wait.total_seconds())
+        if not 1 <= seconds <= _MOST_VISIBILITY:
+            raise ConfigurationError("ack_wait (the visibility timeout) is 1 s to 12 h on SQS")
+        self.visibility = seconds
+        self.create = create
+        self._producer = SQSProducer.__new__(SQSProducer)
+        self._producer.endpoint = endpoint
+        self._producer.queue = self.source
+        self._producer.fifo = self.source.endswith(".fifo")
+        self._producer._stack = None
+        self._producer._client = None
+        self._producer._queue_url = None
+        self._queue_url: str | None = None
+        self._dead_url: str | None = None
+        self._attributes: dict[str, str] = {}
+        self._stopped = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        source: str,
+        *,
+        group: str,
+        dead_letter: str | None = None,
+        ack_wait: timedelta | None = None,
+    ) -> Self:
+        """The transport for ``sqs://HOST:PORT``, ``sqs://REGION`` or ``sqs://``. Options:
+        ``visibility_timeout``, ``timeout``, ``connect_timeout`` (seconds), ``region``,
+        ``secure`` (HTTPS to HOST:PORT), ``create`` (create missing queues, true)."""
+        return cls(url, source, group=group, dead_letter=dead_letter, ack_wait=ack_wait)
+
+    @property
+    def extend_every(self) -> timedelta:
+        return timedelta(seconds=self.visibility) / 3
+
+    @property
+    def limits(self) -> BrokerLimits:
+        """The queue's own numbers once open: the visibility timeout, ``MessageRetention
+        Period`` and the redrive policy's ``maxReceiveCount`` (none without one)."""
+        retention = self._attributes.get("MessageRetentionPeriod")
+        redrive = self._attributes.get("RedrivePolicy")
+        most = None
+        if redrive:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                most = int(json.loads(redrive)["maxReceiveCount"])
+        return BrokerLimits(
+            ack_wait=timedelta(seconds=self.visibility),
+            message_ttl=timedelta(seconds=int(retention)) if retention else None,
+            max_deliveries=most,
+            source=f"SQS queue {self.source!r} visibility timeout, retention and redrive policy",
+        )
+
+    # ------------------------------------------------------------------ the connection
+
+    async def _client(self) -> Any:
+        client, _url = await self._producer._ready_client()
+        return client
+
+    async def open(self, prefetch: int) -> None:
+        self._stopped = False
+        if self._queue_url is not None:
+            return
+        client = await self._client()
+        fifo = self.source.endswith(".fifo")
+        self._dead_url = await self._queue(client, self.dead_letter, fifo, None)
+        self._queue_url = await self._queue(client, self.source, fifo, self.visibility)
+        with self.endpoint.errors(f"read the attributes of {self.source!r}"):
+            found = await client.get_queue_attributes(
+                QueueUrl=self._queue_url, AttributeNames=["All"]
+            )
+        self._attributes = dict(found.get("Attributes", {}))
+        self._producer._queue_url = self._queue_url
+
+    async def _queue(self, client: Any, name: str, fifo: bool, visibility: int | None) -> str:
+        with self.endpoint.errors(f"find the queue {name!r}"):
+            try:
+                return str((await client.get_queue_url(QueueName=name))["QueueUrl"])
+            except Exception as exc:
+                if "NonExistentQueue" not in error_code(exc) or not self.create:
+                    if "NonExistentQueue" in error_code(exc):
+                        raise BrokerError(
+                            f"sqs {self.endpoint.shown}: no queue {name!r} (create=false)"
+                        ) from None
+                    raise
+        attributes: dict[str, str] = {}
+        if fifo:
+            attributes["FifoQueue"] = "true"
+        if visibility is not None:
+            attributes["VisibilityTimeout"] = str(visibility)
+        with self.endpoint.errors(f"create the queue {name!r}"):
+            made = await client.create_queue(QueueName=name, Attributes=attributes)
+        LOGGER.info("oncely broker=sqs created queue %s", name)
+        return str(made["QueueUrl"])
+
+    async def stop(self) -> None:
+        self._stopped = True
+
+    async def close(self) -> None:
+        self._stopped = True
+        self._queue_url = None
+        await self._producer.close()
+
+    # ------------------------------------------------------------------ reading
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        if self._stopped or limit < 1:
+            return []
+        if self._queue_url is None:
+            await self.open(limit)
+        client = await self._client()
+        wait = min(20, int(timeout.total_seconds()))
+        with self.endpoint.errors(f"receive from {self.source!r}"):
+            got = await client.receive_message(
+                QueueUrl=self._queue_url,
+                MaxNumberOfMessages=min(10, limit),
+                WaitTimeSeconds=wait,
+                VisibilityTimeout=self.visibility,
+                MessageAttributeNames=["All"],
+                MessageSystemAttributeNames=["All"],
+            )
+        messages = got.get("Messages", [])
+        if not messages and wait < timeout.total_seconds():
+            import asyncio  # noqa: PLC0415 - only a short poll that found nothing waits here
+
+            await asyncio.sleep(timeout.total_seconds() - wait)
+        return [SQSDelivery(self, m) for m in messages]
+
+    # ------------------------------------------------------------------ settling
+
+    async def _change(self, receipt: str, seconds: int, what: str) -> None:
+        client = await self._client()
+        with self.endpoint.errors(what):
+            await client.change_message_visibility(
+                QueueUrl=self._queue_url, ReceiptHandle=receipt, VisibilityTimeout=seconds
+            )
+
+    async def _delete(self, receipt: str) -> None:
+        client = await self._client()
+        with self.endpoint.errors("delete a message"):
+            await client.delete_message(QueueUrl=self._queue_url, ReceiptHandle=receipt)
+
+    async def _copy_to_dead_letter(self, message: Mapping[str, Any], why: DeadLetter) -> None:
+        reasons = {**why.headers(), "x-oncely-queue": self.source}
+        original = {
+            name: value
+            for name, value in message.get("MessageAttributes", {}).items()
+            if name not in reasons and name != PACKED_ATTRIBUTE
+        }
+        if len(original) + len(reasons) > MAX_ATTRIBUTES:
+            own = (MESSAGE_ID_ATTRIBUTE, CONTENT_TYPE_ATTRIBUTE, CORRELATION_ATTRIBUTE)
+            kept = {n: v for n, v in original.items() if n in own or n == BODY_ENCODING_ATTRIBUTE}
+            packed = {n: v.get("StringValue", "") for n, v in original.items() if n not in kept}
+            original = {**kept, **text_attributes({PACKED_ATTRIBUTE: json.dumps(packed)})}
+        attributes = {**original, **text_attributes(reasons)}
+        message_id = _text(message.get("MessageAttributes", {}).get(MESSAGE_ID_ATTRIBUTE))
+        group = message.get("Attributes", {}).get("MessageGroupId")
+        await self._producer.send(
+            str(message.get("Body", "")),
+            attributes,
+            message_id=message_id or str(message.get("MessageId")),
+            group=group,
+            queue_url=self._dead_url,
+        )
+
+
+def _text(attribute: Mapping[str, Any] | None) -> str | None:
+    """A message attribute's value as text (a binary one's bytes kept as escapes)."""
+    if attribute is None:
+        return None
+    if "StringValue" in attribute:
+        return str(attribute["StringValue"])
+    raw = attribute.get("BinaryValue")
+    return wire_text(raw) if isinstance(raw, bytes | bytearray) else None
+
+
+class SQSDelivery:
+    """One received message, held by its receipt handle until settled."""
+
+    __slots__ = ("_count", "_envelope", "_message", "_refusal", "_settled", "_transport")
+
+    def __init__(self, transport: SQS, message: Mapping[str, Any]) -> None:
+        self._transport = transport
+        self._message = message
+        self._settled = False
+        system = message.get("Attributes", {})
+        self._count = int(system.get("ApproximateReceiveCount", "1"))
+        headers = {
+            name: text
+            for name, value in message.get("MessageAttributes", {}).items()
+            if (text := _text(value)) is not None
+        }
+        message_id = headers.get(MESSAGE_ID_ATTRIBUTE) or None
+        correlation_id = headers.get(CORRELATION_ATTRIBUTE) or None
+        content_type = headers.get(CONTENT_TYPE_ATTRIBUTE) or None
+        self._refusal = not_utf8(
+            (
+                (f"message id (attribute {MESSAGE_ID_ATTRIBUTE})", message_id),
+                (f"correlation id (attribute {CORRELATION_ATTRIBUTE})", correlation_id),
+                (f"content type (attribute {CONTENT_TYPE_ATTRIBUTE})", content_type),
+            )
+        )
+        text = str(message.get("Body", ""))
+        body = text.encode("utf-8", "surrogatepass")
+        if headers.get(BODY_ENCODING_ATTRIBUTE) == "base64":
+            try:
+                body = base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                self._refusal = self._refusal or "the body says base64 and is not base64"
+        self._envelope = Envelope(
+            body=body,
+            message_id=message_id,
+            headers=headers,
+            correlation_id=correlation_id,
+            delivery_count=self._count,
+            transport={
+                "queue": transport.source,
+                "sqs_message_id": message.get("MessageId"),
+                "delivery_count": self._count,
+                "redelivered": self._count > 1,
+                "sent_at": system.get("SentTimestamp"),
+                "message_group": system.get("MessageGroupId"),
+                "content_type": content_type,
+            },
+        )
+
+    @property
+    def envelope(self) -> Envelope:
+        return self._envelope
+
+    @property
+    def delivery_count(self) -> int:
+        """SQS's ``ApproximateReceiveCount`` (approximate only across regions' replicas)."""
+        return self._count
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
+
+    def describe(self) -> Mapping[str, object]:
+        t = self._envelope.transport
+        return {k: t[k] for k in ("queue", "sqs_message_id", "delivery_count")}
+
+    @property
+    def _receipt(self) -> str:
+        return str(self._message["ReceiptHandle"])
+
+    def _settling(self, what: str) -> None:
+        if self._settled:
+            raise BrokerError(f"this delivery was already settled; cannot {what} it")
+
+    async def ack(self) -> None:
+        self._settling("ack")
+        await self._transport._delete(self._receipt)
+        self._settled = True
+
+    async def retry(self, delay: timedelta) -> None:
+        """Visible again after ``delay`` (whole seconds, rounded up; at most 12 h)."""
+        self._settling("retry")
+        seconds = min(_MOST_VISIBILITY, max(0, math.ceil(delay.total_seconds())))
+        await self._transport._change(self._receipt, seconds, "give a message back")
+        self._settled = True
+
+    async def dead_letter(self, why: DeadLetter) -> None:
+        self._settling("dead-letter")
+        await self._transport._copy_to_dead_letter(self._message, why)
+        await self._transport._delete(self._receipt)
+        self._settled = True
+
+    async def extend(self) -> None:
+        if not self._settled:
+            await self._transport._change(
+                self._receipt, self._transport.visibility, "extend a message's visibility"
+            )

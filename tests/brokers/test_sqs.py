@@ -1,0 +1,290 @@
+"""SQS end to end, on moto's server (the SQS API, started by the tests: see ``sqs_broker.py``),
+not on AWS: a standard queue and its ``-dead`` queue beside it. The behaviours every broker
+shares are :class:`~tests.brokers.suite.BrokerSuite`'s; here is how the suite reaches SQS, and
+what only SQS has: the visibility timeout and its heartbeat, FIFO deduplication, the
+attribute limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import oncely
+from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
+from oncely.brokers.sqs import SQS, SQSProducer
+from oncely.brokers.sqs._endpoint import Endpoint
+from oncely.brokers.sqs._transport import PACKED_ATTRIBUTE
+from tests.brokers.common import Proxy, running, unique, wait_until
+from tests.brokers.sqs_broker import create_queue, sqs_url
+from tests.brokers.suite import SECOND, BrokerSuite, DeadCopy, Watched, body, fetch_one, total
+
+pytestmark = pytest.mark.services
+
+
+class TestSQS(BrokerSuite):
+    producer_class = SQSProducer
+
+    @property  # type: ignore[override]
+    def url(self) -> str:  # started on first use
+        return sqs_url()
+
+    # ------------------------------------------------------------------ the suite's interface
+
+    def require(self) -> None:
+        sqs_url()
+
+    def new_source(self) -> str:
+        name = unique("sq")
+        create_queue(name)
+        return name
+
+    def transport(self, *, url: str | None = None, **options: Any) -> SQS:
+        options.setdefault("ack_wait", timedelta(seconds=5))
+        made = SQS(url or self.url, self.source, group=self.group, **options)
+        return self.closed_after(made)
+
+    def producer(self, *, url: str | None = None, **options: Any) -> SQSProducer:
+        if options:
+            endpoint_url = url or self.url
+            connect = options.pop("connect_timeout", None)
+            if connect is not None:
+                endpoint_url += f"?connect_timeout={connect.total_seconds()}"
+            assert not options
+            made = SQSProducer(endpoint_url, self.source)
+        else:
+            made = SQSProducer(url or self.url, self.source)
+        self.after(made.close)
+        return made
+
+    def expected_limits(self, transport: Transport) -> BrokerLimits:
+        return BrokerLimits(
+            ack_wait=timedelta(seconds=5), message_ttl=timedelta(days=4), max_deliveries=None
+        )
+
+    async def _admin(self) -> Any:
+        endpoint, _ = Endpoint.from_url(self.url)
+        return endpoint.client()
+
+    async def _queue_url(self, client: Any, name: str) -> str | None:
+        try:
+            return str((await client.get_queue_url(QueueName=name))["QueueUrl"])
+        except Exception:
+            return None
+
+    async def publish_raw_without_id(self, payload: bytes) -> None:
+        producer = self.producer()
+        await producer.send(
+            payload.decode(),
+            {"content-type": {"DataType": "String", "StringValue": "application/json"}},
+            message_id=None,
+        )
+
+    async def dead_letters(self) -> list[DeadCopy]:
+        copies = []
+        async with await self._admin() as client:
+            queue = await self._queue_url(client, f"{self.source}-dead")
+            if queue is None:
+                return []
+            while True:
+                got = await client.receive_message(
+                    QueueUrl=queue,
+                    MaxNumberOfMessages=10,
+                    WaitTimeSeconds=0,
+                    VisibilityTimeout=600,
+                    MessageAttributeNames=["All"],
+                )
+                messages = got.get("Messages", [])
+                if not messages:
+                    break
+                for message in messages:
+                    headers = {
+                        n: v.get("StringValue") for n, v in message["MessageAttributes"].items()
+                    }
+                    headers.update(json.loads(headers.pop(PACKED_ATTRIBUTE, "{}")))
+                    copies.append(
+                        DeadCopy(
+                            message_id=headers.pop("message-id", None),
+                            body=message["Body"].encode(),
+                            content_type=headers.pop("content-type", None),
+                            headers=headers,
+                        )
+                    )
+        return copies
+
+    async def unsettled(self) -> int | None:
+        async with await self._admin() as client:
+            queue = await self._queue_url(client, self.source)
+            if queue is None:
+                return 0
+            found = await client.get_queue_attributes(
+                QueueUrl=queue,
+                AttributeNames=[
+                    "ApproximateNumberOfMessages",
+                    "ApproximateNumberOfMessagesNotVisible",
+                    "ApproximateNumberOfMessagesDelayed",
+                ],
+            )
+        return sum(int(v) for v in found["Attributes"].values())
+
+    async def consumers_reading(self) -> int:
+        return 2  # SQS has no consumer registry: any receiver reads at once
+
+    def check_transport_fields(self, first: Delivery, again: Delivery) -> None:
+        # SQS's own MessageId is the same for a copy received again (it is per send).
+        assert again.describe()["sqs_message_id"] == first.describe()["sqs_message_id"]
+        assert again.describe()["queue"] == self.source
+
+    async def remove(self) -> None:
+        async with await self._admin() as client:
+            for name in (self.source, f"{self.source}-dead"):
+                queue = await self._queue_url(client, name)
+                if queue is not None:
+                    await client.delete_queue(QueueUrl=queue)
+
+    async def test_r8_r10_connection_cut_under_a_slow_handler_applies_once(self) -> None:
+        """SQS is request by request over HTTP: no connection stays open to cut. Instead the
+        endpoint refuses every connection for 3 s while a handler runs longer than its 1 s
+        visibility timeout's heartbeat period: receives and extensions fail as
+        BrokerUnavailable, the consumer rides it out, and the effect is applied once."""
+        started, release = asyncio.Event(), asyncio.Event()
+        calls = Counter[str]()
+
+        async def slow(payload: dict[str, Any]) -> None:
+            calls[payload["k"]] += 1
+            started.set()
+            await release.wait()
+            await self.apply(payload)
+
+        async with Proxy(self.url) as proxy:
+            worker = self.consumer(
+                slow, transport=self.transport(url=proxy.url, ack_wait=3 * SECOND)
+            )
+            try:
+                async with running(worker) as task:
+                    await self.publish("slow")
+                    await asyncio.wait_for(started.wait(), 30)
+                    proxy.refusing = True
+                    proxy.cut()
+                    await asyncio.sleep(2)
+                    proxy.refusing = False
+                    release.set()
+                    await wait_until(lambda: worker.counts["processed"] == 1, what="the effect")
+                    assert not task.done()
+            finally:
+                release.set()
+        assert self.ledger.counts() == {"slow": 1}
+        assert calls == {"slow": 1}
+        assert await self.dead_letters() == []
+        await wait_until(self.settled, what="the queue empty")
+
+    # ------------------------------------------------------------------ SQS's own
+
+    @pytest.mark.parametrize("heartbeat", [False, True])
+    async def test_r10_a_lapsed_visibility_timeout_gives_the_copy_to_a_second_worker(
+        self, heartbeat: bool
+    ) -> None:
+        """A 1 s visibility timeout and a 3 s handler. Without the heartbeat the message
+        becomes visible again while the first worker runs, and the second worker's copy
+        meets the live claim: ``in_flight`` and given back. The first worker's delete then
+        removes the message (SQS accepts an earlier receipt handle; a copy still received
+        after it is a ``duplicate``). With the heartbeat no second copy is ever received. The
+        effect is applied once either way."""
+
+        class NoHeartbeat(SQS):
+            @property
+            def extend_every(self) -> timedelta | None:  # type: ignore[override]
+                return None
+
+        async def slow(payload: dict[str, Any]) -> None:
+            await asyncio.sleep(3)
+            await self.apply(payload)
+
+        await self.publish("slow")
+        (inbox,) = self.inboxes("two_phase", 1)
+        kind = SQS if heartbeat else NoHeartbeat
+        watched = []
+        for _ in range(2):
+            made = kind(self.url, self.source, group=self.group, ack_wait=SECOND)
+            self.closed_after(made)
+            watched.append(Watched(made))
+        workers = [self.consumer(slow, inbox=inbox, transport=each) for each in watched]
+        async with running(workers[0]), running(workers[1]):
+            await wait_until(lambda: self.ledger.counts() == {"slow": 1}, what="the effect")
+            await wait_until(self.settled, what="the queue empty")
+        counts = total(*workers)
+        assert self.ledger.counts() == {"slow": 1}
+        assert counts["processed"] == 1
+        seen = watched[0].seen + watched[1].seen
+        if heartbeat:
+            assert counts == Counter({"processed": 1})
+            assert seen == [("slow", 1)]
+        else:
+            assert counts["in_flight"] >= 1
+            assert set(counts) <= {"processed", "in_flight", "duplicate"}
+            assert len(seen) >= 2  # the first, then a copy while it ran
+            assert max(count or 0 for _, count in seen) >= 2
+        await self.assert_settled()
+
+    async def test_r14_a_fifo_queue_drops_a_resend_and_keeps_a_groups_order(self) -> None:
+        """On a FIFO queue the producer's message id is the deduplication id: three sends of
+        one id are one message; a group's messages come in the order sent."""
+        name = unique("fq") + ".fifo"
+        producer = SQSProducer(self.url, name)
+        self.after(producer.close)
+        made = SQS(self.url, name, group=self.group, ack_wait=timedelta(seconds=5))
+        self.closed_after(made)
+        await made.open(10)
+        for _ in range(3):
+            await producer.publish(body("same"), message_id="same", group="g1")
+        for n in range(3):
+            await producer.publish(body(f"o{n}"), message_id=f"o{n}", group="g1")
+        got: list[str] = []
+        while len(got) < 4:
+            delivery = await fetch_one(made)
+            got.append(str(delivery.envelope.message_id))
+            await delivery.ack()
+        assert got == ["same", "o0", "o1", "o2"]
+        assert await made.fetch(10, 0 * SECOND) == []
+        async with await self._admin() as client:
+            for queue in (name, name.removesuffix(".fifo") + "-dead.fifo"):
+                url = await self._queue_url(client, queue)
+                if url:
+                    await client.delete_queue(QueueUrl=url)
+
+    async def test_a_body_that_is_not_utf8_travels_as_base64_and_comes_back_as_it_was(
+        self,
+    ) -> None:
+        raw = b"\xff\x00binary"
+        producer = self.producer()
+        await producer.publish(raw, message_id="bin", content_type="application/octet-stream")
+        made = self.transport()
+        await made.open(1)
+        got = await fetch_one(made)
+        assert got.envelope.body == raw and got.refusal is None
+        await got.ack()
+
+    async def test_too_many_attributes_are_refused_before_sending(self) -> None:
+        producer = self.producer()
+        headers = {f"h{n}": "v" for n in range(9)}
+        with pytest.raises(oncely.ConfigurationError, match="at most 10 message attributes"):
+            await producer.publish(b"{}", message_id="m", headers=headers)
+
+    async def test_open_transport_reads_sqs_urls(self) -> None:
+        made = open_transport(f"{self.url}?visibility_timeout=7", self.source, group="g")
+        assert isinstance(made, SQS)
+        assert made.visibility == 7 and made.dead_letter == f"{self.source}-dead"
+        assert isinstance(open_producer(self.url, self.source), SQSProducer)
+        with pytest.raises(oncely.ConfigurationError, match="unknown option"):
+            open_transport(f"{self.url}?nope=1", self.source, group="g")
+        with pytest.raises(oncely.ConfigurationError, match="not an SQS queue name"):
+            SQS(self.url, "bad.name", group="g")
+        with pytest.raises(oncely.ConfigurationError, match="credentials"):
+            SQS("sqs://key:secret@127.0.0.1:1", "q", group="g")
+        region = SQS("sqs://eu-west-1", "q", group="g")
+        assert region.endpoint.region == "eu-west-1" and region.endpoint.endpoint_url is None
