@@ -21,7 +21,7 @@ from oncely.brokers.sqs import SQS, SQSProducer
 from oncely.brokers.sqs._endpoint import Endpoint
 from oncely.brokers.sqs._transport import PACKED_ATTRIBUTE
 from tests.brokers.common import Proxy, running, unique, wait_until
-from tests.brokers.sqs_broker import create_queue, sqs_url
+from tests.brokers.sqs_broker import create_queue, queue_depth, sqs_url
 from tests.brokers.suite import SECOND, BrokerSuite, DeadCopy, Watched, body, fetch_one, total
 
 pytestmark = pytest.mark.services
@@ -118,19 +118,7 @@ class TestSQS(BrokerSuite):
         return copies
 
     async def unsettled(self) -> int | None:
-        async with await self._admin() as client:
-            queue = await self._queue_url(client, self.source)
-            if queue is None:
-                return 0
-            found = await client.get_queue_attributes(
-                QueueUrl=queue,
-                AttributeNames=[
-                    "ApproximateNumberOfMessages",
-                    "ApproximateNumberOfMessagesNotVisible",
-                    "ApproximateNumberOfMessagesDelayed",
-                ],
-            )
-        return sum(int(v) for v in found["Attributes"].values())
+        return await queue_depth(self.url, self.source)
 
     async def consumers_reading(self) -> int:
         return 2  # SQS has no consumer registry: any receiver reads at once

@@ -3,68 +3,22 @@ Kafka-protocol broker (Tansu), applies each message once and stops cleanly on SI
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from oncely.brokers import open_producer
 from tests.brokers.common import unique
 from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+from tests.cli.consume_broker import consume_orders_once
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-async def _publish(url: str, topic: str) -> None:
-    producer = open_producer(url, topic)
-    try:
-        for order in (1, 2, 1, 3, 2):  # two producer retries
-            body = json.dumps({"order": order}).encode()
-            await producer.publish(body, message_id=f"order-{order}")
-    finally:
-        await producer.close()
 
 
 def test_consume_reads_a_kafka_topic_and_applies_each_message_once(tmp_path: Path) -> None:
     url = kafka_url()
     topic = unique("cli_kafka")
     create_topic(topic, 2)
-    effects = tmp_path / "effects.jsonl"
-    effects.touch()
-    command = [
-        sys.executable, "-m", "oncely.cli", "consume",
-        "--broker", f"{url}?session_timeout=6",
-        "--source", topic,
-        "--handler", "tests.brokers.handlers:record",
-        "--store", f"sqlite:///{tmp_path / 'inbox.db'}",
-        "--consumer", unique("cli-kafka"),
-    ]  # fmt: skip
-    env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
     try:
-        asyncio.run(_publish(url, topic))
-        deadline = time.monotonic() + 60
-        while len(effects.read_text().splitlines()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(2)  # the duplicates settle too
-        process.send_signal(signal.SIGTERM)
-        _out, err = process.communicate(timeout=60)
+        consume_orders_once(f"{url}?session_timeout=6", url, topic, tmp_path)
     finally:
-        if process.poll() is None:
-            process.kill()
         delete_topics(topic, f"{topic}.dead")
-    assert process.returncode == 0, err
-    done = sorted(json.loads(line)["order"] for line in effects.read_text().splitlines())
-    assert done == [1, 2, 3]
-    assert "redelivery horizon" in err
-    assert err.count("outcome=duplicate") == 2, err
