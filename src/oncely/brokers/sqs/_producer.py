@@ -58,6 +58,17 @@ class SQSProducer:
     def __init__(self, url: str, queue: str) -> None:
         endpoint, options = Endpoint.from_url(url)
         options.done(SHARED_URL_OPTIONS)
+        self._setup(endpoint, queue)
+
+    @classmethod
+    def on(cls, endpoint: Endpoint, queue: str) -> SQSProducer:
+        """A producer on an endpoint already read from a URL (the transport's own, for its
+        dead-letter copies)."""
+        made = cls.__new__(cls)
+        made._setup(endpoint, queue)
+        return made
+
+    def _setup(self, endpoint: Endpoint, queue: str) -> None:
         self.endpoint = endpoint
         self.queue = check_queue("queue", queue)
         self.fifo = queue.endswith(".fifo")

@@ -99,13 +99,7 @@ class SQS:
             raise ConfigurationError("ack_wait (the visibility timeout) is 1 s to 12 h on SQS")
         self.visibility = seconds
         self.create = create
-        self._producer = SQSProducer.__new__(SQSProducer)
-        self._producer.endpoint = endpoint
-        self._producer.queue = self.source
-        self._producer.fifo = self.source.endswith(".fifo")
-        self._producer._stack = None
-        self._producer._client = None
-        self._producer._queue_url = None
+        self._producer = SQSProducer.on(endpoint, self.source)
         self._queue_url: str | None = None
         self._dead_url: str | None = None
         self._attributes: dict[str, str] = {}
