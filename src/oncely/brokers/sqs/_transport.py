@@ -3,6 +3,7 @@ visibility timeout extended while the handler runs, and settles it."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -167,12 +168,12 @@ class SQS:
             try:
                 return str((await client.get_queue_url(QueueName=name))["QueueUrl"])
             except Exception as exc:
-                if "NonExistentQueue" not in error_code(exc) or not self.create:
-                    if "NonExistentQueue" in error_code(exc):
-                        raise BrokerError(
-                            f"sqs {self.endpoint.shown}: no queue {name!r} (create=false)"
-                        ) from None
+                if "NonExistentQueue" not in error_code(exc):
                     raise
+                if not self.create:
+                    raise BrokerError(
+                        f"sqs {self.endpoint.shown}: no queue {name!r} (create=false)"
+                    ) from None
         attributes: dict[str, str] = {}
         if fifo:
             attributes["FifoQueue"] = "true"
@@ -211,8 +212,6 @@ class SQS:
             )
         messages = got.get("Messages", [])
         if not messages and wait < timeout.total_seconds():
-            import asyncio  # noqa: PLC0415 - only a short poll that found nothing waits here
-
             await asyncio.sleep(timeout.total_seconds() - wait)
         return [SQSDelivery(self, m) for m in messages]
 
