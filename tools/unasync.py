@@ -52,6 +52,7 @@ RENAMES = {
     "AsyncBusiness": "Business",
     "AsyncStore": "Store",
     "AsyncTransactionalStore": "TransactionalStore",
+    "AsyncCompletesMany": "CompletesMany",
     "AsyncMemoryStore": "MemoryStore",
     "AsyncSQLiteStore": "SQLiteStore",
     "AsyncPostgresStore": "PostgresStore",

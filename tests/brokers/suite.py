@@ -123,7 +123,13 @@ class Watched:
         return getattr(self.inner, name)
 
     async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
-        found = await self.inner.fetch(limit, timeout)
+        return self._saw(await self.inner.fetch(limit, timeout))
+
+    async def fetch_batch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        fetch = getattr(self.inner, "fetch_batch", self.inner.fetch)
+        return self._saw(await fetch(limit, timeout))
+
+    def _saw(self, found: list[Delivery]) -> list[Delivery]:
         self.seen.extend((d.envelope.message_id, d.delivery_count) for d in found)
         return found
 
@@ -695,7 +701,9 @@ class BrokerSuite:
         first_inbox, second_inbox = self.inboxes("transactional", 2)
         first, started = await self._stop_while_running(keys, first_inbox, 2)
         done = len(started)
-        assert first.counts == Counter({"processed": done})
+        assert first.counts["processed"] == done
+        # A batch consumer may have read more than it started: given back, never started.
+        assert set(first.counts) <= {"processed", "in_flight"}
         assert self.ledger.counts() == dict.fromkeys(started, 1)
         await self.assert_unsettled(len(keys) - done)
         second = self.consumer(self.apply_in, mode="transactional", inbox=second_inbox)
@@ -712,7 +720,9 @@ class BrokerSuite:
         running finish."""
         (inbox,) = self.inboxes("transactional", 1)
         worker, started = await self._stop_while_running(["t0", "t1"], inbox, 1)
-        assert len(started) == 1 and worker.counts == Counter({"processed": 1})
+        assert len(started) == 1 and worker.counts["processed"] == 1
+        # A batch consumer may have read the other with the first: given back, never started.
+        assert set(worker.counts) <= {"processed", "in_flight"}
 
     # ------------------------------------------------------------------ the envelope
 

@@ -20,6 +20,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 import oncely
 from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
 from oncely.brokers.kafka import Kafka, KafkaProducer
+from oncely.brokers.kafka._transport import _DONE as DONE
+from oncely.brokers.kafka._transport import _RUNNING as RUNNING
 from tests.brokers.common import running, unique, wait_until
 from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
 from tests.brokers.suite import MS, BrokerSuite, DeadCopy, body, fetch_one, total
@@ -287,11 +289,10 @@ class TestKafka(BrokerSuite):
         bad: list[str] = []
 
         class Checked(Kafka):
-            def _finished(self, part: Any, held: Any) -> bool:
-                done = super()._finished(part, held)
-                if done:
+            def _settled(self, part: Any, held: Any, state: int, delay: float = 0.0) -> None:
+                if state == DONE and held.state == RUNNING and part.owned:
                     finished.setdefault(part.tp.partition, set()).add(held.record.offset)
-                return done
+                super()._settled(part, held, state, delay)
 
             async def open(self, prefetch: int) -> None:
                 await super().open(prefetch)

@@ -18,6 +18,7 @@ __all__ = [
     "Claim",
     "ClaimRequest",
     "ClaimStatus",
+    "Completion",
     "Record",
     "Status",
     "StoreStats",
@@ -106,6 +107,17 @@ class ClaimRequest:
     key: str
     fingerprint: str | None
     token: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One key of a batch completion: the key, the claim's token, the encoded result and the
+    note stored with it (as :meth:`~oncely.AsyncStore.complete` takes them)."""
+
+    key: str
+    token: str
+    result: bytes | None = None
+    note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

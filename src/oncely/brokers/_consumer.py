@@ -15,7 +15,7 @@ import json
 import logging
 import signal
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, Protocol
@@ -140,10 +140,73 @@ class InboxProcessor:
             return await self.inbox.handle_message_in_transaction(envelope, self._handler, key=key)
         return await self.inbox.handle_message(envelope, self._handler, key=key)
 
+    async def process_batch(
+        self,
+        envelopes: Sequence[Envelope],
+        groups: Sequence[Hashable],
+        concurrency: int,
+        stop: Callable[[Hashable], bool],
+    ) -> list[Handled[Any]]:
+        """The outcomes of a batch of messages (bodies decoded), in order: one claim and one
+        completion for all of them in the two-phase mode; in the transactional mode, each
+        message's own transaction, the messages of one group in order. Once ``stop(group)`` is
+        true, the group's messages not started yet are not started (``in_flight``)."""
+        if self._transactional or self._payload is not None:
+            return await _each(self, envelopes, groups, concurrency, stop)
+        return await self.inbox.handle_messages(
+            envelopes,
+            self._handler,
+            key=self._key,
+            groups=groups,
+            concurrency=concurrency,
+            stop=stop,
+        )
+
     def refuse(
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None
     ) -> Handled[Any]:
         return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
+
+
+async def _each(
+    processor: Processor,
+    envelopes: Sequence[Envelope],
+    groups: Sequence[Hashable],
+    concurrency: int,
+    stop: Callable[[Hashable], bool],
+) -> list[Handled[Any]]:
+    """A batch as one :meth:`Processor.process` per message: the messages of one group in
+    order, up to ``concurrency`` groups at once. Once a message of a group fails, the later
+    ones of that group are not processed (``in_flight``: they come again after it); once
+    ``stop(group)`` is true, no message of the group not started yet is."""
+    results: list[Handled[Any] | None] = [None] * len(envelopes)
+    runs: dict[Hashable, list[int]] = {}
+    for i, group in enumerate(groups):
+        runs.setdefault(group, []).append(i)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def run(group: Hashable, members: list[int]) -> None:
+        async with slots:
+            held_back: str | None = None
+            for i in members:
+                envelope = envelopes[i]
+                if held_back is None and stop(group):
+                    held_back = "not started: the consumer is stopping or gave up its group"
+                if held_back is not None:
+                    results[i] = Handled(
+                        Outcome.IN_FLIGHT,
+                        processor.consumer,
+                        envelope.message_id,
+                        reason=held_back,
+                        correlation_id=envelope.correlation_id,
+                    )
+                    continue
+                handled = results[i] = await processor.process(envelope)
+                if handled.outcome is Outcome.FAILED:
+                    held_back = "held back: an earlier message of its group failed"
+
+    await asyncio.gather(*(run(group, members) for group, members in runs.items()))
+    return [handled for handled in results if handled is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,13 +358,25 @@ class BrokerConsumer:
         failures = 0
         while not self.stopping:
             try:
-                await self.transport.open(self.settings.concurrency)
+                await self.transport.open(max(self.settings.concurrency, self.batch))
                 return
             except BrokerUnavailable as exc:
                 failures += 1
                 await self._pause(self.settings.reconnect.delay(failures), exc)
 
+    @property
+    def batch(self) -> int:
+        """Deliveries read and processed together (``settings.batch``, or the transport's
+        ``batch_default``); 1: each message on its own."""
+        if self.settings.batch is not None:
+            return self.settings.batch
+        default = getattr(self.transport, "batch_default", 1)
+        return default if isinstance(default, int) and default > 0 else 1
+
     async def _read(self) -> None:
+        if self.batch > 1:
+            await self._read_batches()
+            return
         failures = 0
         settings = self.settings
         while not self.stopping:
@@ -327,6 +402,29 @@ class BrokerConsumer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    async def _read_batches(self) -> None:
+        """One batch at a time: read up to ``batch`` deliveries, run them through the inbox
+        together, settle each, read the next."""
+        failures = 0
+        settings = self.settings
+        fetch = getattr(self.transport, "fetch_batch", None) or self.transport.fetch
+        while not self.stopping:
+            try:
+                deliveries: list[Delivery] = await fetch(self.batch, settings.poll)
+                failures = 0
+            except BrokerUnavailable as exc:
+                failures += 1
+                await self._pause(settings.reconnect.delay(failures), exc)
+                continue
+            if deliveries:
+                task = asyncio.create_task(self._many(deliveries))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                stopping = asyncio.ensure_future(self._stopping.wait())
+                # On a stop, _drain gives the batch its shutdown grace.
+                await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+
     async def _pause(self, delay: timedelta, exc: BaseException) -> None:
         self._log.warning(
             "oncely broker=%s unavailable (%s); trying again in %.1fs",
@@ -348,6 +446,79 @@ class BrokerConsumer:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+
+    # ------------------------------------------------------------------ a batch
+
+    async def _many(self, deliveries: list[Delivery]) -> None:
+        tickets = []
+        every = self.transport.extend_every
+        if every is not None:
+            tickets = [
+                self._heartbeats.start(functools.partial(self._extend, d), every.total_seconds())
+                for d in deliveries
+            ]
+        try:
+            try:
+                outcomes = await self._process_many(deliveries)
+            finally:
+                for ticket in tickets:
+                    await ticket.stop()
+        except asyncio.CancelledError:
+            await asyncio.gather(
+                *(self._settle_quietly(d.retry(timedelta(0)), d, "retry") for d in deliveries)
+            )
+            raise
+        except Exception as exc:  # the store failed (StoreError) or a bug: never ack
+            self.counts["store_unavailable"] += len(deliveries)
+            self._log.error(
+                "oncely broker=%s could not process a batch of %d messages (%s: %s); they are "
+                "given back and will be redelivered",
+                self.transport.name,
+                len(deliveries),
+                type(exc).__name__,
+                exc,
+            )
+            backoff = self.settings.backoff
+            await asyncio.gather(
+                *(
+                    self._settle_quietly(d.retry(backoff.delay(d.delivery_count)), d, "retry")
+                    for d in deliveries
+                )
+            )
+            return
+        await asyncio.gather(
+            *(self._settle(d, handled) for d, handled in zip(deliveries, outcomes, strict=True))
+        )
+
+    async def _process_many(self, deliveries: list[Delivery]) -> list[Handled[Any]]:
+        """Each delivery's outcome: refused ones at once, the rest as one batch of the
+        processor (or one message after the other, for a processor without batches)."""
+        outcomes: list[Handled[Any] | None] = [None] * len(deliveries)
+        ready: list[int] = []
+        envelopes: list[Envelope] = []
+        for i, delivery in enumerate(deliveries):
+            decoded = self._decoded(delivery)
+            if isinstance(decoded, Envelope):
+                ready.append(i)
+                envelopes.append(decoded)
+            else:
+                outcomes[i] = decoded
+        if envelopes:
+            groups = [_group(deliveries[i]) for i in ready]
+            many = getattr(self.processor, "process_batch", None)
+            concurrency = self.settings.concurrency
+            by_group = {g: deliveries[i] for g, i in zip(groups, ready, strict=True)}
+
+            def stop(group: Hashable) -> bool:
+                return self._stopping.is_set() or _revoked(by_group[group])
+
+            if many is not None:
+                done: list[Handled[Any]] = await many(envelopes, groups, concurrency, stop)
+            else:
+                done = await _each(self.processor, envelopes, groups, concurrency, stop)
+            for i, handled in zip(ready, done, strict=True):
+                outcomes[i] = handled
+        return [handled for handled in outcomes if handled is not None]
 
     # ------------------------------------------------------------------ one message
 
@@ -402,6 +573,14 @@ class BrokerConsumer:
             self._log.warning("oncely could not extend a delivery's ack wait: %s", exc)
 
     async def _process(self, delivery: Delivery) -> Handled[Any]:
+        decoded = self._decoded(delivery)
+        if isinstance(decoded, Envelope):
+            return await self.processor.process(decoded)
+        return decoded
+
+    def _decoded(self, delivery: Delivery) -> Envelope | Handled[Any]:
+        """The delivery's message with its body decoded, or the ``rejected`` outcome of one
+        that cannot be processed (refused by the transport, too large, undecodable)."""
         envelope = delivery.envelope
         refusal = delivery.refusal
         if refusal is None:
@@ -415,17 +594,15 @@ class BrokerConsumer:
                 )
             else:
                 try:
-                    body = self._decode(envelope)
+                    return replace(envelope, body=self._decode(envelope))
                 except Exception as exc:
                     refusal = f"undecodable body: {exc}"
-        if refusal is not None:
-            message_id = envelope.message_id
-            return self.processor.refuse(
-                refusal,
-                key=message_id if message_id and not escaped(message_id) else None,
-                correlation_id=envelope.correlation_id,
-            )
-        return await self.processor.process(replace(envelope, body=body))
+        message_id = envelope.message_id
+        return self.processor.refuse(
+            refusal,
+            key=message_id if message_id and not escaped(message_id) else None,
+            correlation_id=envelope.correlation_id,
+        )
 
     async def _settle(self, delivery: Delivery, handled: Handled[Any]) -> None:
         self.counts[handled.outcome.value] += 1
@@ -493,6 +670,18 @@ class BrokerConsumer:
                 exc,
                 _fields(delivery.describe()),
             )
+
+
+def _revoked(delivery: Delivery) -> bool:
+    """Whether the delivery's partition was taken from this consumer (Kafka)."""
+    return getattr(delivery, "revoked", False) is True
+
+
+def _group(delivery: Delivery) -> Hashable:
+    """The delivery's ordering group (a Kafka partition, an SQS FIFO message group); a
+    delivery without one is a group of its own."""
+    group = getattr(delivery, "group", None)
+    return group if group is not None else object()
 
 
 def _size(body: object) -> int:

@@ -213,6 +213,13 @@ class ConsumerSettings:
     ``purge_every``, the consumer also runs a purge service on its inbox's store
     (:class:`~oncely.AsyncPurgeService`): across a fleet, one consumer per table leads it.
 
+    ``batch`` is how many deliveries are read and run through the inbox together: one
+    ``claim_many`` and one ``complete_many`` per batch instead of a claim and a completion per
+    message (R1), the messages of one ordering group (a Kafka partition, an SQS FIFO message
+    group) one after the other and up to ``concurrency`` groups at once. ``None`` takes the
+    transport's choice (``batch_default``: 500 on Kafka, 10 on SQS, one message at a time on
+    the others); ``1`` runs each message on its own as it arrives.
+
     The redelivery horizon (R13) is derived from these settings and what the broker says
     (:meth:`horizon`), and a consumer whose inbox keeps records for less refuses to start.
     ``resubmit_window`` is how long after a message is dead-lettered an operator may still
@@ -232,10 +239,13 @@ class ConsumerSettings:
     purge_every: timedelta | None = None
     resubmit_window: timedelta = timedelta(days=1)
     message_ttl: timedelta | None = None
+    batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ConfigurationError("concurrency must be at least 1")
+        if self.batch is not None and self.batch < 1:
+            raise ConfigurationError("batch must be at least 1 (None: the transport's choice)")
         if self.max_deliveries < 1:
             raise ConfigurationError("max_deliveries must be at least 1")
         if self.poll <= timedelta(0):

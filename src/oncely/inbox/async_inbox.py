@@ -23,14 +23,14 @@ from __future__ import annotations
 from oncely._twin import ASYNC
 
 if ASYNC:
-    from asyncio import sleep
+    from asyncio import Semaphore, gather, sleep
 else:
     from time import sleep
 
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter, time
@@ -55,7 +55,7 @@ from oncely._core.policy import (
     Retention,
     StaleClaim,
 )
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status
+from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely.errors import (
     ConfigurationError,
     LeaseLost,
@@ -67,7 +67,13 @@ from oncely.errors import (
 )
 from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
 from oncely.inbox.heartbeats import AsyncHeartbeats
-from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
+from oncely.stores.async_protocols import (
+    AsyncCompletesMany,
+    AsyncStore,
+    AsyncTransactionalStore,
+    complete_each,
+)
+from oncely.wire import printable
 
 __all__ = ["AsyncInbox"]
 
@@ -196,26 +202,160 @@ class AsyncInbox:
         handler: AsyncHandler[P, R],
         *,
         correlation_id: str | None = None,
+        groups: Sequence[Hashable] | None = None,
+        concurrency: int = 1,
+        stop: Callable[[Hashable], bool] | None = None,
     ) -> list[Handled[R]]:
         """:meth:`handle` for a batch of ``(key, payload)`` pairs, as a batch consumer receives
-        them (a Redis Streams read with ``COUNT``, a Kafka-style poll).
+        them (a Redis Streams read with ``COUNT``, a Kafka poll, an SQS receive).
 
-        All keys are claimed in one round trip (:meth:`~oncely.AsyncStore.claim_many`); then the
-        handler runs for each key this call won, one after the other, each completed (or
-        released) on its own. Returns one outcome per item, in the order given. A key repeated
-        within the batch is processed once; its later copies are ``in_flight`` or
-        ``duplicate`` like any concurrent copy.
+        All keys are claimed in one round trip (:meth:`~oncely.AsyncStore.claim_many`); the
+        handler runs for each key this call won; the handlers that returned are completed
+        together in one round trip at the end (``complete_many``), a handler that raised is
+        released (or failed, for :class:`~oncely.Reject`) at once. Returns one outcome per item,
+        in the order given. A key repeated within the batch is processed once; its later
+        copies are ``in_flight`` or ``duplicate`` like any concurrent copy.
+
+        ``groups`` gives each item an ordering group (a Kafka partition, an SQS FIFO message
+        group): items of one group run one after the other, in the order given, and once one
+        of them fails, the later ones of its group are not run: their claims are released and
+        they come back ``in_flight`` (to be delivered again, after the one that failed).
+        Without ``groups`` every item is in one group. Up to ``concurrency`` groups run at
+        once (in the asyncio inbox; the sync one runs them one after the other). A won claim
+        waits for the end of the batch to be completed: the lease must cover the batch (the
+        heartbeat renews each claim only while its own handler runs). ``stop(group)`` is asked
+        before each handler starts: once it answers true (the consumer is shutting down, the
+        group's partition was revoked), the group's items not started yet are released and come
+        back ``in_flight`` too.
         """
         started = perf_counter()
-        admitted: list[tuple[str, str | None] | Handled[R]] = [
-            self._rules.admit(key, payload, started, correlation_id) for key, payload in items
+        entries = [(key, payload, correlation_id) for key, payload in items]
+        return await self._batch(entries, handler, groups, concurrency, stop, started)
+
+    async def handle_messages(
+        self,
+        envelopes: Sequence[Envelope],
+        handler: AsyncHandler[object, R],
+        *,
+        key: KeySource | None = None,
+        groups: Sequence[Hashable] | None = None,
+        concurrency: int = 1,
+        stop: Callable[[Hashable], bool] | None = None,
+    ) -> list[Handled[R]]:
+        """:meth:`handle_batch` for broker messages: each key comes from ``key`` (default: the
+        producer's message id) and each message keeps its correlation id. A message without a
+        usable key is ``rejected`` with the reason, never processed unprotected (R2-R4)."""
+        started = perf_counter()
+        entries: list[tuple[str | Handled[R], object, str | None]] = [
+            (self._rules.message_key(e, key, started), e.body, e.correlation_id) for e in envelopes
         ]
-        requests = [
-            ClaimRequest(entry[0], entry[1], new_token())
-            for entry in admitted
-            if not isinstance(entry, Handled)
-        ]
-        claims = iter(
+        return await self._batch(entries, handler, groups, concurrency, stop, started)
+
+    async def _batch(
+        self,
+        entries: Sequence[tuple[str | Handled[R], Any, str | None]],
+        handler: AsyncHandler[Any, R],
+        groups: Sequence[Hashable] | None,
+        concurrency: int,
+        stop: Callable[[Hashable], bool] | None,
+        started: float,
+    ) -> list[Handled[R]]:
+        if concurrency < 1:
+            raise ConfigurationError("concurrency must be at least 1")
+        if groups is not None and len(groups) != len(entries):
+            raise ConfigurationError(
+                f"{len(groups)} groups for {len(entries)} items: give one group per item"
+            )
+        results: list[Handled[R] | None] = [None] * len(entries)
+        runs = await self._claim_batch(entries, groups, results, started)
+        finished: list[tuple[int, Claim, R | None, bytes | None, str | None]] = []
+
+        async def run(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
+            held_back: str | None = None
+            for i, claim, step in members:
+                _key, payload, correlation_id = entries[i]
+                record = claim.record
+                if held_back is None and stop is not None and stop(group):
+                    held_back = "not started: the consumer is stopping or gave up its group"
+                if held_back is not None:
+                    await self._release_quietly(record.key, record.token)
+                    results[i] = self._rules.done(
+                        Outcome.IN_FLIGHT,
+                        record.key,
+                        started,
+                        reason=held_back,
+                        attempt=record.attempt,
+                        correlation_id=correlation_id,
+                    )
+                    continue
+                if step is Step.STALE:  # rare: the one-message path has the reconciler logic
+                    results[i] = await self.handle(
+                        record.key, payload, handler, correlation_id=correlation_id
+                    )
+                else:
+                    result, error = await self._invoke(claim, payload, handler, correlation_id)
+                    if error is None:
+                        data, note = (
+                            (None, None)
+                            if result is None
+                            else self._rules.encode(result, strict=False)
+                        )
+                        finished.append((i, claim, result, data, note))
+                        continue
+                    results[i] = await self._raised(record, error, correlation_id, started)
+                outcome = results[i]
+                if outcome is not None and outcome.outcome is Outcome.FAILED:
+                    held_back = (
+                        f"held back: the earlier message with key {printable(record.key)} of its "
+                        "group failed, and the group's order is kept"
+                    )
+
+        if ASYNC:
+            slots = Semaphore(concurrency)
+
+            async def bounded(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
+                async with slots:
+                    await run(group, members)
+
+            await gather(*(bounded(group, members) for group, members in runs.items()))
+        else:
+            for group, members in runs.items():
+                run(group, members)
+        if finished:
+            finished.sort(key=lambda done: done[0])
+            completions = [
+                Completion(claim.record.key, claim.record.token, data, note)
+                for _i, claim, _result, data, note in finished
+            ]
+            answers = await self._complete_many(completions)
+            for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
+                results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
+        return [handled for handled in results if handled is not None]
+
+    async def _claim_batch(
+        self,
+        entries: Sequence[tuple[str | Handled[R], Any, str | None]],
+        groups: Sequence[Hashable] | None,
+        results: list[Handled[R] | None],
+        started: float,
+    ) -> dict[Hashable, list[tuple[int, Claim, Step]]]:
+        """Claim the batch's admitted keys in one round trip; fill in ``results`` for the
+        items decided without running (refused, duplicate, in flight...) and return the won
+        claims by group, in order."""
+        claimed: list[int] = []
+        requests: list[ClaimRequest] = []
+        for i, (key, payload, correlation_id) in enumerate(entries):
+            admitted = (
+                key
+                if isinstance(key, Handled)
+                else self._rules.admit(key, payload, started, correlation_id)
+            )
+            if isinstance(admitted, Handled):
+                results[i] = admitted
+            else:
+                claimed.append(i)
+                requests.append(ClaimRequest(admitted[0], admitted[1], new_token()))
+        claims = (
             await self._store.claim_many(
                 self._consumer,
                 requests,
@@ -226,23 +366,32 @@ class AsyncInbox:
             if requests
             else []
         )
-        results: list[Handled[R]] = []
-        for entry, (_key, payload) in zip(admitted, items, strict=True):
-            if isinstance(entry, Handled):
-                results.append(entry)
-                continue
-            claim = next(claims)
-            step = decide(claim, entry[1])
-            if step is Step.PROCEED:
-                results.append(await self._run(claim, payload, handler, correlation_id, started))
-            elif step is Step.STALE:
-                # Rare: a reconciler decides; the single-message path has that logic.
-                results.append(
-                    await self.handle(entry[0], payload, handler, correlation_id=correlation_id)
-                )
+        runs: dict[Hashable, list[tuple[int, Claim, Step]]] = {}
+        for i, request, claim in zip(claimed, requests, claims, strict=True):
+            step = decide(claim, request.fingerprint)
+            if step is Step.PROCEED or step is Step.STALE:
+                runs.setdefault(None if groups is None else groups[i], []).append((i, claim, step))
             else:
-                results.append(self._rules.settle(step, claim, correlation_id, started))
-        return results
+                results[i] = self._rules.settle(step, claim, entries[i][2], started)
+        return runs
+
+    async def _complete_many(self, completions: list[Completion]) -> list[Record | LeaseLost]:
+        # As _complete: the effects are done, so a short outage is ridden out.
+        store = self._store
+        for pause in _COMPLETE_PAUSES:
+            try:
+                if isinstance(store, AsyncCompletesMany):
+                    return await store.complete_many(
+                        self._consumer, completions, keep_ms=self._keep_ms
+                    )
+                return await complete_each(
+                    store, self._consumer, completions, keep_ms=self._keep_ms
+                )
+            except StoreUnavailable:
+                if pause is None:
+                    raise
+                await sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def handle_message(
         self,
@@ -573,37 +722,64 @@ class AsyncInbox:
         started: float,
     ) -> Handled[R]:
         record = claim.record
+        result, error = await self._invoke(claim, payload, handler, correlation_id)
+        if error is not None:
+            return await self._raised(record, error, correlation_id, started)
+        data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
+        done: Record | LeaseLost
+        try:
+            done = await self._complete(record.key, record.token, data, note)
+        except LeaseLost as lost:
+            done = lost
+        return self._outcome(claim, result, note, done, correlation_id, started)
+
+    async def _invoke(
+        self, claim: Claim, payload: P, handler: AsyncHandler[P, R], correlation_id: str | None
+    ) -> tuple[R | None, BaseException | None]:
+        """Run the handler under the claim (its heartbeat renewing the lease): its result, or
+        what it raised."""
+        record = claim.record
         key = record.key
-        token = record.token
         beat = None
         if self._lease.heartbeat:
             beat = self._heartbeats.start(
-                functools.partial(self._renew, key, token), self._renew_every
+                functools.partial(self._renew, key, record.token), self._renew_every
             )
         context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
-        error: BaseException | None = None
-        result: R | None = None
         try:
-            result = await handler(payload)
+            return await handler(payload), None
         except BaseException as exc:
-            error = exc
+            return None, exc
         finally:
             _CURRENT.reset(context)
             if beat is not None:
                 await beat.stop()
-        if error is not None:
-            if isinstance(error, Reject):
-                return await self._reject(record, error.reason, correlation_id, started)
-            await self._release_quietly(key, token)
-            if not isinstance(error, Exception):
-                raise error
-            # The record itself was released: the outcome reports the attempt, not the record.
-            return self._rules.failed(key, error, started, correlation_id, record.attempt)
-        data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
-        try:
-            done = await self._complete(key, token, data, note)
-        except LeaseLost as lost:
-            return self._rules.lost(lost, key, record.attempt, correlation_id, started)
+
+    async def _raised(
+        self, record: Record, error: BaseException, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        """The outcome of a handler that raised ``error`` under ``record``'s claim."""
+        if isinstance(error, Reject):
+            return await self._reject(record, error.reason, correlation_id, started)
+        await self._release_quietly(record.key, record.token)
+        if not isinstance(error, Exception):
+            raise error
+        # The record itself was released: the outcome reports the attempt, not the record.
+        return self._rules.failed(record.key, error, started, correlation_id, record.attempt)
+
+    def _outcome(
+        self,
+        claim: Claim,
+        result: R | None,
+        note: str | None,
+        done: Record | LeaseLost,
+        correlation_id: str | None,
+        started: float,
+    ) -> Handled[R]:
+        """The outcome of a handler that returned ``result``, once its completion is ``done``."""
+        key = claim.record.key
+        if isinstance(done, LeaseLost):
+            return self._rules.lost(done, key, claim.record.attempt, correlation_id, started)
         if claim.status is ClaimStatus.TAKEN_OVER:
             return self._rules.done(
                 Outcome.STALE_RECLAIMED,

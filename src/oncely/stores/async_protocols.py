@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar, runtime_checkable
 
-from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status, StoreStats
+from oncely.errors import LeaseLost
 
-__all__ = ["AsyncStore", "AsyncTransactionalStore"]
+__all__ = ["AsyncCompletesMany", "AsyncStore", "AsyncTransactionalStore", "complete_each"]
 
 Tx = TypeVar("Tx")
 
@@ -145,6 +146,38 @@ class AsyncStore(Protocol):
     async def aclose(self) -> None:
         """Release connections. The store cannot be used afterwards."""
         ...
+
+
+@runtime_checkable
+class AsyncCompletesMany(Protocol):
+    """A store that completes a batch of claims in one round trip (every built-in store; a
+    store without it is completed one key at a time, :func:`complete_each`)."""
+
+    async def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """:meth:`~AsyncStore.complete` for many claims: one answer per completion, in order,
+        the completed record or the :class:`~oncely.LeaseLost` that a lone ``complete`` would
+        have raised (returned, not raised, so the rest of the batch still lands). A store
+        error raises for the whole batch; completing again with the same tokens is safe."""
+        ...
+
+
+async def complete_each(
+    store: AsyncStore, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+) -> list[Record | LeaseLost]:
+    """:meth:`AsyncCompletesMany.complete_many` as one :meth:`~AsyncStore.complete` per key."""
+    done: list[Record | LeaseLost] = []
+    for c in completions:
+        try:
+            done.append(
+                await store.complete(
+                    consumer, c.key, token=c.token, result=c.result, keep_ms=keep_ms, note=c.note
+                )
+            )
+        except LeaseLost as lost:
+            done.append(lost)
+    return done
 
 
 @runtime_checkable

@@ -40,11 +40,16 @@ whose id is not UTF-8, is refused; a tombstone (no value) is refused.
 How it reads and commits
 ------------------------
 Offsets are committed by the transport only, never automatically, and only for partitions
-this member owns. Each partition hands out one record at a time, in offset order; partitions
-run side by side, up to the consumer's ``concurrency``. A record finished (acknowledged or
-dead-lettered) moves the partition's commit past it, and the commit is sent once per fetch,
-so the committed offset is always the end of the run of finished records: a record after an
-unfinished one is never committed. A commit the group refuses (this member was fenced by a
+this member owns. By default the consumer reads in batches (``ConsumerSettings.batch``, 500
+here): a poll's records go through the inbox together, one ``claim_many`` and one
+``complete_many`` for all of them; the records of one partition run one after the other in
+offset order, partitions side by side up to the consumer's ``concurrency``, and once a record
+fails the later ones of its partition wait for it (``in_flight``). With ``batch=1`` each
+partition hands out one record at a time. A partition hands out nothing new until its last
+run is settled; then its commit moves past the run's finished records up to the first one
+given back (which is handed out again with everything after it), and the commit is sent once
+per fetch, so the committed offset is always the end of the run of finished records: a record
+after an unfinished one is never committed. A commit the group refuses (this member was fenced by a
 rebalance) counts as the loss of the member's partitions: nothing more of them is handed out
 until the group assigns them again.
 

@@ -1,5 +1,6 @@
-"""The Kafka transport: a consumer-group member that hands out one record per partition at a
-time and commits, per partition, the end of the run of finished records."""
+"""The Kafka transport: a consumer-group member that hands out, per partition, one run of
+consecutive records at a time (one record, or a batch's worth) and commits, per partition, the
+end of the run of finished records."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ _TRANSPORT_OPTIONS = (
 _FENCED = (CommitFailedError, IllegalStateError, IllegalGenerationError, UnknownMemberIdError)
 
 
+_RUNNING, _DONE, _BACK = 0, 1, 2
+
+
 @dataclass(slots=True, eq=False)
 class _Held:
     """A record fetched and not yet finished: waiting in its partition, or handed out."""
@@ -57,6 +61,9 @@ class _Held:
     record: Any
     attempt: int = 1
     not_before: float = 0.0
+    state: int = _RUNNING
+    """While handed out: running, done (finished), or back (to be handed out again)."""
+    delay: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -65,11 +72,17 @@ class _Partition:
 
     tp: TopicPartition
     waiting: deque[_Held] = field(default_factory=deque)
-    out: _Held | None = None
+    out: list[_Held] = field(default_factory=list)
+    """The run handed out, in offset order; the partition hands out nothing else until
+    every record of it is settled."""
+    running: int = 0
+    """How many records of the run are not settled yet."""
     finished: int | None = None
     """The offset to commit: one past the last record finished in order."""
     committed: int | None = None
     owned: bool = True
+    revoking: bool = False
+    """The group is taking it away: what is running finishes, nothing more starts."""
     paused: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -91,6 +104,9 @@ class Kafka:
     """
 
     name = "kafka"
+    batch_default = 500
+    """Batches by default: one claim and one completion per polled batch (records of one
+    partition in order, partitions side by side)."""
     local_delivery_counts = True
     """Delivery counts are this member's own; the consumer also counts the inbox's attempts."""
     extend_every: timedelta | None = None
@@ -320,6 +336,15 @@ class Kafka:
     # ------------------------------------------------------------------ reading
 
     async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        """Up to ``limit`` records, at most one per partition."""
+        return await self._fetch(limit, timeout, 1)
+
+    async def fetch_batch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        """Up to ``limit`` records, each partition's as one run of consecutive records (a
+        delivery's ``group`` is its partition: the consumer keeps their order)."""
+        return await self._fetch(limit, timeout, limit)
+
+    async def _fetch(self, limit: int, timeout: timedelta, run: int) -> list[Delivery]:
         if self._stopped:
             return []
         consumer = self._consumer
@@ -330,7 +355,7 @@ class Kafka:
         await self._commit(consumer, list(self._owned.values()))
         deadline = monotonic() + timeout.total_seconds()
         while True:
-            ready = self._ready(limit)
+            ready = self._ready(limit, run)
             if ready or self._stopped:
                 return ready
             left = deadline - monotonic()
@@ -357,30 +382,42 @@ class Kafka:
         waits = [
             p.waiting[0].not_before
             for p in self._owned.values()
-            if p.owned and p.out is None and p.waiting
+            if p.owned and not p.out and p.waiting
         ]
         return min(waits, default=float("inf"))
 
-    def _ready(self, limit: int) -> list[Delivery]:
-        """At most one record per partition at a time (a partition's records run in
-        order), taking partitions in turn so none waits behind a busy one."""
-        parts = [p for p in self._owned.values() if p.owned and p.out is None and p.waiting]
+    def _ready(self, limit: int, run: int) -> list[Delivery]:
+        """Up to ``run`` consecutive records per partition, none of a partition whose last
+        run is still out (a partition's records run in order), taking partitions in turn so
+        none waits behind a busy one."""
+        parts = [p for p in self._owned.values() if p.owned and not p.out and p.waiting]
         if not parts:
             return []
         now = monotonic()
         out: list[Delivery] = []
         self._turn = (self._turn + 1) % len(parts)
         for part in parts[self._turn :] + parts[: self._turn]:
+            waiting = part.waiting
+            while waiting and len(part.out) < run and len(out) < limit:
+                held = waiting[0]
+                if held.state == _DONE:  # finished in an earlier run, after one given back
+                    if part.out:
+                        break  # the commit waits for the records handed out before it
+                    waiting.popleft()
+                    part.finished = held.record.offset + 1
+                    continue
+                if held.not_before > now:
+                    break
+                waiting.popleft()
+                held.state = _RUNNING
+                part.out.append(held)
+                out.append(KafkaDelivery(self, part, held))
+            if part.out:
+                part.running = len(part.out)
+                part.idle.clear()
+                self._resume(part)
             if len(out) >= limit:
                 break
-            held = part.waiting[0]
-            if held.not_before > now:
-                continue
-            part.waiting.popleft()
-            part.out = held
-            part.idle.clear()
-            self._resume(part)
-            out.append(KafkaDelivery(self, part, held))
         return out
 
     def _resume(self, part: _Partition) -> None:
@@ -391,29 +428,39 @@ class Kafka:
 
     # ------------------------------------------------------------------ settling
 
-    def _finished(self, part: _Partition, held: _Held) -> bool:
-        """``held`` is done: commit past it (at the next commit) if this member still owns
-        its partition. False when the partition has moved on without it."""
-        if part.out is not held:
-            return False
-        part.out = None
+    def _settled(self, part: _Partition, held: _Held, state: int, delay: float = 0.0) -> None:
+        """``held`` is done, or to be handed out again after ``delay`` seconds. Once its whole
+        run is settled, the partition commits (at the next commit) past the run's finished
+        prefix, and the records from the first one given back on go back to the front of the
+        partition in order: the ones given back to be handed out again, the finished ones only
+        to be committed past once everything before them is (never handed out twice, and the
+        commit never passes an unfinished record)."""
+        if held.state != _RUNNING or not part.out:
+            return  # settled twice
+        held.state, held.delay = state, delay
+        part.running -= 1
+        if part.running > 0:
+            return
+        run, part.out = part.out, []
         part.idle.set()
         if not part.owned:
-            return False
-        part.finished = held.record.offset + 1
-        return True
-
-    def _give_back(self, part: _Partition, held: _Held, delay: timedelta) -> None:
-        """Hand ``held`` out again after ``delay``, before any later record of its partition
-        (the partition waits for it: order is kept)."""
-        if part.out is not held:
+            if any(h.state == _DONE for h in run):
+                LOGGER.info(
+                    "oncely broker=kafka records of %s/%d finished after the partition moved "
+                    "to another member; not committed here",
+                    self.source,
+                    part.tp.partition,
+                )
             return
-        part.out = None
-        part.idle.set()
-        if part.owned:
-            held.attempt += 1
-            held.not_before = monotonic() + delay.total_seconds()
-            part.waiting.appendleft(held)
+        first_back = next((i for i, h in enumerate(run) if h.state == _BACK), len(run))
+        if first_back:
+            part.finished = run[first_back - 1].record.offset + 1
+        now = monotonic()
+        for h in reversed(run[first_back:]):
+            if h.state == _BACK:
+                h.attempt += 1
+                h.not_before = now + h.delay
+            part.waiting.appendleft(h)
 
     async def _copy_to_dead_letter(self, held: _Held, why: DeadLetter) -> None:
         record = held.record
@@ -478,8 +525,9 @@ class Kafka:
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
         parts = [p for tp, p in self._owned.items() if tp in revoked]
-        for part in parts:  # hand out nothing more of them
+        for part in parts:  # hand out nothing more of them, start nothing more of a batch
             part.waiting.clear()
+            part.revoking = True
         busy = [p.idle.wait() for p in parts if not p.idle.is_set()]
         if busy:
             with contextlib.suppress(TimeoutError):
@@ -491,7 +539,7 @@ class Kafka:
             except BrokerError as exc:
                 LOGGER.warning("oncely broker=kafka could not commit on revocation: %s", exc)
         for part in parts:
-            if part.out is not None:
+            if part.out:
                 LOGGER.warning(
                     "oncely broker=kafka topic=%s partition=%d revoked while a handler still "
                     "runs (past revoke_grace %.1fs); its offset is not committed here, and "
@@ -565,20 +613,25 @@ class KafkaDelivery:
         t = self._envelope.transport
         return {k: t[k] for k in ("topic", "partition", "offset", "delivery_count")}
 
+    @property
+    def group(self) -> int:
+        """The record's ordering group: its partition."""
+        return int(self._held.record.partition)
+
+    @property
+    def revoked(self) -> bool:
+        """The record's partition was taken from this member: a batch starts nothing more of
+        it (what is not started is given back, and read again by the next owner)."""
+        return self._part.revoking or not self._part.owned
+
     async def ack(self) -> None:
-        """Finished: the partition's commit moves past this record at the next fetch."""
-        if not self._transport._finished(self._part, self._held):
-            LOGGER.info(
-                "oncely broker=kafka record %s/%d@%d finished after its partition moved to "
-                "another member; not committed here",
-                self._transport.source,
-                self.partition,
-                self.offset,
-            )
+        """Finished: the partition's commit moves past this record (once every earlier record
+        of it is finished too) at the next fetch."""
+        self._transport._settled(self._part, self._held, _DONE)
 
     async def retry(self, delay: timedelta) -> None:
         """Hand the record out again after ``delay``; later records of its partition wait."""
-        self._transport._give_back(self._part, self._held, delay)
+        self._transport._settled(self._part, self._held, _BACK, delay.total_seconds())
 
     async def dead_letter(self, why: DeadLetter) -> None:
         """Copy the record to the dead-letter topic with ``why`` in ``x-oncely-*`` headers
@@ -588,7 +641,7 @@ class KafkaDelivery:
         except BaseException:
             # Not copied: the record must not be skipped, so it is handed out again (its
             # outcome is decided anew, and dead-lettered then if it still must be).
-            self._transport._give_back(self._part, self._held, timedelta(seconds=1))
+            self._transport._settled(self._part, self._held, _BACK, 1.0)
             raise
         await self.ack()
 

@@ -59,6 +59,8 @@ class SQS:
     """
 
     name = "sqs"
+    batch_default = 10
+    """Batches by default: a receive's messages (up to 10) are claimed and completed together."""
 
     def __init__(
         self,
@@ -325,6 +327,13 @@ class SQSDelivery:
     @property
     def refusal(self) -> str | None:
         return self._refusal
+
+    @property
+    def group(self) -> str | None:
+        """A FIFO queue's ``MessageGroupId`` (a batch keeps each group's order); ``None`` on a
+        standard queue."""
+        group = self._envelope.transport["message_group"]
+        return str(group) if group is not None else None
 
     def describe(self) -> Mapping[str, object]:
         t = self._envelope.transport

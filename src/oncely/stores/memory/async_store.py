@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status, StoreStats
 from oncely._core.state import (
     CompleteEvent,
     FailEvent,
@@ -23,7 +23,8 @@ from oncely._core.state import (
 )
 from oncely._core.table import RecordTable
 from oncely._urls import redact, split
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, LeaseLost
+from oncely.stores.async_protocols import complete_each
 
 __all__ = ["AsyncMemoryStore"]
 
@@ -115,6 +116,12 @@ class AsyncMemoryStore:
         event = CompleteEvent(token, result, keep_ms, note)
         with self._lock:
             return self._table.complete(consumer, key, event, self._clock.now_ms())
+
+    async def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One completion after the other (each is a dictionary update)."""
+        return await complete_each(self, consumer, completions, keep_ms=keep_ms)
 
     async def fail(
         self, consumer: str, key: str, *, token: str, error: str, keep_ms: int

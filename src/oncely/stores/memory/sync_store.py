@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Self
 
 from oncely._core.clock import Clock, SystemClock
-from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status, StoreStats
 from oncely._core.state import (
     CompleteEvent,
     FailEvent,
@@ -25,7 +25,8 @@ from oncely._core.state import (
 )
 from oncely._core.table import RecordTable
 from oncely._urls import redact, split
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, LeaseLost
+from oncely.stores.sync_protocols import complete_each
 
 __all__ = ["MemoryStore"]
 
@@ -117,6 +118,12 @@ class MemoryStore:
         event = CompleteEvent(token, result, keep_ms, note)
         with self._lock:
             return self._table.complete(consumer, key, event, self._clock.now_ms())
+
+    def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One completion after the other (each is a dictionary update)."""
+        return complete_each(self, consumer, completions, keep_ms=keep_ms)
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
         with self._lock:

@@ -34,7 +34,15 @@ from functools import partial
 from typing import Any, Self, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Completion,
+    Record,
+    Status,
+    StoreStats,
+)
 from oncely._core.state import (
     DELETE,
     UNCHANGED,
@@ -55,8 +63,9 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely._core.table import lease_lost
-from oncely.errors import StoreUnavailable, TransactionRequired
+from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
+from oncely.stores.async_protocols import complete_each
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.mysql.async_io import (
     AsyncPool,
@@ -669,6 +678,12 @@ class AsyncMySQLStore(SQLStoreBase[str]):
             "complete",
             lambda conn: self._fenced(conn, "complete", consumer, key, apply_complete, event),
         )
+
+    async def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One completion after the other (one round trip each)."""
+        return await complete_each(self, consumer, completions, keep_ms=keep_ms)
 
     async def fail(
         self, consumer: str, key: str, *, token: str, error: str, keep_ms: int

@@ -36,7 +36,15 @@ from functools import partial
 from typing import Any, Self, TypeVar
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Completion,
+    Record,
+    Status,
+    StoreStats,
+)
 from oncely._core.state import (
     DELETE,
     UNCHANGED,
@@ -57,7 +65,7 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely._core.table import lease_lost
-from oncely.errors import StoreUnavailable, TransactionRequired
+from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
@@ -95,6 +103,7 @@ from oncely.stores.mysql.sync_io import (
     sleep,
 )
 from oncely.stores.mysql.sync_tx import _Transaction
+from oncely.stores.sync_protocols import complete_each
 from oncely.stores.sync_sql import Position, SQLStoreBase, server_time
 
 __all__ = ["MySQLStore"]
@@ -661,6 +670,12 @@ class MySQLStore(SQLStoreBase[str]):
             "complete",
             lambda conn: self._fenced(conn, "complete", consumer, key, apply_complete, event),
         )
+
+    def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One completion after the other (one round trip each)."""
+        return complete_each(self, consumer, completions, keep_ms=keep_ms)
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
         event = FailEvent(token, error, keep_ms)

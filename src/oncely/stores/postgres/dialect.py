@@ -151,6 +151,7 @@ class PostgresDialect(PlainRows[bytes]):
         "claim_joined",
         "claim_many",
         "complete",
+        "complete_many",
         "create",
         "create_purge_index",
         "drop_purge_index",
@@ -334,6 +335,19 @@ class PostgresDialect(PlainRows[bytes]):
             FROM {_NOW}
             WHERE {mine} AND t.status = 'in_progress' AND {live}
             RETURNING {_T_COLUMNS}"""
+        )
+        # One UPDATE for a batch of completions; a key repeated in the batch is completed by
+        # its first entry (an UPDATE changes a row once). Rows not returned (a lost lease, or
+        # a repeat of a completion that already landed) are decided by the one-key path.
+        self.complete_many = _b(
+            f"""UPDATE {t} AS t SET status = 'completed', updated_ms = n.now,
+                expires_ms = n.now + %(keep)s::bigint, purge_ms = {_KEEP_BUCKET},
+                result = c.result, error = c.note
+            FROM {_NOW}, unnest(%(keys)s::text[], %(tokens)s::text[], %(results)s::bytea[],
+                %(notes)s::text[]) AS c(key, token, result, note)
+            WHERE t.consumer = %(consumer)s::text AND t.key = c.key COLLATE "C"
+                AND t.token = c.token AND t.status = 'in_progress' AND {live}
+            RETURNING t.key, {_T_COLUMNS}"""
         )
         self.fail = _b(
             f"""UPDATE {t} AS t SET status = 'failed', updated_ms = n.now,

@@ -41,10 +41,24 @@ import psycopg
 from psycopg import pq
 
 from oncely._core.clock import Clock
-from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Record, Status, StoreStats
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    ClaimStatus,
+    Completion,
+    Record,
+    Status,
+    StoreStats,
+)
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
-from oncely.errors import ConfigurationError, StoreError, StoreUnavailable, TransactionRequired
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    StoreError,
+    StoreUnavailable,
+    TransactionRequired,
+)
 from oncely.stores._sql import SMALL, STATUS, Estimate, parse_versions, plan_rows, status_shares
 from oncely.stores.postgres.dialect import (
     SCHEMA_REVISION,
@@ -763,6 +777,41 @@ class PostgresStore(SQLStoreBase[bytes]):
         return self._fenced(
             "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, values
         )
+
+    def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        if not completions:
+            return []
+        params = {
+            "now": self._now(),
+            "consumer": consumer,
+            "keys": text_array([c.key for c in completions]),
+            "tokens": text_array([c.token for c in completions]),
+            "results": [c.result for c in completions],
+            "notes": text_array([c.note for c in completions]),
+            "keep": keep_ms,
+        }
+        with self._connection("complete_many") as conn:
+            try:
+                rows = fetchall(conn, self._dialect.complete_many, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, "complete_many") from exc
+        written = {(row[0], row[3]): parse_record(consumer, row[0], row[1:]) for row in rows}
+        done: list[Record | LeaseLost] = []
+        for c in completions:
+            record = written.pop((c.key, c.token), None)
+            if record is None:  # not this statement's write: a lone complete decides
+                try:
+                    record = self.complete(
+                        consumer, c.key, token=c.token, result=c.result, keep_ms=keep_ms,
+                        note=c.note,
+                    )  # fmt: skip
+                except LeaseLost as lost:
+                    done.append(lost)
+                    continue
+            done.append(record)
+        return done
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
         values = {"keep": keep_ms, "error": error}

@@ -24,11 +24,11 @@ from typing import Any, Self
 
 from oncely._core.clock import Clock
 from oncely._core.forking import forget_parent_in_children
-from oncely._core.records import Claim, ClaimRequest, Record, Status, StoreStats
+from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status, StoreStats
 from oncely._core.state import Lost
 from oncely._core.table import lease_lost
 from oncely._urls import redact
-from oncely.errors import ConfigurationError, SchemaMissing, SchemaTooNew, StoreError
+from oncely.errors import ConfigurationError, LeaseLost, SchemaMissing, SchemaTooNew, StoreError
 from oncely.stores.redis.dialect import (
     CLAIM,
     CLAIM_MANY,
@@ -431,6 +431,9 @@ class RedisStore:
         brief)`` when it wrote, the record when it had already been written by this token (a
         repeat); otherwise raise :class:`~oncely.LeaseLost` with the current record."""
         reply = self._run(script, self._keys.record(consumer, key), args, op)
+        return self._written(op, consumer, key, reply)
+
+    def _written(self, op: str, consumer: str, key: str, reply: Any) -> tuple[int, bytes] | Record:
         code = reply[0]
         if code == b"ok":
             return int(reply[1]), reply[2]
@@ -451,6 +454,18 @@ class RedisStore:
     ) -> Record:
         args = (self._now(), token.encode(), b"%d" % keep_ms, opt(result), opt(note))
         done = self._fenced("complete", COMPLETE, consumer, key, args)
+        return self._completed(consumer, key, token, keep_ms, result, note, done)
+
+    def _completed(
+        self,
+        consumer: str,
+        key: str,
+        token: str,
+        keep_ms: int,
+        result: bytes | None,
+        note: str | None,
+        done: tuple[int, bytes] | Record,
+    ) -> Record:
         if isinstance(done, Record):
             return done
         now, brief = done
@@ -465,6 +480,33 @@ class RedisStore:
             result=None if result is None else bytes(result),
             error=note,
         )
+
+    def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One pipeline of the completion script (one round trip on a single Redis)."""
+        if not completions:
+            return []
+        now, keep = self._now(), b"%d" % keep_ms
+        calls = [
+            (
+                [self._keys.record(consumer, c.key)],
+                [now, c.token.encode(), keep, opt(c.result), opt(c.note)],
+            )
+            for c in completions
+        ]
+        replies = self._run_groups(COMPLETE, calls, "complete_many")
+        done: list[Record | LeaseLost] = []
+        for c, reply in zip(completions, replies, strict=True):
+            try:
+                written = self._written("complete", consumer, c.key, reply)
+            except LeaseLost as lost:
+                done.append(lost)
+                continue
+            done.append(
+                self._completed(consumer, c.key, c.token, keep_ms, c.result, c.note, written)
+            )
+        return done
 
     def fail(self, consumer: str, key: str, *, token: str, error: str, keep_ms: int) -> Record:
         args = (self._now(), token.encode(), b"%d" % keep_ms, error.encode())

@@ -29,7 +29,10 @@ class of its own, in :mod:`oncely.stores.sqlite.async_tx`.
 
 from __future__ import annotations
 
+from oncely._core.records import Completion
 from oncely._twin import ASYNC
+from oncely.errors import LeaseLost
+from oncely.stores.async_protocols import complete_each
 
 if ASYNC:
     from asyncio import sleep
@@ -711,6 +714,12 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, now,
             values, purge_bucket(expires),
         )  # fmt: skip
+
+    async def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One completion after the other (each is a local write, no round trip to save)."""
+        return await complete_each(self, consumer, completions, keep_ms=keep_ms)
 
     async def fail(
         self, consumer: str, key: str, *, token: str, error: str, keep_ms: int

@@ -10,7 +10,7 @@ from oncely._core.context import current
 from oncely._core.keys import CloudEventsKey, Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.policy import Limits
-from oncely.errors import KeyConflict
+from oncely.errors import KeyConflict, Reject
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.stores.async_protocols import AsyncStore
 from oncely.testing.contract.async_base import Calls, ContractBase
@@ -49,6 +49,70 @@ class InboxContract(ContractBase):
         assert handler.count == 3
         again = await inbox.handle_batch([("a", {"n": 1}), ("b", {"n": 3})], handler)
         assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.DUPLICATE]
+
+    async def test_r1_a_batch_keeps_each_groups_order_and_holds_back_after_a_failure(
+        self, inbox: AsyncInbox, store: AsyncStore
+    ) -> None:
+        ran: list[str] = []
+
+        async def handler(payload: dict[str, str]) -> str:
+            ran.append(payload["id"])
+            if payload["id"] == "a2":
+                raise RuntimeError("a2 is down")
+            if payload["id"] == "b3":
+                raise Reject("b3 is poison")
+            return payload["id"].upper()
+
+        ids = ["a1", "b1", "a2", "a3", "b2", "b3", "b4"]
+        handled = await inbox.handle_batch(
+            [(i, {"id": i}) for i in ids], handler, groups=[i[0] for i in ids], concurrency=2
+        )
+        assert [h.outcome for h in handled] == [
+            Outcome.PROCESSED,
+            Outcome.PROCESSED,
+            Outcome.FAILED,
+            Outcome.IN_FLIGHT,  # held back behind a2: the group's order is kept
+            Outcome.PROCESSED,
+            Outcome.REJECTED,  # a poison message is settled: its group goes on
+            Outcome.PROCESSED,
+        ]
+        assert [h.value for h in handled if h.outcome is Outcome.PROCESSED] == [
+            "A1", "B1", "B2", "B4"
+        ]  # fmt: skip
+        assert "a2" in (handled[3].reason or "") and handled[3].action is Action.REQUEUE_LATER
+        assert [i for i in ran if i[0] == "a"] == ["a1", "a2"]
+        assert [i for i in ran if i[0] == "b"] == ["b1", "b2", "b3", "b4"]
+        assert await store.get("billing", "a2") is None  # released: a redelivery retries
+        assert await store.get("billing", "a3") is None  # released, never run
+        done = await store.get("billing", "a1")
+        assert done is not None and done.status.value == "completed"
+        again = await inbox.handle_batch(
+            [(i, {"id": i}) for i in ("a1", "a3")], Calls("later"), groups=["a", "a"]
+        )
+        assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.PROCESSED]
+        assert again[0].value == "A1" and again[1].value == "later"
+
+    async def test_r2_messages_of_a_batch_are_keyed_by_their_own_ids(
+        self, inbox: AsyncInbox
+    ) -> None:
+        handler = Calls("ok")
+        batch = [
+            Envelope(body={"n": 1}, message_id="m-1", correlation_id="c-1"),
+            Envelope(body={"n": 2}, message_id=None),
+            Envelope(body={"n": 1}, message_id="m-1"),
+            Envelope(body={"n": 3}, message_id="m-3"),
+        ]
+        handled = await inbox.handle_messages(batch, handler)
+        assert [h.outcome for h in handled] == [
+            Outcome.PROCESSED,
+            Outcome.REJECTED,  # no key: dead-lettered, never processed unprotected (R4)
+            Outcome.IN_FLIGHT,
+            Outcome.PROCESSED,
+        ]
+        assert handled[0].correlation_id == "c-1" and handler.count == 2
+        assert [h.outcome for h in await inbox.handle_messages(batch[3:], handler)] == [
+            Outcome.DUPLICATE
+        ]
 
     async def test_r2_r4_messages_without_a_usable_key_are_rejected(
         self, store: AsyncStore

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from oncely._core.clock import FakeClock
-from oncely._core.records import ClaimStatus, Status
+from oncely._core.records import ClaimStatus, Completion, Record, Status
 from oncely.errors import LeaseLost
-from oncely.stores.sync_protocols import Store
+from oncely.stores.sync_protocols import CompletesMany, Store, complete_each
 from oncely.testing.contract.sync_base import KEEP_MS, LEASE_MS, ContractBase
 
 __all__ = ["FencingContract"]
@@ -38,6 +38,38 @@ class FencingContract(ContractBase):
         assert store.get("billing", "k") == done
         again = store.complete("billing", "k", token="t1", result=b"\x00r\xff", keep_ms=1000)
         assert again == done  # the same completion twice (a retry) changes nothing
+
+    def test_r10_a_batch_completes_each_claim_it_owns_and_reports_each_lost_one(
+        self, store: Store, clock: FakeClock
+    ) -> None:
+        for key, token in (("a", "ta"), ("b", "tb"), ("c", "tc"), ("d", "td")):
+            self._claim(store, key, token=token)
+        store.complete("billing", "d", token="td", result=b"first", keep_ms=KEEP_MS)
+        clock.advance(timedelta(seconds=1))
+        batch = [
+            Completion("a", "ta", b"\x00ra\xff", None),
+            Completion("b", "t-other", b"rb", None),  # not this claim's token: lost
+            Completion("c", "tc", None, "result too large"),
+            Completion("d", "td", b"first", None),  # landed before: the same record
+            Completion("never-claimed", "tx", b"r", None),
+        ]
+        if isinstance(store, CompletesMany):
+            done = store.complete_many("billing", batch, keep_ms=1000)
+        else:  # a store of its own without batches: the inbox completes key by key
+            done = complete_each(store, "billing", batch, keep_ms=1000)
+        assert len(done) == 5
+        a, b, c, d, never = done
+        assert isinstance(a, Record) and a.status is Status.COMPLETED and a.result == b"\x00ra\xff"
+        assert a.expires_ms == clock.now_ms() + 1000 and store.get("billing", "a") == a
+        assert isinstance(b, LeaseLost) and b.current is not None and b.current.token == "tb"
+        assert (store.get("billing", "b")).status is Status.IN_PROGRESS  # type: ignore[union-attr]
+        assert isinstance(c, Record) and c.result is None and c.error == "result too large"
+        assert isinstance(d, Record) and d.result == b"first"
+        assert isinstance(never, LeaseLost) and never.current is None
+        if isinstance(store, CompletesMany):
+            assert store.complete_many("billing", [], keep_ms=1000) == []
+            again = store.complete_many("billing", batch[:1], keep_ms=1000)
+            assert again == [a]  # the same completion twice (a retry) changes nothing
 
     def test_r10_owner_of_a_lapsed_lease_can_complete_until_taken_over(
         self, store: Store, clock: FakeClock
