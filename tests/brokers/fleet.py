@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -195,11 +196,29 @@ def run_fleet(
     try:
         for index in range(workers):
             live[index] = processes.start(worker, config_json, index, name=f"fleet-{index}")
-        published = asyncio.run(
-            publish_all(config.broker_url, config.source, messages, duplicate_every, seed=seed)
-        )
+        # Published from a thread of its own: the kills start while messages still arrive (a
+        # batch consumer may keep up with a slow producer until the last one is sent).
+        sent: list[int] = []
+        failed: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                sent.append(
+                    asyncio.run(
+                        publish_all(
+                            config.broker_url, config.source, messages, duplicate_every, seed=seed
+                        )
+                    )
+                )
+            except BaseException as exc:
+                failed.append(exc)
+
+        producer = threading.Thread(target=produce, name="fleet-producer", daemon=True)
+        producer.start()
         next_kill = time.monotonic() + rng.uniform(*kill_every_s)
         while True:
+            if failed:
+                raise failed[0]
             done = len(ledger.counts())
             if done >= messages:
                 break
@@ -215,6 +234,10 @@ def run_fleet(
                 )
                 next_kill = time.monotonic() + rng.uniform(*kill_every_s)
             time.sleep(0.05)
+        producer.join(60)
+        if failed:
+            raise failed[0]
+        published = sent[0]
         # Let the survivors ack what they finished, then stop them cleanly. A clean stop gives
         # back what a consumer had prefetched but not started; the broker must then hold
         # nothing, or another round of consumers takes what is left (a handful of duplicates).
