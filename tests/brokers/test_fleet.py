@@ -34,6 +34,7 @@ from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 
 FLEET_MESSAGES = int(os.environ.get("ONCELY_FLEET_MESSAGES", "10000"))
+KAFKA_PARTITIONS = 4
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Broker:
     port: int
 
     def require(self) -> None:
-        if self.name != "sqs":  # moto's server, started by the tests on first use
+        if self.name not in ("sqs", "kafka"):  # moto's server, Tansu: started by the tests
             require(self.name, self.url, self.port)
 
 
@@ -52,7 +53,11 @@ BROKERS = [
     Broker("redis-streams", REDIS_URL, 6379),
     Broker("nats", NATS_URL, 4222),
     Broker("sqs", "", 0),
+    Broker("kafka", "", 0),
 ]
+SLOW_TO_START = ("sqs", "kafka")
+"""Brokers whose restarted worker needs seconds before it reads again (aiobotocore's start-up;
+a Kafka group's rebalance after each kill): killed less often than the others."""
 
 
 def _settled(broker: Broker, source: str, group: str) -> Callable[[], Awaitable[bool]]:
@@ -86,6 +91,29 @@ def _settled(broker: Broker, source: str, group: str) -> Callable[[], Awaitable[
             )
 
         return sqs
+    if broker.name == "kafka":
+
+        async def kafka() -> bool:
+            from aiokafka import AIOKafkaConsumer, TopicPartition
+
+            servers = broker.url.removeprefix("kafka://")
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=servers, group_id=group, enable_auto_commit=False
+            )
+            await consumer.start()
+            try:
+                parts = [TopicPartition(source, p) for p in range(KAFKA_PARTITIONS)]
+                ends = await consumer.end_offsets(parts)
+                lag = 0
+                for tp in parts:
+                    lag += ends[tp] - (await consumer.committed(tp) or 0)
+                dead = TopicPartition(f"{source}.dead", 0)
+                dead_ends = await consumer.end_offsets([dead])
+                return lag <= 0 and dead_ends[dead] == 0
+            finally:
+                await consumer.stop()
+
+        return kafka
     if broker.name == "redis-streams":
 
         async def redis_streams() -> bool:
@@ -124,6 +152,10 @@ def broker(request: pytest.FixtureRequest) -> Broker:
         from tests.brokers.sqs_broker import sqs_url
 
         chosen = Broker("sqs", sqs_url(), 0)
+    if chosen.name == "kafka":
+        from tests.brokers.kafka_broker import kafka_url
+
+        chosen = Broker("kafka", kafka_url(), 0)
     chosen.require()
     require_postgres()
     return chosen
@@ -146,6 +178,11 @@ def config(broker: Broker, tmp_path: Path) -> Iterator[FleetConfig]:
         from tests.brokers.sqs_broker import create_queue
 
         create_queue(name)
+    if broker.name == "kafka":  # four partitions, and the dead-letter topic, before any send
+        from tests.brokers.kafka_broker import create_topic
+
+        create_topic(name, KAFKA_PARTITIONS)
+        create_topic(f"{name}.dead", 1)
     yield config
     ledger.drop()
     drop_store_table(config.store_table)
@@ -207,9 +244,7 @@ def test_fleet_under_random_sigkills_applies_every_effect_once(
         messages=size,
         workers=3,
         duplicate_every=10,
-        # A restarted SQS worker needs seconds before its first receive (aiobotocore's
-        # start-up on two busy cores): kills as often as on the others would leave it no time.
-        kill_every_s=(4.0, 8.0) if broker.name == "sqs" else (0.5, 2.5),
+        kill_every_s=(4.0, 8.0) if broker.name in SLOW_TO_START else (0.5, 2.5),
         timeout_s=1200,
         settled=_settled(broker, config.source, config.group),
     )
