@@ -183,6 +183,8 @@ class Kafka:
         self._producer: KafkaProducer | None = None
         self._owned: dict[TopicPartition, _Partition] = {}
         self._turn = 0
+        self._wake = asyncio.Event()
+        """Set when a run is settled: a fetch waiting behind it hands out what follows."""
         self._stopped = False
         self._prefetch = 1
 
@@ -362,10 +364,21 @@ class Kafka:
             if left <= 0:
                 return []
             wait = min(left, self._next_retry() - monotonic())
-            with self._errors("fetch records"):
-                batches = await consumer.getmany(
-                    timeout_ms=max(1, int(wait * 1000)), max_records=500
-                )
+            if any(p.out and p.waiting for p in self._owned.values() if p.owned):
+                # Records wait behind a run still out: hand them out as soon as it is
+                # settled, or take new records of another partition, whichever comes first.
+                self._wake.clear()
+                with self._errors("fetch records"):
+                    batches = await consumer.getmany(timeout_ms=0, max_records=500)
+                if not batches:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), max(0.0, min(wait, 0.05)))
+                    continue
+            else:
+                with self._errors("fetch records"):
+                    batches = await consumer.getmany(
+                        timeout_ms=max(1, int(wait * 1000)), max_records=500
+                    )
             for tp, records in batches.items():
                 self._take(consumer, tp, records)
 
@@ -443,6 +456,7 @@ class Kafka:
             return
         run, part.out = part.out, []
         part.idle.set()
+        self._wake.set()
         if not part.owned:
             if any(h.state == _DONE for h in run):
                 LOGGER.info(
