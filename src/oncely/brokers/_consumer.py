@@ -486,9 +486,26 @@ class BrokerConsumer:
                 )
             )
             return
+        ack_many = getattr(self.transport, "ack_many", None)
+        together = ack_many is not None
         await asyncio.gather(
-            *(self._settle(d, handled) for d, handled in zip(deliveries, outcomes, strict=True))
+            *(
+                self._settle(d, handled, ack=not together)
+                for d, handled in zip(deliveries, outcomes, strict=True)
+            )
         )
+        acks = [d for d, h in zip(deliveries, outcomes, strict=True) if h.action is Action.ACK]
+        if ack_many is not None and acks:  # one call for the batch's acks (SQS)
+            try:
+                await ack_many(acks)
+            except Exception as exc:
+                self.counts["settle_failed"] += len(acks)
+                self._log.warning(
+                    "oncely broker=%s could not ack %d messages (%s); the broker redelivers them",
+                    self.transport.name,
+                    len(acks),
+                    exc,
+                )
 
     async def _process_many(self, deliveries: list[Delivery]) -> list[Handled[Any]]:
         """Each delivery's outcome: refused ones at once, the rest as one batch of the
@@ -604,7 +621,9 @@ class BrokerConsumer:
             correlation_id=envelope.correlation_id,
         )
 
-    async def _settle(self, delivery: Delivery, handled: Handled[Any]) -> None:
+    async def _settle(self, delivery: Delivery, handled: Handled[Any], *, ack: bool = True) -> None:
+        """Count, log and carry out the outcome's broker action; with ``ack=False`` an ack is
+        left to the caller (a batch's acks go in one call)."""
         self.counts[handled.outcome.value] += 1
         settings = self.settings
         action = handled.action
@@ -613,8 +632,9 @@ class BrokerConsumer:
             # The broker counts no deliveries (Kafka): the transport's count is this
             # process's own, the inbox's attempts count across processes and restarts.
             count = max(count or 0, handled.attempt)
+        step: Awaitable[None] | None
         if action is Action.ACK:
-            step, how = delivery.ack(), "ack"
+            step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
             step, how = delivery.retry(settings.requeue_delay), "requeue"
         elif action is Action.RETRY and (count is None or count < settings.max_deliveries):
@@ -654,7 +674,8 @@ class BrokerConsumer:
                     "oncely_reason": handled.reason,
                 },
             )
-        await self._settle_quietly(step, delivery, how)
+        if step is not None:
+            await self._settle_quietly(step, delivery, how)
 
     async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> None:
         try:

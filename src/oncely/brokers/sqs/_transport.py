@@ -9,7 +9,7 @@ import binascii
 import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Self
 
@@ -230,6 +230,30 @@ class SQS:
         client = await self._client()
         with self.endpoint.errors("delete a message"):
             await client.delete_message(QueueUrl=self._queue_url, ReceiptHandle=receipt)
+
+    async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge a batch's deliveries with ``DeleteMessageBatch`` (10 per call). A message
+        SQS could not delete is logged and comes again (the inbox answers it ``duplicate``);
+        the call itself failing raises :class:`~oncely.BrokerUnavailable` for all of them."""
+        mine = [d for d in deliveries if isinstance(d, SQSDelivery) and not d._settled]
+        client = await self._client()
+        for start in range(0, len(mine), 10):
+            chunk = mine[start : start + 10]
+            entries = [{"Id": str(i), "ReceiptHandle": d._receipt} for i, d in enumerate(chunk)]
+            with self.endpoint.errors("delete messages"):
+                answer = await client.delete_message_batch(
+                    QueueUrl=self._queue_url, Entries=entries
+                )
+            for d in chunk:
+                d._settled = True
+            for failed in answer.get("Failed", []):
+                LOGGER.warning(
+                    "oncely broker=sqs could not delete a message (%s: %s); it comes again and "
+                    "meets its record%s",
+                    failed.get("Code"),
+                    failed.get("Message"),
+                    f" sqs_message_id={chunk[int(failed['Id'])].describe()['sqs_message_id']}",
+                )
 
     async def _copy_to_dead_letter(self, message: Mapping[str, Any], why: DeadLetter) -> None:
         reasons = {**why.headers(), "x-oncely-queue": self.source}
