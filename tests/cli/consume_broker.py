@@ -29,7 +29,9 @@ async def _publish(url: str, source: str) -> None:
         await producer.close()
 
 
-def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path) -> None:
+def consume_orders_once(
+    broker: str, url: str, source: str, tmp_path: Path, *options: str
+) -> None:
     """Run ``oncely consume --broker url --source source`` while the orders are published,
     stop it with SIGTERM, and check it exited cleanly, applied orders 1, 2 and 3 once each,
     logged its redelivery horizon and answered the two retries as duplicates."""
@@ -42,6 +44,7 @@ def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path) -> N
         "--handler", "tests.brokers.handlers:record",
         "--store", f"sqlite:///{tmp_path / 'inbox.db'}",
         "--consumer", unique("cli"),
+        *options,
     ]  # fmt: skip
     env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
     process = subprocess.Popen(

@@ -14,11 +14,14 @@ from tests.cli.consume_broker import consume_orders_once
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 
-def test_consume_reads_a_kafka_topic_and_applies_each_message_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [(), ("--batch", "1")], ids=["batches", "per-message"])
+def test_consume_reads_a_kafka_topic_and_applies_each_message_once(
+    tmp_path: Path, options: tuple[str, ...]
+) -> None:
     url = kafka_url()
     topic = unique("cli_kafka")
     create_topic(topic, 2)
     try:
-        consume_orders_once(f"{url}?session_timeout=6", url, topic, tmp_path)
+        consume_orders_once(f"{url}?session_timeout=6", url, topic, tmp_path, *options)
     finally:
         delete_topics(topic, f"{topic}.dead")

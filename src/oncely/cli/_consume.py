@@ -167,6 +167,15 @@ def _configure_logging(log_format: str, level: str) -> None:
     help="Dead-letter a body over N bytes without decoding it (default: no limit).",
 )
 @click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    metavar="N",
+    help="Read and claim up to N messages together (one claim and one completion per batch); "
+    "1: one message at a time (default: the broker's choice, 500 on Kafka, 10 on SQS, 1 "
+    "elsewhere).",
+)
 @click.option("--group", help="Consumer group / durable name (default: the consumer name).")
 @click.option(
     "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
@@ -225,6 +234,7 @@ def consume(
     hash_long_keys: bool,
     max_body_bytes: int | None,
     concurrency: int,
+    batch: int | None,
     group: str | None,
     dead_letter: str | None,
     ack_wait: timedelta | None,
@@ -268,6 +278,7 @@ def consume(
     )
     settings = ConsumerSettings(
         concurrency=concurrency,
+        batch=batch,
         max_deliveries=max_deliveries,
         shutdown_grace=shutdown_grace,
         max_body_bytes=max_body_bytes,
