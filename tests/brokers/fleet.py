@@ -247,7 +247,7 @@ def run_fleet(
             for process in live.values():
                 process.terminate()  # SIGTERM: the graceful stop
             for process in live.values():
-                process.join(60)
+                process.join(120)  # a Kafka member may be mid-rebalance: bounded, not instant
                 assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
             if settled is None or asyncio.run(settled()):
                 break

@@ -355,10 +355,25 @@ class BrokerConsumer:
         return AsyncPurgeService(inbox.store, every=every)
 
     async def _open(self) -> None:
+        """Open the transport, riding out an unavailable broker; a stop asked meanwhile
+        abandons the attempt (a Kafka group join can take a rebalance or two)."""
         failures = 0
         while not self.stopping:
+            opening = asyncio.ensure_future(
+                self.transport.open(max(self.settings.concurrency, self.batch))
+            )
+            stopping = asyncio.ensure_future(self._stopping.wait())
             try:
-                await self.transport.open(max(self.settings.concurrency, self.batch))
+                await asyncio.wait([opening, stopping], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+            if not opening.done():
+                opening.cancel()
+                with contextlib.suppress(BaseException):
+                    await opening
+                return
+            try:
+                opening.result()
                 return
             except BrokerUnavailable as exc:
                 failures += 1

@@ -327,8 +327,9 @@ class Kafka:
             if consumer is not None:
                 with contextlib.suppress(BrokerError):
                     await self._commit(consumer, list(self._owned.values()))
-                with contextlib.suppress(KafkaError, OSError):
-                    await consumer.stop()  # leaves the group: its partitions move at once
+                with contextlib.suppress(KafkaError, OSError, TimeoutError):
+                    # leaves the group: its partitions move at once
+                    await asyncio.wait_for(consumer.stop(), self.timeout.total_seconds())
         finally:
             self._owned.clear()
             producer, self._producer = self._producer, None
