@@ -53,6 +53,7 @@ RENAMES = {
     "AsyncStore": "Store",
     "AsyncTransactionalStore": "TransactionalStore",
     "AsyncCompletesMany": "CompletesMany",
+    "AsyncKeepsOffsets": "KeepsOffsets",
     "AsyncMemoryStore": "MemoryStore",
     "AsyncSQLiteStore": "SQLiteStore",
     "AsyncPostgresStore": "PostgresStore",

@@ -53,7 +53,7 @@ def drop_tables(*names: str) -> None:
         with conn.cursor() as cursor:
             cursor.execute("SET SESSION lock_wait_timeout = 10")
             for name in names:
-                cursor.execute(f"DROP TABLE IF EXISTS `{name}`, `{name}_meta`")
+                cursor.execute(f"DROP TABLE IF EXISTS `{name}`, `{name}_meta`, `{name}_offsets`")
     finally:
         conn.close()
 

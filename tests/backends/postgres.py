@@ -28,7 +28,7 @@ def drop_tables(*names: str) -> None:
     with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
         conn.execute("SET lock_timeout = '10s'")
         for name in names:
-            conn.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_meta"')
+            conn.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_meta", "{name}_offsets"')
 
 
 def _register_drop(scope: Scope) -> str:

@@ -93,7 +93,7 @@ def pg_store(table: str | None = None) -> oncely.AsyncPostgresStore:
 def drop_store_table(table: str) -> None:
     """Drop a store's table and its schema-version table."""
     with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_meta")
+        conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_meta, {table}_offsets")
 
 
 @contextlib.asynccontextmanager

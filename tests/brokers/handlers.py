@@ -29,3 +29,9 @@ async def unstorable(payload: dict[str, Any]) -> object:
     with open(os.environ["ONCELY_TEST_EFFECTS"], "a") as out:
         out.write(json.dumps(payload, sort_keys=True) + "\n")
     return {"an object": object()}
+
+
+async def record_in(tx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """:func:`record` for the transactional mode (the effect file is written in the handler,
+    the marker and any stored offset in ``tx``)."""
+    return await record(payload)

@@ -18,7 +18,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 import oncely
-from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
+from oncely.brokers import (
+    BrokerConsumer,
+    BrokerLimits,
+    Delivery,
+    Transport,
+    open_producer,
+    open_transport,
+)
 from oncely.brokers.kafka import Kafka, KafkaProducer
 from oncely.brokers.kafka._transport import _DONE as DONE
 from oncely.brokers.kafka._transport import _RUNNING as RUNNING
@@ -56,11 +63,13 @@ class TestKafka(BrokerSuite):
         create_topic(name, PARTITIONS)
         return name
 
-    def transport(self, *, url: str | None = None, **options: Any) -> Kafka:
+    def transport(
+        self, *, url: str | None = None, group: str | None = None, **options: Any
+    ) -> Kafka:
         options.pop("ack_wait", None)  # Kafka has no per-record ack wait
         options.setdefault("session_timeout", SESSION)
         options.setdefault("revoke_grace", GRACE)
-        made = Kafka(url or self.url, self.source, group=self.group, **options)
+        made = Kafka(url or self.url, self.source, group=group or self.group, **options)
         self._made.append(made)
         return self.closed_after(made)
 
@@ -204,6 +213,115 @@ class TestKafka(BrokerSuite):
         assert rest == ["r1", "r2", "r3"]
         assert await transport.fetch(1, 100 * MS) == []  # commits what is finished
         assert await self._committed(name) == 4
+
+    # ------------------------------------------------------------------ offsets in the database
+
+    def _keeping(self, inbox: oncely.AsyncInbox, group: str, **settings: Any) -> BrokerConsumer:
+        """A transactional consumer that keeps its offsets in the inbox's database."""
+        return BrokerConsumer(
+            self.transport(group=group),
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(**settings),
+        )
+
+    async def test_offsets_in_the_transaction_outlive_the_groups_commits_and_the_markers(
+        self,
+    ) -> None:
+        """``store_offsets``: each record's next offset is written with its ledger row. A group
+        that lost its commits (here: a group that never had any) with an inbox that no longer
+        holds the markers (forgotten, as after retention) starts each partition from the
+        stored offset: nothing applied twice, later records applied once. The same group
+        change without stored offsets applies every earlier record again (what the stored
+        offsets prevent)."""
+        (inbox,) = self.inboxes("transactional", 1)
+        first = [f"o{n}" for n in range(40)]
+        for key in first:
+            await self.publish(key)
+        worker = self._keeping(inbox, self.group)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 40, what="the first 40")
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+        ends: Counter[int] = Counter()
+        for record in await self._read_all(self.source):
+            ends[record.partition] = max(ends[record.partition], record.offset + 1)
+        assert await store.offsets(self.group, self.source) == dict(ends)
+        for key in first:  # the markers are gone: only the stored offsets remember
+            assert await inbox.forget(key)
+
+        later = [f"p{n}" for n in range(8)]
+        for key in later:
+            await self.publish(key)
+        fresh = self._keeping(inbox, unique("lost-commits"))
+        async with running(fresh):
+            await wait_until(lambda: fresh.counts["processed"] == 8, what="the 8 later ones")
+        assert sum(fresh.counts.values()) == 8  # the first 40 were never read again
+        assert self.ledger.counts() == dict.fromkeys(first + later, 1)
+
+        control = BrokerConsumer(
+            self.transport(group=unique("no-stored-offsets")),
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            settings=self.settings(),
+        )
+        async with running(control):
+            await wait_until(lambda: sum(control.counts.values()) == 48, what="all 48 again")
+        assert control.counts["processed"] == 40 and control.counts["duplicate"] == 8
+        assert self.ledger.counts() == {**dict.fromkeys(first, 2), **dict.fromkeys(later, 1)}
+
+    async def test_a_stored_offset_never_passes_a_record_whose_dead_letter_is_still_to_come(
+        self,
+    ) -> None:
+        """One partition, one batch: r0 processed, r1 undecodable (its dead letter is copied
+        when the batch is settled), r2 processed. The stored offset stays at 1 (past r0 only),
+        so a crash before the dead letter is copied cannot skip r1; the broker's commit moves
+        past all three once they are settled, and the next record stores its own."""
+        name = unique("kt1")
+        create_topic(name, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        await producer.publish(body("r0"), message_id="r0")
+        await producer.publish(b"{not json", message_id="r1")
+        await producer.publish(body("r2"), message_id="r2")
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+        transport = Kafka(self.url, name, group=self.group, session_timeout=SESSION)
+        self.closed_after(transport)
+        worker = BrokerConsumer(
+            transport,
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(),
+        )
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] == 2 and worker.counts["rejected"] == 1,
+                what="the batch",
+            )
+            assert await store.offsets(self.group, name) == {0: 1}
+            await producer.publish(body("r3"), message_id="r3")
+            await wait_until(lambda: worker.counts["processed"] == 3, what="r3")
+        assert await store.offsets(self.group, name) == {0: 4}
+        assert await self._committed(name) == 4
+
+    def test_store_offsets_is_refused_where_it_cannot_hold(self) -> None:
+        (inbox,) = self.inboxes("transactional", 1)
+        with pytest.raises(oncely.ConfigurationError, match="mode='transactional'"):
+            BrokerConsumer(self.transport(), inbox, self.apply, store_offsets=True)
+        (redis_inbox,) = self.inboxes("two_phase", 1)
+        with pytest.raises(oncely.ConfigurationError, match="cannot join a transaction"):
+            BrokerConsumer(
+                self.transport(), redis_inbox, self.apply_in, mode="transactional",
+                store_offsets=True,
+            )  # fmt: skip
 
     async def _committed(self, topic: str) -> int | None:
         consumer = AIOKafkaConsumer(

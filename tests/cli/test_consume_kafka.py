@@ -3,6 +3,7 @@ Kafka-protocol broker (Tansu), applies each message once and stops cleanly on SI
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ from tests.cli.consume_broker import consume_orders_once
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("options", [(), ("--batch", "1")], ids=["batches", "per-message"])
+TRANSACTIONAL = ("--mode", "transactional", "--handler", "tests.brokers.handlers:record_in")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [(), ("--batch", "1"), (*TRANSACTIONAL, "--store-offsets")],
+    ids=["batches", "per-message", "stored-offsets"],
+)
 def test_consume_reads_a_kafka_topic_and_applies_each_message_once(
     tmp_path: Path, options: tuple[str, ...]
 ) -> None:
@@ -25,3 +33,10 @@ def test_consume_reads_a_kafka_topic_and_applies_each_message_once(
         consume_orders_once(f"{url}?session_timeout=6", url, topic, tmp_path, *options)
     finally:
         delete_topics(topic, f"{topic}.dead")
+    if "--store-offsets" in options:  # each partition's next offset, kept in the inbox's file
+        with sqlite3.connect(tmp_path / "inbox.db") as db:
+            kept = db.execute(
+                "SELECT stream, part, next_offset FROM oncely_inbox_offsets"
+            ).fetchall()
+        assert kept and {stream for stream, _, _ in kept} == {topic}
+        assert sum(next_offset for _, _, next_offset in kept) == 5  # 3 orders, 2 retries

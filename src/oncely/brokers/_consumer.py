@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
@@ -27,7 +27,7 @@ from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.heartbeats import AsyncHeartbeats
 from oncely.keys import Envelope, KeySource, MessageIdKey
-from oncely.stores.async_protocols import AsyncTransactionalStore
+from oncely.stores.async_protocols import AsyncKeepsOffsets, AsyncTransactionalStore
 from oncely.stores.async_purging import AsyncPurgeService
 from oncely.wire import escaped, printable
 
@@ -37,6 +37,8 @@ LOGGER = logging.getLogger("oncely.broker")
 
 Mode = Literal["two_phase", "transactional"]
 Decoder = Callable[[Envelope], object]
+Position = tuple[str, int, int]
+"""Where a delivery sits in a partitioned stream: (stream, partition, the next offset)."""
 
 
 def decode_body(envelope: Envelope) -> object:
@@ -97,7 +99,12 @@ class InboxProcessor:
     message id). The payload is the decoded body, or what ``payload`` reads from the message
     (``oncely.cloudevents.event_data``: a CloudEvent's data); the key is always read
     from the whole message, and the fingerprint is the payload's. A message ``payload``
-    cannot read is ``rejected`` with its reason."""
+    cannot read is ``rejected`` with its reason.
+
+    ``store_offsets=True`` (transactional mode, a store that keeps offsets: the SQL stores)
+    writes the message's position in its stream (a Kafka partition's next offset), when the
+    consumer passes one, in the handler's transaction with the marker and the business
+    writes."""
 
     def __init__(
         self,
@@ -107,6 +114,7 @@ class InboxProcessor:
         mode: Mode = "two_phase",
         key: KeySource | None = None,
         payload: Callable[[Envelope], object] | None = None,
+        store_offsets: bool = False,
     ) -> None:
         if mode not in ("two_phase", "transactional"):
             raise ConfigurationError(f"mode must be 'two_phase' or 'transactional', not {mode!r}")
@@ -115,6 +123,18 @@ class InboxProcessor:
                 f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
                 "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
             )
+        self.offsets: AsyncKeepsOffsets[Any] | None = None
+        """The store that keeps the offsets, with ``store_offsets=True``."""
+        if store_offsets:
+            if mode != "transactional":
+                raise ConfigurationError(
+                    "store_offsets writes the offset in the handler's transaction: it needs "
+                    "mode='transactional'"
+                )
+            if not isinstance(inbox.store, AsyncKeepsOffsets):
+                raise ConfigurationError(f"{type(inbox.store).__name__} keeps no offsets")
+            self.offsets = inbox.store
+        self._offsets_ready = False
         self.inbox = inbox
         self._handler = handler
         self._transactional = mode == "transactional"
@@ -125,7 +145,11 @@ class InboxProcessor:
     def consumer(self) -> str:
         return self.inbox.consumer
 
-    async def process(self, envelope: Envelope) -> Handled[Any]:
+    async def process(
+        self, envelope: Envelope, *, position: Position | None = None
+    ) -> Handled[Any]:
+        """The message's outcome; with ``store_offsets``, its ``position`` (where given) is
+        written in the handler's transaction."""
         key: KeySource | None = self._key
         if self._payload is not None:
             try:
@@ -137,7 +161,26 @@ class InboxProcessor:
             key = _KeyOf(envelope, key if key is not None else MessageIdKey())
             envelope = replace(envelope, body=data)
         if self._transactional:
-            return await self.inbox.handle_message_in_transaction(envelope, self._handler, key=key)
+            handler = self._handler
+            offsets = self.offsets if position is not None else None
+            if offsets is not None and position is not None:
+                if not self._offsets_ready:  # before the transaction: DDL must not join it
+                    await offsets.prepare_offsets()
+                    self._offsets_ready = True
+                handler = functools.partial(_at_position, offsets, self.consumer, position, handler)
+            handled = await self.inbox.handle_message_in_transaction(envelope, handler, key=key)
+            if (
+                offsets is not None
+                and position is not None
+                and handled.outcome is Outcome.DUPLICATE
+            ):
+                # A copy of a message finished earlier: no handler ran, so its position goes
+                # in a transaction of its own (else, once the marker expires, a group that
+                # lost its commits would read the copy again and run it again).
+                store = cast(AsyncTransactionalStore[Any], self.inbox.store)
+                async with store.transaction() as tx:
+                    await offsets.save_offset_in(tx, self.consumer, *position)
+            return handled
         return await self.inbox.handle_message(envelope, self._handler, key=key)
 
     async def process_batch(
@@ -146,13 +189,16 @@ class InboxProcessor:
         groups: Sequence[Hashable],
         concurrency: int,
         stop: Callable[[Hashable], bool],
+        positions: Sequence[Position | None] | None = None,
     ) -> list[Handled[Any]]:
         """The outcomes of a batch of messages (bodies decoded), in order: one claim and one
         completion for all of them in the two-phase mode; in the transactional mode, each
         message's own transaction, the messages of one group in order. Once ``stop(group)`` is
-        true, the group's messages not started yet are not started (``in_flight``)."""
+        true, the group's messages not started yet are not started (``in_flight``).
+        ``positions`` (with ``store_offsets``): each message's position, or None where it must
+        not be written."""
         if self._transactional or self._payload is not None:
-            return await _each(self, envelopes, groups, concurrency, stop)
+            return await _each(self, envelopes, groups, concurrency, stop, positions)
         return await self.inbox.handle_messages(
             envelopes,
             self._handler,
@@ -168,17 +214,42 @@ class InboxProcessor:
         return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
 
 
+async def _at_position(
+    store: AsyncKeepsOffsets[Any],
+    consumer: str,
+    position: Position,
+    handler: Callable[..., Awaitable[Any]],
+    tx: Any,
+    payload: object,
+) -> Any:
+    """``handler(tx, payload)``, with the message's position written in ``tx`` first."""
+    stream, part, next_offset = position
+    await store.save_offset_in(tx, consumer, stream, part, next_offset)
+    return await handler(tx, payload)
+
+
+_FINISHED_HERE = (Outcome.PROCESSED, Outcome.DUPLICATE)
+"""Outcomes that leave nothing for the broker to do but the ack: a later message's stored
+position may pass such a message. Any other (a dead letter still to copy, a retry, a copy
+in flight elsewhere) must stay before every stored position."""
+
+
 async def _each(
     processor: Processor,
     envelopes: Sequence[Envelope],
     groups: Sequence[Hashable],
     concurrency: int,
     stop: Callable[[Hashable], bool],
+    positions: Sequence[Position | None] | None = None,
 ) -> list[Handled[Any]]:
     """A batch as one :meth:`Processor.process` per message: the messages of one group in
     order, up to ``concurrency`` groups at once. Once a message of a group fails, the later
     ones of that group are not processed (``in_flight``: they come again after it); once
-    ``stop(group)`` is true, no message of the group not started yet is."""
+    ``stop(group)`` is true, no message of the group not started yet is. With ``positions``
+    (an :class:`InboxProcessor` that stores offsets), each message's position is written with
+    it, until a message of its group ends otherwise than processed or duplicate: the later
+    ones of that group write none (a stored position never passes a message whose broker
+    action is still to come)."""
     results: list[Handled[Any] | None] = [None] * len(envelopes)
     runs: dict[Hashable, list[int]] = {}
     for i, group in enumerate(groups):
@@ -188,6 +259,7 @@ async def _each(
     async def run(group: Hashable, members: list[int]) -> None:
         async with slots:
             held_back: str | None = None
+            write = True
             for i in members:
                 envelope = envelopes[i]
                 if held_back is None and stop(group):
@@ -201,7 +273,15 @@ async def _each(
                         correlation_id=envelope.correlation_id,
                     )
                     continue
-                handled = results[i] = await processor.process(envelope)
+                if positions is None:
+                    handled = await processor.process(envelope)
+                else:
+                    assert isinstance(processor, InboxProcessor)
+                    handled = await processor.process(
+                        envelope, position=positions[i] if write else None
+                    )
+                    write = write and handled.outcome in _FINISHED_HERE
+                results[i] = handled
                 if handled.outcome is Outcome.FAILED:
                     held_back = "held back: an earlier message of its group failed"
 
@@ -229,6 +309,12 @@ class BrokerConsumer:
     the dedup key of each message (default: the producer's message id, R2); a message without
     one is dead-lettered as ``rejected``, never processed unprotected (R4).
 
+    ``store_offsets=True`` (transactional mode on a SQL store, a Kafka transport) keeps each
+    partition's next offset in the handler's transaction, beside the marker and the business
+    writes, and starts each assigned partition from it when it is ahead of the offset the
+    broker has committed: the database, not the broker's commit, says how far the consumer
+    got, whatever the inbox's retention.
+
     Instead of an inbox and a handler, a :class:`Processor` can produce each outcome itself.
     :meth:`run` reads until :meth:`stop` (or SIGTERM/SIGINT with ``handle_signals=True``).
     ``counts`` holds how many deliveries ended in each outcome, plus ``store_unavailable``
@@ -246,15 +332,35 @@ class BrokerConsumer:
         settings: ConsumerSettings | None = None,
         decode: Decoder = decode_body,
         logger: logging.Logger | None = None,
+        store_offsets: bool = False,
     ) -> None:
         if isinstance(inbox, AsyncInbox):
             if handler is None:
                 raise ConfigurationError("BrokerConsumer needs a handler to run through the inbox")
-            self.processor: Processor = InboxProcessor(inbox, handler, mode=mode, key=key)
+            self.processor: Processor = InboxProcessor(
+                inbox, handler, mode=mode, key=key, store_offsets=store_offsets
+            )
         else:
             if handler is not None:
                 raise ConfigurationError("a Processor runs its own handler; pass no handler")
+            if store_offsets:
+                raise ConfigurationError(
+                    "with a Processor, give store_offsets to it (InboxProcessor(..., "
+                    "store_offsets=True)); a Processor of your own writes offsets itself"
+                )
             self.processor = inbox
+        self._positions: InboxProcessor | None = None
+        """The processor that writes each delivery's position (``store_offsets``)."""
+        made = self.processor
+        if isinstance(made, InboxProcessor) and made.offsets is not None:
+            start_from = getattr(transport, "start_from", None)
+            if start_from is None:
+                raise ConfigurationError(
+                    "store_offsets needs a transport that reads a partitioned stream from a "
+                    f"given offset (Kafka); {transport.name} has none"
+                )
+            start_from(functools.partial(made.offsets.offsets, made.consumer))
+            self._positions = made
         self.transport = transport
         self.settings = settings if settings is not None else ConsumerSettings()
         self.counts: Counter[str] = Counter()
@@ -536,7 +642,8 @@ class BrokerConsumer:
             else:
                 outcomes[i] = decoded
         if envelopes:
-            groups = [_group(deliveries[i]) for i in ready]
+            every = [_group(d) for d in deliveries]
+            groups = [every[i] for i in ready]
             many = getattr(self.processor, "process_batch", None)
             concurrency = self.settings.concurrency
             by_group = {g: deliveries[i] for g, i in zip(groups, ready, strict=True)}
@@ -544,8 +651,18 @@ class BrokerConsumer:
             def stop(group: Hashable) -> bool:
                 return self._stopping.is_set() or _revoked(by_group[group])
 
-            if many is not None:
-                done: list[Handled[Any]] = await many(envelopes, groups, concurrency, stop)
+            if self._positions is not None:
+                positions = _positions(deliveries, every, outcomes)
+                done: list[Handled[Any]] = await _each(
+                    self._positions,
+                    envelopes,
+                    groups,
+                    concurrency,
+                    stop,
+                    [positions[i] for i in ready],
+                )
+            elif many is not None:
+                done = await many(envelopes, groups, concurrency, stop)
             else:
                 done = await _each(self.processor, envelopes, groups, concurrency, stop)
             for i, handled in zip(ready, done, strict=True):
@@ -606,9 +723,11 @@ class BrokerConsumer:
 
     async def _process(self, delivery: Delivery) -> Handled[Any]:
         decoded = self._decoded(delivery)
-        if isinstance(decoded, Envelope):
-            return await self.processor.process(decoded)
-        return decoded
+        if not isinstance(decoded, Envelope):
+            return decoded
+        if self._positions is not None:
+            return await self._positions.process(decoded, position=_position(delivery))
+        return await self.processor.process(decoded)
 
     def _decoded(self, delivery: Delivery) -> Envelope | Handled[Any]:
         """The delivery's message with its body decoded, or the ``rejected`` outcome of one
@@ -706,6 +825,29 @@ class BrokerConsumer:
                 exc,
                 _fields(delivery.describe()),
             )
+
+
+def _position(delivery: Delivery) -> Position | None:
+    """Where the delivery sits in its stream (a Kafka record: topic, partition, next
+    offset), or None."""
+    position = getattr(delivery, "position", None)
+    return position if isinstance(position, tuple) else None
+
+
+def _positions(
+    deliveries: Sequence[Delivery],
+    groups: Sequence[Hashable],
+    refused: Sequence[Handled[Any] | None],
+) -> list[Position | None]:
+    """Each delivery's position to write with it: none after a delivery of its group that was
+    refused before processing (its dead letter is still to be copied)."""
+    stopped: set[Hashable] = set()
+    out: list[Position | None] = []
+    for delivery, group, outcome in zip(deliveries, groups, refused, strict=True):
+        if outcome is not None:
+            stopped.add(group)
+        out.append(None if group in stopped else _position(delivery))
+    return out
 
 
 def _revoked(delivery: Delivery) -> bool:

@@ -133,6 +133,12 @@ def _configure_logging(log_format: str, level: str) -> None:
     help="transactional needs a SQL store and a handler(tx, payload).",
 )
 @click.option(
+    "--store-offsets",
+    is_flag=True,
+    help="Kafka, transactional mode: keep each partition's next offset in the handler's "
+    "transaction and start from it on assignment (the database says how far the consumer got).",
+)
+@click.option(
     "--key",
     "key_spec",
     default="message-id",
@@ -228,6 +234,7 @@ def consume(
     store_url: str,
     consumer: str,
     mode: str,
+    store_offsets: bool,
     key_spec: str,
     payload: str,
     max_key_bytes: int,
@@ -307,6 +314,7 @@ def consume(
             mode="transactional" if mode == "transactional" else "two_phase",
             key=key,
             payload=event_data if payload == "data" else None,
+            store_offsets=store_offsets,
         )
         runner = BrokerConsumer(transport, processor, settings=settings)
         try:

@@ -19,9 +19,16 @@ from typing import Protocol, TypeVar, runtime_checkable
 from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status, StoreStats
 from oncely.errors import LeaseLost
 
-__all__ = ["AsyncCompletesMany", "AsyncStore", "AsyncTransactionalStore", "complete_each"]
+__all__ = [
+    "AsyncCompletesMany",
+    "AsyncKeepsOffsets",
+    "AsyncStore",
+    "AsyncTransactionalStore",
+    "complete_each",
+]
 
 Tx = TypeVar("Tx")
+Tx_contra = TypeVar("Tx_contra", contravariant=True)
 
 
 @runtime_checkable
@@ -160,6 +167,29 @@ class AsyncCompletesMany(Protocol):
         the completed record or the :class:`~oncely.LeaseLost` that a lone ``complete`` would
         have raised (returned, not raised, so the rest of the batch still lands). A store
         error raises for the whole batch; completing again with the same tokens is safe."""
+        ...
+
+
+@runtime_checkable
+class AsyncKeepsOffsets(Protocol[Tx_contra]):
+    """A store that keeps a partitioned stream's consumed offsets beside the inbox, written in
+    the handler's transaction (the SQL stores): a consumer in the transactional mode then
+    starts each partition from what its database says it finished."""
+
+    async def save_offset_in(
+        self, tx: Tx_contra, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """In ``tx``: the next offset to read of ``stream``'s partition ``part`` is
+        ``next_offset`` (a lower one than kept is ignored: it only moves forward)."""
+        ...
+
+    async def offsets(self, consumer: str, stream: str) -> dict[int, int]:
+        """The kept next offset of each partition of ``stream``."""
+        ...
+
+    async def prepare_offsets(self) -> None:
+        """Make ready what :meth:`save_offset_in` writes to (outside any transaction: a
+        table created on first use)."""
         ...
 
 

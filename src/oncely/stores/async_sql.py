@@ -48,6 +48,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
+from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, check_pause
 from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
 
@@ -133,6 +134,8 @@ class SQLStoreBase(Generic[Q]):
     revision; this oncely needs at least its own (:meth:`_upgrade_needed`)."""
 
     _dialect: Statements[Q]
+    _offset_sql: OffsetSQL[Q]
+    """The statements of the offsets table (:mod:`oncely.stores._offsets`)."""
     _now: Callable[[], int | None]
     """The store's clock in epoch milliseconds, or None where the statement reads the server's."""
 
@@ -141,6 +144,7 @@ class SQLStoreBase(Generic[Q]):
         self._ready_lock = asyncio.Lock()
         self._ready = False
         self._closed = False
+        self._offsets_ready = False
         forget_parent_in_children(self)
 
     def _forget_parent(self) -> None:
@@ -162,6 +166,10 @@ class SQLStoreBase(Generic[Q]):
 
     async def _rows(self, op: str, sql: Q, params: Mapping[str, object]) -> list[Any]:
         """One statement on one of the store's connections; its rows."""
+        raise NotImplementedError
+
+    async def _create_offsets(self) -> None:
+        """Create the offsets table where it is missing (``_offset_sql.create``)."""
         raise NotImplementedError
 
     async def _purge_batch(
@@ -235,6 +243,25 @@ class SQLStoreBase(Generic[Q]):
         params["now"] = self._now()
         rows = await self._rows("get", d.get, params)
         return d.parse_record(consumer, key, rows[0]) if rows else None
+
+    async def prepare_offsets(self) -> None:
+        """Create the offsets table where it is missing (once per store object)."""
+        if self._closed:
+            raise self._closed_error()
+        if not self._offsets_ready:
+            await self._create_offsets()
+            self._offsets_ready = True
+
+    async def offsets(self, consumer: str, stream: str) -> dict[int, int]:
+        """The next offset to read of each partition of ``stream`` that ``consumer`` kept in
+        its transactions (:meth:`save_offset_in`); the table is created on first use."""
+        if self._closed:
+            raise self._closed_error()
+        check_position(stream, 0, 0)
+        await self.prepare_offsets()
+        o = self._offset_sql
+        rows = await self._rows("reading stored offsets", o.read, o.params(consumer, stream))
+        return {int(part): int(next_offset) for part, next_offset in rows}
 
     async def stats(self, *, exact: bool = True) -> StoreStats:
         if not exact:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from time import monotonic
@@ -187,6 +187,7 @@ class Kafka:
         """Set when a run is settled: a fetch waiting behind it hands out what follows."""
         self._stopped = False
         self._prefetch = 1
+        self._start_from: Callable[[str], Awaitable[Mapping[int, int]]] | None = None
 
     @classmethod
     def from_url(
@@ -236,6 +237,12 @@ class Kafka:
             source="the group's session timeout and the revoke grace",
         )
 
+    def start_from(self, read: Callable[[str], Awaitable[Mapping[int, int]]]) -> None:
+        """Start each assigned partition from the offset ``read(topic)`` gives for it (the
+        offsets a transactional consumer keeps in its database), where that is ahead of the
+        group's committed offset; the commit then catches up with it."""
+        self._start_from = read
+
     @property
     def assignment(self) -> frozenset[int]:
         """The partitions of the topic this member owns now."""
@@ -272,7 +279,7 @@ class Kafka:
             max_poll_records=500,
             isolation_level="read_committed",
         )
-        consumer.subscribe([self.source], listener=_Listener(self))
+        consumer.subscribe([self.source], listener=_Listener(self, consumer))
         # No time limit of ours on the start: the cluster answered the topic check, and a
         # member that gave up on a slow group join and joined again would start one more
         # rebalance each time (the group would never settle). The client's own timeouts hold.
@@ -566,28 +573,68 @@ class Kafka:
             part.owned = False
             del self._owned[part.tp]
 
-    def _assigned(self, assigned: set[TopicPartition]) -> None:
+    async def _assigned(self, consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> None:
+        fresh = []
         for tp in assigned:
             old = self._owned.get(tp)
             if old is None or not old.owned:
                 self._owned[tp] = _Partition(tp)
+                fresh.append(tp)
         LOGGER.info(
             "oncely broker=kafka topic=%s group=%s assigned partitions %s",
             self.source,
             self.group,
             sorted(tp.partition for tp in assigned),
         )
+        if self._start_from is not None and fresh:
+            await self._seek_to_stored(consumer, fresh)
+
+    async def _seek_to_stored(
+        self, consumer: AIOKafkaConsumer, fresh: list[TopicPartition]
+    ) -> None:
+        """Start each of ``fresh`` from its stored offset where that is ahead of the group's
+        commit. Without the stored offsets (the database is down) the committed offsets hold:
+        a record finished since is read again and met by the inbox's marker."""
+        assert self._start_from is not None
+        try:
+            stored = await self._start_from(self.source)
+            committed = {tp: await consumer.committed(tp) for tp in fresh if tp.partition in stored}
+        except Exception as exc:
+            LOGGER.warning(
+                "oncely broker=kafka topic=%s could not read the stored offsets (%s: %s); the "
+                "partitions start from the group's committed offsets, and what was finished "
+                "since is answered by the inbox as duplicates",
+                self.source,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        for tp, at in committed.items():
+            kept = stored[tp.partition]
+            if at is not None and at >= kept:
+                continue
+            consumer.seek(tp, kept)
+            self._owned[tp].finished = kept  # the next commit brings the group's up to it
+            LOGGER.info(
+                "oncely broker=kafka topic=%s partition=%d starts from the stored offset %d "
+                "(the group's commit was %s)",
+                self.source,
+                tp.partition,
+                kept,
+                at,
+            )
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, transport: Kafka) -> None:
+    def __init__(self, transport: Kafka, consumer: AIOKafkaConsumer) -> None:
         self._transport = transport
+        self._consumer = consumer
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self._transport._revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._transport._assigned(set(assigned))
+        await self._transport._assigned(self._consumer, set(assigned))
 
 
 class KafkaDelivery:
@@ -623,6 +670,13 @@ class KafkaDelivery:
     @property
     def offset(self) -> int:
         return int(self._held.record.offset)
+
+    @property
+    def position(self) -> tuple[str, int, int]:
+        """Where the record sits: its topic, its partition, and the offset after it (the next
+        to read once it is finished)."""
+        record = self._held.record
+        return (record.topic, int(record.partition), int(record.offset) + 1)
 
     def describe(self) -> Mapping[str, object]:
         t = self._envelope.transport

@@ -64,6 +64,7 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
+from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.async_protocols import complete_each
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
@@ -187,6 +188,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
             lock_timeout=lock_timeout,
         )
         self._dialect = MySQLDialect(table, server_clock=clock is None)
+        self._offset_sql = OffsetSQL.mysql(table, MAX_CONSUMER_BYTES)
         self._now = clock.now_ms if clock is not None else server_time
         self._pool = AsyncPool(self._open, pool_size)
         # The transactional mode's savepoints (savepoint, below): how many of this store's
@@ -278,6 +280,10 @@ class AsyncMySQLStore(SQLStoreBase[str]):
 
     async def _rows(self, op: str, sql: str, params: Mapping[str, object]) -> list[Any]:
         return await self._run(op, lambda conn: fetchall(conn, sql, params))
+
+    async def _create_offsets(self) -> None:
+        create = self._offset_sql.create
+        await self._run("creating the offsets table", lambda conn: execute(conn, create))
 
     async def aclose(self) -> None:
         self._closed = True
@@ -760,6 +766,17 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         params = who(consumer, key)
         params.update(token=token.encode("utf-8"), result=result)
         await self._joined(tx, self._dialect.set_result, "storing the result", params)
+
+    async def save_offset_in(
+        self, tx: Connection, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
+        in ``tx`` (it never moves back). :meth:`offsets` reads it."""
+        check_position(stream, part, next_offset)
+        utf8(consumer, "consumer", MAX_CONSUMER_BYTES)
+        o = self._offset_sql
+        params = o.params(consumer, stream, part=part, next=next_offset)
+        await self._joined(tx, o.save, "storing the offset", params)
 
     async def claim_in(
         self,

@@ -59,6 +59,7 @@ from oncely.errors import (
     StoreUnavailable,
     TransactionRequired,
 )
+from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import SMALL, STATUS, Estimate, parse_versions, plan_rows, status_shares
 from oncely.stores.postgres.dialect import (
     SCHEMA_REVISION,
@@ -163,6 +164,7 @@ class PostgresStore(SQLStoreBase[bytes]):
     ) -> None:
         super().__init__(migrate=migrate)
         self._dialect = PostgresDialect(schema, table)
+        self._offset_sql = OffsetSQL.postgres(schema, table)
         if isinstance(conninfo, str):
             self._conninfo = conninfo
             self._given_pool: ConnPool | None = None
@@ -461,6 +463,17 @@ class PostgresStore(SQLStoreBase[bytes]):
             # the schema exists: only ask for it when the schema is really missing.
             for statement in d.create[1:] if schema_exists else d.create:
                 execute(conn, statement)
+
+    def _create_offsets(self) -> None:
+        """The offsets table, under the migrations' advisory lock (two workers creating it at
+        once would otherwise collide in the catalogue)."""
+        try:
+            with self._admin() as conn, conn.transaction():
+                lock = {"key": self._dialect.lock_key}
+                execute(conn, b"SELECT pg_advisory_xact_lock(%(key)s)", lock)
+                execute(conn, self._offset_sql.create)
+        except psycopg.Error as exc:
+            raise self._error(exc, "creating the offsets table") from exc
 
     def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
@@ -997,3 +1010,21 @@ class PostgresStore(SQLStoreBase[bytes]):
             if joined.pending is not None:
                 self._establish(tx, joined)
         self._run(tx, self._dialect.set_result, "storing the result", params)
+
+    def save_offset_in(
+        self, tx: Connection, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
+        in ``tx`` (it never moves back). :meth:`offsets` reads it."""
+        check_position(stream, part, next_offset)
+        joined = JOINED.get(tx)
+        if joined is not None:
+            begin = joined.begin
+            if begin is not None:
+                joined.begin = None
+                begin.__enter__()
+            if joined.pending is not None:
+                self._establish(tx, joined)
+        o = self._offset_sql
+        params = o.params(consumer, stream, part=part, next=next_offset)
+        self._run(tx, o.save, "storing the offset", params)

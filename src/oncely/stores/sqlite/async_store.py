@@ -63,6 +63,7 @@ from oncely._core.records import (
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
+from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
 from oncely.stores.async_sql import Position, SQLStoreBase
 from oncely.stores.sqlite.async_io import AsyncPool, Params, close, connect, fetchall
@@ -135,6 +136,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         self._uri = self._path.startswith("file:")
         self._memory = self._path == ":memory:"
         self._dialect = SQLiteDialect(table)
+        self._offset_sql = OffsetSQL.sqlite(table)
         self._settings = settings if settings is not None else SQLiteSettings()
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._now = self._clock.now_ms
@@ -218,6 +220,15 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             return await self._pool.fetchall(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
+        finally:
+            await self._release(conn)
+
+    async def _create_offsets(self) -> None:
+        conn = await self._acquire()
+        try:
+            await self._pool.execute(conn, self._offset_sql.create)
+        except sqlite3.Error as exc:
+            raise translate(exc, "creating the offsets table") from exc
         finally:
             await self._release(conn)
 
@@ -792,6 +803,16 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     ) -> None:
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         await self._run(tx, self._dialect.set_result, params, "storing the result")
+
+    async def save_offset_in(
+        self, tx: aiosqlite.Connection, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
+        in ``tx`` (it never moves back). :meth:`offsets` reads it."""
+        check_position(stream, part, next_offset)
+        o = self._offset_sql
+        params = o.params(consumer, stream, part=part, next=next_offset)
+        await self._run(tx, o.save, params, "storing the offset")
 
     async def claim_in(
         self,

@@ -60,6 +60,7 @@ from oncely.errors import (
     StoreUnavailable,
     TransactionRequired,
 )
+from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
 from oncely.stores.sqlite.dialect import (
     ENDED_COUNTED,
@@ -133,6 +134,7 @@ class SQLiteStore(SQLStoreBase[str]):
         self._uri = self._path.startswith("file:")
         self._memory = self._path == ":memory:"
         self._dialect = SQLiteDialect(table)
+        self._offset_sql = OffsetSQL.sqlite(table)
         self._settings = settings if settings is not None else SQLiteSettings()
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._now = self._clock.now_ms
@@ -216,6 +218,15 @@ class SQLiteStore(SQLStoreBase[str]):
             return self._pool.fetchall(conn, sql, params)
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
+        finally:
+            self._release(conn)
+
+    def _create_offsets(self) -> None:
+        conn = self._acquire()
+        try:
+            self._pool.execute(conn, self._offset_sql.create)
+        except sqlite3.Error as exc:
+            raise translate(exc, "creating the offsets table") from exc
         finally:
             self._release(conn)
 
@@ -784,6 +795,16 @@ class SQLiteStore(SQLStoreBase[str]):
     ) -> None:
         params = {"consumer": consumer, "key": key, "token": token, "result": result}
         self._run(tx, self._dialect.set_result, params, "storing the result")
+
+    def save_offset_in(
+        self, tx: sqlite3.Connection, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
+        in ``tx`` (it never moves back). :meth:`offsets` reads it."""
+        check_position(stream, part, next_offset)
+        o = self._offset_sql
+        params = o.params(consumer, stream, part=part, next=next_offset)
+        self._run(tx, o.save, params, "storing the offset")
 
     def claim_in(
         self,

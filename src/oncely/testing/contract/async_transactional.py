@@ -13,7 +13,7 @@ from oncely._core.policy import Limits
 from oncely._core.records import Status
 from oncely.errors import Reject, TransactionRequired, TransactionsUnsupported
 from oncely.inbox.async_inbox import AsyncInbox
-from oncely.stores.async_protocols import AsyncStore, AsyncTransactionalStore
+from oncely.stores.async_protocols import AsyncKeepsOffsets, AsyncStore, AsyncTransactionalStore
 from oncely.testing.contract.async_base import AsyncBusiness, ContractBase
 
 __all__ = ["TransactionalContract"]
@@ -174,3 +174,33 @@ class TransactionalContract(ContractBase):
             pass
         with pytest.raises(TransactionRequired):
             await inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx)
+
+    async def test_r7_offsets_kept_in_the_transaction_commit_with_it_and_only_move_forward(
+        self, store: AsyncStore, inbox: AsyncInbox, business: AsyncBusiness | None
+    ) -> None:
+        """A stream's offsets (a Kafka consumer's ``store_offsets``) are written in the
+        handler's transaction: rolled back with it, kept per consumer, stream and partition,
+        never moved back by a lower one."""
+        ledger = self._transactional(store, business)
+        assert isinstance(store, AsyncTransactionalStore)
+        if not isinstance(store, AsyncKeepsOffsets):
+            pytest.skip("the store keeps no offsets")
+        assert await store.offsets("billing", "orders") == {}
+
+        async def book(tx: Any, payload: dict[str, int]) -> None:
+            await store.save_offset_in(tx, "billing", "orders", payload["part"], payload["next"])
+            await ledger.write(tx, f"p{payload['part']}-{payload['next']}", 1)
+            if payload.get("fail"):
+                raise RuntimeError("after the writes, before the commit")
+
+        for key, payload in (
+            ("a", {"part": 0, "next": 5}),
+            ("b", {"part": 1, "next": 3}),
+            ("c", {"part": 0, "next": 2}),  # lower: kept at 5
+            ("d", {"part": 1, "next": 9, "fail": 1}),  # rolled back
+        ):
+            await inbox.handle_in_transaction(key, payload, book)
+        assert await store.offsets("billing", "orders") == {0: 5, 1: 3}
+        assert await store.offsets("billing", "payments") == {}
+        assert await store.offsets("shipping", "orders") == {}
+        assert await ledger.count("p1-9") == 0

@@ -15,7 +15,7 @@ from oncely._core.policy import Limits
 from oncely._core.records import Status
 from oncely.errors import Reject, TransactionRequired, TransactionsUnsupported
 from oncely.inbox.sync_inbox import Inbox
-from oncely.stores.sync_protocols import Store, TransactionalStore
+from oncely.stores.sync_protocols import KeepsOffsets, Store, TransactionalStore
 from oncely.testing.contract.sync_base import Business, ContractBase
 
 __all__ = ["TransactionalContract"]
@@ -176,3 +176,33 @@ class TransactionalContract(ContractBase):
             pass
         with pytest.raises(TransactionRequired):
             inbox.handle_in_transaction("k", {"a": 1}, book, tx=tx)
+
+    def test_r7_offsets_kept_in_the_transaction_commit_with_it_and_only_move_forward(
+        self, store: Store, inbox: Inbox, business: Business | None
+    ) -> None:
+        """A stream's offsets (a Kafka consumer's ``store_offsets``) are written in the
+        handler's transaction: rolled back with it, kept per consumer, stream and partition,
+        never moved back by a lower one."""
+        ledger = self._transactional(store, business)
+        assert isinstance(store, TransactionalStore)
+        if not isinstance(store, KeepsOffsets):
+            pytest.skip("the store keeps no offsets")
+        assert store.offsets("billing", "orders") == {}
+
+        def book(tx: Any, payload: dict[str, int]) -> None:
+            store.save_offset_in(tx, "billing", "orders", payload["part"], payload["next"])
+            ledger.write(tx, f"p{payload['part']}-{payload['next']}", 1)
+            if payload.get("fail"):
+                raise RuntimeError("after the writes, before the commit")
+
+        for key, payload in (
+            ("a", {"part": 0, "next": 5}),
+            ("b", {"part": 1, "next": 3}),
+            ("c", {"part": 0, "next": 2}),  # lower: kept at 5
+            ("d", {"part": 1, "next": 9, "fail": 1}),  # rolled back
+        ):
+            inbox.handle_in_transaction(key, payload, book)
+        assert store.offsets("billing", "orders") == {0: 5, 1: 3}
+        assert store.offsets("billing", "payments") == {}
+        assert store.offsets("shipping", "orders") == {}
+        assert ledger.count("p1-9") == 0
