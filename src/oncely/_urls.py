@@ -109,11 +109,21 @@ class UrlOptions:
             return False
         raise self._error(f"{name} must be true or false")
 
-    def done(self, known: Iterable[str]) -> None:
-        """Refuse any option nobody read."""
-        if self._values:
-            unknown = ", ".join(repr(k) for k in sorted(self._values))
-            raise self._error(f"unknown option {unknown} (known: {', '.join(known)})")
+    def done(self, known: Iterable[str], *, read_by: str | None = None) -> None:
+        """Refuse any option nobody read. ``read_by`` names where the ``known`` options that
+        were not read here are read (a constructor that takes them as keyword arguments)."""
+        if not self._values:
+            return
+        known = tuple(known)
+        if read_by is not None:
+            elsewhere = sorted(k for k in self._values if k in known)
+            if elsewhere:
+                raise self._error(
+                    f"{', '.join(repr(k) for k in elsewhere)} in the URL is read by {read_by}; "
+                    "the constructor takes it as a keyword argument"
+                )
+        unknown = ", ".join(repr(k) for k in sorted(self._values))
+        raise self._error(f"unknown option {unknown} (known: {', '.join(known)})")
 
 
 def path_of(parts: SplitResult) -> str:

@@ -203,15 +203,16 @@ class Proxy:
     connections (:meth:`cut`) and refuse new ones (``refusing``) without touching the server
     other tests share. Point a client at :meth:`url`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, port: int = 0) -> None:
         self._parts = urlsplit(url)
+        self._port = port
         self.accepted = 0
         self.refusing = False
         self._open: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self._port)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -58,35 +59,39 @@ def kafka_url() -> str:
         assert binary is not None
         port = free_port()
         address = f"tcp://127.0.0.1:{port}"
-        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tansu-{port}.log"), "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            [
-                str(binary),
-                "broker",
-                "--listener-url",
-                address,
-                "--advertised-listener-url",
-                address,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        atexit.register(_stop, process)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                _refuse(f"Tansu exited at start ({process.returncode}); see {log.name}")
-            with contextlib.suppress(OSError):
-                import socket
-
-                with socket.create_connection(("127.0.0.1", port), 1):
-                    break
-            time.sleep(0.05)
+        process = start_tansu(binary, port, port)
+        atexit.register(stop_tansu, process)
         _started.update(url=f"kafka://127.0.0.1:{port}", binary=binary, address=address)
         return str(_started["url"])
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def start_tansu(binary: Path, port: int, advertised: int) -> subprocess.Popen[bytes]:
+    """Start Tansu listening on ``port`` and telling clients (in its metadata) to reach it
+    at ``advertised``; return once ``port`` accepts connections."""
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tansu-{port}.log"), "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [
+            str(binary),
+            "broker",
+            "--listener-url",
+            f"tcp://127.0.0.1:{port}",
+            "--advertised-listener-url",
+            f"tcp://127.0.0.1:{advertised}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            _refuse(f"Tansu exited at start ({process.returncode}); see {log.name}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            break
+        time.sleep(0.05)
+    return process
+
+
+def stop_tansu(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)
@@ -94,11 +99,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-def create_topic(name: str, partitions: int) -> None:
-    """Create ``name`` on the test broker (before any producer writes to it)."""
+def create_topic(name: str, partitions: int, url: str | None = None) -> None:
+    """Create ``name`` on the test broker, or the one at ``url`` (before any producer writes
+    to it)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    servers = kafka_url().removeprefix("kafka://")
+    servers = (url or kafka_url()).removeprefix("kafka://")
 
     async def create() -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=servers)

@@ -246,6 +246,11 @@ class BrokerSuite:
         self.after(made.close)
         return made
 
+    def proxy(self) -> contextlib.AbstractAsyncContextManager[Proxy]:
+        """A relay in front of the broker (:class:`~tests.brokers.common.Proxy`): clients
+        given its ``url`` can have their connections cut."""
+        return Proxy(self.url)
+
     def settings(self, **overrides: Any) -> ConsumerSettings:
         return dataclasses.replace(FAST, **overrides)
 
@@ -788,7 +793,7 @@ class BrokerSuite:
         fetch and ack raise BrokerUnavailable (never a raw client error, never a silent
         buffer); once the broker can be reached again the message comes back, delivered
         again, and is acknowledged."""
-        async with Proxy(self.url) as proxy:
+        async with self.proxy() as proxy:
             made = self.transport(url=proxy.url, ack_wait=SECOND)
             await made.open(1)
             assert await made.fetch(1, 300 * MS) == []
@@ -825,7 +830,7 @@ class BrokerSuite:
             await release.wait()
             await self.apply(payload)
 
-        async with Proxy(self.url) as proxy:
+        async with self.proxy() as proxy:
             worker = self.consumer(slow, transport=self.transport(url=proxy.url))
             try:
                 async with running(worker) as task:

@@ -64,7 +64,7 @@ class KafkaProducer:
         config: Mapping[str, Any] | None = None,
     ) -> None:
         cluster, options = Cluster.from_url(url)
-        options.done(_PRODUCER_URL_OPTIONS)
+        options.done(_PRODUCER_URL_OPTIONS, read_by="open_producer() and KafkaProducer.from_url()")
         self._setup(cluster, topic, idempotence, timeout, connect_timeout, linger, config)
 
     def _setup(

@@ -128,7 +128,7 @@ class Kafka:
         connect_timeout: timedelta = timedelta(seconds=10),
     ) -> None:
         cluster, options = Cluster.from_url(url)
-        options.done(_TRANSPORT_OPTIONS)
+        options.done(_TRANSPORT_OPTIONS, read_by="open_transport() and Kafka.from_url()")
         self._setup(
             cluster,
             source,
