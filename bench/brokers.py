@@ -45,7 +45,8 @@ fresh queue; the table reports the medians and the ratio plain/oncely (the targe
 oncely costs at most 1.5x in throughput). Every run checks its effects: one ledger row or one
 increment per message, or the run fails.
 
-Writes ``bench/results/brokers.md`` and ``brokers.json``. A broker or store that does not answer
+Writes ``bench/results/brokers.md`` and ``brokers.json`` (with ``--only NAME``:
+``brokers-NAME.md`` and ``.json``). A broker or store that does not answer
 is skipped with the reason.
 """
 
@@ -356,6 +357,10 @@ async def publish(url: str, source: str, messages: int) -> None:
 
         create_topic(source, 4)
         url += "?linger=0.02"  # records travel in batches, as a busy producer sends them
+    elif url.startswith("sqs://"):
+        from tests.brokers.sqs_broker import create_queue  # noqa: PLC0415 - optional
+
+        create_queue(source)
     producer = open_producer(url, source)
     try:
         for start in range(0, messages, 100):
@@ -524,9 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "1.25x, i.e. oncely at least 0.8x; the batch gain row: per message / batch at most "
             "0.1x, i.e. batches at least 10x).\n\n"
         )
-        (args.out / "brokers.md").write_text(header + text + "\n")
-        (args.out / "brokers.json").write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.out / 'brokers.md'}")
+        stem = "brokers" + "".join(f"-{name}" for name in args.only or ())
+        (args.out / f"{stem}.md").write_text(header + text + "\n")
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out / f'{stem}.md'}")
     return 0
 
 

@@ -79,6 +79,21 @@ its offset is not committed by this member: the next owner's copy meets the inbo
 (``in_flight`` while it runs, ``duplicate`` after). Assigned partitions start at the group's
 committed offset (the topic's start when there is none).
 
+Offsets in the transaction
+--------------------------
+``BrokerConsumer(transport, inbox, handler, mode="transactional", store_offsets=True)`` (on a
+SQL store; ``oncely consume --mode transactional --store-offsets``) writes each record's next
+offset in the handler's transaction, beside the marker and the business writes, in the table
+``<inbox table>_offsets`` (created on first use, outside any transaction), and starts each
+assigned partition from that offset where it is ahead of the group's commit (the commit then
+catches up with it). A consumer from Kafka to its database is then effectively once even when
+its commits to Kafka were lost (a group reset or renamed, offsets expired), whatever the
+inbox's retention. A duplicate stores its offset in a transaction of its own; within a batch
+no stored offset passes a record whose broker action is still to come (a dead letter to copy, a
+retry, a copy in flight elsewhere), so such a record is read again, never skipped. When the
+stored offsets cannot be read at assignment (the database is down) the committed ones are used,
+with a warning, and what was finished since meets the inbox's markers.
+
 The source topic and the dead-letter topic are created when missing (``partitions``, 1 by
 default); a topic's retention is its own (``retention.ms``): a consumer group reset to an
 offset older than the inbox's retention would run those records again, so keep the inbox's
