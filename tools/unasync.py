@@ -47,6 +47,7 @@ PACKAGE = ROOT / "src" / "oncely"
 
 RENAMES = {
     "AsyncInbox": "Inbox",
+    "AsyncClaimed": "Claimed",
     "AsyncPurgeService": "PurgeService",
     "AsyncStoreContract": "StoreContract",
     "AsyncBusiness": "Business",

@@ -48,6 +48,7 @@ from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import (
     BrokerError,
     BrokerUnavailable,
+    ClaimEnded,
     ConfigurationError,
     Escalated,
     InFlight,
@@ -76,8 +77,8 @@ from oncely.errors import (
     UndecodableBody,
     UnfingerprintablePayload,
 )
-from oncely.inbox.async_inbox import AsyncInbox
-from oncely.inbox.sync_inbox import Inbox
+from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
+from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.stores import open_async_store as open_async
 from oncely.stores import open_store as open  # noqa: A004 - `oncely.open(url)` mirrors the URL API
 from oncely.stores import redact
@@ -137,6 +138,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Action",
+    "AsyncClaimed",
     "AsyncInbox",
     "AsyncMemoryStore",
     "AsyncPurgeService",
@@ -146,6 +148,8 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "BusinessKey",
+    "ClaimEnded",
+    "Claimed",
     "Clock",
     "CloudEventsKey",
     "Codec",

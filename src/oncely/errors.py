@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BrokerError",
     "BrokerUnavailable",
+    "ClaimEnded",
     "ConfigurationError",
     "Escalated",
     "InFlight",
@@ -208,6 +209,12 @@ class LeaseLost(OncelyError):
     def __init__(self, message: str, current: Record | None) -> None:
         super().__init__(message)
         self.current = current
+
+
+class ClaimEnded(OncelyError):
+    """An ending (``complete``, ``release``, ``reject``, ``renew``) was asked of a claim from
+    :meth:`~oncely.AsyncInbox.claim` that was not won (``handled`` says why) or has ended
+    already. Nothing was changed."""
 
 
 class ResolveRefused(OncelyError):

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter, time
-from typing import Any, Literal, ParamSpec, Self, TypeVar, cast
+from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.context import _CURRENT
@@ -57,6 +57,7 @@ from oncely._core.policy import (
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely.errors import (
+    ClaimEnded,
     ConfigurationError,
     LeaseLost,
     Reject,
@@ -66,7 +67,7 @@ from oncely.errors import (
     TransactionsUnsupported,
 )
 from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
-from oncely.inbox.heartbeats import AsyncHeartbeats
+from oncely.inbox.heartbeats import AsyncHeartbeats, AsyncTicket
 from oncely.stores.async_protocols import (
     AsyncCompletesMany,
     AsyncStore,
@@ -75,7 +76,7 @@ from oncely.stores.async_protocols import (
 )
 from oncely.wire import printable
 
-__all__ = ["AsyncInbox"]
+__all__ = ["AsyncClaimed", "AsyncInbox"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -676,6 +677,47 @@ class AsyncInbox:
         claim to finish and receives its result (or takes over its work if it is released).
         """
         started = perf_counter()
+        got = await self._acquire(key, payload, correlation_id, wait, started)
+        if isinstance(got, Claim):
+            return await self._run(got, payload, handler, correlation_id, started)
+        return got
+
+    async def claim(
+        self,
+        key: str,
+        payload: object = None,
+        *,
+        correlation_id: str | None = None,
+        wait: timedelta | None = None,
+    ) -> AsyncClaimed[Any]:
+        """Claim ``key`` for work done outside a handler (an HTTP response streamed to the
+        client, a job runner's step): :meth:`handle` without the handler.
+
+        When the returned :class:`AsyncClaimed` is ``won``, the caller does the work and ends
+        it with ``complete(result)``, ``release()`` (give it back: the next caller runs it) or
+        ``reject(reason)`` (poison: recorded, never run again); the lease is renewed in the
+        background meanwhile (or by ``renew()`` with ``Lease(heartbeat=False)``), and every
+        ending is fenced by the claim's token. When it is not won, ``handled`` is the outcome
+        that :meth:`handle` would have returned without running anything: ``duplicate`` with
+        the stored result, ``in_flight``, ``key_conflict``, ``rejected``, ``escalated``.
+        As an ``async with`` block, a block that raises gives the claim back (a
+        :class:`~oncely.Reject` rejects it), and one that ends without an ending releases it."""
+        started = perf_counter()
+        got = await self._acquire(key, payload, correlation_id, wait, started)
+        if isinstance(got, Claim):
+            return AsyncClaimed(self, got, correlation_id, started)
+        return AsyncClaimed(self, None, correlation_id, started, got)
+
+    async def _acquire(
+        self,
+        key: str,
+        payload: object,
+        correlation_id: str | None,
+        wait: timedelta | None,
+        started: float,
+    ) -> Claim | Handled[Any]:
+        """The claim to proceed under (won, or taken over from a lapsed one), or the outcome
+        when there is nothing to run."""
         try:
             checked = validate_key(key, self._limits)
             fp = self._fingerprint(payload)
@@ -697,11 +739,11 @@ class AsyncInbox:
             )
             step = decide(claim, fp)
             if step is Step.PROCEED:
-                return await self._run(claim, payload, handler, correlation_id, started)
+                return claim
             if step is Step.STALE:
-                handled = await self._stale(claim, fp, payload, handler, correlation_id, started)
-                if handled is not None:
-                    return handled
+                got = await self._stale(claim, fp, payload, correlation_id, started)
+                if got is not None:
+                    return got
                 rounds += 1
                 continue
             if step is Step.IN_FLIGHT and deadline is not None:
@@ -864,12 +906,12 @@ class AsyncInbox:
         self,
         claim: Claim,
         fp: str | None,
-        payload: P,
-        handler: AsyncHandler[P, R],
+        payload: object,
         correlation_id: str | None,
         started: float,
-    ) -> Handled[R] | None:
-        """Apply ``on_stale`` to a lapsed claim. None: the record moved on; decide again."""
+    ) -> Claim | Handled[Any] | None:
+        """Apply ``on_stale`` to a lapsed claim: the claim taken over (run the work under it),
+        an outcome, or None (the record moved on; decide again)."""
         record = claim.record
         key = record.key
         if self._reconciler is None:
@@ -896,9 +938,7 @@ class AsyncInbox:
                 lease_ms=self._lease_ms,
                 keep_ms=self._keep_ms,
             )
-            if taken.won:
-                return await self._run(taken, payload, handler, correlation_id, started)
-            return None
+            return taken if taken.won else None
         if resolution.action == "completed":
             data, note = self._rules.encode(resolution.result, strict=False)
             try:
@@ -916,7 +956,7 @@ class AsyncInbox:
                 Outcome.DUPLICATE,
                 key,
                 started,
-                value=cast(R, resolution.result),
+                value=resolution.result,
                 record=done,
                 reason="stale claim reconciled as completed",
                 correlation_id=correlation_id,
@@ -1083,3 +1123,168 @@ class AsyncInbox:
                 initial=Status.FAILED,
                 error=reason[: self._limits.max_error_chars],
             )
+
+
+class AsyncClaimed(Generic[R]):
+    """A claim from :meth:`AsyncInbox.claim`: the work is the caller's to do and to end.
+
+    ``won`` says whether this caller holds the key now. If it does, exactly one ending counts:
+    :meth:`complete` (the work is done: the result is stored for every later copy),
+    :meth:`release` (not done: the next caller runs it) or :meth:`reject` (poison: recorded,
+    never run again). Each is fenced by the claim's token: a caller whose lease lapsed and was
+    taken over gets ``in_flight`` (the new owner's result wins), never overwriting it.
+
+    If it does not, ``handled`` already holds the outcome: ``duplicate`` with the stored
+    result, ``in_flight``, ``key_conflict``, ``rejected`` or ``escalated``. After an ending,
+    ``handled`` is that ending's outcome. A second ending, or one of a claim not won, raises
+    :class:`~oncely.ClaimEnded`.
+    """
+
+    __slots__ = ("_beat", "_claim", "_correlation_id", "_handled", "_inbox", "_started")
+
+    def __init__(
+        self,
+        inbox: AsyncInbox,
+        claim: Claim | None,
+        correlation_id: str | None,
+        started: float,
+        handled: Handled[R] | None = None,
+    ) -> None:
+        self._inbox = inbox
+        self._claim = claim
+        self._correlation_id = correlation_id
+        self._started = started
+        self._handled = handled
+        self._beat: AsyncTicket | None = None
+        if claim is not None and inbox._lease.heartbeat:
+            record = claim.record
+            self._beat = inbox._heartbeats.start(
+                functools.partial(inbox._renew, record.key, record.token), inbox._renew_every
+            )
+
+    def __repr__(self) -> str:
+        state = "won" if self.won else "ended" if self._claim is not None else "not won"
+        outcome = f" {self._handled.outcome.value}" if self._handled is not None else ""
+        return f"<AsyncClaimed {self._inbox.consumer}/{self.key!r} {state}{outcome}>"
+
+    @property
+    def won(self) -> bool:
+        """Whether this caller holds the claim and has not ended it."""
+        return self._claim is not None and self._handled is None
+
+    @property
+    def handled(self) -> Handled[R] | None:
+        """The outcome: at once when the claim was not won, after an ending otherwise."""
+        return self._handled
+
+    @property
+    def key(self) -> str | None:
+        """The key as stored (None when it was refused)."""
+        if self._claim is not None:
+            return self._claim.record.key
+        return self._handled.key if self._handled is not None else None
+
+    @property
+    def attempt(self) -> int:
+        """The attempt this claim is (1 for the first; more after releases and takeovers)."""
+        if self._claim is not None:
+            return self._claim.record.attempt
+        return self._handled.attempt or 0 if self._handled is not None else 0
+
+    @property
+    def reclaimed(self) -> bool:
+        """Whether the claim was taken over from an earlier attempt whose lease lapsed (its
+        effects may have happened: check before doing them again)."""
+        return self._claim is not None and self._claim.status is ClaimStatus.TAKEN_OVER
+
+    def _holding(self, ending: str) -> Claim:
+        claim = self._claim
+        if claim is None or self._handled is not None:
+            why = self._handled.outcome.value if self._handled is not None else "not won"
+            raise ClaimEnded(
+                f"cannot {ending} the claim of {self.key!r}: it is {why}"
+                + (" (ended already)" if claim is not None else "")
+            )
+        return claim
+
+    async def _stop_beat(self) -> None:
+        beat, self._beat = self._beat, None
+        if beat is not None:
+            await beat.stop()
+
+    async def complete(self, result: R | None = None) -> Handled[R]:
+        """The work is done: store ``result`` (what a later copy gets as its ``duplicate``
+        value) and end the claim. ``processed`` (``stale_reclaimed`` after a takeover), or
+        ``in_flight`` when another caller took the key over meanwhile (its result wins)."""
+        claim = self._holding("complete")
+        await self._stop_beat()
+        inbox = self._inbox
+        record = claim.record
+        data, note = (None, None) if result is None else inbox._rules.encode(result, strict=False)
+        done: Record | LeaseLost
+        try:
+            done = await inbox._complete(record.key, record.token, data, note)
+        except LeaseLost as lost:
+            done = lost
+        handled: Handled[R] = inbox._outcome(
+            claim, result, note, done, self._correlation_id, self._started
+        )
+        self._handled = handled
+        return handled
+
+    async def release(self, reason: str = "released by the caller") -> Handled[R]:
+        """The work was not done: give the key back, so the next caller (a redelivery, a
+        retried request) runs it. The outcome is ``failed`` with ``reason``."""
+        claim = self._holding("release")
+        await self._stop_beat()
+        record = claim.record
+        await self._inbox._release_quietly(record.key, record.token)
+        handled: Handled[R] = self._inbox._rules.failed(
+            record.key, _Released(reason), self._started, self._correlation_id, record.attempt
+        )
+        self._handled = handled
+        return handled
+
+    async def reject(self, reason: str) -> Handled[R]:
+        """The work can never be done (a poison message): record the key as failed with
+        ``reason``; later copies are ``rejected`` without running anything."""
+        claim = self._holding("reject")
+        await self._stop_beat()
+        handled: Handled[R] = await self._inbox._reject(
+            claim.record, reason, self._correlation_id, self._started
+        )
+        self._handled = handled
+        return handled
+
+    async def renew(self) -> None:
+        """Extend the lease now (with ``Lease(heartbeat=False)``, the caller's to do more often
+        than the lease lasts). Raises :class:`~oncely.LeaseLost` when another caller owns the
+        key now: stop the work."""
+        claim = self._holding("renew")
+        inbox = self._inbox
+        await inbox._store.renew(
+            inbox._consumer,
+            claim.record.key,
+            token=claim.record.token,
+            lease_ms=inbox._lease_ms,
+            keep_ms=inbox._keep_ms,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        """A block that raised releases the claim (rejects it for a
+        :class:`~oncely.Reject`), one that ended with the claim still won releases it too."""
+        if not self.won:
+            return
+        if isinstance(error, Reject):
+            await self.reject(error.reason)
+        elif error is not None:
+            await self.release(f"the block raised {type(error).__name__}: {error}")
+        else:
+            await self.release("the block ended without completing the claim")
+
+
+class _Released(Exception):
+    """The reason a caller gave back its claim (``failed`` outcomes carry an error)."""

@@ -6,16 +6,19 @@ messages keyed by their source."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from oncely._core.clock import FakeClock
 from oncely._core.context import current
 from oncely._core.keys import CloudEventsKey, Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.policy import Limits
-from oncely.errors import KeyConflict, Reject
+from oncely.errors import ClaimEnded, KeyConflict, LeaseLost, Reject
 from oncely.inbox.sync_inbox import Inbox
 from oncely.stores.sync_protocols import Store
-from oncely.testing.contract.sync_base import Calls, ContractBase
+from oncely.testing.contract.sync_base import LEASE_MS, Calls, ContractBase
 
 __all__ = ["InboxContract"]
 
@@ -221,3 +224,78 @@ class InboxContract(ContractBase):
         ce = inbox.handle_message(event, handler, key=CloudEventsKey())
         assert ce.outcome is Outcome.PROCESSED and ce.key == "/shop e-1"
         assert handler.count == 2
+
+    # ------------------------------------------------------------------ the manual claim (R10)
+
+    def test_r10_a_manual_claim_is_won_once_and_its_result_answers_every_copy(
+        self, inbox: Inbox
+    ) -> None:
+        first = inbox.claim("order-1", {"amount": 5})
+        assert first.won and first.attempt == 1 and not first.reclaimed
+        meanwhile = inbox.claim("order-1", {"amount": 5})
+        assert not meanwhile.won and meanwhile.handled is not None
+        assert meanwhile.handled.outcome is Outcome.IN_FLIGHT
+        done = first.complete({"charged": 5})
+        assert done.outcome is Outcome.PROCESSED and first.handled is done
+        with pytest.raises(ClaimEnded, match="processed"):
+            first.complete({"charged": 6})
+        again = inbox.claim("order-1", {"amount": 5})
+        assert not again.won and again.handled is not None
+        assert again.handled.outcome is Outcome.DUPLICATE
+        assert again.handled.value == {"charged": 5}
+        with pytest.raises(ClaimEnded, match="duplicate"):
+            again.release()
+        other = inbox.claim("order-1", {"amount": 6})
+        assert other.handled is not None and other.handled.outcome is Outcome.KEY_CONFLICT
+        refused = inbox.claim("", {"amount": 5})
+        assert refused.handled is not None and refused.handled.outcome is Outcome.REJECTED
+
+    def test_r10_a_released_claim_runs_again_and_a_rejected_one_never(self, inbox: Inbox) -> None:
+        first = inbox.claim("k", {"n": 1})
+        released = first.release("the upstream call timed out")
+        assert released.outcome is Outcome.FAILED and "timed out" in (released.reason or "")
+        second = inbox.claim("k", {"n": 1})
+        assert second.won  # given back: this caller runs it
+        rejected = second.reject("no such account")
+        assert rejected.outcome is Outcome.REJECTED
+        third = inbox.claim("k", {"n": 1})
+        assert third.handled is not None and third.handled.outcome is Outcome.REJECTED
+
+    def test_r10_a_manual_claim_as_a_block_gives_back_what_it_did_not_finish(
+        self, inbox: Inbox
+    ) -> None:
+        with pytest.raises(RuntimeError):
+            with inbox.claim("a", {"n": 1}) as claimed:
+                assert claimed.won
+                raise RuntimeError("the work broke")
+        assert claimed.handled is not None and claimed.handled.outcome is Outcome.FAILED
+        with inbox.claim("a", {"n": 1}) as retried:
+            assert retried.won
+            retried.complete("ok")
+        assert retried.handled is not None and retried.handled.outcome is Outcome.PROCESSED
+        with inbox.claim("b", {"n": 1}) as idle:
+            pass  # ended without completing: released
+        assert idle.handled is not None and idle.handled.outcome is Outcome.FAILED
+        with pytest.raises(Reject):
+            with inbox.claim("c", {"n": 1}):
+                raise Reject("poison")
+        poisoned = inbox.claim("c", {"n": 1})
+        assert poisoned.handled is not None and poisoned.handled.outcome is Outcome.REJECTED
+
+    def test_r10_a_manual_claim_whose_lease_lapsed_is_fenced_after_a_takeover(
+        self, inbox: Inbox, clock: FakeClock
+    ) -> None:
+        zombie = inbox.claim("k", {"n": 1})
+        assert zombie.won
+        clock.advance(timedelta(milliseconds=LEASE_MS + 1))
+        owner = inbox.claim("k", {"n": 1})
+        assert owner.won and owner.reclaimed and owner.attempt == 2
+        with pytest.raises(LeaseLost):
+            zombie.renew()
+        lost = zombie.complete("zombie's")
+        assert lost.outcome is Outcome.IN_FLIGHT  # the new owner's result wins
+        owner.renew()
+        done = owner.complete("owner's")
+        assert done.outcome is Outcome.STALE_RECLAIMED
+        after = inbox.claim("k", {"n": 1})
+        assert after.handled is not None and after.handled.value == "owner's"
