@@ -1,0 +1,395 @@
+"""HTTP endpoints made idempotent with the ``Idempotency-Key`` request header
+(draft-ietf-httpapi-idempotency-key-header): an ASGI middleware on an
+:class:`~oncely.AsyncInbox`, for Starlette, FastAPI, Litestar or any ASGI app::
+
+    from oncely.http import IdempotencyMiddleware
+
+    inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="api")
+    app = IdempotencyMiddleware(app, inbox=inbox, principal=lambda scope: user_of(scope))
+
+What a request with the header gets:
+
+======================================  ====================================================
+the first request with a key            runs; its response is stored (status, headers, body)
+a repeat, same method, path and body    the stored response, byte for byte, with
+                                        ``Idempotent-Replayed: true``
+a repeat while the first still runs     ``409 Conflict`` with ``Retry-After`` (or, with
+                                        ``wait=``, the first one's response once it is done)
+a repeat with another body or query     ``422 Unprocessable Content``
+no key where ``required``               ``400 Bad Request``
+a key that is not a Structured Field    ``400`` (``"K"``; a bare ``K`` only with
+string                                  ``bare_keys=True``, and then the same key as ``"K"``)
+a body over ``max_request_bytes``       ``413 Content Too Large``, never run unprotected
+======================================  ====================================================
+
+Errors are RFC 9457 problem details (``application/problem+json``). Keys are scoped per
+principal (``principal(scope)``: the API key, auth subject or tenant; by default a hash of
+the ``Authorization`` header, so two clients never share a key) and per method and path, so
+one client can never read another's response. Responses are stored when
+``store_status(status)`` says so: by default 2xx, 3xx and 4xx except 408, 409, 425 and 429,
+never 5xx (the claim is released: a retry runs again). A response over ``max_stored_bytes``
+is sent to the client but not kept: a repeat then gets ``409`` saying it cannot be replayed
+(the work is never run twice).
+
+The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
+two-phase mode: the lease is renewed while the request runs); an app that raises releases the
+claim. Tested with uvicorn on SQLite, PostgreSQL and Redis (``tests/web``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from datetime import timedelta
+from typing import Any
+from urllib.parse import quote
+
+from oncely._core.outcomes import Handled, Outcome
+from oncely.errors import ConfigurationError
+from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
+
+__all__ = ["IdempotencyMiddleware", "default_principal", "default_store_status", "parse_key"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LOGGER = logging.getLogger("oncely.http")
+HEADER = b"idempotency-key"
+REPLAYED = (b"idempotent-replayed", b"true")
+_FORMAT = 1
+"""The stored response's layout version."""
+_NOT_KEPT = frozenset({b"date", b"server", b"set-cookie"})
+"""Response headers never stored: the server's own (a replay gets fresh ones) and cookies
+(a session is not replayed to whoever holds the key)."""
+
+
+class _BadKey(ValueError):
+    pass
+
+
+def parse_key(values: list[bytes], *, bare: bool = False) -> str | None:
+    """The key of the ``Idempotency-Key`` header lines ``values`` (None: no header). The value
+    is an RFC 8941 String (``"..."``, with ``\\"`` and ``\\\\`` escapes; parameters after it are
+    ignored); with ``bare=True`` an unquoted token is taken too, and names the same key as its
+    quoted form. Raises ``ValueError`` with the reason for anything else."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise _BadKey("the Idempotency-Key header is given more than once")
+    try:
+        text = values[0].decode("ascii").strip(" \t")
+    except UnicodeDecodeError:
+        raise _BadKey("the Idempotency-Key header is not ASCII") from None
+    if not text.startswith('"'):
+        if bare and text and all(0x21 <= ord(c) <= 0x7E for c in text) and '"' not in text:
+            return text
+        raise _BadKey(
+            'the Idempotency-Key header must be a quoted string (Idempotency-Key: "8e03978e-'
+            '40d5-43e8-bc93-6894a57f9324")'
+        )
+    out: list[str] = []
+    i = 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            if i + 1 >= len(text) or text[i + 1] not in '"\\':
+                raise _BadKey("the Idempotency-Key string has an invalid escape")
+            out.append(text[i + 1])
+            i += 2
+            continue
+        if c == '"':
+            rest = text[i + 1 :].strip(" \t")
+            if rest and not rest.startswith(";"):
+                raise _BadKey("the Idempotency-Key header has text after its string")
+            if not out:
+                raise _BadKey("the Idempotency-Key is empty")
+            return "".join(out)
+        if not 0x20 <= ord(c) <= 0x7E:
+            raise _BadKey("the Idempotency-Key string holds a character outside printable ASCII")
+        out.append(c)
+        i += 1
+    raise _BadKey("the Idempotency-Key string is not closed")
+
+
+def default_principal(scope: Scope) -> str:
+    """Who is asking, from the ``Authorization`` header (a hash of it; ``anonymous`` without
+    one). Give your own (the auth subject, the API key's id) where a client's credentials
+    change between its retries: a refreshed token would otherwise be a new scope."""
+    values = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
+    if not values:
+        return "anonymous"
+    return "auth:" + hashlib.sha256(b"\n".join(values)).hexdigest()[:32]
+
+
+def default_store_status(status: int) -> bool:
+    """2xx, 3xx and 4xx responses are kept, except the transient 408, 409, 425 and 429; 5xx
+    never (the client may retry, and the retry runs)."""
+    return 200 <= status < 500 and status not in (408, 409, 425, 429)
+
+
+class IdempotencyMiddleware:
+    """The ASGI middleware (see the module docstring).
+
+    ``methods``: the methods it applies to (POST and PATCH); ``applies(scope)``: a further
+    filter (routes); ``required``: whether a request it applies to must carry the header (or a
+    predicate of the scope); ``bare_keys``: accept an unquoted key; ``principal``: who asks
+    (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
+    waits for a running first request instead of getting 409; ``max_request_bytes`` and
+    ``max_stored_bytes``: the request body read for the fingerprint, the response body kept.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        inbox: AsyncInbox,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        applies: Callable[[Scope], bool] | None = None,
+        required: bool | Callable[[Scope], bool] = False,
+        bare_keys: bool = False,
+        principal: Callable[[Scope], str | Awaitable[str]] = default_principal,
+        store_status: Callable[[int], bool] = default_store_status,
+        wait: timedelta | None = None,
+        max_request_bytes: int = 1 << 20,
+        max_stored_bytes: int = 1 << 20,
+    ) -> None:
+        if not isinstance(inbox, AsyncInbox):
+            raise ConfigurationError("IdempotencyMiddleware takes an AsyncInbox (inbox=...)")
+        if max_request_bytes < 0 or max_stored_bytes < 0:
+            raise ConfigurationError("max_request_bytes and max_stored_bytes are not negative")
+        self.app = app
+        self.inbox = inbox
+        self.methods = frozenset(m.upper() for m in methods)
+        self._applies = applies
+        self._required = required
+        self._bare = bare_keys
+        self._principal = principal
+        self._store_status = store_status
+        self._wait = wait
+        self._max_request = max_request_bytes
+        self._max_stored = max_stored_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in self.methods
+            or (self._applies is not None and not self._applies(scope))
+        ):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = parse_key(
+                [v for k, v in scope.get("headers", ()) if k == HEADER], bare=self._bare
+            )
+        except _BadKey as exc:
+            await _problem(send, 400, "Invalid Idempotency-Key", str(exc))
+            return
+        if key is None:
+            required = self._required
+            if required is True or (callable(required) and required(scope)):
+                await _problem(
+                    send, 400, "Idempotency-Key required", "this endpoint needs an Idempotency-Key"
+                )
+                return
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive, self._max_request)
+        if body is None:
+            await _problem(
+                send,
+                413,
+                "Request too large for idempotency",
+                f"the body is over {self._max_request} bytes, the most this endpoint reads to "
+                "recognise a repeat; the request was not run",
+            )
+            return
+        who = self._principal(scope)
+        if not isinstance(who, str):
+            who = await who
+        path = scope.get("path", "")
+        scoped = ":".join(
+            quote(part, safe="") for part in ("http", who, scope["method"], path, key)
+        )
+        fingerprint = {
+            "query": scope.get("query_string", b"").decode("latin-1"),
+            "body": hashlib.sha256(body).hexdigest(),
+            "type": _header(scope, b"content-type"),
+        }
+        claimed: AsyncClaimed[Any] = await self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        if not claimed.won:
+            assert claimed.handled is not None
+            await self._answer(send, claimed.handled)
+            return
+        await self._run(scope, body, send, claimed)
+
+    async def _run(self, scope: Scope, body: bytes, send: Send, claimed: AsyncClaimed[Any]) -> None:
+        sent = False
+
+        async def replay_body() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        status = 0
+        headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+        size = 0
+        ended = False
+
+        async def capture(message: Message) -> None:
+            nonlocal status, size, ended
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers.extend((bytes(k), bytes(v)) for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body":
+                chunk = bytes(message.get("body", b""))
+                size += len(chunk)
+                if size <= self._max_stored:
+                    chunks.append(chunk)
+                if not message.get("more_body", False) and not ended:
+                    # The claim ends before the client sees the end of the response: a client
+                    # that repeats the request at once meets the stored response (or, for a
+                    # response not kept, runs again), never a claim still held.
+                    ended = True
+                    await self._end(claimed, status, headers, chunks, size)
+            await send(message)
+
+        try:
+            await self.app(scope, replay_body, capture)
+        except BaseException as exc:
+            if not ended:
+                await claimed.release(f"the app raised {type(exc).__name__}: {exc}")
+            raise
+        if not ended:
+            await self._end(claimed, status, headers, chunks, size)
+
+    async def _end(
+        self,
+        claimed: AsyncClaimed[Any],
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: list[bytes],
+        size: int,
+    ) -> None:
+        """Keep the response (complete the claim), or give the claim back."""
+        if not status or not self._store_status(status):
+            await claimed.release(f"the app answered {status or 'nothing'}: not kept")
+            return
+        if size > self._max_stored:
+            LOGGER.warning(
+                "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it "
+                "was sent but not kept, and a repeat cannot be replayed",
+                claimed.key,
+                size,
+                self._max_stored,
+            )
+            await claimed.complete({"v": _FORMAT, "status": status, "too_large": size})
+            return
+        kept = [
+            [k.decode("latin-1"), v.decode("latin-1")]
+            for k, v in headers
+            if k.lower() not in _NOT_KEPT
+        ]
+        await claimed.complete(
+            {
+                "v": _FORMAT,
+                "status": status,
+                "headers": kept,
+                "body": base64.b64encode(b"".join(chunks)).decode("ascii"),
+            }
+        )
+
+    async def _answer(self, send: Send, handled: Handled[Any]) -> None:
+        outcome = handled.outcome
+        if outcome is Outcome.DUPLICATE:
+            stored = handled.value
+            if isinstance(stored, dict) and stored.get("v") == _FORMAT and "body" in stored:
+                await _replay(send, stored)
+                return
+            await _problem(
+                send,
+                409,
+                "Response not replayable",
+                "the first request with this key ran, but its response was not kept (over "
+                "max_stored_bytes); it is not run again",
+            )
+            return
+        if outcome is Outcome.IN_FLIGHT:
+            await _problem(
+                send,
+                409,
+                "Request in progress",
+                "a request with this Idempotency-Key is still running; retry later",
+                retry_after=1,
+            )
+            return
+        if outcome is Outcome.KEY_CONFLICT:
+            await _problem(
+                send,
+                422,
+                "Idempotency-Key reused",
+                "this Idempotency-Key was used for a request with another body or query",
+            )
+            return
+        if outcome is Outcome.REJECTED:
+            await _problem(send, 400, "Invalid Idempotency-Key", handled.reason or "refused")
+            return
+        await _problem(
+            send, 409, "Request needs attention", handled.reason or outcome.value, retry_after=60
+        )
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is over ``limit`` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+async def _replay(send: Send, stored: dict[str, Any]) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored["headers"]]
+    headers.append(REPLAYED)
+    await send({"type": "http.response.start", "status": stored["status"], "headers": headers})
+    await send({"type": "http.response.body", "body": base64.b64decode(stored["body"])})
+
+
+async def _problem(
+    send: Send, status: int, title: str, detail: str, *, retry_after: int | None = None
+) -> None:
+    body = json.dumps(
+        {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

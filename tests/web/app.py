@@ -1,0 +1,112 @@
+"""The app ``tests/web`` serves with uvicorn, in a process of its own: ``POST /orders`` books
+an order (one effect per run, counted), ``GET /effects`` says how many ran. The store and the
+app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST_HTTP_APP``:
+``plain`` ASGI or ``starlette``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from typing import Any
+
+import oncely
+from oncely.http import IdempotencyMiddleware, Receive, Scope, Send
+
+EFFECTS: Counter[str] = Counter()
+FAILED_ONCE: set[str] = set()
+
+
+async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """One effect; the status and JSON answer."""
+    order = str(body.get("id"))
+    await asyncio.sleep(float(body.get("sleep", 0)))
+    if body.get("fail_once") and order not in FAILED_ONCE:
+        FAILED_ONCE.add(order)
+        EFFECTS[order] += 1
+        return 500, {"error": "the ledger is down"}
+    EFFECTS[order] += 1
+    return 201, {"order": order, "run": EFFECTS[order], "size": "x" * int(body.get("pad", 0))}
+
+
+async def plain(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] != "http":
+        return
+    if scope["method"] == "GET":
+        payload = json.dumps(EFFECTS).encode()
+        status = 200
+    else:
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        status, answer = await book(json.loads(raw or b"{}"))
+        payload = json.dumps(answer).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"x-app", b"plain"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def starlette_app() -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def orders(request: Request) -> JSONResponse:
+        status, answer = await book(await request.json())
+        return JSONResponse(answer, status_code=status, headers={"x-app": "starlette"})
+
+    async def effects(request: Request) -> JSONResponse:
+        return JSONResponse(dict(EFFECTS))
+
+    return Starlette(
+        routes=[Route("/orders", orders, methods=["POST"]), Route("/effects", effects)]
+    )
+
+
+class Lazy:
+    """Builds the middleware (and opens the store) on the server's event loop."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            message = await receive()
+            await send({"type": "lifespan.startup.complete"})
+            message = await receive()
+            assert message["type"] == "lifespan.shutdown"
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if self.app is None:
+            inner = (
+                starlette_app() if os.environ.get("ONCELY_TEST_HTTP_APP") == "starlette" else plain
+            )
+            inbox = oncely.AsyncInbox(
+                oncely.open_async(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api"
+            )
+            self.app = IdempotencyMiddleware(
+                inner,
+                inbox=inbox,
+                required=lambda s: s["path"] == "/orders",
+                bare_keys=os.environ.get("ONCELY_TEST_HTTP_BARE") == "1",
+                principal=lambda s: dict(s["headers"]).get(b"x-client", b"anon").decode(),
+                max_stored_bytes=4096,
+            )
+        await self.app(scope, receive, send)
+
+
+app = Lazy()
