@@ -51,7 +51,17 @@ from oncely._core.outcomes import Handled, Outcome
 from oncely.errors import ConfigurationError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 
-__all__ = ["IdempotencyMiddleware", "default_principal", "default_store_status", "parse_key"]
+__all__ = [
+    "IdempotencyMiddleware",
+    "KeyFrom",
+    "default_principal",
+    "default_store_status",
+    "github",
+    "parse_key",
+    "shopify",
+    "standard_webhooks",
+    "stripe",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -71,6 +81,44 @@ _NOT_KEPT = frozenset({b"date", b"server", b"set-cookie"})
 
 class _BadKey(ValueError):
     pass
+
+
+KeyFrom = Callable[[Scope, bytes], str | None]
+"""Reads a request's key from its scope (headers) and body; None when it has none."""
+
+
+def _from_header(name: bytes, what: str) -> KeyFrom:
+    def read(scope: Scope, body: bytes) -> str | None:
+        values = [bytes(v) for k, v in scope.get("headers", ()) if k == name]
+        if len(values) > 1:
+            raise _BadKey(f"the {what} header is given more than once")
+        if not values or not values[0].strip():
+            return None
+        try:
+            return values[0].decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise _BadKey(f"the {what} header is not ASCII") from None
+
+    read.__name__ = what
+    return read
+
+
+github = _from_header(b"x-github-delivery", "X-GitHub-Delivery")
+"""GitHub webhooks: the delivery's GUID (the same on a redelivery)."""
+standard_webhooks = _from_header(b"webhook-id", "webhook-id")
+"""Standard Webhooks (Svix and the providers using it): the message id."""
+shopify = _from_header(b"x-shopify-webhook-id", "X-Shopify-Webhook-Id")
+"""Shopify webhooks: the webhook's id (the same on a retry)."""
+
+
+def stripe(scope: Scope, body: bytes) -> str | None:
+    """Stripe webhooks: the event's ``id`` in the JSON body (the same on a retry)."""
+    try:
+        event = json.loads(body)
+    except ValueError:
+        raise _BadKey("the body is not JSON: no Stripe event id") from None
+    found = event.get("id") if isinstance(event, dict) else None
+    return found if isinstance(found, str) and found else None
 
 
 def parse_key(values: list[bytes], *, bare: bool = False) -> str | None:
@@ -142,6 +190,13 @@ class IdempotencyMiddleware:
     (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
     waits for a running first request instead of getting 409; ``max_request_bytes`` and
     ``max_stored_bytes``: the request body read for the fingerprint, the response body kept.
+
+    ``key``: for webhooks, where the provider's delivery id is (:func:`github`,
+    :func:`stripe`, :func:`standard_webhooks`, :func:`shopify`, or your own :data:`KeyFrom`)
+    instead of the ``Idempotency-Key`` header: every request it applies to needs one (400
+    without), and a redelivery is answered at once with the first response (a 2xx: the
+    provider stops retrying). Verify the provider's signature before this middleware (an
+    outer middleware), so an unsigned request never claims a key.
     """
 
     def __init__(
@@ -158,6 +213,7 @@ class IdempotencyMiddleware:
         wait: timedelta | None = None,
         max_request_bytes: int = 1 << 20,
         max_stored_bytes: int = 1 << 20,
+        key: KeyFrom | None = None,
     ) -> None:
         if not isinstance(inbox, AsyncInbox):
             raise ConfigurationError("IdempotencyMiddleware takes an AsyncInbox (inbox=...)")
@@ -174,6 +230,7 @@ class IdempotencyMiddleware:
         self._wait = wait
         self._max_request = max_request_bytes
         self._max_stored = max_stored_bytes
+        self._key_from = key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -183,14 +240,20 @@ class IdempotencyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
+        body: bytes | None = None
+        key: str | None
         try:
-            key = parse_key(
-                [v for k, v in scope.get("headers", ()) if k == HEADER], bare=self._bare
-            )
+            if self._key_from is None:
+                key = parse_key(
+                    [v for k, v in scope.get("headers", ()) if k == HEADER], bare=self._bare
+                )
+            else:
+                body = await _read_body(receive, self._max_request)
+                key = None if body is None else self._key_from(scope, body)
         except _BadKey as exc:
             await _problem(send, 400, "Invalid Idempotency-Key", str(exc))
             return
-        if key is None:
+        if key is None and self._key_from is None:
             required = self._required
             if required is True or (callable(required) and required(scope)):
                 await _problem(
@@ -199,7 +262,8 @@ class IdempotencyMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive, self._max_request)
+        if self._key_from is None:
+            body = await _read_body(receive, self._max_request)
         if body is None:
             await _problem(
                 send,
@@ -208,6 +272,10 @@ class IdempotencyMiddleware:
                 f"the body is over {self._max_request} bytes, the most this endpoint reads to "
                 "recognise a repeat; the request was not run",
             )
+            return
+        if key is None:
+            name = getattr(self._key_from, "__name__", "key")
+            await _problem(send, 400, "Delivery id missing", f"the request has no {name}")
             return
         who = self._principal(scope)
         if not isinstance(who, str):

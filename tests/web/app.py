@@ -1,7 +1,8 @@
 """The app ``tests/web`` serves with uvicorn, in a process of its own: ``POST /orders`` books
 an order (one effect per run, counted), ``GET /effects`` says how many ran. The store and the
 app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST_HTTP_APP``:
-``plain`` ASGI or ``starlette``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys)."""
+``plain`` ASGI or ``starlette``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
+``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,24 @@ from collections import Counter
 from typing import Any
 
 import oncely
-from oncely.http import IdempotencyMiddleware, Receive, Scope, Send
+from oncely.http import (
+    IdempotencyMiddleware,
+    KeyFrom,
+    Receive,
+    Scope,
+    Send,
+    github,
+    shopify,
+    standard_webhooks,
+    stripe,
+)
 
+WEBHOOKS: dict[str, KeyFrom] = {
+    "github": github,
+    "stripe": stripe,
+    "standard": standard_webhooks,
+    "shopify": shopify,
+}
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 
@@ -105,6 +122,7 @@ class Lazy:
                 bare_keys=os.environ.get("ONCELY_TEST_HTTP_BARE") == "1",
                 principal=lambda s: dict(s["headers"]).get(b"x-client", b"anon").decode(),
                 max_stored_bytes=4096,
+                key=WEBHOOKS.get(os.environ.get("ONCELY_TEST_HTTP_WEBHOOK", "")),
             )
         await self.app(scope, receive, send)
 

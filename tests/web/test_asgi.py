@@ -258,3 +258,38 @@ def test_r19_quoted_and_bare_forms_are_one_key_when_bare_keys_are_accepted(
             assert json.loads(client.get("/effects").content) == {"q": 1}
     finally:
         drop()
+
+
+@pytest.mark.parametrize(
+    ("provider", "header"),
+    [
+        ("github", "X-GitHub-Delivery"),
+        ("standard", "webhook-id"),
+        ("shopify", "X-Shopify-Webhook-Id"),
+        ("stripe", None),
+    ],
+)
+def test_r19_a_webhook_redelivery_is_answered_2xx_at_once_and_runs_once(
+    tmp_path: Path, provider: str, header: str | None
+) -> None:
+    """The provider's delivery id is the key (no Idempotency-Key): its redelivery gets the
+    first 2xx again, so the provider stops retrying; a request without one is 400."""
+    url, drop = _store("sqlite", tmp_path)
+    delivery = f"evt_{uuid.uuid4().hex[:12]}"
+    event = {"id": delivery if header is None else "ignored", "type": "charge.succeeded"}
+    headers = {} if header is None else {header: delivery}
+    try:
+        with (
+            serving(url, "plain", ONCELY_TEST_HTTP_WEBHOOK=provider) as base,
+            httpx.Client(base_url=base) as client,
+        ):
+            first = client.post("/orders", json=event, headers=headers)
+            again = client.post("/orders", json=event, headers=headers)
+            assert first.status_code == again.status_code == 201
+            assert again.headers["idempotent-replayed"] == "true"
+            assert again.content == first.content
+            anonymous = client.post("/orders", json={"type": "ping"})
+            assert anonymous.status_code == 400
+            assert json.loads(client.get("/effects").content) == {event["id"]: 1}
+    finally:
+        drop()
