@@ -42,10 +42,10 @@ import base64
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from datetime import timedelta
 from typing import Any
-from urllib.parse import quote
 
 from oncely._core.outcomes import Handled, Outcome
 from oncely.errors import ConfigurationError
@@ -81,6 +81,16 @@ _NOT_KEPT = frozenset({b"date", b"server", b"set-cookie"})
 
 class _BadKey(ValueError):
     pass
+
+
+_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"[ \t]*(?:;.*)?')
+_ESCAPE = re.compile(r"\\(.)")
+"""An RFC 8941 String (printable ASCII, ``\\"`` and ``\\\\`` escapes), then parameters."""
+
+
+def _part(text: str) -> str:
+    """``text`` as one part of a scoped key: ``%`` and ``:`` escaped, so parts never merge."""
+    return text.replace("%", "%25").replace(":", "%3A") if ("%" in text or ":" in text) else text
 
 
 KeyFrom = Callable[[Scope, bytes], str | None]
@@ -141,26 +151,30 @@ def parse_key(values: list[bytes], *, bare: bool = False) -> str | None:
             'the Idempotency-Key header must be a quoted string (Idempotency-Key: "8e03978e-'
             '40d5-43e8-bc93-6894a57f9324")'
         )
-    out: list[str] = []
+    found = _SF_STRING.fullmatch(text)
+    if found is None:
+        _explain(text)
+    assert found is not None
+    if not found.group(1):
+        raise _BadKey("the Idempotency-Key is empty")
+    inner = found.group(1)
+    return _ESCAPE.sub(r"\1", inner) if "\\" in inner else inner
+
+
+def _explain(text: str) -> None:
+    """Raise the reason ``text`` (starting with a quote) is not an RFC 8941 String."""
     i = 1
     while i < len(text):
         c = text[i]
         if c == "\\":
             if i + 1 >= len(text) or text[i + 1] not in '"\\':
                 raise _BadKey("the Idempotency-Key string has an invalid escape")
-            out.append(text[i + 1])
             i += 2
             continue
         if c == '"':
-            rest = text[i + 1 :].strip(" \t")
-            if rest and not rest.startswith(";"):
-                raise _BadKey("the Idempotency-Key header has text after its string")
-            if not out:
-                raise _BadKey("the Idempotency-Key is empty")
-            return "".join(out)
+            raise _BadKey("the Idempotency-Key header has text after its string")
         if not 0x20 <= ord(c) <= 0x7E:
             raise _BadKey("the Idempotency-Key string holds a character outside printable ASCII")
-        out.append(c)
         i += 1
     raise _BadKey("the Idempotency-Key string is not closed")
 
@@ -281,9 +295,7 @@ class IdempotencyMiddleware:
         if not isinstance(who, str):
             who = await who
         path = scope.get("path", "")
-        scoped = ":".join(
-            quote(part, safe="") for part in ("http", who, scope["method"], path, key)
-        )
+        scoped = f"http:{_part(who)}:{scope['method']}:{_part(path)}:{_part(key)}"
         fingerprint = {
             "query": scope.get("query_string", b"").decode("latin-1"),
             "body": hashlib.sha256(body).hexdigest(),

@@ -1,0 +1,195 @@
+"""HTTP endpoints with and without an idempotency middleware, side by side:
+``python bench/web.py``.
+
+A trivial ``POST /orders`` (``bench/web_app.py``) served by uvicorn (one worker, its own
+process) four ways: bare; behind ``oncely.http.IdempotencyMiddleware`` on the Redis store and
+on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis.
+
+A client (a minimal keep-alive HTTP/1.1 client over ``--connections`` connections) sends
+``--requests`` requests with a new ``Idempotency-Key`` each (``new key``), then the same
+requests again (``replay``: each key's stored response). Every answer is checked (status 201
+and the body), or the run fails. Variants run in rounds with a rotating order; the table
+reports medians of requests per second, and each against the bare endpoint.
+
+Writes ``bench/results/http.md`` and ``http.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+import redis
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis")
+REDIS = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(variant: str, space: str) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "ONCELY_BENCH_HTTP": variant, "ONCELY_BENCH_SPACE": space}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "web_app:app", "--port", str(port),
+         "--log-level", "warning", "--no-access-log"],
+        cwd=HERE, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn ({variant}) did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+async def _post(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, key: str
+) -> tuple[int, bytes]:
+    """One keep-alive ``POST /orders`` on a raw connection: (status, body). A client of a few
+    lines, so that the client is not the floor (httpx spends more CPU per request than this
+    endpoint's server does)."""
+    body = b'{"sku": 7}'
+    writer.write(
+        b"POST /orders HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: "
+        b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n"
+        b'Idempotency-Key: "' + key.encode() + b'"\r\n\r\n' + body
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length, chunked = 0, False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    if not chunked:
+        return status, await reader.readexactly(length)
+    parts = []
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+    await reader.readuntil(b"\r\n")
+    return status, b"".join(parts)
+
+
+async def drive(base: str, keys: list[str], connections: int) -> float:
+    """Seconds to send one POST per key, ``connections`` at a time; checks each answer."""
+    host, port = base.removeprefix("http://").split(":")
+    queue = list(reversed(keys))
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while queue:
+                k = queue.pop()
+                status, got = await _post(reader, writer, host, k)
+                if status != 201 or got != b'{"order": "created", "amount": 42}':
+                    raise RuntimeError(f"unexpected answer {status} {got!r}")
+        finally:
+            writer.close()
+
+    reader, writer = await asyncio.open_connection(host, int(port))
+    await _post(reader, writer, host, "warm-up")
+    writer.close()
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    return time.perf_counter() - started
+
+
+def clean(space: str) -> None:
+    client = redis.Redis.from_url(REDIS)
+    for name in client.scan_iter(match=f"{space}*"):
+        client.delete(name)
+    client.close()
+    with psycopg.connect(POSTGRES, autocommit=True) as conn:
+        conn.execute(f'DROP TABLE IF EXISTS "{space}", "{space}_meta"')
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/web.py", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--variant", action="append", choices=VARIANTS)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    chosen = tuple(v for v in VARIANTS if not args.variant or v in args.variant)
+    rates: dict[str, dict[str, list[float]]] = {v: {"new key": [], "replay": []} for v in chosen}
+    for r in range(args.rounds):
+        order = chosen[r % len(chosen) :] + chosen[: r % len(chosen)]
+        for variant in order:
+            space = f"bench_http_{uuid.uuid4().hex[:8]}"
+            keys = [str(uuid.uuid4()) for _ in range(args.requests)]
+            try:
+                with serving(variant, space) as base:
+                    for phase in ("new key", "replay"):
+                        seconds = asyncio.run(drive(base, keys, args.connections))
+                        rate = args.requests / seconds
+                        rates[variant][phase].append(rate)
+                        print(f"  {variant:<16} {phase:<8} {rate:8,.0f} req/s", flush=True)
+            finally:
+                clean(space)
+    command = "python bench/web.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
+    med = {v: {ph: statistics.median(x) for ph, x in d.items()} for v, d in rates.items()}
+    bare = med.get("bare", {}).get("new key")
+    lines = [
+        "| endpoint | new key (req/s) | replay (req/s) | new key / bare | replay / bare |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for v, m in med.items():
+        ratio = (f"{m['new key'] / bare:.2f}x", f"{m['replay'] / bare:.2f}x") if bare else ("", "")
+        lines.append(
+            f"| {v} | {m['new key']:,.0f} | {m['replay']:,.0f} | {ratio[0]} | {ratio[1]} |"
+        )
+    text = "\n".join(lines)
+    print()
+    print(text)
+    if not args.no_save:
+        header = (
+            f"# HTTP endpoints with and without an idempotency middleware\n\n`{command}` on "
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, {args.requests} "
+            f"requests per phase, {args.connections} connections, {args.rounds} rounds; "
+            "medians of requests per second (the bare endpoint ignores the header, so its two "
+            "phases are the same work).\n\n"
+        )
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "http.md").write_text(header + text + "\n")
+        (args.out / "http.json").write_text(
+            json.dumps({"command": command, "rates": rates}, indent=1) + "\n"
+        )
+        print(f"wrote {args.out / 'http.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
