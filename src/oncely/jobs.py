@@ -1,0 +1,114 @@
+"""Scheduled jobs run once per schedule slot: a guard for cron-like runners that overlap,
+restart or fire twice.
+
+::
+
+    from oncely.jobs import run_once
+
+    inbox = oncely.Inbox(oncely.open("postgresql://..."), consumer="jobs")
+    handled = run_once(inbox, "daily-report", send_report, every="day", tz="Europe/Rome")
+
+Each run is keyed by its job name and the slot it belongs to (``daily-report:2026-12-01``,
+from ``every`` and the time zone ``tz``), so two runners firing for the same slot run the job
+once. A run that overlaps one still running gets ``in_flight`` (it skips; with ``wait=``, it
+waits for the first and gets its result); a run after the slot's job finished gets
+``duplicate`` with the first run's result; a run whose job raised released the slot, so the
+next run of that slot tries again (``failed``). The job holds a lease renewed while it runs:
+a runner killed mid-job stops renewing, and once the lease lapses the next run of the slot
+takes it over (``stale_reclaimed``), or does what the inbox's ``on_stale`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Literal, TypeVar
+from zoneinfo import ZoneInfo
+
+from oncely._core.outcomes import Handled
+from oncely.errors import ConfigurationError
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.sync_inbox import Inbox
+
+__all__ = ["Every", "run_once", "run_once_async", "slot"]
+
+R = TypeVar("R")
+Every = Literal["minute", "hour", "day", "week", "month"] | timedelta
+"""A schedule's period: a calendar unit in the time zone, or a fixed span (slots counted from
+the epoch, in UTC)."""
+
+
+def _zone(tz: str | tzinfo) -> tzinfo:
+    if isinstance(tz, tzinfo):
+        return tz
+    try:
+        return ZoneInfo(tz)
+    except Exception as exc:
+        raise ConfigurationError(f"unknown time zone {tz!r}: {exc}") from None
+
+
+def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinfo = "UTC") -> str:
+    """The key of the run of job ``name`` that ``at`` (default: now) falls in: ``name:`` then
+    the slot's start in ``tz`` (``2026-12-01`` for a day, ``2026-12-01T13`` for an hour,
+    ``2026-12-01T13:05`` for a minute, ``2026-W49`` for an ISO week, ``2026-12`` for a month;
+    for a ``timedelta``, the slot's start in UTC to the second)."""
+    if not name or ":" in name:
+        raise ConfigurationError("a job name is not empty and holds no ':'")
+    moment = at if at is not None else datetime.now(UTC)
+    if moment.tzinfo is None:
+        raise ConfigurationError("at= must be timezone-aware")
+    if isinstance(every, timedelta):
+        span = int(every.total_seconds())
+        if span < 1 or every != timedelta(seconds=span):
+            raise ConfigurationError("a timedelta period is a whole number of seconds, >= 1s")
+        start = int(moment.timestamp()) // span * span
+        return f"{name}:{datetime.fromtimestamp(start, UTC):%Y-%m-%dT%H:%M:%SZ}"
+    local = moment.astimezone(_zone(tz))
+    if every == "minute":
+        return f"{name}:{local:%Y-%m-%dT%H:%M}"
+    if every == "hour":
+        return f"{name}:{local:%Y-%m-%dT%H}"
+    if every == "day":
+        return f"{name}:{local:%Y-%m-%d}"
+    if every == "week":
+        year, week, _ = local.isocalendar()
+        return f"{name}:{year}-W{week:02d}"
+    if every == "month":
+        return f"{name}:{local:%Y-%m}"
+    raise ConfigurationError(
+        f"every must be minute, hour, day, week, month or a timedelta: {every!r}"
+    )
+
+
+def run_once(
+    inbox: Inbox,
+    name: str,
+    job: Callable[[], R],
+    *,
+    every: Every,
+    tz: str | tzinfo = "UTC",
+    at: datetime | None = None,
+    wait: timedelta | None = None,
+) -> Handled[R]:
+    """Run ``job()`` unless this slot's run of ``name`` ran, or runs now (see the module)."""
+    key = slot(name, every, at=at, tz=tz)
+    return inbox.handle(key, {"job": name}, lambda _payload: job(), wait=wait)
+
+
+async def run_once_async(
+    inbox: AsyncInbox,
+    name: str,
+    job: Callable[[], Awaitable[R]],
+    *,
+    every: Every,
+    tz: str | tzinfo = "UTC",
+    at: datetime | None = None,
+    wait: timedelta | None = None,
+) -> Handled[R]:
+    """:func:`run_once` for an ``async def`` job on an :class:`~oncely.AsyncInbox`."""
+    key = slot(name, every, at=at, tz=tz)
+
+    async def run(_payload: object) -> R:
+        return await job()
+
+    return await inbox.handle(key, {"job": name}, run, wait=wait)
