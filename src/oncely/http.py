@@ -219,8 +219,8 @@ class IdempotencyMiddleware:
         *,
         inbox: AsyncInbox,
         methods: Iterable[str] = ("POST", "PATCH"),
-        applies: Callable[[Scope], bool] | None = None,
-        required: bool | Callable[[Scope], bool] = False,
+        applies: Callable[[Any], bool] | None = None,
+        required: bool | Callable[[Any], bool] = False,
         bare_keys: bool = False,
         principal: Callable[[Scope], str | Awaitable[str]] = default_principal,
         store_status: Callable[[int], bool] = default_store_status,
@@ -246,6 +246,49 @@ class IdempotencyMiddleware:
         self._max_stored = max_stored_bytes
         self._key_from = key
 
+    def _header_step(
+        self, headers: Iterable[tuple[bytes, bytes]], scope: Any
+    ) -> str | Reply | _FromBody | None:
+        """From the headers alone: the key, a reply (a bad or missing key), ``_FROM_BODY``
+        (the key is in the body, ``key=``), or None (no key, not required: pass through)."""
+        if self._key_from is not None:
+            return FROM_BODY
+        try:
+            key = parse_key([bytes(v) for k, v in headers if k == HEADER], bare=self._bare)
+        except _BadKey as exc:
+            return problem(400, "Invalid Idempotency-Key", str(exc))
+        if key is not None:
+            return key
+        required = self._required
+        if required is True or (callable(required) and required(scope)):
+            return problem(
+                400, "Idempotency-Key required", "this endpoint needs an Idempotency-Key"
+            )
+        return None
+
+    def _body_step(
+        self, headers: Iterable[tuple[bytes, bytes]], body: bytes | None, key: str | None
+    ) -> str | Reply:
+        """With the body read: the key, or the reply that refuses the request."""
+        if body is None:
+            return problem(
+                413,
+                "Request too large for idempotency",
+                f"the body is over {self._max_request} bytes, the most this endpoint reads to "
+                "recognise a repeat; the request was not run",
+            )
+        if key is not None:
+            return key
+        assert self._key_from is not None
+        try:
+            found = self._key_from({"headers": list(headers)}, body)
+        except _BadKey as exc:
+            return problem(400, "Invalid delivery id", str(exc))
+        if found is None:
+            name = getattr(self._key_from, "__name__", "key")
+            return problem(400, "Delivery id missing", f"the request has no {name}")
+        return found
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
@@ -254,53 +297,27 @@ class IdempotencyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        body: bytes | None = None
-        key: str | None
-        try:
-            if self._key_from is None:
-                key = parse_key(
-                    [v for k, v in scope.get("headers", ()) if k == HEADER], bare=self._bare
-                )
-            else:
-                body = await _read_body(receive, self._max_request)
-                key = None if body is None else self._key_from(scope, body)
-        except _BadKey as exc:
-            await _problem(send, 400, "Invalid Idempotency-Key", str(exc))
-            return
-        if key is None and self._key_from is None:
-            required = self._required
-            if required is True or (callable(required) and required(scope)):
-                await _problem(
-                    send, 400, "Idempotency-Key required", "this endpoint needs an Idempotency-Key"
-                )
-                return
+        headers = scope.get("headers", ())
+        first = self._header_step(headers, scope)
+        if first is None:
             await self.app(scope, receive, send)
             return
-        if self._key_from is None:
-            body = await _read_body(receive, self._max_request)
-        if body is None:
-            await _problem(
-                send,
-                413,
-                "Request too large for idempotency",
-                f"the body is over {self._max_request} bytes, the most this endpoint reads to "
-                "recognise a repeat; the request was not run",
-            )
+        if isinstance(first, tuple):
+            await _send(send, first)
             return
-        if key is None:
-            name = getattr(self._key_from, "__name__", "key")
-            await _problem(send, 400, "Delivery id missing", f"the request has no {name}")
+        body = await _read_body(receive, self._max_request)
+        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        if not isinstance(key, str):
+            await _send(send, key)
             return
+        assert body is not None
         who = self._principal(scope)
         if not isinstance(who, str):
             who = await who
-        path = scope.get("path", "")
-        scoped = f"http:{_part(who)}:{scope['method']}:{_part(path)}:{_part(key)}"
-        fingerprint = {
-            "query": scope.get("query_string", b"").decode("latin-1"),
-            "body": hashlib.sha256(body).hexdigest(),
-            "type": _header(scope, b"content-type"),
-        }
+        scoped = scoped_key(who, scope["method"], scope.get("path", ""), key)
+        fingerprint = request_fingerprint(
+            scope.get("query_string", b""), body, _header(headers, b"content-type")
+        )
         claimed: AsyncClaimed[Any] = await self.inbox.claim(scoped, fingerprint, wait=self._wait)
         if not claimed.won:
             assert claimed.handled is not None
@@ -360,10 +377,11 @@ class IdempotencyMiddleware:
         size: int,
     ) -> None:
         """Keep the response (complete the claim), or give the claim back."""
-        if not status or not self._store_status(status):
-            await claimed.release(f"the app answered {status or 'nothing'}: not kept")
+        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        if isinstance(decided, str):
+            await claimed.release(decided)
             return
-        if size > self._max_stored:
+        if "too_large" in decided:
             LOGGER.warning(
                 "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it "
                 "was sent but not kept, and a repeat cannot be replayed",
@@ -371,64 +389,118 @@ class IdempotencyMiddleware:
                 size,
                 self._max_stored,
             )
-            await claimed.complete({"v": _FORMAT, "status": status, "too_large": size})
-            return
-        kept = [
+        await claimed.complete(decided)
+
+    async def _answer(self, send: Send, handled: Handled[Any]) -> None:
+        await _send(send, answer(handled))
+
+
+Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""A response: status, headers, body."""
+
+
+def answer(handled: Handled[Any]) -> Reply:
+    """The response to a request whose key was not won: the stored response replayed, or the
+    problem that says why it is not run."""
+    outcome = handled.outcome
+    if outcome is Outcome.DUPLICATE:
+        stored = handled.value
+        if isinstance(stored, dict) and stored.get("v") == _FORMAT and "body" in stored:
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored["headers"]]
+            headers.append(REPLAYED)
+            return int(stored["status"]), headers, base64.b64decode(stored["body"])
+        return problem(
+            409,
+            "Response not replayable",
+            "the first request with this key ran, but its response was not kept (over "
+            "max_stored_bytes); it is not run again",
+        )
+    if outcome is Outcome.IN_FLIGHT:
+        return problem(
+            409,
+            "Request in progress",
+            "a request with this Idempotency-Key is still running; retry later",
+            retry_after=1,
+        )
+    if outcome is Outcome.KEY_CONFLICT:
+        return problem(
+            422,
+            "Idempotency-Key reused",
+            "this Idempotency-Key was used for a request with another body or query",
+        )
+    if outcome is Outcome.REJECTED:
+        return problem(400, "Invalid Idempotency-Key", handled.reason or "refused")
+    return problem(409, "Request needs attention", handled.reason or outcome.value, retry_after=60)
+
+
+def problem(status: int, title: str, detail: str, *, retry_after: int | None = None) -> Reply:
+    """An RFC 9457 problem details response."""
+    body = json.dumps(
+        {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return status, headers, body
+
+
+def scoped_key(who: str, method: str, path: str, key: str) -> str:
+    """The inbox key of a request: its principal, method, path and Idempotency-Key."""
+    return f"http:{_part(who)}:{method}:{_part(path)}:{_part(key)}"
+
+
+def request_fingerprint(query: bytes, body: bytes, content_type: str | None) -> dict[str, Any]:
+    """What must match for a repeat to be the same request (beside its method and path)."""
+    return {
+        "query": query.decode("latin-1"),
+        "body": hashlib.sha256(body).hexdigest(),
+        "type": content_type,
+    }
+
+
+def kept(
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    chunks: list[bytes],
+    size: int,
+    max_stored: int,
+    store_status: Callable[[int], bool],
+) -> dict[str, Any] | str:
+    """What to complete the claim with (the stored response), or why to release it."""
+    if not status or not store_status(status):
+        return f"the app answered {status or 'nothing'}: not kept"
+    if size > max_stored:
+        return {"v": _FORMAT, "status": status, "too_large": size}
+    return {
+        "v": _FORMAT,
+        "status": status,
+        "headers": [
             [k.decode("latin-1"), v.decode("latin-1")]
             for k, v in headers
             if k.lower() not in _NOT_KEPT
-        ]
-        await claimed.complete(
-            {
-                "v": _FORMAT,
-                "status": status,
-                "headers": kept,
-                "body": base64.b64encode(b"".join(chunks)).decode("ascii"),
-            }
-        )
-
-    async def _answer(self, send: Send, handled: Handled[Any]) -> None:
-        outcome = handled.outcome
-        if outcome is Outcome.DUPLICATE:
-            stored = handled.value
-            if isinstance(stored, dict) and stored.get("v") == _FORMAT and "body" in stored:
-                await _replay(send, stored)
-                return
-            await _problem(
-                send,
-                409,
-                "Response not replayable",
-                "the first request with this key ran, but its response was not kept (over "
-                "max_stored_bytes); it is not run again",
-            )
-            return
-        if outcome is Outcome.IN_FLIGHT:
-            await _problem(
-                send,
-                409,
-                "Request in progress",
-                "a request with this Idempotency-Key is still running; retry later",
-                retry_after=1,
-            )
-            return
-        if outcome is Outcome.KEY_CONFLICT:
-            await _problem(
-                send,
-                422,
-                "Idempotency-Key reused",
-                "this Idempotency-Key was used for a request with another body or query",
-            )
-            return
-        if outcome is Outcome.REJECTED:
-            await _problem(send, 400, "Invalid Idempotency-Key", handled.reason or "refused")
-            return
-        await _problem(
-            send, 409, "Request needs attention", handled.reason or outcome.value, retry_after=60
-        )
+        ],
+        "body": base64.b64encode(b"".join(chunks)).decode("ascii"),
+    }
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers", ()):
+async def _send(send: Send, reply: Reply) -> None:
+    status, headers, body = reply
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _FromBody:
+    """The key is read from the body (``key=``)."""
+
+
+FROM_BODY = _FromBody()
+
+
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
         if k == name:
             return bytes(v).decode("latin-1")
     return None
@@ -450,26 +522,3 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(parts)
-
-
-async def _replay(send: Send, stored: dict[str, Any]) -> None:
-    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored["headers"]]
-    headers.append(REPLAYED)
-    await send({"type": "http.response.start", "status": stored["status"], "headers": headers})
-    await send({"type": "http.response.body", "body": base64.b64decode(stored["body"])})
-
-
-async def _problem(
-    send: Send, status: int, title: str, detail: str, *, retry_after: int | None = None
-) -> None:
-    body = json.dumps(
-        {"type": "about:blank", "title": title, "status": status, "detail": detail}
-    ).encode()
-    headers = [
-        (b"content-type", b"application/problem+json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
