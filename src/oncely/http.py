@@ -1,6 +1,8 @@
 """HTTP endpoints made idempotent with the ``Idempotency-Key`` request header
 (draft-ietf-httpapi-idempotency-key-header): an ASGI middleware on an
-:class:`~oncely.AsyncInbox`, for Starlette, FastAPI, Litestar or any ASGI app::
+:class:`~oncely.AsyncInbox`, for Starlette, FastAPI, Litestar or any ASGI app (and
+:class:`WSGIIdempotencyMiddleware` on a sync :class:`~oncely.Inbox`, for Flask, Django or any
+WSGI app)::
 
     from oncely.http import IdempotencyMiddleware
 
@@ -33,27 +35,32 @@ is sent to the client but not kept: a repeat then gets ``409`` saying it cannot 
 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
-claim. Tested with uvicorn on SQLite, PostgreSQL and Redis (``tests/web``).
+claim. Tested with uvicorn (a plain ASGI app and a Starlette one) and a threaded
+``wsgiref`` server (a Flask app) on SQLite, PostgreSQL and Redis (``tests/web``).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from datetime import timedelta
+from http import HTTPStatus
 from typing import Any
 
 from oncely._core.outcomes import Handled, Outcome
 from oncely.errors import ConfigurationError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
+from oncely.inbox.sync_inbox import Claimed, Inbox
 
 __all__ = [
     "IdempotencyMiddleware",
     "KeyFrom",
+    "WSGIIdempotencyMiddleware",
     "default_principal",
     "default_store_status",
     "github",
@@ -195,8 +202,9 @@ def default_store_status(status: int) -> bool:
     return 200 <= status < 500 and status not in (408, 409, 425, 429)
 
 
-class IdempotencyMiddleware:
-    """The ASGI middleware (see the module docstring).
+class _Policy:
+    """What both middlewares share: the options (see the module docstring) and the steps
+    that decide, from the headers and the body, the key or the reply that refuses.
 
     ``methods``: the methods it applies to (POST and PATCH); ``applies(scope)``: a further
     filter (routes); ``required``: whether a request it applies to must carry the header (or a
@@ -215,26 +223,20 @@ class IdempotencyMiddleware:
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
-        inbox: AsyncInbox,
         methods: Iterable[str] = ("POST", "PATCH"),
         applies: Callable[[Any], bool] | None = None,
         required: bool | Callable[[Any], bool] = False,
         bare_keys: bool = False,
-        principal: Callable[[Scope], str | Awaitable[str]] = default_principal,
+        principal: Callable[[Any], str | Awaitable[str]] = default_principal,
         store_status: Callable[[int], bool] = default_store_status,
         wait: timedelta | None = None,
         max_request_bytes: int = 1 << 20,
         max_stored_bytes: int = 1 << 20,
         key: KeyFrom | None = None,
     ) -> None:
-        if not isinstance(inbox, AsyncInbox):
-            raise ConfigurationError("IdempotencyMiddleware takes an AsyncInbox (inbox=...)")
         if max_request_bytes < 0 or max_stored_bytes < 0:
             raise ConfigurationError("max_request_bytes and max_stored_bytes are not negative")
-        self.app = app
-        self.inbox = inbox
         self.methods = frozenset(m.upper() for m in methods)
         self._applies = applies
         self._required = required
@@ -288,6 +290,36 @@ class IdempotencyMiddleware:
             name = getattr(self._key_from, "__name__", "key")
             return problem(400, "Delivery id missing", f"the request has no {name}")
         return found
+
+
+class IdempotencyMiddleware(_Policy):
+    """The ASGI middleware on an :class:`~oncely.AsyncInbox` (see the module docstring;
+    the options are :class:`WSGIIdempotencyMiddleware`'s too).
+
+    ``methods``: the methods it applies to (POST and PATCH); ``applies(scope)``: a further
+    filter (routes); ``required``: whether a request it applies to must carry the header (or a
+    predicate of the scope); ``bare_keys``: accept an unquoted key; ``principal``: who asks
+    (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
+    waits for a running first request instead of getting 409; ``max_request_bytes`` and
+    ``max_stored_bytes``: the request body read for the fingerprint, the response body kept.
+
+    ``key``: for webhooks, where the provider's delivery id is (:func:`github`,
+    :func:`stripe`, :func:`standard_webhooks`, :func:`shopify`, or your own :data:`KeyFrom`)
+    instead of the ``Idempotency-Key`` header: every request it applies to needs one (400
+    without), and a redelivery is answered at once with the first response (a 2xx: the
+    provider stops retrying). Verify the provider's signature before this middleware (an
+    outer middleware), so an unsigned request never claims a key.
+    """
+
+    def __init__(self, app: ASGIApp, *, inbox: AsyncInbox, **options: Any) -> None:
+        if not isinstance(inbox, AsyncInbox):
+            raise ConfigurationError(
+                "IdempotencyMiddleware takes an AsyncInbox (inbox=...); for a sync Inbox, "
+                "WSGIIdempotencyMiddleware"
+            )
+        super().__init__(**options)
+        self.app = app
+        self.inbox = inbox
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -522,3 +554,138 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(parts)
+
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _wsgi_headers(environ: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The request headers of a WSGI environ, as ASGI names them (lower case, dashes)."""
+    found = [
+        (name[5:].replace("_", "-").lower().encode("latin-1"), str(value).encode("latin-1"))
+        for name, value in environ.items()
+        if name.startswith("HTTP_")
+    ]
+    if environ.get("CONTENT_TYPE"):
+        found.append((b"content-type", str(environ["CONTENT_TYPE"]).encode("latin-1")))
+    return found
+
+
+class WSGIIdempotencyMiddleware(_Policy):
+    """The same middleware for a WSGI app (Flask, Django, any WSGI app) on a sync
+    :class:`~oncely.Inbox`, with the same options (``principal`` and the predicates get the
+    WSGI environ). The app's response is buffered until it ends (the claim ends before the
+    client sees it), so a streamed WSGI response reaches the client at its end.
+
+    A WSGI server merges a repeated ``Idempotency-Key`` header into one value: such a
+    request is refused (400) as a header with text after its string."""
+
+    def __init__(self, app: WSGIApp, *, inbox: Inbox, **options: Any) -> None:
+        if not isinstance(inbox, Inbox):
+            raise ConfigurationError(
+                "WSGIIdempotencyMiddleware takes a sync Inbox (inbox=...); for an AsyncInbox, "
+                "IdempotencyMiddleware (ASGI)"
+            )
+        super().__init__(**options)
+        self.app = app
+        self.inbox = inbox
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
+        if method not in self.methods or (self._applies is not None and not self._applies(environ)):
+            return self.app(environ, start_response)
+        headers = _wsgi_headers(environ)
+        first = self._header_step(headers, environ)
+        if first is None:
+            return self.app(environ, start_response)
+        if isinstance(first, tuple):
+            return _respond(start_response, first)
+        body = self._read(environ)
+        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        if not isinstance(key, str):
+            return _respond(start_response, key)
+        assert body is not None
+        if self._principal is default_principal:
+            who = default_principal({"headers": headers})
+        else:
+            found = self._principal(environ)
+            if not isinstance(found, str):
+                raise ConfigurationError("a WSGI middleware's principal returns a str")
+            who = found
+        scoped = scoped_key(who, method, str(environ.get("PATH_INFO", "")), key)
+        fingerprint = request_fingerprint(
+            str(environ.get("QUERY_STRING", "")).encode("latin-1"),
+            body,
+            _header(headers, b"content-type"),
+        )
+        claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        if not claimed.won:
+            assert claimed.handled is not None
+            return _respond(start_response, answer(claimed.handled))
+        return self._run(environ, body, start_response, claimed)
+
+    def _read(self, environ: dict[str, Any]) -> bytes | None:
+        try:
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        if length > self._max_request:
+            return None
+        stream = environ.get("wsgi.input")
+        body = stream.read(length) if stream is not None and length else b""
+        return bytes(body)
+
+    def _run(
+        self,
+        environ: dict[str, Any],
+        body: bytes,
+        start_response: Callable[..., Any],
+        claimed: Claimed[Any],
+    ) -> Iterable[bytes]:
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        started: list[Any] = []
+
+        def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            started[:] = [status, headers]
+            return lambda data: chunks.append(bytes(data))  # the legacy write()
+
+        chunks: list[bytes] = []
+        try:
+            result = self.app(environ, capture)
+            try:
+                for chunk in result:
+                    chunks.append(bytes(chunk))
+            finally:
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as exc:
+            claimed.release(f"the app raised {type(exc).__name__}: {exc}")
+            raise
+        status_line, raw_headers = started if started else ("500 Internal Server Error", [])
+        status = int(str(status_line).split(" ", 1)[0])
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers]
+        size = sum(len(c) for c in chunks)
+        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        if isinstance(decided, str):
+            claimed.release(decided)
+        else:
+            claimed.complete(decided)
+        start_response(status_line, raw_headers)
+        return chunks
+
+
+def _respond(start_response: Callable[..., Any], reply: Reply) -> list[bytes]:
+    status, headers, body = reply
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Status"
+    start_response(
+        f"{status} {phrase}",
+        [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+    )
+    return [body]

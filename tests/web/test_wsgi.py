@@ -1,0 +1,142 @@
+"""The WSGI middleware on a real server: a Flask app behind ``WSGIIdempotencyMiddleware`` on
+a sync Inbox, served by a threaded ``wsgiref`` server in a process of its own, driven by
+httpx, on SQLite, PostgreSQL and Redis stores (R19)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.brokers.common import free_port
+from tests.web.test_asgi import ROOT, _same_response, _store, key
+
+
+@contextlib.contextmanager
+def serving(store_url: str) -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.web.wsgi_app", str(port)],
+        cwd=ROOT,
+        env={**os.environ, "ONCELY_TEST_HTTP_STORE": store_url},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited: {process.stderr.read() if process.stderr else ''}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres", "redis"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    url, drop = _store(request.param, tmp_path_factory.mktemp(request.param))
+    try:
+        with serving(url) as base:
+            yield base
+    finally:
+        drop()
+
+
+def effects(client: httpx.Client) -> dict[str, int]:
+    return dict(client.get("/effects").json())
+
+
+def test_r19_wsgi_a_repeat_gets_the_first_response_byte_for_byte(server: str) -> None:
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"o-{uuid.uuid4().hex[:8]}"
+        first = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+        assert first.status_code == 201 and first.headers["x-app"] == "flask"
+        again = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true"
+        _same_response(first, again)
+        other = client.post("/orders", json={"id": order, "n": 2}, headers={"Idempotency-Key": k})
+        assert other.status_code == 422
+        missing = client.post("/orders", json={"id": "none"})
+        assert missing.status_code == 400
+        assert missing.headers["content-type"] == "application/problem+json"
+        assert effects(client).get(order) == 1 and "none" not in effects(client)
+
+
+def test_r19_wsgi_a_repeat_while_the_first_runs_is_409(server: str) -> None:
+    async def race() -> list[int]:
+        async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+            k, body = key(), {"id": f"slow-{uuid.uuid4().hex[:8]}", "sleep": 1.0}
+            first = asyncio.create_task(
+                client.post("/orders", json=body, headers={"Idempotency-Key": k})
+            )
+            await asyncio.sleep(0.3)
+            repeats = await asyncio.gather(
+                *(
+                    client.post("/orders", json=body, headers={"Idempotency-Key": k})
+                    for _ in range(3)
+                )
+            )
+            return [(await first).status_code, *(r.status_code for r in repeats)]
+
+    assert asyncio.run(race()) == [201, 409, 409, 409]
+
+
+def test_r19_wsgi_a_5xx_is_not_kept_clients_are_apart_and_big_responses_not_replayed(
+    server: str,
+) -> None:
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"f-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True}
+        assert client.post("/orders", json=body, headers={"Idempotency-Key": k}).status_code == 500
+        retry = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        assert effects(client)[order] == 2
+        shared, a, b = key(), f"a-{uuid.uuid4().hex[:8]}", f"b-{uuid.uuid4().hex[:8]}"
+        got_a = client.post(
+            "/orders", json={"id": a}, headers={"Idempotency-Key": shared, "X-Client": "A"}
+        )
+        got_b = client.post(
+            "/orders", json={"id": b}, headers={"Idempotency-Key": shared, "X-Client": "B"}
+        )
+        assert got_a.json()["order"] == a and got_b.json()["order"] == b
+        big = {"id": f"big-{uuid.uuid4().hex[:8]}", "pad": 10_000}
+        k = key()
+        assert client.post("/orders", json=big, headers={"Idempotency-Key": k}).status_code == 201
+        again = client.post("/orders", json=big, headers={"Idempotency-Key": k})
+        assert again.status_code == 409
+        assert effects(client)[big["id"]] == 1
+
+
+def test_r19_wsgi_middleware_refuses_an_async_inbox(tmp_path: Path) -> None:
+    import oncely
+    from oncely.http import IdempotencyMiddleware, WSGIIdempotencyMiddleware
+
+    with pytest.raises(oncely.ConfigurationError, match="sync Inbox"):
+        WSGIIdempotencyMiddleware(
+            lambda e, s: [], inbox=oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer="x")
+        )  # type: ignore[arg-type]
+    with pytest.raises(oncely.ConfigurationError, match="AsyncInbox"):
+        IdempotencyMiddleware(
+            lambda s, r, d: None, inbox=oncely.Inbox(oncely.MemoryStore(), consumer="x")
+        )  # type: ignore[arg-type]

@@ -1,0 +1,73 @@
+"""The Flask app ``tests/web/test_wsgi.py`` serves, with the WSGI middleware on a sync Inbox,
+from a threaded ``wsgiref`` server in a process of its own: ``python -m tests.web.wsgi_app
+PORT`` (the store from ``ONCELY_TEST_HTTP_STORE``). Routes as in ``tests/web/app.py``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from flask import Flask, jsonify, request
+
+import oncely
+from oncely.http import WSGIIdempotencyMiddleware
+
+EFFECTS: Counter[str] = Counter()
+FAILED_ONCE: set[str] = set()
+LOCK = threading.Lock()
+flask_app = Flask(__name__)
+
+
+@flask_app.post("/orders")
+def orders() -> Any:
+    body = request.get_json()
+    order = str(body.get("id"))
+    time.sleep(float(body.get("sleep", 0)))
+    with LOCK:
+        EFFECTS[order] += 1
+        if body.get("fail_once") and order not in FAILED_ONCE:
+            FAILED_ONCE.add(order)
+            return jsonify({"error": "the ledger is down"}), 500
+        run = EFFECTS[order]
+    answer = {"order": order, "run": run, "size": "x" * int(body.get("pad", 0))}
+    return jsonify(answer), 201, {"X-App": "flask"}
+
+
+@flask_app.get("/effects")
+def effects() -> Any:
+    with LOCK:
+        return jsonify(dict(EFFECTS))
+
+
+class Threaded(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def main() -> None:
+    inbox = oncely.Inbox(oncely.open(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api")
+    app = WSGIIdempotencyMiddleware(
+        flask_app.wsgi_app,
+        inbox=inbox,
+        required=lambda environ: environ["PATH_INFO"] == "/orders",
+        principal=lambda environ: environ.get("HTTP_X_CLIENT", "anon"),
+        max_stored_bytes=4096,
+    )
+    server = make_server(
+        "127.0.0.1", int(sys.argv[1]), app, server_class=Threaded, handler_class=Quiet
+    )
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
