@@ -35,7 +35,7 @@ is sent to the client but not kept: a repeat then gets ``409`` saying it cannot 
 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
-claim. Tested with uvicorn (a plain ASGI app and a Starlette one) and a threaded
+claim. Tested with uvicorn (a plain ASGI app, a Starlette one, a FastAPI one) and a threaded
 ``wsgiref`` server (a Flask app) on SQLite, PostgreSQL and Redis (``tests/web``).
 """
 

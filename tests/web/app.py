@@ -1,7 +1,7 @@
 """The app ``tests/web`` serves with uvicorn, in a process of its own: ``POST /orders`` books
 an order (one effect per run, counted), ``GET /effects`` says how many ran. The store and the
 app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST_HTTP_APP``:
-``plain`` ASGI or ``starlette``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
+``plain`` ASGI, ``starlette`` or ``fastapi``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
 ``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key)."""
 
 from __future__ import annotations
@@ -92,6 +92,27 @@ def starlette_app() -> Any:
     return Starlette(
         routes=[Route("/orders", orders, methods=["POST"]), Route("/effects", effects)]
     )
+
+
+def fastapi_app() -> Any:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    made = FastAPI()
+
+    @made.post("/orders")
+    async def orders(request: Request) -> JSONResponse:
+        status, answer = await book(await request.json())
+        return JSONResponse(answer, status_code=status, headers={"x-app": "fastapi"})
+
+    @made.get("/effects")
+    async def effects() -> dict[str, int]:
+        return dict(EFFECTS)
+
+    return made
+
+
+SHAPES = {"plain": lambda: plain, "starlette": starlette_app, "fastapi": fastapi_app}
 
 
 class Lazy:

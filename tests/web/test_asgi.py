@@ -1,6 +1,7 @@
 """The ASGI middleware on a real server: uvicorn serving ``tests/web/app.py`` (a plain ASGI
-app and a Starlette one) in a process of its own, driven by httpx, on SQLite, PostgreSQL and
-Redis stores. Each answer of draft-ietf-httpapi-idempotency-key-header has a test (R19)."""
+app, a Starlette one and a FastAPI one) in a process of its own, driven by httpx, on SQLite,
+PostgreSQL and Redis stores. Each answer of draft-ietf-httpapi-idempotency-key-header has a
+test (R19)."""
 
 from __future__ import annotations
 
@@ -98,9 +99,18 @@ def serving(store_url: str, app: str, **env: str) -> Iterator[str]:
         ("sqlite", "plain"),
         ("postgres", "starlette"),
         ("redis", "plain"),
+        ("redis", "fastapi"),
+        ("postgres", "fastapi"),
         ("sqlite", "starlette"),
     ],
-    ids=["sqlite-plain", "postgres-starlette", "redis-plain", "sqlite-starlette"],
+    ids=[
+        "sqlite-plain",
+        "postgres-starlette",
+        "redis-plain",
+        "redis-fastapi",
+        "postgres-fastapi",
+        "sqlite-starlette",
+    ],
 )
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
