@@ -30,6 +30,7 @@ else:
 import functools
 import inspect
 import logging
+import typing
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
@@ -56,10 +57,12 @@ from oncely._core.policy import (
     StaleClaim,
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
+from oncely._core.typed import reviver
 from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
     LeaseLost,
+    PayloadError,
     Reject,
     ResolveRefused,
     StoreError,
@@ -79,6 +82,8 @@ from oncely.wire import printable
 __all__ = ["AsyncClaimed", "AsyncInbox"]
 
 P = TypeVar("P")
+_ANNOTATED: Any = object()
+"""``idempotent(returns=...)`` left out: the function's return annotation."""
 R = TypeVar("R")
 Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
@@ -413,7 +418,11 @@ class AsyncInbox:
         )
 
     def idempotent(
-        self, *, key: Callable[..., str], wait: timedelta | None = timedelta(seconds=10)
+        self,
+        *,
+        key: Callable[..., str],
+        wait: timedelta | None = timedelta(seconds=10),
+        returns: Any = _ANNOTATED,
     ) -> Callable[[AsyncFunction[PS, R]], AsyncFunction[PS, R]]:
         """Decorate a function so each key runs once; repeats return the first result.
 
@@ -422,10 +431,23 @@ class AsyncInbox:
         raises :class:`~oncely.KeyConflict`. A call that finds the key in flight waits up to
         ``wait`` for it, then raises :class:`~oncely.InFlight`. A raising function releases
         the key and its exception propagates unchanged.
+
+        A repeat returns the first result as the type the function returns (its return
+        annotation, or ``returns=``): a dataclass, a pydantic model, a ``datetime``, a
+        ``Decimal``, lists and dicts of them, rebuilt from the stored form (``returns=None``:
+        the stored form as it is decoded).
         """
 
         def decorate(fn: AsyncFunction[PS, R]) -> AsyncFunction[PS, R]:
             signature = inspect.signature(fn)
+            if returns is _ANNOTATED:
+                try:
+                    wanted = typing.get_type_hints(fn).get("return", Any)
+                except Exception:  # a forward reference it cannot resolve: left as stored
+                    wanted = Any
+            else:
+                wanted = returns
+            convert = reviver(wanted)
 
             @functools.wraps(fn)
             async def once(*args: PS.args, **kwargs: PS.kwargs) -> R:
@@ -438,7 +460,16 @@ class AsyncInbox:
                 handled = await self.handle(
                     key(*args, **kwargs), dict(bound.arguments), run, wait=wait
                 )
-                return cast(R, handled.unwrap())
+                value = handled.unwrap()
+                if handled.outcome is Outcome.DUPLICATE and value is not None:
+                    try:
+                        value = convert(value)
+                    except Exception as exc:
+                        raise PayloadError(
+                            f"the stored result of {handled.key!r} cannot be read back as "
+                            f"{wanted!r}: {type(exc).__name__}: {exc}"
+                        ) from exc
+                return cast(R, value)
 
             return once
 

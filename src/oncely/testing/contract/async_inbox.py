@@ -4,7 +4,9 @@ messages keyed by their source."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -19,6 +21,21 @@ from oncely.stores.async_protocols import AsyncStore
 from oncely.testing.contract.async_base import LEASE_MS, Calls, ContractBase
 
 __all__ = ["InboxContract"]
+
+
+@dataclass(frozen=True)
+class Line:
+    sku: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Invoice:
+    order: str
+    total: Decimal
+    at: datetime
+    lines: list[Line]
+    note: str | None
 
 
 class InboxContract(ContractBase):
@@ -222,6 +239,36 @@ class InboxContract(ContractBase):
         with pytest.raises(KeyConflict):
             await charge("o-1", 6)
         assert runs == [5]
+
+    async def test_r1_a_repeat_of_the_call_style_api_returns_the_first_results_type(
+        self, inbox: AsyncInbox
+    ) -> None:
+        runs: list[str] = []
+
+        @inbox.idempotent(key=lambda order_id: f"invoice:{order_id}")
+        async def invoice(order_id: str) -> Invoice:
+            runs.append(order_id)
+            return Invoice(
+                order_id,
+                Decimal("12.30"),
+                datetime(2026, 12, 1, 9, 30, tzinfo=UTC),
+                [Line("book", 2)],
+                None,
+            )
+
+        first = await invoice("o-9")
+        again = await invoice("o-9")
+        assert type(again) is Invoice and again == first  # not the stored dict
+        assert isinstance(again.lines[0], Line) and isinstance(again.total, Decimal)
+        assert runs == ["o-9"]
+
+        @inbox.idempotent(key=lambda n: f"raw:{n}", returns=None)
+        async def raw(n: int) -> Line:
+            return Line("pen", n)
+
+        await raw(1)
+        stored: object = await raw(1)
+        assert stored == {"sku": "pen", "count": 1}  # returns=None: as stored
 
     async def test_r3_messages_are_keyed_by_their_source(self, inbox: AsyncInbox) -> None:
         handler = Calls()

@@ -6,7 +6,9 @@ messages keyed by their source."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -21,6 +23,21 @@ from oncely.stores.sync_protocols import Store
 from oncely.testing.contract.sync_base import LEASE_MS, Calls, ContractBase
 
 __all__ = ["InboxContract"]
+
+
+@dataclass(frozen=True)
+class Line:
+    sku: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Invoice:
+    order: str
+    total: Decimal
+    at: datetime
+    lines: list[Line]
+    note: str | None
 
 
 class InboxContract(ContractBase):
@@ -210,6 +227,36 @@ class InboxContract(ContractBase):
         with pytest.raises(KeyConflict):
             charge("o-1", 6)
         assert runs == [5]
+
+    def test_r1_a_repeat_of_the_call_style_api_returns_the_first_results_type(
+        self, inbox: Inbox
+    ) -> None:
+        runs: list[str] = []
+
+        @inbox.idempotent(key=lambda order_id: f"invoice:{order_id}")
+        def invoice(order_id: str) -> Invoice:
+            runs.append(order_id)
+            return Invoice(
+                order_id,
+                Decimal("12.30"),
+                datetime(2026, 12, 1, 9, 30, tzinfo=UTC),
+                [Line("book", 2)],
+                None,
+            )
+
+        first = invoice("o-9")
+        again = invoice("o-9")
+        assert type(again) is Invoice and again == first  # not the stored dict
+        assert isinstance(again.lines[0], Line) and isinstance(again.total, Decimal)
+        assert runs == ["o-9"]
+
+        @inbox.idempotent(key=lambda n: f"raw:{n}", returns=None)
+        def raw(n: int) -> Line:
+            return Line("pen", n)
+
+        raw(1)
+        stored: object = raw(1)
+        assert stored == {"sku": "pen", "count": 1}  # returns=None: as stored
 
     def test_r3_messages_are_keyed_by_their_source(self, inbox: Inbox) -> None:
         handler = Calls()

@@ -1,0 +1,69 @@
+"""Typed results read back from their stored JSON form (``oncely._core.typed``): dataclasses
+nested in containers, optional fields, pydantic models, dates, decimals, UUIDs, enums."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from enum import Enum
+from typing import Any
+from uuid import UUID, uuid4
+
+import pydantic
+import pytest
+
+from oncely import PayloadError
+from oncely._core.fingerprint import canonical_json
+from oncely._core.typed import revive
+
+
+class Colour(Enum):
+    RED = "red"
+
+
+@dataclass
+class Item:
+    name: str
+    colour: Colour
+    made: date
+
+
+@dataclass
+class Order:
+    id: UUID
+    items: list[Item]
+    by_sku: dict[str, Item]
+    total: Decimal | None
+    pair: tuple[int, str]
+
+
+class Receipt(pydantic.BaseModel):
+    order: str
+    at: datetime
+
+
+def stored(value: object) -> Any:
+    """What a duplicate gets before its type is brought back: the result's JSON form."""
+    return json.loads(canonical_json(value))
+
+
+def test_r1_a_dataclass_tree_comes_back_as_it_was_returned() -> None:
+    item = Item("pen", Colour.RED, date(2026, 12, 1))
+    order = Order(uuid4(), [item], {"p": item}, Decimal("9.90"), (1, "a"))
+    assert revive(Order, stored(order)) == order
+    assert revive(Order, stored(Order(order.id, [], {}, None, (2, "b")))).total is None
+
+
+def test_r1_a_pydantic_model_and_plain_values() -> None:
+    receipt = Receipt(order="o-1", at=datetime(2026, 12, 1, tzinfo=UTC))
+    assert revive(Receipt, stored(receipt)) == receipt
+    assert revive(list[datetime], stored([receipt.at])) == [receipt.at]
+    assert revive(dict, {"a": 1}) == {"a": 1}
+    assert revive(Any, [1, 2]) == [1, 2]
+
+
+def test_r1_a_result_that_cannot_be_read_back_raises_payload_error() -> None:
+    with pytest.raises(PayloadError, match="cannot be read back"):
+        revive(Item, {"name": "pen"})
