@@ -203,23 +203,9 @@ def default_store_status(status: int) -> bool:
 
 
 class _Policy:
-    """What both middlewares share: the options (see the module docstring) and the steps
-    that decide, from the headers and the body, the key or the reply that refuses.
-
-    ``methods``: the methods it applies to (POST and PATCH); ``applies(scope)``: a further
-    filter (routes); ``required``: whether a request it applies to must carry the header (or a
-    predicate of the scope); ``bare_keys``: accept an unquoted key; ``principal``: who asks
-    (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
-    waits for a running first request instead of getting 409; ``max_request_bytes`` and
-    ``max_stored_bytes``: the request body read for the fingerprint, the response body kept.
-
-    ``key``: for webhooks, where the provider's delivery id is (:func:`github`,
-    :func:`stripe`, :func:`standard_webhooks`, :func:`shopify`, or your own :data:`KeyFrom`)
-    instead of the ``Idempotency-Key`` header: every request it applies to needs one (400
-    without), and a redelivery is answered at once with the first response (a 2xx: the
-    provider stops retrying). Verify the provider's signature before this middleware (an
-    outer middleware), so an unsigned request never claims a key.
-    """
+    """What both middlewares share: the options (documented on
+    :class:`IdempotencyMiddleware`) and the steps that decide, from the headers and the body,
+    the key or the reply that refuses."""
 
     def __init__(
         self,

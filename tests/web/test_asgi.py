@@ -54,23 +54,14 @@ def _store(kind: str, tmp: Path) -> tuple[str, Any]:
 
 
 @contextlib.contextmanager
-def serving(store_url: str, app: str, **env: str) -> Iterator[str]:
+def serving_command(command: list[str], **env: str) -> Iterator[str]:
+    """Run ``command`` (a server; ``{port}`` in it is a free port) with ``env`` added, until it
+    accepts connections; its base URL for the block; stopped after."""
     port = free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "tests.web.app:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
+        [part.replace("{port}", str(port)) for part in command],
         cwd=ROOT,
-        env={**os.environ, "ONCELY_TEST_HTTP_STORE": store_url, "ONCELY_TEST_HTTP_APP": app, **env},
+        env={**os.environ, **env},
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -78,11 +69,11 @@ def serving(store_url: str, app: str, **env: str) -> Iterator[str]:
         deadline = time.monotonic() + 20
         while True:
             if process.poll() is not None:
-                pytest.fail(f"uvicorn exited: {process.stderr.read() if process.stderr else ''}")
+                pytest.fail(f"the server exited: {process.stderr.read() if process.stderr else ''}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
                 break
             if time.monotonic() > deadline:
-                pytest.fail("uvicorn did not start")
+                pytest.fail("the server did not start")
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -91,6 +82,27 @@ def serving(store_url: str, app: str, **env: str) -> Iterator[str]:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def serving(store_url: str, app: str, **env: str) -> contextlib.AbstractContextManager[str]:
+    """uvicorn serving ``tests/web/app.py`` as ``app`` on ``store_url``."""
+    return serving_command(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "tests.web.app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--log-level",
+            "warning",
+        ],
+        ONCELY_TEST_HTTP_STORE=store_url,
+        ONCELY_TEST_HTTP_APP=app,
+        **env,
+    )
 
 
 @pytest.fixture(

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,37 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.brokers.common import free_port
-from tests.web.test_asgi import ROOT, _same_response, _store, key
+from tests.web.test_asgi import _same_response, _store, key, serving_command
 
 
-@contextlib.contextmanager
-def serving(store_url: str) -> Iterator[str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.web.wsgi_app", str(port)],
-        cwd=ROOT,
-        env={**os.environ, "ONCELY_TEST_HTTP_STORE": store_url},
-        stderr=subprocess.PIPE,
-        text=True,
+def serving(store_url: str) -> contextlib.AbstractContextManager[str]:
+    """The Flask app of ``tests/web/wsgi_app.py`` on ``store_url``."""
+    return serving_command(
+        [sys.executable, "-m", "tests.web.wsgi_app", "{port}"], ONCELY_TEST_HTTP_STORE=store_url
     )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited: {process.stderr.read() if process.stderr else ''}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not start")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres", "redis"])
