@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -103,3 +104,27 @@ def test_r10_r19_a_runner_killed_mid_job_is_taken_over_after_its_lease(tmp_path:
     again = _runner(db, effects, 0, 3.0, 0, "again")
     assert again.communicate(timeout=60)[0].split()[:2] == ["duplicate", "report"]
     assert effects.read_text().splitlines() == ["doomed started", "late started", "late done"]
+
+
+@dataclass(frozen=True)
+class Report:
+    rows: int
+    at: datetime
+
+
+def test_r1_r19_a_later_run_of_a_slot_gets_the_first_runs_result_as_its_type(
+    tmp_path: Path,
+) -> None:
+    inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
+    at = datetime(2026, 12, 1, 9, tzinfo=UTC)
+
+    def build() -> Report:
+        return Report(12, at)
+
+    first = run_once(inbox, "report", build, every="day", at=at)
+    again = run_once(inbox, "report", build, every="day", at=at)
+    assert again.outcome is oncely.Outcome.DUPLICATE and again.value == first.value
+    assert isinstance(again.value, Report)
+    kept = run_once(inbox, "report", build, every="day", at=at, returns=None)
+    assert kept.value == {"rows": 12, "at": "2026-12-01T09:00:00+00:00"}
+    inbox.close()

@@ -2,7 +2,8 @@
 an order (one effect per run, counted), ``GET /effects`` says how many ran. The store and the
 app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST_HTTP_APP``:
 ``plain`` ASGI, ``starlette`` or ``fastapi``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
-``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key)."""
+``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key;
+``ONCELY_TEST_HTTP_WAIT`` is how long a repeat waits for a running first request)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import json
 import os
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import oncely
@@ -31,6 +33,11 @@ WEBHOOKS: dict[str, KeyFrom] = {
     "standard": standard_webhooks,
     "shopify": shopify,
 }
+WAIT = (
+    timedelta(seconds=float(os.environ["ONCELY_TEST_HTTP_WAIT"]))
+    if os.environ.get("ONCELY_TEST_HTTP_WAIT")
+    else None
+)
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 
@@ -144,6 +151,7 @@ class Lazy:
                 principal=lambda s: dict(s["headers"]).get(b"x-client", b"anon").decode(),
                 max_stored_bytes=4096,
                 key=WEBHOOKS.get(os.environ.get("ONCELY_TEST_HTTP_WEBHOOK", "")),
+                wait=WAIT,
             )
         await self.app(scope, receive, send)
 

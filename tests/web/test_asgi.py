@@ -315,3 +315,25 @@ def test_r19_a_webhook_redelivery_is_answered_2xx_at_once_and_runs_once(
             assert json.loads(client.get("/effects").content) == {event["id"]: 1}
     finally:
         drop()
+
+
+async def test_r19_with_wait_a_repeat_while_the_first_runs_gets_its_response(
+    tmp_path: Path,
+) -> None:
+    url, drop = _store("sqlite", tmp_path)
+    try:
+        with serving(url, "plain", ONCELY_TEST_HTTP_WAIT="10") as base:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                k, body = key(), {"id": "waited", "sleep": 1.0}
+                first = asyncio.create_task(
+                    client.post("/orders", json=body, headers={"Idempotency-Key": k})
+                )
+                await asyncio.sleep(0.3)
+                repeat = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+                done = await first
+                assert done.status_code == repeat.status_code == 201
+                assert repeat.headers["idempotent-replayed"] == "true"
+                assert repeat.content == done.content
+                assert (await effects(client))["waited"] == 1
+    finally:
+        drop()
