@@ -240,7 +240,7 @@ class _Policy:
         """From the headers alone: the key, a reply (a bad or missing key), ``_FROM_BODY``
         (the key is in the body, ``key=``), or None (no key, not required: pass through)."""
         if self._key_from is not None:
-            return FROM_BODY
+            return _FROM_BODY
         try:
             key = parse_key([bytes(v) for k, v in headers if k == HEADER], bare=self._bare)
         except _BadKey as exc:
@@ -514,7 +514,7 @@ class _FromBody:
     """The key is read from the body (``key=``)."""
 
 
-FROM_BODY = _FromBody()
+_FROM_BODY = _FromBody()
 
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:

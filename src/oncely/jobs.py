@@ -21,14 +21,13 @@ takes it over (``stale_reclaimed``), or does what the inbox's ``on_stale`` says.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo
 
 from oncely._core.outcomes import Handled, Outcome
-from oncely._core.typed import revive
+from oncely._core.typed import ANNOTATED, result_type, revive
 from oncely.errors import ConfigurationError
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.sync_inbox import Inbox
@@ -36,7 +35,6 @@ from oncely.inbox.sync_inbox import Inbox
 __all__ = ["Every", "run_once", "run_once_async", "slot"]
 
 R = TypeVar("R")
-_ANNOTATED: Any = object()
 Every = Literal["minute", "hour", "day", "week", "month"] | timedelta
 """A schedule's period: a calendar unit in the time zone, or a fixed span (slots counted from
 the epoch, in UTC)."""
@@ -87,14 +85,9 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
 def _typed(handled: Handled[R], job: Callable[..., Any], returns: Any) -> Handled[R]:
     """``handled`` with a duplicate's stored result brought back to the job's return type
     (its annotation, or ``returns``)."""
-    if handled.outcome is not Outcome.DUPLICATE or handled.value is None or returns is None:
+    if handled.outcome is not Outcome.DUPLICATE or handled.value is None:
         return handled
-    if returns is _ANNOTATED:
-        try:
-            returns = typing.get_type_hints(job).get("return", Any)
-        except Exception:  # no hints to read (a lambda, a forward reference): as stored
-            return handled
-    return dataclasses.replace(handled, value=revive(returns, handled.value))
+    return dataclasses.replace(handled, value=revive(result_type(job, returns), handled.value))
 
 
 def run_once(
@@ -106,7 +99,7 @@ def run_once(
     tz: str | tzinfo = "UTC",
     at: datetime | None = None,
     wait: timedelta | None = None,
-    returns: Any = _ANNOTATED,
+    returns: Any = ANNOTATED,
 ) -> Handled[R]:
     """Run ``job()`` unless this slot's run of ``name`` ran, or runs now (see the module). A
     later run's ``value`` is the first run's result as the job's return type (its annotation,
@@ -124,7 +117,7 @@ async def run_once_async(
     tz: str | tzinfo = "UTC",
     at: datetime | None = None,
     wait: timedelta | None = None,
-    returns: Any = _ANNOTATED,
+    returns: Any = ANNOTATED,
 ) -> Handled[R]:
     """:func:`run_once` for an ``async def`` job on an :class:`~oncely.AsyncInbox`."""
     key = slot(name, every, at=at, tz=tz)

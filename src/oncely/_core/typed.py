@@ -22,7 +22,10 @@ from uuid import UUID
 
 from oncely.errors import PayloadError
 
-__all__ = ["revive", "reviver"]
+__all__ = ["ANNOTATED", "result_type", "revive", "reviver"]
+
+ANNOTATED: Any = object()
+"""``returns=`` left out: the function's return annotation."""
 
 _PARSE: dict[type, Callable[[Any], Any]] = {
     datetime: datetime.fromisoformat,
@@ -119,3 +122,14 @@ def revive(annotation: Any, value: Any) -> Any:
         raise PayloadError(
             f"the stored result cannot be read back as {annotation!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def result_type(fn: Callable[..., Any], returns: Any) -> Any:
+    """The type a repeat of ``fn`` returns: ``returns``, or (for :data:`ANNOTATED`) ``fn``'s
+    return annotation; ``Any`` (the stored form) where there is none to read."""
+    if returns is not ANNOTATED:
+        return Any if returns is None else returns
+    try:
+        return typing.get_type_hints(fn).get("return", Any)
+    except Exception:  # a forward reference it cannot resolve: left as stored
+        return Any

@@ -161,19 +161,19 @@ class InboxProcessor:
             key = _KeyOf(envelope, key if key is not None else MessageIdKey())
             envelope = replace(envelope, body=data)
         if self._transactional:
-            handler = self._handler
-            offsets = self.offsets if position is not None else None
-            if offsets is not None and position is not None:
-                if not self._offsets_ready:  # before the transaction: DDL must not join it
-                    await offsets.prepare_offsets()
-                    self._offsets_ready = True
-                handler = functools.partial(_at_position, offsets, self.consumer, position, handler)
+            offsets = self.offsets
+            if offsets is None or position is None:
+                return await self.inbox.handle_message_in_transaction(
+                    envelope, self._handler, key=key
+                )
+            if not self._offsets_ready:  # before the transaction: DDL must not join it
+                await offsets.prepare_offsets()
+                self._offsets_ready = True
+            handler = functools.partial(
+                _at_position, offsets, self.consumer, position, self._handler
+            )
             handled = await self.inbox.handle_message_in_transaction(envelope, handler, key=key)
-            if (
-                offsets is not None
-                and position is not None
-                and handled.outcome is Outcome.DUPLICATE
-            ):
+            if handled.outcome is Outcome.DUPLICATE:
                 # A copy of a message finished earlier: no handler ran, so its position goes
                 # in a transaction of its own (else, once the marker expires, a group that
                 # lost its commits would read the copy again and run it again).

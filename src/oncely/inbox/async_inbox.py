@@ -30,7 +30,6 @@ else:
 import functools
 import inspect
 import logging
-import typing
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
@@ -57,7 +56,7 @@ from oncely._core.policy import (
     StaleClaim,
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
-from oncely._core.typed import reviver
+from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
@@ -82,8 +81,6 @@ from oncely.wire import printable
 __all__ = ["AsyncClaimed", "AsyncInbox"]
 
 P = TypeVar("P")
-_ANNOTATED: Any = object()
-"""``idempotent(returns=...)`` left out: the function's return annotation."""
 R = TypeVar("R")
 Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
@@ -422,7 +419,7 @@ class AsyncInbox:
         *,
         key: Callable[..., str],
         wait: timedelta | None = timedelta(seconds=10),
-        returns: Any = _ANNOTATED,
+        returns: Any = ANNOTATED,
     ) -> Callable[[AsyncFunction[PS, R]], AsyncFunction[PS, R]]:
         """Decorate a function so each key runs once; repeats return the first result.
 
@@ -440,13 +437,7 @@ class AsyncInbox:
 
         def decorate(fn: AsyncFunction[PS, R]) -> AsyncFunction[PS, R]:
             signature = inspect.signature(fn)
-            if returns is _ANNOTATED:
-                try:
-                    wanted = typing.get_type_hints(fn).get("return", Any)
-                except Exception:  # a forward reference it cannot resolve: left as stored
-                    wanted = Any
-            else:
-                wanted = returns
+            wanted = result_type(fn, returns)
             convert = reviver(wanted)
 
             @functools.wraps(fn)
@@ -798,6 +789,13 @@ class AsyncInbox:
         result, error = await self._invoke(claim, payload, handler, correlation_id)
         if error is not None:
             return await self._raised(record, error, correlation_id, started)
+        return await self._finish(claim, result, correlation_id, started)
+
+    async def _finish(
+        self, claim: Claim, result: R | None, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        """Complete ``claim`` with ``result`` (fenced) and say what came of it."""
+        record = claim.record
         data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
         done: Record | LeaseLost
         try:
@@ -1249,16 +1247,8 @@ class AsyncClaimed(Generic[R]):
         ``in_flight`` when another caller took the key over meanwhile (its result wins)."""
         claim = self._holding("complete")
         await self._stop_beat()
-        inbox = self._inbox
-        record = claim.record
-        data, note = (None, None) if result is None else inbox._rules.encode(result, strict=False)
-        done: Record | LeaseLost
-        try:
-            done = await inbox._complete(record.key, record.token, data, note)
-        except LeaseLost as lost:
-            done = lost
-        handled: Handled[R] = inbox._outcome(
-            claim, result, note, done, self._correlation_id, self._started
+        handled: Handled[R] = await self._inbox._finish(
+            claim, result, self._correlation_id, self._started
         )
         self._handled = handled
         return handled

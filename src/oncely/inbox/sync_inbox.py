@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import typing
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -52,7 +51,7 @@ from oncely._core.policy import (
     StaleClaim,
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
-from oncely._core.typed import reviver
+from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
@@ -77,8 +76,6 @@ from oncely.wire import printable
 __all__ = ["Claimed", "Inbox"]
 
 P = TypeVar("P")
-_ANNOTATED: Any = object()
-"""``idempotent(returns=...)`` left out: the function's return annotation."""
 R = TypeVar("R")
 Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
@@ -404,7 +401,7 @@ class Inbox:
         *,
         key: Callable[..., str],
         wait: timedelta | None = timedelta(seconds=10),
-        returns: Any = _ANNOTATED,
+        returns: Any = ANNOTATED,
     ) -> Callable[[Function[PS, R]], Function[PS, R]]:
         """Decorate a function so each key runs once; repeats return the first result.
 
@@ -422,13 +419,7 @@ class Inbox:
 
         def decorate(fn: Function[PS, R]) -> Function[PS, R]:
             signature = inspect.signature(fn)
-            if returns is _ANNOTATED:
-                try:
-                    wanted = typing.get_type_hints(fn).get("return", Any)
-                except Exception:  # a forward reference it cannot resolve: left as stored
-                    wanted = Any
-            else:
-                wanted = returns
+            wanted = result_type(fn, returns)
             convert = reviver(wanted)
 
             @functools.wraps(fn)
@@ -773,6 +764,13 @@ class Inbox:
         result, error = self._invoke(claim, payload, handler, correlation_id)
         if error is not None:
             return self._raised(record, error, correlation_id, started)
+        return self._finish(claim, result, correlation_id, started)
+
+    def _finish(
+        self, claim: Claim, result: R | None, correlation_id: str | None, started: float
+    ) -> Handled[R]:
+        """Complete ``claim`` with ``result`` (fenced) and say what came of it."""
+        record = claim.record
         data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
         done: Record | LeaseLost
         try:
@@ -1222,16 +1220,8 @@ class Claimed(Generic[R]):
         ``in_flight`` when another caller took the key over meanwhile (its result wins)."""
         claim = self._holding("complete")
         self._stop_beat()
-        inbox = self._inbox
-        record = claim.record
-        data, note = (None, None) if result is None else inbox._rules.encode(result, strict=False)
-        done: Record | LeaseLost
-        try:
-            done = inbox._complete(record.key, record.token, data, note)
-        except LeaseLost as lost:
-            done = lost
-        handled: Handled[R] = inbox._outcome(
-            claim, result, note, done, self._correlation_id, self._started
+        handled: Handled[R] = self._inbox._finish(
+            claim, result, self._correlation_id, self._started
         )
         self._handled = handled
         return handled
