@@ -431,6 +431,7 @@ def measure(
     pause: float,
     batch: int,
     quiet: float,
+    by_hand: bool = False,
 ) -> Point:
     store = target.store
     point = Point(size=size, load_s=load_s)
@@ -462,7 +463,10 @@ def measure(
     with consumer(target) as samples:
         slices.rest()
         slices.start()
-        point.purged = store.purge_expired(batch_size=batch, **options)
+        if by_hand:
+            point.purged = sqlite_by_hand(target, batch, pause, slices.on_batch)
+        else:
+            point.purged = store.purge_expired(batch_size=batch, **options)
         slices.stop()
         slices.rest()
     point.purge_s = sum(b - a for a, b in slices.purging)
@@ -477,6 +481,32 @@ def measure(
     point.empty_purge_s = time.perf_counter() - started
     point.extra["empty_purge_deleted"] = left
     return point
+
+
+def sqlite_by_hand(target: Target, batch: int, pause: float, on_batch: Any) -> int:
+    """The floor for SQLite's purge beside a consumer: the store's own statements (candidates
+    off the purge index, deletes of 100 pairs, a passive checkpoint after each) run by hand on
+    plain sqlite3, resting ``pause`` times each write's time after it, as the store does."""
+    d = target.store._dialect
+    conn = sqlite3.connect(target.path, isolation_level=None, timeout=30)
+    deleted = 0
+    try:
+        while True:
+            now = now_ms()
+            found = conn.execute(d.purge_candidates, {"now": now, "limit": batch}).fetchall()
+            pairs = [part for c, k, gone in found if gone for part in (c, k)]
+            if not pairs:
+                return deleted
+            for start in range(0, len(pairs), 200):
+                chunk = pairs[start : start + 200]
+                began = time.monotonic()
+                rows = conn.execute(d.purge_delete(len(chunk) // 2), [*chunk, now]).fetchall()
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                deleted += len(rows)
+                time.sleep(pause * (time.monotonic() - began))
+            on_batch(len(found), deleted)
+    finally:
+        conn.close()
 
 
 def pausing(store: Any, pause: float) -> dict[str, float]:
@@ -583,7 +613,13 @@ def main() -> None:
         "--rss", type=int, default=0, metavar="N",
         help="after the sizes, send N messages through Inbox.handle and sample the RSS",
     )  # fmt: skip
+    p.add_argument(
+        "--by-hand", action="store_true",
+        help="SQLite: the purge's statements run by hand on plain sqlite3 (the floor)",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.by_hand and args.store != "sqlite":
+        p.error("--by-hand is measured on SQLite only")
     sizes = sorted(int(s) for s in args.sizes.split(","))
     target = TARGETS[args.store]()
     command = "python bench/scale.py " + " ".join(sys.argv[1:])
@@ -600,8 +636,9 @@ def main() -> None:
                 loaded += chunk
             load_s = time.perf_counter() - started
             point = measure(
-                target, size, args.probe, keys, load_s, args.pause, args.batch, args.quiet
-            )
+                target, size, args.probe, keys, load_s, args.pause, args.batch, args.quiet,
+                args.by_hand,
+            )  # fmt: skip
             loaded -= point.purged
             points.append(point)
             print(table([point]).splitlines()[-1], flush=True)
