@@ -9,7 +9,13 @@ A client (a minimal keep-alive HTTP/1.1 client over ``--connections`` connection
 ``--requests`` requests with a new ``Idempotency-Key`` each (``new key``), then the same
 requests again (``replay``: each key's stored response). Every answer is checked (status 201
 and the body), or the run fails. Variants run in rounds with a rotating order; the table
-reports medians of requests per second, and each against the bare endpoint.
+reports medians of requests per second, and each against the bare endpoint, with the
+server process's CPU per request (read from ``/proc``: uvicorn and the middleware together).
+
+``--in-process`` then measures each middleware without a server or a network client: the
+ASGI app called directly, one request at a time, the process's CPU per request (the
+middleware, its store client and the trivial endpoint), the lowest-noise view of what a
+middleware costs.
 
 Writes ``bench/results/http.md`` and ``http.json``.
 """
@@ -30,6 +36,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import redis
@@ -63,7 +70,7 @@ def serving(variant: str, space: str) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"uvicorn ({variant}) did not start")
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", process.pid
     finally:
         process.terminate()
         process.wait(10)
@@ -125,6 +132,61 @@ async def drive(base: str, keys: list[str], connections: int) -> float:
     return time.perf_counter() - started
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def in_process(variant: str, requests: int) -> dict[str, float]:
+    """Microseconds of this process's CPU per request, new keys then replays, calling the
+    variant's ASGI app directly (``bench/web_app.py``'s ``build``), one request at a time."""
+    sys.path.insert(0, str(HERE))
+    import web_app  # noqa: PLC0415 - the served module, imported only here
+
+    app = web_app.build(variant)
+    body = b'{"sku": 7}'
+
+    async def one(key: str) -> None:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/orders", "raw_path": b"/orders",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "headers": [
+                (b"host", b"bench"), (b"content-type", b"application/json"),
+                (b"content-length", b"10"), (b"idempotency-key", f'"{key}"'.encode()),
+            ],
+        }  # fmt: skip
+        given = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal given
+            if given:  # (the middleware never asks twice for a complete body)
+                raise RuntimeError("asked for more body")
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        if sent[0]["status"] != 201:
+            raise RuntimeError(f"unexpected answer {sent}")
+
+    await one("warm-up")
+    keys = [str(uuid.uuid4()) for _ in range(requests)]
+    out = {}
+    for phase in ("new key", "replay"):
+        began = time.process_time()
+        for key in keys:
+            await one(key)
+        out[phase] = (time.process_time() - began) / requests * 1e6
+    return out
+
+
 def clean(space: str) -> None:
     client = redis.Redis.from_url(REDIS)
     for name in client.scan_iter(match=f"{space}*"):
@@ -142,35 +204,72 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", choices=VARIANTS)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument(
+        "--in-process", type=int, default=0, metavar="N",
+        help="also time N requests per variant with the ASGI app called directly",
+    )  # fmt: skip
     args = p.parse_args(argv)
     chosen = tuple(v for v in VARIANTS if not args.variant or v in args.variant)
     rates: dict[str, dict[str, list[float]]] = {v: {"new key": [], "replay": []} for v in chosen}
+    cpus: dict[str, dict[str, list[float]]] = {v: {"new key": [], "replay": []} for v in chosen}
     for r in range(args.rounds):
         order = chosen[r % len(chosen) :] + chosen[: r % len(chosen)]
         for variant in order:
             space = f"bench_http_{uuid.uuid4().hex[:8]}"
             keys = [str(uuid.uuid4()) for _ in range(args.requests)]
             try:
-                with serving(variant, space) as base:
+                with serving(variant, space) as (base, pid):
                     for phase in ("new key", "replay"):
+                        before = cpu_seconds(pid)
                         seconds = asyncio.run(drive(base, keys, args.connections))
                         rate = args.requests / seconds
+                        server = (cpu_seconds(pid) - before) / args.requests * 1e6
                         rates[variant][phase].append(rate)
-                        print(f"  {variant:<16} {phase:<8} {rate:8,.0f} req/s", flush=True)
+                        cpus[variant][phase].append(server)
+                        print(
+                            f"  {variant:<16} {phase:<8} {rate:8,.0f} req/s, server "
+                            f"{server:4.0f} us CPU per request",
+                            flush=True,
+                        )
             finally:
                 clean(space)
     command = "python bench/web.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
     med = {v: {ph: statistics.median(x) for ph, x in d.items()} for v, d in rates.items()}
+    cpu = {v: {ph: statistics.median(x) for ph, x in d.items()} for v, d in cpus.items()}
     bare = med.get("bare", {}).get("new key")
     lines = [
-        "| endpoint | new key (req/s) | replay (req/s) | new key / bare | replay / bare |",
-        "|---|---:|---:|---:|---:|",
+        "| endpoint | new key (req/s) | replay (req/s) | new key / bare | replay / bare "
+        "| server CPU per request, new / replay (us) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for v, m in med.items():
         ratio = (f"{m['new key'] / bare:.2f}x", f"{m['replay'] / bare:.2f}x") if bare else ("", "")
         lines.append(
-            f"| {v} | {m['new key']:,.0f} | {m['replay']:,.0f} | {ratio[0]} | {ratio[1]} |"
+            f"| {v} | {m['new key']:,.0f} | {m['replay']:,.0f} | {ratio[0]} | {ratio[1]} "
+            f"| {cpu[v]['new key']:.0f} / {cpu[v]['replay']:.0f} |"
         )
+    if args.in_process:
+        lines += [
+            "",
+            f"In process ({args.in_process} requests one at a time, the ASGI app called "
+            "directly, medians of the rounds):",
+            "",
+            "| middleware | CPU per request, new key (us) | replay (us) |",
+            "|---|---:|---:|",
+        ]
+        for v in chosen:
+            runs = []
+            for _ in range(args.rounds):
+                space = f"bench_http_{uuid.uuid4().hex[:8]}"
+                os.environ["ONCELY_BENCH_SPACE"] = space
+                try:
+                    runs.append(asyncio.run(in_process(v, args.in_process)))
+                finally:
+                    clean(space)
+            new = statistics.median(r["new key"] for r in runs)
+            again = statistics.median(r["replay"] for r in runs)
+            print(f"  {v:<16} in process: {new:.0f} / {again:.0f} us CPU per request")
+            lines.append(f"| {v} | {new:.0f} | {again:.0f} |")
     text = "\n".join(lines)
     print()
     print(text)
@@ -185,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "http.md").write_text(header + text + "\n")
         (args.out / "http.json").write_text(
-            json.dumps({"command": command, "rates": rates}, indent=1) + "\n"
+            json.dumps({"command": command, "rates": rates, "server_cpu_us": cpus}, indent=1) + "\n"
         )
         print(f"wrote {args.out / 'http.md'}")
     return 0

@@ -3,6 +3,7 @@ server is StoreUnavailable; a script error or a foreign value is a StoreError.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -175,6 +177,44 @@ def test_a_server_that_does_not_answer_in_time_is_unavailable(
     assert store.get("billing", "k") is None  # the timed-out connection was replaced
     drop_prefix(admin, prefix)
     store.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(30)
+def test_an_asyncio_store_times_a_silent_server_out_and_replaces_the_connection(
+    private_port: int, prefix: str
+) -> None:
+    """R12: the asyncio store's own connections carry no socket timeout (redis-py would wrap
+    every send in ``wait_for``); the store times each exchange itself. A server that holds
+    the claim past the URL's timeout is ``StoreUnavailable`` about that timeout later, and
+    the claim after it, on a fresh connection, gets its own reply (not the late one of the
+    timed-out call)."""
+    url = f"redis://127.0.0.1:{private_port}/0?prefix={prefix}&timeout=0.3"
+    admin = redis.Redis(port=private_port)
+
+    async def scenario() -> tuple[float, ClaimStatus, ClaimStatus]:
+        store = oncely.open_async(url)
+        await store.migrate()
+        claim: dict[str, Any] = {"fingerprint": None, "lease_ms": 60_000, "keep_ms": 60_000}
+        first = await store.claim("billing", "a", token="t1", takeover=False, **claim)
+        assert all(conn.socket_timeout is None for conn in store._runner._made)
+        admin.client_pause(1500)
+        began = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable, match=r"(?i)timeout"):
+                await store.claim("billing", "b", token="t2", takeover=False, **claim)
+            waited = time.monotonic() - began
+        finally:
+            admin.client_unpause()
+        again = await store.claim("billing", "a", token="t3", takeover=False, **claim)
+        await store.aclose()
+        return waited, first.status, again.status
+
+    waited, first, again = asyncio.run(scenario())
+    assert 0.25 <= waited < 1.4  # the store's timeout (and its one resend), not the pause
+    assert first is ClaimStatus.NEW
+    assert again is ClaimStatus.EXISTING  # "a"'s own record, on a working connection
+    drop_prefix(admin, prefix)
 
 
 @pytest.mark.services

@@ -249,7 +249,7 @@ class Runner:
         except IndexError:
             conn = self._take()
         try:
-            return _exchange(conn, packed)
+            return _exchange(conn, packed, self._timeout)
         finally:
             self._idle.append(conn)
             if self._waiting:
@@ -292,8 +292,15 @@ class Runner:
         self._cond = threading.Condition()
 
 
-def _exchange(conn: Any, packed: tuple[bytes]) -> Any:
-    """Send one packed command and read its reply, with the connection's retry policy."""
+def _exchange(conn: Any, packed: tuple[bytes], timeout: float = 0.0) -> Any:
+    """Send one packed command and read its reply, with the connection's retry policy.
+
+    asyncio, with ``timeout``: on the runner's own connections (no socket timeout of their
+    own), the send and the read are timed together by one ``asyncio.timeout``, a timer,
+    instead of redis-py's ``wait_for`` around the send (a task per command: about a tenth of
+    an HTTP request's CPU behind the middleware) and a timer around the read. A call that
+    times out drops the connection (a reply may still be on its way) and raises redis-py's
+    ``TimeoutError``, which the retry policy and the store treat as before."""
 
     def once() -> Any:
         conn.send_packed_command(packed)
