@@ -35,13 +35,27 @@ is sent to the client but not kept: a repeat then gets ``409`` saying it cannot 
 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
-claim. Tested with uvicorn (a plain ASGI app, a Starlette one, a FastAPI one) and a threaded
-``wsgiref`` server (a Flask app) on SQLite, PostgreSQL and Redis (``tests/web``).
+claim.
+
+With ``transactional=True`` (a SQL store: PostgreSQL, MariaDB/MySQL, SQLite) the app runs
+inside one database transaction on the store's database instead, which :func:`transaction`
+hands to the app: the key's marker, the app's own writes through that connection and the
+stored response commit together, and the response reaches the client only after the commit.
+An app that raises, or answers with a response that is not kept (a 5xx by default), rolls the
+whole transaction back: the request leaves no trace and its retry runs. A repeat that arrives
+while the first runs waits on the database's row lock and then gets the first response
+(``wait=`` and the 409 of the two-phase mode do not apply). The response is buffered whole
+before the commit.
+
+Tested with uvicorn (a plain ASGI app, a Starlette one, a FastAPI one) and a threaded
+``wsgiref`` server (a Flask app) on SQLite, PostgreSQL and Redis, the transactional mode on
+SQLite and PostgreSQL (``tests/web``).
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import io
 import json
@@ -53,7 +67,7 @@ from http import HTTPStatus
 from typing import Any
 
 from oncely._core.outcomes import Handled, Outcome
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, TransactionRequired
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.inbox.sync_inbox import Claimed, Inbox
 
@@ -68,6 +82,7 @@ __all__ = [
     "shopify",
     "standard_webhooks",
     "stripe",
+    "transaction",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -81,6 +96,7 @@ HEADER = b"idempotency-key"
 REPLAYED = (b"idempotent-replayed", b"true")
 _FORMAT = 1
 """The stored response's layout version."""
+_TX: contextvars.ContextVar[Any] = contextvars.ContextVar("oncely_http_tx")
 _NOT_KEPT = frozenset({b"date", b"server", b"set-cookie"})
 """Response headers never stored: the server's own (a replay gets fresh ones) and cookies
 (a session is not replayed to whoever holds the key)."""
@@ -202,6 +218,27 @@ def default_store_status(status: int) -> bool:
     return 200 <= status < 500 and status not in (408, 409, 425, 429)
 
 
+def transaction() -> Any:
+    """The open transaction of the request being handled by a middleware with
+    ``transactional=True``: a connection of the store's driver (psycopg's ``AsyncConnection``
+    or ``Connection``, aiosqlite's or sqlite3's, aiomysql's or PyMySQL's) whose transaction
+    commits with the key's marker and the stored response. Write through it; never commit or
+    roll it back yourself. Raises :class:`~oncely.TransactionRequired` outside such a
+    request."""
+    try:
+        return _TX.get()
+    except LookupError:
+        raise TransactionRequired(
+            "no idempotent request's transaction here: oncely.http.transaction() works inside "
+            "an app behind IdempotencyMiddleware(..., transactional=True) (or the WSGI one), "
+            "while it handles a request with a key"
+        ) from None
+
+
+class _NotKept(Exception):
+    """The app's response is not kept: the transaction rolls back, the response is sent."""
+
+
 class _Policy:
     """What both middlewares share: the options (documented on
     :class:`IdempotencyMiddleware`) and the steps that decide, from the headers and the body,
@@ -220,6 +257,7 @@ class _Policy:
         max_request_bytes: int = 1 << 20,
         max_stored_bytes: int = 1 << 20,
         key: KeyFrom | None = None,
+        transactional: bool = False,
     ) -> None:
         if max_request_bytes < 0 or max_stored_bytes < 0:
             raise ConfigurationError("max_request_bytes and max_stored_bytes are not negative")
@@ -233,6 +271,33 @@ class _Policy:
         self._max_request = max_request_bytes
         self._max_stored = max_stored_bytes
         self._key_from = key
+        self._transactional = transactional
+        if transactional and wait is not None:
+            raise ConfigurationError(
+                "wait= is for the two-phase mode: with transactional=True a repeat already "
+                "waits on the database's row lock for the first request's commit"
+            )
+
+    def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
+        if self._transactional and getattr(inbox, "_tx_store", None) is None:
+            raise ConfigurationError(
+                f"transactional=True needs a store with a transactional mode (PostgreSQL, "
+                f"MariaDB/MySQL, SQLite); {type(inbox.store).__name__} has none: use the "
+                "two-phase mode (the default)"
+            )
+
+    def _keep(
+        self, status: int, headers: list[tuple[bytes, bytes]], chunks: list[bytes], key: str
+    ) -> dict[str, Any]:
+        """Transactional mode: the response to store with the commit, or :class:`_NotKept`
+        (the transaction rolls back)."""
+        size = sum(len(c) for c in chunks)
+        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        if isinstance(decided, str):
+            raise _NotKept(decided)
+        if "too_large" in decided:
+            _too_large(key, size, self._max_stored)
+        return decided
 
     def _header_step(
         self, headers: Iterable[tuple[bytes, bytes]], scope: Any
@@ -287,7 +352,9 @@ class IdempotencyMiddleware(_Policy):
     predicate of the scope); ``bare_keys``: accept an unquoted key; ``principal``: who asks
     (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
     waits for a running first request instead of getting 409; ``max_request_bytes`` and
-    ``max_stored_bytes``: the request body read for the fingerprint, the response body kept.
+    ``max_stored_bytes``: the request body read for the fingerprint, the response body kept;
+    ``transactional``: run the app in the store's database transaction (see the module
+    docstring and :func:`transaction`).
 
     ``key``: for webhooks, where the provider's delivery id is (:func:`github`,
     :func:`stripe`, :func:`standard_webhooks`, :func:`shopify`, or your own :data:`KeyFrom`)
@@ -304,6 +371,7 @@ class IdempotencyMiddleware(_Policy):
                 "WSGIIdempotencyMiddleware"
             )
         super().__init__(**options)
+        self._check_inbox(inbox)
         self.app = app
         self.inbox = inbox
 
@@ -336,12 +404,68 @@ class IdempotencyMiddleware(_Policy):
         fingerprint = request_fingerprint(
             scope.get("query_string", b""), body, _header(headers, b"content-type")
         )
+        if self._transactional:
+            await self._run_in_transaction(scope, body, send, scoped, fingerprint)
+            return
         claimed: AsyncClaimed[Any] = await self.inbox.claim(scoped, fingerprint, wait=self._wait)
         if not claimed.won:
             assert claimed.handled is not None
             await self._answer(send, claimed.handled)
             return
         await self._run(scope, body, send, claimed)
+
+    async def _run_in_transaction(
+        self, scope: Scope, body: bytes, send: Send, scoped: str, fingerprint: dict[str, Any]
+    ) -> None:
+        """The app inside :meth:`AsyncInbox.handle_in_transaction
+        <oncely.AsyncInbox.handle_in_transaction>`, its response held until the commit."""
+        given = False
+
+        async def replay_body() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        held: list[Message] = []
+        raised: list[BaseException] = []
+
+        async def hold(message: Message) -> None:
+            held.append(message)
+
+        async def handler(tx: Any, _request: object) -> dict[str, Any]:
+            entered = _TX.set(tx)
+            try:
+                await self.app(scope, replay_body, hold)
+            except Exception as exc:
+                raised.append(exc)
+                raise
+            finally:
+                _TX.reset(entered)
+            return self._keep(*_response_of(held), scoped)
+
+        handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        await self._after_transaction(handled, raised, held, send)
+
+    async def _after_transaction(
+        self,
+        handled: Handled[Any],
+        raised: list[BaseException],
+        held: list[Message],
+        send: Send,
+    ) -> None:
+        if raised:
+            raise raised[0]
+        if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED) or isinstance(
+            handled.error, _NotKept
+        ):
+            for message in held:
+                await send(message)
+            return
+        if handled.outcome is Outcome.FAILED and handled.error is not None:
+            raise handled.error  # the response could not be stored: nothing was committed
+        await self._answer(send, handled)
 
     async def _run(self, scope: Scope, body: bytes, send: Send, claimed: AsyncClaimed[Any]) -> None:
         sent = False
@@ -400,13 +524,7 @@ class IdempotencyMiddleware(_Policy):
             await claimed.release(decided)
             return
         if "too_large" in decided:
-            LOGGER.warning(
-                "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it "
-                "was sent but not kept, and a repeat cannot be replayed",
-                claimed.key,
-                size,
-                self._max_stored,
-            )
+            _too_large(claimed.key, size, self._max_stored)
         await claimed.complete(decided)
 
     async def _answer(self, send: Send, handled: Handled[Any]) -> None:
@@ -415,6 +533,30 @@ class IdempotencyMiddleware(_Policy):
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 """A response: status, headers, body."""
+
+
+def _too_large(key: str | None, size: int, limit: int) -> None:
+    LOGGER.warning(
+        "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it was sent "
+        "but not kept, and a repeat cannot be replayed",
+        key,
+        size,
+        limit,
+    )
+
+
+def _response_of(messages: list[Message]) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
+    """The status, headers and body chunks of an ASGI response's messages."""
+    status = 0
+    headers: list[tuple[bytes, bytes]] = []
+    chunks: list[bytes] = []
+    for message in messages:
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+    return status, headers, chunks
 
 
 def answer(handled: Handled[Any]) -> Reply:
@@ -573,6 +715,7 @@ class WSGIIdempotencyMiddleware(_Policy):
                 "IdempotencyMiddleware (ASGI)"
             )
         super().__init__(**options)
+        self._check_inbox(inbox)
         self.app = app
         self.inbox = inbox
 
@@ -606,11 +749,73 @@ class WSGIIdempotencyMiddleware(_Policy):
             body,
             _header(headers, b"content-type"),
         )
+        if self._transactional:
+            return self._run_in_transaction(environ, body, start_response, scoped, fingerprint)
         claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
         if not claimed.won:
             assert claimed.handled is not None
             return _respond(start_response, answer(claimed.handled))
         return self._run(environ, body, start_response, claimed)
+
+    def _run_in_transaction(
+        self,
+        environ: dict[str, Any],
+        body: bytes,
+        start_response: Callable[..., Any],
+        scoped: str,
+        fingerprint: dict[str, Any],
+    ) -> Iterable[bytes]:
+        raised: list[BaseException] = []
+        held: list[tuple[str, list[tuple[str, str]], list[bytes]]] = []
+
+        def handler(tx: Any, _request: object) -> dict[str, Any]:
+            entered = _TX.set(tx)
+            try:
+                held.append(self._call_app(environ, body))
+            except Exception as exc:
+                raised.append(exc)
+                raise
+            finally:
+                _TX.reset(entered)
+            status_line, raw_headers, chunks = held[0]
+            return self._keep(*_wsgi_response(status_line, raw_headers), chunks, scoped)
+
+        handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        if raised:
+            raise raised[0]
+        if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED) or isinstance(
+            handled.error, _NotKept
+        ):
+            status_line, raw_headers, chunks = held[0]
+            start_response(status_line, raw_headers)
+            return chunks
+        if handled.outcome is Outcome.FAILED and handled.error is not None:
+            raise handled.error
+        return _respond(start_response, answer(handled))
+
+    def _call_app(
+        self, environ: dict[str, Any], body: bytes
+    ) -> tuple[str, list[tuple[str, str]], list[bytes]]:
+        """Run the WSGI app on ``body``, its response buffered: status line, headers, chunks."""
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        started: list[Any] = []
+        chunks: list[bytes] = []
+
+        def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            started[:] = [status, headers]
+            return lambda data: chunks.append(bytes(data))  # the legacy write()
+
+        result = self.app(environ, capture)
+        try:
+            for chunk in result:
+                chunks.append(bytes(chunk))
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        status_line, raw_headers = started if started else ("500 Internal Server Error", [])
+        return str(status_line), list(raw_headers), chunks
 
     def _read(self, environ: dict[str, Any]) -> bytes | None:
         try:
@@ -630,30 +835,12 @@ class WSGIIdempotencyMiddleware(_Policy):
         start_response: Callable[..., Any],
         claimed: Claimed[Any],
     ) -> Iterable[bytes]:
-        environ["wsgi.input"] = io.BytesIO(body)
-        environ["CONTENT_LENGTH"] = str(len(body))
-        started: list[Any] = []
-
-        def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            started[:] = [status, headers]
-            return lambda data: chunks.append(bytes(data))  # the legacy write()
-
-        chunks: list[bytes] = []
         try:
-            result = self.app(environ, capture)
-            try:
-                for chunk in result:
-                    chunks.append(bytes(chunk))
-            finally:
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
+            status_line, raw_headers, chunks = self._call_app(environ, body)
         except BaseException as exc:
             claimed.release(f"the app raised {type(exc).__name__}: {exc}")
             raise
-        status_line, raw_headers = started if started else ("500 Internal Server Error", [])
-        status = int(str(status_line).split(" ", 1)[0])
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers]
+        status, headers = _wsgi_response(status_line, raw_headers)
         size = sum(len(c) for c in chunks)
         decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
         if isinstance(decided, str):
@@ -662,6 +849,14 @@ class WSGIIdempotencyMiddleware(_Policy):
             claimed.complete(decided)
         start_response(status_line, raw_headers)
         return chunks
+
+
+def _wsgi_response(
+    status_line: str, raw_headers: list[tuple[str, str]]
+) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """A WSGI status line and headers as the status and ASGI-style headers."""
+    status = int(status_line.split(" ", 1)[0])
+    return status, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers]
 
 
 def _respond(start_response: Callable[..., Any], reply: Reply) -> list[bytes]:

@@ -3,7 +3,9 @@ an order (one effect per run, counted), ``GET /effects`` says how many ran. The 
 app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST_HTTP_APP``:
 ``plain`` ASGI, ``starlette`` or ``fastapi``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
 ``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key;
-``ONCELY_TEST_HTTP_WAIT`` is how long a repeat waits for a running first request)."""
+``ONCELY_TEST_HTTP_WAIT`` is how long a repeat waits for a running first request;
+``ONCELY_TEST_HTTP_TX`` names a ledger table: the middleware is then transactional and each
+run writes its order there through ``oncely.http.transaction()``)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import os
 from collections import Counter
 from datetime import timedelta
 from typing import Any
+
+from starlette.requests import Request  # (module level: FastAPI resolves annotations here)
 
 import oncely
 from oncely.http import (
@@ -25,6 +29,7 @@ from oncely.http import (
     shopify,
     standard_webhooks,
     stripe,
+    transaction,
 )
 
 WEBHOOKS: dict[str, KeyFrom] = {
@@ -40,16 +45,32 @@ WAIT = (
 )
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
+LEDGER = os.environ.get("ONCELY_TEST_HTTP_TX", "")
+
+
+async def write_ledger(order: str, run: int) -> None:
+    """The run's business row, in the request's transaction (transactional mode)."""
+    tx = transaction()
+    if type(tx).__module__.startswith("aiosqlite"):
+        await tx.execute(f'INSERT INTO "{LEDGER}" VALUES (?, ?)', (order, run))
+    else:
+        await tx.execute(f'INSERT INTO "{LEDGER}" VALUES (%s, %s)', (order, run))
 
 
 async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """One effect; the status and JSON answer."""
     order = str(body.get("id"))
+    if LEDGER:
+        await write_ledger(order, EFFECTS[order] + 1)
     await asyncio.sleep(float(body.get("sleep", 0)))
     if body.get("fail_once") and order not in FAILED_ONCE:
         FAILED_ONCE.add(order)
         EFFECTS[order] += 1
         return 500, {"error": "the ledger is down"}
+    if body.get("raise_once") and order not in FAILED_ONCE:
+        FAILED_ONCE.add(order)
+        EFFECTS[order] += 1
+        raise RuntimeError("the handler broke after writing")
     EFFECTS[order] += 1
     return 201, {"order": order, "run": EFFECTS[order], "size": "x" * int(body.get("pad", 0))}
 
@@ -85,7 +106,6 @@ async def plain(scope: Scope, receive: Receive, send: Send) -> None:
 
 def starlette_app() -> Any:
     from starlette.applications import Starlette
-    from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -102,7 +122,7 @@ def starlette_app() -> Any:
 
 
 def fastapi_app() -> Any:
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
     made = FastAPI()
@@ -137,9 +157,7 @@ class Lazy:
             await send({"type": "lifespan.shutdown.complete"})
             return
         if self.app is None:
-            inner = (
-                starlette_app() if os.environ.get("ONCELY_TEST_HTTP_APP") == "starlette" else plain
-            )
+            inner = SHAPES[os.environ.get("ONCELY_TEST_HTTP_APP", "plain")]()
             inbox = oncely.AsyncInbox(
                 oncely.open_async(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api"
             )
@@ -152,6 +170,7 @@ class Lazy:
                 max_stored_bytes=4096,
                 key=WEBHOOKS.get(os.environ.get("ONCELY_TEST_HTTP_WEBHOOK", "")),
                 wait=WAIT,
+                transactional=bool(LEDGER),
             )
         await self.app(scope, receive, send)
 

@@ -1,6 +1,8 @@
 """The Flask app ``tests/web/test_wsgi.py`` serves, with the WSGI middleware on a sync Inbox,
 from a threaded ``wsgiref`` server in a process of its own: ``python -m tests.web.wsgi_app
-PORT`` (the store from ``ONCELY_TEST_HTTP_STORE``). Routes as in ``tests/web/app.py``."""
+PORT`` (the store from ``ONCELY_TEST_HTTP_STORE``). Routes as in ``tests/web/app.py``; with
+``ONCELY_TEST_HTTP_TX`` (a ledger table) the middleware is transactional and each run writes
+its order there through ``oncely.http.transaction()``."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from flask import Flask, jsonify, request
 
 import oncely
-from oncely.http import WSGIIdempotencyMiddleware
+from oncely.http import WSGIIdempotencyMiddleware, transaction
 
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 LOCK = threading.Lock()
+LEDGER = os.environ.get("ONCELY_TEST_HTTP_TX", "")
 flask_app = Flask(__name__)
 
 
@@ -29,6 +32,10 @@ def orders() -> Any:
     body = request.get_json()
     order = str(body.get("id"))
     time.sleep(float(body.get("sleep", 0)))
+    if LEDGER:
+        tx = transaction()
+        mark = "?" if type(tx).__module__.startswith("sqlite3") else "%s"
+        tx.execute(f'INSERT INTO "{LEDGER}" VALUES ({mark}, {mark})', (order, EFFECTS[order] + 1))
     with LOCK:
         EFFECTS[order] += 1
         if body.get("fail_once") and order not in FAILED_ONCE:
@@ -62,6 +69,7 @@ def main() -> None:
         required=lambda environ: environ["PATH_INFO"] == "/orders",
         principal=lambda environ: environ.get("HTTP_X_CLIENT", "anon"),
         max_stored_bytes=4096,
+        transactional=bool(LEDGER),
     )
     server = make_server(
         "127.0.0.1", int(sys.argv[1]), app, server_class=Threaded, handler_class=Quiet

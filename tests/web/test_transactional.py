@@ -1,0 +1,219 @@
+"""The HTTP middleware's transactional mode on a real server (R7, R19): uvicorn serving
+``tests/web/app.py`` with ``transactional=True``, each run writing its order to a ledger table
+through ``oncely.http.transaction()``, on SQLite and PostgreSQL. The ledger is read from the
+test process, so what counts is what the database committed."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+import oncely
+from oncely.errors import ConfigurationError, TransactionRequired
+from oncely.http import IdempotencyMiddleware, WSGIIdempotencyMiddleware, transaction
+from tests.services import POSTGRES_DSN, require
+from tests.web.test_asgi import _same_response, effects, key, serving
+
+Rows = Callable[[str], list[tuple[str, int]]]
+
+
+def _ledger(kind: str, tmp: Path) -> tuple[str, str, Rows, Callable[[], None]]:
+    """A store URL, the ledger table beside it, a reader of the ledger's rows for an order,
+    and what drops both."""
+    name = f"http_tx_{uuid.uuid4().hex[:10]}"
+    ledger = f"{name}_ledger"
+    create = f'CREATE TABLE "{ledger}" (order_id TEXT NOT NULL, run INTEGER NOT NULL)'
+    select = f'SELECT order_id, run FROM "{ledger}" WHERE order_id = {{}} ORDER BY run'
+    if kind == "sqlite":
+        path = tmp / "inbox.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(create)
+
+        def rows_sqlite(order: str) -> list[tuple[str, int]]:
+            with sqlite3.connect(path) as conn:
+                return list(conn.execute(select.format("?"), (order,)))
+
+        return f"sqlite:///{path}", ledger, rows_sqlite, lambda: None
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+        conn.execute(create.encode())
+
+    def rows_pg(order: str) -> list[tuple[str, int]]:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+            return list(conn.execute(select.format("%s").encode(), (order,)))
+
+    def drop() -> None:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_meta", "{ledger}"'.encode())
+
+    return f"{POSTGRES_DSN}?table={name}", ledger, rows_pg, drop
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("sqlite", "plain"), ("postgres", "fastapi"), ("postgres", "starlette")],
+    ids=["sqlite-plain", "postgres-fastapi", "postgres-starlette"],
+)
+def tx_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Rows]]:
+    kind, app = request.param
+    url, ledger, rows, drop = _ledger(kind, tmp_path_factory.mktemp(kind))
+    try:
+        with serving(url, app, ONCELY_TEST_HTTP_TX=ledger) as base:
+            yield base, rows
+    finally:
+        drop()
+
+
+async def test_r7_r19_the_response_and_the_business_row_commit_together(
+    tx_server: tuple[str, Rows],
+) -> None:
+    base, rows = tx_server
+    async with httpx.AsyncClient(base_url=base) as client:
+        k, order = key(), f"o-{uuid.uuid4().hex[:8]}"
+        first = await client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+        assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+        assert rows(order) == [(order, 1)]  # committed before the client had its answer
+        again = await client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true"
+        _same_response(first, again)
+        assert rows(order) == [(order, 1)]
+        assert (await effects(client))[order] == 1
+
+
+async def test_r7_r19_a_5xx_rolls_the_row_back_and_the_retry_runs(
+    tx_server: tuple[str, Rows],
+) -> None:
+    base, rows = tx_server
+    async with httpx.AsyncClient(base_url=base) as client:
+        k, order = key(), f"f-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True}
+        first = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert first.status_code == 500 and first.json() == {"error": "the ledger is down"}
+        assert rows(order) == []  # the failed run wrote its row, and it was rolled back
+        retry = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        again = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
+        assert rows(order) == [(order, 2)]  # only the retry's row: the second run
+        assert (await effects(client))[order] == 2
+
+
+async def test_r7_r19_an_app_that_raises_leaves_no_row_and_no_marker(
+    tx_server: tuple[str, Rows],
+) -> None:
+    base, rows = tx_server
+    async with httpx.AsyncClient(base_url=base) as client:
+        k, order = key(), f"r-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "raise_once": True}
+        first = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert first.status_code == 500  # the server's own answer to an app that raised
+        assert rows(order) == []
+        retry = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert retry.status_code == 201
+        assert rows(order) == [(order, 2)]
+
+
+async def test_r7_r19_repeats_during_the_first_wait_for_its_commit_and_replay_it(
+    tx_server: tuple[str, Rows],
+) -> None:
+    base, rows = tx_server
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        k, order = key(), f"slow-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "sleep": 1.0}
+        first = asyncio.create_task(
+            client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        )
+        await asyncio.sleep(0.3)
+        repeats = await asyncio.gather(
+            *(client.post("/orders", json=body, headers={"Idempotency-Key": k}) for _ in range(3))
+        )
+        done = await first
+        assert done.status_code == 201
+        for repeat in repeats:
+            assert repeat.headers["idempotent-replayed"] == "true"
+            _same_response(done, repeat)
+        assert rows(order) == [(order, 1)]
+        assert (await effects(client))[order] == 1
+
+
+async def test_r7_r19_another_body_under_the_key_is_422_and_writes_nothing(
+    tx_server: tuple[str, Rows],
+) -> None:
+    base, rows = tx_server
+    async with httpx.AsyncClient(base_url=base) as client:
+        k, order = key(), f"c-{uuid.uuid4().hex[:8]}"
+        await client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+        other = await client.post(
+            "/orders", json={"id": order, "n": 2}, headers={"Idempotency-Key": k}
+        )
+        assert other.status_code == 422
+        assert rows(order) == [(order, 1)]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_r7_r19_wsgi_transactional_commits_the_row_with_the_response_and_rolls_back_a_5xx(
+    tmp_path: Path, kind: str
+) -> None:
+    """The same on the WSGI middleware: a Flask app on a threaded ``wsgiref`` server."""
+    from tests.web.test_asgi import serving_command
+
+    url, ledger, rows, drop = _ledger(kind, tmp_path)
+    command = [sys.executable, "-m", "tests.web.wsgi_app", "{port}"]
+    try:
+        with (
+            serving_command(
+                command, ONCELY_TEST_HTTP_STORE=url, ONCELY_TEST_HTTP_TX=ledger
+            ) as base,
+            httpx.Client(base_url=base) as client,
+        ):
+            k, order = key(), f"w-{uuid.uuid4().hex[:8]}"
+            first = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+            again = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+            assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+            _same_response(first, again)
+            assert rows(order) == [(order, 1)]
+            k, failing = key(), f"wf-{uuid.uuid4().hex[:8]}"
+            body = {"id": failing, "fail_once": True}
+            assert (
+                client.post("/orders", json=body, headers={"Idempotency-Key": k}).status_code == 500
+            )
+            assert rows(failing) == []
+            retry = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+            assert retry.status_code == 201 and rows(failing) == [(failing, 2)]
+    finally:
+        drop()
+
+
+def test_r7_transactional_needs_a_store_with_transactions_and_refuses_wait() -> None:
+    from datetime import timedelta
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("never called")
+
+    memory = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    with pytest.raises(ConfigurationError, match="transactional mode"):
+        IdempotencyMiddleware(app, inbox=memory, transactional=True)
+    with pytest.raises(ConfigurationError, match="transactional mode"):
+        WSGIIdempotencyMiddleware(
+            lambda e, s: [],
+            inbox=oncely.Inbox(oncely.open("memory://"), consumer="api"),
+            transactional=True,
+        )
+    sqlite = oncely.AsyncInbox(oncely.open_async("sqlite:///:memory:"), consumer="api")
+    with pytest.raises(ConfigurationError, match="row lock"):
+        IdempotencyMiddleware(app, inbox=sqlite, transactional=True, wait=timedelta(seconds=1))
+
+
+def test_r7_transaction_outside_a_request_says_where_it_works() -> None:
+    with pytest.raises(TransactionRequired, match="transactional=True"):
+        transaction()
