@@ -2,6 +2,8 @@
 
 - :mod:`oncely.integrations.entity`: the business entity as the dedup marker on SQLAlchemy 2
   (R6, R20-R22): no inbox table, the entity's unique key is the dedup key.
+- :mod:`oncely.integrations.django`: the ``Idempotency-Key`` layer as a Django middleware and
+  a view decorator.
 - :mod:`oncely.integrations.fastapi`: idempotent FastAPI routes, chosen per route with a
   dependency (the ``Idempotency-Key`` middleware of :mod:`oncely.http` in front of each).
 - :mod:`oncely.integrations.sqlalchemy`: the transactional mode inside a caller's SQLAlchemy
@@ -9,5 +11,5 @@
   together (R7), on PostgreSQL, MariaDB/MySQL and SQLite.
 
 Each module imports its library on import; install the matching extra
-(``oncely[sqlalchemy]``, ``oncely[fastapi]``).
+(``oncely[sqlalchemy]``, ``oncely[fastapi]``, ``oncely[django]``).
 """

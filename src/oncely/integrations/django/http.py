@@ -1,0 +1,217 @@
+"""The ``Idempotency-Key`` HTTP layer of :mod:`oncely.http` in Django's own terms: a middleware
+for ``settings.MIDDLEWARE`` and a decorator for one view, on a sync :class:`~oncely.Inbox`,
+with the same answers (the stored response replayed byte for byte with
+``Idempotent-Replayed: true``, 409 while the first runs, 422 for another body, 400 for a
+missing or malformed key, RFC 9457 problem details) and the same options as
+:class:`~oncely.http.WSGIIdempotencyMiddleware` (``principal`` and ``applies`` get the
+``HttpRequest``).
+
+The middleware, configured in the settings::
+
+    MIDDLEWARE = [
+        ...,
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "oncely.integrations.django.http.IdempotencyMiddleware",
+    ]
+    ONCELY_HTTP = {"store": "postgresql://app@db/shop", "consumer": "shop-api",
+                   "required": True}                  # or "inbox": an oncely.Inbox
+
+Per view, without the middleware::
+
+    from oncely.integrations.django.http import idempotent
+
+    @idempotent(inbox=inbox, required=True)
+    def create_order(request): ...
+
+Keys are scoped per principal: by default the signed-in user (``request.user``, when
+Django's authentication middleware runs before this one), else a hash of the
+``Authorization`` header, else ``anonymous``. A streaming response is sent but not kept (the
+claim is released, so a repeat runs again); cookies are never kept.
+
+Tested with Django's WSGI handler served by a threaded ``wsgiref`` server, on SQLite,
+PostgreSQL and Redis stores (``tests/web/test_django.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from django.conf import settings
+    from django.http import HttpRequest, HttpResponse, HttpResponseBase
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "oncely.integrations.django needs Django: pip install 'oncely[django]'"
+    ) from exc
+
+import oncely
+from oncely.errors import ConfigurationError
+from oncely.http import (
+    Reply,
+    _Policy,
+    _too_large,
+    _wsgi_headers,
+    answer,
+    kept,
+    request_fingerprint,
+    scoped_key,
+)
+from oncely.inbox.sync_inbox import Claimed, Inbox
+
+__all__ = ["IdempotencyMiddleware", "default_principal", "idempotent"]
+
+View = Callable[..., HttpResponseBase]
+
+
+def default_principal(request: HttpRequest) -> str:
+    """The signed-in user (``user:<pk>``), else a hash of the ``Authorization`` header, else
+    ``anonymous``."""
+    user = getattr(request, "user", None)
+    if user is not None and getattr(user, "is_authenticated", False):
+        return f"user:{user.pk}"
+    authorization = request.META.get("HTTP_AUTHORIZATION")
+    if authorization:
+        digest = hashlib.sha256(str(authorization).encode("latin-1")).hexdigest()[:32]
+        return f"auth:{digest}"
+    return "anonymous"
+
+
+class _Guard(_Policy):
+    """The policy on Django's request and response objects."""
+
+    def __init__(self, inbox: Inbox, **options: Any) -> None:
+        if not isinstance(inbox, Inbox):
+            raise ConfigurationError(
+                "oncely's Django layer takes a sync Inbox (inbox=...); Django runs a sync "
+                "middleware in a thread under ASGI too"
+            )
+        if options.get("transactional"):
+            raise ConfigurationError(
+                "transactional=True is not offered in Django's layer: the transaction would "
+                "be the store's connection, not Django's; use the two-phase mode (the default)"
+            )
+        options.setdefault("principal", default_principal)
+        super().__init__(**options)
+        self.inbox = inbox
+
+    def run(self, request: HttpRequest, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+        method = str(request.method or "GET").upper()
+        if method not in self.methods or (self._applies is not None and not self._applies(request)):
+            return call()
+        headers = _wsgi_headers(request.META)
+        first = self._header_step(headers, request)
+        if first is None:
+            return call()
+        if isinstance(first, tuple):
+            return _response(first)
+        body = self._read(request)
+        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        if not isinstance(key, str):
+            return _response(key)
+        assert body is not None
+        who = self._principal(request)
+        if not isinstance(who, str):
+            raise ConfigurationError("a Django principal returns a str")
+        scoped = scoped_key(who, method, request.path, key)
+        fingerprint = request_fingerprint(
+            str(request.META.get("QUERY_STRING", "")).encode("latin-1"),
+            body,
+            request.META.get("CONTENT_TYPE") or None,
+        )
+        claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        if not claimed.won:
+            assert claimed.handled is not None
+            return _response(answer(claimed.handled))
+        try:
+            response = call()
+        except BaseException as exc:
+            claimed.release(f"the view raised {type(exc).__name__}: {exc}")
+            raise
+        self._end(claimed, response)
+        return response
+
+    def _read(self, request: HttpRequest) -> bytes | None:
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        if length > self._max_request:
+            return None
+        return bytes(request.body)
+
+    def _end(self, claimed: Claimed[Any], response: HttpResponseBase) -> None:
+        if response.streaming:
+            claimed.release("a streaming response is not kept")
+            return
+        assert isinstance(response, HttpResponse)
+        status = int(response.status_code)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.items()]
+        content = bytes(response.content)
+        decided = kept(
+            status, headers, [content], len(content), self._max_stored, self._store_status
+        )
+        if isinstance(decided, str):
+            claimed.release(decided)
+            return
+        if "too_large" in decided:
+            _too_large(claimed.key, len(content), self._max_stored)
+        claimed.complete(decided)
+
+
+def _response(reply: Reply) -> HttpResponse:
+    status, headers, body = reply
+    response = HttpResponse(body, status=status)
+    del response["Content-Type"]  # Django's default: only the reply's own headers are sent
+    for name, value in headers:
+        response[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+class IdempotencyMiddleware:
+    """Django middleware: every view's requests with a key (POST and PATCH by default) go
+    through the layer. Configured by ``settings.ONCELY_HTTP``: ``"inbox"`` (an
+    :class:`~oncely.Inbox`) or ``"store"`` (a store URL) with ``"consumer"`` (default
+    ``"http"``); every other entry is an option of
+    :class:`~oncely.http.WSGIIdempotencyMiddleware`."""
+
+    sync_capable = True
+    async_capable = False
+
+    def __init__(self, get_response: View) -> None:
+        config = dict(getattr(settings, "ONCELY_HTTP", None) or {})
+        if not config:
+            raise ConfigurationError(
+                "oncely's IdempotencyMiddleware needs settings.ONCELY_HTTP, e.g. "
+                '{"store": "postgresql://...", "consumer": "api"}'
+            )
+        inbox = config.pop("inbox", None)
+        store = config.pop("store", None)
+        consumer = config.pop("consumer", "http")
+        if inbox is None:
+            if not isinstance(store, str):
+                raise ConfigurationError('settings.ONCELY_HTTP needs "inbox" or "store" (a URL)')
+            inbox = oncely.Inbox(oncely.open(store), consumer=consumer)
+        self.get_response = get_response
+        self.guard = _Guard(inbox, **config)
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        return self.guard.run(request, lambda: self.get_response(request))
+
+
+def idempotent(*, inbox: Inbox, **options: Any) -> Callable[[View], View]:
+    """A view decorator: this view's requests with a key go through the layer (the options
+    of :class:`~oncely.http.WSGIIdempotencyMiddleware`; ``methods`` defaults to POST and
+    PATCH)."""
+    guard = _Guard(inbox, **options)
+
+    def decorate(view: View) -> View:
+        @functools.wraps(view)
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            return guard.run(request, lambda: view(request, *args, **kwargs))
+
+        return wrapped
+
+    return decorate

@@ -1,0 +1,124 @@
+"""The Django site ``tests/web/test_django.py`` serves: Django's WSGI handler on a threaded
+``wsgiref`` server in a process of its own (``python -m tests.web.django_site PORT``; the store
+from ``ONCELY_TEST_HTTP_STORE``). ``POST /orders`` runs behind oncely's middleware (from
+``MIDDLEWARE``), ``POST /decorated`` behind the view decorator alone (the middleware skips
+it), ``POST /stream`` answers a streaming response, ``GET /effects`` counts the runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import django
+from django.conf import settings
+
+import oncely
+
+STORE = os.environ["ONCELY_TEST_HTTP_STORE"]
+settings.configure(
+    DEBUG=False,
+    SECRET_KEY="tests-only",
+    ALLOWED_HOSTS=["*"],
+    ROOT_URLCONF=__name__,
+    MIDDLEWARE=["oncely.integrations.django.http.IdempotencyMiddleware"],
+    INSTALLED_APPS=[],
+    DATABASES={},
+    ONCELY_HTTP={
+        "store": STORE,
+        "consumer": "django-api",
+        "required": lambda request: request.path == "/orders",
+        "applies": lambda request: request.path != "/decorated",
+        "principal": lambda request: request.META.get("HTTP_X_CLIENT", "anon"),
+    },
+)
+django.setup()
+
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse  # noqa: E402
+from django.urls import path  # noqa: E402
+from django.views.decorators.csrf import csrf_exempt  # noqa: E402
+
+from oncely.integrations.django.http import idempotent  # noqa: E402
+
+EFFECTS: Counter[str] = Counter()
+FAILED_ONCE: set[str] = set()
+LOCK = threading.Lock()
+
+
+def _run(request: HttpRequest) -> HttpResponse:
+    body = json.loads(request.body or b"{}")
+    order = str(body.get("id"))
+    time.sleep(float(body.get("sleep", 0)))
+    with LOCK:
+        EFFECTS[order] += 1
+        if body.get("fail_once") and order not in FAILED_ONCE:
+            FAILED_ONCE.add(order)
+            return JsonResponse({"error": "the ledger is down"}, status=500)
+        run = EFFECTS[order]
+    response = JsonResponse({"order": order, "run": run}, status=201)
+    response["X-App"] = "django"
+    return response
+
+
+@csrf_exempt
+def orders(request: HttpRequest) -> HttpResponse:
+    return _run(request)
+
+
+@csrf_exempt
+@idempotent(
+    inbox=oncely.Inbox(oncely.open(STORE), consumer="django-decorated"),
+    required=True,
+)
+def decorated(request: HttpRequest) -> HttpResponse:
+    return _run(request)
+
+
+@csrf_exempt
+def stream(request: HttpRequest) -> StreamingHttpResponse:
+    order = str(json.loads(request.body or b"{}").get("id"))
+    with LOCK:
+        EFFECTS[order] += 1
+    return StreamingHttpResponse(iter([b"part one, ", b"part two"]), status=201)
+
+
+def effects(request: HttpRequest) -> JsonResponse:
+    with LOCK:
+        return JsonResponse(dict(EFFECTS))
+
+
+urlpatterns = [
+    path("orders", orders),
+    path("decorated", decorated),
+    path("stream", stream),
+    path("effects", effects),
+]
+
+
+class Threaded(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def main() -> None:
+    from django.core.wsgi import get_wsgi_application
+
+    server = make_server(
+        "127.0.0.1", int(sys.argv[1]), get_wsgi_application(), server_class=Threaded,
+        handler_class=Quiet,
+    )  # fmt: skip
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
