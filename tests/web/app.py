@@ -4,8 +4,10 @@ app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST
 ``plain`` ASGI, ``starlette`` or ``fastapi``; ``ONCELY_TEST_HTTP_BARE=1`` accepts unquoted keys;
 ``ONCELY_TEST_HTTP_WEBHOOK`` names a provider whose delivery id is the key;
 ``ONCELY_TEST_HTTP_WAIT`` is how long a repeat waits for a running first request;
-``ONCELY_TEST_HTTP_TX`` names a ledger table: the middleware is then transactional and each
-run writes its order there through ``oncely.http.transaction()``)."""
+``ONCELY_TEST_HTTP_KEEP`` and ``ONCELY_TEST_HTTP_LEASE`` are the inbox's retention and lease
+in seconds; ``ONCELY_TEST_HTTP_FAST=1`` skips the requests' sleeps; ``ONCELY_TEST_HTTP_TX``
+names a ledger table: the middleware is then transactional and each run writes its order there
+through ``oncely.http.transaction()``)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     order = str(body.get("id"))
     if LEDGER:
         await write_ledger(order, EFFECTS[order] + 1)
-    await asyncio.sleep(float(body.get("sleep", 0)))
+    if not os.environ.get("ONCELY_TEST_HTTP_FAST"):
+        await asyncio.sleep(float(body.get("sleep", 0)))
     if body.get("fail_once") and order not in FAILED_ONCE:
         FAILED_ONCE.add(order)
         EFFECTS[order] += 1
@@ -158,8 +161,13 @@ class Lazy:
             return
         if self.app is None:
             inner = SHAPES[os.environ.get("ONCELY_TEST_HTTP_APP", "plain")]()
+            keep = os.environ.get("ONCELY_TEST_HTTP_KEEP")
+            lease = os.environ.get("ONCELY_TEST_HTTP_LEASE")
             inbox = oncely.AsyncInbox(
-                oncely.open_async(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api"
+                oncely.open_async(os.environ["ONCELY_TEST_HTTP_STORE"]),
+                consumer="orders-api",
+                retention=oncely.Retention(keep=timedelta(seconds=float(keep))) if keep else None,
+                lease=oncely.Lease(duration=timedelta(seconds=float(lease))) if lease else None,
             )
             self.app = IdempotencyMiddleware(
                 inner,

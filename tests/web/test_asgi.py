@@ -54,9 +54,12 @@ def _store(kind: str, tmp: Path) -> tuple[str, Any]:
 
 
 @contextlib.contextmanager
-def serving_command(command: list[str], **env: str) -> Iterator[str]:
+def serving_command(
+    command: list[str], started: list[subprocess.Popen[str]] | None = None, **env: str
+) -> Iterator[str]:
     """Run ``command`` (a server; ``{port}`` in it is a free port) with ``env`` added, until it
-    accepts connections; its base URL for the block; stopped after."""
+    accepts connections; its base URL for the block (the process appended to ``started``);
+    stopped after."""
     port = free_port()
     process = subprocess.Popen(
         [part.replace("{port}", str(port)) for part in command],
@@ -65,6 +68,8 @@ def serving_command(command: list[str], **env: str) -> Iterator[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    if started is not None:
+        started.append(process)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -84,7 +89,9 @@ def serving_command(command: list[str], **env: str) -> Iterator[str]:
             process.kill()
 
 
-def serving(store_url: str, app: str, **env: str) -> contextlib.AbstractContextManager[str]:
+def serving(
+    store_url: str, app: str, started: list[subprocess.Popen[str]] | None = None, **env: str
+) -> contextlib.AbstractContextManager[str]:
     """uvicorn serving ``tests/web/app.py`` as ``app`` on ``store_url``."""
     return serving_command(
         [
@@ -99,6 +106,7 @@ def serving(store_url: str, app: str, **env: str) -> contextlib.AbstractContextM
             "--log-level",
             "warning",
         ],
+        started,
         ONCELY_TEST_HTTP_STORE=store_url,
         ONCELY_TEST_HTTP_APP=app,
         **env,
@@ -335,5 +343,92 @@ async def test_r19_with_wait_a_repeat_while_the_first_runs_gets_its_response(
                 assert repeat.headers["idempotent-replayed"] == "true"
                 assert repeat.content == done.content
                 assert (await effects(client))["waited"] == 1
+    finally:
+        drop()
+
+
+async def test_r19_a_body_over_the_limit_is_413_and_never_runs_unprotected(server: str) -> None:
+    """A body larger than the middleware reads to recognise a repeat is refused, not run
+    without idempotency (a published middleware skips it silently and runs it twice)."""
+    async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+        k, order = key(), f"huge-{uuid.uuid4().hex[:8]}"
+        body = json.dumps({"id": order, "note": "x" * (1 << 20)})
+        for _ in range(2):
+            got = await client.post(
+                "/orders",
+                content=body,
+                headers={"Idempotency-Key": k, "content-type": "application/json"},
+            )
+            assert got.status_code == 413
+            assert got.headers["content-type"] == "application/problem+json"
+        assert order not in await effects(client)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_r19_a_key_past_its_retention_runs_again_instead_of_answering_409_forever(
+    tmp_path: Path, kind: str
+) -> None:
+    url, drop = _store(kind, tmp_path)
+    try:
+        with (
+            serving(
+                url, "plain", ONCELY_TEST_HTTP_KEEP="1.5", ONCELY_TEST_HTTP_LEASE="0.5"
+            ) as base,
+            httpx.Client(base_url=base) as client,
+        ):
+            k, order = key(), f"e-{uuid.uuid4().hex[:8]}"
+            first = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+            replay = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+            assert first.status_code == 201 and replay.headers["idempotent-replayed"] == "true"
+            time.sleep(2.0)  # past the retention: the record expired
+            later = client.post("/orders", json={"id": order}, headers={"Idempotency-Key": k})
+            assert later.status_code == 201 and "idempotent-replayed" not in later.headers
+            assert json.loads(client.get("/effects").content)[order] == 2
+    finally:
+        drop()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres", "redis"])
+def test_r10_r19_a_request_whose_server_was_killed_mid_run_is_retried_once_its_lease_lapses(
+    tmp_path: Path, kind: str
+) -> None:
+    """The server is ``SIGKILL``ed while the first request runs: its claim's lease is not
+    renewed any more, a repeat gets 409 while it is live, and once it lapses the repeat runs
+    (a stale claim taken over), on a new server, once; never a key stuck at 409."""
+    url, drop = _store(kind, tmp_path)
+    env = {"ONCELY_TEST_HTTP_KEEP": "60", "ONCELY_TEST_HTTP_LEASE": "1.5"}
+    k, order = key(), f"k-{uuid.uuid4().hex[:8]}"
+    started: list[subprocess.Popen[str]] = []
+    try:
+        with serving(url, "plain", started, **env) as base:
+            slow = {"id": order, "sleep": 30}
+
+            def post_slow() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(
+                        f"{base}/orders", json=slow, headers={"Idempotency-Key": k}, timeout=30
+                    )
+
+            import threading
+
+            sender = threading.Thread(target=post_slow, daemon=True)
+            sender.start()
+            time.sleep(1.0)  # the request is running: claimed, lease renewed
+            started[0].kill()  # SIGKILL
+            started[0].wait(10)
+            sender.join(10)
+        # The same request again, on a new server that does not sleep (ONCELY_TEST_HTTP_FAST).
+        with (
+            serving(url, "plain", ONCELY_TEST_HTTP_FAST="1", **env) as base,
+            httpx.Client(base_url=base) as client,
+        ):
+            early = client.post("/orders", json=slow, headers={"Idempotency-Key": k})
+            assert early.status_code == 409  # the dead server's lease is still live
+            time.sleep(2.0)  # past the lease
+            taken = client.post("/orders", json=slow, headers={"Idempotency-Key": k})
+            assert taken.status_code == 201 and "idempotent-replayed" not in taken.headers
+            again = client.post("/orders", json=slow, headers={"Idempotency-Key": k})
+            assert again.headers["idempotent-replayed"] == "true"
+            assert json.loads(client.get("/effects").content) == {order: 1}
     finally:
         drop()
