@@ -2,7 +2,9 @@
 ``python bench/web.py``.
 
 A trivial ``POST /orders`` (``bench/web_app.py``) served by uvicorn (one worker, its own
-process) four ways: bare; behind ``oncely.http.IdempotencyMiddleware`` on the Redis store and
+process; ``--server standard``, the default, is ``uvicorn[standard]`` as deployed: httptools and
+uvloop; ``--server pure`` is h11 and asyncio's loop) four ways: bare; behind
+``oncely.http.IdempotencyMiddleware`` on the Redis store and
 on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis.
 
 A client (a minimal keep-alive HTTP/1.1 client over ``--connections`` connections) sends
@@ -53,13 +55,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SERVERS = {
+    # uvicorn[standard], as deployed: the httptools parser and the uvloop event loop
+    "standard": ["--http", "httptools", "--loop", "uvloop"],
+    # uvicorn alone: the pure-Python h11 parser and asyncio's own loop
+    "pure": ["--http", "h11", "--loop", "asyncio"],
+}
+
+
 @contextlib.contextmanager
-def serving(variant: str, space: str) -> Iterator[str]:
+def serving(variant: str, space: str, server: str = "standard") -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "ONCELY_BENCH_HTTP": variant, "ONCELY_BENCH_SPACE": space}
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "web_app:app", "--port", str(port),
-         "--log-level", "warning", "--no-access-log"],
+         "--log-level", "warning", "--no-access-log", *SERVERS[server]],
         cwd=HERE, env=env,
     )  # fmt: skip
     try:
@@ -205,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-save", action="store_true")
     p.add_argument(
+        "--server", choices=sorted(SERVERS), default="standard",
+        help="uvicorn with httptools and uvloop (standard, as deployed) or h11 and asyncio (pure)",
+    )  # fmt: skip
+    p.add_argument(
         "--in-process", type=int, default=0, metavar="N",
         help="also time N requests per variant with the ASGI app called directly",
     )  # fmt: skip
@@ -218,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             space = f"bench_http_{uuid.uuid4().hex[:8]}"
             keys = [str(uuid.uuid4()) for _ in range(args.requests)]
             try:
-                with serving(variant, space) as (base, pid):
+                with serving(variant, space, args.server) as (base, pid):
                     for phase in ("new key", "replay"):
                         before = cpu_seconds(pid)
                         seconds = asyncio.run(drive(base, keys, args.connections))
@@ -276,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_save:
         header = (
             f"# HTTP endpoints with and without an idempotency middleware\n\n`{command}` on "
-            f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, {args.requests} "
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, uvicorn "
+            f"{args.server} ({' '.join(SERVERS[args.server])}), {args.requests} "
             f"requests per phase, {args.connections} connections, {args.rounds} rounds; "
             "medians of requests per second (the bare endpoint ignores the header, so its two "
             "phases are the same work).\n\n"
