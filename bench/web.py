@@ -44,7 +44,10 @@ import psycopg
 import redis
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis")
+VARIANTS = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis", "oncely-memory")
+DEFAULT = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis")
+"""Run unless ``--variant`` says otherwise (``oncely-memory``, the in-process store: what the
+middleware and the inbox cost without a store round trip)."""
 REDIS = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also time N requests per variant with the ASGI app called directly",
     )  # fmt: skip
     args = p.parse_args(argv)
-    chosen = tuple(v for v in VARIANTS if not args.variant or v in args.variant)
+    chosen = tuple(v for v in VARIANTS if (v in args.variant if args.variant else v in DEFAULT))
     rates: dict[str, dict[str, list[float]]] = {v: {"new key": [], "replay": []} for v in chosen}
     cpus: dict[str, dict[str, list[float]]] = {v: {"new key": [], "replay": []} for v in chosen}
     for r in range(args.rounds):

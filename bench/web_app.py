@@ -1,6 +1,7 @@
 """The endpoint ``bench/web.py`` serves with uvicorn: a trivial ``POST /orders`` answering
 201 with a small JSON body, bare or behind an idempotency middleware chosen by
-``ONCELY_BENCH_HTTP`` (``bare``, ``oncely-redis``, ``oncely-postgres``, ``idemkit-redis``);
+``ONCELY_BENCH_HTTP`` (``bare``, ``oncely-redis``, ``oncely-postgres``, ``oncely-memory``,
+``idemkit-redis``);
 ``ONCELY_BENCH_SPACE`` names the Redis prefix or PostgreSQL table of the run."""
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def build(variant: str) -> Any:
         import oncely  # noqa: PLC0415 - only the chosen variant's
         from oncely.http import IdempotencyMiddleware  # noqa: PLC0415
 
-        url = (
-            f"{redis_url}?prefix={space}"
-            if variant == "oncely-redis"
-            else f"{postgres}?table={space}&pool_max=16"
-        )
+        url = {
+            "oncely-redis": f"{redis_url}?prefix={space}",
+            "oncely-postgres": f"{postgres}?table={space}&pool_max=16",
+            "oncely-memory": "memory://",  # the middleware's and the inbox's Python alone
+        }[variant]
         inbox = oncely.AsyncInbox(oncely.open_async(url), consumer="bench")
         return IdempotencyMiddleware(orders, inbox=inbox)
     if variant == "idemkit-redis":
