@@ -98,3 +98,29 @@ def test_r7_the_broker_consumer_example_books_each_payment_once() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "outcomes: {'duplicate': 1, 'processed': 3}" in done.stdout, done.stdout
     assert "ledger: [('pay-1', 10), ('pay-2', 20), ('pay-3', 30)]" in done.stdout
+
+
+@pytest.mark.services
+def test_r1_r16_the_dramatiq_example_charges_once_and_dead_letters_the_keyless(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("dramatiq")
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "dramatiq_actors.py"),
+            RABBITMQ_URL,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "receipt for o-1",
+        "charges: [('o-1', 42)]",
+        "dead-lettered: no idempotency key: the producer gave none",
+    ]

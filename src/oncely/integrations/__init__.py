@@ -1,5 +1,8 @@
 """Integrations of oncely with the libraries around it.
 
+- :mod:`oncely.integrations.dramatiq`: a Dramatiq middleware: each actor that declares an
+  ``idempotency_key`` runs once per key; duplicates skipped, refusals dead-lettered with a
+  reason.
 - :mod:`oncely.integrations.entity`: the business entity as the dedup marker on SQLAlchemy 2
   (R6, R20-R22): no inbox table, the entity's unique key is the dedup key.
 - :mod:`oncely.integrations.django`: the ``Idempotency-Key`` layer as a Django middleware and
@@ -11,5 +14,6 @@
   together (R7), on PostgreSQL, MariaDB/MySQL and SQLite.
 
 Each module imports its library on import; install the matching extra
-(``oncely[sqlalchemy]``, ``oncely[fastapi]``, ``oncely[django]``).
+(``oncely[sqlalchemy]``, ``oncely[fastapi]``, ``oncely[django]``,
+``oncely[dramatiq]``).
 """

@@ -1,0 +1,243 @@
+"""Dramatiq actors that apply each logical message once: a middleware on a sync
+:class:`~oncely.Inbox` (the two-phase mode: Dramatiq runs actors in worker threads).
+
+::
+
+    import dramatiq
+    from oncely.integrations.dramatiq import Idempotency, send_with_key
+
+    broker.add_middleware(Idempotency(oncely.Inbox(store, consumer="billing")))
+
+    @dramatiq.actor(idempotency_key=lambda order_id, amount: f"charge:{order_id}")
+    def charge(order_id: str, amount: int) -> None: ...
+
+    charge.send("o-1", 42)                      # the key comes from the arguments
+    send_with_key(notify, "mail:o-1", "o-1")    # or the producer names it, on purpose
+
+An actor takes part when it declares ``idempotency_key``: a function of the actor's
+arguments that returns the key, or ``"sent"`` for a key the producer always gives with
+:func:`send_with_key`. Dramatiq's own ``message_id`` is never the key: ``send`` mints a new
+one each call, so a producer's retry would look new.
+
+What each message gets, before the actor runs:
+
+=====================================  ================================================
+the first message with a key           the actor runs; the claim completes when it
+                                       returns, is released when it raises (Dramatiq's
+                                       Retries middleware then retries, then dead-letters)
+a duplicate (the key completed)        skipped (acknowledged), the actor not run
+a copy while the first still runs      sent again ``retry_in_flight_ms`` later (not one
+                                       of its retries), so a redelivery after a worker
+                                       died is taken over once the dead worker's lease
+                                       lapses, never dropped
+the store cannot answer                sent again later the same way, never run
+                                       unprotected
+the key with other arguments           dead-lettered with the reason
+no key                                 dead-lettered with the reason
+the actor raises :class:`oncely.Reject`  the key is marked rejected; the retry Dramatiq
+                                       sends meets the mark and is dead-lettered
+=====================================  ================================================
+
+Dramatiq runs the actor when a middleware raises anything but its own ``MiddlewareError``
+before it (the error is logged): every failure here is turned into a resend, or into
+:class:`TryLater` (a ``MiddlewareError`` and a ``Retry``) when the resend itself fails.
+
+Dead letters go to the queue's own dead-letter queue (``<queue>.XQ``). On RabbitMQ the
+dead-lettered copy carries the reason in its options (``oncely_reason``); other brokers
+get Dramatiq's own ``fail()`` and the reason is logged (``oncely.dramatiq``). A message
+Dramatiq cannot decode never reaches a middleware: Dramatiq dead-letters it itself.
+
+Tested with the ``dramatiq`` worker command (processes and threads) on RabbitMQ, a worker
+``SIGKILL``ed mid-task included (``tests/integrations/test_dramatiq.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import dramatiq
+    from dramatiq import Middleware
+    from dramatiq.common import xq_name
+    from dramatiq.errors import Retry
+    from dramatiq.middleware import MiddlewareError, SkipMessage
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "oncely.integrations.dramatiq needs Dramatiq: pip install 'oncely[dramatiq]'"
+    ) from exc
+
+from oncely._core.outcomes import Outcome
+from oncely.errors import Reject
+from oncely.inbox.sync_inbox import Claimed, Inbox
+
+__all__ = ["KEY_OPTION", "REASON_OPTION", "Idempotency", "TryLater", "send_with_key"]
+
+LOGGER = logging.getLogger("oncely.dramatiq")
+KEY_OPTION = "oncely_key"
+"""The message option :func:`send_with_key` sets: the producer's key."""
+REASON_OPTION = "oncely_reason"
+"""The option a dead-lettered copy carries (RabbitMQ): why it was dead-lettered."""
+SENT = "sent"
+"""``idempotency_key="sent"``: the key is the one the producer gave (:func:`send_with_key`)."""
+
+Keyer = Callable[..., str | None]
+
+
+class TryLater(MiddlewareError, Retry):
+    """The message is tried again later by the Retries middleware: it could not be sent
+    again itself. A ``MiddlewareError``, because Dramatiq swallows any other exception a
+    middleware raises before the actor (logged, and the actor then runs), which would run it
+    unprotected."""
+
+
+def send_with_key(
+    actor: dramatiq.Actor[..., Any], key: str, *args: Any, **kwargs: Any
+) -> dramatiq.Message[Any]:
+    """Send ``actor(*args, **kwargs)`` with ``key`` as its idempotency key: every send with
+    the same key (a producer's retry, a resend) is one logical message."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("send_with_key needs a non-empty str key")
+    options: dict[str, Any] = {KEY_OPTION: key}
+    return actor.send_with_options(args=args, kwargs=kwargs, **options)
+
+
+class Idempotency(Middleware):
+    """The middleware (see the module docstring). ``retry_in_flight_ms``: how long a copy that
+    met a running first one (or a store that did not answer) waits before it is tried again
+    (default 2 s)."""
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {"idempotency_key"}
+
+    def __init__(self, inbox: Inbox, *, retry_in_flight_ms: int = 2_000) -> None:
+        if not isinstance(inbox, Inbox):
+            raise TypeError("Idempotency takes a sync oncely.Inbox (Dramatiq actors are sync)")
+        self.inbox = inbox
+        self._retry_ms = retry_in_flight_ms
+        self._claims: dict[str, Claimed[Any]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ before the actor
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        try:
+            self._before(broker, message)
+        except MiddlewareError:
+            raise
+        except Exception as exc:
+            LOGGER.error(
+                "oncely dramatiq message %s (%s): not run now, tried again later: %r",
+                message.message_id,
+                message.actor_name,
+                exc,
+            )
+            self._later(broker, message, f"oncely could not claim it: {exc!r}")
+
+    def _later(self, broker: Any, message: Any, why: str) -> None:
+        """Send ``message`` again in ``retry_in_flight_ms`` (not one of its retries) and
+        acknowledge this copy; if the broker refuses the resend, the Retries middleware
+        retries it (:class:`TryLater`). Never runs the actor."""
+        try:
+            broker.enqueue(message.copy(), delay=self._retry_ms)
+        except Exception as exc:
+            raise TryLater(f"{why}; the resend failed: {exc!r}", delay=self._retry_ms) from exc
+        raise SkipMessage(f"{why}: sent again in {self._retry_ms} ms")
+
+    def _before(self, broker: Any, message: Any) -> None:
+        keyer = broker.get_actor(message.actor_name).options.get("idempotency_key")
+        if keyer is None:
+            return
+        try:
+            key = self._key(keyer, message)
+        except Exception as exc:
+            self._dead_letter(broker, message, f"the key could not be read: {exc!r}")
+            return
+        if not key:
+            self._dead_letter(broker, message, "no idempotency key: the producer gave none")
+            return
+        payload = {"args": list(message.args), "kwargs": dict(message.kwargs)}
+        claimed: Claimed[Any] = self.inbox.claim(key, payload)
+        if claimed.won:
+            with self._lock:
+                self._claims[message.message_id] = claimed
+            return
+        handled = claimed.handled
+        assert handled is not None
+        outcome = handled.outcome
+        if outcome is Outcome.DUPLICATE:
+            LOGGER.info("oncely dramatiq key=%s: a duplicate, skipped", key)
+            raise SkipMessage(f"duplicate of {key}")
+        if outcome is Outcome.IN_FLIGHT:
+            self._later(broker, message, f"key {key} is being processed elsewhere")
+        self._dead_letter(broker, message, handled.reason or outcome.value)
+
+    @staticmethod
+    def _key(keyer: Keyer | str, message: Any) -> str | None:
+        given = message.options.get(KEY_OPTION)
+        if keyer == SENT:
+            return given if isinstance(given, str) else None
+        if given is not None:
+            return str(given)
+        if not callable(keyer):
+            raise TypeError(f"idempotency_key is a function of the arguments or {SENT!r}")
+        return keyer(*message.args, **message.kwargs)
+
+    def _dead_letter(self, broker: Any, message: Any, reason: str) -> None:
+        """Send ``message`` to its dead-letter queue with ``reason``, and stop here."""
+        LOGGER.warning(
+            "oncely dramatiq message %s (%s): dead-lettered: %s",
+            message.message_id,
+            message.actor_name,
+            reason,
+        )
+        channel = getattr(broker, "channel", None) if _is_rabbitmq(broker) else None
+        if channel is None:
+            message.fail()
+            return
+        import pika  # noqa: PLC0415 - with the RabbitMQ broker only
+
+        copy = message.copy(options={REASON_OPTION: reason})
+        channel.basic_publish(
+            exchange="",
+            routing_key=xq_name(message.queue_name),
+            body=copy.encode(),
+            properties=pika.BasicProperties(delivery_mode=2),
+        )
+        raise SkipMessage(f"dead-lettered: {reason}")  # the original is acknowledged
+
+    # ------------------------------------------------------------------ after the actor
+
+    def after_process_message(
+        self,
+        broker: Any,
+        message: Any,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        with self._lock:
+            claimed = self._claims.pop(message.message_id, None)
+        if claimed is None:
+            return
+        if exception is None:
+            claimed.complete(result)
+        elif isinstance(exception, Reject):
+            # Marked rejected: the Retries middleware sends the message again, and that
+            # delivery meets the mark and is dead-lettered with the reason.
+            claimed.reject(exception.reason)
+        else:
+            claimed.release(f"the actor raised {type(exception).__name__}: {exception}")
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        with self._lock:
+            claimed = self._claims.pop(message.message_id, None)
+        if claimed is not None:  # another middleware skipped it after the claim
+            claimed.release("the message was skipped")
+
+
+def _is_rabbitmq(broker: Any) -> bool:
+    return type(broker).__name__ == "RabbitmqBroker"

@@ -1,0 +1,212 @@
+"""Dramatiq actors behind ``oncely.integrations.dramatiq.Idempotency``, end to end: the real
+``dramatiq`` worker command (worker processes with threads) on the machine's RabbitMQ, the
+inbox on SQLite and Redis, effects counted in Redis. Duplicates, a reused key, keyless and
+undecodable messages, failures that recover and failures that do not, a rejection, and a
+worker ``SIGKILL``ed mid-task (R1, R2, R10, R13, R16)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("dramatiq")
+import pika
+import redis
+
+from tests.services import RABBITMQ_URL, REDIS_URL, require
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Run:
+    """One scenario's queue, inbox and effects, and the app module configured for them."""
+
+    def __init__(self, store: str, lease: float = 30.0) -> None:
+        self.queue = f"oncely_dq_{uuid.uuid4().hex[:8]}"
+        self.ns = f"oncely_dq_{uuid.uuid4().hex[:8]}"
+        self.env = {
+            "ONCELY_TEST_DRAMATIQ_QUEUE": self.queue,
+            "ONCELY_TEST_DRAMATIQ_NS": self.ns,
+            "ONCELY_TEST_DRAMATIQ_STORE": store,
+            "ONCELY_TEST_DRAMATIQ_LEASE": str(lease),
+            "ONCELY_TEST_REDIS_URL": REDIS_URL,
+        }
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.app = self._app()
+
+    def _app(self) -> ModuleType:
+        os.environ.update(self.env)
+        import tests.integrations.dramatiq_app as app
+
+        return importlib.reload(app)
+
+    def worker(self, processes: int = 2, threads: int = 2) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "dramatiq", "tests.integrations.dramatiq_app",
+                "--processes", str(processes), "--threads", str(threads),
+                "--queues", self.queue,
+            ],
+            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+        )  # fmt: skip
+        self.workers.append(process)
+        return process
+
+    def effects(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
+
+    def started(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        """The dead-letter queue's messages (taken off it), decoded where they decode."""
+        found: list[dict[str, Any]] = []
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
+            channel = c.channel()
+            while True:
+                method, _, body = channel.basic_get(f"{self.queue}.XQ", auto_ack=True)
+                if method is None:
+                    return found
+                try:
+                    found.append(json.loads(body))
+                except ValueError:
+                    found.append({"undecodable": body})
+
+    def publish_raw(self, body: bytes) -> None:
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
+            c.channel().basic_publish(exchange="", routing_key=self.queue, body=body)
+
+    def close(self) -> None:
+        for process in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        self.app.broker.close()
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
+            channel = c.channel()
+            for name in (self.queue, f"{self.queue}.DQ", f"{self.queue}.XQ"):
+                channel.queue_delete(name)
+        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
+            self.redis.delete(name)
+        self.redis.close()
+
+
+def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            seen = {} if run is None else {
+                k.decode(): run.redis.get(k) for k in run.redis.scan_iter(match=f"{run.ns}:*")
+            }  # fmt: skip
+            pytest.fail(f"the workers did not get there in time: {seen}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("Redis", REDIS_URL, 6379)
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'inbox.db'}"
+        return
+    prefix = f"oncely_dqi_{uuid.uuid4().hex[:8]}"
+    yield f"{REDIS_URL}?prefix={prefix}"
+    client = redis.Redis.from_url(REDIS_URL)
+    for name in client.scan_iter(match=f"{prefix}*"):
+        client.delete(name)
+    client.close()
+
+
+@pytest.mark.timeout(180)
+def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
+    store: str,
+) -> None:
+    from oncely.integrations.dramatiq import send_with_key
+
+    run = Run(store)
+    try:
+        app = run.app
+        for _ in range(3):
+            app.charge.send("o1", 10)  # a producer's retries: one logical message
+        app.charge.send("o2", 10)
+        for _ in range(2):
+            send_with_key(app.notify, "mail:o1", "o1")  # the producer names the key
+        app.charge.send("o3", 10, fail_times=2)  # fails twice, then succeeds
+        app.plain.send("p1")
+        run.worker()
+        _until(
+            lambda: run.effects("o1") == 1 and run.effects("o2") == 1 and run.effects("o3") == 1,
+            run=run,
+        )
+        app.charge.send("o2", 99)  # the key again, with other arguments
+        app.notify.send("o9")  # no key: the producer gave none
+        app.charge.send("o4", 10, fail_times=99)  # never succeeds
+        app.charge.send("o5", 10, reject=True)  # the actor refuses it
+        run.publish_raw(b"\xff this is not a Dramatiq message")
+        app.plain.send("p2")  # the worker still works after all that
+        found: list[dict[str, Any]] = []
+
+        def drained() -> bool:
+            found.extend(run.dead_letters())
+            return len(found) >= 5 and run.effects("plain:p2") == 1
+
+        _until(drained)
+        time.sleep(1.0)  # anything that would still arrive (a second dead letter of one)
+        found.extend(run.dead_letters())
+        assert run.effects("o1") == 1 and run.effects("o2") == 1 and run.effects("o3") == 1
+        assert run.effects("mail:o1") == 1 and run.effects("mail:o9") == 0
+        assert run.effects("o4") == 0 and run.effects("o5") == 0
+        assert run.effects("plain:p1") == 1
+        reasons = {
+            (m.get("actor_name"), tuple(m.get("args", ()))): m.get("options", {}).get(
+                "oncely_reason"
+            )
+            for m in found
+            if "undecodable" not in m
+        }
+        conflict = str(reasons[("charge", ("o2", 99))]).lower()
+        assert "fingerprint" in conflict or "conflict" in conflict or "payload" in conflict
+        assert "no idempotency key" in str(reasons[("notify", ("o9",))])
+        assert "not billable" in str(reasons[("charge", ("o5", 10))])
+        assert ("charge", ("o4", 10)) in reasons  # retries exhausted: Dramatiq's own dead letter
+        assert sum("undecodable" in m for m in found) == 1
+        assert len(found) == 5, found
+        assert run.started("o3") == 3  # two failures and the success, no more
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str) -> None:
+    """The worker is ``SIGKILL``ed while the actor sleeps before its effect: RabbitMQ gives
+    the message to the next worker, whose copy meets the dead worker's live lease (retried
+    later, not dropped) and takes the claim over once the lease lapses: one effect."""
+    run = Run(store, lease=2.0)
+    try:
+        run.app.charge.send("k1", 10, sleep=4.0)
+        first = run.worker(processes=1, threads=1)
+        _until(lambda: run.started("k1") == 1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker(processes=1, threads=1)
+        _until(lambda: run.effects("k1") == 1, seconds=90)
+        time.sleep(2.0)
+        assert run.effects("k1") == 1
+        assert run.started("k1") == 2  # the killed run and the one that took over
+        assert run.dead_letters() == []
+    finally:
+        run.close()
