@@ -210,3 +210,23 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
         assert run.dead_letters() == []
     finally:
         run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r10_two_copies_of_one_message_at_once_never_end_each_others_claim(store: str) -> None:
+    """One message enqueued twice with the same ``message_id`` (a redelivery beside a run
+    still going) reaches two threads of one worker: the second copy meets the first's claim
+    and is sent again later, and must not release the first's claim as it goes (it would then
+    run again): one effect, and the first run's completion stands."""
+    run = Run(store)
+    try:
+        message = run.app.charge.message("twin", 10, sleep=2.0)
+        run.app.broker.enqueue(message)
+        run.app.broker.enqueue(message)
+        run.worker(processes=1, threads=2)
+        _until(lambda: run.effects("twin") == 1, run=run)
+        time.sleep(4.0)  # the second copy, sent again, arrives and is a duplicate
+        assert run.effects("twin") == 1
+        assert run.started("twin") == 1
+    finally:
+        run.close()

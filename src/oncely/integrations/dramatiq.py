@@ -118,7 +118,9 @@ class Idempotency(Middleware):
             raise TypeError("Idempotency takes a sync oncely.Inbox (Dramatiq actors are sync)")
         self.inbox = inbox
         self._retry_ms = retry_in_flight_ms
-        self._claims: dict[str, Claimed[Any]] = {}
+        # By the message proxy's identity, not its message_id: two copies of one message
+        # (a redelivery beside a run still going) must never end each other's claim.
+        self._claims: dict[int, Claimed[Any]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ before the actor
@@ -163,7 +165,7 @@ class Idempotency(Middleware):
         claimed: Claimed[Any] = self.inbox.claim(key, payload)
         if claimed.won:
             with self._lock:
-                self._claims[message.message_id] = claimed
+                self._claims[id(message)] = claimed
             return
         handled = claimed.handled
         assert handled is not None
@@ -220,7 +222,7 @@ class Idempotency(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         with self._lock:
-            claimed = self._claims.pop(message.message_id, None)
+            claimed = self._claims.pop(id(message), None)
         if claimed is None:
             return
         if exception is None:
@@ -234,7 +236,7 @@ class Idempotency(Middleware):
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
         with self._lock:
-            claimed = self._claims.pop(message.message_id, None)
+            claimed = self._claims.pop(id(message), None)
         if claimed is not None:  # another middleware skipped it after the claim
             claimed.release("the message was skipped")
 
