@@ -419,15 +419,7 @@ class IdempotencyMiddleware(_Policy):
     ) -> None:
         """The app inside :meth:`AsyncInbox.handle_in_transaction
         <oncely.AsyncInbox.handle_in_transaction>`, its response held until the commit."""
-        given = False
-
-        async def replay_body() -> Message:
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return {"type": "http.disconnect"}
-
+        replay_body = _body_once(body)
         held: list[Message] = []
         raised: list[BaseException] = []
 
@@ -455,28 +447,14 @@ class IdempotencyMiddleware(_Policy):
         held: list[Message],
         send: Send,
     ) -> None:
-        if raised:
-            raise raised[0]
-        if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED) or isinstance(
-            handled.error, _NotKept
-        ):
+        if _ran(handled, raised):
             for message in held:
                 await send(message)
             return
-        if handled.outcome is Outcome.FAILED and handled.error is not None:
-            raise handled.error  # the response could not be stored: nothing was committed
         await self._answer(send, handled)
 
     async def _run(self, scope: Scope, body: bytes, send: Send, claimed: AsyncClaimed[Any]) -> None:
-        sent = False
-
-        async def replay_body() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return {"type": "http.disconnect"}
-
+        replay_body = _body_once(body)
         status = 0
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
@@ -533,6 +511,36 @@ class IdempotencyMiddleware(_Policy):
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 """A response: status, headers, body."""
+
+
+def _body_once(body: bytes) -> Receive:
+    """An ASGI ``receive`` that gives ``body`` whole once, then a disconnect."""
+    given = False
+
+    async def receive() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def _ran(handled: Handled[Any], raised: list[BaseException]) -> bool:
+    """Transactional mode, after the transaction: whether the app's own response goes out
+    (it ran: committed, or rolled back for a response not kept). Raises what the app raised,
+    or the error that kept the response from being stored (nothing was committed); False:
+    the key was not won, and :func:`answer` says why."""
+    if raised:
+        raise raised[0]
+    if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED):
+        return True
+    if isinstance(handled.error, _NotKept):
+        return True
+    if handled.outcome is Outcome.FAILED and handled.error is not None:
+        raise handled.error
+    return False
 
 
 def _too_large(key: str | None, size: int, limit: int) -> None:
@@ -781,16 +789,10 @@ class WSGIIdempotencyMiddleware(_Policy):
             return self._keep(*_wsgi_response(status_line, raw_headers), chunks, scoped)
 
         handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
-        if raised:
-            raise raised[0]
-        if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED) or isinstance(
-            handled.error, _NotKept
-        ):
+        if _ran(handled, raised):
             status_line, raw_headers, chunks = held[0]
             start_response(status_line, raw_headers)
             return chunks
-        if handled.outcome is Outcome.FAILED and handled.error is not None:
-            raise handled.error
         return _respond(start_response, answer(handled))
 
     def _call_app(

@@ -12,9 +12,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import django
 from django.conf import settings
@@ -101,23 +98,12 @@ urlpatterns = [
 ]
 
 
-class Threaded(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        pass
-
-
 def main() -> None:
     from django.core.wsgi import get_wsgi_application
 
-    server = make_server(
-        "127.0.0.1", int(sys.argv[1]), get_wsgi_application(), server_class=Threaded,
-        handler_class=Quiet,
-    )  # fmt: skip
-    server.serve_forever()
+    from tests.web.wsgi_serve import serve
+
+    serve(get_wsgi_application(), int(sys.argv[1]))
 
 
 if __name__ == "__main__":

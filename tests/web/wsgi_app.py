@@ -11,14 +11,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from flask import Flask, jsonify, request
 
 import oncely
 from oncely.http import WSGIIdempotencyMiddleware, transaction
+from tests.web.wsgi_serve import serve
 
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
@@ -52,15 +51,6 @@ def effects() -> Any:
         return jsonify(dict(EFFECTS))
 
 
-class Threaded(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        pass
-
-
 def main() -> None:
     inbox = oncely.Inbox(oncely.open(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api")
     app = WSGIIdempotencyMiddleware(
@@ -71,10 +61,7 @@ def main() -> None:
         max_stored_bytes=4096,
         transactional=bool(LEDGER),
     )
-    server = make_server(
-        "127.0.0.1", int(sys.argv[1]), app, server_class=Threaded, handler_class=Quiet
-    )
-    server.serve_forever()
+    serve(app, int(sys.argv[1]))
 
 
 if __name__ == "__main__":
