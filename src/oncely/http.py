@@ -70,6 +70,8 @@ from oncely._core.outcomes import Handled, Outcome
 from oncely.errors import ConfigurationError, TransactionRequired
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.inbox.sync_inbox import Claimed, Inbox
+from oncely.stores.async_protocols import AsyncTransactionalStore
+from oncely.stores.sync_protocols import TransactionalStore
 
 __all__ = [
     "IdempotencyMiddleware",
@@ -279,25 +281,58 @@ class _Policy:
             )
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
-        if self._transactional and getattr(inbox, "_tx_store", None) is None:
+        protocol = AsyncTransactionalStore if isinstance(inbox, AsyncInbox) else TransactionalStore
+        if self._transactional and not isinstance(inbox.store, protocol):
             raise ConfigurationError(
                 f"transactional=True needs a store with a transactional mode (PostgreSQL, "
                 f"MariaDB/MySQL, SQLite); {type(inbox.store).__name__} has none: use the "
                 "two-phase mode (the default)"
             )
 
+    def _decide(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: list[bytes],
+        size: int,
+        key: str | None,
+    ) -> dict[str, Any] | str:
+        """:func:`kept` with this middleware's limits (a response over ``max_stored_bytes``
+        logged): the response to store, or why it is not kept."""
+        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        if not isinstance(decided, str) and "too_large" in decided:
+            LOGGER.warning(
+                "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it "
+                "was sent but not kept, and a repeat cannot be replayed",
+                key,
+                size,
+                self._max_stored,
+            )
+        return decided
+
     def _keep(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: list[bytes], key: str
     ) -> dict[str, Any]:
         """Transactional mode: the response to store with the commit, or :class:`_NotKept`
         (the transaction rolls back)."""
-        size = sum(len(c) for c in chunks)
-        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        decided = self._decide(status, headers, chunks, sum(len(c) for c in chunks), key)
         if isinstance(decided, str):
             raise _NotKept(decided)
-        if "too_large" in decided:
-            _too_large(key, size, self._max_stored)
         return decided
+
+    def _settle(
+        self,
+        claimed: Claimed[Any],
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: list[bytes],
+    ) -> None:
+        """Two-phase mode, sync: keep the response (complete the claim) or give it back."""
+        decided = self._decide(status, headers, chunks, sum(len(c) for c in chunks), claimed.key)
+        if isinstance(decided, str):
+            claimed.release(decided)
+        else:
+            claimed.complete(decided)
 
     def _header_step(
         self, headers: Iterable[tuple[bytes, bytes]], scope: Any
@@ -438,15 +473,6 @@ class IdempotencyMiddleware(_Policy):
             return self._keep(*_response_of(held), scoped)
 
         handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
-        await self._after_transaction(handled, raised, held, send)
-
-    async def _after_transaction(
-        self,
-        handled: Handled[Any],
-        raised: list[BaseException],
-        held: list[Message],
-        send: Send,
-    ) -> None:
         if _ran(handled, raised):
             for message in held:
                 await send(message)
@@ -497,13 +523,11 @@ class IdempotencyMiddleware(_Policy):
         size: int,
     ) -> None:
         """Keep the response (complete the claim), or give the claim back."""
-        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        decided = self._decide(status, headers, chunks, size, claimed.key)
         if isinstance(decided, str):
             await claimed.release(decided)
-            return
-        if "too_large" in decided:
-            _too_large(claimed.key, size, self._max_stored)
-        await claimed.complete(decided)
+        else:
+            await claimed.complete(decided)
 
     async def _answer(self, send: Send, handled: Handled[Any]) -> None:
         await _send(send, answer(handled))
@@ -541,16 +565,6 @@ def _ran(handled: Handled[Any], raised: list[BaseException]) -> bool:
     if handled.outcome is Outcome.FAILED and handled.error is not None:
         raise handled.error
     return False
-
-
-def _too_large(key: str | None, size: int, limit: int) -> None:
-    LOGGER.warning(
-        "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it was sent "
-        "but not kept, and a repeat cannot be replayed",
-        key,
-        size,
-        limit,
-    )
 
 
 def _response_of(messages: list[Message]) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
@@ -842,13 +856,7 @@ class WSGIIdempotencyMiddleware(_Policy):
         except BaseException as exc:
             claimed.release(f"the app raised {type(exc).__name__}: {exc}")
             raise
-        status, headers = _wsgi_response(status_line, raw_headers)
-        size = sum(len(c) for c in chunks)
-        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
-        if isinstance(decided, str):
-            claimed.release(decided)
-        else:
-            claimed.complete(decided)
+        self._settle(claimed, *_wsgi_response(status_line, raw_headers), chunks)
         start_response(status_line, raw_headers)
         return chunks
 

@@ -52,10 +52,8 @@ from oncely.errors import ConfigurationError
 from oncely.http import (
     Reply,
     _Policy,
-    _too_large,
     _wsgi_headers,
     answer,
-    kept,
     request_fingerprint,
     scoped_key,
 )
@@ -147,18 +145,8 @@ class _Guard(_Policy):
             claimed.release("a streaming response is not kept")
             return
         assert isinstance(response, HttpResponse)
-        status = int(response.status_code)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.items()]
-        content = bytes(response.content)
-        decided = kept(
-            status, headers, [content], len(content), self._max_stored, self._store_status
-        )
-        if isinstance(decided, str):
-            claimed.release(decided)
-            return
-        if "too_large" in decided:
-            _too_large(claimed.key, len(content), self._max_stored)
-        claimed.complete(decided)
+        self._settle(claimed, int(response.status_code), headers, [bytes(response.content)])
 
 
 def _response(reply: Reply) -> HttpResponse:
