@@ -1,0 +1,259 @@
+"""The middleware: the claim around a subscriber's handler, and the outcome's settlement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+try:
+    from fast_depends.exceptions import ValidationError as BindingError
+    from faststream import BaseMiddleware
+    from faststream.exceptions import AckMessage
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "oncely.integrations.faststream needs FastStream: pip install 'oncely[faststream]'"
+    ) from exc
+
+from oncely._core.outcomes import Action, Handled, Outcome
+from oncely.brokers._consumer import decode_body
+from oncely.brokers._shape import Backoff, DeadLetter
+from oncely.errors import ConfigurationError, MissingKey, Reject
+from oncely.inbox.async_inbox import AsyncInbox
+from oncely.integrations.faststream import _rabbit
+from oncely.keys import BusinessKey, Envelope, FirstOf, KeySource, MessageIdKey
+from oncely.wire import printable
+
+__all__ = ["DEAD_LETTER_SUFFIX", "Idempotency"]
+
+LOGGER = logging.getLogger("oncely.faststream")
+DEAD_LETTER_SUFFIX = ".dead"
+"""A subscriber's queue ``q`` dead-letters to ``q`` plus this suffix."""
+_RESULT_IDS = uuid.UUID("6f6e6365-6c79-4e00-8000-666173747374")
+
+
+class Idempotency:
+    """The broker middleware (see :mod:`oncely.integrations.faststream`): pass it to the
+    broker, ``RabbitBroker(url, middlewares=[Idempotency(inbox)])``, or to
+    ``include_router(router, middlewares=[...])``.
+
+    ``inbox``: one inbox for every subscriber, or ``{queue name: inbox}`` (the others pass
+    through untouched). ``key``: the key source (default: the producer's message id). A
+    failed message is retried after ``backoff`` until it has been delivered
+    ``max_deliveries`` times, then dead-lettered; an ``in_flight`` copy is given back after
+    ``requeue_delay``."""
+
+    def __init__(
+        self,
+        inbox: AsyncInbox | Mapping[str, AsyncInbox],
+        *,
+        key: KeySource | None = None,
+        max_deliveries: int = 5,
+        backoff: Backoff | None = None,
+        requeue_delay: timedelta = timedelta(seconds=1),
+        trust_hex_message_ids: bool = False,
+    ) -> None:
+        inboxes = {"": inbox} if isinstance(inbox, AsyncInbox) else dict(inbox)
+        for name, each in inboxes.items():
+            if not isinstance(each, AsyncInbox):
+                raise TypeError(
+                    f"Idempotency takes an oncely.AsyncInbox (FastStream handlers are async), "
+                    f"not {type(each).__name__}" + (f" for {name!r}" if name else "")
+                )
+        if max_deliveries < 1:
+            raise ConfigurationError("max_deliveries must be at least 1")
+        if requeue_delay < timedelta(0):
+            raise ConfigurationError("requeue_delay must not be negative")
+        self._every = inboxes.get("") if isinstance(inbox, AsyncInbox) else None
+        self._inboxes = inboxes
+        self._key = key if key is not None else MessageIdKey()
+        self._body_key = _reads_body(self._key)
+        self.max_deliveries = max_deliveries
+        self.backoff = backoff if backoff is not None else Backoff()
+        self.requeue_delay = requeue_delay
+        self.trust_hex_message_ids = trust_hex_message_ids
+        self._declared: set[tuple[int, str]] = set()
+        self._held: set[asyncio.Task[None]] = set()
+
+    def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
+        return _Scope(self, msg, context=context)
+
+    def _inbox_for(self, queue: str | None) -> AsyncInbox | None:
+        if self._every is not None:
+            return self._every
+        return None if queue is None else self._inboxes.get(queue)
+
+    def _read_key(self, envelope: Envelope) -> str:
+        if self._body_key:
+            try:
+                envelope = replace(envelope, body=decode_body(envelope))
+            except Exception as exc:
+                raise MissingKey(
+                    f"the key is read from the body, which does not decode: {exc}"
+                ) from None
+        return self._key(envelope)
+
+    async def _consume(
+        self, scope: _Scope, call_next: Callable[[Any], Awaitable[Any]], msg: Any
+    ) -> Any:
+        subscriber = scope.context.get("handler_")
+        raw: Any = getattr(msg, "raw_message", None)
+        queue = _rabbit.queue_of(subscriber)
+        inbox = self._inbox_for(queue)
+        if inbox is None or not _rabbit.is_delivery(raw) or _dead_letters(queue):
+            return await call_next(msg)
+        assert queue is not None
+        delivery = _rabbit.read(raw, trust_hex=self.trust_hex_message_ids)
+
+        async def run(_body: object) -> Any:
+            try:
+                await msg.decode()
+            except Exception as exc:
+                raise Reject(f"undecodable body: {exc!r}") from None
+            try:
+                return await call_next(msg)
+            except Exception as exc:
+                if _binding(exc):
+                    raise Reject(f"the body does not fit the handler's arguments: {exc}") from None
+                raise
+
+        try:
+            if delivery.refusal is not None:
+                handled: Handled[Any] = inbox.refuse(
+                    delivery.refusal, correlation_id=delivery.envelope.correlation_id
+                )
+            else:
+                handled = await inbox.handle_message(delivery.envelope, run, key=self._read_key)
+        except Exception as exc:  # the store failed: given back, never run unprotected
+            count = delivery.envelope.delivery_count
+            LOGGER.error(
+                "oncely faststream queue=%s could not process a message (%s: %s); it is given "
+                "back and will be redelivered",
+                queue,
+                type(exc).__name__,
+                exc,
+            )
+            self._hold(raw, _rabbit.requeue_later(raw, self.backoff.delay(count)))
+            raise AckMessage() from None
+        if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED, Outcome.DUPLICATE):
+            # Results published from here on carry an id derived from the key.
+            scope.result_key = (inbox.consumer, handled.key or "")
+            if handled.outcome is Outcome.DUPLICATE:
+                LOGGER.info(
+                    "oncely faststream queue=%s key=%s: a duplicate, not run",
+                    queue,
+                    printable(handled.key or ""),
+                )
+            return handled.value
+        await self._settle(scope, raw, queue, delivery.envelope, handled, inbox.consumer)
+        raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
+
+    async def _settle(
+        self,
+        scope: _Scope,
+        raw: Any,
+        queue: str,
+        envelope: Envelope,
+        handled: Handled[Any],
+        consumer: str,
+    ) -> None:
+        action = handled.action
+        count = max(envelope.delivery_count or 0, handled.attempt) or None
+        if action is Action.REQUEUE_LATER:
+            how = "requeue"
+            self._hold(raw, _rabbit.requeue_later(raw, self.requeue_delay))
+        elif action is Action.RETRY and (count or 0) < self.max_deliveries:
+            how = "retry"
+            broker = scope.context.get("broker")
+            delay = self.backoff.delay(count)
+            self._hold(raw, _rabbit.retry_later(broker, raw, queue, delay, count or 1))
+        else:
+            how = "dead_letter"
+            reason = handled.reason or handled.outcome.value
+            outcome = handled.outcome.value
+            if action is Action.RETRY:
+                outcome = Outcome.REJECTED.value
+                reason = f"failed on all {count} deliveries; last: {reason}"
+            why = DeadLetter(outcome=outcome, reason=reason, consumer=consumer, deliveries=count)
+            broker = scope.context.get("broker")
+            target = queue + DEAD_LETTER_SUFFIX
+            marker = (id(broker), target)
+            if marker not in self._declared:
+                await broker.declare_queue(_rabbit.dead_letter_queue(target))
+                self._declared.add(marker)
+            await _rabbit.dead_letter(broker, raw, target, why)
+        level = logging.ERROR if how == "dead_letter" else handled.log_level
+        LOGGER.log(
+            level,
+            "oncely faststream queue=%s outcome=%s action=%s key=%s deliveries=%s%s",
+            queue,
+            handled.outcome.value,
+            how,
+            None if handled.key is None else printable(handled.key),
+            count,
+            f" reason={printable(handled.reason)}" if handled.reason else "",
+        )
+
+    def _hold(self, raw: Any, later: Coroutine[Any, Any, None]) -> None:
+        """Keep the message unacknowledged while ``later`` waits and then gives it back
+        (RabbitMQ has no delayed requeue); FastStream leaves it alone meanwhile."""
+        raw.lock()
+        task = asyncio.get_running_loop().create_task(later)
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
+
+
+class _Scope(BaseMiddleware):
+    """The middleware's state for one message."""
+
+    def __init__(self, owner: Idempotency, msg: Any, /, *, context: Any) -> None:
+        super().__init__(msg, context=context)
+        self.owner = owner
+        self.result_key: tuple[str, str] | None = None
+
+    async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
+        return await self.owner._consume(self, call_next, msg)
+
+    async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
+        if self.result_key is not None:
+            consumer, key = self.result_key
+            where = f"{getattr(cmd, 'exchange', '')}\n{getattr(cmd, 'destination', '')}"
+            derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
+            _rabbit.stamp(cmd, derived)
+        return await call_next(cmd)
+
+
+def _dead_letters(queue: str | None) -> bool:
+    """A subscriber that reads a dead-letter queue is left alone (its copies keep the id of
+    the message they copy)."""
+    return queue is not None and queue.endswith(DEAD_LETTER_SUFFIX)
+
+
+def _binding(exc: Exception) -> bool:
+    """Whether ``exc`` is FastStream failing to bind the decoded body to the handler's
+    arguments (raised in fast_depends' validation, before the handler's own code runs), not
+    a validation error of the handler's own."""
+    if isinstance(exc, BindingError):
+        return True
+    if type(exc).__name__ != "ValidationError":
+        return False
+    last_ours = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/fast_depends/" in filename:
+            last_ours = "fast_depends"
+        elif "/pydantic" not in filename:
+            last_ours = filename
+        tb = tb.tb_next
+    return last_ours == "fast_depends"
+
+
+def _reads_body(source: KeySource) -> bool:
+    if isinstance(source, BusinessKey):
+        return True
+    return isinstance(source, FirstOf) and any(_reads_body(each) for each in source.sources)

@@ -1,0 +1,176 @@
+"""FastStream's RabbitMQ messages as oncely reads and settles them: the raw aio-pika message
+is the source of truth, never the id FastStream or the client made up."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+from faststream.rabbit import RabbitQueue
+
+from oncely.brokers._common import not_utf8
+from oncely.brokers._shape import DeadLetter
+from oncely.brokers.rabbitmq._delivery import (
+    NO_MESSAGE_ID_HEADER,
+    _delivery_count,
+    _header_text,
+    _sendable_headers,
+)
+from oncely.brokers.rabbitmq._topology import DELIVERY_COUNT_HEADER
+from oncely.keys import Envelope
+
+__all__ = [
+    "DELIVERIES_HEADER",
+    "Delivery",
+    "dead_letter",
+    "is_delivery",
+    "queue_of",
+    "read",
+    "requeue_later",
+    "retry_later",
+    "stamp",
+]
+
+# aiormq gives every message published without an id ``uuid4().hex``: 32 lowercase hex
+# digits with the version nibble 4 and the variant nibble 8, 9, a or b.
+_CLIENT_ID = re.compile(r"[0-9a-f]{12}4[0-9a-f]{3}[89ab][0-9a-f]{15}\Z")
+DELIVERIES_HEADER = "x-oncely-delivered"
+"""On a copy sent back to the queue for a retry: how many times the message was delivered
+(RabbitMQ's classic queues count no deliveries, and a requeue keeps no header)."""
+_COUNTS = (DELIVERY_COUNT_HEADER, DELIVERIES_HEADER)
+_PROPERTIES = (
+    ("message_id", "message id (AMQP message_id property)"),
+    ("correlation_id", "correlation id (AMQP correlation_id property)"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    envelope: Envelope
+    refusal: str | None
+
+
+def is_delivery(raw: object) -> bool:
+    return isinstance(raw, AbstractIncomingMessage)
+
+
+def queue_of(subscriber: object) -> str | None:
+    name = getattr(getattr(subscriber, "queue", None), "name", None)
+    return name if isinstance(name, str) else None
+
+
+def read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
+    headers_in = raw.headers or {}
+    headers = {
+        name: text
+        for name, value in headers_in.items()
+        if name not in (DELIVERY_COUNT_HEADER, DELIVERIES_HEADER)
+        and (text := _header_text(value)) is not None
+    }
+    message_id = raw.message_id or None
+    refusal = not_utf8((what, getattr(raw, name, None)) for name, what in _PROPERTIES)
+    if message_id is not None and refusal is None:
+        if type(raw).__name__ == "PatchedMessage" and message_id == raw.correlation_id:
+            # FastStream's test broker copies a made-up correlation id into message_id.
+            message_id = None
+        elif not trust_hex and _CLIENT_ID.match(message_id):
+            refusal = (
+                f"the message id {message_id!r} has the shape aio-pika's client gives a message "
+                "published without one (uuid4().hex): it is not a producer's id, so a retry "
+                "would look new. Publish with message_id=new_message_id(), or pass "
+                "trust_hex_message_ids=True if your producers mint this shape themselves"
+            )
+    envelope = Envelope(
+        body=raw.body,
+        message_id=message_id,
+        headers=headers,
+        correlation_id=raw.correlation_id or None,
+        delivery_count=_count(headers_in, bool(raw.redelivered)),
+        transport={
+            "delivery_tag": raw.delivery_tag,
+            "redelivered": bool(raw.redelivered),
+            "content_type": raw.content_type,
+            "content_encoding": raw.content_encoding,
+        },
+    )
+    return Delivery(envelope, refusal)
+
+
+def _count(headers: Mapping[str, object], redelivered: bool) -> int | None:
+    count = _delivery_count(headers, redelivered)
+    earlier = headers.get(DELIVERIES_HEADER)
+    if isinstance(earlier, int) and not isinstance(earlier, bool) and earlier >= 0:
+        return max(count or 0, earlier + 1)
+    return count
+
+
+async def retry_later(
+    broker: Any, raw: AbstractIncomingMessage, queue: str, delay: timedelta, count: int
+) -> None:
+    """After ``delay``, send a copy of ``raw`` that says it was delivered ``count`` times to
+    the tail of ``queue``, then ack the original; should the copy not go, the original goes
+    back as it is (counted once less, never lost)."""
+    await asyncio.sleep(delay.total_seconds())
+    headers = _sendable_headers(raw.headers or {})
+    headers[DELIVERIES_HEADER] = count
+    try:
+        await _copy(broker, raw, queue, headers)
+    except Exception:
+        await requeue_later(raw, timedelta(0))
+        return
+    try:
+        await raw.ack()
+    except Exception:  # the channel closed: the original comes back too, a duplicate
+        return
+
+
+async def requeue_later(raw: AbstractIncomingMessage, delay: timedelta) -> None:
+    await asyncio.sleep(delay.total_seconds())
+    try:
+        await raw.nack(requeue=True)
+    except Exception:  # the channel closed meanwhile: RabbitMQ requeued it already
+        return
+
+
+def dead_letter_queue(name: str) -> RabbitQueue:
+    return RabbitQueue(name, durable=True)
+
+
+async def dead_letter(
+    broker: Any, raw: AbstractIncomingMessage, target: str, why: DeadLetter
+) -> None:
+    """Publish a copy of ``raw`` to ``target`` with the reason, then ack the original."""
+    headers = _sendable_headers(raw.headers or {})
+    if raw.message_id is None:
+        headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
+    headers.update(why.headers())
+    await _copy(broker, raw, target, headers)
+    await raw.ack()
+
+
+async def _copy(
+    broker: Any, raw: AbstractIncomingMessage, queue: str, headers: dict[str, Any]
+) -> None:
+    await broker.publish(
+        raw.body,
+        queue=queue,
+        headers=headers,
+        message_id=raw.message_id,
+        correlation_id=raw.correlation_id,
+        content_type=raw.content_type,
+        content_encoding=raw.content_encoding,
+        message_type=raw.type,
+        persist=True,
+    )
+
+
+def stamp(cmd: Any, message_id: str) -> None:
+    """Give a result the handler publishes ``message_id``, unless it has one."""
+    options = getattr(cmd, "message_options", None)
+    if isinstance(options, dict) and not options.get("message_id"):
+        options["message_id"] = message_id

@@ -1,0 +1,68 @@
+"""The FastStream app ``tests/integrations/test_faststream.py`` runs with the ``faststream
+run`` worker command on RabbitMQ: a subscriber behind
+``oncely.integrations.faststream.Idempotency``, its effects counted in Redis (``INCR``) so
+every worker process counts in one place, its results published to ``<queue>.receipts``.
+Configured by the environment: ``ONCELY_TEST_FASTSTREAM_QUEUE`` (the queue),
+``ONCELY_TEST_FASTSTREAM_STORE`` (the inbox's store URL), ``ONCELY_TEST_FASTSTREAM_NS`` (the
+Redis key prefix of the effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import timedelta
+
+import redis
+from faststream import FastStream
+from faststream.rabbit import RabbitBroker
+from pydantic import BaseModel
+
+import oncely
+from oncely.brokers import Backoff
+from oncely.integrations.faststream import Idempotency
+
+QUEUE = os.environ["ONCELY_TEST_FASTSTREAM_QUEUE"]
+NS = os.environ["ONCELY_TEST_FASTSTREAM_NS"]
+RABBITMQ = os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+REDIS = redis.Redis.from_url(os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+LEASE = timedelta(seconds=float(os.environ.get("ONCELY_TEST_FASTSTREAM_LEASE", "30")))
+
+inbox = oncely.AsyncInbox(
+    oncely.open_async(os.environ["ONCELY_TEST_FASTSTREAM_STORE"]),
+    consumer="billing",
+    lease=oncely.Lease(duration=LEASE),
+)
+idempotency = Idempotency(
+    {QUEUE: inbox},
+    max_deliveries=3,
+    backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
+    requeue_delay=timedelta(seconds=0.5),
+)
+broker = RabbitBroker(RABBITMQ, middlewares=[idempotency])
+app = FastStream(broker)
+
+
+class Charge(BaseModel):
+    order: str
+    amount: int
+    sleep: float = 0
+    fail_times: int = 0
+    reject: bool = False
+
+
+@broker.subscriber(QUEUE)
+@broker.publisher(QUEUE + ".receipts")
+async def charge(charge: Charge) -> dict[str, object]:
+    REDIS.incr(f"{NS}:started:{charge.order}")
+    await asyncio.sleep(charge.sleep)
+    if charge.reject:
+        raise oncely.Reject(f"order {charge.order} is not billable")
+    if REDIS.incr(f"{NS}:attempts:{charge.order}") <= charge.fail_times:
+        raise RuntimeError(f"the ledger is down (attempt for {charge.order})")
+    REDIS.incr(f"{NS}:effects:{charge.order}")
+    return {"order": charge.order, "charged": charge.amount}
+
+
+@broker.subscriber(QUEUE + ".plain")
+async def plain(order: str) -> None:  # not in the mapping: untouched by the middleware
+    REDIS.incr(f"{NS}:effects:plain:{order}")

@@ -1,0 +1,297 @@
+"""FastStream subscribers behind ``oncely.integrations.faststream.Idempotency``, end to end:
+the real ``faststream run`` worker on the machine's RabbitMQ, the inbox on SQLite and Redis,
+effects counted in Redis. Duplicates, a reused key, keyless messages and ids the client made
+up, undecodable bodies, failures that recover and failures that do not, a rejection, and a
+worker ``SIGKILL``ed mid-handler (R1, R2, R4, R10, R13, R16); then FastStream's own
+``TestRabbitBroker`` for users' unit tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("faststream")
+import aio_pika
+import pika
+import redis
+
+from tests.services import RABBITMQ_URL, REDIS_URL, require
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Run:
+    """One scenario's queues, inbox and effects, and the app module configured for them."""
+
+    def __init__(self, store: str, lease: float = 30.0) -> None:
+        self.queue = f"oncely_fs_{uuid.uuid4().hex[:8]}"
+        self.ns = f"oncely_fs_{uuid.uuid4().hex[:8]}"
+        self.env = {
+            "ONCELY_TEST_FASTSTREAM_QUEUE": self.queue,
+            "ONCELY_TEST_FASTSTREAM_NS": self.ns,
+            "ONCELY_TEST_FASTSTREAM_STORE": store,
+            "ONCELY_TEST_FASTSTREAM_LEASE": str(lease),
+            "ONCELY_TEST_REDIS_URL": REDIS_URL,
+            "ONCELY_TEST_RABBITMQ_URL": RABBITMQ_URL,
+        }
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.workers: list[subprocess.Popen[bytes]] = []
+        with self._channel() as channel:  # the queues exist before the first publish
+            for name in (self.queue, f"{self.queue}.plain", f"{self.queue}.receipts"):
+                channel.queue_declare(name, durable=True)
+
+    @contextlib.contextmanager
+    def _channel(self) -> Iterator[Any]:
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
+            yield c.channel()
+
+    def app(self) -> ModuleType:
+        os.environ.update(self.env)
+        import tests.integrations.faststream_app as app
+
+        return importlib.reload(app)
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "faststream", "run", "tests.integrations.faststream_app:app"],
+            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+        )  # fmt: skip
+        self.workers.append(process)
+        return process
+
+    def charge(self, message_id: str | None, order: str, amount: int = 10, **more: Any) -> None:
+        body = json.dumps({"order": order, "amount": amount, **more}).encode()
+        self.publish(body, message_id, content_type="application/json")
+
+    def publish(
+        self, body: bytes, message_id: str | None, *, queue: str = "", content_type: str = ""
+    ) -> None:
+        """A producer on another client (pika), which sends what it is given: no id is made
+        up for a message without one."""
+        properties = pika.BasicProperties(
+            message_id=message_id, content_type=content_type or None, delivery_mode=2
+        )
+        with self._channel() as channel:
+            channel.basic_publish("", queue or self.queue, body, properties)
+
+    def publish_with_aio_pika(self, body: bytes) -> None:
+        """aio-pika, as FastStream publishes: its client gives the message a random id."""
+
+        async def send() -> None:
+            connection = await aio_pika.connect(RABBITMQ_URL)
+            async with connection:
+                channel = await connection.channel()
+                message = aio_pika.Message(body, content_type="application/json")
+                await channel.default_exchange.publish(message, routing_key=self.queue)
+
+        asyncio.run(send())
+
+    def effects(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
+
+    def started(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
+
+    def taken(self, suffix: str) -> list[tuple[Any, bytes]]:
+        """The messages of ``<queue><suffix>`` (taken off it): (properties, body)."""
+        found: list[tuple[Any, bytes]] = []
+        with self._channel() as channel, contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+            while True:
+                method, properties, body = channel.basic_get(self.queue + suffix, True)
+                if method is None:
+                    break
+                found.append((properties, body))
+        return found
+
+    def close(self) -> None:
+        for process in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        with self._channel() as channel:
+            for suffix in ("", ".plain", ".receipts", ".dead"):
+                channel.queue_delete(self.queue + suffix)
+        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
+            self.redis.delete(name)
+        self.redis.close()
+
+
+def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            seen = {} if run is None else {
+                k.decode(): run.redis.get(k) for k in run.redis.scan_iter(match=f"{run.ns}:*")
+            }  # fmt: skip
+            pytest.fail(f"the worker did not get there in time: {seen}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("Redis", REDIS_URL, 6379)
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'inbox.db'}"
+        return
+    prefix = f"oncely_fsi_{uuid.uuid4().hex[:8]}"
+    yield f"{REDIS_URL}?prefix={prefix}"
+    client = redis.Redis.from_url(REDIS_URL)
+    for name in client.scan_iter(match=f"{prefix}*"):
+        client.delete(name)
+    client.close()
+
+
+def _reason(properties: Any) -> str:
+    return str((properties.headers or {}).get("x-oncely-reason", ""))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
+    store: str,
+) -> None:
+    run = Run(store)
+    try:
+        for _ in range(3):
+            run.charge("m-o1", "o1")  # a producer's retries: one logical message
+        run.charge("m-o2", "o2")
+        run.charge("m-o3", "o3", fail_times=2)  # fails twice, then succeeds
+        run.publish(b'"p1"', None, queue=f"{run.queue}.plain")
+        run.worker()
+        _until(
+            lambda: run.effects("o1") == 1 and run.effects("o2") == 1 and run.effects("o3") == 1,
+            run=run,
+        )
+        run.charge("m-o2", "o2", amount=99)  # the key again, with another body
+        run.charge(None, "o6")  # no id: the producer gave none
+        run.publish_with_aio_pika(b'{"order": "o7", "amount": 1}')  # the client's made-up id
+        run.charge("m-o4", "o4", fail_times=99)  # never succeeds
+        run.charge("m-o5", "o5", reject=True)  # the handler refuses it
+        run.publish(b"\xff not json", "m-bad1", content_type="application/json")
+        run.publish(b"\xff not a charge", "m-bad2")  # no content type: bytes, not a Charge
+        run.publish(b'"p2"', None, queue=f"{run.queue}.plain")  # the worker still works
+        found: list[tuple[Any, bytes]] = []
+
+        def drained() -> bool:
+            found.extend(run.taken(".dead"))
+            return len(found) >= 7 and run.effects("plain:p2") == 1
+
+        _until(drained, run=run)
+        time.sleep(1.5)  # anything that would still arrive (a second dead letter of one)
+        found.extend(run.taken(".dead"))
+        assert run.effects("o1") == 1 and run.effects("o2") == 1 and run.effects("o3") == 1
+        for order in ("o4", "o5", "o6", "o7"):
+            assert run.effects(order) == 0, order
+        assert run.effects("plain:p1") == 1
+        assert run.started("o3") == 3  # two failures and the success, no more
+        assert run.started("o4") == 3  # max_deliveries=3
+        by_id = {p.message_id: (p, body) for p, body in found}
+        assert len(found) == 7, [(p.message_id, p.headers) for p, _ in found]
+        conflict, body = by_id["m-o2"]
+        assert conflict.headers["x-oncely-outcome"] == "key_conflict"
+        assert json.loads(body)["amount"] == 99  # the copy is the message, byte for byte
+        assert "failed on all 3 deliveries" in _reason(by_id["m-o4"][0])
+        assert "the ledger is down" in _reason(by_id["m-o4"][0])
+        assert "not billable" in _reason(by_id["m-o5"][0])
+        assert "undecodable body" in _reason(by_id["m-bad1"][0])
+        assert by_id["m-bad1"][1] == b"\xff not json"
+        assert "arguments" in _reason(by_id["m-bad2"][0])
+        # The copy of the keyless message says its id was not the producer's (the client
+        # gives every message it publishes one).
+        keyless = [p for p, _ in found if "x-oncely-no-message-id" in p.headers]
+        assert len(keyless) == 1 and "message id" in _reason(keyless[0])
+        made_up = [p for p, _ in found if "aio-pika" in _reason(p)]
+        assert len(made_up) == 1 and len(made_up[0].message_id) == 32
+        for properties, _ in found:
+            assert properties.headers["x-oncely-consumer"] == "billing"
+        # Every result published from one key carries one id: the duplicates' replays of o1's
+        # receipt are copies a downstream oncely consumer drops.
+        receipts = run.taken(".receipts")
+        o1 = [p.message_id for p, body in receipts if json.loads(body)["order"] == "o1"]
+        assert len(o1) == 3 and len(set(o1)) == 1 and o1[0]
+        assert {json.loads(body)["order"] for _, body in receipts} == {"o1", "o2", "o3"}
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(store: str) -> None:
+    """The worker is ``SIGKILL``ed while the handler sleeps before its effect: RabbitMQ gives
+    the message to the next worker, whose copy meets the dead worker's live lease (given back
+    later, not dropped) and takes the claim over once the lease lapses: one effect."""
+    run = Run(store, lease=2.0)
+    try:
+        run.charge("m-k1", "k1", sleep=4.0)
+        first = run.worker()
+        _until(lambda: run.started("k1") == 1, run=run)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker()
+        _until(lambda: run.effects("k1") == 1, seconds=90, run=run)
+        time.sleep(2.0)
+        assert run.effects("k1") == 1
+        assert run.started("k1") == 2  # the killed run and the one that took over
+        assert run.taken(".dead") == []
+    finally:
+        run.close()
+
+
+async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None:
+    """The same middleware under ``TestRabbitBroker`` (no server): duplicates run once and
+    replay the first result with one derived id (which the next subscriber drops), the test
+    broker's made-up id and a reused
+    key are dead-lettered with the reason, and a dead-letter subscriber is left alone."""
+    from faststream.rabbit import RabbitBroker, RabbitMessage, TestRabbitBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    broker = RabbitBroker(middlewares=[Idempotency(inbox)])
+    effects: list[object] = []
+    receipts: list[tuple[object, str | None]] = []
+    dead: list[tuple[object, dict[str, Any]]] = []
+
+    @broker.subscriber("orders")
+    @broker.publisher("receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        return {"receipt": body["n"]}
+
+    @broker.subscriber("receipts")
+    async def receipt(body: dict[str, int], message: RabbitMessage) -> None:
+        receipts.append((body, message.raw_message.message_id))
+
+    @broker.subscriber("orders.dead")
+    async def dead_letter(message: RabbitMessage) -> None:
+        dead.append((message.body, dict(message.headers)))
+
+    async with TestRabbitBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", message_id="m-1")
+        await test.publish({"n": 2}, "orders")  # no id: the test broker makes one up
+        await test.publish({"n": 3}, "orders", message_id="m-1")  # the key reused
+    assert effects == [{"n": 1}]
+    # The duplicate replayed the first receipt with the same derived id, and the receipts
+    # subscriber, behind the same middleware, dropped the replay.
+    assert [body for body, _ in receipts] == [{"receipt": 1}]
+    outcomes = sorted(headers["x-oncely-outcome"] for _, headers in dead)
+    assert outcomes == ["key_conflict", "rejected"]
+    rejected = next(h for _, h in dead if h["x-oncely-outcome"] == "rejected")
+    assert "message id" in rejected["x-oncely-reason"]
