@@ -124,3 +124,30 @@ def test_r1_r16_the_dramatiq_example_charges_once_and_dead_letters_the_keyless(
         "charges: [('o-1', 42)]",
         "dead-lettered: no idempotency key: the producer gave none",
     ]
+
+
+@pytest.mark.services
+def test_r1_r2_the_faststream_example_charges_once_and_dead_letters_the_made_up_id(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("faststream")
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "faststream_orders.py"),
+            RABBITMQ_URL,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "charges: [('o-1', 42)]" in lines, done.stdout
+    assert (
+        "dead-lettered: the id has the shape aio-pika's client gives a message published "
+        "without one" in lines
+    ), done.stdout

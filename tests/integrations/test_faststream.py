@@ -284,7 +284,7 @@ async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None
 
     async with TestRabbitBroker(broker) as test:
         for _ in range(2):
-            await test.publish({"n": 1}, "orders", message_id="m-1")
+            await test.publish({"n": 1}, "orders")
         await test.publish({"n": 2}, "orders")  # no id: the test broker makes one up
         await test.publish({"n": 3}, "orders", message_id="m-1")  # the key reused
     assert effects == [{"n": 1}]
@@ -295,3 +295,34 @@ async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None
     assert outcomes == ["key_conflict", "rejected"]
     rejected = next(h for _, h in dead if h["x-oncely-outcome"] == "rejected")
     assert "message id" in rejected["x-oncely-reason"]
+
+
+async def test_r2_a_broker_not_adapted_yet_is_refused_never_run_unprotected() -> None:
+    from faststream.redis import RedisBroker, TestRedisBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    broker = RedisBroker(middlewares=[Idempotency(inbox)])
+    ran: list[object] = []
+
+    @broker.subscriber("orders")
+    async def order(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    async with TestRedisBroker(broker) as test:
+        with pytest.raises(oncely.ConfigurationError, match="RabbitBroker"):
+            await test.publish({"n": 1}, "orders")
+    assert ran == []
+
+
+def test_the_middleware_checks_its_settings() -> None:
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    with pytest.raises(TypeError, match="AsyncInbox"):
+        Idempotency(oncely.Inbox(oncely.open("memory://"), consumer="c"))  # type: ignore[arg-type]
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="c")
+    with pytest.raises(oncely.ConfigurationError, match="max_deliveries"):
+        Idempotency(inbox, max_deliveries=0)

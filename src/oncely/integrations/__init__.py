@@ -3,6 +3,9 @@
 - :mod:`oncely.integrations.dramatiq`: a Dramatiq middleware: each actor that declares an
   ``idempotency_key`` runs once per key; duplicates skipped, refusals dead-lettered with a
   reason.
+- :mod:`oncely.integrations.faststream`: a FastStream broker middleware (RabbitMQ): each
+  message claimed by the producer's id before FastStream decodes it; duplicates acknowledged,
+  refusals dead-lettered with a reason.
 - :mod:`oncely.integrations.entity`: the business entity as the dedup marker on SQLAlchemy 2
   (R6, R20-R22): no inbox table, the entity's unique key is the dedup key.
 - :mod:`oncely.integrations.django`: the ``Idempotency-Key`` layer as a Django middleware and
@@ -15,5 +18,5 @@
 
 Each module imports its library on import; install the matching extra
 (``oncely[sqlalchemy]``, ``oncely[fastapi]``, ``oncely[django]``,
-``oncely[dramatiq]``).
+``oncely[dramatiq]``, ``oncely[faststream]``).
 """

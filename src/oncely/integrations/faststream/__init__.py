@@ -51,7 +51,10 @@ Dead letters go to ``<queue>.dead`` (declared durable), with the same ``x-oncely
 :mod:`oncely.brokers`; every byte of the body and every header kept.
 
 With a mapping ``{queue name: inbox}``, only the listed subscribers take part. Works with
-FastStream's ``TestRabbitBroker`` (the dead-letter queue is then a test subscriber's).
+FastStream's ``TestRabbitBroker`` (the dead-letter queue is then a test subscriber's). A
+subscriber of a ``*.dead`` queue is left alone. FastStream's Kafka, NATS and Redis brokers
+are not adapted yet: their messages are refused (:class:`~oncely.ConfigurationError`), never
+run unprotected.
 Tested with the ``faststream run`` worker on RabbitMQ, a worker ``SIGKILL``ed mid-handler
 included (``tests/integrations/test_faststream.py``). Two-phase mode only.
 """

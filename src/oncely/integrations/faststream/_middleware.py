@@ -57,6 +57,11 @@ class Idempotency:
         requeue_delay: timedelta = timedelta(seconds=1),
         trust_hex_message_ids: bool = False,
     ) -> None:
+        if not isinstance(inbox, AsyncInbox | Mapping):
+            raise TypeError(
+                "Idempotency takes an oncely.AsyncInbox (FastStream handlers are async) or a "
+                f"mapping of queue names to them, not {type(inbox).__name__}"
+            )
         inboxes = {"": inbox} if isinstance(inbox, AsyncInbox) else dict(inbox)
         for name, each in inboxes.items():
             if not isinstance(each, AsyncInbox):
@@ -104,8 +109,15 @@ class Idempotency:
         raw: Any = getattr(msg, "raw_message", None)
         queue = _rabbit.queue_of(subscriber)
         inbox = self._inbox_for(queue)
-        if inbox is None or not _rabbit.is_delivery(raw) or _dead_letters(queue):
+        if inbox is None or _dead_letters(queue):
             return await call_next(msg)
+        if not _rabbit.is_delivery(raw):
+            # Never run a handler unprotected behind a middleware that says it protects it.
+            raise ConfigurationError(
+                f"oncely.integrations.faststream adapts FastStream's RabbitBroker; this "
+                f"message came from {type(subscriber).__module__} ({type(raw).__name__}), "
+                "which it cannot claim yet: the message was not processed"
+            )
         assert queue is not None
         delivery = _rabbit.read(raw, trust_hex=self.trust_hex_message_ids)
 
