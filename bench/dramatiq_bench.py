@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -32,6 +31,7 @@ import dramatiq
 import redis
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.middleware import Middleware, SkipMessage
+from worker_rounds import rotating_rounds, write_table
 
 import oncely
 from oncely.integrations.dramatiq import Idempotency
@@ -108,28 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(args.rounds):
-        for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-            rate = one_round(variant, args.messages, args.threads)
-            rates[variant].append(rate)
-            print(f"  {variant:<8} {rate:8,.0f} msg/s", flush=True)
-    med = {v: statistics.median(x) for v, x in rates.items()}
-    lines = [
-        "| variant | msg/s | cost against by hand |",
-        "|---|---:|---:|",
-        *(f"| {v} | {med[v]:,.0f} | {med['by hand'] / med[v]:.2f}x |" for v in VARIANTS),
-    ]
-    command = "python bench/dramatiq_bench.py " + " ".join(argv or sys.argv[1:])
-    text = (
-        f"# Dramatiq workers with and without oncely\n\n`{command.strip()}`, "
-        f"{args.messages} messages a round, {args.threads} worker threads, {args.rounds} "
-        "rounds; medians. The effect is one Redis INCR; cost is by hand's rate over the "
-        "variant's.\n\n" + "\n".join(lines) + "\n"
+    med = rotating_rounds(
+        VARIANTS, args.rounds, lambda variant: one_round(variant, args.messages, args.threads)
     )
-    print("\n" + "\n".join(lines))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dramatiq.md").write_text(text)
+    write_table(
+        med,
+        title="Dramatiq workers with and without oncely",
+        command="python bench/dramatiq_bench.py " + " ".join(argv or sys.argv[1:]),
+        setup=f"{args.messages} messages a round, {args.threads} worker threads, "
+        f"{args.rounds} rounds",
+        out=args.out,
+        name="dramatiq.md",
+    )
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -38,6 +37,7 @@ import redis.asyncio as aioredis
 from faststream import BaseMiddleware
 from faststream.exceptions import AckMessage
 from faststream.rabbit import RabbitBroker, RabbitQueue
+from worker_rounds import rotating_rounds, write_table
 
 import oncely
 from oncely.integrations.faststream import Idempotency
@@ -52,9 +52,7 @@ def by_hand(client: aioredis.Redis, prefix: str) -> Callable[..., BaseMiddleware
     """A claim and a completion written by hand, on the same Redis."""
 
     class ByHand(BaseMiddleware):
-        async def consume_scope(
-            self, call_next: Callable[[Any], Awaitable[Any]], msg: Any
-        ) -> Any:
+        async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
             key = f"{prefix}:{msg.raw_message.message_id}"
             if not await client.set(key, "running", nx=True, px=60_000):
                 raise AckMessage()
@@ -123,29 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(args.rounds):
-        for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-            rate = asyncio.run(one_round(variant, args.messages))
-            rates[variant].append(rate)
-            print(f"  {variant:<8} {rate:8,.0f} msg/s", flush=True)
-    med = {v: statistics.median(x) for v, x in rates.items()}
-    lines = [
-        "| variant | msg/s | cost against by hand |",
-        "|---|---:|---:|",
-        *(f"| {v} | {med[v]:,.0f} | {med['by hand'] / med[v]:.2f}x |" for v in VARIANTS),
-    ]
-    command = "python bench/faststream_bench.py " + " ".join(argv or sys.argv[1:])
-    text = (
-        f"# FastStream subscribers with and without oncely\n\n`{command.strip()}`, "
-        f"{args.messages} messages a round, one subscriber (FastStream's default: one "
-        f"message at a time), {args.rounds} "
-        "rounds; medians. The effect is one Redis INCR; cost is by hand's rate over the "
-        "variant's.\n\n" + "\n".join(lines) + "\n"
+    med = rotating_rounds(
+        VARIANTS, args.rounds, lambda variant: asyncio.run(one_round(variant, args.messages))
     )
-    print("\n" + "\n".join(lines))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "faststream.md").write_text(text)
+    write_table(
+        med,
+        title="FastStream subscribers with and without oncely",
+        command="python bench/faststream_bench.py " + " ".join(argv or sys.argv[1:]),
+        setup=f"{args.messages} messages a round, one subscriber (FastStream's default: one "
+        f"message at a time), {args.rounds} rounds",
+        out=args.out,
+        name="faststream.md",
+    )
     return 0
 
 

@@ -106,19 +106,7 @@ def test_r1_r16_the_dramatiq_example_charges_once_and_dead_letters_the_keyless(
 ) -> None:
     pytest.importorskip("dramatiq")
     require("RabbitMQ", RABBITMQ_URL, 5672)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "dramatiq_actors.py"),
-            RABBITMQ_URL,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _on_rabbitmq("dramatiq_actors.py", tmp_path)
     assert done.stdout.splitlines() == [
         "receipt for o-1",
         "charges: [('o-1', 42)]",
@@ -132,22 +120,23 @@ def test_r1_r2_the_faststream_example_charges_once_and_dead_letters_the_made_up_
 ) -> None:
     pytest.importorskip("faststream")
     require("RabbitMQ", RABBITMQ_URL, 5672)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "faststream_orders.py"),
-            RABBITMQ_URL,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _on_rabbitmq("faststream_orders.py", tmp_path)
     lines = done.stdout.splitlines()
     assert "charges: [('o-1', 42)]" in lines, done.stdout
     assert (
         "dead-lettered: the id has the shape aio-pika's client gives a message published "
         "without one" in lines
     ), done.stdout
+
+
+def _on_rabbitmq(example: str, directory: Path) -> subprocess.CompletedProcess[str]:
+    """Run a worker example on the machine's RabbitMQ with its files in ``directory``."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example), RABBITMQ_URL, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done

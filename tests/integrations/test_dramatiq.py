@@ -26,7 +26,8 @@ pytest.importorskip("dramatiq")
 import pika
 import redis
 
-from tests.services import RABBITMQ_URL, REDIS_URL, require
+from tests.integrations.workers import store_url, until
+from tests.services import RABBITMQ_URL, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,29 +107,12 @@ class Run:
 
 
 def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            seen = {} if run is None else {
-                k.decode(): run.redis.get(k) for k in run.redis.scan_iter(match=f"{run.ns}:*")
-            }  # fmt: skip
-            pytest.fail(f"the workers did not get there in time: {seen}")
-        time.sleep(0.2)
+    until(check, seconds, None if run is None else run.redis, "" if run is None else run.ns)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    require("Redis", REDIS_URL, 6379)
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'inbox.db'}"
-        return
-    prefix = f"oncely_dqi_{uuid.uuid4().hex[:8]}"
-    yield f"{REDIS_URL}?prefix={prefix}"
-    client = redis.Redis.from_url(REDIS_URL)
-    for name in client.scan_iter(match=f"{prefix}*"):
-        client.delete(name)
-    client.close()
+    yield from store_url(request, tmp_path, "oncely_dqi")
 
 
 @pytest.mark.timeout(180)

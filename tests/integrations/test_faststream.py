@@ -29,7 +29,8 @@ import aio_pika
 import pika
 import redis
 
-from tests.services import RABBITMQ_URL, REDIS_URL, require
+from tests.integrations.workers import store_url, until
+from tests.services import RABBITMQ_URL, REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,29 +132,12 @@ class Run:
 
 
 def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            seen = {} if run is None else {
-                k.decode(): run.redis.get(k) for k in run.redis.scan_iter(match=f"{run.ns}:*")
-            }  # fmt: skip
-            pytest.fail(f"the worker did not get there in time: {seen}")
-        time.sleep(0.2)
+    until(check, seconds, None if run is None else run.redis, "" if run is None else run.ns)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    require("Redis", REDIS_URL, 6379)
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'inbox.db'}"
-        return
-    prefix = f"oncely_fsi_{uuid.uuid4().hex[:8]}"
-    yield f"{REDIS_URL}?prefix={prefix}"
-    client = redis.Redis.from_url(REDIS_URL)
-    for name in client.scan_iter(match=f"{prefix}*"):
-        client.delete(name)
-    client.close()
+    yield from store_url(request, tmp_path, "oncely_fsi")
 
 
 def _reason(properties: Any) -> str:
@@ -255,8 +239,8 @@ def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(store: 
 async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None:
     """The same middleware under ``TestRabbitBroker`` (no server): duplicates run once and
     replay the first result with one derived id (which the next subscriber drops), the test
-    broker's made-up id and a reused
-    key are dead-lettered with the reason, and a dead-letter subscriber is left alone."""
+    broker's made-up id and a reused key are dead-lettered with the reason, and a dead-letter
+    subscriber is left alone."""
     from faststream.rabbit import RabbitBroker, RabbitMessage, TestRabbitBroker
 
     import oncely
@@ -284,7 +268,7 @@ async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None
 
     async with TestRabbitBroker(broker) as test:
         for _ in range(2):
-            await test.publish({"n": 1}, "orders")
+            await test.publish({"n": 1}, "orders", message_id="m-1")
         await test.publish({"n": 2}, "orders")  # no id: the test broker makes one up
         await test.publish({"n": 3}, "orders", message_id="m-1")  # the key reused
     assert effects == [{"n": 1}]
