@@ -310,3 +310,37 @@ def test_the_middleware_checks_its_settings() -> None:
     inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="c")
     with pytest.raises(oncely.ConfigurationError, match="max_deliveries"):
         Idempotency(inbox, max_deliveries=0)
+
+
+async def test_r16_the_handlers_own_ack_and_reject_keep_their_meaning() -> None:
+    """A handler that ends its message with FastStream's ``AckMessage`` completes the key (a
+    copy is then a duplicate, not run); one that raises ``RejectMessage`` refuses it: the
+    key is marked rejected and the message dead-lettered with the reason."""
+    from faststream.exceptions import AckMessage, RejectMessage
+    from faststream.rabbit import RabbitBroker, RabbitMessage, TestRabbitBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    broker = RabbitBroker(middlewares=[Idempotency(inbox)])
+    ran: list[int] = []
+    dead: list[dict[str, Any]] = []
+
+    @broker.subscriber("orders")
+    async def order(body: dict[str, int]) -> None:
+        ran.append(body["n"])
+        raise AckMessage() if body["n"] == 1 else RejectMessage()
+
+    @broker.subscriber("orders.dead")
+    async def dead_letter(message: RabbitMessage) -> None:
+        dead.append(dict(message.headers))
+
+    async with TestRabbitBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", message_id="m-1")
+        for _ in range(2):
+            await test.publish({"n": 2}, "orders", message_id="m-2")
+    assert ran == [1, 2]
+    assert [h["x-oncely-outcome"] for h in dead] == ["rejected", "rejected"]
+    assert all("RejectMessage" in h["x-oncely-reason"] for h in dead)

@@ -32,8 +32,15 @@ no key, or an id the client invented   dead-lettered (``rejected``) with the rea
 a body FastStream cannot decode        dead-lettered (``rejected``), never left
                                        unacknowledged
 the handler raised :class:`oncely.Reject`  dead-lettered with its reason
+or FastStream's ``RejectMessage``
+the handler raised ``AckMessage``      the key completes (nothing is published)
+the handler raised ``NackMessage``     a failure: retried as above
 the store cannot answer                given back, never run unprotected
+the dead-letter copy cannot be sent    given back, never acknowledged without its copy
 =====================================  ================================================
+
+Keep the subscriber's ``ack_policy`` at its default: with ``AckPolicy.ACK_FIRST`` FastStream
+acknowledges before the handler runs, so nothing can be retried or dead-lettered.
 
 Invented ids: FastStream hands a handler a random ``message_id`` when the producer set none,
 and aio-pika's client (aiormq) gives every message it publishes without one a random

@@ -13,7 +13,7 @@ from typing import Any
 try:
     from fast_depends.exceptions import ValidationError as BindingError
     from faststream import BaseMiddleware
-    from faststream.exceptions import AckMessage
+    from faststream.exceptions import AckMessage, RejectMessage
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         "oncely.integrations.faststream needs FastStream: pip install 'oncely[faststream]'"
@@ -33,6 +33,7 @@ __all__ = ["DEAD_LETTER_SUFFIX", "Idempotency"]
 LOGGER = logging.getLogger("oncely.faststream")
 DEAD_LETTER_SUFFIX = ".dead"
 """A subscriber's queue ``q`` dead-letters to ``q`` plus this suffix."""
+_DEAD_LETTER_RETRY = timedelta(seconds=5)
 _RESULT_IDS = uuid.UUID("6f6e6365-6c79-4e00-8000-666173747374")
 
 
@@ -128,7 +129,11 @@ class Idempotency:
                 raise Reject(f"undecodable body: {exc!r}") from None
             try:
                 return await call_next(msg)
-            except Exception as exc:
+            except AckMessage:  # the handler ended it as done: the key is complete
+                return None
+            except RejectMessage:  # the handler refused it: poison, dead-lettered
+                raise Reject("the handler raised FastStream's RejectMessage") from None
+            except Exception as exc:  # NackMessage included: released, retried
                 if _binding(exc):
                     raise Reject(f"the body does not fit the handler's arguments: {exc}") from None
                 raise
@@ -194,11 +199,23 @@ class Idempotency:
             broker = scope.context.get("broker")
             target = queue + DEAD_LETTER_SUFFIX
             marker = (id(broker), target)
-            if marker not in self._declared:
-                await broker.declare_queue(_rabbit.dead_letter_queue(target))
-                self._declared.add(marker)
-            await _rabbit.dead_letter(broker, raw, target, why)
-        level = logging.ERROR if how == "dead_letter" else handled.log_level
+            try:
+                if marker not in self._declared:
+                    await broker.declare_queue(_rabbit.dead_letter_queue(target))
+                    self._declared.add(marker)
+                await _rabbit.dead_letter(broker, raw, target, why)
+            except Exception as exc:  # never acked without its copy: given back, later
+                how = "requeue (the dead-letter copy failed)"
+                LOGGER.error(
+                    "oncely faststream queue=%s could not dead-letter a message to %s (%s: %s); "
+                    "it is given back and will be redelivered",
+                    queue,
+                    target,
+                    type(exc).__name__,
+                    exc,
+                )
+                self._hold(raw, _rabbit.requeue_later(raw, _DEAD_LETTER_RETRY))
+        level = logging.ERROR if how.startswith(("dead_letter", "requeue (")) else handled.log_level
         LOGGER.log(
             level,
             "oncely faststream queue=%s outcome=%s action=%s key=%s deliveries=%s%s",
