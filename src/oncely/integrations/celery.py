@@ -1,0 +1,253 @@
+"""Celery tasks that apply each logical message once: a Task base class on a sync
+:class:`~oncely.Inbox` (the two-phase mode).
+
+Tested with the real ``celery worker`` (prefork) on RabbitMQ, a worker ``SIGKILL``ed
+mid-task included (``tests/integrations/test_celery.py``).
+
+::
+
+    from oncely.integrations.celery import IdempotentTask, send_with_key
+
+    @app.task(base=IdempotentTask, inbox=inbox,
+              idempotency_key=lambda order_id, amount: f"charge:{order_id}")
+    def charge(order_id: str, amount: int) -> dict: ...
+
+    charge.delay("o-1", 42)                          # the key comes from the arguments
+    send_with_key(notify, "mail:o-1", args=("o-1",)) # or the producer names it, on purpose
+
+Celery's task id is never the key unless :func:`send_with_key` set it: ``delay()`` mints a
+new one each call, so a producer's retry would look new.
+
+=====================================  ================================================
+the first message with a key           the task runs; the claim completes when it
+                                       returns, is released when it raises, and
+                                       Celery's own ``retry`` sends it again with the
+                                       task's ``default_retry_delay`` / ``retry_backoff``
+                                       until ``max_retries``, then it is dead-lettered
+a duplicate (the key completed)        the first result is returned, the task not run
+a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
+(Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
+killed mid-task)                       taken over once a dead worker's lease lapses
+the store cannot answer                sent again later the same way, never run
+                                       unprotected
+the key with other arguments, no key,  dead-lettered to ``<queue>.dead`` (a Celery task
+``oncely.Reject``, Celery's            message with ``x-oncely-*`` headers) and the task
+``Reject(requeue=False)``              recorded as failed with :class:`DeadLettered`
+=====================================  ================================================
+
+Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
+acknowledged before its task ended). A resend or retry the broker refuses becomes
+``Reject(requeue=True)``: the broker keeps the message (Celery's own ``retry`` would drop it).
+Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
+claim, and raise oncely's typed errors instead of dead-lettering.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+try:
+    from celery import Task
+    from celery.exceptions import Ignore, Retry
+    from celery.exceptions import Reject as CeleryReject
+    from celery.utils.time import get_exponential_backoff_interval
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "oncely.integrations.celery needs Celery: pip install 'oncely[celery]'"
+    ) from exc
+
+from oncely._core.outcomes import Outcome
+from oncely.brokers._shape import DeadLetter
+from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
+from oncely.inbox.sync_inbox import Claimed, Inbox
+
+__all__ = ["KEY_HEADER", "DeadLettered", "IdempotentTask", "send_with_key"]
+
+LOGGER = logging.getLogger("oncely.celery")
+KEY_HEADER = "oncely_key"
+SENT = "sent"
+_NAMESPACE = uuid.UUID("6f1c2a3e-9b7d-4c1e-8a55-0e7f1d2c3b4a")
+
+Keyer = Callable[..., str | None]
+
+
+class DeadLettered(OncelyError):
+    """The task's message was dead-lettered (the message says why and where): what
+    ``AsyncResult.get()`` raises for it. One ``str`` argument, so Celery's JSON result
+    backend rebuilds it."""
+
+
+def stable_task_id(task_name: str, key: str) -> str:
+    """The task id :func:`send_with_key` gives ``key``: the same for every send."""
+    return str(uuid.uuid5(_NAMESPACE, f"{task_name}\n{key}"))
+
+
+def send_with_key(
+    task: Any,
+    key: str,
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """``task.apply_async(args, kwargs, **options)`` with ``key`` as its idempotency key
+    (and a task id derived from it): every send with one key is one logical message."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("send_with_key needs a non-empty str key")
+    headers = {**(options.pop("headers", None) or {}), KEY_HEADER: key}
+    options.setdefault("task_id", stable_task_id(task.name, key))
+    return task.apply_async(args, kwargs, headers=headers, **options)
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """The base class (see the module docstring)."""
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+    inbox: Inbox | None = None
+    idempotency_key: Keyer | str | None = None
+    retry_in_flight: float = 2.0
+    dead_letter_queue: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        inbox = self.inbox
+        if not isinstance(inbox, Inbox):
+            raise ConfigurationError(
+                f"task {self.name}: IdempotentTask needs inbox=oncely.Inbox(...) (a sync inbox)"
+            )
+        try:
+            key = self._key(args, kwargs)
+        except Exception as exc:
+            return self._dead_letter(Outcome.REJECTED, f"the key could not be read: {exc!r}")
+        if not key:
+            return self._dead_letter(Outcome.REJECTED, "no idempotency key: the producer gave none")
+        payload = {"args": list(args), "kwargs": dict(kwargs)}
+        try:
+            claimed: Claimed[Any] = inbox.claim(key, payload)
+        except StoreError as exc:
+            return self._later(key, f"oncely could not claim it: {exc!r}")
+        if claimed.won:
+            return self._run(claimed, key, args, kwargs)
+        handled = claimed.handled
+        assert handled is not None
+        if request.is_eager:
+            return handled.unwrap()
+        if handled.outcome is Outcome.DUPLICATE:
+            return handled.value
+        if handled.outcome is Outcome.IN_FLIGHT:
+            return self._later(key, f"key {key} is being processed elsewhere")
+        return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        request = self.request
+        given = (request.headers or {}).get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
+        keyer = type(self).idempotency_key  # the plain function, not bound to the task
+        if keyer == SENT:
+            return given if isinstance(given, str) else None
+        if given is not None:
+            return str(given)
+        if not callable(keyer):
+            raise TypeError(f"idempotency_key is a function of the arguments or {SENT!r}")
+        return keyer(*args, **kwargs)
+
+    def _run(
+        self, claimed: Claimed[Any], key: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            result = self.run(*args, **kwargs)
+        except Retry:
+            claimed.release("the task asked Celery to retry it")
+            raise
+        except Ignore:
+            claimed.complete(None)
+            raise
+        except CeleryReject as exc:
+            if exc.requeue:
+                claimed.release("the task rejected it with requeue")
+                raise
+            claimed.reject(f"the task rejected it: {exc.reason!r}")
+            return self._dead_letter(Outcome.REJECTED, f"the task rejected it: {exc.reason!r}")
+        except Reject as exc:
+            claimed.reject(exc.reason)
+            if self.request.is_eager:
+                raise
+            return self._dead_letter(Outcome.REJECTED, exc.reason)
+        except Exception as exc:
+            claimed.release(f"the task raised {type(exc).__name__}: {exc}")
+            if self.request.is_eager:
+                raise
+            return self._retry(key, exc)
+        claimed.complete(result)
+        return result
+
+    def _headers(self, key: str) -> dict[str, Any]:
+        return {KEY_HEADER: key} if self.request.get(KEY_HEADER) else {}
+
+    def _retry(self, key: str, exc: Exception) -> Any:
+        retries = self.request.retries
+        if self.max_retries is not None and retries >= self.max_retries:
+            return self._dead_letter(
+                Outcome.FAILED,
+                f"failed on all {retries + 1} deliveries; last: {type(exc).__name__}: {exc}",
+            )
+        backoff = getattr(self, "retry_backoff", False)  # set only with autoretry options
+        if backoff:
+            countdown = get_exponential_backoff_interval(
+                factor=int(backoff),
+                retries=retries,
+                maximum=getattr(self, "retry_backoff_max", 600),
+                full_jitter=getattr(self, "retry_jitter", True),
+            )
+        else:
+            countdown = self.default_retry_delay
+        try:
+            raise self.retry(exc=exc, countdown=countdown, headers=self._headers(key))
+        except CeleryReject as refused:  # the broker refused the retry: keep the message
+            raise CeleryReject(refused.reason, requeue=True) from exc
+
+    def _later(self, key: str, why: str) -> Any:
+        request = self.request
+        if request.is_eager:
+            raise StoreError(why)
+        signature = self.signature_from_request(
+            request, countdown=self.retry_in_flight, headers=self._headers(key)
+        )
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            raise CeleryReject(f"{why}; the resend failed: {exc!r}", requeue=True) from exc
+        LOGGER.info("oncely celery %s[%s]: %s; sent again", self.name, request.id, why)
+        raise Ignore(why)
+
+    def _dead_letter(self, outcome: Outcome, reason: str) -> Any:
+        request = self.request
+        consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
+        queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
+        text = f"{outcome.value}: {reason}; the message is in {queue}"
+        if request.is_eager:
+            raise DeadLettered(text)
+        letter = DeadLetter(
+            outcome=outcome.value, reason=reason, consumer=consumer, deliveries=request.retries + 1
+        )
+        signature = self.signature_from_request(
+            request, queue=queue, headers={**(request.headers or {}), **letter.headers()}
+        )
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            raise CeleryReject(
+                f"{text}; the copy could not be sent: {exc!r}", requeue=True
+            ) from exc
+        LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", self.name, request.id, text)
+        raise DeadLettered(text)
+
+
+def _queue_of(request: Any) -> str:
+    info = request.delivery_info or {}
+    return str(info.get("routing_key") or "celery")

@@ -1,0 +1,64 @@
+"""The Celery app ``tests/integrations/test_celery.py`` runs with the real ``celery worker``
+(prefork): tasks behind ``oncely.integrations.celery.IdempotentTask``, their effects counted in
+Redis (``INCR``) so every pool process counts in one place. Configured by the environment:
+``ONCELY_TEST_CELERY_QUEUE``, ``ONCELY_TEST_CELERY_STORE`` (the inbox's store URL),
+``ONCELY_TEST_CELERY_NS`` (the Redis key prefix of the effects), ``ONCELY_TEST_CELERY_LEASE``
+(seconds), ``ONCELY_TEST_CELERY_BROKER`` (the broker URL)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import redis
+from celery import Celery
+
+import oncely
+from oncely.integrations.celery import IdempotentTask
+
+QUEUE = os.environ["ONCELY_TEST_CELERY_QUEUE"]
+NS = os.environ["ONCELY_TEST_CELERY_NS"]
+REDIS_URL = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS = redis.Redis.from_url(REDIS_URL)
+
+app = Celery(
+    "oncely_test_celery",
+    broker=os.environ.get("ONCELY_TEST_CELERY_BROKER", "amqp://guest:guest@127.0.0.1:5672//"),
+    backend=REDIS_URL,
+)
+app.conf.task_default_queue = QUEUE
+app.conf.broker_transport_options = {"visibility_timeout": 3}  # the Redis broker only
+inbox = oncely.Inbox(
+    oncely.open(os.environ["ONCELY_TEST_CELERY_STORE"]),
+    consumer="billing",
+    lease=oncely.Lease(
+        duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_CELERY_LEASE", "30")))
+    ),
+)
+
+
+@app.task(
+    base=IdempotentTask,
+    inbox=inbox,
+    retry_in_flight=1.0,
+    max_retries=2,
+    default_retry_delay=0.2,
+    idempotency_key=lambda order, amount, **options: f"charge:{order}",
+)
+def charge(
+    order: str, amount: int, sleep: float = 0, fail_times: int = 0, reject: bool = False
+) -> dict[str, object]:
+    REDIS.incr(f"{NS}:started:{order}")
+    time.sleep(sleep)
+    if reject:
+        raise oncely.Reject(f"order {order} is not billable")
+    if REDIS.incr(f"{NS}:attempts:{order}") <= fail_times:
+        raise RuntimeError(f"the ledger is down (attempt for {order})")
+    REDIS.incr(f"{NS}:effects:{order}")
+    return {"order": order, "amount": amount}
+
+
+@app.task(base=IdempotentTask, inbox=inbox, idempotency_key="sent")
+def notify(order: str) -> None:
+    REDIS.incr(f"{NS}:effects:mail:{order}")
