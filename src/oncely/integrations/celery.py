@@ -146,7 +146,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         request = self.request
-        given = (request.headers or {}).get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
+        given = _given_key(request)
         keyer = type(self).idempotency_key  # the plain function, not bound to the task
         if keyer == SENT:
             return given if isinstance(given, str) else None
@@ -187,7 +187,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return result
 
     def _headers(self, key: str) -> dict[str, Any]:
-        return {KEY_HEADER: key} if self.request.get(KEY_HEADER) else {}
+        return {KEY_HEADER: key} if _given_key(self.request) is not None else {}
 
     def _retry(self, key: str, exc: Exception) -> Any:
         retries = self.request.retries
@@ -246,6 +246,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ) from exc
         LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", self.name, request.id, text)
         raise DeadLettered(text)
+
+
+def _given_key(request: Any) -> Any:
+    """The key :func:`send_with_key` put on the message, wherever Celery left it."""
+    return (request.headers or {}).get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
 
 
 def _queue_of(request: Any) -> str:
