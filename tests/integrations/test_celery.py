@@ -4,83 +4,39 @@ counted in Redis (R1, R2, R10, R13, R16)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 pytest.importorskip("celery")
-import pika
-import redis
 
-from tests.integrations.workers import store_url, until
-from tests.services import RABBITMQ_URL, REDIS_URL
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integrations.workers import WorkerRun, store_url, until
 
 
-class Run:
+class Run(WorkerRun):
+    framework = "celery"
+    app_module = "tests.integrations.celery_app"
+    queue_suffixes = ("", ".dead")
+
     def __init__(self, store: str, lease: float = 30.0) -> None:
-        self.queue = f"oncely_cq_{uuid.uuid4().hex[:8]}"
-        self.ns = f"oncely_cq_{uuid.uuid4().hex[:8]}"
-        self.env = {
-            "ONCELY_TEST_CELERY_QUEUE": self.queue,
-            "ONCELY_TEST_CELERY_NS": self.ns,
-            "ONCELY_TEST_CELERY_STORE": store,
-            "ONCELY_TEST_CELERY_LEASE": str(lease),
-            "ONCELY_TEST_REDIS_URL": REDIS_URL,
-        }
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.workers: list[subprocess.Popen[bytes]] = []
-        os.environ.update(self.env)
-        import tests.integrations.celery_app as app
-
-        self.app: ModuleType = importlib.reload(app)
+        super().__init__(store, lease)
+        self.app = self.load_app()
 
     def worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "celery", "-A", "tests.integrations.celery_app", "worker",
-                "-P", "prefork", "-c", str(concurrency), "-Q", self.queue,
-                "--loglevel", "warning", "--without-mingle", "--without-gossip",
-            ],
-            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+        return self.spawn(
+            "celery", "-A", self.app_module, "worker", "-P", "prefork", "-c", str(concurrency),
+            "-Q", self.queue, "--loglevel", "warning", "--without-mingle", "--without-gossip",
         )  # fmt: skip
-        self.workers.append(process)
-        return process
-
-    def effects(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
-
-    def started(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
 
     def dead_letters(self) -> int:
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            declared = c.channel().queue_declare(f"{self.queue}.dead", passive=True)
+        with self.channel() as channel:
+            declared = channel.queue_declare(f"{self.queue}.dead", passive=True)
             return int(declared.method.message_count)
-
-    def close(self) -> None:
-        for process in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            channel = c.channel()
-            for name in (self.queue, f"{self.queue}.dead"):
-                channel.queue_delete(name)
-        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
-            self.redis.delete(name)
-        self.redis.close()
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -6,104 +6,56 @@ worker ``SIGKILL``ed mid-task (R1, R2, R10, R13, R16)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 pytest.importorskip("dramatiq")
-import pika
-import redis
 
-from tests.integrations.workers import store_url, until
-from tests.services import RABBITMQ_URL, REDIS_URL
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integrations.workers import WorkerRun, store_url, until
 
 
-class Run:
+class Run(WorkerRun):
     """One scenario's queue, inbox and effects, and the app module configured for them."""
 
+    framework = "dramatiq"
+    app_module = "tests.integrations.dramatiq_app"
+    queue_suffixes = ("", ".DQ", ".XQ")
+
     def __init__(self, store: str, lease: float = 30.0) -> None:
-        self.queue = f"oncely_dq_{uuid.uuid4().hex[:8]}"
-        self.ns = f"oncely_dq_{uuid.uuid4().hex[:8]}"
-        self.env = {
-            "ONCELY_TEST_DRAMATIQ_QUEUE": self.queue,
-            "ONCELY_TEST_DRAMATIQ_NS": self.ns,
-            "ONCELY_TEST_DRAMATIQ_STORE": store,
-            "ONCELY_TEST_DRAMATIQ_LEASE": str(lease),
-            "ONCELY_TEST_REDIS_URL": REDIS_URL,
-        }
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.workers: list[subprocess.Popen[bytes]] = []
-        self.app = self._app()
-
-    def _app(self) -> ModuleType:
-        os.environ.update(self.env)
-        import tests.integrations.dramatiq_app as app
-
-        return importlib.reload(app)
+        super().__init__(store, lease)
+        self.app = self.load_app()
 
     def worker(self, processes: int = 2, threads: int = 2) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "dramatiq", "tests.integrations.dramatiq_app",
-                "--processes", str(processes), "--threads", str(threads),
-                "--queues", self.queue,
-            ],
-            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+        return self.spawn(
+            "dramatiq", self.app_module, "--processes", str(processes),
+            "--threads", str(threads), "--queues", self.queue,
         )  # fmt: skip
-        self.workers.append(process)
-        return process
-
-    def effects(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
-
-    def started(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
 
     def dead_letters(self) -> list[dict[str, Any]]:
         """The dead-letter queue's messages (taken off it), decoded where they decode."""
         found: list[dict[str, Any]] = []
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            channel = c.channel()
-            while True:
-                method, _, body = channel.basic_get(f"{self.queue}.XQ", auto_ack=True)
-                if method is None:
-                    return found
-                try:
-                    found.append(json.loads(body))
-                except ValueError:
-                    found.append({"undecodable": body})
+        for _, body in self.taken(".XQ"):
+            try:
+                found.append(json.loads(body))
+            except ValueError:
+                found.append({"undecodable": body})
+        return found
 
     def publish_raw(self, body: bytes) -> None:
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            c.channel().basic_publish(exchange="", routing_key=self.queue, body=body)
+        with self.channel() as channel:
+            channel.basic_publish(exchange="", routing_key=self.queue, body=body)
 
     def close(self) -> None:
-        for process in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+        super().close()
         self.app.broker.close()
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            channel = c.channel()
-            for name in (self.queue, f"{self.queue}.DQ", f"{self.queue}.XQ"):
-                channel.queue_delete(name)
-        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
-            self.redis.delete(name)
-        self.redis.close()
 
 
 def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:

@@ -8,15 +8,11 @@ worker ``SIGKILL``ed mid-handler (R1, R2, R4, R10, R13, R16); then FastStream's 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,52 +23,29 @@ import pytest
 pytest.importorskip("faststream")
 import aio_pika
 import pika
-import redis
 
-from tests.integrations.workers import store_url, until
-from tests.services import RABBITMQ_URL, REDIS_URL
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integrations.workers import WorkerRun, store_url, until
+from tests.services import RABBITMQ_URL
 
 
-class Run:
+class Run(WorkerRun):
     """One scenario's queues, inbox and effects, and the app module configured for them."""
 
+    framework = "faststream"
+    app_module = "tests.integrations.faststream_app"
+    queue_suffixes = ("", ".plain", ".receipts", ".dead")
+
     def __init__(self, store: str, lease: float = 30.0) -> None:
-        self.queue = f"oncely_fs_{uuid.uuid4().hex[:8]}"
-        self.ns = f"oncely_fs_{uuid.uuid4().hex[:8]}"
-        self.env = {
-            "ONCELY_TEST_FASTSTREAM_QUEUE": self.queue,
-            "ONCELY_TEST_FASTSTREAM_NS": self.ns,
-            "ONCELY_TEST_FASTSTREAM_STORE": store,
-            "ONCELY_TEST_FASTSTREAM_LEASE": str(lease),
-            "ONCELY_TEST_REDIS_URL": REDIS_URL,
-            "ONCELY_TEST_RABBITMQ_URL": RABBITMQ_URL,
-        }
-        self.redis = redis.Redis.from_url(REDIS_URL)
-        self.workers: list[subprocess.Popen[bytes]] = []
-        with self._channel() as channel:  # the queues exist before the first publish
+        super().__init__(store, lease)
+        with self.channel() as channel:  # the queues exist before the first publish
             for name in (self.queue, f"{self.queue}.plain", f"{self.queue}.receipts"):
                 channel.queue_declare(name, durable=True)
 
-    @contextlib.contextmanager
-    def _channel(self) -> Iterator[Any]:
-        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
-            yield c.channel()
-
     def app(self) -> ModuleType:
-        os.environ.update(self.env)
-        import tests.integrations.faststream_app as app
-
-        return importlib.reload(app)
+        return self.load_app()
 
     def worker(self) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "faststream", "run", "tests.integrations.faststream_app:app"],
-            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
-        )  # fmt: skip
-        self.workers.append(process)
-        return process
+        return self.spawn("faststream", "run", f"{self.app_module}:app")
 
     def charge(self, message_id: str | None, order: str, amount: int = 10, **more: Any) -> None:
         body = json.dumps({"order": order, "amount": amount, **more}).encode()
@@ -86,7 +59,7 @@ class Run:
         properties = pika.BasicProperties(
             message_id=message_id, content_type=content_type or None, delivery_mode=2
         )
-        with self._channel() as channel:
+        with self.channel() as channel:
             channel.basic_publish("", queue or self.queue, body, properties)
 
     def publish_with_aio_pika(self, body: bytes) -> None:
@@ -100,35 +73,6 @@ class Run:
                 await channel.default_exchange.publish(message, routing_key=self.queue)
 
         asyncio.run(send())
-
-    def effects(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
-
-    def started(self, name: str) -> int:
-        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
-
-    def taken(self, suffix: str) -> list[tuple[Any, bytes]]:
-        """The messages of ``<queue><suffix>`` (taken off it): (properties, body)."""
-        found: list[tuple[Any, bytes]] = []
-        with self._channel() as channel, contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-            while True:
-                method, properties, body = channel.basic_get(self.queue + suffix, True)
-                if method is None:
-                    break
-                found.append((properties, body))
-        return found
-
-    def close(self) -> None:
-        for process in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-        with self._channel() as channel:
-            for suffix in ("", ".plain", ".receipts", ".dead"):
-                channel.queue_delete(self.queue + suffix)
-        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
-            self.redis.delete(name)
-        self.redis.close()
 
 
 def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:

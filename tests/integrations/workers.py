@@ -1,13 +1,23 @@
-"""What the end-to-end tests of the worker integrations (Dramatiq, FastStream) share: waiting
-for the workers' effects in Redis, and the inbox's store as a fixture (SQLite and Redis)."""
+"""What the end-to-end tests of the worker integrations (Celery, Dramatiq, FastStream) share:
+one scenario's queue, worker processes and effects (:class:`WorkerRun`), waiting for the
+workers' effects in Redis, and the inbox's store as a fixture (SQLite and Redis)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
 
+import pika
 import pytest
 import redis
 
@@ -42,3 +52,85 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> It
     for name in client.scan_iter(match=f"{unique}*"):
         client.delete(name)
     client.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerRun:
+    """One scenario of a worker test: its own queue and Redis namespace, the test app module
+    configured for them by the environment (``ONCELY_TEST_<FRAMEWORK>_QUEUE``, ``_NS``,
+    ``_STORE``, ``_LEASE``), the worker processes it started (each in its own session, so a
+    ``SIGKILL`` takes the whole pool) and the effects the app counted in Redis."""
+
+    framework: ClassVar[str]
+    app_module: ClassVar[str]
+    queue_suffixes: ClassVar[tuple[str, ...]] = ("",)
+    """The queues of a run, as suffixes of :attr:`queue`: deleted by :meth:`close`."""
+
+    def __init__(self, store: str, lease: float = 30.0) -> None:
+        tag = f"oncely_{self.framework.lower()[:2]}_"
+        self.queue = tag + uuid.uuid4().hex[:8]
+        self.ns = tag + uuid.uuid4().hex[:8]
+        name = f"ONCELY_TEST_{self.framework.upper()}"
+        self.env = {
+            f"{name}_QUEUE": self.queue,
+            f"{name}_NS": self.ns,
+            f"{name}_STORE": store,
+            f"{name}_LEASE": str(lease),
+            "ONCELY_TEST_REDIS_URL": REDIS_URL,
+            "ONCELY_TEST_RABBITMQ_URL": RABBITMQ_URL,
+        }
+        self.redis = redis.Redis.from_url(REDIS_URL)
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def load_app(self) -> ModuleType:
+        """The test app module, (re)loaded with this run's environment."""
+        os.environ.update(self.env)
+        return importlib.reload(importlib.import_module(self.app_module))
+
+    def spawn(self, *argv: str) -> subprocess.Popen[bytes]:
+        """``python -m <argv>`` from the repository's root with this run's environment."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+        )  # fmt: skip
+        self.workers.append(process)
+        return process
+
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[Any]:
+        with contextlib.closing(pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))) as c:
+            yield c.channel()
+
+    def effects(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:effects:{name}") or 0)
+
+    def started(self, name: str) -> int:
+        return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
+
+    def taken(self, suffix: str) -> list[tuple[Any, bytes]]:
+        """The messages of ``<queue><suffix>`` on RabbitMQ (taken off it): (properties, body)."""
+        found: list[tuple[Any, bytes]] = []
+        with self.channel() as channel, contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+            while True:
+                method, properties, body = channel.basic_get(self.queue + suffix, True)
+                if method is None:
+                    break
+                found.append((properties, body))
+        return found
+
+    def until(self, check: Callable[[], bool], seconds: float = 60) -> None:
+        until(check, seconds, self.redis, self.ns)
+
+    def close(self) -> None:
+        for process in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        with self.channel() as channel:
+            for suffix in self.queue_suffixes:
+                channel.queue_delete(self.queue + suffix)
+        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
+            self.redis.delete(name)
+        self.redis.close()

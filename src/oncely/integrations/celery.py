@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -63,15 +63,13 @@ from oncely._core.outcomes import Outcome
 from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
+from oncely.integrations._task_keys import Keyer, task_key
 
 __all__ = ["KEY_HEADER", "DeadLettered", "IdempotentTask", "send_with_key"]
 
 LOGGER = logging.getLogger("oncely.celery")
 KEY_HEADER = "oncely_key"
-SENT = "sent"
 _NAMESPACE = uuid.UUID("6f1c2a3e-9b7d-4c1e-8a55-0e7f1d2c3b4a")
-
-Keyer = Callable[..., str | None]
 
 
 class DeadLettered(OncelyError):
@@ -145,16 +143,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        request = self.request
-        given = _given_key(request)
         keyer = type(self).idempotency_key  # the plain function, not bound to the task
-        if keyer == SENT:
-            return given if isinstance(given, str) else None
-        if given is not None:
-            return str(given)
-        if not callable(keyer):
-            raise TypeError(f"idempotency_key is a function of the arguments or {SENT!r}")
-        return keyer(*args, **kwargs)
+        return task_key(keyer, _given_key(self.request), args, kwargs)
 
     def _run(
         self, claimed: Claimed[Any], key: str, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 try:
@@ -72,6 +71,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from oncely._core.outcomes import Outcome
 from oncely.errors import Reject
 from oncely.inbox.sync_inbox import Claimed, Inbox
+from oncely.integrations._task_keys import task_key
 
 __all__ = ["KEY_OPTION", "REASON_OPTION", "Idempotency", "TryLater", "send_with_key"]
 
@@ -80,10 +80,6 @@ KEY_OPTION = "oncely_key"
 """The message option :func:`send_with_key` sets: the producer's key."""
 REASON_OPTION = "oncely_reason"
 """The option a dead-lettered copy carries (RabbitMQ): why it was dead-lettered."""
-SENT = "sent"
-"""``idempotency_key="sent"``: the key is the one the producer gave (:func:`send_with_key`)."""
-
-Keyer = Callable[..., str | None]
 
 
 class TryLater(MiddlewareError, Retry):
@@ -154,7 +150,7 @@ class Idempotency(Middleware):
         if keyer is None:
             return
         try:
-            key = self._key(keyer, message)
+            key = task_key(keyer, message.options.get(KEY_OPTION), message.args, message.kwargs)
         except Exception as exc:
             self._dead_letter(broker, message, f"the key could not be read: {exc!r}")
             return
@@ -176,17 +172,6 @@ class Idempotency(Middleware):
         if outcome is Outcome.IN_FLIGHT:
             self._later(broker, message, f"key {key} is being processed elsewhere")
         self._dead_letter(broker, message, handled.reason or outcome.value)
-
-    @staticmethod
-    def _key(keyer: Keyer | str, message: Any) -> str | None:
-        given = message.options.get(KEY_OPTION)
-        if keyer == SENT:
-            return given if isinstance(given, str) else None
-        if given is not None:
-            return str(given)
-        if not callable(keyer):
-            raise TypeError(f"idempotency_key is a function of the arguments or {SENT!r}")
-        return keyer(*message.args, **message.kwargs)
 
     def _dead_letter(self, broker: Any, message: Any, reason: str) -> None:
         """Send ``message`` to its dead-letter queue with ``reason``, and stop here."""
