@@ -3,7 +3,7 @@
 Redis (``INCR``) so every pool process counts in one place. Configured by the environment:
 ``ONCELY_TEST_CELERY_QUEUE``, ``ONCELY_TEST_CELERY_STORE`` (the inbox's store URL),
 ``ONCELY_TEST_CELERY_NS`` (the Redis key prefix of the effects), ``ONCELY_TEST_CELERY_LEASE``
-(seconds), ``ONCELY_TEST_CELERY_BROKER`` (the broker URL)."""
+(seconds), ``ONCELY_TEST_CELERY_BROKER`` (the broker URL: RabbitMQ unless it says otherwise)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,12 @@ app = Celery(
     backend=REDIS_URL,
 )
 app.conf.task_default_queue = QUEUE
-app.conf.broker_transport_options = {"visibility_timeout": 3}  # the Redis broker only
+app.conf.broker_transport_options = {  # the Redis broker only: a 3 s visibility timeout,
+    "visibility_timeout": 3,  # checked every second, its keys under the run's namespace
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+    "global_keyprefix": f"{NS}:kombu:",
+}
 inbox = oncely.Inbox(
     oncely.open(os.environ["ONCELY_TEST_CELERY_STORE"]),
     consumer="billing",
@@ -49,6 +54,7 @@ inbox = oncely.Inbox(
 def charge(
     order: str, amount: int, sleep: float = 0, fail_times: int = 0, reject: bool = False
 ) -> dict[str, object]:
+    REDIS.set(f"{NS}:pid:{order}", os.getpid())
     REDIS.incr(f"{NS}:started:{order}")
     time.sleep(sleep)
     if reject:

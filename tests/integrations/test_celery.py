@@ -8,14 +8,17 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("celery")
+import pika
 
 from tests.integrations.workers import WorkerRun, store_url, until
+from tests.services import REDIS_URL
 
 
 class Run(WorkerRun):
@@ -23,8 +26,12 @@ class Run(WorkerRun):
     app_module = "tests.integrations.celery_app"
     queue_suffixes = ("", ".dead")
 
-    def __init__(self, store: str, lease: float = 30.0) -> None:
+    def __init__(self, store: str, lease: float = 30.0, broker: str = "") -> None:
         super().__init__(store, lease)
+        if broker:
+            self.env["ONCELY_TEST_CELERY_BROKER"] = broker
+        else:
+            os.environ.pop("ONCELY_TEST_CELERY_BROKER", None)
         self.app = self.load_app()
 
     def worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
@@ -33,10 +40,21 @@ class Run(WorkerRun):
             "-Q", self.queue, "--loglevel", "warning", "--without-mingle", "--without-gossip",
         )  # fmt: skip
 
-    def dead_letters(self) -> int:
+    def dead_letters(self) -> list[tuple[str, str]]:
+        """The dead-letter queue's messages (taken off it): the task's name (or, for a
+        message that names none, its body) and the reason of its ``x-oncely-reason``."""
+        found = []
+        for properties, body in self.taken(".dead"):
+            headers = properties.headers or {}
+            name = headers.get("task") or body.decode(errors="replace")
+            found.append((str(name).rsplit(".", 1)[-1], str(headers.get("x-oncely-reason"))))
+        return sorted(found)
+
+    def publish_raw(self, body: bytes, headers: dict[str, object] | None = None) -> None:
+        """What no Celery client would send: straight onto the queue with pika."""
+        properties = pika.BasicProperties(content_type="application/json", headers=headers)
         with self.channel() as channel:
-            declared = channel.queue_declare(f"{self.queue}.dead", passive=True)
-            return int(declared.method.message_count)
+            channel.basic_publish("", self.queue, body, properties)
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -71,11 +89,23 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered(store: str) 
             reasons.append(str(caught.value))
         assert "key_conflict" in reasons[0] and "no idempotency key" in reasons[1]
         assert "failed on all 3 deliveries" in reasons[2] and "not billable" in reasons[3]
+        run.publish_raw(b"\xff{ not JSON")  # Celery alone acks it: gone without a trace
+        lost = str(uuid.uuid4())
+        run.publish_raw(b"[[], {}, {}]", headers={"task": "billing.gone", "id": lost})
+        with pytest.raises(DeadLettered, match=r"no task 'billing\.gone'"):
+            app.app.AsyncResult(lost).get(timeout=60)
+        after = app.charge.delay("o6", 10)  # the worker still works after all that
+        assert after.get(timeout=60) == {"order": "o6", "amount": 10}
         until(lambda: run.effects("mail:o1") == 1, client=run.redis, ns=run.ns)
         time.sleep(1.0)
         assert run.effects("o1") == 1 and run.effects("o3") == 1 and run.effects("mail:o1") == 1
         assert run.started("o3") == 3 and run.started("o4") == 3
-        assert run.dead_letters() == 4
+        letters = run.dead_letters()
+        names = [name for name, _ in letters]
+        assert names == ["charge", "charge", "charge", "gone", "notify", "\ufffd{ not JSON"]
+        reasons = dict(letters)
+        assert "could not decode" in reasons["\ufffd{ not JSON"]
+        assert "no task 'billing.gone'" in reasons["gone"]
     finally:
         run.close()
 
@@ -93,5 +123,42 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
         assert result.get(timeout=90) == {"order": "k1", "amount": 10}
         time.sleep(2.0)
         assert run.effects("k1") == 1 and run.started("k1") == 2
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r10_a_pool_process_killed_mid_task_is_requeued_and_applied_once(store: str) -> None:
+    """Only the pool process running the task is ``SIGKILL``ed; the worker's main process
+    sees it lost and gives the message back (``reject_on_worker_lost``), another pool
+    process meets the dead one's live lease, sends it again, and takes over once it lapses."""
+    run = Run(store, lease=2.0)
+    try:
+        result = run.app.charge.delay("c1", 10, sleep=4.0)
+        run.worker(concurrency=2)
+        until(lambda: run.started("c1") == 1, client=run.redis, ns=run.ns)
+        os.kill(int(run.redis.get(f"{run.ns}:pid:c1") or 0), signal.SIGKILL)
+        assert result.get(timeout=90) == {"order": "c1", "amount": 10}
+        time.sleep(2.0)
+        assert run.effects("c1") == 1 and run.started("c1") == 2
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice(
+    store: str,
+) -> None:
+    """Celery's Redis broker hands a task not acknowledged within its visibility timeout
+    (3 s here) to a worker again while the first run still goes on (10 s): each such copy
+    meets the live claim (in flight), is sent again later instead of running, and ends as a
+    duplicate once the first run completes: one effect, one run."""
+    run = Run(store, broker=REDIS_URL)
+    try:
+        result = run.app.charge.delay("v1", 10, sleep=10.0)
+        run.worker(concurrency=2)
+        assert result.get(timeout=90) == {"order": "v1", "amount": 10}
+        time.sleep(5.0)  # copies restored meanwhile arrive, and find it done
+        assert run.effects("v1") == 1 and run.started("v1") == 1
     finally:
         run.close()

@@ -44,13 +44,14 @@ claim, and raise oncely's typed errors instead of dead-lettering.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 try:
-    from celery import Task
+    from celery import Task, bootsteps
     from celery.exceptions import Ignore, Retry
     from celery.exceptions import Reject as CeleryReject
     from celery.utils.time import get_exponential_backoff_interval
@@ -109,6 +110,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_key: Keyer | str | None = None
     retry_in_flight: float = 2.0
     dead_letter_queue: str | None = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Bound to an app: its workers dead-letter the messages Celery cannot read
+        (:class:`KeepUnreadable`) instead of dropping them."""
+        super().on_bound(app)
+        app.steps["consumer"].add(KeepUnreadable)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -236,6 +244,74 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ) from exc
         LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", self.name, request.id, text)
         raise DeadLettered(text)
+
+
+class KeepUnreadable(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A worker consumer step that every app with an :class:`IdempotentTask` gets: a
+    message Celery cannot read (a body it cannot decode, a message that is not a task, a task
+    the worker does not know, a malformed task message) is copied as it came, body and
+    headers, to ``<queue>.dead`` with the ``x-oncely-*`` headers saying why, and only then
+    acknowledged; its result, when it names a task id, is recorded as failed with
+    :class:`DeadLettered`. Celery alone acknowledges an undecodable message and rejects the
+    others without requeue: both lose it. If the copy cannot be sent the message is given
+    back to the broker (requeued), never acknowledged."""
+
+    label = "oncely: keep unreadable messages"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        consumer = parent
+
+        def on_decode_error(message: Any, exc: BaseException) -> None:
+            _keep(consumer, message, f"Celery could not decode it: {exc!r}")
+
+        def on_unknown_message(body: Any, message: Any) -> None:
+            _keep(consumer, message, "it is not a Celery task message")
+
+        def on_unknown_task(body: Any, message: Any, exc: BaseException) -> None:
+            name = (message.headers or {}).get("task")
+            _keep(consumer, message, f"no task {name!r} is registered on this worker")
+
+        def on_invalid_task(body: Any, message: Any, exc: BaseException) -> None:
+            _keep(consumer, message, f"an invalid task message: {exc!r}")
+
+        consumer.on_decode_error = on_decode_error
+        consumer.on_unknown_message = on_unknown_message
+        consumer.on_unknown_task = on_unknown_task
+        consumer.on_invalid_task = on_invalid_task
+
+
+def _keep(consumer: Any, message: Any, reason: str) -> None:
+    """Copy ``message`` to its queue's dead-letter queue with ``reason``, then ack it."""
+    app = consumer.app
+    info = message.delivery_info or {}
+    queue = f"{info.get('routing_key') or app.conf.task_default_queue}.dead"
+    letter = DeadLetter(outcome=Outcome.REJECTED.value, reason=reason, consumer="", deliveries=1)
+    headers = {**(message.headers or {}), **letter.headers()}
+    text = f"{Outcome.REJECTED.value}: {reason}; the message is in {queue}"
+    try:
+        with app.producer_or_acquire() as producer:
+            producer.publish(
+                message.body,
+                exchange=queue,  # where Celery itself routes a task sent to queue=<queue>
+                routing_key=queue,
+                headers=headers,
+                content_type=message.content_type or "application/octet-stream",
+                content_encoding=message.content_encoding or "binary",
+                declare=[app.amqp.queues.new_missing(queue)],
+                retry=True,
+                retry_policy={"max_retries": 3},
+            )
+    except Exception as exc:
+        LOGGER.error("oncely celery: %s, and the copy could not be sent (%r): requeued", text, exc)
+        message.reject(requeue=True)
+        return
+    LOGGER.warning("oncely celery: dead-lettered a message: %s", text)
+    message.ack()
+    task_id = (message.headers or {}).get("id")
+    if isinstance(task_id, str):
+        with contextlib.suppress(Exception):  # the letter is kept; the result is a courtesy
+            app.backend.mark_as_failure(task_id, DeadLettered(text))
 
 
 def _given_key(request: Any) -> Any:
