@@ -1,4 +1,4 @@
-"""What the worker benchmarks (Dramatiq, FastStream) share: variants run in rounds with a
+"""What the worker benchmarks (Celery, Dramatiq, FastStream) share: variants run in rounds with a
 rotating order, medians, and the table written to ``bench/results``."""
 
 from __future__ import annotations

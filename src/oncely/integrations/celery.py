@@ -1,8 +1,9 @@
 """Celery tasks that apply each logical message once: a Task base class on a sync
 :class:`~oncely.Inbox` (the two-phase mode).
 
-Tested with the real ``celery worker`` (prefork) on RabbitMQ, a worker ``SIGKILL``ed
-mid-task included (``tests/integrations/test_celery.py``).
+Tested with the real ``celery worker`` (prefork) on RabbitMQ, a worker and a pool process
+``SIGKILL``ed mid-task included, and on the Redis broker with a visibility timeout shorter
+than the task (``tests/integrations/test_celery.py``).
 
 ::
 
@@ -33,6 +34,9 @@ the store cannot answer                sent again later the same way, never run
 the key with other arguments, no key,  dead-lettered to ``<queue>.dead`` (a Celery task
 ``oncely.Reject``, Celery's            message with ``x-oncely-*`` headers) and the task
 ``Reject(requeue=False)``              recorded as failed with :class:`DeadLettered`
+a message Celery cannot read (an       copied as it came to ``<queue>.dead`` with the
+undecodable body, not a task, a task   reason, then acknowledged (:class:`KeepUnreadable`:
+the worker does not know)              Celery alone would ack or reject it away)
 =====================================  ================================================
 
 Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
@@ -66,7 +70,7 @@ from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._task_keys import Keyer, task_key
 
-__all__ = ["KEY_HEADER", "DeadLettered", "IdempotentTask", "send_with_key"]
+__all__ = ["KEY_HEADER", "DeadLettered", "IdempotentTask", "KeepUnreadable", "send_with_key"]
 
 LOGGER = logging.getLogger("oncely.celery")
 KEY_HEADER = "oncely_key"
