@@ -1,0 +1,420 @@
+"""taskiq tasks that apply each logical message once: a broker middleware and a worker
+receiver on an :class:`~oncely.AsyncInbox` (the two-phase mode).
+
+Tested with the real ``taskiq worker`` (worker processes) on RabbitMQ through
+``taskiq-aio-pika``, a worker ``SIGKILL``ed mid-task included
+(``tests/integrations/test_taskiq.py``).
+
+::
+
+    from oncely.integrations.taskiq import Idempotency, send_with_key
+
+    broker = AioPikaBroker(url).with_middlewares(Idempotency(inbox))
+
+    @broker.task(idempotency_key=lambda order_id, amount: f"charge:{order_id}")
+    async def charge(order_id: str, amount: int) -> dict: ...
+
+    await charge.kiq("o-1", 42)                      # the key comes from the arguments
+    await send_with_key(notify, "mail:o-1", "o-1")   # or the producer names it, on purpose
+
+and the worker runs with oncely's receiver::
+
+    taskiq worker app:broker --receiver oncely.integrations.taskiq:Receiver
+
+taskiq gives a middleware no way to skip a task or to leave a message unacknowledged, so the
+claim lives in the receiver, which the middleware requires: a worker started without it
+stops at start-up with a :class:`~oncely.ConfigurationError` instead of running keyed tasks
+unprotected. A task takes part when it declares ``idempotency_key``: a function of its
+arguments, or ``"sent"`` for a key the producer gives with :func:`send_with_key`. taskiq's
+task id is never the key otherwise: ``kiq()`` mints a new one each call.
+
+=====================================  ================================================
+the first message with a key           the task runs; the claim completes when it
+                                       returns and is released when it raises, and the
+                                       message is sent again after ``retry_delay`` s up
+                                       to ``max_retries`` times (a task label overrides
+                                       it), then dead-lettered
+a duplicate (the key completed)        the first result is the task's result, the task
+                                       not run
+a copy while the first still runs      sent again ``retry_in_flight`` s later (not one of
+(a worker killed mid-task)             its retries) and this copy acknowledged; taken
+                                       over once a dead worker's lease lapses
+the store cannot answer                sent again later the same way, never run
+                                       unprotected
+the key with other arguments, no key,  dead-lettered with the reason, and the task's
+``oncely.Reject``                      result is the error :class:`DeadLettered`
+a message taskiq cannot parse, or a    dead-lettered as it came, with the reason
+task this worker does not know         (taskiq alone acknowledges and drops it)
+=====================================  ================================================
+
+Waits before a resend are spent in the worker, holding the message unacknowledged (taskiq's
+brokers differ in whether they can delay a message, and a delay the broker ignores would spin);
+keep ``retry_delay`` and ``retry_in_flight`` to seconds. Do not also add taskiq's
+``SimpleRetryMiddleware``/``SmartRetryMiddleware`` for keyed tasks: failures are already
+retried here, and theirs would send a second copy.
+
+Dead letters: on ``taskiq-aio-pika``'s ``AioPikaBroker`` they go to the broker's own
+dead-letter queue (``taskiq.dead_letter`` unless ``dead_letter_queue`` says otherwise), as the
+task message with the ``x-oncely-outcome/reason/consumer/deliveries`` headers of
+:mod:`oncely.brokers`; any other broker needs ``dead_letter=``, an async function given the
+message's bytes and those headers (tested only on RabbitMQ).
+
+taskiq's ``InMemoryBroker``, for users' unit tests, gets oncely's receiver from the middleware
+at its start-up (it runs tasks itself, with no worker); give it ``dead_letter=``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+try:
+    from taskiq import AckableMessage, BrokerMessage, TaskiqMessage, TaskiqMiddleware, TaskiqResult
+    from taskiq.acks import AcknowledgeType
+    from taskiq.brokers.inmemory_broker import InMemoryBroker
+    from taskiq.exceptions import NoResultError
+    from taskiq.labels import prepare_label
+    from taskiq.receiver import Receiver as _TaskiqReceiver
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError(
+        "oncely.integrations.taskiq needs taskiq: pip install 'oncely[taskiq]'"
+    ) from exc
+
+from oncely._core.outcomes import Outcome
+from oncely.brokers._shape import DeadLetter
+from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
+from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
+from oncely.integrations._task_keys import SENT, Keyer, task_key
+
+__all__ = [
+    "KEY_LABEL",
+    "DeadLettered",
+    "Idempotency",
+    "Receiver",
+    "send_with_key",
+]
+
+LOGGER = logging.getLogger("oncely.taskiq")
+KEY_LABEL = "oncely_key"
+"""The label :func:`send_with_key` sets: the producer's key."""
+RETRIES_LABEL = "oncely_retries"
+"""The label a resent failure carries: how many times it failed before."""
+KEY_OPTION = "idempotency_key"
+_NAMESPACE = uuid.UUID("0b5e8d1c-4f2a-4c67-9a3e-7d21c4e5f908")
+
+DeadLetterSink = Callable[[bytes, Mapping[str, Any]], Awaitable[None]]
+
+
+class DeadLettered(OncelyError):
+    """The task's message was dead-lettered (the message says why and where): the error of
+    its result. One ``str`` argument, so a result backend rebuilds it."""
+
+
+def stable_task_id(task_name: str, key: str) -> str:
+    """The task id :func:`send_with_key` gives ``key``: the same for every send."""
+    return str(uuid.uuid5(_NAMESPACE, f"{task_name}\n{key}"))
+
+
+async def send_with_key(task: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+    """``task.kiq(*args, **kwargs)`` with ``key`` as its idempotency key (and a task id
+    derived from it): every send with one key is one logical message."""
+    if not isinstance(key, str) or not key:
+        raise ValueError("send_with_key needs a non-empty str key")
+    kicker = task.kicker().with_labels(**{KEY_LABEL: key})
+    return await kicker.with_task_id(stable_task_id(task.task_name, key)).kiq(*args, **kwargs)
+
+
+class Idempotency(TaskiqMiddleware):
+    """The broker middleware (see the module docstring): holds the inbox and the settings,
+    strips a key function from the labels a message is sent with, and refuses to start a
+    worker that does not run :class:`Receiver`."""
+
+    def __init__(
+        self,
+        inbox: AsyncInbox,
+        *,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        retry_in_flight: float = 2.0,
+        dead_letter_queue: str | None = None,
+        dead_letter: DeadLetterSink | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(inbox, AsyncInbox):
+            raise ConfigurationError("Idempotency needs an oncely.AsyncInbox")
+        if max_retries < 0 or retry_delay < 0 or retry_in_flight < 0:
+            raise ConfigurationError("max_retries, retry_delay and retry_in_flight are >= 0")
+        self.inbox = inbox
+        self.max_retries = max_retries
+        self.retry_delay = retry_delay
+        self.retry_in_flight = retry_in_flight
+        self._dead_letter_queue = dead_letter_queue
+        self.dead_letter = dead_letter
+        self.receiver: Receiver | None = None
+
+    def startup(self) -> None:
+        broker: Any = self.broker
+        if isinstance(broker, InMemoryBroker):  # users' unit tests: it runs tasks itself
+            if not isinstance(broker.receiver, Receiver):
+                old = broker.receiver
+                broker.receiver = Receiver(
+                    broker,
+                    executor=old.executor,
+                    validate_params=old.validate_params,
+                    propagate_exceptions=old.propagate_exceptions,
+                    max_async_tasks=30,
+                )
+        elif not broker.is_worker_process:
+            return
+        if self.receiver is None:
+            raise ConfigurationError(
+                "oncely's taskiq middleware needs its receiver in the worker: run "
+                "taskiq worker ... --receiver oncely.integrations.taskiq:Receiver"
+            )
+        if self.dead_letter is None and not _is_aio_pika(self.broker):
+            raise ConfigurationError(
+                f"{type(self.broker).__name__}: give Idempotency(dead_letter=...) an async "
+                "function that keeps a refused message (only AioPikaBroker has one built in)"
+            )
+
+        for task in self.broker.get_all_tasks().values():
+            ack = str(task.labels.get("ack_type", "")).lower()
+            if task.labels.get(KEY_OPTION) is not None and ack in ("when_received", "manual"):
+                raise ConfigurationError(
+                    f"task {task.task_name}: ack_type={ack} cannot go with idempotency_key "
+                    "(a message acknowledged before its task ended is lost in a crash)"
+                )
+
+    def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
+        if message.labels.get(KEY_OPTION) not in (None, SENT):
+            message.labels.pop(KEY_OPTION, None)  # a function: read where the task is
+            if message.labels_types:
+                message.labels_types.pop(KEY_OPTION, None)
+        return message
+
+    @property
+    def dead_letter_queue(self) -> str:
+        """Where dead letters go on RabbitMQ: the one given, else the broker's own
+        dead-letter queue (``taskiq.dead_letter`` unless the broker was given another)."""
+        if self._dead_letter_queue:
+            return self._dead_letter_queue
+        own = getattr(getattr(self.broker, "_dead_letter_queue", None), "name", None)
+        return own if isinstance(own, str) and own else "taskiq.dead_letter"
+
+    def keyer(self, task_name: str) -> Keyer | str | None:
+        task = self.broker.find_task(task_name)
+        return None if task is None else task.labels.get(KEY_OPTION)
+
+    async def send_dead_letter(self, body: bytes, headers: Mapping[str, Any]) -> None:
+        if self.dead_letter is not None:
+            await self.dead_letter(body, headers)
+            return
+        import aio_pika  # noqa: PLC0415 - AioPikaBroker's own client, present with it
+
+        channel: Any = getattr(self.broker, "write_channel", None)
+        await channel.default_exchange.publish(
+            aio_pika.Message(
+                body, headers=dict(headers), delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+            ),
+            routing_key=self.dead_letter_queue,
+            mandatory=True,
+        )
+
+    async def kick_again(self, message: TaskiqMessage, **labels: Any) -> None:
+        """Send ``message`` again as it is, with ``labels`` added."""
+        again = message.model_copy(deep=True)
+        types = dict(again.labels_types or {})
+        for name, value in labels.items():
+            again.labels[name], types[name] = prepare_label(value)
+        again.labels_types = types
+        await self.broker.kick(self.broker.formatter.dumps(again))
+
+
+class Receiver(_TaskiqReceiver):
+    """The worker receiver that claims each keyed task before it runs (see the module
+    docstring); ``taskiq worker ... --receiver oncely.integrations.taskiq:Receiver``."""
+
+    def __init__(self, broker: Any, *args: Any, **kwargs: Any) -> None:
+        found = [m for m in broker.middlewares if isinstance(m, Idempotency)]
+        if not found:
+            raise ConfigurationError(
+                "oncely's taskiq receiver needs the broker's middleware: "
+                "broker.with_middlewares(Idempotency(inbox))"
+            )
+        self.idempotency: Idempotency = found[0]
+        super().__init__(broker, *args, **kwargs)
+        if self.ack_time in (AcknowledgeType.WHEN_RECEIVED, AcknowledgeType.MANUAL):
+            raise ConfigurationError(
+                f"oncely's taskiq receiver cannot run with --ack-type {self.ack_time.value}: "
+                "a message acknowledged before its task ended is lost in a crash (use "
+                "when_saved, the default, or when_executed)"
+            )
+        self.idempotency.receiver = self
+
+    async def callback(self, message: bytes | AckableMessage, raise_err: bool = False) -> None:
+        data = message.data if isinstance(message, AckableMessage) else message
+        try:
+            parsed = self.broker.formatter.loads(message=data)
+        except Exception as exc:
+            return await self._unreadable(message, data, f"taskiq could not parse it: {exc!r}")
+        if self.broker.find_task(parsed.task_name) is None:
+            why = f"no task {parsed.task_name!r} is registered on this worker"
+            named = {"task_id": parsed.task_id, "task_name": parsed.task_name}
+            return await self._unreadable(message, data, why, named)
+        try:
+            await super().callback(message, raise_err)
+        except Exception:  # a resend or a dead letter the broker refused
+            LOGGER.exception(
+                "oncely taskiq %s[%s]: left unacknowledged (the broker redelivers it when this "
+                "worker's connection closes)",
+                parsed.task_name,
+                parsed.task_id,
+            )
+
+    async def _unreadable(
+        self,
+        message: bytes | AckableMessage,
+        data: bytes,
+        why: str,
+        named: Mapping[str, str] | None = None,
+    ) -> None:
+        letter = DeadLetter(outcome=Outcome.REJECTED.value, reason=why, consumer="", deliveries=1)
+        try:
+            await self.idempotency.send_dead_letter(data, {**(named or {}), **letter.headers()})
+        except Exception:
+            LOGGER.exception(
+                "oncely taskiq: %s, and its dead letter failed: left unacknowledged", why
+            )
+            return
+        LOGGER.warning("oncely taskiq: dead-lettered a message: %s", why)
+        if isinstance(message, AckableMessage):
+            await _ack(message)
+
+    async def run_task(
+        self, target: Callable[..., Any], message: TaskiqMessage, *args: Any, **kwargs: Any
+    ) -> TaskiqResult[Any]:
+        mw = self.idempotency
+        keyer = mw.keyer(message.task_name)
+        if keyer is None:
+            result: TaskiqResult[Any] = await super().run_task(target, message, *args, **kwargs)
+            return result
+        try:
+            key = task_key(
+                keyer, message.labels.get(KEY_LABEL), tuple(message.args), message.kwargs
+            )
+        except Exception as exc:
+            return await self._dead_letter(
+                message, Outcome.REJECTED, f"the key could not be read: {exc!r}"
+            )
+        if not key:
+            return await self._dead_letter(
+                message, Outcome.REJECTED, "no idempotency key: the producer gave none"
+            )
+        payload = {"args": list(message.args), "kwargs": dict(message.kwargs)}
+        try:
+            claimed: AsyncClaimed[Any] = await mw.inbox.claim(key, payload)
+        except StoreError as exc:
+            return await self._later(message, f"oncely could not claim it: {exc!r}")
+        if claimed.won:
+            return await self._run(claimed, target, message, *args, **kwargs)
+        handled = claimed.handled
+        assert handled is not None
+        if handled.outcome is Outcome.DUPLICATE:
+            return _result(message, handled.value)
+        if handled.outcome is Outcome.IN_FLIGHT:
+            return await self._later(message, f"key {key} is being processed elsewhere")
+        return await self._dead_letter(message, handled.outcome, handled.reason or "refused")
+
+    async def _run(
+        self,
+        claimed: AsyncClaimed[Any],
+        target: Callable[..., Any],
+        message: TaskiqMessage,
+        *args: Any,
+        **kwargs: Any,
+    ) -> TaskiqResult[Any]:
+        result: TaskiqResult[Any] = await super().run_task(target, message, *args, **kwargs)
+        error = result.error
+        if error is None:
+            await claimed.complete(result.return_value)
+            return result
+        if isinstance(error, NoResultError):
+            await claimed.complete(None)
+            return result
+        if isinstance(error, Reject):
+            await claimed.reject(error.reason)
+            return await self._dead_letter(message, Outcome.REJECTED, error.reason)
+        await claimed.release(f"the task raised {type(error).__name__}: {error}")
+        return await self._retry(message, error)
+
+    async def _retry(self, message: TaskiqMessage, error: BaseException) -> TaskiqResult[Any]:
+        mw = self.idempotency
+        retries = int(message.labels.get(RETRIES_LABEL) or 0)
+        limit = int(message.labels.get("max_retries", mw.max_retries))
+        if retries >= limit:
+            return await self._dead_letter(
+                message,
+                Outcome.FAILED,
+                f"failed on all {retries + 1} deliveries; last: {type(error).__name__}: {error}",
+            )
+        await asyncio.sleep(mw.retry_delay)
+        await mw.kick_again(message, **{RETRIES_LABEL: retries + 1})
+        return _result(message, None, NoResultError())
+
+    async def _later(self, message: TaskiqMessage, why: str) -> TaskiqResult[Any]:
+        await asyncio.sleep(self.idempotency.retry_in_flight)
+        await self.idempotency.kick_again(message)
+        LOGGER.info("oncely taskiq %s[%s]: %s; sent again", message.task_name, message.task_id, why)
+        return _result(message, None, NoResultError())
+
+    async def _dead_letter(
+        self, message: TaskiqMessage, outcome: Outcome, reason: str
+    ) -> TaskiqResult[Any]:
+        mw = self.idempotency
+        where = mw.dead_letter_queue if mw.dead_letter is None else "the dead-letter sink"
+        text = f"{outcome.value}: {reason}; the message is in {where}"
+        retries = int(message.labels.get(RETRIES_LABEL) or 0)
+        letter = DeadLetter(
+            outcome=outcome.value, reason=reason, consumer=mw.inbox.consumer, deliveries=retries + 1
+        )
+        sent = self.broker.formatter.dumps(message)
+        headers = {
+            "task_id": message.task_id,
+            "task_name": message.task_name,
+            **_wire_labels(sent),
+            **letter.headers(),
+        }
+        await mw.send_dead_letter(sent.message, headers)
+        LOGGER.warning(
+            "oncely taskiq %s[%s]: dead-lettered: %s", message.task_name, message.task_id, text
+        )
+        return _result(message, None, DeadLettered(text))
+
+
+def _wire_labels(sent: BrokerMessage) -> dict[str, Any]:
+    return {k: v for k, v in sent.labels.items() if isinstance(v, str | int | float | bool)}
+
+
+def _result(
+    message: TaskiqMessage, value: Any, error: BaseException | None = None
+) -> TaskiqResult[Any]:
+    return TaskiqResult(
+        is_err=error is not None and not isinstance(error, NoResultError),
+        return_value=value,
+        execution_time=0.0,
+        labels=message.labels,
+        error=error,
+    )
+
+
+async def _ack(message: AckableMessage) -> None:
+    done = message.ack()
+    if asyncio.iscoroutine(done) or isinstance(done, asyncio.Future):
+        await done
+
+
+def _is_aio_pika(broker: Any) -> bool:
+    return type(broker).__module__.startswith("taskiq_aio_pika")

@@ -1,0 +1,70 @@
+"""The taskiq app ``tests/integrations/test_taskiq.py`` runs with the real ``taskiq worker``
+on RabbitMQ (``taskiq-aio-pika``) and oncely's receiver: tasks behind
+``oncely.integrations.taskiq.Idempotency``, results in Redis, effects counted in Redis
+(``INCR``) so every worker process counts in one place. Configured by the environment:
+``ONCELY_TEST_TASKIQ_QUEUE``, ``ONCELY_TEST_TASKIQ_STORE`` (the inbox's store URL),
+``ONCELY_TEST_TASKIQ_NS`` (the Redis key prefix of the effects and results),
+``ONCELY_TEST_TASKIQ_LEASE`` (seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import timedelta
+
+import redis.asyncio
+from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
+from taskiq_redis import RedisAsyncResultBackend
+
+import oncely
+from oncely.integrations.taskiq import Idempotency
+
+QUEUE = os.environ["ONCELY_TEST_TASKIQ_QUEUE"]
+NS = os.environ["ONCELY_TEST_TASKIQ_NS"]
+REDIS_URL = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ = os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+REDIS = redis.asyncio.Redis.from_url(REDIS_URL)
+
+inbox = oncely.AsyncInbox(
+    oncely.open_async(os.environ["ONCELY_TEST_TASKIQ_STORE"]),
+    consumer="billing",
+    lease=oncely.Lease(
+        duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_TASKIQ_LEASE", "30")))
+    ),
+)
+broker = (
+    AioPikaBroker(
+        RABBITMQ,
+        task_queues=[Queue(name=QUEUE, type=QueueType.CLASSIC)],
+        dead_letter_queue=Queue(name=f"{QUEUE}.dead", type=QueueType.CLASSIC),
+    )
+    .with_result_backend(RedisAsyncResultBackend(REDIS_URL, prefix_str=f"{NS}:results"))
+    .with_middlewares(Idempotency(inbox, max_retries=2, retry_delay=0.2, retry_in_flight=1.0))
+)
+
+
+@broker.task(idempotency_key=lambda order, amount, **options: f"charge:{order}")
+async def charge(
+    order: str, amount: int, sleep: float = 0, fail_times: int = 0, reject: bool = False
+) -> dict[str, object]:
+    await REDIS.set(f"{NS}:pid:{order}", os.getpid())
+    await REDIS.incr(f"{NS}:started:{order}")
+    await asyncio.sleep(sleep)
+    if reject:
+        raise oncely.Reject(f"order {order} is not billable")
+    if await REDIS.incr(f"{NS}:attempts:{order}") <= fail_times:
+        raise RuntimeError(f"the ledger is down (attempt for {order})")
+    await REDIS.incr(f"{NS}:effects:{order}")
+    return {"order": order, "amount": amount}
+
+
+@broker.task(idempotency_key="sent")
+def notify(order: str) -> None:  # a sync task: taskiq runs it in its thread pool
+    import redis as sync_redis
+
+    sync_redis.Redis.from_url(REDIS_URL).incr(f"{NS}:effects:mail:{order}")
+
+
+@broker.task
+async def plain(name: str) -> None:
+    await REDIS.incr(f"{NS}:effects:plain:{name}")

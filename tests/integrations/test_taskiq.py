@@ -1,0 +1,262 @@
+"""taskiq tasks behind ``oncely.integrations.taskiq``, end to end: the real ``taskiq worker``
+command (worker processes) with oncely's receiver on the machine's RabbitMQ through
+``taskiq-aio-pika``, the inbox on SQLite and Redis, results and effects in Redis. Duplicates,
+a reused key, keyless, unparseable and unknown-task messages, failures that recover and
+failures that do not, a rejection, and a worker ``SIGKILL``ed mid-task (R1, R2, R10, R13,
+R16)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("taskiq")
+pytest.importorskip("taskiq_aio_pika")
+import pika
+
+from tests.integrations.workers import WorkerRun, store_url, until
+
+RECEIVER = "oncely.integrations.taskiq:Receiver"
+
+
+class Run(WorkerRun):
+    framework = "taskiq"
+    app_module = "tests.integrations.taskiq_app"
+    queue_suffixes = ("", ".dead")
+
+    def __init__(self, store: str, lease: float = 30.0) -> None:
+        super().__init__(store, lease)
+        self.app: ModuleType = self.load_app()
+
+    def worker(self, workers: int = 2, receiver: str = RECEIVER) -> subprocess.Popen[bytes]:
+        return self.spawn(
+            "taskiq", "worker", f"{self.app_module}:broker", "--workers", str(workers),
+            *(("--receiver", receiver) if receiver else ()), "--log-level", "WARNING",
+        )  # fmt: skip
+
+    def dead_letters(self) -> list[tuple[str, str]]:
+        """The dead-letter queue's messages (taken off it): the task name (or the body, for a
+        message that names none) and its ``x-oncely-reason``."""
+        found = []
+        for properties, body in self.taken(".dead"):
+            headers = properties.headers or {}
+            name = headers.get("task_name") or body.decode(errors="replace")
+            found.append((str(name).rsplit(":", 1)[-1], str(headers.get("x-oncely-reason"))))
+        return sorted(found)
+
+    def publish_raw(self, body: bytes) -> None:
+        """What no taskiq client would send: straight onto the queue with pika."""
+        with self.channel() as channel:
+            channel.basic_publish("", self.queue, body, pika.BasicProperties(delivery_mode=2))
+
+    def drive(self, scenario: Any) -> Any:
+        """Run ``scenario(app)`` with the app's broker started as a client."""
+
+        async def main() -> Any:
+            await self.app.broker.startup()
+            try:
+                return await scenario(self.app)
+            finally:
+                await self.app.broker.shutdown()
+
+        return asyncio.run(main())
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    yield from store_url(request, tmp_path, "oncely_tqi")
+
+
+async def _value(task: Any) -> Any:
+    return (await task.wait_result(timeout=60)).return_value
+
+
+@pytest.mark.timeout(180)
+def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
+    store: str,
+) -> None:
+    from oncely.integrations.taskiq import send_with_key
+
+    run = Run(store)
+    try:
+        run.worker()
+
+        async def scenario(app: ModuleType) -> list[str]:
+            first = [await app.charge.kiq("o1", 10) for _ in range(3)]  # a producer's retries
+            assert [await _value(t) for t in first] == [{"order": "o1", "amount": 10}] * 3
+            for _ in range(2):
+                await send_with_key(app.notify, "mail:o1", "o1")
+            recovered = await app.charge.kiq("o3", 10, fail_times=2)
+            assert await _value(recovered) == {"order": "o3", "amount": 10}
+            refused = [
+                await app.charge.kiq("o1", 99),  # the key again, other arguments
+                await app.notify.kiq("o9"),  # no key
+                await app.charge.kiq("o4", 10, fail_times=99),  # never succeeds
+                await app.charge.kiq("o5", 10, reject=True),  # the task refuses it
+            ]
+            errors = []
+            for task in refused:
+                result = await task.wait_result(timeout=60)
+                assert result.is_err, result
+                errors.append(str(result.error))
+            await app.plain.kiq("p1")
+            return errors
+
+        errors = run.drive(scenario)
+        assert "key_conflict" in errors[0] and "no idempotency key" in errors[1]
+        assert "failed on all 3 deliveries" in errors[2] and "not billable" in errors[3]
+        run.publish_raw(b"\xff{ not a taskiq message")  # taskiq alone acks it: gone
+        gone = {"task_id": "t-gone", "task_name": "billing:gone", "labels": {}, "args": [],
+                "kwargs": {}}  # fmt: skip
+        run.publish_raw(json.dumps(gone).encode())
+        letters: list[tuple[str, str]] = []
+
+        def drained() -> bool:
+            letters.extend(run.dead_letters())
+            return len(letters) >= 6 and run.effects("mail:o1") == 1
+
+        until(drained, client=run.redis, ns=run.ns)
+        time.sleep(1.0)  # anything that would still arrive (a second dead letter of one)
+        letters.extend(run.dead_letters())
+        assert run.effects("o1") == 1 and run.effects("o3") == 1 and run.effects("mail:o1") == 1
+        assert run.effects("mail:o9") == 0 and run.effects("o4") == 0 and run.effects("o5") == 0
+        assert run.effects("plain:p1") == 1
+        assert run.started("o3") == 3 and run.started("o4") == 3
+        names = sorted(name for name, _ in letters)
+        bad = "\ufffd{ not a taskiq message"
+        assert names == ["charge", "charge", "charge", "gone", "notify", bad], letters
+        reasons = dict(letters)
+        assert "could not parse" in reasons[bad]
+        assert "no task 'billing:gone'" in reasons["gone"]
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str) -> None:
+    """The worker is ``SIGKILL``ed (every process) while the task sleeps before its effect:
+    RabbitMQ gives the message to the next worker, whose copy meets the dead worker's live
+    lease, is sent again, and takes the claim over once the lease lapses: one effect."""
+    run = Run(store, lease=2.0)
+    try:
+
+        async def send(app: ModuleType) -> str:
+            return str((await app.charge.kiq("k1", 10, sleep=4.0)).task_id)
+
+        task_id = run.drive(send)
+        first = run.worker(workers=1)
+        until(lambda: run.started("k1") == 1, client=run.redis, ns=run.ns)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker(workers=1)
+
+        async def result(app: ModuleType) -> Any:
+            return (await app.broker.result_backend.get_result(task_id)).return_value
+
+        until(lambda: run.effects("k1") == 1, seconds=90, client=run.redis, ns=run.ns)
+        time.sleep(2.0)
+        assert run.effects("k1") == 1 and run.started("k1") == 2
+        assert run.drive(result) == {"order": "k1", "amount": 10}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r2_a_worker_without_oncelys_receiver_refuses_to_start(store: str) -> None:
+    """Keyed tasks never run unprotected: the middleware stops a worker that runs taskiq's
+    own receiver, which would run them without a claim."""
+    run = Run(store)
+    try:
+
+        async def send(app: ModuleType) -> None:
+            await app.charge.kiq("u1", 10)
+
+        run.drive(send)
+        worker = run.worker(workers=1, receiver="")
+        time.sleep(8.0)
+        assert run.started("u1") == 0
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        run.worker(workers=1)  # the right worker then runs it, once
+        until(lambda: run.effects("u1") == 1, client=run.redis, ns=run.ns)
+    finally:
+        run.close()
+
+
+async def test_r1_r2_with_taskiqs_in_memory_broker_for_users_unit_tests() -> None:
+    """A user's unit test on taskiq's ``InMemoryBroker``: the same claims, no worker, no
+    server; refusals go to the ``dead_letter`` function the test gives."""
+    from taskiq import InMemoryBroker
+
+    import oncely
+    from oncely.integrations.taskiq import Idempotency, send_with_key
+    from oncely.testing import AsyncMemoryStore
+
+    effects: list[str] = []
+    letters: list[dict[str, Any]] = []
+
+    async def keep(body: bytes, headers: Any) -> None:
+        letters.append(dict(headers))
+
+    inbox = oncely.AsyncInbox(AsyncMemoryStore(), consumer="billing")
+    broker = InMemoryBroker(await_inplace=True).with_middlewares(
+        Idempotency(inbox, dead_letter=keep, retry_delay=0)
+    )
+
+    @broker.task(idempotency_key=lambda order, amount: f"charge:{order}")
+    async def charge(order: str, amount: int) -> int:
+        effects.append(order)
+        return amount
+
+    @broker.task(idempotency_key="sent")
+    async def notify(order: str) -> None:
+        effects.append(f"mail:{order}")
+
+    await broker.startup()
+    try:
+        sent = [await charge.kiq("o1", 10) for _ in range(3)]
+        assert [(await t.wait_result()).return_value for t in sent] == [10, 10, 10]
+        await send_with_key(notify, "mail:o1", "o1")
+        await send_with_key(notify, "mail:o1", "o1")
+        conflict = await charge.kiq("o1", 99)
+        keyless = await notify.kiq("o2")
+        assert (await conflict.wait_result()).is_err and (await keyless.wait_result()).is_err
+    finally:
+        await broker.shutdown()
+    assert effects == ["o1", "mail:o1"]
+    assert [letter["x-oncely-outcome"] for letter in letters] == ["key_conflict", "rejected"]
+    assert "no idempotency key" in letters[1]["x-oncely-reason"]
+
+
+async def test_the_middleware_and_the_receiver_check_their_settings() -> None:
+    from taskiq import InMemoryBroker
+
+    import oncely
+    from oncely import ConfigurationError
+    from oncely.integrations.taskiq import Idempotency, Receiver
+    from oncely.testing import AsyncMemoryStore, MemoryStore
+
+    inbox = oncely.AsyncInbox(AsyncMemoryStore(), consumer="billing")
+    with pytest.raises(ConfigurationError, match="AsyncInbox"):
+        Idempotency(oncely.Inbox(MemoryStore(), consumer="billing"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=">= 0"):
+        Idempotency(inbox, max_retries=-1)
+    with pytest.raises(ConfigurationError, match="with_middlewares"):
+        Receiver(InMemoryBroker())
+    broker = InMemoryBroker().with_middlewares(Idempotency(inbox, dead_letter=None))
+    with pytest.raises(ConfigurationError, match="dead_letter"):
+        await broker.startup()
+    from taskiq.acks import AcknowledgeType
+
+    with pytest.raises(ConfigurationError, match="when_received"):
+        Receiver(broker, ack_type=AcknowledgeType.WHEN_RECEIVED)
