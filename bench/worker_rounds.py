@@ -1,5 +1,5 @@
-"""What the worker benchmarks (Celery, Dramatiq, FastStream) share: variants run in rounds with a
-rotating order, medians, and the table written to ``bench/results``."""
+"""What the worker benchmarks (Celery, Dramatiq, FastStream, taskiq) share: variants run in
+rounds with a rotating order, medians, and the table written to ``bench/results``."""
 
 from __future__ import annotations
 

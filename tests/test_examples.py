@@ -130,6 +130,21 @@ def test_r1_r16_the_celery_example_charges_once_and_dead_letters_the_keyless(
 
 
 @pytest.mark.services
+def test_r1_r16_the_taskiq_example_charges_once_and_dead_letters_the_keyless(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("taskiq_aio_pika")
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    done = _on_rabbitmq("taskiq_tasks.py", tmp_path)
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["results: [42, 42, 42]", "receipt for o-1"], done.stdout
+    assert lines[2].startswith(
+        "dead-lettered: rejected: no idempotency key: the producer gave none; the message is in"
+    ), done.stdout
+    assert lines[3:] == ["charges: [('o-1', 42)]"], done.stdout
+
+
+@pytest.mark.services
 def test_r1_r2_the_faststream_example_charges_once_and_dead_letters_the_made_up_id(
     tmp_path: Path,
 ) -> None:

@@ -3,6 +3,9 @@
 - :mod:`oncely.integrations.celery`: a Celery Task base class: each task runs once per
   business key (or a key the producer names); duplicates return the first result, refusals
   and unreadable messages dead-lettered with a reason.
+- :mod:`oncely.integrations.taskiq`: a taskiq broker middleware and worker receiver: each
+  task that declares an ``idempotency_key`` runs once per key; refusals and unparseable
+  messages dead-lettered with a reason.
 - :mod:`oncely.integrations.dramatiq`: a Dramatiq middleware: each actor that declares an
   ``idempotency_key`` runs once per key; duplicates skipped, refusals dead-lettered with a
   reason.
@@ -21,5 +24,5 @@
 
 Each module imports its library on import; install the matching extra
 (``oncely[sqlalchemy]``, ``oncely[fastapi]``, ``oncely[django]``,
-``oncely[celery]``, ``oncely[dramatiq]``, ``oncely[faststream]``).
+``oncely[celery]``, ``oncely[taskiq]``, ``oncely[dramatiq]``, ``oncely[faststream]``).
 """

@@ -1,0 +1,80 @@
+"""taskiq tasks that charge each order once, on RabbitMQ:
+``python examples/taskiq_tasks.py [AMQP_URL] [DIRECTORY]``.
+
+The broker, the middleware and the tasks are what a taskiq app declares; a deployment runs
+them with ``taskiq worker examples.taskiq_tasks:broker --receiver
+oncely.integrations.taskiq:Receiver``. To be runnable on its own, this file also sends the
+tasks (a producer retrying ``kiq()``, a resend under the producer's key, a keyless one), runs
+oncely's receiver in this process until they are done, then prints what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from taskiq.api import run_receiver_task
+from taskiq.brokers.inmemory_broker import InmemoryResultBackend
+from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
+
+import oncely
+from oncely.integrations.taskiq import Idempotency, Receiver, send_with_key
+
+ARGS = sys.argv[1:] if __name__ == "__main__" else []  # not the worker command's arguments
+AMQP = ARGS[0] if ARGS else "amqp://guest:guest@127.0.0.1:5672/"
+HERE = Path(ARGS[1] if len(ARGS) > 1 else tempfile.mkdtemp())
+QUEUE = f"charges_{uuid.uuid4().hex[:6]}" if ARGS else "charges"
+
+inbox = oncely.AsyncInbox(oncely.open_async(f"sqlite:///{HERE / 'inbox.db'}"), consumer="billing")
+broker = (
+    AioPikaBroker(
+        AMQP,
+        task_queues=[Queue(name=QUEUE, type=QueueType.CLASSIC)],
+        dead_letter_queue=Queue(name=f"{QUEUE}.dead", type=QueueType.CLASSIC),
+    )
+    .with_result_backend(InmemoryResultBackend())  # in one process; a deployment's: Redis
+    .with_middlewares(Idempotency(inbox))
+)
+ledger = sqlite3.connect(HERE / "ledger.db", isolation_level=None, check_same_thread=False)
+ledger.execute("CREATE TABLE IF NOT EXISTS charges (order_id TEXT, amount INTEGER)")
+
+
+@broker.task(idempotency_key=lambda order, amount: f"charge:{order}")
+async def charge(order: str, amount: int) -> int:
+    ledger.execute("INSERT INTO charges VALUES (?, ?)", (order, amount))
+    return amount
+
+
+@broker.task(idempotency_key="sent")
+async def receipt(order: str) -> None:
+    print(f"receipt for {order}")
+
+
+async def main() -> None:
+    worker = asyncio.create_task(run_receiver_task(broker, Receiver, run_startup=True))
+    while getattr(broker, "write_channel", None) is None:  # the worker started the broker
+        await asyncio.sleep(0.05)
+    try:
+        sent = [await charge.kiq("o-1", 42) for _ in range(3)]  # the producer retried
+        results = [(await task.wait_result(timeout=30)).return_value for task in sent]
+        print(f"results: {results}")  # the first result, thrice
+        for _ in range(2):  # resent under the same key: one receipt
+            await (await send_with_key(receipt, "receipt:o-1", "o-1")).wait_result(timeout=30)
+        keyless = await (await receipt.kiq("o-2")).wait_result(timeout=30)  # no key
+        print(f"dead-lettered: {keyless.error}")
+    finally:
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+        channel = broker.write_channel
+        for name in (QUEUE, f"{QUEUE}.dead"):
+            await channel.queue_delete(name)
+        await broker.shutdown()
+    print(f"charges: {ledger.execute('SELECT order_id, amount FROM charges').fetchall()}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
