@@ -115,29 +115,23 @@ def test_r1_r16_the_dramatiq_example_charges_once_and_dead_letters_the_keyless(
 
 
 @pytest.mark.services
-def test_r1_r16_the_celery_example_charges_once_and_dead_letters_the_keyless(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("library", "example", "results"),
+    [
+        ("celery", "celery_tasks.py", "results: 3, all {'order': 'o-1', 'charged': 42}: True"),
+        ("taskiq_aio_pika", "taskiq_tasks.py", "results: [42, 42, 42]"),
+    ],
+)
+def test_r1_r16_the_task_queue_examples_charge_once_and_dead_letter_the_keyless(
+    library: str, example: str, results: str, tmp_path: Path
 ) -> None:
-    pytest.importorskip("celery")
+    """The Celery and taskiq examples: three sends of one charge give one row and the first
+    result three times, a resend under one key one receipt, a keyless send a dead letter."""
+    pytest.importorskip(library)
     require("RabbitMQ", RABBITMQ_URL, 5672)
-    done = _on_rabbitmq("celery_tasks.py", tmp_path)
+    done = _on_rabbitmq(example, tmp_path)
     lines = done.stdout.splitlines()
-    assert lines[:2] == ["results: 3, all {'order': 'o-1', 'charged': 42}: True", "receipt for o-1"]
-    assert lines[2].startswith(
-        "dead-lettered: rejected: no idempotency key: the producer gave none; the message is in"
-    ), done.stdout
-    assert lines[3:] == ["charges: [('o-1', 42)]"], done.stdout
-
-
-@pytest.mark.services
-def test_r1_r16_the_taskiq_example_charges_once_and_dead_letters_the_keyless(
-    tmp_path: Path,
-) -> None:
-    pytest.importorskip("taskiq_aio_pika")
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    done = _on_rabbitmq("taskiq_tasks.py", tmp_path)
-    lines = done.stdout.splitlines()
-    assert lines[:2] == ["results: [42, 42, 42]", "receipt for o-1"], done.stdout
+    assert lines[:2] == [results, "receipt for o-1"], done.stdout
     assert lines[2].startswith(
         "dead-lettered: rejected: no idempotency key: the producer gave none; the message is in"
     ), done.stdout

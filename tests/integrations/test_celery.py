@@ -111,36 +111,29 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered(store: str) 
 
 
 @pytest.mark.timeout(180)
-def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str) -> None:
+@pytest.mark.parametrize("killed", ["the worker", "its pool process"])
+def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(
+    store: str, killed: str
+) -> None:
+    """``SIGKILL`` mid-task, with a 2 s lease. The whole worker (every process): RabbitMQ
+    gives the message to the next worker. Only the pool process running the task: the
+    worker's main process sees it lost and gives the message back (``reject_on_worker_lost``).
+    Either way the next copy meets the dead run's live lease, is sent again, and takes over
+    once it lapses: one effect, two runs."""
     run = Run(store, lease=2.0)
     try:
         result = run.app.charge.delay("k1", 10, sleep=4.0)
-        first = run.worker(concurrency=1)
+        first = run.worker(concurrency=1 if killed == "the worker" else 2)
         until(lambda: run.started("k1") == 1, client=run.redis, ns=run.ns)
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(10)
-        run.worker(concurrency=1)
+        if killed == "the worker":
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(10)
+            run.worker(concurrency=1)
+        else:
+            os.kill(int(run.redis.get(f"{run.ns}:pid:k1") or 0), signal.SIGKILL)
         assert result.get(timeout=90) == {"order": "k1", "amount": 10}
         time.sleep(2.0)
         assert run.effects("k1") == 1 and run.started("k1") == 2
-    finally:
-        run.close()
-
-
-@pytest.mark.timeout(180)
-def test_r10_a_pool_process_killed_mid_task_is_requeued_and_applied_once(store: str) -> None:
-    """Only the pool process running the task is ``SIGKILL``ed; the worker's main process
-    sees it lost and gives the message back (``reject_on_worker_lost``), another pool
-    process meets the dead one's live lease, sends it again, and takes over once it lapses."""
-    run = Run(store, lease=2.0)
-    try:
-        result = run.app.charge.delay("c1", 10, sleep=4.0)
-        run.worker(concurrency=2)
-        until(lambda: run.started("c1") == 1, client=run.redis, ns=run.ns)
-        os.kill(int(run.redis.get(f"{run.ns}:pid:c1") or 0), signal.SIGKILL)
-        assert result.get(timeout=90) == {"order": "c1", "amount": 10}
-        time.sleep(2.0)
-        assert run.effects("c1") == 1 and run.started("c1") == 2
     finally:
         run.close()
 
