@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import oncely
-from oncely.integrations.sqlalchemy import _join as _sqlalchemy_join
+from oncely.integrations._joined import kinds as _sqlalchemy_join
 from oncely.integrations.sqlalchemy import handle_in_session, handle_in_session_async
 from tests.integrations.sqlalchemy_helpers import (
     ORDER,

@@ -11,7 +11,8 @@ from oncely._core.outcomes import Handled
 from oncely._twin import ASYNC
 from oncely.errors import StoreError
 from oncely.inbox.async_inbox import AsyncInbox
-from oncely.integrations.sqlalchemy._join import (
+from oncely.integrations._joined.async_identity import check_session_async, store_identity_async
+from oncely.integrations._joined.kinds import (
     ASYNC_KINDS,
     SYNC_KINDS,
     check_driver,
@@ -19,7 +20,6 @@ from oncely.integrations.sqlalchemy._join import (
     kind_of,
     needs_begin,
 )
-from oncely.integrations.sqlalchemy.async_identity import check_session_async, store_identity_async
 from oncely.stores.async_protocols import AsyncTransactionalStore
 
 if ASYNC:

@@ -15,14 +15,14 @@ from sqlalchemy.orm import Session
 from oncely._core.outcomes import Handled
 from oncely.errors import StoreError
 from oncely.inbox.sync_inbox import Inbox
-from oncely.integrations.sqlalchemy._join import (
+from oncely.integrations._joined.kinds import (
     SYNC_KINDS,
     check_driver,
     handler_failed,
     kind_of,
     needs_begin,
 )
-from oncely.integrations.sqlalchemy.sync_identity import check_session, store_identity
+from oncely.integrations._joined.sync_identity import check_session, store_identity
 from oncely.stores.sync_protocols import TransactionalStore
 
 S = TypeVar("S", Session, Connection)

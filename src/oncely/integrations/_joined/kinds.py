@@ -1,5 +1,6 @@
-"""Which stores :mod:`oncely.integrations.sqlalchemy` can join to which DB-API driver, and
-when pysqlite's legacy transaction control left a session without a real transaction.
+"""Which stores a transaction of the caller's (SQLAlchemy's session, Django's ``atomic``) can
+join on which DB-API driver, and when pysqlite's legacy transaction control left a session
+without a real transaction.
 
 Pure decisions shared by the sync and asyncio shells; no I/O.
 """
@@ -111,10 +112,16 @@ ASYNC_KINDS = (
 )
 
 
-def kind_of(store: object, kinds: tuple[Kind, ...], function: str) -> Kind:
+def kind_of(
+    store: object,
+    kinds: tuple[Kind, ...],
+    function: str,
+    joins: str = "a SQLAlchemy session's transaction",
+) -> Kind:
     """The kind of ``store``, or :class:`~oncely.TransactionsUnsupported` naming the stores
-    ``function`` works with. A store class is looked up only if its module was imported:
-    an instance of it could not exist otherwise, and the optional drivers stay unimported."""
+    ``function`` (which joins ``joins``) works with. A store class is looked up only if its
+    module was imported: an instance of it could not exist otherwise, and the optional
+    drivers stay unimported."""
     for kind in kinds:
         module = sys.modules.get(kind.module)
         cls = getattr(module, kind.store, None) if module is not None else None
@@ -122,7 +129,7 @@ def kind_of(store: object, kinds: tuple[Kind, ...], function: str) -> Kind:
             return kind
     names = ", ".join(kind.store for kind in kinds)
     raise TransactionsUnsupported(
-        f"{function} joins a SQLAlchemy session's transaction with a SQL store ({names}); "
+        f"{function} joins {joins} with a SQL store ({names}); "
         f"{type(store).__name__} cannot join one. Use a SQL store for the transactional mode, "
         "or Inbox.handle (two-phase mode) with this store"
     )
