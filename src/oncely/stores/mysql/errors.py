@@ -30,8 +30,13 @@ __all__ = [
     "translate",
 ]
 
-DRIVER_ERRORS: Final[tuple[type[BaseException], ...]] = (pymysql.err.MySQLError, OSError)
-"""What a driver call may raise: PyMySQL's errors, and socket errors aiomysql lets through."""
+DRIVER_ERRORS: Final[tuple[type[BaseException], ...]] = (pymysql.MySQLError, OSError)
+"""What a driver call may raise: PyMySQL's errors, and socket errors aiomysql lets through.
+
+The classes are those of the package's top level, never ``pymysql.err.*``: after
+``pymysql.install_as_MySQLdb()`` (how Django's MySQL backend runs on PyMySQL) an import of
+``MySQLdb.err`` loads a second copy of that module and rebinds ``pymysql.err`` to it, while
+PyMySQL itself keeps raising the original classes."""
 
 DEADLOCK: Final = 1213
 LOCK_WAIT_TIMEOUT: Final = 1205
@@ -94,7 +99,7 @@ def retries_for(exc: BaseException) -> int:
 
 def disconnected(exc: BaseException) -> bool:
     """True when the connection that raised ``exc`` must be thrown away."""
-    if isinstance(exc, (OSError, pymysql.err.InterfaceError)):
+    if isinstance(exc, (OSError, pymysql.InterfaceError)):
         return True
     return code_of(exc) in _BROKEN
 
@@ -129,7 +134,7 @@ def translate(exc: BaseException, doing: str, *, joined: bool = False) -> StoreE
         )
     if (
         code in _UNAVAILABLE
-        or isinstance(exc, (OSError, pymysql.err.InterfaceError))
+        or isinstance(exc, (OSError, pymysql.InterfaceError))
         or (code is not None and 2000 <= code < 3000)  # client-side: connection trouble
     ):
         return StoreUnavailable(f"{doing}: {text}")
