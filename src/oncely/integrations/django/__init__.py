@@ -1,5 +1,69 @@
-"""oncely in Django: :mod:`oncely.integrations.django.http`, the ``Idempotency-Key`` layer as a
-Django middleware (``MIDDLEWARE``) and a view decorator for per-view use.
+"""oncely in Django: the inbox on the project's own database, the claim inside
+``transaction.atomic()``, a consumer whose handler is a Django function, and the
+``Idempotency-Key`` HTTP layer (:mod:`oncely.integrations.django.http`).
 
-Needs Django (``pip install 'oncely[django]'``).
+Set up (``pip install 'oncely[django]'``)::
+
+    INSTALLED_APPS = [..., "oncely.integrations.django"]   # app label "oncely"
+    # optional: ONCELY_INBOX = {"table": "oncely_inbox", "schema": "public"}
+
+``python manage.py migrate`` then creates oncely's tables on each database Django migrates
+(through oncely's store, so the schema is exactly the store's). In code::
+
+    from django.db import transaction
+    from oncely.integrations.django import get_inbox, handle_in_atomic
+
+    billing = get_inbox("billing")                 # an oncely.Inbox on DATABASES["default"]
+
+    def charge(order: dict) -> int:
+        Charge.objects.create(order_id=order["id"], amount=order["amount"])
+        return order["amount"]
+
+    with transaction.atomic():
+        handled = handle_in_atomic(billing, message_id, order, charge)
+    handled.outcome   # processed | duplicate | key_conflict | failed | rejected
+
+The marker and the handler's rows commit together or not at all (R7): until the outer block
+commits, ``processed`` is tentative, and a rollback leaves neither. Outside an ``atomic``
+block the call opens one and commits it. ``duplicate`` returns the first result without
+calling the handler; ``failed`` means the handler raised, its writes and the claim were rolled
+back to a savepoint (Django's own, so the block stays usable) and a redelivery retries; a
+handler raising :class:`oncely.Reject` is ``rejected`` and its key recorded as poison.
+
+**What is joined.** oncely writes on the DB-API connection behind Django's connection
+(``connections[using].connection``): PostgreSQL through psycopg 3 (Django's backend uses it
+when it is installed), MariaDB/MySQL through PyMySQL (``pymysql.install_as_MySQLdb()`` in the
+settings; mysqlclient connections cannot be joined yet), SQLite through sqlite3. Another
+driver raises :class:`oncely.TransactionsUnsupported` saying what to install; a store on
+another database than the connection raises :class:`oncely.ConfigurationError`. An
+in-memory SQLite database cannot be shared with the store: under the test runner give
+``DATABASES[...]["TEST"]["NAME"]`` a file name. SQLite: ``"OPTIONS": {"transaction_mode":
+"IMMEDIATE"}`` lets concurrent writers queue on the busy timeout instead of failing.
+
+**Operating the inbox.** ``manage.py oncely inbox stats`` (``list``, ``show``, ``purge``,
+``forget``) and ``manage.py oncely migrate`` are the ``oncely`` command on the project's
+database (``--database ALIAS`` before the command for another one).
+
+Tested with Django 5.2 on PostgreSQL 15, MariaDB 10.11 and SQLite, with Django's own test
+runner on each (``tests/integrations/test_django.py``).
 """
+
+from __future__ import annotations
+
+try:
+    import django as _django  # noqa: F401 - the guard: say which extra is missing
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "oncely.integrations.django needs Django: pip install 'oncely[django]'"
+    ) from exc
+
+from oncely.integrations.django.atomic import handle_in_atomic, handle_message_in_atomic
+from oncely.integrations.django.databases import get_inbox, get_store, store_url
+
+__all__ = [
+    "get_inbox",
+    "get_store",
+    "handle_in_atomic",
+    "handle_message_in_atomic",
+    "store_url",
+]

@@ -1,0 +1,185 @@
+"""The transactional inbox inside Django's ``transaction.atomic()`` (R7): the handler's ORM
+writes and oncely's dedup marker commit together, on Django's own connection.
+
+The contract is in :mod:`oncely.integrations.django`; this module is the mechanism:
+
+1. the store must be a sync SQL store on the same database as the connection ``using``
+   (checked once per store and once per DB-API connection), reached through the driver it
+   speaks (psycopg 3, PyMySQL, sqlite3);
+2. the claim, the handler and the result run inside a nested ``atomic`` (Django's own
+   savepoint, so a rollback also resets what Django knows of the block) in which oncely joins
+   with ``savepoint=False``;
+3. when the handler raises, that savepoint is rolled back (its rows and the marker together)
+   and the failure is recorded once more inside oncely's own savepoint with a handler that
+   re-raises it, so the ``failed``/``rejected`` outcome, a rejection's poison marker, hooks
+   and logs are those of :meth:`oncely.Inbox.handle_in_transaction`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+
+from oncely._core.keys import Envelope, KeySource
+from oncely._core.outcomes import Handled
+from oncely.errors import StoreError, TransactionsUnsupported
+from oncely.inbox.sync_inbox import Inbox
+from oncely.integrations._joined.identity import (
+    SQL,
+    Identity,
+    identity_of,
+    mismatch,
+    same_database,
+)
+from oncely.integrations._joined.kinds import SYNC_KINDS, Kind, handler_failed, kind_of
+from oncely.integrations._joined.sync_identity import store_identity
+from oncely.integrations.django.databases import alias_of
+from oncely.stores.sync_protocols import TransactionalStore
+
+__all__ = ["handle_in_atomic", "handle_message_in_atomic"]
+
+P = TypeVar("P")
+R = TypeVar("R")
+
+_NAME = "handle_in_atomic"
+_JOINS = "a Django transaction.atomic() block"
+_FIX = {
+    "postgresql": "install psycopg 3 (pip install 'psycopg[binary]'): Django's PostgreSQL "
+    "backend uses it instead of psycopg2 when both are installed",
+    "mysql": "run Django's MySQL backend on PyMySQL: import pymysql; "
+    "pymysql.install_as_MySQLdb() at the top of settings.py (mysqlclient connections cannot "
+    "be joined yet)",
+    "sqlite": "use Django's sqlite3 backend",
+}
+_IDENTITY = "_oncely_database"  # (DB-API connection's id, its Identity) on Django's wrapper
+
+
+def handle_in_atomic(
+    inbox: Inbox,
+    key: str,
+    payload: P,
+    handler: Callable[[P], R],
+    *,
+    using: str | None = None,
+    correlation_id: str | None = None,
+) -> Handled[R]:
+    """Run ``handler(payload)`` and record ``key`` in the transaction of Django's connection
+    ``using`` (R7).
+
+    Inside a ``transaction.atomic()`` block the outcome is tentative until that block commits;
+    outside one, the call opens its own block and commits it. ``using`` defaults to the
+    database the inbox's store was opened for by :func:`get_store`, else ``"default"``.
+    """
+
+    def through(run: Callable[[Any, P], R], tx: Any, savepoint: bool) -> Handled[R]:
+        return inbox.handle_in_transaction(
+            key, payload, run, tx=tx, savepoint=savepoint, correlation_id=correlation_id
+        )
+
+    return _joined(inbox, handler, using, through)
+
+
+def handle_message_in_atomic(
+    inbox: Inbox,
+    envelope: Envelope,
+    handler: Callable[[Any], R],
+    *,
+    key: KeySource | None = None,
+    using: str | None = None,
+) -> Handled[R]:
+    """:func:`handle_in_atomic` for a broker message: the key read as
+    :meth:`oncely.Inbox.handle_message` reads it (a message without a usable key is
+    ``rejected``), ``handler`` called with the decoded body."""
+
+    def through(run: Callable[[Any, Any], R], tx: Any, savepoint: bool) -> Handled[R]:
+        return inbox.handle_message_in_transaction(
+            envelope, run, key=key, tx=tx, savepoint=savepoint
+        )
+
+    return _joined(inbox, handler, using, through)
+
+
+def _joined(
+    inbox: Inbox,
+    handler: Callable[[Any], R],
+    using: str | None,
+    through: Callable[[Callable[[Any, Any], R], Any, bool], Handled[R]],
+) -> Handled[R]:
+    if not isinstance(inbox, Inbox):
+        raise TypeError(
+            f"{_NAME} takes an oncely.Inbox (Django's ORM is synchronous), not "
+            f"{type(inbox).__name__}"
+        )
+    store = inbox.store
+    alias = using or alias_of(store) or DEFAULT_DB_ALIAS
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        with transaction.atomic(using=alias):
+            return _joined(inbox, handler, alias, through)
+    kind = kind_of(store, SYNC_KINDS, _NAME, _JOINS)
+    joined = cast("TransactionalStore[object]", store)
+    connection.ensure_connection()
+    driver = connection.connection
+    _check_driver(kind, driver, str(connection.vendor), alias)
+    expected = store_identity(joined, kind, inbox.consumer, driver)
+    joined.check_transaction(driver)
+    _check_database(store.url, expected, connection, driver)
+
+    failures: list[Exception] = []
+
+    def run(_tx: object, body: Any) -> R:
+        try:
+            return handler(body)
+        except Exception as exc:
+            failures.append(exc)
+            raise
+
+    try:
+        with transaction.atomic(using=alias):  # Django's savepoint around claim and handler
+            return through(run, driver, False)
+    except StoreError:
+        raise
+    except Exception as exc:
+        if not handler_failed(exc, failures):
+            raise
+        error = exc
+
+    def again(_tx: object, _body: Any) -> R:
+        raise error
+
+    return through(again, driver, True)
+
+
+def _check_driver(kind: Kind, driver: object, vendor: str, alias: str) -> None:
+    cls = getattr(importlib.import_module(kind.driver_module), kind.driver_class)
+    if isinstance(driver, cls):
+        return
+    if vendor != kind.family:
+        raise TransactionsUnsupported(
+            f"database {alias!r} is on {vendor}, the inbox's store ({kind.store}) on "
+            f"{kind.family}: open the store on that database "
+            f"(oncely.integrations.django.get_store({alias!r}))"
+        )
+    raise TransactionsUnsupported(
+        f"{kind.store} joins {kind.driver_name} connections and Django's connection "
+        f"{alias!r} is a {type(driver).__module__}.{type(driver).__name__}: "
+        f"{_FIX.get(vendor, 'use a driver oncely can join')}"
+    )
+
+
+def _check_database(store_url: str, expected: Identity, connection: Any, driver: object) -> None:
+    """Raise :class:`~oncely.ConfigurationError` unless Django's connection is on the store's
+    database (read once per DB-API connection, kept on Django's connection wrapper)."""
+    seen: tuple[int, Identity] | None = getattr(connection, _IDENTITY, None)
+    if seen is None or seen[0] != id(driver):
+        family = str(expected[0])
+        with connection.cursor() as cursor:
+            cursor.execute(SQL[family])
+            rows = [tuple(row) for row in cursor.fetchall()]
+        seen = (id(driver), identity_of(family, rows))
+        setattr(connection, _IDENTITY, seen)
+    if not same_database(expected, seen[1]):
+        raise mismatch(store_url, expected, seen[1])

@@ -1,0 +1,41 @@
+"""``python manage.py oncely``: oncely's command line on a database of ``settings.DATABASES``:
+``oncely``'s own command with ``--store`` set to the database (``--database``, default
+``default``): ``manage.py oncely inbox stats``, ``inbox list --consumer billing``,
+``inbox purge``, ``migrate``, ...
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS
+
+from oncely.errors import ConfigurationError
+from oncely.integrations.django.databases import store_url
+
+
+class Command(BaseCommand):  # type: ignore[misc] # Django ships no type information
+    help = (
+        "the oncely command (inbox stats, inbox list, inbox purge, migrate, ...) on the "
+        "project's database --database"
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="database alias")
+        parser.add_argument("what", help="an oncely command (inbox, migrate, ...)")
+        parser.add_argument("rest", nargs="...")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        database: str = options["database"]
+        what: str = options["what"]
+        rest: list[str] = list(options["rest"])
+        try:
+            url = store_url(database)
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from None
+        os.environ["ONCELY_STORE"] = url
+        from oncely.cli import main  # noqa: PLC0415 - click is needed only here
+
+        main([what, *rest])

@@ -1,0 +1,8 @@
+from django.db import models
+
+
+class Charge(models.Model):
+    """One effect of the handler: a charge of an order (several rows = a double charge)."""
+
+    order = models.CharField(max_length=64)
+    amount = models.IntegerField()

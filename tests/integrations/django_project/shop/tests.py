@@ -1,0 +1,133 @@
+# ruff: noqa: PT009, PT027 - Django's test runner runs unittest-style test cases
+"""oncely's claim inside ``transaction.atomic()``, run by Django's own test runner
+(``manage.py test shop``) on the database of ``ONCELY_TEST_DJANGO_DB``: the runner creates
+the test database and applies oncely's migration to it (R7, R3, R9, R11)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from django.db import connection, connections, transaction
+from django.test import TransactionTestCase
+from shop.models import Charge
+
+import oncely
+from oncely.integrations.django import get_inbox, get_store, handle_in_atomic, store_url
+from oncely.integrations.django.models import InboxRecord
+
+
+def key() -> str:
+    return f"k-{uuid.uuid4()}"
+
+
+def book(order: dict[str, Any]) -> int:
+    Charge.objects.create(order=order["id"], amount=order["amount"])
+    return int(order["amount"])
+
+
+class AtomicTests(TransactionTestCase):
+    def setUp(self) -> None:
+        self.inbox = get_inbox("billing")
+        self.order = {"id": f"o-{uuid.uuid4().hex[:8]}", "amount": 7}
+
+    def rows(self) -> int:
+        return Charge.objects.filter(order=self.order["id"]).count()
+
+    def test_the_store_is_on_the_test_database(self) -> None:
+        name = str(connection.settings_dict["NAME"])
+        self.assertIn(name.rsplit("/", 1)[-1], store_url())
+        self.assertIs(get_store(), self.inbox.store)
+
+    def test_r3_a_copy_is_a_duplicate_with_the_first_result_and_no_second_row(self) -> None:
+        k = key()
+        first = handle_in_atomic(self.inbox, k, self.order, book)
+        with transaction.atomic():
+            again = handle_in_atomic(self.inbox, k, self.order, book)
+        self.assertEqual((first.outcome, first.value), (oncely.Outcome.PROCESSED, 7))
+        self.assertEqual((again.outcome, again.value), (oncely.Outcome.DUPLICATE, 7))
+        self.assertEqual(self.rows(), 1)
+        record = InboxRecord.objects.get(consumer="billing", key=k)
+        self.assertEqual(record.status, "completed")
+
+    def test_r7_a_rolled_back_block_leaves_neither_the_marker_nor_the_row(self) -> None:
+        k = key()
+        with transaction.atomic():
+            handled = handle_in_atomic(self.inbox, k, self.order, book)
+            self.assertEqual(handled.outcome, oncely.Outcome.PROCESSED)
+            transaction.set_rollback(True)
+        self.assertEqual(self.rows(), 0)
+        self.assertIsNone(self.inbox.store.get("billing", k))
+        redelivered = handle_in_atomic(self.inbox, k, self.order, book)
+        self.assertEqual(redelivered.outcome, oncely.Outcome.PROCESSED)
+        self.assertEqual(self.rows(), 1)
+
+    def test_r9_a_failing_handler_is_rolled_back_alone_and_the_block_goes_on(self) -> None:
+        k = key()
+
+        def fails(order: dict[str, Any]) -> int:
+            book(order)
+            raise RuntimeError("the ledger is down")
+
+        with transaction.atomic():
+            Charge.objects.create(order="before", amount=1)
+            handled = handle_in_atomic(self.inbox, k, self.order, fails)
+            Charge.objects.create(order="after", amount=1)  # the block is still usable
+        self.assertEqual(handled.outcome, oncely.Outcome.FAILED)
+        self.assertIn("the ledger is down", handled.reason or "")
+        self.assertEqual(self.rows(), 0)
+        self.assertEqual(Charge.objects.filter(order__in=["before", "after"]).count(), 2)
+        retried = handle_in_atomic(self.inbox, k, self.order, book)
+        self.assertEqual(retried.outcome, oncely.Outcome.PROCESSED)
+        self.assertEqual(self.rows(), 1)
+
+    def test_r11_a_rejection_is_poison_and_its_rows_are_gone(self) -> None:
+        k = key()
+
+        def refuses(order: dict[str, Any]) -> int:
+            book(order)
+            raise oncely.Reject("not an order of ours")
+
+        first = handle_in_atomic(self.inbox, k, self.order, refuses)
+        again = handle_in_atomic(self.inbox, k, self.order, book)
+        self.assertEqual(first.outcome, oncely.Outcome.REJECTED)
+        self.assertEqual(again.outcome, oncely.Outcome.REJECTED)
+        self.assertEqual(self.rows(), 0)
+
+    def test_r3_a_reused_key_with_another_payload_is_a_conflict(self) -> None:
+        k = key()
+        handle_in_atomic(self.inbox, k, self.order, book)
+        other = handle_in_atomic(self.inbox, k, {**self.order, "amount": 8}, book)
+        self.assertEqual(other.outcome, oncely.Outcome.KEY_CONFLICT)
+        self.assertEqual(self.rows(), 1)
+
+    def test_r3_two_threads_with_one_key_make_one_row(self) -> None:
+        k = key()
+        outcomes: list[oncely.Outcome] = []
+        gate = threading.Barrier(2)
+
+        def deliver() -> None:
+            try:
+                gate.wait()
+                outcomes.append(handle_in_atomic(self.inbox, k, self.order, book).outcome)
+            finally:
+                connections.close_all()
+
+        threads = [threading.Thread(target=deliver) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(self.rows(), 1)
+        self.assertEqual(sorted(o.value for o in outcomes), sorted(["processed", "duplicate"]))
+
+    def test_a_store_on_another_database_is_refused(self) -> None:
+        import tempfile
+
+        other = oncely.Inbox(
+            oncely.open(f"sqlite:///{tempfile.mkdtemp()}/other.db"), consumer="billing"
+        )
+        with self.assertRaises((oncely.ConfigurationError, oncely.TransactionsUnsupported)):
+            handle_in_atomic(other, key(), self.order, book)
+        self.assertEqual(self.rows(), 0)
