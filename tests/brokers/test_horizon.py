@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,37 @@ async def test_r13_a_covering_retention_logs_the_horizon_once(
     )
     assert lines[0].oncely_horizon_ms == consumer.horizon.total // timedelta(milliseconds=1)
     assert broker.acked == 1
+
+
+class _SyncInboxProcessor:
+    """A processor of one's own over a sync :class:`oncely.Inbox` (as the Django worker's)."""
+
+    def __init__(self, inbox: oncely.Inbox) -> None:
+        self.inbox = inbox
+        self.consumer = inbox.consumer
+
+    async def process(self, envelope: oncely.Envelope) -> oncely.Handled[Any]:
+        return self.inbox.handle_message(envelope, lambda payload: None)
+
+    def refuse(
+        self, reason: str, *, key: str | None = None, correlation_id: str | None = None
+    ) -> oncely.Handled[Any]:
+        return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
+
+
+async def test_r13_a_processors_sync_inbox_is_held_to_the_horizon_and_refuses_purge_every() -> None:
+    broker = MemoryBroker(extend_every=10 * SECOND)
+    broker.publish(b'{"order": 1}', message_id="order-1")
+    short = oncely.Inbox(
+        oncely.MemoryStore(), consumer="orders", retention=oncely.Retention(keep=HOUR)
+    )
+    with pytest.raises(RetentionTooShort, match=r"^retention 1h is below the redelivery"):
+        await BrokerConsumer(broker, _SyncInboxProcessor(short)).run()
+    assert broker.acked == 0 and broker.outstanding == 1
+    # The purge service runs in the event loop, on an async store: a sync inbox's store is
+    # purged by a process of its own, and asking for it here says so.
+    inbox = oncely.Inbox(oncely.MemoryStore(), consumer="orders")
+    settings = ConsumerSettings(purge_every=timedelta(minutes=1))
+    with pytest.raises(ConfigurationError, match=r"oncely inbox purge --every 1m"):
+        await BrokerConsumer(broker, _SyncInboxProcessor(inbox), settings=settings).run()
+    assert broker.acked == 0

@@ -26,6 +26,7 @@ from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, De
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.heartbeats import AsyncHeartbeats
+from oncely.inbox.sync_inbox import Inbox
 from oncely.keys import Envelope, KeySource, MessageIdKey
 from oncely.stores.async_protocols import AsyncKeepsOffsets, AsyncTransactionalStore
 from oncely.stores.async_purging import AsyncPurgeService
@@ -426,7 +427,7 @@ class BrokerConsumer:
     def _check_horizon(self) -> None:
         """Refuse an inbox that forgets records before the broker stops redelivering (R13)."""
         inbox = getattr(self.processor, "inbox", None)
-        if not isinstance(inbox, AsyncInbox):
+        if not isinstance(inbox, AsyncInbox | Inbox):
             return  # a processor of your own keeps its own records
         limits = self._limits()
         horizon = self.settings.horizon(limits)
@@ -458,6 +459,12 @@ class BrokerConsumer:
         inbox = getattr(self.processor, "inbox", None)  # a processor of your own has none
         if every is None or inbox is None:
             return None
+        if not isinstance(inbox, AsyncInbox):
+            raise ConfigurationError(
+                "purge_every runs the purge in the consumer's event loop and needs an async "
+                f"inbox; this processor's inbox is {type(inbox).__name__}: run the purge as "
+                "its own process instead (oncely inbox purge --every 1m)"
+            )
         return AsyncPurgeService(inbox.store, every=every)
 
     async def _open(self) -> None:

@@ -18,24 +18,32 @@ import json
 import logging
 import sys
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 import oncely
-from oncely.brokers import BrokerConsumer, ConsumerSettings, InboxProcessor, open_transport
+from oncely.brokers import (
+    BrokerConsumer,
+    ConsumerSettings,
+    InboxProcessor,
+    Processor,
+    open_transport,
+)
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._loading import load_attribute
 from oncely.cli._stores import store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
-from oncely.keys import KeyWarning, key_source
+from oncely.keys import KeySource, KeyWarning, key_source
 from oncely.wire import printable
 
-__all__ = ["consume"]
+__all__ = ["Consumption", "broker_options", "consume", "read_consumption", "run_consumer"]
 
 ENV_BROKER = "ONCELY_BROKER"
 
@@ -103,28 +111,192 @@ def _configure_logging(log_format: str, level: str) -> None:
     broker_log.propagate = False
 
 
-@click.command()
-@click.option(
-    "--broker",
-    "broker_url",
-    metavar="URL",
-    envvar=ENV_BROKER,
-    show_envvar=True,
-    required=True,
-    help=(
-        "amqp://user:pass@host/vhost, redis://host:6379/0, nats://host:4222, kafka://host:9092 "
-        "or sqs://REGION (sqs://host:port for a plain-HTTP endpoint)."
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _options(*options: Callable[[_F], _F]) -> Callable[[_F], _F]:
+    def apply(fn: _F) -> _F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
+broker_options = _options(
+    click.option(
+        "--broker",
+        "broker_url",
+        metavar="URL",
+        envvar=ENV_BROKER,
+        show_envvar=True,
+        required=True,
+        help=(
+            "amqp://user:pass@host/vhost, redis://host:6379/0, nats://host:4222, "
+            "kafka://host:9092 or sqs://REGION (sqs://host:port for a plain-HTTP endpoint)."
+        ),
+    ),
+    click.option(
+        "--source",
+        required=True,
+        metavar="NAME",
+        help="The queue (RabbitMQ), stream (Redis) or subject (NATS) to read.",
+    ),
+    click.option("--consumer", required=True, help="The consumer name that scopes records (R5)."),
+    click.option(
+        "--key",
+        "key_spec",
+        default="message-id",
+        show_default=True,
+        help="message-id, cloudevents, header:NAME, body:FIELD or correlation-id "
+        "(comma-separated: the first found).",
+    ),
+    click.option(
+        "--max-key-bytes",
+        type=click.IntRange(16, 4096),
+        default=512,
+        show_default=True,
+        help="Longest key accepted (UTF-8 bytes); longer ones are dead-lettered (or hashed).",
+    ),
+    click.option(
+        "--hash-long-keys",
+        is_flag=True,
+        help="Keep a key over --max-key-bytes as its SHA-256 instead of dead-lettering it.",
+    ),
+    click.option(
+        "--max-body-bytes",
+        type=click.IntRange(0),
+        metavar="N",
+        help="Dead-letter a body over N bytes without decoding it (default: no limit).",
+    ),
+    click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True),
+    click.option("--group", help="Consumer group / durable name (default: the consumer name)."),
+    click.option(
+        "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
+    ),
+    click.option(
+        "--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery."
+    ),
+    click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True),
+    click.option(
+        "--retention",
+        type=Duration(),
+        default="7d",
+        show_default=True,
+        help="How long records are kept; the consumer refuses to start when it is shorter "
+        "than its redelivery horizon (printed at start).",
+    ),
+    click.option(
+        "--resubmit-window",
+        type=Duration(),
+        default="1d",
+        show_default=True,
+        help="How long after dead-lettering an operator may send a message back; part of the "
+        "horizon.",
+    ),
+    click.option(
+        "--message-ttl",
+        type=Duration(),
+        default=None,
+        help="The longest a message may wait in the queue, when the broker cannot say (a "
+        "queue policy); part of the horizon.",
+    ),
+    click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True),
+    click.option(
+        "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+    ),
+    click.option(
+        "--log-level",
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        default="info",
+        show_default=True,
     ),
 )
-@click.option(
-    "--source",
-    required=True,
-    metavar="NAME",
-    help="The queue (RabbitMQ), stream (Redis) or subject (NATS) to read.",
-)
+"""The options of every consume command: the broker, the key, the limits, the horizon and
+the logs (``oncely consume`` and ``manage.py oncely consume`` add how the handler runs)."""
+
+
+@dataclass(frozen=True)
+class Consumption:
+    """What a consume command's :data:`broker_options` say, checked, for the processor."""
+
+    consumer: str
+    key: KeySource
+    limits: oncely.Limits
+    retention: oncely.Retention
+    logger: logging.Logger
+
+
+def read_consumption(options: Mapping[str, Any]) -> Consumption:
+    """The key source, limits and retention :data:`broker_options`' ``options`` name, or a
+    usage error; a key source that is a poor idempotency key is warned about on stderr."""
+    key_spec: str = options["key_spec"]
+    remember_secrets(options["broker_url"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KeyWarning)
+        try:
+            key = key_source(key_spec)
+        except ConfigurationError as exc:
+            raise CliError(f"--key: {exc}", USAGE) from None
+    for warning in caught:
+        click.echo(f"oncely consume: warning: --key {key_spec}: {warning.message}", err=True)
+    try:
+        keep = oncely.Retention(keep=options["retention"])
+    except ConfigurationError as exc:
+        raise CliError(f"--retention: {exc}", USAGE) from None
+    limits = oncely.Limits(
+        max_key_bytes=options["max_key_bytes"], hash_long_keys=options["hash_long_keys"]
+    )
+    # The consumer's one line per message carries the outcome; the inbox's own outcome line
+    # would repeat it, so only its other lines are shown.
+    quiet = logging.getLogger("oncely.cli.inbox")
+    quiet.addFilter(_NotOutcomes())
+    return Consumption(options["consumer"], key, limits, keep, quiet)
+
+
+def run_consumer(
+    consumption: Consumption,
+    options: Mapping[str, Any],
+    processor: Callable[[Consumption], AbstractAsyncContextManager[Processor]],
+    *,
+    batch: int | None = None,
+    purge_every: timedelta | None = None,
+) -> None:
+    """Run a consumer with :data:`broker_options`' ``options`` until SIGTERM or SIGINT,
+    ``processor`` yielding what runs each message (and closing it at the end)."""
+    _configure_logging(options["log_format"], options["log_level"])
+    transport = open_transport(
+        options["broker_url"],
+        options["source"],
+        group=options["group"] or consumption.consumer,
+        dead_letter=options["dead_letter"],
+        ack_wait=options["ack_wait"],
+    )
+    settings = ConsumerSettings(
+        concurrency=options["concurrency"],
+        batch=batch,
+        max_deliveries=options["max_deliveries"],
+        shutdown_grace=options["shutdown_grace"],
+        max_body_bytes=options["max_body_bytes"],
+        purge_every=purge_every,
+        resubmit_window=options["resubmit_window"],
+        message_ttl=options["message_ttl"],
+    )
+
+    async def run() -> None:
+        async with processor(consumption) as made:
+            runner = BrokerConsumer(transport, made, settings=settings)
+            await runner.run(handle_signals=True)
+        summary = ", ".join(f"{name}={n}" for name, n in sorted(runner.counts.items()))
+        logging.getLogger("oncely.broker").info("oncely consume stopped: %s", summary or "idle")
+
+    asyncio.run(run())
+
+
+@click.command()
+@broker_options
 @click.option("--handler", "handler_spec", required=True, metavar="MODULE:FUNCTION")
 @store_option
-@click.option("--consumer", required=True, help="The consumer name that scopes records (R5).")
 @click.option(
     "--mode",
     type=click.Choice(["two-phase", "transactional"]),
@@ -139,14 +311,6 @@ def _configure_logging(log_format: str, level: str) -> None:
     "transaction and start from it on assignment (the database says how far the consumer got).",
 )
 @click.option(
-    "--key",
-    "key_spec",
-    default="message-id",
-    show_default=True,
-    help="message-id, cloudevents, header:NAME, body:FIELD or correlation-id "
-    "(comma-separated: the first found).",
-)
-@click.option(
     "--payload",
     type=click.Choice(["body", "data"]),
     default="body",
@@ -154,25 +318,6 @@ def _configure_logging(log_format: str, level: str) -> None:
     help="What the handler gets: the decoded body, or a CloudEvent's data (its body in "
     "binary mode, its data field in structured mode).",
 )
-@click.option(
-    "--max-key-bytes",
-    type=click.IntRange(16, 4096),
-    default=512,
-    show_default=True,
-    help="Longest key accepted (UTF-8 bytes); longer ones are dead-lettered (or hashed).",
-)
-@click.option(
-    "--hash-long-keys",
-    is_flag=True,
-    help="Keep a key over --max-key-bytes as its SHA-256 instead of dead-lettering it.",
-)
-@click.option(
-    "--max-body-bytes",
-    type=click.IntRange(0),
-    metavar="N",
-    help="Dead-letter a body over N bytes without decoding it (default: no limit).",
-)
-@click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True)
 @click.option(
     "--batch",
     type=click.IntRange(1, 10_000),
@@ -182,35 +327,6 @@ def _configure_logging(log_format: str, level: str) -> None:
     "1: one message at a time (default: the broker's choice, 500 on Kafka, 10 on SQS, 1 "
     "elsewhere).",
 )
-@click.option("--group", help="Consumer group / durable name (default: the consumer name).")
-@click.option(
-    "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
-)
-@click.option("--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery.")
-@click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True)
-@click.option(
-    "--retention",
-    type=Duration(),
-    default="7d",
-    show_default=True,
-    help="How long records are kept; the consumer refuses to start when it is shorter than "
-    "its redelivery horizon (printed at start).",
-)
-@click.option(
-    "--resubmit-window",
-    type=Duration(),
-    default="1d",
-    show_default=True,
-    help="How long after dead-lettering an operator may send a message back; part of the horizon.",
-)
-@click.option(
-    "--message-ttl",
-    type=Duration(),
-    default=None,
-    help="The longest a message may wait in the queue, when the broker cannot say (a queue "
-    "policy); part of the horizon.",
-)
-@click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True)
 @click.option(
     "--purge-every",
     type=Duration(),
@@ -218,41 +334,15 @@ def _configure_logging(log_format: str, level: str) -> None:
     help="Also purge expired records every DURATION (e.g. 1m); one consumer of a fleet "
     "leads the purge of a table at a time.",
 )
-@click.option(
-    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
 def consume(
-    broker_url: str,
-    source: str,
     handler_spec: str,
     store_url: str,
-    consumer: str,
     mode: str,
     store_offsets: bool,
-    key_spec: str,
     payload: str,
-    max_key_bytes: int,
-    hash_long_keys: bool,
-    max_body_bytes: int | None,
-    concurrency: int,
     batch: int | None,
-    group: str | None,
-    dead_letter: str | None,
-    ack_wait: timedelta | None,
-    max_deliveries: int,
-    retention: timedelta,
-    resubmit_window: timedelta,
-    message_ttl: timedelta | None,
-    shutdown_grace: timedelta,
     purge_every: timedelta | None,
-    log_format: str,
-    log_level: str,
+    **options: Any,
 ) -> None:
     """Consume SOURCE from a broker, running HANDLER once per logical message.
 
@@ -268,60 +358,30 @@ def consume(
     The broker URL comes from --broker or $ONCELY_BROKER; the store URL from --store or
     $ONCELY_STORE.
     """
-    remember_secrets(broker_url)
+    consumption = read_consumption(options)
     remember_secrets(store_url)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", KeyWarning)
-        try:
-            key = key_source(key_spec)
-        except ConfigurationError as exc:
-            raise CliError(f"--key: {exc}", USAGE) from None
-    for warning in caught:
-        click.echo(f"oncely consume: warning: --key {key_spec}: {warning.message}", err=True)
     handler = load_handler(handler_spec)
-    _configure_logging(log_format, log_level)
-    transport = open_transport(
-        broker_url, source, group=group or consumer, dead_letter=dead_letter, ack_wait=ack_wait
-    )
-    settings = ConsumerSettings(
-        concurrency=concurrency,
-        batch=batch,
-        max_deliveries=max_deliveries,
-        shutdown_grace=shutdown_grace,
-        max_body_bytes=max_body_bytes,
-        purge_every=purge_every,
-        resubmit_window=resubmit_window,
-        message_ttl=message_ttl,
-    )
-    try:
-        keep = oncely.Retention(keep=retention)
-    except ConfigurationError as exc:
-        raise CliError(f"--retention: {exc}", USAGE) from None
-    limits = oncely.Limits(max_key_bytes=max_key_bytes, hash_long_keys=hash_long_keys)
 
-    async def run() -> None:
+    @asynccontextmanager
+    async def inbox_processor(run: Consumption) -> AsyncIterator[Processor]:
         store = oncely.open_async(store_url)
-        # The consumer's one line per message carries the outcome; the inbox's own outcome
-        # line would repeat it, so only its other lines are shown.
-        quiet = logging.getLogger("oncely.cli.inbox")
-        quiet.addFilter(_NotOutcomes())
         inbox = oncely.AsyncInbox(
-            store, consumer=consumer, logger=quiet, limits=limits, retention=keep
+            store,
+            consumer=run.consumer,
+            logger=run.logger,
+            limits=run.limits,
+            retention=run.retention,
         )
-        processor = InboxProcessor(
-            inbox,
-            handler,
-            mode="transactional" if mode == "transactional" else "two_phase",
-            key=key,
-            payload=event_data if payload == "data" else None,
-            store_offsets=store_offsets,
-        )
-        runner = BrokerConsumer(transport, processor, settings=settings)
         try:
-            await runner.run(handle_signals=True)
+            yield InboxProcessor(
+                inbox,
+                handler,
+                mode="transactional" if mode == "transactional" else "two_phase",
+                key=run.key,
+                payload=event_data if payload == "data" else None,
+                store_offsets=store_offsets,
+            )
         finally:
             await inbox.aclose()
-        summary = ", ".join(f"{name}={n}" for name, n in sorted(runner.counts.items()))
-        logging.getLogger("oncely.broker").info("oncely consume stopped: %s", summary or "idle")
 
-    asyncio.run(run())
+    run_consumer(consumption, options, inbox_processor, batch=batch, purge_every=purge_every)
