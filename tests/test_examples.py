@@ -164,3 +164,21 @@ def _on_rabbitmq(example: str, directory: Path) -> subprocess.CompletedProcess[s
     )
     assert done.returncode == 0, done.stderr
     return done
+
+
+@pytest.mark.services
+def test_r7_the_django_example_charges_once_and_refunds_once(tmp_path: Path) -> None:
+    """The Django project of ``examples/django_shop``: its worker (``manage.py oncely consume``
+    running ``orders/handlers.py``'s ``charge``) charges an order sent three times once and
+    dead-letters its id reused for another amount; ``refund``, called twice, goes through
+    ``handle_in_atomic`` and writes one row."""
+    pytest.importorskip("django")
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    done = _on_rabbitmq("django_shop/run.py", tmp_path)
+    assert done.stdout.splitlines() == [
+        "refund: processed, row 2",
+        "refund again: duplicate, row 2",
+        "dead-lettered: key reused for different content",
+        "charges: [('o-1', -42), ('o-1', 42)]",
+        "worker exit code: 0",
+    ], done.stdout

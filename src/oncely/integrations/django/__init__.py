@@ -40,12 +40,26 @@ in-memory SQLite database cannot be shared with the store: under the test runner
 ``DATABASES[...]["TEST"]["NAME"]`` a file name. SQLite: ``"OPTIONS": {"transaction_mode":
 "IMMEDIATE"}`` lets concurrent writers queue on the busy timeout instead of failing.
 
+**A broker worker.** ``manage.py oncely consume --broker URL --source QUEUE --handler
+app.module:function --consumer NAME`` (every option of ``oncely consume`` but ``--store``,
+which is the database) runs ``def function(payload)`` once per logical message, each in its
+own ``transaction.atomic()`` with its record (:func:`handle_message_in_atomic`), on
+``--concurrency`` threads, each with its own connection (closed and reopened as Django does
+around a request). A worker killed mid-handler leaves neither the rows nor the claim: the
+broker redelivers and the message runs again from the start. Failures are retried, then
+dead-lettered; what cannot be run (no key, an undecodable body, a reused key, a rejection)
+is dead-lettered with its reason. :class:`~oncely.integrations.django.consumer.AtomicProcessor`
+is the same thing for a :class:`oncely.brokers.BrokerConsumer` of your own.
+
 **Operating the inbox.** ``manage.py oncely inbox stats`` (``list``, ``show``, ``purge``,
 ``forget``) and ``manage.py oncely migrate`` are the ``oncely`` command on the project's
-database (``--database ALIAS`` before the command for another one).
+database (``--database ALIAS`` before the command for another one). Purge expired records
+with ``manage.py oncely inbox purge --every 1m`` as a process of its own.
 
 Tested with Django 5.2 on PostgreSQL 15, MariaDB 10.11 and SQLite, with Django's own test
-runner on each (``tests/integrations/test_django.py``).
+runner on each (``tests/integrations/test_django.py``); the worker with RabbitMQ on
+PostgreSQL, as its own process, ``SIGKILL`` included
+(``tests/integrations/test_django_consume.py``).
 """
 
 from __future__ import annotations

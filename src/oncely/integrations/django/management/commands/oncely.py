@@ -1,7 +1,8 @@
 """``python manage.py oncely``: oncely's command line on a database of ``settings.DATABASES``:
 ``oncely``'s own command with ``--store`` set to the database (``--database``, default
 ``default``): ``manage.py oncely inbox stats``, ``inbox list --consumer billing``,
-``inbox purge``, ``migrate``, ...
+``inbox purge``, ``migrate``, ...; and ``manage.py oncely consume --handler app.module:function``,
+a broker consumer whose handler's ORM writes commit with its record.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from oncely.integrations.django.databases import store_url
 
 class Command(BaseCommand):  # type: ignore[misc] # Django ships no type information
     help = (
-        "the oncely command (inbox stats, inbox list, inbox purge, migrate, ...) on the "
-        "project's database --database"
+        "the oncely command (consume, inbox stats, inbox list, inbox purge, migrate, ...) on "
+        "the project's database --database"
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -36,6 +37,7 @@ class Command(BaseCommand):  # type: ignore[misc] # Django ships no type informa
         except ConfigurationError as exc:
             raise CommandError(str(exc)) from None
         os.environ["ONCELY_STORE"] = url
-        from oncely.cli import main  # noqa: PLC0415 - click is needed only here
+        # click is needed only here
+        from oncely.integrations.django._command import django_cli  # noqa: PLC0415
 
-        main([what, *rest])
+        django_cli(database).main(args=[what, *rest], prog_name="manage.py oncely")
