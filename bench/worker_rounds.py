@@ -24,7 +24,14 @@ def rotating_rounds(
 
 
 def write_table(
-    med: dict[str, float], *, title: str, command: str, setup: str, out: Path, name: str
+    med: dict[str, float],
+    *,
+    title: str,
+    command: str,
+    setup: str,
+    out: Path,
+    name: str,
+    effect: str = "one Redis INCR",
 ) -> None:
     """Print the medians against ``by hand`` and write them to ``out/name``."""
     lines = [
@@ -33,7 +40,7 @@ def write_table(
         *(f"| {v} | {rate:,.0f} | {med['by hand'] / rate:.2f}x |" for v, rate in med.items()),
     ]
     text = (
-        f"# {title}\n\n`{command.strip()}`, {setup}; medians. The effect is one Redis INCR; "
+        f"# {title}\n\n`{command.strip()}`, {setup}; medians. The effect is {effect}; "
         "cost is by hand's rate over the variant's.\n\n" + "\n".join(lines) + "\n"
     )
     print("\n" + "\n".join(lines))

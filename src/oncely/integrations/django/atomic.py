@@ -116,18 +116,7 @@ def _joined(
     store = inbox.store
     alias = using or alias_of(store) or DEFAULT_DB_ALIAS
     connection = connections[alias]
-    if not connection.in_atomic_block:
-        with transaction.atomic(using=alias):
-            return _joined(inbox, handler, alias, through)
-    kind = kind_of(store, SYNC_KINDS, _NAME, _JOINS)
-    joined = cast("TransactionalStore[object]", store)
-    connection.ensure_connection()
-    driver = connection.connection
-    _check_driver(kind, driver, str(connection.vendor), alias)
-    expected = store_identity(joined, kind, inbox.consumer, driver)
-    joined.check_transaction(driver)
-    _check_database(store.url, expected, connection, driver)
-
+    own = not connection.in_atomic_block
     failures: list[Exception] = []
 
     def run(_tx: object, body: Any) -> R:
@@ -138,7 +127,15 @@ def _joined(
             raise
 
     try:
-        with transaction.atomic(using=alias):  # Django's savepoint around claim and handler
+        if own:
+            # The block is oncely's: a failing handler rolls all of it back, so the claim
+            # needs no savepoint of its own (two round trips fewer per message).
+            with transaction.atomic(using=alias):
+                return through(run, _driver(inbox, connection, alias), False)
+        # The caller's block: Django's savepoint around the claim and the handler, so a
+        # failure rolls back only them and the block stays usable.
+        driver = _driver(inbox, connection, alias)
+        with transaction.atomic(using=alias):
             return through(run, driver, False)
     except StoreError:
         raise
@@ -150,7 +147,25 @@ def _joined(
     def again(_tx: object, _body: Any) -> R:
         raise error
 
-    return through(again, driver, True)
+    if own:
+        with transaction.atomic(using=alias):
+            return through(again, _driver(inbox, connection, alias), True)
+    return through(again, _driver(inbox, connection, alias), True)
+
+
+def _driver(inbox: Inbox, connection: Any, alias: str) -> object:
+    """The DB-API connection behind Django's ``connection``, inside an atomic block, once
+    the store is checked to be of a kind that joins it, on its database."""
+    store = inbox.store
+    kind = kind_of(store, SYNC_KINDS, _NAME, _JOINS)
+    joined = cast("TransactionalStore[object]", store)
+    connection.ensure_connection()
+    driver = connection.connection
+    _check_driver(kind, driver, str(connection.vendor), alias)
+    expected = store_identity(joined, kind, inbox.consumer, driver)
+    joined.check_transaction(driver)
+    _check_database(store.url, expected, connection, driver)
+    return driver
 
 
 def _check_driver(kind: Kind, driver: object, vendor: str, alias: str) -> None:
