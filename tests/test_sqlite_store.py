@@ -23,7 +23,7 @@ def test_schema_is_created_on_first_use_with_wal(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         version = conn.execute("SELECT value FROM oncely_inbox_meta").fetchone()[0]
-    assert version == "1"
+    assert version == "2"
     store.close()
 
 
@@ -32,7 +32,7 @@ def test_missing_schema_is_a_clear_error_when_migration_is_off(tmp_path: Path) -
     with pytest.raises(oncely.SchemaMissing, match="oncely migrate") as missing:
         store.get("c", "k")
     assert f"table oncely_inbox in {tmp_path / 'o.db'}" in str(missing.value)
-    assert store.migrate() == 1
+    assert store.migrate() == 2
     assert store.get("c", "k") is None
     store.close()
 
@@ -162,7 +162,7 @@ def test_migrate_makes_a_dropped_inbox_table_again(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TABLE oncely_inbox")
     store = oncely.SQLiteStore(path)
-    assert store.migrate() == 1
+    assert store.migrate() == 2
     assert store.get("c", "k") is None
     store.close()
 
@@ -220,13 +220,13 @@ def test_migrate_rewrites_an_older_tables_status_check_in_place(
 
     if flavour == "sync":
         store = oncely.SQLiteStore(path)
-        assert store.migrate() == 1
+        assert store.migrate() == 2
         store.close()
     else:
 
         async def migrate() -> None:
             store = oncely.AsyncSQLiteStore(path)
-            assert await store.migrate() == 1
+            assert await store.migrate() == 2
             await store.aclose()
 
         asyncio.run(migrate())

@@ -28,9 +28,9 @@ def test_installed_executable_help_and_migrate(tmp_path: Path) -> None:
         check=False,
     )  # fmt: skip
     assert migrated.returncode == 0, migrated.stderr
-    assert migrated.stdout.strip() == f"schema version 1 ready in {url_of(path)}"
+    assert migrated.stdout.strip() == f"schema version 2 ready in {url_of(path)}"
     meta = rows(path, "SELECT name, value FROM oncely_inbox_meta ORDER BY name")
-    assert meta == [("revision", "2"), ("schema_version", "1")]
+    assert meta == [("revision", "3"), ("schema_version", "2")]
     stats = subprocess.run(
         [str(EXECUTABLE), "inbox", "stats", "--json"], capture_output=True, text=True, env=env,
         timeout=60, check=False,

@@ -54,9 +54,9 @@ def test_migrate_creates_the_schema_and_is_repeatable(tmp_path: Path) -> None:
     path = tmp_path / "fresh.db"
     first = run("migrate", "--store", url_of(path))
     assert first.exit_code == 0, first.stderr
-    assert "schema version 1 ready" in first.stdout
+    assert "schema version 2 ready" in first.stdout
     assert rows(path, "SELECT value FROM oncely_inbox_meta WHERE name = 'schema_version'") == [
-        ("1",)
+        ("2",)
     ]
     second = run("migrate", "--store", url_of(path))
     assert second.exit_code == 0

@@ -22,6 +22,7 @@ import psycopg
 import pytest
 
 import oncely
+from oncely.stores._compact import unpack_fingerprint, unpack_token
 from oncely.stores._sql import purge_bucket
 from oncely.stores.mysql import MySQLStore
 from oncely.stores.postgres import PostgresStore
@@ -50,7 +51,21 @@ class Raw:
         if index:
             self.run(f"DROP INDEX {index}", ())
         self.run(f"ALTER TABLE {self.t} DROP COLUMN purge_ms", ())
+        self.to_version_1()
         self.run(f"DELETE FROM {self.meta} WHERE name = 'revision'", ())
+
+    def to_version_1(self) -> None:
+        """Schema version 1 (revision 2), as an older oncely left it: every token and
+        fingerprint as its text (the SQLite and MariaDB stores keep bytes since version 2)."""
+        rows = self.run(f"SELECT consumer, {self.key}, token, fingerprint FROM {self.t}", ())
+        for consumer, key, token, fingerprint in rows:
+            self.run(
+                f"UPDATE {self.t} SET token = %s, fingerprint = %s "
+                f"WHERE consumer = %s AND {self.key} = %s",
+                (unpack_token(token), unpack_fingerprint(fingerprint), consumer, key),
+            )
+        self.run(f"UPDATE {self.meta} SET value = '1' WHERE name = 'schema_version'", ())
+        self.run(f"UPDATE {self.meta} SET value = '2' WHERE name = 'revision'", ())
 
     def insert_as_older_oncely(self, key: str, expires_ms: int) -> None:
         self.run(
@@ -115,6 +130,26 @@ def _mysql(scope: Scope) -> tuple[Opener, Raw, str]:
         def to_revision_1(self, index: str) -> None:
             self.run(f"ALTER TABLE {self.t} DROP INDEX {index}", ())
             super().to_revision_1("")
+
+        def to_version_1(self) -> None:
+            """Also the purge index of revision 2: the minute alone."""
+            index = f"`{t}_purge`"
+            if self.purge_index():
+                self.run(
+                    f"ALTER TABLE {self.t} DROP INDEX {index}, ADD INDEX {index} (purge_ms)", ()
+                )
+            super().to_version_1()
+
+        def purge_index(self) -> list[str]:
+            return [
+                str(c)
+                for (c,) in self.run(
+                    "SELECT column_name FROM information_schema.statistics WHERE "
+                    "table_schema = DATABASE() AND table_name = %s AND index_name = %s "
+                    "ORDER BY seq_in_index",
+                    (t, f"{t}_purge"),
+                )
+            ]
 
     return store, MySQLRaw(run, f"`{t}`", f"`{t}_meta`"), f"`{t}_purge`"
 

@@ -24,8 +24,10 @@ class _Versioned(Protocol):
 def migrate(store_url: str) -> None:
     """Create or upgrade the dedup tables, then print the schema version.
 
-    Safe to run repeatedly and while consumers are running. A schema written by a newer oncely
-    is left alone and reported (exit 4): upgrade oncely instead.
+    Safe to run repeatedly and while consumers are running; an upgrade to a new schema
+    version (SQLite and MariaDB/MySQL: 1 to 2) needs the workers of the older oncely stopped
+    first, which refuse the upgraded tables. A schema written by a newer oncely is left alone
+    and reported (exit 4): upgrade oncely instead.
     """
     with opened(store_url, create=True) as store:
         shown = oncely.redact(store_url)

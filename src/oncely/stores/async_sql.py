@@ -131,7 +131,14 @@ class SQLStoreBase(Generic[Q]):
     _SCHEMA_REVISION: ClassVar[int] = 1
     """Additive changes within a version (a column with a default, an index): an older oncely
     reads and writes a table of a higher revision unchanged, so it does not look at the
-    revision; this oncely needs at least its own (:meth:`_upgrade_needed`)."""
+    revision; this oncely needs at least its own (:meth:`_upgrade_needed`). A revision that
+    comes with a new version is the version's migration (an older oncely refuses the table)."""
+
+    _REVISION_NOTE: ClassVar[str] = (
+        "the purge index; the migration is online, and workers of the older oncely keep "
+        "working on it"
+    )
+    """What the migration to ``_SCHEMA_REVISION`` brings, for :class:`~oncely.SchemaOutdated`."""
 
     _dialect: Statements[Q]
     _offset_sql: OffsetSQL[Q]
@@ -218,8 +225,7 @@ class SQLStoreBase(Generic[Q]):
             return True
         raise SchemaOutdated(
             f"the {self._place} is at schema revision {revision}; this oncely needs "
-            f"{self._SCHEMA_REVISION} (the purge index): run `oncely migrate --store URL`. "
-            "The migration is online, and workers of the older oncely keep working on it"
+            f"{self._SCHEMA_REVISION}: run `oncely migrate --store URL` ({self._REVISION_NOTE})"
         )
 
     async def _prepare(self) -> None:

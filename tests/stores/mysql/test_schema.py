@@ -41,7 +41,7 @@ def test_the_table_is_innodb_with_varbinary_keys(store: MySQLStore, table: str) 
     assert columns["consumer"] == "varbinary(800)"
     assert columns["key"] == f"varbinary({MAX_KEY_BYTES})"
     assert columns["created_ms"] == "bigint(20)" and columns["result"] == "longblob"
-    assert sql(f"SELECT value FROM `{table}_meta` WHERE name = 'schema_version'") == [("1",)]
+    assert sql(f"SELECT value FROM `{table}_meta` WHERE name = 'schema_version'") == [("2",)]
 
 
 def test_missing_tables_are_a_clear_error_when_migration_is_off(table: str) -> None:
@@ -50,7 +50,7 @@ def test_missing_tables_are_a_clear_error_when_migration_is_off(table: str) -> N
         with pytest.raises(SchemaMissing, match="oncely migrate"):
             store.get("c", "k")
         assert store.schema_version() is None
-        assert store.migrate() == 1 and store.schema_version() == 1
+        assert store.migrate() == 2 and store.schema_version() == 2
         assert store.get("c", "k") is None
     finally:
         store.close()
@@ -86,9 +86,9 @@ def test_migrations_racing_in_threads_all_succeed(table: str) -> None:
     runs = [_in_thread(lambda s=s: migrate(s)) for s in stores]  # type: ignore[misc]
     for thread, _ in runs:
         thread.join(30)
-    assert [out.get("value", out.get("error")) for _, out in runs] == [1] * len(stores)
+    assert [out.get("value", out.get("error")) for _, out in runs] == [2] * len(stores)
     meta = sql(f"SELECT name, value FROM `{table}_meta` ORDER BY name")
-    assert [tuple(row) for row in meta] == [("revision", "2"), ("schema_version", "1")]
+    assert [tuple(row) for row in meta] == [("revision", "3"), ("schema_version", "2")]
     for store in stores:
         store.close()
 

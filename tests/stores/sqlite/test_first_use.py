@@ -207,7 +207,7 @@ def test_r8_r12_a_fleet_cold_starting_on_an_application_file_has_no_spurious_out
         assert _journal_mode(path) == "wal"
         assert _rows(path, "SELECT key, status FROM oncely_inbox ORDER BY key") == keys
         meta = _rows(path, "SELECT name, value FROM oncely_inbox_meta ORDER BY name")
-        assert meta == [("revision", "2"), ("schema_version", "1")]
+        assert meta == [("revision", "3"), ("schema_version", "2")]
         assert _rows(path, "SELECT count(*) FROM app WHERE x < 0") == [(WORKERS * APP_WRITES,)]
         if mode == "transactional":
             written = _rows(path, "SELECT x FROM app WHERE x >= 0 ORDER BY x")
@@ -423,7 +423,7 @@ def test_r7_r12_first_use_in_the_callers_transaction_without_tables_is_schema_mi
     assert _rows(path, "SELECT name FROM sqlite_master WHERE name LIKE 'oncely%'") == []
 
     store = oncely.SQLiteStore(path)
-    assert store.migrate() == 1
+    assert store.migrate() == 2
     store.close()
     assert _journal_mode(path) == "wal"
     result, still_open, kept = _joined(path, flavour, migrate=migrate)

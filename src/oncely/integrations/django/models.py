@@ -12,18 +12,30 @@ them; ``result`` holds the stored result's encoded bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.db import models
 
 from oncely.integrations.django.databases import inbox_table
+from oncely.stores._compact import unpack_fingerprint, unpack_token
+
+_UNPACK: dict[str, Callable[[Any], str | None]] = {
+    "token": unpack_token,
+    "fingerprint": unpack_fingerprint,
+}
+"""The columns SQLite and MariaDB/MySQL keep in a compact form (:mod:`oncely.stores._compact`)."""
 
 
 class _Text(models.TextField):  # type: ignore[misc] # Django ships no type information
     """Text that MariaDB/MySQL keep as ``VARBINARY`` (the key and consumer compare byte for
-    byte): read back as ``str`` on every database."""
+    byte), and the token and fingerprint that SQLite and MariaDB/MySQL keep as bytes: read
+    back as ``str`` on every database."""
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        unpack = _UNPACK.get(self.name)
+        if unpack is not None and value is not None:
+            return unpack(bytes(value) if isinstance(value, bytearray | memoryview) else value)
         if isinstance(value, bytes | bytearray | memoryview):
             return bytes(value).decode("utf-8", "replace")
         return value

@@ -64,6 +64,7 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
+from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.async_protocols import complete_each
@@ -80,6 +81,7 @@ from oncely.stores.mysql.async_io import (
 from oncely.stores.mysql.async_tx import _Transaction
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
+    REVISION_NOTE,
     SCHEMA_REVISION,
     SCHEMA_VERSION,
     WIDTH,
@@ -154,6 +156,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
 
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
+    _REVISION_NOTE = REVISION_NOTE
     _dialect: MySQLDialect
 
     # ------------------------------------------------------------ construction and connections
@@ -325,12 +328,18 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         try:
             for statement in d.create:
                 await execute(conn, statement)
-            # Revision 2 on a table an older oncely created (online, see the dialect).
+            # Revisions 2 and 3 on a table an older oncely created (online, see the dialect).
             found = await fetchall(conn, d.columns, {"table": d.table})
             if not found:
                 await execute(conn, d.add_purge_column)
-            if not any(index for _, index in found):
+            indexed = [str(c).lower() for (c,) in await fetchall(
+                conn, d.purge_index_columns, {"table": d.table}
+            )]  # fmt: skip
+            if not indexed:
                 await execute(conn, d.add_purge_index)
+            elif indexed != ["purge_ms", "created_ms"]:
+                await execute(conn, d.rebuild_purge_index)
+            await execute(conn, d.set_version)  # revision 3: rows keep their text forms
             await execute(conn, d.set_revision)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "creating the tables") from exc
@@ -404,7 +413,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         # minute's expired rows; past where the last batch ended (see purge_candidates). The
         # rows left behind their expiry are moved to its minute, past this run's range.
         if cursor:
-            params["p"], params["c"], params["k"] = cursor
+            params["p"], params["t"], params["c"], params["k"] = cursor
         rows = await fetchall(conn, d.purge_candidates(ended=True, after=bool(cursor)), params)
         if len(rows) < limit:
             params["limit"] = limit - len(rows)
@@ -413,9 +422,9 @@ class AsyncMySQLStore(SQLStoreBase[str]):
             )
         if not rows:
             return 0, 0, None
-        deleted = await self._purge_found(conn, [(c, k) for c, k, _ in rows], now, move=True)
+        deleted = await self._purge_found(conn, [(c, k) for c, k, _, _ in rows], now, move=True)
         last = rows[-1]
-        return len(rows), deleted, ("index", last[2], last[0], last[1])
+        return len(rows), deleted, ("index", last[2], last[3], last[0], last[1])
 
     async def _purge_found(
         self, conn: Connection, keys: list[tuple[Any, Any]], now: int | None, *, move: bool
@@ -764,7 +773,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
         params = who(consumer, key)
-        params.update(token=token.encode("utf-8"), result=result)
+        params.update(token=pack_token(token), result=result)
         await self._joined(tx, self._dialect.set_result, "storing the result", params)
 
     async def save_offset_in(

@@ -34,18 +34,20 @@ given a clock binds ``%(now)s`` instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from oncely._core.records import Record, Status
 from oncely._core.state import ClaimEvent
 from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
+from oncely.stores._compact import pack_fingerprint, pack_token, unpack_fingerprint, unpack_token
 from oncely.stores._sql import SMALL, STATUS, bucket_sql, check_identifier
 
 __all__ = [
     "MAX_CONSUMER_BYTES",
     "MAX_KEY_BYTES",
     "MAX_TOKEN_BYTES",
+    "REVISION_NOTE",
     "SCHEMA_REVISION",
     "SCHEMA_VERSION",
     "SERVER_NOW",
@@ -60,9 +62,16 @@ __all__ = [
     "write_params",
 ]
 
-SCHEMA_VERSION: Final = 1
-SCHEMA_REVISION: Final = 2
-"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`)."""
+SCHEMA_VERSION: Final = 2
+"""2: tokens and fingerprints kept as bytes (:mod:`oncely.stores._compact`). An oncely that
+knows only version 1 would take a repeat for a key conflict, so it refuses the table."""
+SCHEMA_REVISION: Final = 3
+"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`);
+3: schema version 2, and the purge index ordered by the claim's time within a minute."""
+REVISION_NOTE: Final = (
+    "the purge index, tokens and fingerprints kept as bytes; workers of an oncely older than "
+    "schema version 2 refuse the migrated table, so stop them first"
+)
 MAX_CONSUMER_BYTES: Final = 800
 MAX_KEY_BYTES: Final = 2048
 MAX_TOKEN_BYTES: Final = 255  # tokens and fingerprints
@@ -103,8 +112,29 @@ def utf8(text: str, what: str, limit: int | None = None) -> bytes:
     return data
 
 
+def _packed(text: str, what: str, pack: Callable[[str], bytes | None]) -> bytes:
+    """A token or fingerprint in its stored form (:mod:`oncely.stores._compact`), refused
+    as :func:`utf8` refuses text."""
+    try:
+        data = pack(text)
+    except UnicodeEncodeError:
+        raise InvalidKey(
+            f"a {what} must be valid Unicode text; this one holds a lone surrogate"
+        ) from None
+    assert data is not None
+    if len(data) > MAX_TOKEN_BYTES:
+        raise StoreError(
+            f"the {what} is {len(data)} bytes, over this store's column of {MAX_TOKEN_BYTES}"
+        )
+    return data
+
+
 def _fingerprint(text: str | None) -> bytes | None:
-    return None if text is None else utf8(text, "fingerprint", MAX_TOKEN_BYTES)
+    return None if text is None else _packed(text, "fingerprint", pack_fingerprint)
+
+
+def _token(text: str) -> bytes:
+    return _packed(text, "token", pack_token)
 
 
 def who(consumer: str, key: str) -> dict[str, Any]:
@@ -119,7 +149,7 @@ def claim_params(ev: ClaimEvent) -> dict[str, Any]:
         "key": utf8(ev.key, "key", MAX_KEY_BYTES),
         "status": ev.initial.value,
         "fingerprint": _fingerprint(ev.fingerprint),
-        "token": utf8(ev.token, "token", MAX_TOKEN_BYTES),
+        "token": _token(ev.token),
         "lease": ev.lease_ms if ev.initial is Status.IN_PROGRESS else 0,
         "span": max(ev.keep_ms, ev.lease_ms),
         "error": ev.error,
@@ -129,11 +159,13 @@ def claim_params(ev: ClaimEvent) -> dict[str, Any]:
 
 def write_params(names: dict[str, Any], seen: Record, new: Record | None) -> dict[str, Any]:
     """The parameters of :attr:`MySQLDialect.write` (or, without ``new``, of
-    :attr:`MySQLDialect.delete`): the row ``names`` names, only while it is ``seen``."""
+    :attr:`MySQLDialect.delete`): the row ``names`` names, only while it is ``seen`` (its
+    token in either stored form: a row written before schema version 2 holds its text)."""
     values: dict[str, Any] = {
         "consumer": names["consumer"],
         "key": names["key"],
-        "token": seen.token.encode("utf-8"),
+        "token": _token(seen.token),
+        "token_text": seen.token.encode("utf-8"),
         "status": seen.status.value,
         "updated": seen.updated_ms,
         "lease_until": seen.lease_until_ms,
@@ -143,7 +175,7 @@ def write_params(names: dict[str, Any], seen: Record, new: Record | None) -> dic
         values.update(
             n_status=new.status.value,
             n_fingerprint=_fingerprint(new.fingerprint),
-            n_token=utf8(new.token, "token", MAX_TOKEN_BYTES),
+            n_token=_token(new.token),
             n_attempt=new.attempt,
             n_created=new.created_ms,
             n_updated=new.updated_ms,
@@ -175,7 +207,7 @@ def batch_rows(events: Sequence[ClaimEvent]) -> tuple[dict[str, int], list[Batch
                 key,
                 utf8(key, "key", MAX_KEY_BYTES),
                 _fingerprint(ev.fingerprint),
-                utf8(ev.token, "token", MAX_TOKEN_BYTES),
+                _token(ev.token),
             )
         )
     rows.sort(key=_by_bytes)
@@ -192,13 +224,9 @@ def _hex(value: bytes | None) -> str:
     return "NULL" if value is None else f"X'{value.hex()}'"
 
 
-def _text(value: bytes | None) -> str | None:
-    return None if value is None else bytes(value).decode("utf-8")
-
-
 def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
     """A record from a row that starts with ``_COLUMNS`` (the packed status and numbers, then
-    the fingerprint and token as UTF-8 bytes, the result, the error)."""
+    the fingerprint and token in their stored form, the result, the error)."""
     packed = row[0]
     if not isinstance(packed, str):
         packed = bytes(packed).decode("ascii")
@@ -208,8 +236,8 @@ def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
         consumer=consumer,
         key=key,
         status=STATUS[status],
-        fingerprint=_text(row[1]),
-        token=bytes(row[2]).decode("utf-8"),
+        fingerprint=unpack_fingerprint(row[1]),
+        token=unpack_token(row[2]),
         attempt=int(attempt),
         created_ms=int(created),
         updated_ms=int(updated),
@@ -245,13 +273,16 @@ class MySQLDialect:
         "next_consumer",
         "now",
         "purge_high",
+        "purge_index_columns",
         "purge_low",
         "purge_share",
         "read",
         "read_locked",
         "read_version",
+        "rebuild_purge_index",
         "set_result",
         "set_revision",
+        "set_version",
         "stats",
         "table",
         "write",
@@ -278,7 +309,7 @@ class MySQLDialect:
                 error MEDIUMTEXT NULL,
                 purge_ms BIGINT NOT NULL DEFAULT 0,
                 PRIMARY KEY (consumer, `key`),
-                KEY `{t}_purge` (purge_ms)
+                KEY `{t}_purge` (purge_ms, created_ms)
             ) ENGINE=InnoDB ROW_FORMAT=DYNAMIC DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
             f"""CREATE TABLE IF NOT EXISTS `{m}` (
                 name VARCHAR(64) NOT NULL PRIMARY KEY,
@@ -305,11 +336,32 @@ class MySQLDialect:
             f"ALTER TABLE `{t}` ADD COLUMN purge_ms BIGINT NOT NULL DEFAULT 0, ALGORITHM=INSTANT"
         )
         self.add_purge_index = (
-            f"ALTER TABLE `{t}` ADD INDEX `{t}_purge` (purge_ms), ALGORITHM=INPLACE, LOCK=NONE"
+            f"ALTER TABLE `{t}` ADD INDEX `{t}_purge` (purge_ms, created_ms), "
+            "ALGORITHM=INPLACE, LOCK=NONE"
+        )
+        # Revision 3 also orders each minute of the purge index by the claim's time: a live
+        # inbox then writes the index at its end, and InnoDB fills those pages (split at the
+        # insert point) instead of leaving them half empty (split in the middle, as entries of
+        # one minute ordered by key arrive in random order): 66 bytes an entry instead of
+        # 116, measured at 10^6 records loaded in time order. created_ms changes with
+        # purge_ms or not at all, so no write touches the index more often than before.
+        self.purge_index_columns = (
+            "SELECT column_name FROM information_schema.statistics "
+            "WHERE table_schema = DATABASE() AND table_name = %(table)s "
+            f"AND index_name = '{t}_purge' ORDER BY seq_in_index"
+        )
+        self.rebuild_purge_index = (
+            f"ALTER TABLE `{t}` DROP INDEX `{t}_purge`, "
+            f"ADD INDEX `{t}_purge` (purge_ms, created_ms), ALGORITHM=INPLACE, LOCK=NONE"
         )
         self.set_revision = (
             f"INSERT INTO `{m}` (name, value) VALUES ('revision', '{SCHEMA_REVISION}') "
             "ON DUPLICATE KEY UPDATE value = VALUES(value)"
+        )
+        # Revision 3: the version row of a table created at version 1 (its rows keep their
+        # text tokens and fingerprints, which every statement still matches).
+        self.set_version = (
+            f"UPDATE `{m}` SET value = '{SCHEMA_VERSION}' WHERE name = 'schema_version'"
         )
         # Not INSERT IGNORE: IGNORE also turns a too-long value or a bad status into a warning
         # and stores a truncated key. The duplicate branch adds 0 and changes nothing.
@@ -328,7 +380,8 @@ class MySQLDialect:
         # row's exclusive lock, so it never waits.
         self.read_locked = f"{self.read} FOR UPDATE"
         seen = (
-            "token = %(token)s AND status = %(status)s AND updated_ms = %(updated)s "
+            "token IN (%(token)s, %(token_text)s) AND status = %(status)s "
+            "AND updated_ms = %(updated)s "
             "AND lease_until_ms = %(lease_until)s AND expires_ms = %(expires)s"
         )
         # Compare-and-set on the version read: every write changes the token, the status or
@@ -434,8 +487,9 @@ class MySQLDialect:
         )
 
     def purge_candidates(self, *, ended: bool, after: bool) -> str:
-        """Up to ``%(limit)s`` rows of the purge index in its order (the minute, then the
-        primary key, which InnoDB keeps in every secondary index), each with its minute.
+        """Up to ``%(limit)s`` rows of the purge index in its order (the minute, the claim's
+        time, then the primary key, which InnoDB keeps in every secondary index), each with
+        its minute and time.
 
         ``ended``: the rows of minutes that ended (expired, or behind an expiry that moved
         later), read off the index alone: no row is read, so the cost is the index entries
@@ -443,8 +497,8 @@ class MySQLDialect:
         a 10^6-row table for 10^5 candidates: 5,000-7,000 rows/s). Otherwise the current
         minute's rows that expired, which are read (a minute of traffic at most).
 
-        With ``after``, only rows past ``(%(p)s, %(c)s, %(k)s)``, where the previous batch
-        ended: the entries before it are rows that batch deleted, which InnoDB keeps
+        With ``after``, only rows past ``(%(p)s, %(t)s, %(c)s, %(k)s)``, where the previous
+        batch ended: the entries before it are rows that batch deleted, which InnoDB keeps
         delete-marked in the index until its purge thread removes them, and a batch that
         started from the index's start would step over all of them again."""
         now, current = self.now, bucket_sql(self.now, "DIV")
@@ -452,14 +506,16 @@ class MySQLDialect:
             f"purge_ms < {current}" if ended else (f"purge_ms = {current} AND expires_ms <= {now}")
         )
         cursor = (
-            " AND (purge_ms > %(p)s OR (purge_ms = %(p)s AND (consumer > %(c)s OR "
-            "(consumer = %(c)s AND `key` > %(k)s))))"
+            " AND (purge_ms > %(p)s OR (purge_ms = %(p)s AND (created_ms > %(t)s OR "
+            "(created_ms = %(t)s AND (consumer > %(c)s OR "
+            "(consumer = %(c)s AND `key` > %(k)s))))))"
             if after
             else ""
         )
         return (
-            f"SELECT consumer, `key`, purge_ms FROM `{self.table}` WHERE {where}{cursor} "
-            "ORDER BY purge_ms, consumer, `key` LIMIT %(limit)s"
+            f"SELECT consumer, `key`, purge_ms, created_ms FROM `{self.table}` "
+            f"WHERE {where}{cursor} "
+            "ORDER BY purge_ms, created_ms, consumer, `key` LIMIT %(limit)s"
         )
 
     def purge_sweep(self, after: bool) -> str:

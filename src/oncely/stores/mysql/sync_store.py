@@ -66,10 +66,12 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
+from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
+    REVISION_NOTE,
     SCHEMA_REVISION,
     SCHEMA_VERSION,
     WIDTH,
@@ -156,6 +158,7 @@ class MySQLStore(SQLStoreBase[str]):
 
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
+    _REVISION_NOTE = REVISION_NOTE
     _dialect: MySQLDialect
 
     # ------------------------------------------------------------ construction and connections
@@ -327,12 +330,18 @@ class MySQLStore(SQLStoreBase[str]):
         try:
             for statement in d.create:
                 execute(conn, statement)
-            # Revision 2 on a table an older oncely created (online, see the dialect).
+            # Revisions 2 and 3 on a table an older oncely created (online, see the dialect).
             found = fetchall(conn, d.columns, {"table": d.table})
             if not found:
                 execute(conn, d.add_purge_column)
-            if not any(index for _, index in found):
+            indexed = [str(c).lower() for (c,) in fetchall(
+                conn, d.purge_index_columns, {"table": d.table}
+            )]  # fmt: skip
+            if not indexed:
                 execute(conn, d.add_purge_index)
+            elif indexed != ["purge_ms", "created_ms"]:
+                execute(conn, d.rebuild_purge_index)
+            execute(conn, d.set_version)  # revision 3: rows keep their text forms
             execute(conn, d.set_revision)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "creating the tables") from exc
@@ -406,16 +415,16 @@ class MySQLStore(SQLStoreBase[str]):
         # minute's expired rows; past where the last batch ended (see purge_candidates). The
         # rows left behind their expiry are moved to its minute, past this run's range.
         if cursor:
-            params["p"], params["c"], params["k"] = cursor
+            params["p"], params["t"], params["c"], params["k"] = cursor
         rows = fetchall(conn, d.purge_candidates(ended=True, after=bool(cursor)), params)
         if len(rows) < limit:
             params["limit"] = limit - len(rows)
             rows += fetchall(conn, d.purge_candidates(ended=False, after=bool(cursor)), params)
         if not rows:
             return 0, 0, None
-        deleted = self._purge_found(conn, [(c, k) for c, k, _ in rows], now, move=True)
+        deleted = self._purge_found(conn, [(c, k) for c, k, _, _ in rows], now, move=True)
         last = rows[-1]
-        return len(rows), deleted, ("index", last[2], last[0], last[1])
+        return len(rows), deleted, ("index", last[2], last[3], last[0], last[1])
 
     def _purge_found(
         self, conn: Connection, keys: list[tuple[Any, Any]], now: int | None, *, move: bool
@@ -752,7 +761,7 @@ class MySQLStore(SQLStoreBase[str]):
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
         params = who(consumer, key)
-        params.update(token=token.encode("utf-8"), result=result)
+        params.update(token=pack_token(token), result=result)
         self._joined(tx, self._dialect.set_result, "storing the result", params)
 
     def save_offset_in(

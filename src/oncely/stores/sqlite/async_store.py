@@ -63,6 +63,7 @@ from oncely._core.records import (
 from oncely._core.state import Lost, claimable
 from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
+from oncely.stores._compact import pack_fingerprint, pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
 from oncely.stores.async_sql import Position, SQLStoreBase
@@ -71,6 +72,7 @@ from oncely.stores.sqlite.async_tx import _Transaction
 from oncely.stores.sqlite.dialect import (
     ENDED_COUNTED,
     OLD_STATUS_CHECK,
+    REVISION_NOTE,
     SCHEMA_REVISION,
     SCHEMA_VERSION,
     SQLiteDialect,
@@ -116,6 +118,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
 
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
+    _REVISION_NOTE = REVISION_NOTE
     _dialect: SQLiteDialect
     _now: Callable[[], int]  # SQLite has no clock of its own: always the store's
 
@@ -315,6 +318,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             if ("purge_ms",) not in await fetchall(conn, d.columns):
                 await fetchall(conn, d.add_purge_column)
             await fetchall(conn, d.create_purge_index)
+            await fetchall(conn, d.set_version)  # revision 3: rows keep their text forms
             await fetchall(conn, d.set_revision)
             await fetchall(conn, "COMMIT")
         except BaseException:
@@ -362,8 +366,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         if version is not None and revision < self._SCHEMA_REVISION:
             raise SchemaOutdated(
                 f"the {self._place} is at schema revision {revision}; this oncely needs "
-                f"{self._SCHEMA_REVISION} (the purge index), and does not migrate inside your "
-                "open transaction: run `oncely migrate --store URL` first"
+                f"{self._SCHEMA_REVISION} ({self._REVISION_NOTE}), and does not migrate inside "
+                "your open transaction: run `oncely migrate --store URL` first"
             )
         if self._memory or str(mode).lower() == "wal":
             self._ready = True
@@ -553,13 +557,16 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
         expires = now + (keep_ms if keep_ms >= lease_ms else lease_ms)
         status = initial._value_  # plain text: sqlite3 adapts an enum member slowly
+        packed_fingerprint = pack_fingerprint(fingerprint)
+        packed_token = pack_token(token)
         try:
             before = conn.total_changes
             await self._pool.execute(
                 conn,
                 self._dialect.insert,
-                (consumer, key, status, fingerprint, token, now, lease_until, expires, error),
-            )
+                (consumer, key, status, packed_fingerprint, packed_token, now, lease_until,
+                 expires, error),
+            )  # fmt: skip
         except sqlite3.Error as exc:
             raise translate(exc, "claim") from exc
         if conn.total_changes != before:
@@ -572,8 +579,9 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             "consumer": consumer,
             "key": key,
             "status": status,
-            "fingerprint": fingerprint,
-            "token": token,
+            "fingerprint": packed_fingerprint,
+            "fingerprint_text": fingerprint,
+            "token": packed_token,
             "now": now,
             "lease_until": lease_until,
             "expires": expires,
@@ -614,8 +622,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
                     await self._pool.execute(
                         conn,
                         dialect.insert,
-                        (consumer, key, params["status"], fingerprint, token, now, lease_until,
-                         expires, error),
+                        (consumer, key, params["status"], params["fingerprint"],
+                         params["token"], now, lease_until, expires, error),
                     )  # fmt: skip
                     if conn.total_changes != before:
                         record = new_record(
@@ -629,7 +637,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
                 current = parse_record(consumer, key, rows[0])
                 if not claimable(current, now, fingerprint, takeover):
                     return new_claim(ClaimStatus.EXISTING, current, now)
-                params["seen"] = current.token
+                params["seen"] = pack_token(current.token)
+                params["seen_text"] = current.token
                 params["takeover"] = takeover
                 rows = await self._pool.fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
@@ -657,9 +666,11 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             params: dict[str, object] = {
                 "consumer": consumer,
                 "key": key,
-                "token": expected_token,
-                "new_token": token,
-                "fingerprint": fingerprint,
+                "token": pack_token(expected_token),
+                "token_text": expected_token,
+                "new_token": pack_token(token),
+                "fingerprint": pack_fingerprint(fingerprint),
+                "fingerprint_text": fingerprint,
                 "now": now,
                 "lease_until": now + lease_ms,
                 "expires": now + max(keep_ms, lease_ms),
@@ -691,7 +702,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         :class:`~oncely.LeaseLost` with the current record. A repeat of a write that already
         landed (same token, status ``done``) returns the record unchanged. With ``bucket``
         (a completion's), the statement returns purge_ms last: one above it is lowered."""
-        params = {"consumer": consumer, "key": key, "token": token, "now": now, **values}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
+        params.update(values)
         conn = await self._acquire()
         try:
             rows = await self._pool.fetchall(conn, sql, params)
@@ -754,7 +766,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
 
     async def release(self, consumer: str, key: str, *, token: str) -> bool:
         now = self._now()
-        params = {"consumer": consumer, "key": key, "token": token, "now": now}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
         async with self._connection() as conn:
             try:
                 if await self._pool.fetchall(conn, self._dialect.release, params):
@@ -801,7 +813,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     async def set_result_in(
         self, tx: aiosqlite.Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "result": result}
         await self._run(tx, self._dialect.set_result, params, "storing the result")
 
     async def save_offset_in(

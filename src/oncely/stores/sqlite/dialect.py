@@ -13,15 +13,33 @@ PostgreSQL's are (:mod:`oncely.stores._sql`).
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from typing import Any, Final
 
-from oncely.stores._sql import SMALL, PlainRows, bucket_sql, check_identifier, parse_record
+from oncely._core.records import Record
+from oncely.stores._compact import unpack_fingerprint, unpack_token
+from oncely.stores._sql import SMALL, STATUS, PlainRows, bucket_sql, check_identifier
 
-__all__ = ["ENDED_COUNTED", "SCHEMA_REVISION", "SCHEMA_VERSION", "SQLiteDialect", "parse_record"]
+__all__ = [
+    "ENDED_COUNTED",
+    "REVISION_NOTE",
+    "SCHEMA_REVISION",
+    "SCHEMA_VERSION",
+    "SQLiteDialect",
+    "parse_record",
+    "parse_scanned",
+]
 
-SCHEMA_VERSION: Final = 1
-SCHEMA_REVISION: Final = 2
-"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`)."""
+SCHEMA_VERSION: Final = 2
+"""2: tokens and fingerprints kept as bytes (:mod:`oncely.stores._compact`). An oncely that
+knows only version 1 would take a repeat for a key conflict, so it refuses the table."""
+SCHEMA_REVISION: Final = 3
+"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`);
+3: schema version 2."""
+REVISION_NOTE: Final = (
+    "the purge index, tokens and fingerprints kept as bytes; workers of an oncely older than "
+    "schema version 2 refuse the migrated table, so stop them first"
+)
 
 STATUS_CHECK: Final = "CHECK (status = 'in_progress' OR status = 'completed' OR status = 'failed')"
 """The inbox table's status constraint. Written as comparisons: SQLite compiles the
@@ -42,12 +60,45 @@ _COLUMNS: Final = (
 )
 
 
+def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
+    """A record from a row of the record's columns (in that order); the token and fingerprint
+    in either stored form (bytes, or the text of a row written before schema version 2)."""
+    result = row[8]
+    return Record(
+        consumer=consumer,
+        key=key,
+        status=STATUS[row[0]],
+        fingerprint=unpack_fingerprint(row[1]),
+        token=unpack_token(row[2]),
+        attempt=row[3],
+        created_ms=row[4],
+        updated_ms=row[5],
+        lease_until_ms=row[6],
+        expires_ms=row[7],
+        result=bytes(result) if result is not None else None,
+        error=row[9],
+    )
+
+
+def parse_scanned(row: Sequence[Any]) -> Record:
+    """A record from a row of ``scan``: consumer, key, then the record's columns."""
+    return parse_record(row[0], row[1], row[2:])
+
+
 def _pairs(count: int) -> str:
     return "SELECT column1, column2 FROM (VALUES " + ", ".join(["(?, ?)"] * count) + ")"
 
 
 class SQLiteDialect(PlainRows[str]):
-    """Every statement for one inbox table, built once."""
+    """Every statement for one inbox table, built once.
+
+    Tokens and fingerprints bind in their stored form (:mod:`oncely.stores._compact`); where a
+    statement compares with a value read from a row (``:seen``, a takeover's ``:token``, the
+    fingerprint) it also takes the value's text (``:seen_text``, ...), the form of a row
+    written before schema version 2."""
+
+    parse_record = staticmethod(parse_record)
+    parse_scanned = staticmethod(parse_scanned)
 
     __slots__ = (
         "add_purge_column",
@@ -78,6 +129,7 @@ class SQLiteDialect(PlainRows[str]):
         "scan",
         "set_result",
         "set_revision",
+        "set_version",
         "stats",
         "table",
         "table_sql",
@@ -122,6 +174,11 @@ class SQLiteDialect(PlainRows[str]):
             f"INSERT INTO {m} (name, value) VALUES ('revision', '{SCHEMA_REVISION}') "
             "ON CONFLICT (name) DO UPDATE SET value = excluded.value"
         )
+        # Revision 3: the version row of a table created at version 1 (its rows keep their
+        # text tokens and fingerprints, which every statement still matches).
+        self.set_version = (
+            f"UPDATE {m} SET value = '{SCHEMA_VERSION}' WHERE name = 'schema_version'"
+        )
         self.table_sql = f"SELECT sql FROM sqlite_master WHERE type = 'table' AND name = '{t}'"
         # Numbered parameters, bound from a tuple (consumer, key, status, fingerprint, token,
         # now, lease_until, expires, error): sqlite3 binds a named parameter by building a
@@ -148,11 +205,11 @@ class SQLiteDialect(PlainRows[str]):
                 purge_ms = {bucket},
                 result = NULL,
                 error = :error
-            WHERE consumer = :consumer AND key = :key AND token = :seen
+            WHERE consumer = :consumer AND key = :key AND token IN (:seen, :seen_text)
                 AND ({expired}
                     OR (:takeover AND status = 'in_progress' AND lease_until_ms <= :now
                         AND (:fingerprint IS NULL OR fingerprint IS NULL
-                            OR fingerprint = :fingerprint)))
+                            OR fingerprint IN (:fingerprint, :fingerprint_text))))
             RETURNING {_COLUMNS}"""
         mine = "consumer = :consumer AND key = :key AND token = :token"
         live = "expires_ms > :now"
@@ -167,8 +224,10 @@ class SQLiteDialect(PlainRows[str]):
                 purge_ms = {bucket},
                 result = NULL,
                 error = NULL
-            WHERE {mine} AND status = 'in_progress' AND lease_until_ms <= :now AND {live}
-                AND (:fingerprint IS NULL OR fingerprint IS NULL OR fingerprint = :fingerprint)
+            WHERE consumer = :consumer AND key = :key AND token IN (:token, :token_text)
+                AND status = 'in_progress' AND lease_until_ms <= :now AND {live}
+                AND (:fingerprint IS NULL OR fingerprint IS NULL
+                    OR fingerprint IN (:fingerprint, :fingerprint_text))
             RETURNING {_COLUMNS}"""
         # A completion (and a renewal) leaves purge_ms alone: SQLite writes an index again
         # whenever its column is in the SET list, even to the same value (a second WAL page

@@ -60,11 +60,13 @@ from oncely.errors import (
     StoreUnavailable,
     TransactionRequired,
 )
+from oncely.stores._compact import pack_fingerprint, pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
 from oncely.stores.sqlite.dialect import (
     ENDED_COUNTED,
     OLD_STATUS_CHECK,
+    REVISION_NOTE,
     SCHEMA_REVISION,
     SCHEMA_VERSION,
     SQLiteDialect,
@@ -114,6 +116,7 @@ class SQLiteStore(SQLStoreBase[str]):
 
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
+    _REVISION_NOTE = REVISION_NOTE
     _dialect: SQLiteDialect
     _now: Callable[[], int]  # SQLite has no clock of its own: always the store's
 
@@ -313,6 +316,7 @@ class SQLiteStore(SQLStoreBase[str]):
             if ("purge_ms",) not in fetchall(conn, d.columns):
                 fetchall(conn, d.add_purge_column)
             fetchall(conn, d.create_purge_index)
+            fetchall(conn, d.set_version)  # revision 3: rows keep their text forms
             fetchall(conn, d.set_revision)
             fetchall(conn, "COMMIT")
         except BaseException:
@@ -360,8 +364,8 @@ class SQLiteStore(SQLStoreBase[str]):
         if version is not None and revision < self._SCHEMA_REVISION:
             raise SchemaOutdated(
                 f"the {self._place} is at schema revision {revision}; this oncely needs "
-                f"{self._SCHEMA_REVISION} (the purge index), and does not migrate inside your "
-                "open transaction: run `oncely migrate --store URL` first"
+                f"{self._SCHEMA_REVISION} ({self._REVISION_NOTE}), and does not migrate inside "
+                "your open transaction: run `oncely migrate --store URL` first"
             )
         if self._memory or str(mode).lower() == "wal":
             self._ready = True
@@ -549,13 +553,16 @@ class SQLiteStore(SQLStoreBase[str]):
         lease_until = now + lease_ms if initial is Status.IN_PROGRESS else now
         expires = now + (keep_ms if keep_ms >= lease_ms else lease_ms)
         status = initial._value_  # plain text: sqlite3 adapts an enum member slowly
+        packed_fingerprint = pack_fingerprint(fingerprint)
+        packed_token = pack_token(token)
         try:
             before = conn.total_changes
             self._pool.execute(
                 conn,
                 self._dialect.insert,
-                (consumer, key, status, fingerprint, token, now, lease_until, expires, error),
-            )
+                (consumer, key, status, packed_fingerprint, packed_token, now, lease_until,
+                 expires, error),
+            )  # fmt: skip
         except sqlite3.Error as exc:
             raise translate(exc, "claim") from exc
         if conn.total_changes != before:
@@ -568,8 +575,9 @@ class SQLiteStore(SQLStoreBase[str]):
             "consumer": consumer,
             "key": key,
             "status": status,
-            "fingerprint": fingerprint,
-            "token": token,
+            "fingerprint": packed_fingerprint,
+            "fingerprint_text": fingerprint,
+            "token": packed_token,
             "now": now,
             "lease_until": lease_until,
             "expires": expires,
@@ -610,8 +618,8 @@ class SQLiteStore(SQLStoreBase[str]):
                     self._pool.execute(
                         conn,
                         dialect.insert,
-                        (consumer, key, params["status"], fingerprint, token, now, lease_until,
-                         expires, error),
+                        (consumer, key, params["status"], params["fingerprint"],
+                         params["token"], now, lease_until, expires, error),
                     )  # fmt: skip
                     if conn.total_changes != before:
                         record = new_record(
@@ -625,7 +633,8 @@ class SQLiteStore(SQLStoreBase[str]):
                 current = parse_record(consumer, key, rows[0])
                 if not claimable(current, now, fingerprint, takeover):
                     return new_claim(ClaimStatus.EXISTING, current, now)
-                params["seen"] = current.token
+                params["seen"] = pack_token(current.token)
+                params["seen_text"] = current.token
                 params["takeover"] = takeover
                 rows = self._pool.fetchall(conn, dialect.replace, params)
             except sqlite3.Error as exc:
@@ -653,9 +662,11 @@ class SQLiteStore(SQLStoreBase[str]):
             params: dict[str, object] = {
                 "consumer": consumer,
                 "key": key,
-                "token": expected_token,
-                "new_token": token,
-                "fingerprint": fingerprint,
+                "token": pack_token(expected_token),
+                "token_text": expected_token,
+                "new_token": pack_token(token),
+                "fingerprint": pack_fingerprint(fingerprint),
+                "fingerprint_text": fingerprint,
                 "now": now,
                 "lease_until": now + lease_ms,
                 "expires": now + max(keep_ms, lease_ms),
@@ -687,7 +698,8 @@ class SQLiteStore(SQLStoreBase[str]):
         :class:`~oncely.LeaseLost` with the current record. A repeat of a write that already
         landed (same token, status ``done``) returns the record unchanged. With ``bucket``
         (a completion's), the statement returns purge_ms last: one above it is lowered."""
-        params = {"consumer": consumer, "key": key, "token": token, "now": now, **values}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
+        params.update(values)
         conn = self._acquire()
         try:
             rows = self._pool.fetchall(conn, sql, params)
@@ -746,7 +758,7 @@ class SQLiteStore(SQLStoreBase[str]):
 
     def release(self, consumer: str, key: str, *, token: str) -> bool:
         now = self._now()
-        params = {"consumer": consumer, "key": key, "token": token, "now": now}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
         with self._connection() as conn:
             try:
                 if self._pool.fetchall(conn, self._dialect.release, params):
@@ -793,7 +805,7 @@ class SQLiteStore(SQLStoreBase[str]):
     def set_result_in(
         self, tx: sqlite3.Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
-        params = {"consumer": consumer, "key": key, "token": token, "result": result}
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "result": result}
         self._run(tx, self._dialect.set_result, params, "storing the result")
 
     def save_offset_in(

@@ -50,6 +50,10 @@ class AtomicTests(TransactionTestCase):
         self.assertEqual(self.rows(), 1)
         record = InboxRecord.objects.get(consumer="billing", key=k)
         self.assertEqual(record.status, "completed")
+        kept = self.inbox.store.get("billing", k)  # the model reads the store's compact form
+        assert kept is not None
+        self.assertEqual((record.token, record.fingerprint), (kept.token, kept.fingerprint))
+        self.assertRegex(record.fingerprint, r"\Av1:[0-9a-f]{32}\Z")
 
     def test_r7_a_rolled_back_block_leaves_neither_the_marker_nor_the_row(self) -> None:
         k = key()
