@@ -52,6 +52,10 @@ try:
     from oncely.stores._purging import PURGE_BATCH
 except ImportError:  # an older oncely: its own default then
     PURGE_BATCH = 1000
+try:  # schema version 2 of the SQLite and MariaDB stores keeps tokens and fingerprints as bytes
+    from oncely.stores._compact import pack_fingerprint, pack_token
+except ImportError:  # an older oncely: text
+    pack_fingerprint = pack_token = None  # type: ignore[assignment]
 
 HERE = Path(__file__).resolve().parent
 DAY_MS = 86_400_000
@@ -93,6 +97,8 @@ class Target:
 
     name: str
     store: Any
+    compact = False
+    """Whether this oncely keeps tokens and fingerprints of this store as bytes."""
 
     def has_purge_column(self) -> bool:
         raise NotImplementedError
@@ -172,6 +178,7 @@ class Postgres(Target):
 
 class SQLite(Target):
     name = "sqlite"
+    compact = pack_token is not None
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="oncely-scale-")
@@ -215,6 +222,7 @@ class SQLite(Target):
 
 class MySQL(Target):
     name = "mysql"
+    compact = pack_token is not None
 
     def __init__(self) -> None:
         import pymysql  # noqa: PLC0415 - only this store needs it
@@ -276,30 +284,62 @@ TARGETS: dict[str, Callable[[], Target]] = {"postgres": Postgres, "sqlite": SQLi
 # ------------------------------------------------------------------------------- the run
 
 
+class LiveOrder:
+    """Expiries for ``--order live``: one rising sequence over the whole run, the expired
+    share over the last day and the live one over the next seven, each record's expiry
+    after every one loaded before it, as a live inbox writes them (the store's indexes by
+    expiry then grow at their end, whichever size the run is at)."""
+
+    def __init__(self, total: int, expired: float) -> None:
+        self.start = now_ms()
+        self.gone_step = DAY_MS / max(1.0, total * expired)
+        self.live_step = (KEEP_MS - 3_600_000) / max(1.0, total * (1 - expired))
+        self.gone = self.live = 0
+
+    def next(self, gone: bool) -> int:
+        if gone:
+            self.gone += 1
+            return self.start - DAY_MS + int(self.gone * self.gone_step)
+        self.live += 1
+        return self.start + 3_600_000 + int(self.live * self.live_step)
+
+
 def make_rows(
-    n: int, expired: float, purge_column: bool, keys: list[str], order: str
+    n: int,
+    expired: float,
+    purge_column: bool,
+    keys: list[str],
+    order: str,
+    compact: bool,
+    live: LiveOrder | None = None,
 ) -> list[tuple[Any, ...]]:
     """``n`` completed records; a share ``expired`` already past their expiry. ``order``
-    "time" writes them in expiry order (within each call), as a live inbox does (a record's
-    expiry is its last write plus the retention); "random" in random order, the worst case
-    for the purge."""
+    "live" takes the expiries from ``live`` (see :class:`LiveOrder`); "time" writes each
+    call's rows in expiry order, though the calls' ranges overlap; "random" in random order,
+    the worst case for the purge. ``compact``: tokens and fingerprints in the store's byte
+    form."""
     now = now_ms()
+    fingerprint = pack_fingerprint(FP) if compact and pack_fingerprint else FP
     rows = []
     for _ in range(n):
         key = str(uuid.uuid4())
-        if random.random() < expired:
+        gone = random.random() < expired
+        if live is not None:
+            expires = live.next(gone)
+        elif gone:
             expires = now - random.randint(1_000, DAY_MS)
         else:
             expires = now + random.randint(BUCKET_MS, KEEP_MS)
-            if len(keys) < 200_000:
-                keys.append(key)
+        if not gone and len(keys) < 200_000:
+            keys.append(key)
         written = expires - KEEP_MS
         row: tuple[Any, ...] = (
-            "bench", key, "completed", FP, os.urandom(16).hex(), 1, written, written,
+            "bench", key, "completed", fingerprint,
+            os.urandom(16) if compact else os.urandom(16).hex(), 1, written, written,
             written, expires, RESULT, None,
         )  # fmt: skip
         rows.append((*row, bucket(expires)) if purge_column else row)
-    if order == "time":
+    if order != "random":
         rows.sort(key=lambda r: r[9])
     return rows
 
@@ -606,8 +646,9 @@ def main() -> None:
         help="seconds of purging, then of quiet, in turn: the consumer's two p99 windows",
     )  # fmt: skip
     p.add_argument(
-        "--order", choices=("time", "random"), default="time",
-        help="rows written in expiry order, as a live inbox writes them (default), or at random",
+        "--order", choices=("live", "time", "random"), default="live",
+        help="rows written in one rising expiry order over the run, as a live inbox writes "
+        "them (default); in expiry order within each 200,000-row load; or at random",
     )  # fmt: skip
     p.add_argument(
         "--rss", type=int, default=0, metavar="N",
@@ -625,6 +666,7 @@ def main() -> None:
     command = "python bench/scale.py " + " ".join(sys.argv[1:])
     points: list[Point] = []
     keys: list[str] = []
+    live = LiveOrder(sizes[-1], args.expired) if args.order == "live" else None
     try:
         purge_column = target.has_purge_column()
         loaded = 0
@@ -632,7 +674,10 @@ def main() -> None:
             started = time.perf_counter()
             while loaded < size:
                 chunk = min(200_000, size - loaded)
-                target.load(make_rows(chunk, args.expired, purge_column, keys, args.order))
+                rows = make_rows(
+                    chunk, args.expired, purge_column, keys, args.order, target.compact, live
+                )
+                target.load(rows)
                 loaded += chunk
             load_s = time.perf_counter() - started
             point = measure(
