@@ -24,15 +24,19 @@ from oncely.brokers._consumer import decode_body
 from oncely.brokers._shape import Backoff, DeadLetter
 from oncely.errors import ConfigurationError, MissingKey, Reject
 from oncely.inbox.async_inbox import AsyncInbox
-from oncely.integrations.faststream import _rabbit
+from oncely.integrations.faststream._adapter import (
+    ADAPTED,
+    DEAD_LETTER_SUFFIX,
+    Adapter,
+    Settling,
+    adapter_for,
+)
 from oncely.keys import BusinessKey, Envelope, FirstOf, KeySource, MessageIdKey
 from oncely.wire import printable
 
 __all__ = ["DEAD_LETTER_SUFFIX", "Idempotency"]
 
 LOGGER = logging.getLogger("oncely.faststream")
-DEAD_LETTER_SUFFIX = ".dead"
-"""A subscriber's queue ``q`` dead-letters to ``q`` plus this suffix."""
 _DEAD_LETTER_RETRY = timedelta(seconds=5)
 _RESULT_IDS = uuid.UUID("6f6e6365-6c79-4e00-8000-666173747374")
 
@@ -82,7 +86,7 @@ class Idempotency:
         self.backoff = backoff if backoff is not None else Backoff()
         self.requeue_delay = requeue_delay
         self.trust_hex_message_ids = trust_hex_message_ids
-        self._declared: set[tuple[int, str]] = set()
+        self._adapters: dict[type, Adapter | None] = {}
         self._held: set[asyncio.Task[None]] = set()
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
@@ -103,24 +107,45 @@ class Idempotency:
                 ) from None
         return self._key(envelope)
 
+    def _adapter(self, subscriber: object) -> Adapter | None:
+        kind = type(subscriber)
+        if kind not in self._adapters:
+            self._adapters[kind] = adapter_for(subscriber)
+        return self._adapters[kind]
+
     async def _consume(
         self, scope: _Scope, call_next: Callable[[Any], Awaitable[Any]], msg: Any
     ) -> Any:
         subscriber = scope.context.get("handler_")
         raw: Any = getattr(msg, "raw_message", None)
-        queue = _rabbit.queue_of(subscriber)
-        inbox = self._inbox_for(queue)
-        if inbox is None or _dead_letters(queue):
+        adapter = self._adapter(subscriber)
+        source = None if adapter is None else adapter.source_of(subscriber)
+        inbox = self._inbox_for(source)
+        if inbox is None or _dead_letters(source):
             return await call_next(msg)
-        if not _rabbit.is_delivery(raw):
-            # Never run a handler unprotected behind a middleware that says it protects it.
+        # Never run a handler unprotected behind a middleware that says it protects it.
+        if adapter is None or source is None or not adapter.is_delivery(raw):
             raise ConfigurationError(
-                f"oncely.integrations.faststream adapts FastStream's RabbitBroker; this "
-                f"message came from {type(subscriber).__module__} ({type(raw).__name__}), "
-                "which it cannot claim yet: the message was not processed"
+                f"oncely.integrations.faststream adapts FastStream's {ADAPTED}; this message "
+                f"came from {type(subscriber).__module__} ({type(raw).__name__}), which it "
+                "cannot claim: the message was not processed"
             )
-        assert queue is not None
-        delivery = _rabbit.read(raw, trust_hex=self.trust_hex_message_ids)
+        refused = adapter.unprotectable(subscriber)
+        if refused is not None:
+            raise ConfigurationError(
+                f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: "
+                f"{refused}; the message was not processed"
+            )
+        delivery = adapter.read(msg, trust_hex=self.trust_hex_message_ids)
+        held = Settling(
+            message=msg,
+            raw=raw,
+            source=source,
+            subscriber=subscriber,
+            broker=scope.context.get("broker"),
+            later=self._later,
+        )
+        scope.adapter = adapter
 
         async def run(_body: object) -> Any:
             try:
@@ -148,89 +173,115 @@ class Idempotency:
         except Exception as exc:  # the store failed: given back, never run unprotected
             count = delivery.envelope.delivery_count
             LOGGER.error(
-                "oncely faststream queue=%s could not process a message (%s: %s); it is given "
-                "back and will be redelivered",
-                queue,
+                "oncely faststream source=%s could not process a message (%s: %s); it is "
+                "given back and will be redelivered",
+                source,
                 type(exc).__name__,
                 exc,
             )
-            self._hold(raw, _rabbit.requeue_later(raw, self.backoff.delay(count)))
+            await self._give_back(adapter, held, self.backoff.delay(count))
             raise AckMessage() from None
         if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED, Outcome.DUPLICATE):
             # Results published from here on carry an id derived from the key.
             scope.result_key = (inbox.consumer, handled.key or "")
             if handled.outcome is Outcome.DUPLICATE:
                 LOGGER.info(
-                    "oncely faststream queue=%s key=%s: a duplicate, not run",
-                    queue,
+                    "oncely faststream source=%s key=%s: a duplicate, not run",
+                    source,
                     printable(handled.key or ""),
                 )
             return handled.value
-        await self._settle(scope, raw, queue, delivery.envelope, handled, inbox.consumer)
+        await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
 
     async def _settle(
         self,
-        scope: _Scope,
-        raw: Any,
-        queue: str,
+        adapter: Adapter,
+        held: Settling,
         envelope: Envelope,
         handled: Handled[Any],
         consumer: str,
     ) -> None:
         action = handled.action
         count = max(envelope.delivery_count or 0, handled.attempt) or None
-        if action is Action.REQUEUE_LATER:
+        limit = adapter.delivery_limit(held.subscriber)
+        last = limit is not None and (count or 0) >= limit
+        why: DeadLetter | None = None
+        if action is Action.REQUEUE_LATER and not last:
             how = "requeue"
-            self._hold(raw, _rabbit.requeue_later(raw, self.requeue_delay))
-        elif action is Action.RETRY and (count or 0) < self.max_deliveries:
+            await self._give_back(adapter, held, self.requeue_delay)
+        elif action is Action.RETRY and (count or 0) < self.max_deliveries and not last:
             how = "retry"
-            broker = scope.context.get("broker")
-            delay = self.backoff.delay(count)
-            self._hold(raw, _rabbit.retry_later(broker, raw, queue, delay, count or 1))
+            try:
+                await adapter.retry(held, self.backoff.delay(count), count or 1)
+            except Exception as exc:
+                how = "retry failed (left to the broker)"
+                self._settlement_failed(adapter, held, "retry", exc)
+            finally:
+                adapter.settled(held)
         else:
             how = "dead_letter"
             reason = handled.reason or handled.outcome.value
             outcome = handled.outcome.value
-            if action is Action.RETRY:
+            if action is Action.RETRY and (count or 0) >= self.max_deliveries:
                 outcome = Outcome.REJECTED.value
                 reason = f"failed on all {count} deliveries; last: {reason}"
+            elif action in (Action.RETRY, Action.REQUEUE_LATER):
+                outcome = Outcome.REJECTED.value
+                reason = (
+                    f"delivered {count} times, the {adapter.broker_name} subscriber's own "
+                    f"delivery limit: the broker would not deliver it again (raise it above "
+                    f"max_deliveries); last: {reason}"
+                )
             why = DeadLetter(outcome=outcome, reason=reason, consumer=consumer, deliveries=count)
-            broker = scope.context.get("broker")
-            target = queue + DEAD_LETTER_SUFFIX
-            marker = (id(broker), target)
             try:
-                if marker not in self._declared:
-                    await broker.declare_queue(_rabbit.dead_letter_queue(target))
-                    self._declared.add(marker)
-                await _rabbit.dead_letter(broker, raw, target, why)
+                await adapter.dead_letter(held, why)
             except Exception as exc:  # never acked without its copy: given back, later
                 how = "requeue (the dead-letter copy failed)"
                 LOGGER.error(
-                    "oncely faststream queue=%s could not dead-letter a message to %s (%s: %s); "
-                    "it is given back and will be redelivered",
-                    queue,
-                    target,
+                    "oncely faststream source=%s could not dead-letter a message (%s: %s); it "
+                    "is given back and will be redelivered",
+                    held.source,
                     type(exc).__name__,
                     exc,
                 )
-                self._hold(raw, _rabbit.requeue_later(raw, _DEAD_LETTER_RETRY))
+                await self._give_back(adapter, held, _DEAD_LETTER_RETRY)
+            finally:
+                adapter.settled(held)
         level = logging.ERROR if how.startswith(("dead_letter", "requeue (")) else handled.log_level
         LOGGER.log(
             level,
-            "oncely faststream queue=%s outcome=%s action=%s key=%s deliveries=%s%s",
-            queue,
+            "oncely faststream source=%s outcome=%s action=%s key=%s deliveries=%s%s",
+            held.source,
             handled.outcome.value,
             how,
             None if handled.key is None else printable(handled.key),
             count,
-            f" reason={printable(handled.reason)}" if handled.reason else "",
+            f" reason={printable(said)}" if (said := why.reason if why else handled.reason) else "",
         )
 
-    def _hold(self, raw: Any, later: Coroutine[Any, Any, None]) -> None:
-        """Keep the message unacknowledged while ``later`` waits and then gives it back
-        (RabbitMQ has no delayed requeue); FastStream leaves it alone meanwhile."""
-        raw.lock()
+    async def _give_back(self, adapter: Adapter, held: Settling, delay: timedelta) -> None:
+        try:
+            await adapter.give_back(held, delay)
+        except Exception as exc:
+            self._settlement_failed(adapter, held, "give back", exc)
+        finally:
+            adapter.settled(held)
+
+    @staticmethod
+    def _settlement_failed(adapter: Adapter, held: Settling, what: str, exc: Exception) -> None:
+        LOGGER.error(
+            "oncely faststream source=%s could not %s a message (%s: %s); it is left "
+            "unacknowledged for %s to deliver again",
+            held.source,
+            what,
+            type(exc).__name__,
+            exc,
+            adapter.broker_name,
+        )
+
+    def _later(self, later: Coroutine[Any, Any, None]) -> None:
+        """Run a delayed settlement in the background (kept referenced until it ends)."""
         task = asyncio.get_running_loop().create_task(later)
         self._held.add(task)
         task.add_done_callback(self._held.discard)
@@ -243,16 +294,17 @@ class _Scope(BaseMiddleware):
         super().__init__(msg, context=context)
         self.owner = owner
         self.result_key: tuple[str, str] | None = None
+        self.adapter: Adapter | None = None
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
         return await self.owner._consume(self, call_next, msg)
 
     async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
-        if self.result_key is not None:
+        if self.result_key is not None and self.adapter is not None:
             consumer, key = self.result_key
             where = f"{getattr(cmd, 'exchange', '')}\n{getattr(cmd, 'destination', '')}"
             derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
-            _rabbit.stamp(cmd, derived)
+            self.adapter.stamp(cmd, derived)
         return await call_next(cmd)
 
 
