@@ -62,7 +62,7 @@ class Adapter(Protocol):
         """Whether ``raw`` is a single message of this broker's client."""
         ...
 
-    def read(self, message: Any, *, trust_hex: bool) -> Delivery:
+    async def read(self, message: Any, *, trust_hex: bool) -> Delivery:
         """The envelope of FastStream's ``message``, read from the raw message: the
         producer's id, never one FastStream or the client made up; the broker's delivery
         count."""
@@ -102,6 +102,7 @@ class Adapter(Protocol):
 # an app needs the client library of its own broker only.
 _MODULES = {
     "faststream.rabbit": ("RabbitBroker", "oncely.integrations.faststream._rabbit"),
+    "faststream.nats": ("NatsBroker (JetStream)", "oncely.integrations.faststream._nats"),
 }
 ADAPTED = ", ".join(broker for broker, _ in _MODULES.values())
 """FastStream's brokers that have an adapter, for error messages."""

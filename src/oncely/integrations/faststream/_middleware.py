@@ -14,6 +14,7 @@ try:
     from fast_depends.exceptions import ValidationError as BindingError
     from faststream import BaseMiddleware
     from faststream.exceptions import AckMessage, RejectMessage
+    from faststream.middlewares import AckPolicy
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         "oncely.integrations.faststream needs FastStream: pip install 'oncely[faststream]'"
@@ -123,28 +124,22 @@ class Idempotency:
         inbox = self._inbox_for(source)
         if inbox is None or _dead_letters(source):
             return await call_next(msg)
-        # Never run a handler unprotected behind a middleware that says it protects it.
-        if adapter is None or source is None or not adapter.is_delivery(raw):
-            raise ConfigurationError(
-                f"oncely.integrations.faststream adapts FastStream's {ADAPTED}; this message "
-                f"came from {type(subscriber).__module__} ({type(raw).__name__}), which it "
-                "cannot claim: the message was not processed"
+        if source is None:  # one inbox for all, and a subscriber of a broker not adapted
+            source = f"<a {type(subscriber).__name__}>"
+        adapter = _protectable(adapter, subscriber, raw, source)
+        held = Settling(msg, raw, source, subscriber, scope.context.get("broker"), self._later)
+        try:
+            delivery = await adapter.read(msg, trust_hex=self.trust_hex_message_ids)
+        except Exception as exc:  # the broker cannot say what it delivered: given back
+            LOGGER.error(
+                "oncely faststream source=%s could not read a message (%s: %s); it is given "
+                "back and will be redelivered",
+                source,
+                type(exc).__name__,
+                exc,
             )
-        refused = adapter.unprotectable(subscriber)
-        if refused is not None:
-            raise ConfigurationError(
-                f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: "
-                f"{refused}; the message was not processed"
-            )
-        delivery = adapter.read(msg, trust_hex=self.trust_hex_message_ids)
-        held = Settling(
-            message=msg,
-            raw=raw,
-            source=source,
-            subscriber=subscriber,
-            broker=scope.context.get("broker"),
-            later=self._later,
-        )
+            await self._give_back(adapter, held, self.backoff.delay(None))
+            raise AckMessage() from None
         scope.adapter = adapter
 
         async def run(_body: object) -> Any:
@@ -306,6 +301,38 @@ class _Scope(BaseMiddleware):
             derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
             self.adapter.stamp(cmd, derived)
         return await call_next(cmd)
+
+
+def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str) -> Adapter:
+    """``adapter``, once sure it can protect ``subscriber``'s message ``raw``; else
+    :class:`~oncely.ConfigurationError` (never run a handler unprotected behind a middleware
+    that says it protects it)."""
+    if adapter is None:
+        raise _not_adapted(subscriber, raw)
+    refused = adapter.unprotectable(subscriber)
+    if refused is not None:
+        raise ConfigurationError(
+            f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: "
+            f"{refused}; the message was not processed"
+        )
+    if not adapter.is_delivery(raw):
+        raise _not_adapted(subscriber, raw)
+    policy = getattr(subscriber, "ack_policy", None)
+    if policy in (AckPolicy.ACK_FIRST, AckPolicy.MANUAL):
+        raise ConfigurationError(
+            f"oncely cannot protect the subscriber of {source!r}: its ack_policy is "
+            f"{policy.name}, so FastStream acknowledges (or never acknowledges) the message "
+            "whatever its outcome; keep the default ack_policy: the message was not processed"
+        )
+    return adapter
+
+
+def _not_adapted(subscriber: Any, raw: Any) -> ConfigurationError:
+    return ConfigurationError(
+        f"oncely.integrations.faststream adapts FastStream's {ADAPTED}; this message came "
+        f"from {type(subscriber).__module__} ({type(raw).__name__}), which it cannot claim: "
+        "the message was not processed"
+    )
 
 
 def _dead_letters(queue: str | None) -> bool:

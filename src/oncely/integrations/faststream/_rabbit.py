@@ -57,7 +57,7 @@ class RabbitAdapter:
     def is_delivery(self, raw: object) -> bool:
         return isinstance(raw, AbstractIncomingMessage)
 
-    def read(self, message: Any, *, trust_hex: bool) -> Delivery:
+    async def read(self, message: Any, *, trust_hex: bool) -> Delivery:
         return _read(message.raw_message, trust_hex=trust_hex)
 
     def delivery_limit(self, subscriber: Any) -> int | None:

@@ -1,0 +1,381 @@
+"""FastStream's NATS (JetStream) and Redis (streams) subscribers behind
+``oncely.integrations.faststream.Idempotency``, end to end: the real ``faststream run``
+worker on the machine's NATS server and Redis, effects counted in Redis. Duplicates, a
+reused key, keyless messages, undecodable bodies, failures that recover and failures that do
+not, a rejection, and a worker ``SIGKILL``ed mid-handler (R1, R2, R4, R10, R13, R16); then
+FastStream's own ``TestNatsBroker`` and ``TestRedisBroker`` for users' unit tests, and the
+subscribers the middleware refuses to run unprotected."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+pytest.importorskip("faststream")
+import nats
+import nats.js.errors
+import redis
+
+from tests.integrations.workers import WorkerRun
+from tests.services import NATS_URL, REDIS_URL, require
+
+ORDERS = ("o1", "o2", "o3")
+
+
+class StreamRun(WorkerRun):
+    """One scenario on one broker: its subject or stream, the worker processes, the effects;
+    a producer that sends exactly what it is given, and the dead letters read back."""
+
+    framework = "faststream"
+    app_module = "tests.integrations.faststream_streams_app"
+    broker: ClassVar[str]
+
+    def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
+        super().__init__(store, lease)
+        self.env["ONCELY_TEST_FASTSTREAM_BROKER"] = self.broker
+        self.env["ONCELY_TEST_FASTSTREAM_TAKEOVER"] = str(takeover)
+        self.env["ONCELY_TEST_NATS_URL"] = NATS_URL
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        return self.spawn("faststream", "run", f"{self.app_module}:app")
+
+    def charge(self, key: str | None, order: str, amount: int = 10, **more: Any) -> None:
+        body = json.dumps({"order": order, "amount": amount, **more}).encode()
+        self.send([(body, key, "application/json", "")])
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        """Publish ``(body, message id, content type, subject suffix)`` each."""
+        raise NotImplementedError
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        """The dead letters: (headers, body) each, the oncely headers included."""
+        raise NotImplementedError
+
+    def receipts(self) -> list[tuple[str, str]]:
+        """The results the handler published: (message id, order) each."""
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for process in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        self.cleanup()
+        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
+            self.redis.delete(name)
+        self.redis.close()
+
+
+class NatsRun(StreamRun):
+    """JetStream: ids in ``message_id`` (FastStream's header, which the stream's duplicate
+    window does not read, so the producer's retries reach the consumer) or in
+    ``Oncely-Message-Id`` (oncely's producer), or none."""
+
+    broker = "nats"
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> None:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                for suffix in ("", ".plain", ".receipts"):
+                    subject = self.queue + suffix
+                    with contextlib.suppress(nats.js.errors.BadRequestError):
+                        await js.add_stream(name=stream_name_for(subject), subjects=[subject])
+                for body, key, content_type, suffix in messages:
+                    headers = {"content-type": content_type} if content_type else {}
+                    if key is not None:
+                        headers["Oncely-Message-Id" if key.startswith("o-") else "message_id"] = key
+                    await js.publish(self.queue + suffix, body, headers=headers or None)
+            finally:
+                await client.close()
+
+        asyncio.run(go())
+
+    def _read(self, subject: str) -> list[tuple[dict[str, str], bytes]]:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> list[tuple[dict[str, str], bytes]]:
+            client = await nats.connect(NATS_URL)
+            found: list[tuple[dict[str, str], bytes]] = []
+            try:
+                js = client.jetstream()
+                name = stream_name_for(subject)
+                try:
+                    info = await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    return found
+                for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+                    with contextlib.suppress(nats.js.errors.NotFoundError):
+                        msg = await js.get_msg(name, seq)
+                        found.append((dict(msg.headers or {}), msg.data or b""))
+            finally:
+                await client.close()
+            return found
+
+        return asyncio.run(go())
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("Nats-Msg-Id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> None:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                for suffix in ("", ".plain", ".receipts", ".dead"):
+                    with contextlib.suppress(nats.js.errors.NotFoundError):
+                        await js.delete_stream(stream_name_for(self.queue + suffix))
+            finally:
+                await client.close()
+
+        asyncio.run(go())
+
+
+RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun}
+
+
+@pytest.fixture(params=["nats"])
+def broker(request: pytest.FixtureRequest) -> str:
+    require("Redis", REDIS_URL, 6379)
+    if request.param == "nats":
+        require("NATS", NATS_URL, 4222)
+    return str(request.param)
+
+
+@pytest.fixture
+def store(broker: str, tmp_path: Path) -> Iterator[str]:
+    """The inbox on SQLite for NATS and on Redis for Redis streams (the store is not what
+    these tests are about; both kinds are covered)."""
+    if broker == "nats":
+        yield f"sqlite:///{tmp_path / 'inbox.db'}"
+        return
+    unique = f"oncely_fss_{uuid.uuid4().hex[:8]}"
+    yield f"{REDIS_URL}?prefix={unique}"
+    client = redis.Redis.from_url(REDIS_URL)
+    for name in client.scan_iter(match=f"{unique}*"):
+        client.delete(name)
+    client.close()
+
+
+def _reason(headers: dict[str, str]) -> str:
+    return headers.get("x-oncely-reason", "")
+
+
+def _key(headers: dict[str, str]) -> str | None:
+    return headers.get("message_id") or headers.get("Oncely-Message-Id")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
+    broker: str, store: str
+) -> None:
+    run = RUNS[broker](store)
+    try:
+        charge = json.dumps
+        run.send(
+            [
+                # A producer's retries: one logical message.
+                *[(charge({"order": "o1", "amount": 10}).encode(), "m-o1", "application/json", "")]
+                * 3,
+                (charge({"order": "o2", "amount": 10}).encode(), "o-2", "application/json", ""),
+                (  # fails twice, then succeeds
+                    charge({"order": "o3", "amount": 10, "fail_times": 2}).encode(),
+                    "m-o3",
+                    "application/json",
+                    "",
+                ),
+                (b'"p1"', None, "application/json", ".plain"),
+            ]
+        )
+        run.worker()
+        run.until(lambda: all(run.effects(order) == 1 for order in ORDERS))
+        run.send(
+            [
+                # The key again, with another body.
+                (charge({"order": "o2", "amount": 99}).encode(), "o-2", "application/json", ""),
+                (charge({"order": "o6", "amount": 1}).encode(), None, "application/json", ""),
+                (  # never succeeds
+                    charge({"order": "o4", "amount": 1, "fail_times": 99}).encode(),
+                    "m-o4",
+                    "application/json",
+                    "",
+                ),
+                (  # the handler refuses it
+                    charge({"order": "o5", "amount": 1, "reject": True}).encode(),
+                    "m-o5",
+                    "application/json",
+                    "",
+                ),
+                (b"\xff not json", "m-bad1", "application/json", ""),
+                (b"\xff not a charge", "m-bad2", "", ""),  # no content type: bytes
+                (b'"p2"', None, "application/json", ".plain"),  # the worker still works
+            ]
+        )
+        run.until(lambda: len(run.dead()) >= 6 and run.effects("plain:p2") == 1)
+        time.sleep(1.5)  # anything that would still arrive (a second dead letter of one)
+        found = run.dead()
+        for order in ORDERS:
+            assert run.effects(order) == 1, order
+        for order in ("o4", "o5", "o6"):
+            assert run.effects(order) == 0, order
+        assert run.effects("plain:p1") == 1
+        assert run.started("o1") == 1  # the copies were not run
+        assert run.started("o3") == 3  # two failures and the success, no more
+        assert run.started("o4") == 3  # max_deliveries=3
+        assert len(found) == 6, found
+        by_key = {_key(headers): (headers, body) for headers, body in found}
+        conflict, body = by_key["o-2"]
+        assert conflict["x-oncely-outcome"] == "key_conflict"
+        assert json.loads(body)["amount"] == 99  # the copy is the message, byte for byte
+        failed = by_key["m-o4"][0]
+        assert "failed on all 3 deliveries" in _reason(failed)
+        assert "the ledger is down" in _reason(failed)
+        assert failed["x-oncely-deliveries"] == "3"
+        assert "not billable" in _reason(by_key["m-o5"][0])
+        assert "undecodable body" in _reason(by_key["m-bad1"][0])
+        assert by_key["m-bad1"][1] == b"\xff not json"
+        assert "arguments" in _reason(by_key["m-bad2"][0])
+        keyless, body = by_key[None]
+        assert "no producer-assigned message id" in _reason(keyless)
+        assert json.loads(body)["order"] == "o6"
+        for headers, _ in found:
+            assert headers["x-oncely-consumer"] == "billing"
+        # Every result published from one key carries one id, derived from it: a replay of
+        # o1's receipt (for a duplicate) is a copy that a downstream consumer drops. On
+        # JetStream the receipts stream's duplicate window already drops it (R14).
+        receipts = run.receipts()
+        o1 = [message_id for message_id, order in receipts if order == "o1"]
+        assert len(set(o1)) == 1 and o1[0], receipts
+        assert len(o1) == (1 if broker == "nats" else 3)
+        assert {order for _, order in receipts} == set(ORDERS)
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(
+    broker: str, store: str
+) -> None:
+    """The worker is ``SIGKILL``ed while the handler sleeps before its effect. JetStream
+    delivers the message again after the consumer's ack wait; on Redis the next worker's
+    takeover subscriber claims the entry the dead worker left pending. The copy meets the
+    dead worker's lease, takes the claim over once it lapsed, and runs: one effect."""
+    run = RUNS[broker](store, lease=2.0, takeover=3.0)
+    try:
+        run.charge("m-k1", "k1", sleep=4.0)
+        first = run.worker()
+        run.until(lambda: run.started("k1") == 1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker()
+        run.until(lambda: run.effects("k1") == 1, seconds=90)
+        time.sleep(2.0)
+        assert run.effects("k1") == 1
+        assert run.started("k1") == 2  # the killed run and the one that took over
+        assert run.dead() == []
+    finally:
+        run.close()
+
+
+async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestNatsBroker`` (no server): a duplicate runs once and
+    replays the first result with an id derived from the key (``Nats-Msg-Id``), which the
+    next subscriber behind the middleware drops; a keyless message and a reused key are
+    dead-lettered to ``<subject>.dead`` with the reason."""
+    from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub, TestNatsBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    broker = NatsBroker(middlewares=[Idempotency(inbox)])
+    effects: list[object] = []
+    receipts: list[tuple[object, str | None]] = []
+    dead: list[tuple[object, dict[str, Any]]] = []
+
+    @broker.subscriber("orders", stream=JStream("orders"), durable="shop", pull_sub=PullSub())
+    @broker.publisher("receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        return {"receipt": body["n"]}
+
+    @broker.subscriber("receipts", stream=JStream("receipts"), durable="shop", pull_sub=PullSub())
+    async def receipt(body: dict[str, int], message: NatsMessage) -> None:
+        receipts.append((body, message.headers.get("Nats-Msg-Id")))
+
+    @broker.subscriber("orders.dead")  # a dead-letter subject's subscriber is left alone
+    async def dead_letter(message: NatsMessage) -> None:
+        dead.append((message.body, dict(message.headers)))
+
+    async with TestNatsBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", headers={"Nats-Msg-Id": "m-1"})
+        await test.publish({"n": 2}, "orders")  # no id
+        await test.publish({"n": 3}, "orders", headers={"Nats-Msg-Id": "m-1"})  # reused
+    assert effects == [{"n": 1}]
+    assert len(receipts) == 1 and receipts[0][0] == {"receipt": 1} and receipts[0][1]
+    outcomes = sorted(headers["x-oncely-outcome"] for _, headers in dead)
+    assert outcomes == ["key_conflict", "rejected"]
+    rejected = next(h for _, h in dead if h["x-oncely-outcome"] == "rejected")
+    assert "message id" in rejected["x-oncely-reason"]
+
+
+async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unprotected() -> None:
+    """Core NATS, a JetStream consumer that is not durable, Redis pub/sub, lists, a stream
+    read without a consumer group, and an ack policy that acknowledges whatever happens: the
+    message is refused with a ConfigurationError that says why, and the handler never runs."""
+    from faststream import AckPolicy
+    from faststream.nats import JStream, NatsBroker, TestNatsBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    ran: list[object] = []
+
+    async def handler(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    nats_broker = NatsBroker(middlewares=[Idempotency(inbox)])
+    nats_broker.subscriber("core")(handler)
+    nats_broker.subscriber("ephemeral", stream=JStream("ephemeral"))(handler)
+    nats_broker.subscriber(
+        "first", stream=JStream("first"), queue="q", ack_policy=AckPolicy.ACK_FIRST
+    )(handler)
+    async with TestNatsBroker(nats_broker) as test:
+        for subject, why in (
+            ("core", "core NATS"),
+            ("ephemeral", "not durable"),
+            ("first", "ack_policy"),
+        ):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "m-1"})
+
+    assert ran == []
