@@ -93,7 +93,25 @@ if BROKER == "nats":
         durable="plain",
         pull_sub=PullSub(timeout=1.0),
     )(plain)
+elif BROKER == "redis":
+    from faststream.redis import RedisBroker, StreamSub
+
+    broker = RedisBroker(REDIS_URL, middlewares=[idempotency])
+    worker = f"worker-{os.getpid()}"
+    published = broker.publisher(stream=f"{SOURCE}.receipts")(charge)
+    # The group's reader, and its takeover: what a killed worker left pending for TAKEOVER
+    # seconds is claimed (XAUTOCLAIM) and delivered again.
+    broker.subscriber(stream=StreamSub(SOURCE, group="billing", consumer=worker))(published)
+    broker.subscriber(
+        stream=StreamSub(
+            SOURCE,
+            group="billing",
+            consumer=f"{worker}-takeover",
+            min_idle_time=int(TAKEOVER * 1000),
+        )
+    )(published)
+    broker.subscriber(stream=StreamSub(f"{SOURCE}.plain", group="plain", consumer=worker))(plain)
 else:  # pragma: no cover - a test configured it
-    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats")
+    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats or redis")
 
 app = FastStream(broker)

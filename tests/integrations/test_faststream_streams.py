@@ -17,6 +17,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -156,10 +157,62 @@ class NatsRun(StreamRun):
         asyncio.run(go())
 
 
-RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun}
+class RedisRun(StreamRun):
+    """Redis streams: FastStream's own producer, the id in its ``message_id`` header, or none;
+    the groups exist before the first entry (FastStream creates a missing one at the
+    stream's end)."""
+
+    broker = "redis"
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from faststream.redis import RedisBroker
+
+        client = redis.Redis.from_url(REDIS_URL)
+        for suffix, group in (("", "billing"), (".plain", "plain")):
+            with contextlib.suppress(redis.ResponseError):
+                client.xgroup_create(self.queue + suffix, group, "0", mkstream=True)
+        client.close()
+
+        async def go() -> None:
+            async with RedisBroker(REDIS_URL) as producer:
+                for body, key, content_type, suffix in messages:
+                    headers = {"content-type": content_type} if content_type else {}
+                    if key is not None:
+                        headers["message_id"] = key
+                    await producer.publish(body, stream=self.queue + suffix, headers=headers)
+
+        asyncio.run(go())
+
+    def _read(self, stream: str) -> list[tuple[dict[str, str], bytes]]:
+        from faststream.redis.parser.binary import BinaryMessageFormatV1
+
+        found: list[tuple[dict[str, str], bytes]] = []
+        for _id, fields in self.redis.xrange(stream):
+            body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
+            for name, value in fields.items():
+                if name != b"__data__":
+                    headers[name.decode()] = value.decode()
+            found.append((headers, body))
+        return found
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("message_id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        for suffix in ("", ".plain", ".receipts", ".dead"):
+            self.redis.delete(self.queue + suffix)
 
 
-@pytest.fixture(params=["nats"])
+RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun, "redis": RedisRun}
+
+
+@pytest.fixture(params=["nats", "redis"])
 def broker(request: pytest.FixtureRequest) -> str:
     require("Redis", REDIS_URL, 6379)
     if request.param == "nats":
@@ -347,12 +400,66 @@ async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() ->
     assert "message id" in rejected["x-oncely-reason"]
 
 
+async def test_r1_r2_with_faststreams_test_redis_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestRedisBroker`` (no server): duplicates run once and replay
+    the first result with one derived ``message_id`` (which the next subscriber drops), a
+    failure is retried as a copy and dead-lettered after ``max_deliveries``, a keyless
+    message and a reused key are dead-lettered to ``<stream>.dead`` with the reason."""
+    from faststream.redis import RedisBroker, RedisMessage, StreamSub, TestRedisBroker
+
+    import oncely
+    from oncely.brokers import Backoff
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = RedisBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
+    effects: list[object] = []
+    receipts: list[tuple[object, str | None]] = []
+    dead: list[tuple[object, dict[str, Any]]] = []
+
+    @broker.subscriber(stream=StreamSub("orders", group="shop", consumer="c1"))
+    @broker.publisher(stream="receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
+        return {"receipt": body["n"]}
+
+    @broker.subscriber(stream=StreamSub("receipts", group="shop", consumer="c1"))
+    async def receipt(body: dict[str, int], message: RedisMessage) -> None:
+        receipts.append((body, message.headers.get("message_id")))
+
+    @broker.subscriber(stream="orders.dead")  # a dead-letter stream's subscriber: left alone
+    async def dead_letter(message: RedisMessage) -> None:
+        dead.append((message.body, dict(message.headers)))
+
+    async with TestRedisBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, stream="orders", headers={"message_id": "m-1"})
+        await test.publish({"n": 2}, stream="orders")  # no id
+        await test.publish({"n": 3}, stream="orders", headers={"message_id": "m-1"})  # reused
+        await test.publish({"n": 4}, stream="orders", headers={"message_id": "m-4"})
+        for _ in range(200):  # the retry's copy comes back after the backoff
+            if len(dead) == 3:
+                break
+            await asyncio.sleep(0.05)
+    assert effects == [{"n": 1}, {"n": 4}, {"n": 4}]
+    assert len(receipts) == 1 and receipts[0][0] == {"receipt": 1} and receipts[0][1]
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("message_id", "")) for _, h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    failed = next(h for _, h in dead if h.get("message_id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
+    assert failed["x-oncely-deliveries"] == "2"
+
+
 async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unprotected() -> None:
     """Core NATS, a JetStream consumer that is not durable, Redis pub/sub, lists, a stream
     read without a consumer group, and an ack policy that acknowledges whatever happens: the
     message is refused with a ConfigurationError that says why, and the handler never runs."""
     from faststream import AckPolicy
     from faststream.nats import JStream, NatsBroker, TestNatsBroker
+    from faststream.redis import RedisBroker, TestRedisBroker
 
     import oncely
     from oncely.integrations.faststream import Idempotency
@@ -378,4 +485,16 @@ async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unpro
             with pytest.raises(oncely.ConfigurationError, match=why):
                 await test.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "m-1"})
 
+    redis_broker = RedisBroker(middlewares=[Idempotency(inbox)])
+    redis_broker.subscriber("channel")(handler)
+    redis_broker.subscriber(list="list")(handler)
+    redis_broker.subscriber(stream="nogroup")(handler)
+    async with TestRedisBroker(redis_broker) as test:
+        for where, why in (
+            ({"channel": "channel"}, "pub/sub"),
+            ({"list": "list"}, "list"),
+            ({"stream": "nogroup"}, "consumer group"),
+        ):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, headers={"message_id": "m-1"}, **where)
     assert ran == []
