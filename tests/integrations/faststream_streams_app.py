@@ -1,10 +1,11 @@
 """The FastStream app ``tests/integrations/test_faststream_streams.py`` runs with the
-``faststream run`` worker command on NATS JetStream or Redis streams: a subscriber behind
-``oncely.integrations.faststream.Idempotency``, its effects counted in Redis (``INCR``) so
-every worker process counts in one place, its results published to ``<source>.receipts``,
-and a subscriber of ``<source>.plain`` the middleware leaves alone.
+``faststream run`` worker command on NATS JetStream, Redis streams or Kafka (Tansu): a
+subscriber behind ``oncely.integrations.faststream.Idempotency``, its effects counted in
+Redis (``INCR``) so every worker process counts in one place, its results published to
+``<source>.receipts``, and a subscriber of ``<source>.plain`` the middleware leaves alone.
 
-Configured by the environment: ``ONCELY_TEST_FASTSTREAM_BROKER`` (``nats`` or ``redis``),
+Configured by the environment: ``ONCELY_TEST_FASTSTREAM_BROKER`` (``nats``, ``redis`` or
+``kafka``, at ``ONCELY_TEST_KAFKA_URL``),
 ``ONCELY_TEST_FASTSTREAM_QUEUE`` (the subject or stream), ``ONCELY_TEST_FASTSTREAM_STORE``
 (the inbox's store URL), ``ONCELY_TEST_FASTSTREAM_NS`` (the Redis key prefix of the
 effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds) and
@@ -111,7 +112,25 @@ elif BROKER == "redis":
         )
     )(published)
     broker.subscriber(stream=StreamSub(f"{SOURCE}.plain", group="plain", consumer=worker))(plain)
+elif BROKER == "kafka":
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    broker = KafkaBroker(
+        os.environ["ONCELY_TEST_KAFKA_URL"].removeprefix("kafka://"), middlewares=[idempotency]
+    )
+    # Manual commits (AckPolicy.ACK); a member that died is out of the group after the
+    # session timeout, and its partition goes to the next worker.
+    group: dict[str, Any] = {
+        "auto_offset_reset": "earliest",
+        "ack_policy": AckPolicy.ACK,
+        "session_timeout_ms": 6000,
+        "heartbeat_interval_ms": 1000,
+    }
+    published = broker.publisher(f"{SOURCE}.receipts")(charge)
+    broker.subscriber(SOURCE, group_id="billing", **group)(published)
+    broker.subscriber(f"{SOURCE}.plain", group_id="plain", **group)(plain)
 else:  # pragma: no cover - a test configured it
-    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats or redis")
+    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats, redis or kafka")
 
 app = FastStream(broker)

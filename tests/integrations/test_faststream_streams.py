@@ -209,10 +209,97 @@ class RedisRun(StreamRun):
             self.redis.delete(self.queue + suffix)
 
 
-RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun, "redis": RedisRun}
+class KafkaRun(StreamRun):
+    """Kafka on Tansu: aiokafka as the producer, the id in the ``message-id`` header (or the
+    CloudEvents pair ``ce_source``/``ce_id`` for ``o-`` keys), or none."""
+
+    broker = "kafka"
+    suffixes = ("", ".plain", ".receipts")
+
+    def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
+        from tests.brokers.kafka_broker import create_topic, kafka_url
+
+        super().__init__(store, lease, takeover)
+        self.url = kafka_url()
+        self.env["ONCELY_TEST_KAFKA_URL"] = self.url
+        for suffix in self.suffixes:
+            create_topic(self.queue + suffix, 1, self.url)
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        async def go() -> None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.url.removeprefix("kafka://"))
+            await producer.start()
+            try:
+                for body, key, content_type, suffix in messages:
+                    headers = [("content-type", content_type.encode())] if content_type else []
+                    if key is not None and key.startswith("o-"):
+                        headers += [
+                            ("ce_specversion", b"1.0"),
+                            ("ce_type", b"shop.order"),
+                            ("ce_source", b"/shop"),
+                            ("ce_id", key.encode()),
+                        ]
+                    elif key is not None:
+                        headers.append(("message-id", key.encode()))
+                    await producer.send_and_wait(self.queue + suffix, body, headers=headers)
+            finally:
+                await producer.stop()
+
+        asyncio.run(go())
+
+    def _read(self, topic: str) -> list[tuple[dict[str, str], bytes]]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def go() -> list[tuple[dict[str, str], bytes]]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.url.removeprefix("kafka://"))
+            await consumer.start()
+            found: list[tuple[dict[str, str], bytes]] = []
+            try:
+                partitions = consumer.partitions_for_topic(topic) or set()
+                if not partitions:
+                    await consumer._client.force_metadata_update()
+                    partitions = consumer.partitions_for_topic(topic) or set()
+                assigned = [TopicPartition(topic, p) for p in partitions]
+                if not assigned:
+                    return found
+                consumer.assign(assigned)
+                await consumer.seek_to_beginning(*assigned)
+                ends = await consumer.end_offsets(assigned)
+                for _ in range(100):
+                    if all([await consumer.position(tp) >= ends[tp] for tp in assigned]):
+                        break
+                    batch = await consumer.getmany(timeout_ms=1000)
+                    for records in batch.values():
+                        for record in records:
+                            headers = {k: (v or b"").decode() for k, v in record.headers}
+                            found.append((headers, record.value or b""))
+            finally:
+                await consumer.stop()
+            return found
+
+        return asyncio.run(go())
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("message-id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        from tests.brokers.kafka_broker import delete_topics
+
+        delete_topics(*(self.queue + suffix for suffix in (*self.suffixes, ".dead")))
 
 
-@pytest.fixture(params=["nats", "redis"])
+RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun, "redis": RedisRun, "kafka": KafkaRun}
+
+
+@pytest.fixture(params=["nats", "redis", "kafka"])
 def broker(request: pytest.FixtureRequest) -> str:
     require("Redis", REDIS_URL, 6379)
     if request.param == "nats":
@@ -222,9 +309,9 @@ def broker(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def store(broker: str, tmp_path: Path) -> Iterator[str]:
-    """The inbox on SQLite for NATS and on Redis for Redis streams (the store is not what
-    these tests are about; both kinds are covered)."""
-    if broker == "nats":
+    """The inbox on SQLite for NATS and Kafka, on Redis for Redis streams (the store is not
+    what these tests are about; both kinds are covered)."""
+    if broker in ("nats", "kafka"):
         yield f"sqlite:///{tmp_path / 'inbox.db'}"
         return
     unique = f"oncely_fss_{uuid.uuid4().hex[:8]}"
@@ -240,7 +327,12 @@ def _reason(headers: dict[str, str]) -> str:
 
 
 def _key(headers: dict[str, str]) -> str | None:
-    return headers.get("message_id") or headers.get("Oncely-Message-Id")
+    return (
+        headers.get("message_id")
+        or headers.get("Oncely-Message-Id")
+        or headers.get("message-id")
+        or headers.get("ce_id")
+    )
 
 
 @pytest.mark.slow
@@ -325,7 +417,7 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         receipts = run.receipts()
         o1 = [message_id for message_id, order in receipts if order == "o1"]
         assert len(set(o1)) == 1 and o1[0], receipts
-        assert len(o1) == (1 if broker == "nats" else 3)
+        assert len(o1) == (1 if broker == "nats" else 3)  # Kafka: one id, no window
         assert {order for _, order in receipts} == set(ORDERS)
     finally:
         run.close()
@@ -453,11 +545,67 @@ async def test_r1_r2_with_faststreams_test_redis_broker_for_users_unit_tests() -
     assert failed["x-oncely-deliveries"] == "2"
 
 
+async def test_r1_r3_with_faststreams_test_kafka_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestKafkaBroker`` (no server): duplicates by ``message-id``
+    and by the CloudEvents pair run once and replay the first result with one derived
+    ``message-id``, a failure is retried as a copy and dead-lettered after
+    ``max_deliveries``, a keyless record and a reused key go to ``<topic>.dead`` with the
+    reason and where the record was."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaMessage, TestKafkaBroker
+
+    import oncely
+    from oncely.brokers import Backoff
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = KafkaBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
+    effects: list[object] = []
+    receipts: list[tuple[dict[str, int], str | None]] = []
+    dead: list[dict[str, Any]] = []
+    event = {"ce_specversion": "1.0", "ce_type": "shop.order", "ce_source": "/shop", "ce_id": "e5"}
+
+    @broker.subscriber("orders", group_id="shop", ack_policy=AckPolicy.ACK)
+    @broker.publisher("receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
+        return {"receipt": body["n"]}
+
+    @broker.subscriber("receipts", group_id="shop", ack_policy=AckPolicy.ACK)
+    async def receipt(body: dict[str, int], message: KafkaMessage) -> None:
+        receipts.append((body, message.headers.get("message-id")))
+
+    @broker.subscriber("orders.dead")  # a dead-letter topic's subscriber is left alone
+    async def dead_letter(message: KafkaMessage) -> None:
+        dead.append(dict(message.headers))
+
+    async with TestKafkaBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", headers={"message-id": "m-1"})
+            await test.publish({"n": 5}, "orders", headers=event)
+        await test.publish({"n": 2}, "orders")  # no id
+        await test.publish({"n": 3}, "orders", headers={"message-id": "m-1"})  # reused
+        await test.publish({"n": 4}, "orders", headers={"message-id": "m-4"})
+    assert effects == [{"n": 1}, {"n": 5}, {"n": 4}, {"n": 4}]
+    assert sorted(body["receipt"] for body, _ in receipts) == [1, 5]
+    assert all(message_id for _, message_id in receipts)
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("message-id", "")) for h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    failed = next(h for h in dead if h.get("message-id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
+    assert failed["x-oncely-topic"] == "orders" and "x-oncely-offset" in failed
+
+
 async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unprotected() -> None:
     """Core NATS, a JetStream consumer that is not durable, Redis pub/sub, lists, a stream
-    read without a consumer group, and an ack policy that acknowledges whatever happens: the
-    message is refused with a ConfigurationError that says why, and the handler never runs."""
+    read without a consumer group, a Kafka subscriber without a group or with automatic
+    commits, and an ack policy that acknowledges whatever happens: the message is refused
+    with a ConfigurationError that says why, and the handler never runs."""
     from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, TestKafkaBroker
     from faststream.nats import JStream, NatsBroker, TestNatsBroker
     from faststream.redis import RedisBroker, TestRedisBroker
 
@@ -497,4 +645,11 @@ async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unpro
         ):
             with pytest.raises(oncely.ConfigurationError, match=why):
                 await test.publish({"n": 1}, headers={"message_id": "m-1"}, **where)
+    kafka_broker = KafkaBroker(middlewares=[Idempotency(inbox)])
+    kafka_broker.subscriber("auto", group_id="g")(handler)  # FastStream's default: ACK_FIRST
+    kafka_broker.subscriber("nogroup", ack_policy=AckPolicy.ACK)(handler)
+    async with TestKafkaBroker(kafka_broker) as test:
+        for topic, why in (("auto", "commits automatically"), ("nogroup", "consumer group")):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, topic, headers={"message-id": "m-1"})
     assert ran == []

@@ -1,6 +1,6 @@
 """FastStream subscribers that apply each logical message once: a broker middleware on an
-:class:`~oncely.AsyncInbox`, for FastStream's RabbitMQ, NATS (JetStream) and Redis (streams)
-brokers.
+:class:`~oncely.AsyncInbox`, for FastStream's RabbitMQ, NATS (JetStream), Redis (streams) and
+Kafka (aiokafka) brokers.
 
 ::
 
@@ -100,14 +100,29 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     pub/sub channels and lists (neither can deliver a message again), streams read without a
     consumer group, ``no_ack`` and batch subscribers.
 
-FastStream's Kafka brokers are not adapted yet: their messages are refused, never run
-unprotected.
+Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual commits)
+    The key is the ``message-id`` header (oncely's producer), else ``message_id``, else the
+    CloudEvents pair ``ce_source``/``ce_id`` of the Kafka binding (R3); never the partition
+    and offset, which FastStream turns into its message id. Kafka counts no deliveries and
+    cannot put one record back: a record given back or retried waits its delay in the
+    subscriber, then a copy (value, key, every header, and ``x-oncely-delivered`` with its
+    count) is written to the topic's tail and confirmed before FastStream commits past the
+    original; should the copy fail, the consumer is rewound to the original. Dead letters go
+    to ``<topic>.dead`` (created through FastStream's admin client when missing) with the
+    ``x-oncely-*`` headers plus ``x-oncely-topic``, ``x-oncely-partition`` and
+    ``x-oncely-offset``. FastStream's Kafka subscribers commit automatically by default
+    (``AckPolicy.ACK_FIRST``): give them ``ack_policy=AckPolicy.ACK``, or they are refused,
+    as are subscribers without ``group_id`` and batch subscribers. A retried record goes
+    behind the records after it: ordering within a partition is not kept for it (R15).
+    FastStream's Confluent broker (``faststream.confluent``) is not adapted: its messages
+    are refused, never run unprotected.
 
-Works with FastStream's ``TestRabbitBroker``, ``TestNatsBroker`` and ``TestRedisBroker``
-for users' unit tests (dead letters then reach a test subscriber of the ``.dead``
-destination). Tested with the ``faststream run`` worker on RabbitMQ 3.10, on NATS 2.9 with
-JetStream (a durable pull consumer) and on Redis 7.0 streams (a consumer group with a
-``min_idle_time`` takeover subscriber), each with a worker ``SIGKILL``ed mid-handler
+Works with FastStream's ``TestRabbitBroker``, ``TestNatsBroker``, ``TestRedisBroker`` and
+``TestKafkaBroker`` for users' unit tests (dead letters then reach a test subscriber of the
+``.dead`` destination). Tested with the ``faststream run`` worker on RabbitMQ 3.10, on NATS
+2.9 with JetStream (a durable pull consumer), on Redis 7.0 streams (a consumer group with a
+``min_idle_time`` takeover subscriber) and on the Kafka protocol served by Tansu 0.6 (not
+Apache Kafka), each with a worker ``SIGKILL``ed mid-handler
 (``tests/integrations/test_faststream.py`` and ``test_faststream_streams.py``). Two-phase
 mode only.
 """

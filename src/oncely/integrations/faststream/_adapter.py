@@ -104,6 +104,7 @@ _MODULES = {
     "faststream.rabbit": ("RabbitBroker", "oncely.integrations.faststream._rabbit"),
     "faststream.nats": ("NatsBroker (JetStream)", "oncely.integrations.faststream._nats"),
     "faststream.redis": ("RedisBroker (streams)", "oncely.integrations.faststream._redis"),
+    "faststream.kafka": ("KafkaBroker (aiokafka)", "oncely.integrations.faststream._kafka"),
 }
 ADAPTED = ", ".join(broker for broker, _ in _MODULES.values())
 """FastStream's brokers that have an adapter, for error messages."""

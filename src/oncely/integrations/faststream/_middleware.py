@@ -321,8 +321,10 @@ def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str
     if policy in (AckPolicy.ACK_FIRST, AckPolicy.MANUAL):
         raise ConfigurationError(
             f"oncely cannot protect the subscriber of {source!r}: its ack_policy is "
-            f"{policy.name}, so FastStream acknowledges (or never acknowledges) the message "
-            "whatever its outcome; keep the default ack_policy: the message was not processed"
+            f"{policy.name}, so FastStream acknowledges (or commits) the message whatever its "
+            "outcome, or never does; give it ack_policy=AckPolicy.ACK (the default of "
+            "RabbitMQ, NATS and Redis subscribers is fine; Kafka's commits automatically): "
+            "the message was not processed"
         )
     return adapter
 
