@@ -78,10 +78,10 @@ NATS (``NatsBroker``, JetStream subscribers)
     one), batch subscribers, key-value and object-store watches. A subscriber whose own
     stream captures ``<subject>.dead`` cannot dead-letter (the copies would come back): its
     refused messages are given back with the error logged until the stream's subjects are
-    narrowed. Keep the consumer's ``ack_wait`` above the handler's
-    running time (a message still running when it lapses is delivered again and given back
-    as ``in_flight``), and its ``max_deliver``, if set, above ``max_deliveries``: a message
-    on its last delivery is dead-lettered rather than given back into nothing. Results get
+    narrowed. While a handler runs, its message is kept with ``+WPI``
+    every third of the consumer's ``ack_wait``, so it is not delivered again meanwhile. Keep
+    the consumer's ``max_deliver``, if set, above ``max_deliveries``: a message on its last
+    delivery is dead-lettered rather than given back into nothing. Results get
     the derived id as ``Nats-Msg-Id``, so a stream's duplicate window drops a replay too.
 
 Redis (``RedisBroker``, stream subscribers of a consumer group)
@@ -96,7 +96,9 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     with the ``x-oncely-*`` fields the same way. Both happen only while the subscriber's
     consumer still owns the entry. A worker killed mid-handler leaves its entry pending: add
     a second subscriber of the same group with ``min_idle_time`` (FastStream's
-    ``XAUTOCLAIM``), which delivers it again once it has been idle that long. Refused:
+    ``XAUTOCLAIM``), which delivers it again once it has been idle that long; while a handler
+    runs, its entry's idle time is reset every third of that, so it is not taken over
+    meanwhile. Refused:
     pub/sub channels and lists (neither can deliver a message again), streams read without a
     consumer group, ``no_ack`` and batch subscribers.
 

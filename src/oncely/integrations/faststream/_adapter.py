@@ -73,6 +73,16 @@ class Adapter(Protocol):
         would not deliver a message again (``None``: none)."""
         ...
 
+    def extend_every(self, held: Settling) -> timedelta | None:
+        """How often to tell the broker, while the handler runs, that the message is still
+        being worked on, so that it is not delivered to another consumer meanwhile (``None``:
+        the broker needs no telling)."""
+        ...
+
+    async def extend(self, held: Settling) -> None:
+        """Tell the broker the message is still being worked on."""
+        ...
+
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         """Have the broker deliver the message again, no sooner than ``delay``; never an
         ack (``in_flight``, a store that cannot answer, a dead letter that failed)."""

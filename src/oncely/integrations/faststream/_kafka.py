@@ -86,6 +86,12 @@ class KafkaAdapter:
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
 
+    def extend_every(self, held: Settling) -> timedelta | None:
+        return None  # aiokafka's heartbeats keep the partition while the member lives
+
+    async def extend(self, held: Settling) -> None:
+        return None
+
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         # Kafka cannot put one record back: after the delay a copy goes to the topic's tail,
         # confirmed, and then FastStream commits past the original. Should the copy fail,

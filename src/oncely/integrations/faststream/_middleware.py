@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -148,7 +149,8 @@ class Idempotency:
             except Exception as exc:
                 raise Reject(f"undecodable body: {exc!r}") from None
             try:
-                return await call_next(msg)
+                async with _kept(adapter, held):
+                    return await call_next(msg)
             except AckMessage:  # the handler ended it as done: the key is complete
                 return None
             except RejectMessage:  # the handler refused it: poison, dead-lettered
@@ -327,6 +329,37 @@ def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str
             "the message was not processed"
         )
     return adapter
+
+
+@contextlib.asynccontextmanager
+async def _kept(adapter: Adapter, held: Settling) -> AsyncIterator[None]:
+    """While the handler runs, tell the broker the message is still being worked on, as
+    often as the adapter says (so it is not delivered to another consumer meanwhile)."""
+    every = adapter.extend_every(held)
+    if every is None or every <= timedelta(0):
+        yield
+        return
+
+    async def keep() -> None:
+        while True:
+            await asyncio.sleep(every.total_seconds())
+            try:
+                await adapter.extend(held)
+            except Exception as exc:  # the settlement after the handler still decides
+                LOGGER.warning(
+                    "oncely faststream source=%s could not extend a running message (%s: %s)",
+                    held.source,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    task = asyncio.get_running_loop().create_task(keep())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _not_adapted(subscriber: Any, raw: Any) -> ConfigurationError:

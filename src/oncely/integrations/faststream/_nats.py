@@ -91,6 +91,16 @@ class NatsAdapter:
         limit = getattr(getattr(subscriber, "config", None), "max_deliver", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
+    def extend_every(self, held: Settling) -> timedelta | None:
+        if not _from_jetstream(held.raw):
+            return None
+        wait = getattr(getattr(held.subscriber, "config", None), "ack_wait", None)
+        seconds = wait if isinstance(wait, int | float) and wait > 0 else 30.0  # server default
+        return timedelta(seconds=seconds) / 3
+
+    async def extend(self, held: Settling) -> None:
+        await held.raw.in_progress()  # +WPI: JetStream's ack wait starts again
+
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         await held.raw.nak(delay=max(delay.total_seconds(), 0.0) or None)
 

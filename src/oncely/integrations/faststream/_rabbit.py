@@ -63,6 +63,12 @@ class RabbitAdapter:
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
 
+    def extend_every(self, held: Settling) -> timedelta | None:
+        return None  # an unacknowledged message stays with its consumer while it is connected
+
+    async def extend(self, held: Settling) -> None:
+        return None
+
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         # RabbitMQ has no delayed requeue: the message is held unacknowledged meanwhile
         # (locked, so FastStream leaves it alone).

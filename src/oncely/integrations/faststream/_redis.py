@@ -16,7 +16,7 @@ from faststream.message import AckStatus
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
 from oncely.brokers.redis_streams._layout import EntryLayout, as_text
-from oncely.brokers.redis_streams._scripts import DEAD_LETTER
+from oncely.brokers.redis_streams._scripts import DEAD_LETTER, SET_IDLE
 from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery, Settling
 from oncely.keys import Envelope
 
@@ -45,6 +45,7 @@ class RedisAdapter:
 
     def __init__(self) -> None:
         self._scripts: dict[int, Any] = {}
+        self._set_idle: dict[int, Any] = {}
 
     def source_of(self, subscriber: Any) -> str | None:
         for attribute in ("stream_sub", "list_sub", "channel"):
@@ -122,6 +123,35 @@ class RedisAdapter:
 
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
+
+    def extend_every(self, held: Settling) -> timedelta | None:
+        """A third of the shortest ``min_idle_time`` of the broker's subscribers that take
+        over this stream's pending entries for this group (none: nobody takes them over)."""
+        raw = held.message.raw_message
+        if not raw.get("message_ids"):
+            return None
+        mine = held.subscriber.stream_sub
+        idle = [
+            stream.min_idle_time
+            for each in getattr(held.broker, "subscribers", ())
+            if (stream := getattr(each, "stream_sub", None)) is not None
+            and stream.name == mine.name
+            and stream.group == mine.group
+            and stream.min_idle_time
+        ]
+        return timedelta(milliseconds=min(idle)) / 3 if idle else None
+
+    async def extend(self, held: Settling) -> None:
+        """Reset the entry's idle time while this consumer still owns it (``XCLAIM ... IDLE 0
+        JUSTID``, which leaves the delivery count alone)."""
+        raw = held.message.raw_message
+        client = held.message.consumer
+        script = self._set_idle.get(id(client))
+        if script is None:
+            script = self._set_idle[id(client)] = client.register_script(SET_IDLE)
+        stream = held.subscriber.stream_sub
+        args = [stream.group, stream.consumer, raw["message_ids"][0], 0]
+        await script(keys=[raw["channel"]], args=args, client=client)
 
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         # Redis has no negative acknowledgement: a copy goes to the stream's tail after the
