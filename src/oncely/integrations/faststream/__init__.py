@@ -98,9 +98,8 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     a second subscriber of the same group with ``min_idle_time`` (FastStream's
     ``XAUTOCLAIM``), which delivers it again once it has been idle that long; while a handler
     runs, its entry's idle time is reset every third of that, so it is not taken over
-    meanwhile. Refused:
-    pub/sub channels and lists (neither can deliver a message again), streams read without a
-    consumer group, ``no_ack`` and batch subscribers.
+    meanwhile. Refused: pub/sub channels and lists (neither can deliver a message again),
+    streams read without a consumer group, ``no_ack`` and batch subscribers.
 
 Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual commits)
     The key is the ``message-id`` header (oncely's producer), else ``message_id``, else the

@@ -142,6 +142,7 @@ class Idempotency:
             await self._give_back(adapter, held, self.backoff.delay(None))
             raise AckMessage() from None
         scope.adapter = adapter
+        every = adapter.extend_every(held)
 
         async def run(_body: object) -> Any:
             try:
@@ -149,7 +150,9 @@ class Idempotency:
             except Exception as exc:
                 raise Reject(f"undecodable body: {exc!r}") from None
             try:
-                async with _kept(adapter, held):
+                if every is None:
+                    return await call_next(msg)
+                async with _kept(adapter, held, every):
                     return await call_next(msg)
             except AckMessage:  # the handler ended it as done: the key is complete
                 return None
@@ -332,13 +335,10 @@ def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str
 
 
 @contextlib.asynccontextmanager
-async def _kept(adapter: Adapter, held: Settling) -> AsyncIterator[None]:
-    """While the handler runs, tell the broker the message is still being worked on, as
-    often as the adapter says (so it is not delivered to another consumer meanwhile)."""
-    every = adapter.extend_every(held)
-    if every is None or every <= timedelta(0):
-        yield
-        return
+async def _kept(adapter: Adapter, held: Settling, every: timedelta) -> AsyncIterator[None]:
+    """While the handler runs, tell the broker every ``every`` that the message is still
+    being worked on (so it is not delivered to another consumer meanwhile)."""
+    every = max(every, timedelta(milliseconds=10))
 
     async def keep() -> None:
         while True:
