@@ -207,10 +207,11 @@ class RedisRun(StreamRun):
 
         found: list[tuple[dict[str, str], bytes]] = []
         for _id, fields in self.redis.xrange(stream):
+            # What a FastStream subscriber of the stream reads: the headers of its format.
             body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
-            for name, value in fields.items():
-                if name != b"__data__":
-                    headers[name.decode()] = value.decode()
+            for name, value in fields.items():  # and oncely's fields beside it
+                if name.startswith(b"x-oncely-"):
+                    assert headers[name.decode()] == value.decode()
             found.append((headers, body))
         return found
 

@@ -93,7 +93,9 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     negative acknowledgement: a message given back or retried stays pending for the delay,
     then a copy of the entry (every field, with its count) is added at the stream's tail and
     the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
-    with the ``x-oncely-*`` fields the same way. Both happen only while the subscriber's
+    the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
+    headers of FastStream's message format (``message.headers`` of a FastStream subscriber
+    of the dead-letter stream). Both happen only while the subscriber's
     consumer still owns the entry. A worker killed mid-handler leaves its entry pending: add
     a second subscriber of the same group with ``min_idle_time`` (FastStream's
     ``XAUTOCLAIM``), which delivers it again once it has been idle that long; while a handler

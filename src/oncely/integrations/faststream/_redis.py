@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from faststream.message import AckStatus
+from faststream.redis.parser.binary import BinaryMessageFormatV1
 
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
@@ -177,7 +178,13 @@ class RedisAdapter:
             )
 
     async def dead_letter(self, held: Settling, why: DeadLetter) -> None:
-        await self._write(held, held.source + DEAD_LETTER_SUFFIX, _fields(held, why.headers()))
+        fields = _fields(held, why.headers())
+        data = fields.get(_DATA)
+        if isinstance(data, bytes):
+            # The reason also goes into the headers of FastStream's message format, where a
+            # FastStream subscriber of the dead-letter stream reads them (message.headers).
+            fields[_DATA] = await _with_headers(held, data, why.headers())
+        await self._write(held, held.source + DEAD_LETTER_SUFFIX, fields)
 
     async def _write(self, held: Settling, target: str, fields: dict[bytes, bytes | str]) -> None:
         """Add ``fields`` to the stream ``target`` and acknowledge the original entry, in one
@@ -254,6 +261,22 @@ async def _times_delivered(message: Any, raw: dict[str, Any], entry_ids: list[by
         count=1,
     )
     return int(pending[0]["times_delivered"]) if pending else 1
+
+
+async def _with_headers(held: Settling, data: bytes, extra: dict[str, str]) -> bytes:
+    """FastStream's encoded message ``data`` with ``extra`` added to its headers, in the
+    subscriber's message format; the body's bytes are kept as they are."""
+    config = getattr(held.subscriber, "config", None)
+    message_format: Any = getattr(config, "message_format", None) or BinaryMessageFormatV1
+    body, headers = message_format.parse(data)
+    headers = {**headers, **extra}
+    encoded: bytes = await message_format.encode(
+        message=body,
+        reply_to=headers.pop("reply_to", None),
+        headers=headers,
+        correlation_id=str(headers.get("correlation_id", "")),
+    )
+    return encoded
 
 
 def _whole(value: object) -> int | None:
