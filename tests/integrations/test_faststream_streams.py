@@ -677,3 +677,63 @@ async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unpro
             with pytest.raises(oncely.ConfigurationError, match=why):
                 await test.publish({"n": 1}, topic, headers={"message-id": "m-1"})
     assert ran == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_r10_kafka_a_copy_meeting_a_running_claim_is_read_again_in_place() -> None:
+    """On Kafka a message given back (here: another worker holds its key) is not copied:
+    the partition waits out ``requeue_delay`` and the consumer is rewound to the record,
+    nothing committed past it. Once the other worker lets go, the record runs, once, and is
+    committed; the topic still holds that one record."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+
+    url = kafka_url()
+    servers = url.removeprefix("kafka://")
+    topic = f"oncely_fk_{uuid.uuid4().hex[:8]}"
+    create_topic(topic, 1, url)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    middleware = Idempotency(inbox, requeue_delay=timedelta(milliseconds=200))
+    broker = KafkaBroker(servers, middlewares=[middleware])
+    ran: list[object] = []
+
+    @broker.subscriber(
+        topic, group_id="billing", auto_offset_reset="earliest", ack_policy=AckPolicy.ACK
+    )
+    async def handle(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    body = b'{"n": 1}'
+    elsewhere = await inbox.claim("m-r1", body)  # another worker is running this message
+    assert elsewhere.won
+    try:
+        async with broker:
+            await broker.start()
+            headers = {"message-id": "m-r1", "content-type": "application/json"}
+            await broker.publish(body, topic, headers=headers)
+            await asyncio.sleep(3)  # read, given back, read again, ... never run
+            assert ran == []
+            await elsewhere.release()
+            for _ in range(300):
+                if ran:
+                    break
+                await asyncio.sleep(0.1)
+            assert ran == [{"n": 1}]
+            await asyncio.sleep(1)
+        assert ran == [{"n": 1}]
+        consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id="billing")
+        await consumer.start()
+        try:
+            partition = TopicPartition(topic, 0)
+            assert (await consumer.end_offsets([partition]))[partition] == 1  # no copy
+            assert await consumer.committed(partition) == 1  # and done
+        finally:
+            await consumer.stop()
+    finally:
+        delete_topics(topic, topic + ".dead")

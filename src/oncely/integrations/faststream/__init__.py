@@ -78,11 +78,11 @@ NATS (``NatsBroker``, JetStream subscribers)
     one), batch subscribers, key-value and object-store watches. A subscriber whose own
     stream captures ``<subject>.dead`` cannot dead-letter (the copies would come back): its
     refused messages are given back with the error logged until the stream's subjects are
-    narrowed. While a handler runs, its message is kept with ``+WPI``
-    every third of the consumer's ``ack_wait``, so it is not delivered again meanwhile. Keep
-    the consumer's ``max_deliver``, if set, above ``max_deliveries``: a message on its last
-    delivery is dead-lettered rather than given back into nothing. Results get
-    the derived id as ``Nats-Msg-Id``, so a stream's duplicate window drops a replay too.
+    narrowed. While a handler runs, its message is kept with ``+WPI`` every third of the
+    consumer's ``ack_wait``, so it is not delivered again meanwhile. Keep the consumer's
+    ``max_deliver``, if set, above ``max_deliveries``: a message on its last delivery is
+    dead-lettered rather than given back into nothing. Results get the derived id as
+    ``Nats-Msg-Id``, so a stream's duplicate window drops a replay too.
 
 Redis (``RedisBroker``, stream subscribers of a consumer group)
     The key is the ``message_id`` header of FastStream's message format
@@ -95,22 +95,25 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
     the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
     headers of FastStream's message format (``message.headers`` of a FastStream subscriber
-    of the dead-letter stream). Both happen only while the subscriber's
-    consumer still owns the entry. A worker killed mid-handler leaves its entry pending: add
-    a second subscriber of the same group with ``min_idle_time`` (FastStream's
-    ``XAUTOCLAIM``), which delivers it again once it has been idle that long; while a handler
-    runs, its entry's idle time is reset every third of that, so it is not taken over
-    meanwhile. Refused: pub/sub channels and lists (neither can deliver a message again),
-    streams read without a consumer group, ``no_ack`` and batch subscribers.
+    of the dead-letter stream). Both happen only while the subscriber's consumer still owns
+    the entry. A worker killed mid-handler leaves its entry pending: add a second subscriber
+    of the same group with ``min_idle_time`` (FastStream's ``XAUTOCLAIM``), which delivers it
+    again once it has been idle that long; while a handler runs, its entry's idle time is
+    reset every third of that, so it is not taken over meanwhile. Refused: pub/sub channels
+    and lists (neither can deliver a message again), streams read without a consumer group,
+    ``no_ack`` and batch subscribers.
 
 Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual commits)
     The key is the ``message-id`` header (oncely's producer), else ``message_id``, else the
     CloudEvents pair ``ce_source``/``ce_id`` of the Kafka binding (R3); never the partition
-    and offset, which FastStream turns into its message id. Kafka counts no deliveries and
-    cannot put one record back: a record given back or retried waits its delay in the
-    subscriber, then a copy (value, key, every header, and ``x-oncely-delivered`` with its
-    count) is written to the topic's tail and confirmed before FastStream commits past the
-    original; should the copy fail, the consumer is rewound to the original. Dead letters go
+    and offset, which FastStream turns into its message id. A record given back (a copy
+    meeting a running first one, a store that cannot answer, a dead letter that could not be
+    sent) waits its delay in the subscriber, then the consumer is rewound to it (a seek,
+    nothing committed past it): it is read again in its place, nothing written. Kafka counts
+    no deliveries, so a failed record is retried as a copy instead: after its backoff a copy
+    (value, key, every header, and ``x-oncely-delivered`` with its count) is written to the
+    topic's tail and confirmed before FastStream commits past the original (rewound instead
+    should the copy fail); the count survives a restart with the record. Dead letters go
     to ``<topic>.dead`` (created through FastStream's admin client when missing) with the
     ``x-oncely-*`` headers plus ``x-oncely-topic``, ``x-oncely-partition`` and
     ``x-oncely-offset``. FastStream's Kafka subscribers commit automatically by default
