@@ -48,8 +48,9 @@ class Idempotency:
     broker, ``RabbitBroker(url, middlewares=[Idempotency(inbox)])``, or to
     ``include_router(router, middlewares=[...])``.
 
-    ``inbox``: one inbox for every subscriber, or ``{queue name: inbox}`` (the others pass
-    through untouched). ``key``: the key source (default: the producer's message id). A
+    ``inbox``: one inbox for every subscriber, or ``{name: inbox}`` keyed by the queue
+    (RabbitMQ), subject (NATS), stream (Redis) or topic (Kafka) a subscriber reads (the
+    others pass through untouched). ``key``: the key source (default: the producer's message id). A
     failed message is retried after ``backoff`` until it has been delivered
     ``max_deliveries`` times, then dead-lettered; an ``in_flight`` copy is given back after
     ``requeue_delay``."""
@@ -67,7 +68,8 @@ class Idempotency:
         if not isinstance(inbox, AsyncInbox | Mapping):
             raise TypeError(
                 "Idempotency takes an oncely.AsyncInbox (FastStream handlers are async) or a "
-                f"mapping of queue names to them, not {type(inbox).__name__}"
+                f"mapping of queue, subject, stream or topic names to them, not "
+                f"{type(inbox).__name__}"
             )
         inboxes = {"": inbox} if isinstance(inbox, AsyncInbox) else dict(inbox)
         for name, each in inboxes.items():
