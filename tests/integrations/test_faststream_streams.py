@@ -476,15 +476,19 @@ def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(
 async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() -> None:
     """The middleware under ``TestNatsBroker`` (no server): a duplicate runs once and
     replays the first result with an id derived from the key (``Nats-Msg-Id``), which the
-    next subscriber behind the middleware drops; a keyless message and a reused key are
-    dead-lettered to ``<subject>.dead`` with the reason."""
+    next subscriber behind the middleware drops; a failure is retried (published again, the
+    test broker has nothing to give it back to) and dead-lettered after ``max_deliveries``;
+    a keyless message and a reused key are dead-lettered to ``<subject>.dead`` with the
+    reason."""
     from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub, TestNatsBroker
 
     import oncely
+    from oncely.brokers import Backoff
     from oncely.integrations.faststream import Idempotency
 
     inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
-    broker = NatsBroker(middlewares=[Idempotency(inbox)])
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = NatsBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
     effects: list[object] = []
     receipts: list[tuple[object, str | None]] = []
     dead: list[tuple[object, dict[str, Any]]] = []
@@ -493,6 +497,8 @@ async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() ->
     @broker.publisher("receipts")
     async def order(body: dict[str, int]) -> dict[str, int]:
         effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
         return {"receipt": body["n"]}
 
     @broker.subscriber("receipts", stream=JStream("receipts"), durable="shop", pull_sub=PullSub())
@@ -508,12 +514,15 @@ async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() ->
             await test.publish({"n": 1}, "orders", headers={"Nats-Msg-Id": "m-1"})
         await test.publish({"n": 2}, "orders")  # no id
         await test.publish({"n": 3}, "orders", headers={"Nats-Msg-Id": "m-1"})  # reused
-    assert effects == [{"n": 1}]
+        await test.publish({"n": 4}, "orders", headers={"Nats-Msg-Id": "m-4"})  # fails
+    assert effects == [{"n": 1}, {"n": 4}, {"n": 4}]  # the failure retried once
     assert len(receipts) == 1 and receipts[0][0] == {"receipt": 1} and receipts[0][1]
-    outcomes = sorted(headers["x-oncely-outcome"] for _, headers in dead)
-    assert outcomes == ["key_conflict", "rejected"]
-    rejected = next(h for _, h in dead if h["x-oncely-outcome"] == "rejected")
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("Nats-Msg-Id", "")) for _, h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    rejected = next(h for _, h in dead if "Nats-Msg-Id" not in h)
     assert "message id" in rejected["x-oncely-reason"]
+    failed = next(h for _, h in dead if h.get("Nats-Msg-Id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
 
 
 async def test_r1_r2_with_faststreams_test_redis_broker_for_users_unit_tests() -> None:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import replace
 from datetime import timedelta
@@ -28,6 +29,7 @@ from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery
 
 __all__ = ["ADAPTER", "FASTSTREAM_ID_HEADER", "NatsAdapter"]
 
+_TEST_DELIVERIES = "x-oncely-delivered"
 FASTSTREAM_ID_HEADER = "message_id"
 """The header FastStream's NATS parser reads a message id from (``headers={"message_id":
 ...}``); read after ``Oncely-Message-Id`` and ``Nats-Msg-Id``."""
@@ -85,6 +87,11 @@ class NatsAdapter:
             given = envelope.headers.get(FASTSTREAM_ID_HEADER)
             if isinstance(given, str) and given:
                 envelope = replace(envelope, message_id=given)
+        if envelope.delivery_count is None:  # TestNatsBroker: the count a retry's copy says
+            headers = dict(envelope.headers)
+            earlier = str(headers.pop(_TEST_DELIVERIES, ""))
+            count = int(earlier) + 1 if earlier.isdigit() else None
+            envelope = replace(envelope, headers=headers, delivery_count=count)
         return Delivery(envelope, refusal)
 
     def delivery_limit(self, subscriber: Any) -> int | None:
@@ -102,16 +109,23 @@ class NatsAdapter:
         await held.raw.in_progress()  # +WPI: JetStream's ack wait starts again
 
     async def give_back(self, held: Settling, delay: timedelta) -> None:
+        if not _from_jetstream(held.raw):
+            await _send_again(held, delay, None)
+            return
         await held.raw.nak(delay=max(delay.total_seconds(), 0.0) or None)
 
     async def retry(self, held: Settling, delay: timedelta, count: int) -> None:
-        await self.give_back(held, delay)  # JetStream counts the deliveries itself
+        if not _from_jetstream(held.raw):
+            await _send_again(held, delay, count)
+            return
+        await held.raw.nak(delay=max(delay.total_seconds(), 0.0) or None)  # JetStream counts
 
     async def dead_letter(self, held: Settling, why: DeadLetter) -> None:
         raw: Msg = held.raw
         subject = raw.subject + DEAD_LETTER_SUFFIX
         if not _from_jetstream(raw):  # FastStream's TestNatsBroker: its subscriber gets it
             headers = sendable_headers({str(k): str(v) for k, v in (raw.headers or {}).items()})
+            headers.pop(_TEST_DELIVERIES, None)
             headers.update(why.headers())
             await held.broker.publish(raw.data, subject, headers=headers)
             return
@@ -152,6 +166,17 @@ class NatsAdapter:
 
 
 ADAPTER = NatsAdapter
+
+
+async def _send_again(held: Settling, delay: timedelta, count: int | None) -> None:
+    """FastStream's ``TestNatsBroker`` has nothing to give a message back to: after the delay
+    it is published again (in the test, to the same subscriber), with its count."""
+    await asyncio.sleep(delay.total_seconds())
+    raw: Msg = held.raw
+    headers = {str(k): str(v) for k, v in (raw.headers or {}).items()}
+    if count is not None:
+        headers[_TEST_DELIVERIES] = str(count)
+    await held.broker.publish(raw.data, raw.subject, headers=headers)
 
 
 def _from_jetstream(raw: Msg) -> bool:
