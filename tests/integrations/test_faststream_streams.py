@@ -746,3 +746,70 @@ async def test_r10_kafka_a_copy_meeting_a_running_claim_is_read_again_in_place()
             await consumer.stop()
     finally:
         delete_topics(topic, topic + ".dead")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_r2_kafka_a_record_faststream_cannot_read_is_dead_lettered_not_passed_over() -> None:
+    """FastStream's Kafka parser decodes every header as UTF-8: a record with one that is not
+    never reaches the middleware's claim, and the next commit would pass over it. It is
+    dead-lettered with the error and its headers byte for byte; the next record runs."""
+    import base64
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+
+    url = kafka_url()
+    servers = url.removeprefix("kafka://")
+    topic = f"oncely_fk_{uuid.uuid4().hex[:8]}"
+    create_topic(topic, 1, url)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    broker = KafkaBroker(servers, middlewares=[Idempotency(inbox)])
+    ran: list[object] = []
+
+    @broker.subscriber(
+        topic, group_id="billing", auto_offset_reset="earliest", ack_policy=AckPolicy.ACK
+    )
+    async def handle(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    try:
+        producer = AIOKafkaProducer(bootstrap_servers=servers)
+        await producer.start()
+        try:
+            bad = [("message-id", b"m-bad"), ("trace", b"\xff\xfe")]
+            await producer.send_and_wait(topic, b'{"n": 1}', headers=bad)
+            good = [("message-id", b"m-good"), ("content-type", b"application/json")]
+            await producer.send_and_wait(topic, b'{"n": 2}', headers=good)
+        finally:
+            await producer.stop()
+        async with broker:
+            await broker.start()
+            for _ in range(300):
+                if ran:
+                    break
+                await asyncio.sleep(0.1)
+        assert ran == [{"n": 2}]
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, auto_offset_reset="earliest")
+        await reader.start()
+        try:
+            partition = TopicPartition(topic + ".dead", 0)
+            reader.assign([partition])
+            records = (await reader.getmany(partition, timeout_ms=10_000)).get(partition, [])
+        finally:
+            await reader.stop()
+        assert len(records) == 1
+        headers = {name: (value or b"").decode() for name, value in records[0].headers}
+        assert records[0].value == b'{"n": 1}'
+        assert headers["message-id"] == "m-bad"
+        assert headers["x-oncely-outcome"] == "rejected"
+        assert "could not read" in headers["x-oncely-reason"]
+        raw = base64.b64decode(headers["x-oncely-raw-headers"])
+        assert raw == b"trace: \xff\xfe\r\n"
+    finally:
+        delete_topics(topic, topic + ".dead")

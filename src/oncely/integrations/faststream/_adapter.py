@@ -98,6 +98,14 @@ class Adapter(Protocol):
         left for :meth:`give_back`)."""
         ...
 
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        """Copy ``raw``, a message FastStream failed to parse (so there is no FastStream
+        message), with ``why`` to its dead-letter destination; ``False`` when this broker's
+        messages cannot fail that way (FastStream's parser takes whatever its client gives)."""
+        ...
+
     def settled(self, held: Settling) -> None:
         """The middleware settled the message itself: make FastStream's own ack of it do
         nothing."""

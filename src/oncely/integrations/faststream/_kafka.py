@@ -5,6 +5,7 @@ FastStream only once the record is done or a copy of it is confirmed by the brok
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 from dataclasses import replace
@@ -28,6 +29,8 @@ DELIVERIES_HEADER = "x-oncely-delivered"
 """On a copy written back to the topic for a retry: how many times the message was delivered
 before (Kafka counts no deliveries)."""
 FASTSTREAM_ID_HEADER = "message_id"
+RAW_HEADERS_HEADER = "x-oncely-raw-headers"
+"""On a dead letter: the original's header lines that are not UTF-8, base64-encoded."""
 _WHY = frozenset(DeadLetter(outcome="", reason="", consumer="", deliveries=0).headers())
 _WHERE = ("x-oncely-topic", "x-oncely-partition", "x-oncely-offset")
 LOGGER = logging.getLogger("oncely.faststream")
@@ -119,19 +122,21 @@ class KafkaAdapter:
     async def dead_letter(self, held: Settling, why: DeadLetter) -> None:
         record = held.raw
         target = record.topic + DEAD_LETTER_SUFFIX
-        await self._declare(held, target)
+        await self._declare(
+            held.broker, target, fake=isinstance(held.message.consumer, FakeConsumer)
+        )
         extra = why.headers()
         where = (record.topic, str(record.partition), str(record.offset))
         extra.update(zip(_WHERE, where, strict=True))
         await _publish(held, target, extra)
 
-    async def _declare(self, held: Settling, topic: str) -> None:
+    async def _declare(self, broker: Any, topic: str, *, fake: bool) -> None:
         """Create the dead-letter topic unless it exists (FastStream's admin client; none in
-        FastStream's ``TestKafkaBroker``, or with ``consumer_only``)."""
-        marker = (id(held.broker), topic)
-        if marker in self._topics or isinstance(held.message.consumer, FakeConsumer):
+        FastStream's ``TestKafkaBroker`` (``fake``), or with ``consumer_only``)."""
+        marker = (id(broker), topic)
+        if marker in self._topics or fake:
             return
-        config = getattr(getattr(held.broker, "config", None), "broker_config", None)
+        config = getattr(getattr(broker, "config", None), "broker_config", None)
         admin = getattr(config, "admin", None)
         if admin is not None and not getattr(config, "consumer_only", False):
             for result in await admin.create_topics([Topic(topic)]):
@@ -142,6 +147,38 @@ class KafkaAdapter:
                         result.error,
                     )
         self._topics.add(marker)
+
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        """FastStream's Kafka parser decodes every header value as UTF-8 and fails on one that
+        is not: such a record reaches no handler, and the next commit would pass it. It is
+        copied to ``<topic>.dead``, its text headers as they are and the others, byte for
+        byte, base64-encoded in ``x-oncely-raw-headers``."""
+        if not isinstance(raw, ConsumerRecord):
+            return False
+        target = raw.topic + DEAD_LETTER_SUFFIX
+        await self._declare(broker, target, fake=False)
+        headers: dict[str, str] = {}
+        undecodable: list[bytes] = []
+        for name, value in raw.headers or ():
+            try:
+                headers[name] = (value or b"").decode()
+            except UnicodeDecodeError:
+                undecodable.append(name.encode() + b": " + (value or b"") + b"\r\n")
+        if undecodable:
+            headers[RAW_HEADERS_HEADER] = base64.b64encode(b"".join(undecodable)).decode()
+        headers.update(why.headers())
+        where = (raw.topic, str(raw.partition), str(raw.offset))
+        headers.update(zip(_WHERE, where, strict=True))
+        await broker.publish(
+            raw.value or b"",
+            target,
+            key=raw.key,
+            headers=headers,
+            correlation_id=headers.get("correlation_id"),
+        )
+        return True
 
     def settled(self, held: Settling) -> None:
         return None  # FastStream commits past the record: it is done, or its copy is

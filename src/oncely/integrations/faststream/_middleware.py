@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 try:
@@ -196,6 +197,43 @@ class Idempotency:
         await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
 
+    async def _unread(self, scope: _Scope, exc: Exception) -> bool:
+        """A message of a protected subscriber that FastStream failed to parse (so no handler
+        saw it) is dead-lettered with the error, where the broker can fail that way; ``True``
+        when it was (the error is then handled)."""
+        subscriber = scope.context.get("handler_")
+        adapter = self._adapter(subscriber)
+        source = None if adapter is None else adapter.source_of(subscriber)
+        inbox = self._inbox_for(source)
+        if adapter is None or inbox is None or _dead_letters(source):
+            return False
+        reason = f"FastStream could not read the message: {type(exc).__name__}: {exc}"
+        why = DeadLetter(
+            outcome="rejected", reason=reason, consumer=inbox.consumer, deliveries=None
+        )
+        try:
+            done = await adapter.dead_letter_unread(
+                scope.msg, subscriber, scope.context.get("broker"), why
+            )
+        except Exception as failure:
+            LOGGER.error(
+                "oncely faststream source=%s could not dead-letter a message FastStream could "
+                "not read (%s: %s; the message: %s)",
+                source,
+                type(failure).__name__,
+                failure,
+                reason,
+            )
+            return False
+        if done:
+            LOGGER.error(
+                "oncely faststream source=%s outcome=rejected action=dead_letter key=None "
+                "reason=%s",
+                source,
+                printable(reason),
+            )
+        return done
+
     async def _settle(
         self,
         adapter: Adapter,
@@ -297,9 +335,22 @@ class _Scope(BaseMiddleware):
         self.owner = owner
         self.result_key: tuple[str, str] | None = None
         self.adapter: Adapter | None = None
+        self.reached = False
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
+        self.reached = True
         return await self.owner._consume(self, call_next, msg)
+
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        # A message FastStream could not parse never reaches consume_scope.
+        if self.reached or not isinstance(exc_val, Exception):
+            return False
+        return await self.owner._unread(self, exc_val)
 
     async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
         if self.result_key is not None and self.adapter is not None:

@@ -154,6 +154,11 @@ class NatsAdapter:
             await ensure_stream(js, subject, None, DEAD_LETTER_WINDOW)
         self._dead_streams.add(marker)
 
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        return False  # FastStream's parser of this broker reads every message its client gives
+
     def settled(self, held: Settling) -> None:
         held.raw._ackd = True  # FastStream's NatsMessage.ack() then does nothing
 

@@ -87,6 +87,11 @@ class RabbitAdapter:
             self._declared.add(marker)
         await _dead_letter(held.broker, held.raw, target, why)
 
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        return False  # FastStream's parser of this broker reads every message its client gives
+
     def settled(self, held: Settling) -> None:
         if not held.raw.locked:
             held.raw.lock()

@@ -219,6 +219,11 @@ class RedisAdapter:
                 stream.consumer,
             )
 
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        return False  # FastStream's parser of this broker reads every message its client gives
+
     def settled(self, held: Settling) -> None:
         if held.message.committed is None:
             held.message.committed = AckStatus.ACKED  # FastStream's ack then does nothing
