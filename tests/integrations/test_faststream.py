@@ -226,20 +226,20 @@ async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None
 
 
 async def test_r2_a_broker_not_adapted_yet_is_refused_never_run_unprotected() -> None:
-    from faststream.redis import RedisBroker, TestRedisBroker
+    from faststream.confluent import KafkaBroker, TestKafkaBroker
 
     import oncely
     from oncely.integrations.faststream import Idempotency
 
     inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
-    broker = RedisBroker(middlewares=[Idempotency(inbox)])
+    broker = KafkaBroker(middlewares=[Idempotency(inbox)])
     ran: list[object] = []
 
     @broker.subscriber("orders")
     async def order(body: dict[str, int]) -> None:
         ran.append(body)
 
-    async with TestRedisBroker(broker) as test:
+    async with TestKafkaBroker(broker) as test:
         with pytest.raises(oncely.ConfigurationError, match="RabbitBroker"):
             await test.publish({"n": 1}, "orders")
     assert ran == []

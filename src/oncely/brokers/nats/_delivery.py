@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from oncely.brokers._common import not_utf8
@@ -35,34 +36,8 @@ class JetStreamDelivery:
         self._transport = transport
         self._msg = msg
         self._settled = False
-        meta = msg.metadata
-        self._count = meta.num_delivered
-        headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
-        # oncely's producer sends the id on its own (and Nats-Msg-Id with a body hash); any
-        # other producer's id is its Nats-Msg-Id.
-        id_header = ONCELY_ID_HEADER if ONCELY_ID_HEADER in headers else MSG_ID_HEADER
-        message_id = headers.get(id_header) or None
-        self._refusal = not_utf8(
-            (
-                (f"message id (header {id_header})", message_id),
-                (f"correlation id (header {CORRELATION_HEADER})", headers.get(CORRELATION_HEADER)),
-            )
-        )
-        self._envelope = Envelope(
-            body=msg.data,
-            message_id=message_id,
-            headers=headers,
-            correlation_id=headers.get(CORRELATION_HEADER) or None,
-            delivery_count=meta.num_delivered,
-            transport={
-                "subject": msg.subject,
-                "stream": meta.stream,
-                "stream_seq": meta.sequence.stream,
-                "consumer_seq": meta.sequence.consumer,
-                "redelivered": meta.num_delivered > 1,
-                "content_type": headers.get(CONTENT_TYPE_HEADER),
-            },
-        )
+        self._count = msg.metadata.num_delivered
+        self._envelope, self._refusal = read_message(msg)
 
     @property
     def envelope(self) -> Envelope:
@@ -121,3 +96,48 @@ class JetStreamDelivery:
             raise BrokerError(f"this delivery was already settled; cannot {what} it")
         await self._transport._reply(self._msg, payload, what)
         self._settled = True
+
+
+def read_message(msg: Msg) -> tuple[Envelope, str | None]:
+    """The envelope of a JetStream message, and why it cannot be read (``None`` when it
+    can): the producer's id is ``Oncely-Message-Id`` (oncely's producer) or ``Nats-Msg-Id``;
+    the delivery count is JetStream's ``num_delivered``. A message that did not come through
+    a JetStream consumer (no metadata) has no delivery count."""
+    headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+    # oncely's producer sends the id on its own (and Nats-Msg-Id with a body hash); any
+    # other producer's id is its Nats-Msg-Id.
+    id_header = ONCELY_ID_HEADER if ONCELY_ID_HEADER in headers else MSG_ID_HEADER
+    message_id = headers.get(id_header) or None
+    refusal = not_utf8(
+        (
+            (f"message id (header {id_header})", message_id),
+            (f"correlation id (header {CORRELATION_HEADER})", headers.get(CORRELATION_HEADER)),
+        )
+    )
+    transport: dict[str, object] = {
+        "subject": msg.subject,
+        "content_type": headers.get(CONTENT_TYPE_HEADER),
+    }
+    count: int | None = None
+    if msg.reply:
+        try:
+            meta = msg.metadata
+        except nats.errors.NotJSMessageError:
+            meta = None
+        if meta is not None:
+            count = meta.num_delivered
+            transport.update(
+                stream=meta.stream,
+                stream_seq=meta.sequence.stream,
+                consumer_seq=meta.sequence.consumer,
+                redelivered=meta.num_delivered > 1,
+            )
+    envelope = Envelope(
+        body=msg.data,
+        message_id=message_id,
+        headers=headers,
+        correlation_id=headers.get(CORRELATION_HEADER) or None,
+        delivery_count=count,
+        transport=transport,
+    )
+    return envelope, refusal

@@ -13,7 +13,6 @@ from typing import Self
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js import api
 from nats.js.client import JetStreamContext
 
 from oncely._urls import UrlOptions, redact
@@ -255,15 +254,10 @@ class JetStream:
         js = self._link.js
         if js is None or not self._link.connected:
             raise BrokerUnavailable("cannot dead-letter a message: the NATS connection is down")
-        headers = sendable_headers(msg.headers or {})
-        headers.update(why.headers())
         try:
-            ack = await self._publish_copy(js, msg.data, headers)
-            if ack.duplicate:
-                # The dead-letter stream's window holds a copy with this id, maybe of another
-                # message: keep this one too rather than drop it.
-                headers[MESSAGE_ID_COPY_HEADER] = headers.pop(MSG_ID_HEADER, "")
-                await self._publish_copy(js, msg.data, headers)
+            await publish_dead_letter(
+                js, self.dead_letter, msg, why, self._link.timeout.total_seconds()
+            )
         except nats.js.errors.NoStreamResponseError as exc:
             self._link.declared = False
             raise BrokerError(
@@ -273,16 +267,6 @@ class JetStream:
             raise BrokerError(f"the dead-letter stream refused the copy: {exc}") from None
         except UNAVAILABLE as exc:
             raise unavailable("dead-letter publish", exc) from None
-
-    async def _publish_copy(
-        self, js: JetStreamContext, body: bytes, headers: dict[str, str]
-    ) -> api.PubAck:
-        return await js.publish(
-            self.dead_letter,
-            body,
-            timeout=self._link.timeout.total_seconds(),
-            headers=dict(headers),
-        )
 
     async def stop(self) -> None:
         """Stop fetching, and give back at once (``-NAK`` without delay) every message that
@@ -308,6 +292,22 @@ class JetStream:
             await self.stop()
         self._sub = None
         await self._link.close()
+
+
+async def publish_dead_letter(
+    js: JetStreamContext, subject: str, msg: Msg, why: DeadLetter, timeout: float
+) -> None:
+    """Publish a copy of ``msg`` (its body and every header) with ``why`` to ``subject`` and
+    wait for the stream's acknowledgement. When the stream's duplicate window already holds
+    a copy with this ``Nats-Msg-Id``, maybe of another message, this one is published again
+    with the id in ``x-oncely-message-id`` instead, so it is never dropped. Raises nats-py's
+    errors."""
+    headers = sendable_headers(msg.headers or {})
+    headers.update(why.headers())
+    ack = await js.publish(subject, msg.data, timeout=timeout, headers=dict(headers))
+    if ack.duplicate:
+        headers[MESSAGE_ID_COPY_HEADER] = headers.pop(MSG_ID_HEADER, "")
+        await js.publish(subject, msg.data, timeout=timeout, headers=dict(headers))
 
 
 def sendable_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """FastStream subscribers that apply each logical message once: a broker middleware on an
-:class:`~oncely.AsyncInbox` (RabbitMQ).
+:class:`~oncely.AsyncInbox`, for FastStream's RabbitMQ, NATS (JetStream), Redis (streams) and
+Kafka (aiokafka) brokers.
 
 ::
 
@@ -14,9 +15,9 @@
 
     await broker.publish(order, "orders", message_id=new_message_id())  # once per message
 
-The key is the producer's ``message_id`` (or ``key=``: any :mod:`oncely` key source, read
-from the raw message). The claim is taken *before* FastStream decodes the body; what each
-delivery gets:
+The key is the producer's id, read from the raw broker message (or ``key=``: any
+:mod:`oncely` key source), never an id FastStream or the client made up. The claim is taken
+*before* FastStream decodes the body; what each delivery gets:
 
 =====================================  ================================================
 the first delivery of a key            the handler runs; its result is stored and
@@ -39,31 +40,101 @@ the store cannot answer                given back, never run unprotected
 the dead-letter copy cannot be sent    given back, never acknowledged without its copy
 =====================================  ================================================
 
-Keep the subscriber's ``ack_policy`` at its default: with ``AckPolicy.ACK_FIRST`` FastStream
-acknowledges before the handler runs, so nothing can be retried or dead-lettered.
+Dead letters go to the subscriber's queue, subject or stream plus ``.dead``, with the same
+``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries``
+headers as :mod:`oncely.brokers`; every byte of the body and every header kept. Results the
+handler publishes get a message id derived from the consumer, the key and the destination,
+unless the handler set one: a republished result (a duplicate's) has the same id as the
+first, so a downstream oncely consumer drops it.
 
-Invented ids: FastStream hands a handler a random ``message_id`` when the producer set none,
-and aio-pika's client (aiormq) gives every message it publishes without one a random
-``uuid4().hex``. Neither is a producer's id: a retry of such a message would look new. The
-middleware reads the raw AMQP property, and refuses a 32-character lowercase uuid4 hex id
-(the client's shape) unless ``trust_hex_message_ids=True`` says the producers mint that
-shape themselves. :func:`oncely.brokers.new_message_id` ids (dashed uuid4) always pass.
+A subscriber the middleware cannot protect is refused: its messages raise
+:class:`~oncely.ConfigurationError` and the handler never runs. That is any subscriber whose
+``ack_policy`` is ``ACK_FIRST`` or ``MANUAL`` (FastStream would acknowledge whatever
+happens, or never), and per broker the kinds listed below. With a mapping ``{queue, subject
+or stream name: inbox}``, only the listed subscribers take part; a subscriber of a ``*.dead``
+destination is left alone.
 
-Results the handler publishes get a message id derived from the consumer, the key and the
-destination, unless the handler set one: a republished result (a duplicate's) has the same
-id as the first, so a downstream oncely consumer drops it.
+RabbitMQ (``RabbitBroker``)
+    The key is the AMQP ``message_id`` property. aio-pika's client (aiormq) gives every
+    message it publishes without one a random ``uuid4().hex``: a 32-character lowercase
+    uuid4 hex id is refused as made up unless ``trust_hex_message_ids=True`` says the
+    producers mint that shape; :func:`oncely.brokers.new_message_id` ids (dashed uuid4)
+    always pass. The delivery count is a quorum queue's ``x-delivery-count``, or the
+    ``x-oncely-delivered`` header of a retry's copy. RabbitMQ has no delayed requeue: a
+    message given back is held unacknowledged for the delay, then requeued; a retry is a
+    copy at the queue's tail with its count, then the original is acknowledged. Dead letters
+    go to ``<queue>.dead`` (declared durable).
 
-Dead letters go to ``<queue>.dead`` (declared durable), with the same ``x-oncely-outcome``,
-``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries`` headers as
-:mod:`oncely.brokers`; every byte of the body and every header kept.
+NATS (``NatsBroker``, JetStream subscribers)
+    The key is the ``Oncely-Message-Id`` header (oncely's producer), else ``Nats-Msg-Id``,
+    else ``message_id`` (FastStream's header name). The delivery count is JetStream's
+    ``num_delivered``. A copy meeting a running first one, and a failure, are given back with
+    ``-NAK`` and a delay. Dead letters are published to ``<subject>.dead`` and confirmed by
+    the stream that captures it (created when none does, with the server's smallest
+    duplicate window, so it keeps every copy; a copy the window would drop is published
+    again with its id in ``x-oncely-message-id``), then the original is terminated
+    (``+TERM``). Refused: core NATS subscriptions (never redelivered), JetStream consumers
+    that are not durable (give ``durable=`` to a pull subscriber, or ``queue=`` to a push
+    one), batch subscribers, key-value and object-store watches. A subscriber whose own
+    stream captures ``<subject>.dead`` cannot dead-letter (the copies would come back): its
+    refused messages are given back with the error logged until the stream's subjects are
+    narrowed. While a handler runs, its message is kept with ``+WPI`` every third of the
+    consumer's ``ack_wait``, so it is not delivered again meanwhile. Keep the consumer's
+    ``max_deliver``, if set, above ``max_deliveries``: a message on its last delivery is
+    dead-lettered rather than given back into nothing. Results get the derived id as
+    ``Nats-Msg-Id``, so a stream's duplicate window drops a replay too.
 
-With a mapping ``{queue name: inbox}``, only the listed subscribers take part. Works with
-FastStream's ``TestRabbitBroker`` (the dead-letter queue is then a test subscriber's). A
-subscriber of a ``*.dead`` queue is left alone. FastStream's Kafka, NATS and Redis brokers
-are not adapted yet: their messages are refused (:class:`~oncely.ConfigurationError`), never
-run unprotected.
-Tested with the ``faststream run`` worker on RabbitMQ, a worker ``SIGKILL``ed mid-handler
-included (``tests/integrations/test_faststream.py``). Two-phase mode only.
+Redis (``RedisBroker``, stream subscribers of a consumer group)
+    The key is the ``message_id`` header of FastStream's message format
+    (``broker.publish(..., headers={"message_id": ...})``), or the ``message_id`` field of an
+    entry in :mod:`oncely.brokers.redis_streams`' layout; FastStream invents a
+    ``correlation_id`` for every message, never read as a key. The delivery count is Redis's
+    own (``XPENDING``) plus the ``x-oncely-delivered`` field of a retry's copy. Redis has no
+    negative acknowledgement: a message given back or retried stays pending for the delay,
+    then a copy of the entry (every field, with its count) is added at the stream's tail and
+    the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
+    the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
+    headers of FastStream's message format (``message.headers`` of a FastStream subscriber
+    of the dead-letter stream). Both happen only while the subscriber's consumer still owns
+    the entry. A worker killed mid-handler leaves its entry pending: add a second subscriber
+    of the same group with ``min_idle_time`` (FastStream's ``XAUTOCLAIM``), which delivers it
+    again once it has been idle that long; while a handler runs, its entry's idle time is
+    reset every third of that, so it is not taken over meanwhile. Refused: pub/sub channels
+    and lists (neither can deliver a message again), streams read without a consumer group,
+    ``no_ack`` and batch subscribers.
+
+Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual commits)
+    The key is the ``message-id`` header (oncely's producer), else ``message_id``, else the
+    CloudEvents pair ``ce_source``/``ce_id`` of the Kafka binding (R3); never the partition
+    and offset, which FastStream turns into its message id. A record given back (a copy
+    meeting a running first one, a store that cannot answer, a dead letter that could not be
+    sent) waits its delay in the subscriber, then the consumer is rewound to it (a seek,
+    nothing committed past it): it is read again in its place, nothing written. Kafka counts
+    no deliveries, so a failed record is retried as a copy instead: after its backoff a copy
+    (value, key, every header, and ``x-oncely-delivered`` with its count) is written to the
+    topic's tail and confirmed before FastStream commits past the original (rewound instead
+    should the copy fail); the count survives a restart with the record. Dead letters go
+    to ``<topic>.dead`` (created through FastStream's admin client when missing) with the
+    ``x-oncely-*`` headers plus ``x-oncely-topic``, ``x-oncely-partition`` and
+    ``x-oncely-offset``. FastStream's parser fails on a header value that is not UTF-8, so
+    such a record reaches no handler: it is dead-lettered all the same, its reason saying
+    so and those header lines kept byte for byte (base64) in ``x-oncely-raw-headers``,
+    rather than passed over by the next commit. FastStream's Kafka subscribers commit
+    automatically by default
+    (``AckPolicy.ACK_FIRST``): give them ``ack_policy=AckPolicy.ACK``, or they are refused,
+    as are subscribers without ``group_id`` and batch subscribers. A retried record goes
+    behind the records after it: ordering within a partition is not kept for it (R15).
+    FastStream's Confluent broker (``faststream.confluent``) is not adapted: its messages
+    are refused, never run unprotected.
+
+Works with FastStream's ``TestRabbitBroker``, ``TestNatsBroker``, ``TestRedisBroker`` and
+``TestKafkaBroker`` for users' unit tests (dead letters then reach a test subscriber of the
+``.dead`` destination). Tested with the ``faststream run`` worker on RabbitMQ 3.10, on NATS
+2.9 with JetStream (a durable pull consumer), on Redis 7.0 streams (a consumer group with a
+``min_idle_time`` takeover subscriber) and on the Kafka protocol served by Tansu 0.6 (not
+Apache Kafka), each with a worker ``SIGKILL``ed mid-handler
+(``tests/integrations/test_faststream.py`` and ``test_faststream_streams.py``). Two-phase
+mode only.
 """
 
 from __future__ import annotations

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 try:
     from fast_depends.exceptions import ValidationError as BindingError
     from faststream import BaseMiddleware
     from faststream.exceptions import AckMessage, RejectMessage
+    from faststream.middlewares import AckPolicy
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         "oncely.integrations.faststream needs FastStream: pip install 'oncely[faststream]'"
@@ -24,15 +27,19 @@ from oncely.brokers._consumer import decode_body
 from oncely.brokers._shape import Backoff, DeadLetter
 from oncely.errors import ConfigurationError, MissingKey, Reject
 from oncely.inbox.async_inbox import AsyncInbox
-from oncely.integrations.faststream import _rabbit
+from oncely.integrations.faststream._adapter import (
+    ADAPTED,
+    DEAD_LETTER_SUFFIX,
+    Adapter,
+    Settling,
+    adapter_for,
+)
 from oncely.keys import BusinessKey, Envelope, FirstOf, KeySource, MessageIdKey
 from oncely.wire import printable
 
 __all__ = ["DEAD_LETTER_SUFFIX", "Idempotency"]
 
 LOGGER = logging.getLogger("oncely.faststream")
-DEAD_LETTER_SUFFIX = ".dead"
-"""A subscriber's queue ``q`` dead-letters to ``q`` plus this suffix."""
 _DEAD_LETTER_RETRY = timedelta(seconds=5)
 _RESULT_IDS = uuid.UUID("6f6e6365-6c79-4e00-8000-666173747374")
 
@@ -42,8 +49,9 @@ class Idempotency:
     broker, ``RabbitBroker(url, middlewares=[Idempotency(inbox)])``, or to
     ``include_router(router, middlewares=[...])``.
 
-    ``inbox``: one inbox for every subscriber, or ``{queue name: inbox}`` (the others pass
-    through untouched). ``key``: the key source (default: the producer's message id). A
+    ``inbox``: one inbox for every subscriber, or ``{name: inbox}`` keyed by the queue
+    (RabbitMQ), subject (NATS), stream (Redis) or topic (Kafka) a subscriber reads (the
+    others pass through untouched). ``key``: the key source (default: the producer's message id). A
     failed message is retried after ``backoff`` until it has been delivered
     ``max_deliveries`` times, then dead-lettered; an ``in_flight`` copy is given back after
     ``requeue_delay``."""
@@ -61,7 +69,8 @@ class Idempotency:
         if not isinstance(inbox, AsyncInbox | Mapping):
             raise TypeError(
                 "Idempotency takes an oncely.AsyncInbox (FastStream handlers are async) or a "
-                f"mapping of queue names to them, not {type(inbox).__name__}"
+                f"mapping of queue, subject, stream or topic names to them, not "
+                f"{type(inbox).__name__}"
             )
         inboxes = {"": inbox} if isinstance(inbox, AsyncInbox) else dict(inbox)
         for name, each in inboxes.items():
@@ -82,7 +91,7 @@ class Idempotency:
         self.backoff = backoff if backoff is not None else Backoff()
         self.requeue_delay = requeue_delay
         self.trust_hex_message_ids = trust_hex_message_ids
-        self._declared: set[tuple[int, str]] = set()
+        self._adapters: dict[type, Adapter | None] = {}
         self._held: set[asyncio.Task[None]] = set()
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
@@ -103,24 +112,40 @@ class Idempotency:
                 ) from None
         return self._key(envelope)
 
+    def _adapter(self, subscriber: object) -> Adapter | None:
+        kind = type(subscriber)
+        if kind not in self._adapters:
+            self._adapters[kind] = adapter_for(subscriber)
+        return self._adapters[kind]
+
     async def _consume(
         self, scope: _Scope, call_next: Callable[[Any], Awaitable[Any]], msg: Any
     ) -> Any:
         subscriber = scope.context.get("handler_")
         raw: Any = getattr(msg, "raw_message", None)
-        queue = _rabbit.queue_of(subscriber)
-        inbox = self._inbox_for(queue)
-        if inbox is None or _dead_letters(queue):
+        adapter = self._adapter(subscriber)
+        source = None if adapter is None else adapter.source_of(subscriber)
+        inbox = self._inbox_for(source)
+        if inbox is None or _dead_letters(source):
             return await call_next(msg)
-        if not _rabbit.is_delivery(raw):
-            # Never run a handler unprotected behind a middleware that says it protects it.
-            raise ConfigurationError(
-                f"oncely.integrations.faststream adapts FastStream's RabbitBroker; this "
-                f"message came from {type(subscriber).__module__} ({type(raw).__name__}), "
-                "which it cannot claim yet: the message was not processed"
+        if source is None:  # one inbox for all, and a subscriber of a broker not adapted
+            source = f"<a {type(subscriber).__name__}>"
+        adapter = _protectable(adapter, subscriber, raw, source)
+        held = Settling(msg, raw, source, subscriber, scope.context.get("broker"), self._later)
+        try:
+            delivery = await adapter.read(msg, trust_hex=self.trust_hex_message_ids)
+        except Exception as exc:  # the broker cannot say what it delivered: given back
+            LOGGER.error(
+                "oncely faststream source=%s could not read a message (%s: %s); it is given "
+                "back and will be redelivered",
+                source,
+                type(exc).__name__,
+                exc,
             )
-        assert queue is not None
-        delivery = _rabbit.read(raw, trust_hex=self.trust_hex_message_ids)
+            await self._give_back(adapter, held, self.backoff.delay(None))
+            raise AckMessage() from None
+        scope.adapter = adapter
+        every = adapter.extend_every(held)
 
         async def run(_body: object) -> Any:
             try:
@@ -128,7 +153,10 @@ class Idempotency:
             except Exception as exc:
                 raise Reject(f"undecodable body: {exc!r}") from None
             try:
-                return await call_next(msg)
+                if every is None:
+                    return await call_next(msg)
+                async with _kept(adapter, held, every):
+                    return await call_next(msg)
             except AckMessage:  # the handler ended it as done: the key is complete
                 return None
             except RejectMessage:  # the handler refused it: poison, dead-lettered
@@ -148,89 +176,152 @@ class Idempotency:
         except Exception as exc:  # the store failed: given back, never run unprotected
             count = delivery.envelope.delivery_count
             LOGGER.error(
-                "oncely faststream queue=%s could not process a message (%s: %s); it is given "
-                "back and will be redelivered",
-                queue,
+                "oncely faststream source=%s could not process a message (%s: %s); it is "
+                "given back and will be redelivered",
+                source,
                 type(exc).__name__,
                 exc,
             )
-            self._hold(raw, _rabbit.requeue_later(raw, self.backoff.delay(count)))
+            await self._give_back(adapter, held, self.backoff.delay(count))
             raise AckMessage() from None
         if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED, Outcome.DUPLICATE):
             # Results published from here on carry an id derived from the key.
             scope.result_key = (inbox.consumer, handled.key or "")
             if handled.outcome is Outcome.DUPLICATE:
                 LOGGER.info(
-                    "oncely faststream queue=%s key=%s: a duplicate, not run",
-                    queue,
+                    "oncely faststream source=%s key=%s: a duplicate, not run",
+                    source,
                     printable(handled.key or ""),
                 )
             return handled.value
-        await self._settle(scope, raw, queue, delivery.envelope, handled, inbox.consumer)
+        await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
+
+    async def _unread(self, scope: _Scope, exc: Exception) -> bool:
+        """A message of a protected subscriber that FastStream failed to parse (so no handler
+        saw it) is dead-lettered with the error, where the broker can fail that way; ``True``
+        when it was (the error is then handled)."""
+        subscriber = scope.context.get("handler_")
+        adapter = self._adapter(subscriber)
+        source = None if adapter is None else adapter.source_of(subscriber)
+        inbox = self._inbox_for(source)
+        if adapter is None or inbox is None or _dead_letters(source):
+            return False
+        reason = f"FastStream could not read the message: {type(exc).__name__}: {exc}"
+        why = DeadLetter(
+            outcome="rejected", reason=reason, consumer=inbox.consumer, deliveries=None
+        )
+        try:
+            done = await adapter.dead_letter_unread(
+                scope.msg, subscriber, scope.context.get("broker"), why
+            )
+        except Exception as failure:
+            LOGGER.error(
+                "oncely faststream source=%s could not dead-letter a message FastStream could "
+                "not read (%s: %s; the message: %s)",
+                source,
+                type(failure).__name__,
+                failure,
+                reason,
+            )
+            return False
+        if done:
+            LOGGER.error(
+                "oncely faststream source=%s outcome=rejected action=dead_letter key=None "
+                "reason=%s",
+                source,
+                printable(reason),
+            )
+        return done
 
     async def _settle(
         self,
-        scope: _Scope,
-        raw: Any,
-        queue: str,
+        adapter: Adapter,
+        held: Settling,
         envelope: Envelope,
         handled: Handled[Any],
         consumer: str,
     ) -> None:
         action = handled.action
         count = max(envelope.delivery_count or 0, handled.attempt) or None
-        if action is Action.REQUEUE_LATER:
+        limit = adapter.delivery_limit(held.subscriber)
+        last = limit is not None and (count or 0) >= limit
+        why: DeadLetter | None = None
+        if action is Action.REQUEUE_LATER and not last:
             how = "requeue"
-            self._hold(raw, _rabbit.requeue_later(raw, self.requeue_delay))
-        elif action is Action.RETRY and (count or 0) < self.max_deliveries:
+            await self._give_back(adapter, held, self.requeue_delay)
+        elif action is Action.RETRY and (count or 0) < self.max_deliveries and not last:
             how = "retry"
-            broker = scope.context.get("broker")
-            delay = self.backoff.delay(count)
-            self._hold(raw, _rabbit.retry_later(broker, raw, queue, delay, count or 1))
+            try:
+                await adapter.retry(held, self.backoff.delay(count), count or 1)
+            except Exception as exc:
+                how = "retry failed (left to the broker)"
+                self._settlement_failed(adapter, held, "retry", exc)
+            finally:
+                adapter.settled(held)
         else:
             how = "dead_letter"
             reason = handled.reason or handled.outcome.value
             outcome = handled.outcome.value
-            if action is Action.RETRY:
+            if action is Action.RETRY and (count or 0) >= self.max_deliveries:
                 outcome = Outcome.REJECTED.value
                 reason = f"failed on all {count} deliveries; last: {reason}"
+            elif action in (Action.RETRY, Action.REQUEUE_LATER):
+                outcome = Outcome.REJECTED.value
+                reason = (
+                    f"delivered {count} times, the {adapter.broker_name} subscriber's own "
+                    f"delivery limit: the broker would not deliver it again (raise it above "
+                    f"max_deliveries); last: {reason}"
+                )
             why = DeadLetter(outcome=outcome, reason=reason, consumer=consumer, deliveries=count)
-            broker = scope.context.get("broker")
-            target = queue + DEAD_LETTER_SUFFIX
-            marker = (id(broker), target)
             try:
-                if marker not in self._declared:
-                    await broker.declare_queue(_rabbit.dead_letter_queue(target))
-                    self._declared.add(marker)
-                await _rabbit.dead_letter(broker, raw, target, why)
+                await adapter.dead_letter(held, why)
             except Exception as exc:  # never acked without its copy: given back, later
                 how = "requeue (the dead-letter copy failed)"
                 LOGGER.error(
-                    "oncely faststream queue=%s could not dead-letter a message to %s (%s: %s); "
-                    "it is given back and will be redelivered",
-                    queue,
-                    target,
+                    "oncely faststream source=%s could not dead-letter a message (%s: %s); it "
+                    "is given back and will be redelivered",
+                    held.source,
                     type(exc).__name__,
                     exc,
                 )
-                self._hold(raw, _rabbit.requeue_later(raw, _DEAD_LETTER_RETRY))
+                await self._give_back(adapter, held, _DEAD_LETTER_RETRY)
+            finally:
+                adapter.settled(held)
         level = logging.ERROR if how.startswith(("dead_letter", "requeue (")) else handled.log_level
         LOGGER.log(
             level,
-            "oncely faststream queue=%s outcome=%s action=%s key=%s deliveries=%s%s",
-            queue,
+            "oncely faststream source=%s outcome=%s action=%s key=%s deliveries=%s%s",
+            held.source,
             handled.outcome.value,
             how,
             None if handled.key is None else printable(handled.key),
             count,
-            f" reason={printable(handled.reason)}" if handled.reason else "",
+            f" reason={printable(said)}" if (said := why.reason if why else handled.reason) else "",
         )
 
-    def _hold(self, raw: Any, later: Coroutine[Any, Any, None]) -> None:
-        """Keep the message unacknowledged while ``later`` waits and then gives it back
-        (RabbitMQ has no delayed requeue); FastStream leaves it alone meanwhile."""
-        raw.lock()
+    async def _give_back(self, adapter: Adapter, held: Settling, delay: timedelta) -> None:
+        try:
+            await adapter.give_back(held, delay)
+        except Exception as exc:
+            self._settlement_failed(adapter, held, "give back", exc)
+        finally:
+            adapter.settled(held)
+
+    @staticmethod
+    def _settlement_failed(adapter: Adapter, held: Settling, what: str, exc: Exception) -> None:
+        LOGGER.error(
+            "oncely faststream source=%s could not %s a message (%s: %s); it is left "
+            "unacknowledged for %s to deliver again",
+            held.source,
+            what,
+            type(exc).__name__,
+            exc,
+            adapter.broker_name,
+        )
+
+    def _later(self, later: Coroutine[Any, Any, None]) -> None:
+        """Run a delayed settlement in the background (kept referenced until it ends)."""
         task = asyncio.get_running_loop().create_task(later)
         self._held.add(task)
         task.add_done_callback(self._held.discard)
@@ -243,17 +334,93 @@ class _Scope(BaseMiddleware):
         super().__init__(msg, context=context)
         self.owner = owner
         self.result_key: tuple[str, str] | None = None
+        self.adapter: Adapter | None = None
+        self.reached = False
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
+        self.reached = True
         return await self.owner._consume(self, call_next, msg)
 
+    async def after_processed(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> bool | None:
+        # A message FastStream could not parse never reaches consume_scope.
+        if self.reached or not isinstance(exc_val, Exception):
+            return False
+        return await self.owner._unread(self, exc_val)
+
     async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
-        if self.result_key is not None:
+        if self.result_key is not None and self.adapter is not None:
             consumer, key = self.result_key
             where = f"{getattr(cmd, 'exchange', '')}\n{getattr(cmd, 'destination', '')}"
             derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
-            _rabbit.stamp(cmd, derived)
+            self.adapter.stamp(cmd, derived)
         return await call_next(cmd)
+
+
+def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str) -> Adapter:
+    """``adapter``, once sure it can protect ``subscriber``'s message ``raw``; else
+    :class:`~oncely.ConfigurationError` (never run a handler unprotected behind a middleware
+    that says it protects it)."""
+    if adapter is None:
+        raise _not_adapted(subscriber, raw)
+    refused = adapter.unprotectable(subscriber)
+    if refused is not None:
+        raise ConfigurationError(
+            f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: "
+            f"{refused}; the message was not processed"
+        )
+    if not adapter.is_delivery(raw):
+        raise _not_adapted(subscriber, raw)
+    policy = getattr(subscriber, "ack_policy", None)
+    if policy in (AckPolicy.ACK_FIRST, AckPolicy.MANUAL):
+        raise ConfigurationError(
+            f"oncely cannot protect the subscriber of {source!r}: its ack_policy is "
+            f"{policy.name}, so FastStream acknowledges (or commits) the message whatever its "
+            "outcome, or never does; give it ack_policy=AckPolicy.ACK (the default of "
+            "RabbitMQ, NATS and Redis subscribers is fine; Kafka's commits automatically): "
+            "the message was not processed"
+        )
+    return adapter
+
+
+@contextlib.asynccontextmanager
+async def _kept(adapter: Adapter, held: Settling, every: timedelta) -> AsyncIterator[None]:
+    """While the handler runs, tell the broker every ``every`` that the message is still
+    being worked on (so it is not delivered to another consumer meanwhile)."""
+    every = max(every, timedelta(milliseconds=10))
+
+    async def keep() -> None:
+        while True:
+            await asyncio.sleep(every.total_seconds())
+            try:
+                await adapter.extend(held)
+            except Exception as exc:  # the settlement after the handler still decides
+                LOGGER.warning(
+                    "oncely faststream source=%s could not extend a running message (%s: %s)",
+                    held.source,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    task = asyncio.get_running_loop().create_task(keep())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _not_adapted(subscriber: Any, raw: Any) -> ConfigurationError:
+    return ConfigurationError(
+        f"oncely.integrations.faststream adapts FastStream's {ADAPTED}; this message came "
+        f"from {type(subscriber).__module__} ({type(raw).__name__}), which it cannot claim: "
+        "the message was not processed"
+    )
 
 
 def _dead_letters(queue: str | None) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,19 +21,10 @@ from oncely.brokers.rabbitmq._delivery import (
     _sendable_headers,
 )
 from oncely.brokers.rabbitmq._topology import DELIVERY_COUNT_HEADER
+from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery, Settling
 from oncely.keys import Envelope
 
-__all__ = [
-    "DELIVERIES_HEADER",
-    "Delivery",
-    "dead_letter",
-    "is_delivery",
-    "queue_of",
-    "read",
-    "requeue_later",
-    "retry_later",
-    "stamp",
-]
+__all__ = ["ADAPTER", "DELIVERIES_HEADER", "RabbitAdapter"]
 
 # aiormq gives every message published without an id ``uuid4().hex``: 32 lowercase hex
 # digits with the version nibble 4 and the variant nibble 8, 9, a or b.
@@ -49,22 +39,73 @@ _PROPERTIES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    envelope: Envelope
-    refusal: str | None
+class RabbitAdapter:
+    """FastStream's RabbitBroker (see :mod:`oncely.integrations.faststream`)."""
+
+    broker_name = "RabbitMQ"
+
+    def __init__(self) -> None:
+        self._declared: set[tuple[int, str]] = set()
+
+    def source_of(self, subscriber: Any) -> str | None:
+        name = getattr(getattr(subscriber, "queue", None), "name", None)
+        return name if isinstance(name, str) else None
+
+    def unprotectable(self, subscriber: Any) -> str | None:
+        return None
+
+    def is_delivery(self, raw: object) -> bool:
+        return isinstance(raw, AbstractIncomingMessage)
+
+    async def read(self, message: Any, *, trust_hex: bool) -> Delivery:
+        return _read(message.raw_message, trust_hex=trust_hex)
+
+    def delivery_limit(self, subscriber: Any) -> int | None:
+        return None
+
+    def extend_every(self, held: Settling) -> timedelta | None:
+        return None  # an unacknowledged message stays with its consumer while it is connected
+
+    async def extend(self, held: Settling) -> None:
+        return None
+
+    async def give_back(self, held: Settling, delay: timedelta) -> None:
+        # RabbitMQ has no delayed requeue: the message is held unacknowledged meanwhile
+        # (locked, so FastStream leaves it alone).
+        held.raw.lock()
+        held.later(_requeue_later(held.raw, delay))
+
+    async def retry(self, held: Settling, delay: timedelta, count: int) -> None:
+        held.raw.lock()
+        held.later(_retry_later(held.broker, held.raw, held.source, delay, count))
+
+    async def dead_letter(self, held: Settling, why: DeadLetter) -> None:
+        target = held.source + DEAD_LETTER_SUFFIX
+        marker = (id(held.broker), target)
+        if marker not in self._declared:
+            await held.broker.declare_queue(RabbitQueue(target, durable=True))
+            self._declared.add(marker)
+        await _dead_letter(held.broker, held.raw, target, why)
+
+    async def dead_letter_unread(
+        self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
+    ) -> bool:
+        return False  # FastStream's parser of this broker reads every message its client gives
+
+    def settled(self, held: Settling) -> None:
+        if not held.raw.locked:
+            held.raw.lock()
+
+    def stamp(self, cmd: Any, message_id: str) -> None:
+        options = getattr(cmd, "message_options", None)
+        if isinstance(options, dict) and not options.get("message_id"):
+            options["message_id"] = message_id
 
 
-def is_delivery(raw: object) -> bool:
-    return isinstance(raw, AbstractIncomingMessage)
+ADAPTER = RabbitAdapter
 
 
-def queue_of(subscriber: object) -> str | None:
-    name = getattr(getattr(subscriber, "queue", None), "name", None)
-    return name if isinstance(name, str) else None
-
-
-def read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
+def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
     headers_in = raw.headers or {}
     headers = {
         name: text
@@ -109,7 +150,7 @@ def _count(headers: Mapping[str, object], redelivered: bool) -> int | None:
     return count
 
 
-async def retry_later(
+async def _retry_later(
     broker: Any, raw: AbstractIncomingMessage, queue: str, delay: timedelta, count: int
 ) -> None:
     """After ``delay``, send a copy of ``raw`` that says it was delivered ``count`` times to
@@ -121,7 +162,7 @@ async def retry_later(
     try:
         await _copy(broker, raw, queue, headers)
     except Exception:
-        await requeue_later(raw, timedelta(0))
+        await _requeue_later(raw, timedelta(0))
         return
     try:
         await raw.ack()
@@ -129,7 +170,7 @@ async def retry_later(
         return
 
 
-async def requeue_later(raw: AbstractIncomingMessage, delay: timedelta) -> None:
+async def _requeue_later(raw: AbstractIncomingMessage, delay: timedelta) -> None:
     await asyncio.sleep(delay.total_seconds())
     try:
         await raw.nack(requeue=True)
@@ -137,11 +178,7 @@ async def requeue_later(raw: AbstractIncomingMessage, delay: timedelta) -> None:
         return
 
 
-def dead_letter_queue(name: str) -> RabbitQueue:
-    return RabbitQueue(name, durable=True)
-
-
-async def dead_letter(
+async def _dead_letter(
     broker: Any, raw: AbstractIncomingMessage, target: str, why: DeadLetter
 ) -> None:
     """Publish a copy of ``raw`` to ``target`` with the reason, then ack the original."""
@@ -167,10 +204,3 @@ async def _copy(
         message_type=raw.type,
         persist=True,
     )
-
-
-def stamp(cmd: Any, message_id: str) -> None:
-    """Give a result the handler publishes ``message_id``, unless it has one."""
-    options = getattr(cmd, "message_options", None)
-    if isinstance(options, dict) and not options.get("message_id"):
-        options["message_id"] = message_id

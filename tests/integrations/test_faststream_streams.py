@@ -1,0 +1,815 @@
+"""FastStream's NATS (JetStream) and Redis (streams) subscribers behind
+``oncely.integrations.faststream.Idempotency``, end to end: the real ``faststream run``
+worker on the machine's NATS server and Redis, effects counted in Redis. Duplicates, a
+reused key, keyless messages, undecodable bodies, failures that recover and failures that do
+not, a rejection, and a worker ``SIGKILL``ed mid-handler (R1, R2, R4, R10, R13, R16); then
+FastStream's own ``TestNatsBroker`` and ``TestRedisBroker`` for users' unit tests, and the
+subscribers the middleware refuses to run unprotected."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+pytest.importorskip("faststream")
+import nats
+import nats.js.errors
+import redis
+
+from tests.integrations.workers import WorkerRun
+from tests.services import NATS_URL, REDIS_URL, require
+
+ORDERS = ("o1", "o2", "o3")
+
+
+class StreamRun(WorkerRun):
+    """One scenario on one broker: its subject or stream, the worker processes, the effects;
+    a producer that sends exactly what it is given, and the dead letters read back."""
+
+    framework = "faststream"
+    app_module = "tests.integrations.faststream_streams_app"
+    broker: ClassVar[str]
+
+    def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
+        super().__init__(store, lease)
+        self.env["ONCELY_TEST_FASTSTREAM_BROKER"] = self.broker
+        self.env["ONCELY_TEST_FASTSTREAM_TAKEOVER"] = str(takeover)
+        self.env["ONCELY_TEST_NATS_URL"] = NATS_URL
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        return self.spawn("faststream", "run", f"{self.app_module}:app")
+
+    def charge(self, key: str | None, order: str, amount: int = 10, **more: Any) -> None:
+        body = json.dumps({"order": order, "amount": amount, **more}).encode()
+        self.send([(body, key, "application/json", "")])
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        """Publish ``(body, message id, content type, subject suffix)`` each."""
+        raise NotImplementedError
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        """The dead letters: (headers, body) each, the oncely headers included."""
+        raise NotImplementedError
+
+    def receipts(self) -> list[tuple[str, str]]:
+        """The results the handler published: (message id, order) each."""
+        raise NotImplementedError
+
+    def deliveries(self) -> int | None:
+        """How many times the broker delivered messages of the source, where it says."""
+        return None
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for process in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        self.cleanup()
+        for name in self.redis.scan_iter(match=f"{self.ns}:*"):
+            self.redis.delete(name)
+        self.redis.close()
+
+
+class NatsRun(StreamRun):
+    """JetStream: ids in ``message_id`` (FastStream's header, which the stream's duplicate
+    window does not read, so the producer's retries reach the consumer) or in
+    ``Oncely-Message-Id`` (oncely's producer), or none."""
+
+    broker = "nats"
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> None:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                for suffix in ("", ".plain", ".receipts"):
+                    subject = self.queue + suffix
+                    with contextlib.suppress(nats.js.errors.BadRequestError):
+                        await js.add_stream(name=stream_name_for(subject), subjects=[subject])
+                for body, key, content_type, suffix in messages:
+                    headers = {"content-type": content_type} if content_type else {}
+                    if key is not None:
+                        headers["Oncely-Message-Id" if key.startswith("o-") else "message_id"] = key
+                    await js.publish(self.queue + suffix, body, headers=headers or None)
+            finally:
+                await client.close()
+
+        asyncio.run(go())
+
+    def _read(self, subject: str) -> list[tuple[dict[str, str], bytes]]:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> list[tuple[dict[str, str], bytes]]:
+            client = await nats.connect(NATS_URL)
+            found: list[tuple[dict[str, str], bytes]] = []
+            try:
+                js = client.jetstream()
+                name = stream_name_for(subject)
+                try:
+                    info = await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    return found
+                for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+                    with contextlib.suppress(nats.js.errors.NotFoundError):
+                        msg = await js.get_msg(name, seq)
+                        found.append((dict(msg.headers or {}), msg.data or b""))
+            finally:
+                await client.close()
+            return found
+
+        return asyncio.run(go())
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def deliveries(self) -> int | None:
+        """How many deliveries the durable consumer made (redeliveries included)."""
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> int:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                info = await js.consumer_info(stream_name_for(self.queue), "billing")
+                return int(info.delivered.consumer_seq or 0)
+            finally:
+                await client.close()
+
+        return asyncio.run(go())
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("Nats-Msg-Id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        from oncely.brokers.nats import stream_name_for
+
+        async def go() -> None:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                for suffix in ("", ".plain", ".receipts", ".dead"):
+                    with contextlib.suppress(nats.js.errors.NotFoundError):
+                        await js.delete_stream(stream_name_for(self.queue + suffix))
+            finally:
+                await client.close()
+
+        asyncio.run(go())
+
+
+class RedisRun(StreamRun):
+    """Redis streams: FastStream's own producer, the id in its ``message_id`` header, or none;
+    the groups exist before the first entry (FastStream creates a missing one at the
+    stream's end)."""
+
+    broker = "redis"
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from faststream.redis import RedisBroker
+
+        client = redis.Redis.from_url(REDIS_URL)
+        for suffix, group in (("", "billing"), (".plain", "plain")):
+            with contextlib.suppress(redis.ResponseError):
+                client.xgroup_create(self.queue + suffix, group, "0", mkstream=True)
+        client.close()
+
+        async def go() -> None:
+            async with RedisBroker(REDIS_URL) as producer:
+                for body, key, content_type, suffix in messages:
+                    headers = {"content-type": content_type} if content_type else {}
+                    if key is not None:
+                        headers["message_id"] = key
+                    await producer.publish(body, stream=self.queue + suffix, headers=headers)
+
+        asyncio.run(go())
+
+    def _read(self, stream: str) -> list[tuple[dict[str, str], bytes]]:
+        from faststream.redis.parser.binary import BinaryMessageFormatV1
+
+        found: list[tuple[dict[str, str], bytes]] = []
+        for _id, fields in self.redis.xrange(stream):
+            # What a FastStream subscriber of the stream reads: the headers of its format.
+            body, headers = BinaryMessageFormatV1.parse(fields[b"__data__"])
+            for name, value in fields.items():  # and oncely's fields beside it
+                if name.startswith(b"x-oncely-"):
+                    assert headers[name.decode()] == value.decode()
+            found.append((headers, body))
+        return found
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("message_id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        for suffix in ("", ".plain", ".receipts", ".dead"):
+            self.redis.delete(self.queue + suffix)
+
+
+class KafkaRun(StreamRun):
+    """Kafka on Tansu: aiokafka as the producer, the id in the ``message-id`` header (or the
+    CloudEvents pair ``ce_source``/``ce_id`` for ``o-`` keys), or none."""
+
+    broker = "kafka"
+    suffixes = ("", ".plain", ".receipts")
+
+    def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
+        from tests.brokers.kafka_broker import create_topic, kafka_url
+
+        super().__init__(store, lease, takeover)
+        self.url = kafka_url()
+        self.env["ONCELY_TEST_KAFKA_URL"] = self.url
+        for suffix in self.suffixes:
+            create_topic(self.queue + suffix, 1, self.url)
+
+    def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        async def go() -> None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.url.removeprefix("kafka://"))
+            await producer.start()
+            try:
+                for body, key, content_type, suffix in messages:
+                    headers = [("content-type", content_type.encode())] if content_type else []
+                    if key is not None and key.startswith("o-"):
+                        headers += [
+                            ("ce_specversion", b"1.0"),
+                            ("ce_type", b"shop.order"),
+                            ("ce_source", b"/shop"),
+                            ("ce_id", key.encode()),
+                        ]
+                    elif key is not None:
+                        headers.append(("message-id", key.encode()))
+                    await producer.send_and_wait(self.queue + suffix, body, headers=headers)
+            finally:
+                await producer.stop()
+
+        asyncio.run(go())
+
+    def _read(self, topic: str) -> list[tuple[dict[str, str], bytes]]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def go() -> list[tuple[dict[str, str], bytes]]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.url.removeprefix("kafka://"))
+            await consumer.start()
+            found: list[tuple[dict[str, str], bytes]] = []
+            try:
+                partitions = consumer.partitions_for_topic(topic) or set()
+                if not partitions:
+                    await consumer._client.force_metadata_update()
+                    partitions = consumer.partitions_for_topic(topic) or set()
+                assigned = [TopicPartition(topic, p) for p in partitions]
+                if not assigned:
+                    return found
+                consumer.assign(assigned)
+                await consumer.seek_to_beginning(*assigned)
+                ends = await consumer.end_offsets(assigned)
+                for _ in range(100):
+                    if all([await consumer.position(tp) >= ends[tp] for tp in assigned]):
+                        break
+                    batch = await consumer.getmany(timeout_ms=1000)
+                    for records in batch.values():
+                        for record in records:
+                            headers = {k: (v or b"").decode() for k, v in record.headers}
+                            found.append((headers, record.value or b""))
+            finally:
+                await consumer.stop()
+            return found
+
+        return asyncio.run(go())
+
+    def dead(self) -> list[tuple[dict[str, str], bytes]]:
+        return self._read(self.queue + ".dead")
+
+    def receipts(self) -> list[tuple[str, str]]:
+        return [
+            (headers.get("message-id", ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
+
+    def cleanup(self) -> None:
+        from tests.brokers.kafka_broker import delete_topics
+
+        delete_topics(*(self.queue + suffix for suffix in (*self.suffixes, ".dead")))
+
+
+RUNS: dict[str, type[StreamRun]] = {"nats": NatsRun, "redis": RedisRun, "kafka": KafkaRun}
+
+
+@pytest.fixture(params=["nats", "redis", "kafka"])
+def broker(request: pytest.FixtureRequest) -> str:
+    require("Redis", REDIS_URL, 6379)
+    if request.param == "nats":
+        require("NATS", NATS_URL, 4222)
+    return str(request.param)
+
+
+@pytest.fixture
+def store(broker: str, tmp_path: Path) -> Iterator[str]:
+    """The inbox on SQLite for NATS and Kafka, on Redis for Redis streams (the store is not
+    what these tests are about; both kinds are covered)."""
+    if broker in ("nats", "kafka"):
+        yield f"sqlite:///{tmp_path / 'inbox.db'}"
+        return
+    unique = f"oncely_fss_{uuid.uuid4().hex[:8]}"
+    yield f"{REDIS_URL}?prefix={unique}"
+    client = redis.Redis.from_url(REDIS_URL)
+    for name in client.scan_iter(match=f"{unique}*"):
+        client.delete(name)
+    client.close()
+
+
+def _reason(headers: dict[str, str]) -> str:
+    return headers.get("x-oncely-reason", "")
+
+
+def _key(headers: dict[str, str]) -> str | None:
+    return (
+        headers.get("message_id")
+        or headers.get("Oncely-Message-Id")
+        or headers.get("message-id")
+        or headers.get("ce_id")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
+    broker: str, store: str
+) -> None:
+    run = RUNS[broker](store)
+    try:
+        charge = json.dumps
+        run.send(
+            [
+                # A producer's retries: one logical message.
+                *[(charge({"order": "o1", "amount": 10}).encode(), "m-o1", "application/json", "")]
+                * 3,
+                (charge({"order": "o2", "amount": 10}).encode(), "o-2", "application/json", ""),
+                (  # fails twice, then succeeds
+                    charge({"order": "o3", "amount": 10, "fail_times": 2}).encode(),
+                    "m-o3",
+                    "application/json",
+                    "",
+                ),
+                (b'"p1"', None, "application/json", ".plain"),
+            ]
+        )
+        run.worker()
+        run.until(lambda: all(run.effects(order) == 1 for order in ORDERS))
+        run.send(
+            [
+                # The key again, with another body.
+                (charge({"order": "o2", "amount": 99}).encode(), "o-2", "application/json", ""),
+                (charge({"order": "o6", "amount": 1}).encode(), None, "application/json", ""),
+                (  # never succeeds
+                    charge({"order": "o4", "amount": 1, "fail_times": 99}).encode(),
+                    "m-o4",
+                    "application/json",
+                    "",
+                ),
+                (  # the handler refuses it
+                    charge({"order": "o5", "amount": 1, "reject": True}).encode(),
+                    "m-o5",
+                    "application/json",
+                    "",
+                ),
+                (b"\xff not json", "m-bad1", "application/json", ""),
+                (b"\xff not a charge", "m-bad2", "", ""),  # no content type: bytes
+                (b'"p2"', None, "application/json", ".plain"),  # the worker still works
+            ]
+        )
+        run.until(lambda: len(run.dead()) >= 6 and run.effects("plain:p2") == 1)
+        time.sleep(1.5)  # anything that would still arrive (a second dead letter of one)
+        found = run.dead()
+        for order in ORDERS:
+            assert run.effects(order) == 1, order
+        for order in ("o4", "o5", "o6"):
+            assert run.effects(order) == 0, order
+        assert run.effects("plain:p1") == 1
+        assert run.started("o1") == 1  # the copies were not run
+        assert run.started("o3") == 3  # two failures and the success, no more
+        assert run.started("o4") == 3  # max_deliveries=3
+        assert len(found) == 6, found
+        by_key = {_key(headers): (headers, body) for headers, body in found}
+        conflict, body = by_key["o-2"]
+        assert conflict["x-oncely-outcome"] == "key_conflict"
+        assert json.loads(body)["amount"] == 99  # the copy is the message, byte for byte
+        failed = by_key["m-o4"][0]
+        assert "failed on all 3 deliveries" in _reason(failed)
+        assert "the ledger is down" in _reason(failed)
+        assert failed["x-oncely-deliveries"] == "3"
+        assert "not billable" in _reason(by_key["m-o5"][0])
+        assert "undecodable body" in _reason(by_key["m-bad1"][0])
+        assert by_key["m-bad1"][1] == b"\xff not json"
+        assert "arguments" in _reason(by_key["m-bad2"][0])
+        keyless, body = by_key[None]
+        assert "no producer-assigned message id" in _reason(keyless)
+        assert json.loads(body)["order"] == "o6"
+        for headers, _ in found:
+            assert headers["x-oncely-consumer"] == "billing"
+        # Every result published from one key carries one id, derived from it: a replay of
+        # o1's receipt (for a duplicate) is a copy that a downstream consumer drops. On
+        # JetStream the receipts stream's duplicate window already drops it (R14).
+        receipts = run.receipts()
+        o1 = [message_id for message_id, order in receipts if order == "o1"]
+        assert len(set(o1)) == 1 and o1[0], receipts
+        assert len(o1) == (1 if broker == "nats" else 3)  # Kafka: one id, no window
+        assert {order for _, order in receipts} == set(ORDERS)
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(
+    broker: str, store: str
+) -> None:
+    """The worker is ``SIGKILL``ed while the handler sleeps before its effect. JetStream
+    delivers the message again after the consumer's ack wait; on Redis the next worker's
+    takeover subscriber claims the entry the dead worker left pending; on Kafka the dead
+    member's partition goes to the next worker, from the last commit. The copy meets the dead
+    worker's lease, takes the claim over once it lapsed, and runs: one effect."""
+    run = RUNS[broker](store, lease=2.0, takeover=5.0)
+    try:
+        run.charge("m-k1", "k1", sleep=6.0)  # longer than the takeover: kept meanwhile
+        first = run.worker()
+        run.until(lambda: run.started("k1") == 1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker()
+        run.until(lambda: run.effects("k1") == 1, seconds=90)
+        time.sleep(2.0)
+        assert run.effects("k1") == 1
+        assert run.started("k1") == 2  # the killed run and the one that took over
+        assert run.dead() == []
+        # The handler that took over ran longer than the ack wait: the message was kept with
+        # +WPI (every third of it) meanwhile, not delivered a third time.
+        assert run.deliveries() in (None, 2)
+    finally:
+        run.close()
+
+
+async def test_r1_r2_with_faststreams_test_nats_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestNatsBroker`` (no server): a duplicate runs once and
+    replays the first result with an id derived from the key (``Nats-Msg-Id``), which the
+    next subscriber behind the middleware drops; a failure is retried (published again, the
+    test broker has nothing to give it back to) and dead-lettered after ``max_deliveries``;
+    a keyless message and a reused key are dead-lettered to ``<subject>.dead`` with the
+    reason."""
+    from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub, TestNatsBroker
+
+    import oncely
+    from oncely.brokers import Backoff
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = NatsBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
+    effects: list[object] = []
+    receipts: list[tuple[object, str | None]] = []
+    dead: list[tuple[object, dict[str, Any]]] = []
+
+    @broker.subscriber("orders", stream=JStream("orders"), durable="shop", pull_sub=PullSub())
+    @broker.publisher("receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
+        return {"receipt": body["n"]}
+
+    @broker.subscriber("receipts", stream=JStream("receipts"), durable="shop", pull_sub=PullSub())
+    async def receipt(body: dict[str, int], message: NatsMessage) -> None:
+        receipts.append((body, message.headers.get("Nats-Msg-Id")))
+
+    @broker.subscriber("orders.dead")  # a dead-letter subject's subscriber is left alone
+    async def dead_letter(message: NatsMessage) -> None:
+        dead.append((message.body, dict(message.headers)))
+
+    async with TestNatsBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", headers={"Nats-Msg-Id": "m-1"})
+        await test.publish({"n": 2}, "orders")  # no id
+        await test.publish({"n": 3}, "orders", headers={"Nats-Msg-Id": "m-1"})  # reused
+        await test.publish({"n": 4}, "orders", headers={"Nats-Msg-Id": "m-4"})  # fails
+    assert effects == [{"n": 1}, {"n": 4}, {"n": 4}]  # the failure retried once
+    assert len(receipts) == 1 and receipts[0][0] == {"receipt": 1} and receipts[0][1]
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("Nats-Msg-Id", "")) for _, h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    rejected = next(h for _, h in dead if "Nats-Msg-Id" not in h)
+    assert "message id" in rejected["x-oncely-reason"]
+    failed = next(h for _, h in dead if h.get("Nats-Msg-Id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
+
+
+async def test_r1_r2_with_faststreams_test_redis_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestRedisBroker`` (no server): duplicates run once and replay
+    the first result with one derived ``message_id`` (which the next subscriber drops), a
+    failure is retried as a copy and dead-lettered after ``max_deliveries``, a keyless
+    message and a reused key are dead-lettered to ``<stream>.dead`` with the reason."""
+    from faststream.redis import RedisBroker, RedisMessage, StreamSub, TestRedisBroker
+
+    import oncely
+    from oncely.brokers import Backoff
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = RedisBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
+    effects: list[object] = []
+    receipts: list[tuple[object, str | None]] = []
+    dead: list[tuple[object, dict[str, Any]]] = []
+
+    @broker.subscriber(stream=StreamSub("orders", group="shop", consumer="c1"))
+    @broker.publisher(stream="receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
+        return {"receipt": body["n"]}
+
+    @broker.subscriber(stream=StreamSub("receipts", group="shop", consumer="c1"))
+    async def receipt(body: dict[str, int], message: RedisMessage) -> None:
+        receipts.append((body, message.headers.get("message_id")))
+
+    @broker.subscriber(stream="orders.dead")  # a dead-letter stream's subscriber: left alone
+    async def dead_letter(message: RedisMessage) -> None:
+        dead.append((message.body, dict(message.headers)))
+
+    async with TestRedisBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, stream="orders", headers={"message_id": "m-1"})
+        await test.publish({"n": 2}, stream="orders")  # no id
+        await test.publish({"n": 3}, stream="orders", headers={"message_id": "m-1"})  # reused
+        await test.publish({"n": 4}, stream="orders", headers={"message_id": "m-4"})
+        for _ in range(200):  # the retry's copy comes back after the backoff
+            if len(dead) == 3:
+                break
+            await asyncio.sleep(0.05)
+    assert effects == [{"n": 1}, {"n": 4}, {"n": 4}]
+    assert len(receipts) == 1 and receipts[0][0] == {"receipt": 1} and receipts[0][1]
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("message_id", "")) for _, h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    failed = next(h for _, h in dead if h.get("message_id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
+    assert failed["x-oncely-deliveries"] == "2"
+
+
+async def test_r1_r3_with_faststreams_test_kafka_broker_for_users_unit_tests() -> None:
+    """The middleware under ``TestKafkaBroker`` (no server): duplicates by ``message-id``
+    and by the CloudEvents pair run once and replay the first result with one derived
+    ``message-id``, a failure is retried as a copy and dead-lettered after
+    ``max_deliveries``, a keyless record and a reused key go to ``<topic>.dead`` with the
+    reason and where the record was."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaMessage, TestKafkaBroker
+
+    import oncely
+    from oncely.brokers import Backoff
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    quick = Backoff(first=timedelta(milliseconds=10), most=timedelta(milliseconds=10))
+    broker = KafkaBroker(middlewares=[Idempotency(inbox, max_deliveries=2, backoff=quick)])
+    effects: list[object] = []
+    receipts: list[tuple[dict[str, int], str | None]] = []
+    dead: list[dict[str, Any]] = []
+    event = {"ce_specversion": "1.0", "ce_type": "shop.order", "ce_source": "/shop", "ce_id": "e5"}
+
+    @broker.subscriber("orders", group_id="shop", ack_policy=AckPolicy.ACK)
+    @broker.publisher("receipts")
+    async def order(body: dict[str, int]) -> dict[str, int]:
+        effects.append(body)
+        if body["n"] == 4:
+            raise RuntimeError("the ledger is down")
+        return {"receipt": body["n"]}
+
+    @broker.subscriber("receipts", group_id="shop", ack_policy=AckPolicy.ACK)
+    async def receipt(body: dict[str, int], message: KafkaMessage) -> None:
+        receipts.append((body, message.headers.get("message-id")))
+
+    @broker.subscriber("orders.dead")  # a dead-letter topic's subscriber is left alone
+    async def dead_letter(message: KafkaMessage) -> None:
+        dead.append(dict(message.headers))
+
+    async with TestKafkaBroker(broker) as test:
+        for _ in range(2):
+            await test.publish({"n": 1}, "orders", headers={"message-id": "m-1"})
+            await test.publish({"n": 5}, "orders", headers=event)
+        await test.publish({"n": 2}, "orders")  # no id
+        await test.publish({"n": 3}, "orders", headers={"message-id": "m-1"})  # reused
+        await test.publish({"n": 4}, "orders", headers={"message-id": "m-4"})
+    assert effects == [{"n": 1}, {"n": 5}, {"n": 4}, {"n": 4}]
+    assert sorted(body["receipt"] for body, _ in receipts) == [1, 5]
+    assert all(message_id for _, message_id in receipts)
+    by_outcome = sorted((h["x-oncely-outcome"], h.get("message-id", "")) for h in dead)
+    assert by_outcome == [("key_conflict", "m-1"), ("rejected", ""), ("rejected", "m-4")]
+    failed = next(h for h in dead if h.get("message-id") == "m-4")
+    assert "failed on all 2 deliveries" in failed["x-oncely-reason"]
+    assert failed["x-oncely-topic"] == "orders" and "x-oncely-offset" in failed
+
+
+async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unprotected() -> None:
+    """Core NATS, a JetStream consumer that is not durable, Redis pub/sub, lists, a stream
+    read without a consumer group, a Kafka subscriber without a group or with automatic
+    commits, and an ack policy that acknowledges whatever happens: the message is refused
+    with a ConfigurationError that says why, and the handler never runs."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, TestKafkaBroker
+    from faststream.nats import JStream, NatsBroker, TestNatsBroker
+    from faststream.redis import RedisBroker, TestRedisBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    ran: list[object] = []
+
+    async def handler(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    nats_broker = NatsBroker(middlewares=[Idempotency(inbox)])
+    nats_broker.subscriber("core")(handler)
+    nats_broker.subscriber("ephemeral", stream=JStream("ephemeral"))(handler)
+    nats_broker.subscriber(
+        "first", stream=JStream("first"), queue="q", ack_policy=AckPolicy.ACK_FIRST
+    )(handler)
+    async with TestNatsBroker(nats_broker) as test:
+        for subject, why in (
+            ("core", "core NATS"),
+            ("ephemeral", "not durable"),
+            ("first", "ack_policy"),
+        ):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, subject, headers={"Nats-Msg-Id": "m-1"})
+
+    redis_broker = RedisBroker(middlewares=[Idempotency(inbox)])
+    redis_broker.subscriber("channel")(handler)
+    redis_broker.subscriber(list="list")(handler)
+    redis_broker.subscriber(stream="nogroup")(handler)
+    async with TestRedisBroker(redis_broker) as test:
+        for where, why in (
+            ({"channel": "channel"}, "pub/sub"),
+            ({"list": "list"}, "list"),
+            ({"stream": "nogroup"}, "consumer group"),
+        ):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, headers={"message_id": "m-1"}, **where)
+    kafka_broker = KafkaBroker(middlewares=[Idempotency(inbox)])
+    kafka_broker.subscriber("auto", group_id="g")(handler)  # FastStream's default: ACK_FIRST
+    kafka_broker.subscriber("nogroup", ack_policy=AckPolicy.ACK)(handler)
+    async with TestKafkaBroker(kafka_broker) as test:
+        for topic, why in (("auto", "commits automatically"), ("nogroup", "consumer group")):
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                await test.publish({"n": 1}, topic, headers={"message-id": "m-1"})
+    assert ran == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_r10_kafka_a_copy_meeting_a_running_claim_is_read_again_in_place() -> None:
+    """On Kafka a message given back (here: another worker holds its key) is not copied:
+    the partition waits out ``requeue_delay`` and the consumer is rewound to the record,
+    nothing committed past it. Once the other worker lets go, the record runs, once, and is
+    committed; the topic still holds that one record."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+
+    url = kafka_url()
+    servers = url.removeprefix("kafka://")
+    topic = f"oncely_fk_{uuid.uuid4().hex[:8]}"
+    create_topic(topic, 1, url)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    middleware = Idempotency(inbox, requeue_delay=timedelta(milliseconds=200))
+    broker = KafkaBroker(servers, middlewares=[middleware])
+    ran: list[object] = []
+
+    @broker.subscriber(
+        topic, group_id="billing", auto_offset_reset="earliest", ack_policy=AckPolicy.ACK
+    )
+    async def handle(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    body = b'{"n": 1}'
+    elsewhere = await inbox.claim("m-r1", body)  # another worker is running this message
+    assert elsewhere.won
+    try:
+        async with broker:
+            await broker.start()
+            headers = {"message-id": "m-r1", "content-type": "application/json"}
+            await broker.publish(body, topic, headers=headers)
+            await asyncio.sleep(3)  # read, given back, read again, ... never run
+            assert ran == []
+            await elsewhere.release()
+            for _ in range(300):
+                if ran:
+                    break
+                await asyncio.sleep(0.1)
+            assert ran == [{"n": 1}]
+            await asyncio.sleep(1)
+        assert ran == [{"n": 1}]
+        consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id="billing")
+        await consumer.start()
+        try:
+            partition = TopicPartition(topic, 0)
+            assert (await consumer.end_offsets([partition]))[partition] == 1  # no copy
+            assert await consumer.committed(partition) == 1  # and done
+        finally:
+            await consumer.stop()
+    finally:
+        delete_topics(topic, topic + ".dead")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_r2_kafka_a_record_faststream_cannot_read_is_dead_lettered_not_passed_over() -> None:
+    """FastStream's Kafka parser decodes every header as UTF-8: a record with one that is not
+    never reaches the middleware's claim, and the next commit would pass over it. It is
+    dead-lettered with the error and its headers byte for byte; the next record runs."""
+    import base64
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+
+    url = kafka_url()
+    servers = url.removeprefix("kafka://")
+    topic = f"oncely_fk_{uuid.uuid4().hex[:8]}"
+    create_topic(topic, 1, url)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    broker = KafkaBroker(servers, middlewares=[Idempotency(inbox)])
+    ran: list[object] = []
+
+    @broker.subscriber(
+        topic, group_id="billing", auto_offset_reset="earliest", ack_policy=AckPolicy.ACK
+    )
+    async def handle(body: dict[str, int]) -> None:
+        ran.append(body)
+
+    try:
+        producer = AIOKafkaProducer(bootstrap_servers=servers)
+        await producer.start()
+        try:
+            bad = [("message-id", b"m-bad"), ("trace", b"\xff\xfe")]
+            await producer.send_and_wait(topic, b'{"n": 1}', headers=bad)
+            good = [("message-id", b"m-good"), ("content-type", b"application/json")]
+            await producer.send_and_wait(topic, b'{"n": 2}', headers=good)
+        finally:
+            await producer.stop()
+        async with broker:
+            await broker.start()
+            for _ in range(300):
+                if ran:
+                    break
+                await asyncio.sleep(0.1)
+        assert ran == [{"n": 2}]
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, auto_offset_reset="earliest")
+        await reader.start()
+        try:
+            partition = TopicPartition(topic + ".dead", 0)
+            reader.assign([partition])
+            records = (await reader.getmany(partition, timeout_ms=10_000)).get(partition, [])
+        finally:
+            await reader.stop()
+        assert len(records) == 1
+        headers = {name: (value or b"").decode() for name, value in records[0].headers}
+        assert records[0].value == b'{"n": 1}'
+        assert headers["message-id"] == "m-bad"
+        assert headers["x-oncely-outcome"] == "rejected"
+        assert "could not read" in headers["x-oncely-reason"]
+        raw = base64.b64decode(headers["x-oncely-raw-headers"])
+        assert raw == b"trace: \xff\xfe\r\n"
+    finally:
+        delete_topics(topic, topic + ".dead")
