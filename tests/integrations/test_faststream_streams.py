@@ -41,6 +41,8 @@ class StreamRun(WorkerRun):
     framework = "faststream"
     app_module = "tests.integrations.faststream_streams_app"
     broker: ClassVar[str]
+    id_header: ClassVar[str]
+    """The header a published result carries its message id in."""
 
     def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
         super().__init__(store, lease)
@@ -59,13 +61,20 @@ class StreamRun(WorkerRun):
         """Publish ``(body, message id, content type, subject suffix)`` each."""
         raise NotImplementedError
 
+    def _read(self, name: str) -> list[tuple[dict[str, str], bytes]]:
+        """What the subject, stream or topic ``name`` holds: (headers, body) each."""
+        raise NotImplementedError
+
     def dead(self) -> list[tuple[dict[str, str], bytes]]:
         """The dead letters: (headers, body) each, the oncely headers included."""
-        raise NotImplementedError
+        return self._read(self.queue + ".dead")
 
     def receipts(self) -> list[tuple[str, str]]:
         """The results the handler published: (message id, order) each."""
-        raise NotImplementedError
+        return [
+            (headers.get(self.id_header, ""), json.loads(body)["order"])
+            for headers, body in self._read(self.queue + ".receipts")
+        ]
 
     def deliveries(self) -> int | None:
         """How many times the broker delivered messages of the source, where it says."""
@@ -91,6 +100,7 @@ class NatsRun(StreamRun):
     ``Oncely-Message-Id`` (oncely's producer), or none."""
 
     broker = "nats"
+    id_header = "Nats-Msg-Id"
 
     def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
         from oncely.brokers.nats import stream_name_for
@@ -136,9 +146,6 @@ class NatsRun(StreamRun):
 
         return asyncio.run(go())
 
-    def dead(self) -> list[tuple[dict[str, str], bytes]]:
-        return self._read(self.queue + ".dead")
-
     def deliveries(self) -> int | None:
         """How many deliveries the durable consumer made (redeliveries included)."""
         from oncely.brokers.nats import stream_name_for
@@ -153,12 +160,6 @@ class NatsRun(StreamRun):
                 await client.close()
 
         return asyncio.run(go())
-
-    def receipts(self) -> list[tuple[str, str]]:
-        return [
-            (headers.get("Nats-Msg-Id", ""), json.loads(body)["order"])
-            for headers, body in self._read(self.queue + ".receipts")
-        ]
 
     def cleanup(self) -> None:
         from oncely.brokers.nats import stream_name_for
@@ -182,6 +183,7 @@ class RedisRun(StreamRun):
     stream's end)."""
 
     broker = "redis"
+    id_header = "message_id"
 
     def send(self, messages: list[tuple[bytes, str | None, str, str]]) -> None:
         from faststream.redis import RedisBroker
@@ -215,15 +217,6 @@ class RedisRun(StreamRun):
             found.append((headers, body))
         return found
 
-    def dead(self) -> list[tuple[dict[str, str], bytes]]:
-        return self._read(self.queue + ".dead")
-
-    def receipts(self) -> list[tuple[str, str]]:
-        return [
-            (headers.get("message_id", ""), json.loads(body)["order"])
-            for headers, body in self._read(self.queue + ".receipts")
-        ]
-
     def cleanup(self) -> None:
         for suffix in ("", ".plain", ".receipts", ".dead"):
             self.redis.delete(self.queue + suffix)
@@ -234,6 +227,7 @@ class KafkaRun(StreamRun):
     CloudEvents pair ``ce_source``/``ce_id`` for ``o-`` keys), or none."""
 
     broker = "kafka"
+    id_header = "message-id"
     suffixes = ("", ".plain", ".receipts")
 
     def __init__(self, store: str, lease: float = 30.0, takeover: float = 30.0) -> None:
@@ -300,15 +294,6 @@ class KafkaRun(StreamRun):
             return found
 
         return asyncio.run(go())
-
-    def dead(self) -> list[tuple[dict[str, str], bytes]]:
-        return self._read(self.queue + ".dead")
-
-    def receipts(self) -> list[tuple[str, str]]:
-        return [
-            (headers.get("message-id", ""), json.loads(body)["order"])
-            for headers, body in self._read(self.queue + ".receipts")
-        ]
 
     def cleanup(self) -> None:
         from tests.brokers.kafka_broker import delete_topics

@@ -27,7 +27,29 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["pack_fingerprint", "pack_token", "unpack_fingerprint", "unpack_token"]
+__all__ = [
+    "REVISION_NOTE",
+    "SCHEMA_REVISION",
+    "SCHEMA_VERSION",
+    "pack_fingerprint",
+    "pack_token",
+    "unpack_fingerprint",
+    "unpack_token",
+]
+
+SCHEMA_VERSION: Final = 2
+"""The schema version of the SQLite and MariaDB/MySQL stores that keep tokens and
+fingerprints in this form. An oncely that knows only version 1 would take a repeat for a key
+conflict, so it refuses such a table."""
+SCHEMA_REVISION: Final = 3
+"""Their revision: 2 brought the purge_ms column and its index (see
+:data:`oncely.stores._sql.PURGE_BUCKET_MS`), 3 schema version 2 (and, on MariaDB/MySQL, the
+purge index ordered by the claim's time within a minute)."""
+REVISION_NOTE: Final = (
+    "the purge index, tokens and fingerprints kept as bytes; workers of an oncely older than "
+    "schema version 2 refuse the migrated table, so stop them first"
+)
+"""What the migration to :data:`SCHEMA_REVISION` brings, for :class:`~oncely.SchemaOutdated`."""
 
 FINGERPRINT_PREFIX: Final = "v1:"
 _FINGERPRINT_BYTE: Final = b"\x01"

@@ -20,6 +20,7 @@ from typing import Any, Final, Generic, TypeVar
 
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import InvalidIdentifier
+from oncely.stores._compact import unpack_fingerprint, unpack_token
 
 __all__ = [
     "MAX_CONSUMERS",
@@ -123,14 +124,16 @@ STATUS: dict[str, Status] = {s.value: s for s in Status}
 
 
 def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
-    """A record from a row of the record's columns (in that order)."""
+    """A record from a row of the record's columns (in that order); the token and fingerprint
+    as text (PostgreSQL, and SQLite rows written before its schema version 2) or in the compact
+    form of :mod:`oncely.stores._compact` (SQLite since)."""
     result = row[8]
     return Record(
         consumer=consumer,
         key=key,
         status=STATUS[row[0]],
-        fingerprint=row[1],
-        token=row[2],
+        fingerprint=unpack_fingerprint(row[1]),
+        token=unpack_token(row[2]),
         attempt=row[3],
         created_ms=row[4],
         updated_ms=row[5],

@@ -40,7 +40,15 @@ from typing import Any, Final
 from oncely._core.records import Record, Status
 from oncely._core.state import ClaimEvent
 from oncely.errors import InvalidIdentifier, InvalidKey, KeyTooLong, StoreError
-from oncely.stores._compact import pack_fingerprint, pack_token, unpack_fingerprint, unpack_token
+from oncely.stores._compact import (
+    REVISION_NOTE,
+    SCHEMA_REVISION,
+    SCHEMA_VERSION,
+    pack_fingerprint,
+    pack_token,
+    unpack_fingerprint,
+    unpack_token,
+)
 from oncely.stores._sql import SMALL, STATUS, bucket_sql, check_identifier
 
 __all__ = [
@@ -62,16 +70,6 @@ __all__ = [
     "write_params",
 ]
 
-SCHEMA_VERSION: Final = 2
-"""2: tokens and fingerprints kept as bytes (:mod:`oncely.stores._compact`). An oncely that
-knows only version 1 would take a repeat for a key conflict, so it refuses the table."""
-SCHEMA_REVISION: Final = 3
-"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`);
-3: schema version 2, and the purge index ordered by the claim's time within a minute."""
-REVISION_NOTE: Final = (
-    "the purge index, tokens and fingerprints kept as bytes; workers of an oncely older than "
-    "schema version 2 refuse the migrated table, so stop them first"
-)
 MAX_CONSUMER_BYTES: Final = 800
 MAX_KEY_BYTES: Final = 2048
 MAX_TOKEN_BYTES: Final = 255  # tokens and fingerprints

@@ -13,12 +13,17 @@ PostgreSQL's are (:mod:`oncely.stores._sql`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
-from oncely._core.records import Record
-from oncely.stores._compact import unpack_fingerprint, unpack_token
-from oncely.stores._sql import SMALL, STATUS, PlainRows, bucket_sql, check_identifier
+from oncely.stores._compact import REVISION_NOTE, SCHEMA_REVISION, SCHEMA_VERSION
+from oncely.stores._sql import (
+    SMALL,
+    PlainRows,
+    bucket_sql,
+    check_identifier,
+    parse_record,
+    parse_scanned,
+)
 
 __all__ = [
     "ENDED_COUNTED",
@@ -29,17 +34,6 @@ __all__ = [
     "parse_record",
     "parse_scanned",
 ]
-
-SCHEMA_VERSION: Final = 2
-"""2: tokens and fingerprints kept as bytes (:mod:`oncely.stores._compact`). An oncely that
-knows only version 1 would take a repeat for a key conflict, so it refuses the table."""
-SCHEMA_REVISION: Final = 3
-"""2: the purge_ms column and its index (see :data:`oncely.stores._sql.PURGE_BUCKET_MS`);
-3: schema version 2."""
-REVISION_NOTE: Final = (
-    "the purge index, tokens and fingerprints kept as bytes; workers of an oncely older than "
-    "schema version 2 refuse the migrated table, so stop them first"
-)
 
 STATUS_CHECK: Final = "CHECK (status = 'in_progress' OR status = 'completed' OR status = 'failed')"
 """The inbox table's status constraint. Written as comparisons: SQLite compiles the
@@ -60,31 +54,6 @@ _COLUMNS: Final = (
 )
 
 
-def parse_record(consumer: str, key: str, row: Sequence[Any]) -> Record:
-    """A record from a row of the record's columns (in that order); the token and fingerprint
-    in either stored form (bytes, or the text of a row written before schema version 2)."""
-    result = row[8]
-    return Record(
-        consumer=consumer,
-        key=key,
-        status=STATUS[row[0]],
-        fingerprint=unpack_fingerprint(row[1]),
-        token=unpack_token(row[2]),
-        attempt=row[3],
-        created_ms=row[4],
-        updated_ms=row[5],
-        lease_until_ms=row[6],
-        expires_ms=row[7],
-        result=bytes(result) if result is not None else None,
-        error=row[9],
-    )
-
-
-def parse_scanned(row: Sequence[Any]) -> Record:
-    """A record from a row of ``scan``: consumer, key, then the record's columns."""
-    return parse_record(row[0], row[1], row[2:])
-
-
 def _pairs(count: int) -> str:
     return "SELECT column1, column2 FROM (VALUES " + ", ".join(["(?, ?)"] * count) + ")"
 
@@ -96,9 +65,6 @@ class SQLiteDialect(PlainRows[str]):
     statement compares with a value read from a row (``:seen``, a takeover's ``:token``, the
     fingerprint) it also takes the value's text (``:seen_text``, ...), the form of a row
     written before schema version 2."""
-
-    parse_record = staticmethod(parse_record)
-    parse_scanned = staticmethod(parse_scanned)
 
     __slots__ = (
         "add_purge_column",
