@@ -5,7 +5,11 @@ A trivial ``POST /orders`` (``bench/web_app.py``) served by uvicorn (one worker,
 process; ``--server standard``, the default, is ``uvicorn[standard]`` as deployed: httptools and
 uvloop; ``--server pure`` is h11 and asyncio's loop) four ways: bare; behind
 ``oncely.http.IdempotencyMiddleware`` on the Redis store and
-on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis.
+on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis; and the floor,
+``by-hand-redis``: a hand-written middleware doing exactly the store work of oncely's on Redis
+(the same ``EVALSHA`` of the same scripts, one round trip for a replay and two for a new key,
+on redis-py's asyncio connections set up as the store sets them up) and nothing else, with
+``by-hand-redis-api`` the same through redis-py's public ``evalsha``.
 
 A client (a minimal keep-alive HTTP/1.1 client over ``--connections`` connections) sends
 ``--requests`` requests with a new ``Idempotency-Key`` each (``new key``), then the same
@@ -44,10 +48,19 @@ import psycopg
 import redis
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis", "oncely-memory")
-DEFAULT = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis")
+VARIANTS = (
+    "bare", "by-hand-redis", "by-hand-redis-api", "oncely-redis", "oncely-postgres",
+    "idemkit-redis", "oncely-memory",
+)  # fmt: skip
+DEFAULT = (
+    "bare", "by-hand-redis", "by-hand-redis-api", "oncely-redis", "oncely-postgres",
+    "idemkit-redis",
+)  # fmt: skip
 """Run unless ``--variant`` says otherwise (``oncely-memory``, the in-process store: what the
 middleware and the inbox cost without a store round trip)."""
+FLOOR = "by-hand-redis"
+"""The floor Redis-backed middlewares are measured against: oncely's Redis statements written
+by hand on the same driver and connection setup (``bench/web_app.py``'s ``ByHand``)."""
 REDIS = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -256,15 +269,38 @@ def main(argv: list[str] | None = None) -> int:
     bare = med.get("bare", {}).get("new key")
     lines = [
         "| endpoint | new key (req/s) | replay (req/s) | new key / bare | replay / bare "
-        "| server CPU per request, new / replay (us) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| server CPU per request, new / replay (us) | rounds' range, new / replay (req/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for v, m in med.items():
         ratio = (f"{m['new key'] / bare:.2f}x", f"{m['replay'] / bare:.2f}x") if bare else ("", "")
+        spread = " / ".join(
+            f"{min(rates[v][ph]):,.0f}-{max(rates[v][ph]):,.0f}" for ph in ("new key", "replay")
+        )
         lines.append(
             f"| {v} | {m['new key']:,.0f} | {m['replay']:,.0f} | {ratio[0]} | {ratio[1]} "
-            f"| {cpu[v]['new key']:.0f} / {cpu[v]['replay']:.0f} |"
+            f"| {cpu[v]['new key']:.0f} / {cpu[v]['replay']:.0f} | {spread} |"
         )
+    pairs = [
+        ("oncely-redis", "idemkit-redis"), (FLOOR, "idemkit-redis"), ("oncely-redis", FLOOR),
+        ("by-hand-redis-api", FLOOR), ("idemkit-redis", FLOOR),
+    ]  # fmt: skip
+    pairs = [(a, b) for a, b in pairs if a in med and b in med]
+    if pairs:
+        lines += [
+            "",
+            "Ratios of the medians (and, in brackets, the lowest and highest of the per-round "
+            "ratios: the variants of one round ran minutes apart at most):",
+            "",
+            "| ratio | new key | replay |",
+            "|---|---:|---:|",
+        ]
+        for a, b in pairs:
+            cells = []
+            for ph in ("new key", "replay"):
+                each = [x / y for x, y in zip(rates[a][ph], rates[b][ph], strict=True)]
+                cells.append(f"{med[a][ph] / med[b][ph]:.2f}x ({min(each):.2f}-{max(each):.2f})")
+            lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} |")
     if args.in_process:
         lines += [
             "",
