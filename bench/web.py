@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             "",
             "Ratios of the medians (and, in brackets, the lowest and highest of the per-round "
-            "ratios: the variants of one round ran minutes apart at most):",
+            "ratios: the variants of one round run seconds apart, so each such ratio is read "
+            "under the same load):",
             "",
             "| ratio | new key | replay |",
             "|---|---:|---:|",
