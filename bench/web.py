@@ -291,17 +291,23 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "Ratios of the medians (and, in brackets, the lowest and highest of the per-round "
             "ratios: the variants of one round run seconds apart, so each such ratio is read "
-            "under the same load):",
+            "under the same load). The last column divides the second variant's server CPU per "
+            "request by the first's: the same comparison where the server's CPU is what limits "
+            "the rate, and steadier than the rates when other work shares the machine:",
             "",
-            "| ratio | new key | replay |",
-            "|---|---:|---:|",
+            "| ratio | new key | replay | by server CPU per request, new / replay |",
+            "|---|---:|---:|---:|",
         ]
         for a, b in pairs:
             cells = []
             for ph in ("new key", "replay"):
                 each = [x / y for x, y in zip(rates[a][ph], rates[b][ph], strict=True)]
                 cells.append(f"{med[a][ph] / med[b][ph]:.2f}x ({min(each):.2f}-{max(each):.2f})")
-            lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} |")
+            by_cpu = " / ".join(
+                f"{cpu[b][ph] / cpu[a][ph]:.2f}x" if cpu[a][ph] else "-"
+                for ph in ("new key", "replay")
+            )
+            lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} | {by_cpu} |")
     if args.in_process:
         lines += [
             "",
