@@ -19,9 +19,9 @@ reports medians of requests per second, and each against the bare endpoint, with
 server process's CPU per request (read from ``/proc``: uvicorn and the middleware together).
 
 ``--in-process`` then measures each middleware without a server or a network client: the
-ASGI app called directly, one request at a time, the process's CPU per request (the
-middleware, its store client and the trivial endpoint), the lowest-noise view of what a
-middleware costs.
+ASGI app called directly, one request at a time (``--in-flight K``: K at a time, as the
+server's 16 connections have them), the process's CPU per request (the middleware, its store
+client and the trivial endpoint), the lowest-noise view of what a middleware costs.
 
 Writes ``bench/results/http.md`` and ``http.json``.
 """
@@ -164,9 +164,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def in_process(variant: str, requests: int) -> dict[str, float]:
+async def in_process(variant: str, requests: int, in_flight: int = 1) -> dict[str, float]:
     """Microseconds of this process's CPU per request, new keys then replays, calling the
-    variant's ASGI app directly (``bench/web_app.py``'s ``build``), one request at a time."""
+    variant's ASGI app directly (``bench/web_app.py``'s ``build``), ``in_flight`` requests at
+    a time (each of that many tasks takes the next key when its request is answered)."""
     sys.path.insert(0, str(HERE))
     import web_app  # noqa: PLC0415 - the served module, imported only here
 
@@ -202,13 +203,17 @@ async def in_process(variant: str, requests: int) -> dict[str, float]:
         if sent[0]["status"] != 201:
             raise RuntimeError(f"unexpected answer {sent}")
 
+    async def worker(queue: list[str]) -> None:
+        while queue:
+            await one(queue.pop())
+
     await one("warm-up")
     keys = [str(uuid.uuid4()) for _ in range(requests)]
     out = {}
     for phase in ("new key", "replay"):
+        queue = list(reversed(keys))
         began = time.process_time()
-        for key in keys:
-            await one(key)
+        await asyncio.gather(*(worker(queue) for _ in range(in_flight)))
         out[phase] = (time.process_time() - began) / requests * 1e6
     return out
 
@@ -237,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--in-process", type=int, default=0, metavar="N",
         help="also time N requests per variant with the ASGI app called directly",
+    )  # fmt: skip
+    p.add_argument(
+        "--in-flight", type=int, default=1, metavar="K",
+        help="with --in-process: K requests at a time (1: one after the other)",
     )  # fmt: skip
     args = p.parse_args(argv)
     chosen = tuple(v for v in VARIANTS if (v in args.variant if args.variant else v in DEFAULT))
@@ -311,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.in_process:
         lines += [
             "",
-            f"In process ({args.in_process} requests one at a time, the ASGI app called "
-            "directly, medians of the rounds):",
+            f"In process ({args.in_process} requests, {args.in_flight} at a time, the ASGI "
+            "app called directly, medians of the rounds):",
             "",
             "| middleware | CPU per request, new key (us) | replay (us) |",
             "|---|---:|---:|",
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 space = f"bench_http_{uuid.uuid4().hex[:8]}"
                 os.environ["ONCELY_BENCH_SPACE"] = space
                 try:
-                    runs.append(asyncio.run(in_process(v, args.in_process)))
+                    runs.append(asyncio.run(in_process(v, args.in_process, args.in_flight)))
                 finally:
                     clean(space)
             new = statistics.median(r["new key"] for r in runs)
