@@ -5,7 +5,11 @@ A trivial ``POST /orders`` (``bench/web_app.py``) served by uvicorn (one worker,
 process; ``--server standard``, the default, is ``uvicorn[standard]`` as deployed: httptools and
 uvloop; ``--server pure`` is h11 and asyncio's loop) four ways: bare; behind
 ``oncely.http.IdempotencyMiddleware`` on the Redis store and
-on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis.
+on the PostgreSQL store; behind idemkit's ASGI middleware on the same Redis; and the floor,
+``by-hand-redis``: a hand-written middleware doing exactly the store work of oncely's on Redis
+(the same ``EVALSHA`` of the same scripts, one round trip for a replay and two for a new key,
+on redis-py's asyncio connections set up as the store sets them up) and nothing else, with
+``by-hand-redis-api`` the same through redis-py's public ``evalsha``.
 
 A client (a minimal keep-alive HTTP/1.1 client over ``--connections`` connections) sends
 ``--requests`` requests with a new ``Idempotency-Key`` each (``new key``), then the same
@@ -15,9 +19,9 @@ reports medians of requests per second, and each against the bare endpoint, with
 server process's CPU per request (read from ``/proc``: uvicorn and the middleware together).
 
 ``--in-process`` then measures each middleware without a server or a network client: the
-ASGI app called directly, one request at a time, the process's CPU per request (the
-middleware, its store client and the trivial endpoint), the lowest-noise view of what a
-middleware costs.
+ASGI app called directly, one request at a time (``--in-flight K``: K at a time, as the
+server's 16 connections have them), the process's CPU per request (the middleware, its store
+client and the trivial endpoint), the lowest-noise view of what a middleware costs.
 
 Writes ``bench/results/http.md`` and ``http.json``.
 """
@@ -44,10 +48,19 @@ import psycopg
 import redis
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis", "oncely-memory")
-DEFAULT = ("bare", "oncely-redis", "oncely-postgres", "idemkit-redis")
+VARIANTS = (
+    "bare", "by-hand-redis", "by-hand-redis-api", "oncely-redis", "oncely-postgres",
+    "idemkit-redis", "oncely-memory",
+)  # fmt: skip
+DEFAULT = (
+    "bare", "by-hand-redis", "by-hand-redis-api", "oncely-redis", "oncely-postgres",
+    "idemkit-redis",
+)  # fmt: skip
 """Run unless ``--variant`` says otherwise (``oncely-memory``, the in-process store: what the
 middleware and the inbox cost without a store round trip)."""
+FLOOR = "by-hand-redis"
+"""The floor Redis-backed middlewares are measured against: oncely's Redis statements written
+by hand on the same driver and connection setup (``bench/web_app.py``'s ``ByHand``)."""
 REDIS = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES = os.environ.get("ONCELY_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -151,9 +164,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def in_process(variant: str, requests: int) -> dict[str, float]:
+async def in_process(variant: str, requests: int, in_flight: int = 1) -> dict[str, float]:
     """Microseconds of this process's CPU per request, new keys then replays, calling the
-    variant's ASGI app directly (``bench/web_app.py``'s ``build``), one request at a time."""
+    variant's ASGI app directly (``bench/web_app.py``'s ``build``), ``in_flight`` requests at
+    a time (each of that many tasks takes the next key when its request is answered)."""
     sys.path.insert(0, str(HERE))
     import web_app  # noqa: PLC0415 - the served module, imported only here
 
@@ -189,13 +203,17 @@ async def in_process(variant: str, requests: int) -> dict[str, float]:
         if sent[0]["status"] != 201:
             raise RuntimeError(f"unexpected answer {sent}")
 
+    async def worker(queue: list[str]) -> None:
+        while queue:
+            await one(queue.pop())
+
     await one("warm-up")
     keys = [str(uuid.uuid4()) for _ in range(requests)]
     out = {}
     for phase in ("new key", "replay"):
+        queue = list(reversed(keys))
         began = time.process_time()
-        for key in keys:
-            await one(key)
+        await asyncio.gather(*(worker(queue) for _ in range(in_flight)))
         out[phase] = (time.process_time() - began) / requests * 1e6
     return out
 
@@ -224,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--in-process", type=int, default=0, metavar="N",
         help="also time N requests per variant with the ASGI app called directly",
+    )  # fmt: skip
+    p.add_argument(
+        "--in-flight", type=int, default=1, metavar="K",
+        help="with --in-process: K requests at a time (1: one after the other)",
     )  # fmt: skip
     args = p.parse_args(argv)
     chosen = tuple(v for v in VARIANTS if (v in args.variant if args.variant else v in DEFAULT))
@@ -256,20 +278,50 @@ def main(argv: list[str] | None = None) -> int:
     bare = med.get("bare", {}).get("new key")
     lines = [
         "| endpoint | new key (req/s) | replay (req/s) | new key / bare | replay / bare "
-        "| server CPU per request, new / replay (us) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| server CPU per request, new / replay (us) | rounds' range, new / replay (req/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for v, m in med.items():
         ratio = (f"{m['new key'] / bare:.2f}x", f"{m['replay'] / bare:.2f}x") if bare else ("", "")
+        spread = " / ".join(
+            f"{min(rates[v][ph]):,.0f}-{max(rates[v][ph]):,.0f}" for ph in ("new key", "replay")
+        )
         lines.append(
             f"| {v} | {m['new key']:,.0f} | {m['replay']:,.0f} | {ratio[0]} | {ratio[1]} "
-            f"| {cpu[v]['new key']:.0f} / {cpu[v]['replay']:.0f} |"
+            f"| {cpu[v]['new key']:.0f} / {cpu[v]['replay']:.0f} | {spread} |"
         )
+    pairs = [
+        ("oncely-redis", "idemkit-redis"), (FLOOR, "idemkit-redis"), ("oncely-redis", FLOOR),
+        ("by-hand-redis-api", FLOOR), ("idemkit-redis", FLOOR),
+    ]  # fmt: skip
+    pairs = [(a, b) for a, b in pairs if a in med and b in med]
+    if pairs:
+        lines += [
+            "",
+            "Ratios of the medians (and, in brackets, the lowest and highest of the per-round "
+            "ratios: the variants of one round run seconds apart, so each such ratio is read "
+            "under the same load). The last column divides the second variant's server CPU per "
+            "request by the first's: the same comparison where the server's CPU is what limits "
+            "the rate, and steadier than the rates when other work shares the machine:",
+            "",
+            "| ratio | new key | replay | by server CPU per request, new / replay |",
+            "|---|---:|---:|---:|",
+        ]
+        for a, b in pairs:
+            cells = []
+            for ph in ("new key", "replay"):
+                each = [x / y for x, y in zip(rates[a][ph], rates[b][ph], strict=True)]
+                cells.append(f"{med[a][ph] / med[b][ph]:.2f}x ({min(each):.2f}-{max(each):.2f})")
+            by_cpu = " / ".join(
+                f"{cpu[b][ph] / cpu[a][ph]:.2f}x" if cpu[a][ph] else "-"
+                for ph in ("new key", "replay")
+            )
+            lines.append(f"| {a} / {b} | {cells[0]} | {cells[1]} | {by_cpu} |")
     if args.in_process:
         lines += [
             "",
-            f"In process ({args.in_process} requests one at a time, the ASGI app called "
-            "directly, medians of the rounds):",
+            f"In process ({args.in_process} requests, {args.in_flight} at a time, the ASGI "
+            "app called directly, medians of the rounds):",
             "",
             "| middleware | CPU per request, new key (us) | replay (us) |",
             "|---|---:|---:|",
@@ -280,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 space = f"bench_http_{uuid.uuid4().hex[:8]}"
                 os.environ["ONCELY_BENCH_SPACE"] = space
                 try:
-                    runs.append(asyncio.run(in_process(v, args.in_process)))
+                    runs.append(asyncio.run(in_process(v, args.in_process, args.in_flight)))
                 finally:
                     clean(space)
             new = statistics.median(r["new key"] for r in runs)

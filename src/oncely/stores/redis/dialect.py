@@ -185,7 +185,7 @@ def parse_record(consumer: str, key: str, status: bytes, packed: bytes) -> Recor
         result = body[i : i + nr]
         i += nr
     error = None if nx < 0 else body[i : i + nx].decode()
-    return Record(
+    return new_record(
         consumer, key, _STATUS[status], fingerprint, token, attempt, created, updated, lease,
         expires, result, error,
     )  # fmt: skip
@@ -220,7 +220,7 @@ def parse_written(
     """The record a fenced write (complete, fail, renew) just wrote: what the call sent, plus
     the fields of ``brief``. ``lease_until`` None keeps the record's."""
     attempt, created, lease, fingerprint = _brief(brief)
-    return Record(
+    return new_record(
         consumer, key, status, fingerprint, token, attempt, created, now,
         lease if lease_until is None else lease_until, expires, result, error,
     )  # fmt: skip
@@ -252,13 +252,13 @@ def _claimed(
         record = parse_record(consumer, key, extra[0], extra[1])
         if record.token == token and record.status is Status.IN_PROGRESS:
             won = ClaimStatus.NEW if record.attempt == 1 else ClaimStatus.TAKEN_OVER
-            return Claim(won, record, now)
-        return Claim(ClaimStatus.EXISTING, record, now)
-    record = Record(
+            return new_claim(won, record, now)
+        return new_claim(ClaimStatus.EXISTING, record, now)
+    record = new_record(
         consumer, key, Status.IN_PROGRESS, fingerprint, token, attempt, created, now,
-        now + lease_ms, now + max(keep_ms, lease_ms),
+        now + lease_ms, now + max(keep_ms, lease_ms), None, None,
     )  # fmt: skip
-    return Claim(status, record, now)
+    return new_claim(status, record, now)
 
 
 _NEW, _TAKEN = ord("n"), ord("t")
