@@ -85,12 +85,44 @@ def pack_evalsha(sha: bytes, keys: Sequence[bytes], args: Sequence[bytes]) -> by
 
     The store's own packer: redis-py's is general (any type, any encoding, chunking) and costs
     about as much per argument as a short reply costs to parse; every argument here is bytes
-    already."""
-    count = b"%d" % len(keys)
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-        len(keys) + len(args) + 3, len(sha), sha, len(count), count,
+    already.
+
+    Speed: a call of a shape seen before (script, number of keys and of arguments, at most
+    :data:`_SHAPED` values: every single-key script) fills one ``%`` format made for that
+    shape, the command's head written in: 0.9 us instead of 1.6 for a claim (one key, seven
+    arguments; ``bench/web.py --in-process`` replays take about 50 us). Longer calls
+    (batches) are joined part by part."""
+    n = len(keys) + len(args)
+    if n > _SHAPED:
+        return _head(sha, len(keys), n) + b"".join([_part(p) for p in (*keys, *args)])
+    shape = (sha, len(keys), len(args))
+    template = _TEMPLATES.get(shape)
+    if template is None:
+        head = _head(sha, len(keys), n).replace(b"%", b"%%")
+        template = _TEMPLATES[shape] = head + b"$%d\r\n%s\r\n" * n
+    flat: list[int | bytes] = []
+    for part in keys:
+        flat += (len(part), part)
+    for part in args:
+        flat += (len(part), part)
+    return template % tuple(flat)
+
+
+_SHAPED: Final = 16
+"""The most keys and arguments together of a call packed by a format of its shape."""
+_TEMPLATES: dict[tuple[bytes, int, int], bytes] = {}
+
+
+def _head(sha: bytes, nkeys: int, n: int) -> bytes:
+    """``EVALSHA sha nkeys`` of a call with ``n`` keys and arguments together."""
+    count = b"%d" % nkeys
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        n + 3, len(sha), sha, len(count), count,
     )  # fmt: skip
-    return head + b"".join([b"$%d\r\n%s\r\n" % (len(p), p) for p in (*keys, *args)])
+
+
+def _part(part: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(part), part)
 
 
 def slot_of(name: bytes) -> int:
