@@ -1,5 +1,6 @@
 """Round trips per call (single server and cluster), scripts reloaded after SCRIPT FLUSH,
-dropped connections replaced, the store's own bounded pool, and a forked child."""
+dropped connections replaced, the store's own bounded pool, a forked child, and the
+exchange's one resend."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import oncely
 from oncely import Outcome, StoreUnavailable
 from oncely._core.records import ClaimRequest
 from oncely.stores import ClaimStatus
+from oncely.stores.redis import async_io, sync_io
 from oncely.stores.redis.async_store import AsyncRedisStore
 from oncely.stores.redis.sync_store import RedisStore
 from tests import redis_cluster
@@ -271,3 +273,70 @@ def test_a_forked_child_runs_on_connections_of_its_own(private_port: int, prefix
     assert {conn._sock.fileno() for conn in store._runner._made} == parents
     drop_prefix(redis.Redis(port=private_port), prefix)
     store.close()
+
+
+# ------------------------------------------------------------------------ the exchange's resend
+
+
+class _Conn:
+    """A connection whose replies are scripted: an exception is raised, a value answered."""
+
+    def __init__(self, replies: list[object], retry: Any) -> None:
+        self.replies, self.retry = replies, retry
+        self.sent = self.dropped = 0
+        self.host, self.port = "test", 0
+
+    def send_packed_command(self, _packed: object) -> None:
+        self.sent += 1
+
+    def read_response(self) -> object:
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def disconnect(self, nowait: bool = False) -> None:
+        self.dropped += 1
+
+
+class _AsyncConn(_Conn):
+    async def send_packed_command(self, _packed: object) -> None:  # type: ignore[override]
+        self.sent += 1
+
+    async def read_response(self) -> object:  # type: ignore[override]
+        return _Conn.read_response(self)
+
+    async def disconnect(self, nowait: bool = False) -> None:  # type: ignore[override]
+        self.dropped += 1
+
+
+@pytest.mark.parametrize(
+    ("replies", "answer", "sent", "dropped"),
+    [
+        ([b"ok"], b"ok", 1, 0),  # the common case: one send, nothing dropped
+        ([ConnError("lost"), b"ok"], b"ok", 2, 1),  # a broken connection: dropped, sent again
+        ([ConnError("lost"), ConnError("again")], ConnError, 2, 2),  # once only
+        ([redis.ResponseError("bad"), b"ok"], redis.ResponseError, 1, 0),  # not the policy's
+    ],
+)
+async def test_the_exchange_resends_once_by_the_connections_retry_policy(
+    replies: list[object], answer: object, sent: int, dropped: int
+) -> None:
+    """The first attempt runs outside the policy, a failed one goes to it as its first failure:
+    the same sends, drops and errors as redis-py's ``call_with_retry`` around every attempt."""
+    for exchange, conn in (
+        (sync_io._exchange, _Conn(list(replies), Retry(NoBackoff(), 1))),
+        (async_io._exchange, _AsyncConn(list(replies), AsyncRetry(NoBackoff(), 1))),
+    ):
+
+        async def call(exchange: Any = exchange, conn: _Conn = conn) -> object:
+            got = exchange(conn, (b"PING",))
+            return await got if asyncio.iscoroutine(got) else got
+
+        if isinstance(answer, type):
+            with pytest.raises(answer) as raised:
+                await call()
+            assert raised.value.__context__ is None  # not chained to an earlier attempt's
+        else:
+            assert await call() == answer
+        assert (conn.sent, conn.dropped) == (sent, dropped)
