@@ -37,6 +37,29 @@ def test_r1_json_codec_round_trips(value: Any) -> None:
     assert codec.encode(codec.decode(data)) == data
 
 
+def _loaded(load: Any, data: Any) -> tuple[str, object]:
+    try:
+        return "value", load(data)
+    except Exception as exc:  # the error is part of what must match
+        return type(exc).__name__, str(exc)
+
+
+@given(
+    st.one_of(
+        st.binary(max_size=12).map(lambda tail: b"{" + tail),
+        st.binary(max_size=12),
+        json_values.map(lambda v: json.dumps(v, ensure_ascii=False).encode("utf-8")),
+        st.text(max_size=8).map(lambda t: b'{"k": "' + t.encode("utf-8", "surrogatepass") + b'"}'),
+    )
+)
+def test_json_codec_decodes_as_json_loads(data: bytes) -> None:
+    """The codec's shortcut for objects (no encoding guess) gives what ``json.loads`` gives:
+    the same value, or the same error."""
+    assert _loaded(JSONCodec().decode, data) == _loaded(json.loads, data)
+    for other in (bytearray(data), data.decode("latin-1")):
+        assert _loaded(JSONCodec().decode, other) == _loaded(json.loads, other)
+
+
 def test_r1_json_codec_stores_json_forms() -> None:
     codec = JSONCodec()
     at = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -10,6 +10,9 @@ from oncely.errors import PayloadError, UnfingerprintablePayload
 
 __all__ = ["Codec", "JSONCodec", "RawCodec"]
 
+_decode_json = json.JSONDecoder().decode
+"""``json.loads`` of text, with no argument given (a decoder like ``json``'s own default)."""
+
 
 class Codec(Protocol):
     """Turns results into bytes for the store and back. ``decode(encode(x))`` must equal
@@ -36,6 +39,13 @@ class JSONCodec:
             ) from exc
 
     def decode(self, data: bytes) -> object:
+        # Speed: ``json.loads`` of an object (a duplicate's stored result, as the HTTP
+        # middleware's responses are) without its guess at the encoding. A first byte ``{``
+        # and a second that is not NUL is what ``json.detect_encoding`` reads as UTF-8, which
+        # ``json.loads`` then decodes as here: the same value or error, about 0.4 us sooner
+        # (of a 50 us HTTP replay on Redis, ``bench/web.py --in-process``).
+        if type(data) is bytes and data[:1] == b"{" and data[1:2] != b"\x00":
+            return _decode_json(data.decode("utf-8", "surrogatepass"))
         return json.loads(data)
 
     def __repr__(self) -> str:
