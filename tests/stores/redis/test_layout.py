@@ -18,7 +18,7 @@ from oncely import FakeClock
 from oncely._core.records import ClaimRequest
 from oncely.stores import ClaimStatus
 from oncely.stores.redis.async_store import AsyncRedisStore
-from oncely.stores.redis.dialect import RedisKeys, _quote
+from oncely.stores.redis.dialect import RedisKeys, _quote, parse_claim
 from oncely.stores.redis.errors import pack_evalsha, slot_of
 from oncely.stores.redis.sync_store import RedisStore
 from tests.backends.redis import with_options
@@ -231,3 +231,29 @@ def test_the_stores_own_packing_is_the_redis_protocol(keys: list[bytes], args: l
     sha = b"0123456789abcdef0123456789abcdef01234567"
     sent = redis.connection.Connection().pack_command("EVALSHA", sha, len(keys), *keys, *args)
     assert pack_evalsha(sha, keys, args) == b"".join(sent)
+
+
+@pytest.mark.parametrize(
+    ("status", "attempt", "stored_token", "claimed"),
+    [
+        (b"completed", 1, "t1", ClaimStatus.EXISTING),  # a replay
+        (b"in_progress", 1, "xx", ClaimStatus.EXISTING),  # someone else's claim
+        (b"in_progress", 1, "t1", ClaimStatus.NEW),  # this very claim, sent twice
+        (b"in_progress", 2, "t1", ClaimStatus.TAKEN_OVER),
+        (b"failed", 1, "t1", ClaimStatus.EXISTING),
+    ],
+)
+def test_an_existing_record_in_a_claim_reply_is_read_whole(
+    status: bytes, attempt: int, stored_token: str, claimed: ClaimStatus
+) -> None:
+    """A claim (token ``t1``) answered ``existing``: the record as stored; the claim's own
+    in-progress record (an earlier send of it landed) is the claim won."""
+    packed = b"%d 10 11 12 13 2 2 2 -1\nfp%sok" % (attempt, stored_token.encode())
+    claim = parse_claim("c", "k", "fp", "t1", 5, 9, [[b"existing", 11, status, packed]])
+    assert claim.status is claimed and claim.now_ms == 11
+    record = claim.record
+    assert (record.status.value.encode(), record.attempt, record.token) == (
+        status, attempt, stored_token,
+    )  # fmt: skip
+    assert (record.fingerprint, record.result, record.error) == ("fp", b"ok", None)
+    assert (record.created_ms, record.updated_ms, record.lease_until_ms) == (10, 11, 12)

@@ -282,8 +282,16 @@ def parse_claim(
     reply: Sequence[Any],
 ) -> Claim:
     """The claim of a one-key ``CLAIM`` reply (``{{code, now, ...}}``)."""
-    code, now, *extra = reply[0]
-    return _claimed(consumer, key, fingerprint, token, lease_ms, keep_ms, now, code[0], extra)
+    found = reply[0]
+    code = found[0][0]
+    if code not in (_NEW, _TAKEN):
+        # Speed: an existing record that is not this claim's own (every replay) is read here,
+        # without the list and the call of the general case below: 1.65 us instead of 1.80.
+        record = parse_record(consumer, key, found[2], found[3])
+        if record.token != token or record.status is not Status.IN_PROGRESS:
+            return new_claim(ClaimStatus.EXISTING, record, found[1])
+    _code, now, *extra = found
+    return _claimed(consumer, key, fingerprint, token, lease_ms, keep_ms, now, code, extra)
 
 
 def parse_batch(
