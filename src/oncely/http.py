@@ -452,7 +452,10 @@ class IdempotencyMiddleware(_Policy):
         claimed: AsyncClaimed[Any] = await self.inbox.claim(scoped, fingerprint, wait=self._wait)
         if not claimed.won:
             assert claimed.handled is not None
-            await self._answer(send, claimed.handled)
+            # Speed: _answer and _send written in (two coroutines fewer on a replay).
+            status, reply_headers, reply_body = answer(claimed.handled)
+            await send({"type": "http.response.start", "status": status, "headers": reply_headers})
+            await send({"type": "http.response.body", "body": reply_body})
             return
         await self._run(scope, body, send, claimed)
 
@@ -697,10 +700,14 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
     """The whole request body, or None when it is over ``limit`` bytes."""
+    message = await receive()
+    if message["type"] != "http.disconnect" and not message.get("more_body", False):
+        # Speed: a body in one message (every small request) is that message's, unjoined.
+        chunk = bytes(message.get("body", b""))
+        return None if len(chunk) > limit else chunk
     parts: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
         if message["type"] == "http.disconnect":
             break
         chunk = bytes(message.get("body", b""))
@@ -710,6 +717,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         parts.append(chunk)
         if not message.get("more_body", False):
             break
+        message = await receive()
     return b"".join(parts)
 
 

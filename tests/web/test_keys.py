@@ -1,11 +1,11 @@
 """``Idempotency-Key`` parsing: RFC 8941 Strings, the bare form when allowed, and the reasons
-for everything else."""
+for everything else; and the request body the key's fingerprint is taken of."""
 
 from __future__ import annotations
 
 import pytest
 
-from oncely.http import parse_key
+from oncely.http import _read_body, parse_key
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,33 @@ def test_r19_the_bare_form_when_allowed_names_the_same_key_and_two_headers_are_r
     assert parse_key([]) is None
     with pytest.raises(ValueError, match="more than once"):
         parse_key([b'"a"', b'"b"'])
+
+
+@pytest.mark.parametrize(
+    ("messages", "limit", "body"),
+    [
+        ([(b"one", False)], 10, b"one"),  # one message: the common case
+        ([(b"one", False)], 2, None),  # over the limit
+        ([(b"", False)], 0, b""),
+        ([(b"ab", True), (b"cd", True), (b"", False)], 10, b"abcd"),  # in parts
+        ([(b"ab", True), (b"cd", False)], 3, None),  # parts over the limit
+        ([(b"ab", True), None], 10, b"ab"),  # the client went away
+        ([None], 10, b""),
+    ],
+)
+async def test_the_request_body_is_read_whole_up_to_the_limit(
+    messages: list[tuple[bytes, bool] | None], limit: int, body: bytes | None
+) -> None:
+    """What the middleware fingerprints: the body whole, in one message or many (None: over
+    ``max_request_bytes``)."""
+    given = [
+        {"type": "http.disconnect"}
+        if m is None
+        else {"type": "http.request", "body": m[0], "more_body": m[1]}
+        for m in messages
+    ]
+
+    async def receive() -> dict[str, object]:
+        return given.pop(0)
+
+    assert await _read_body(receive, limit) == body
