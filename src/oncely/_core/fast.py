@@ -31,7 +31,21 @@ own, with the same signature.
   the ``processed`` outcome through :meth:`~oncely._core.inbox_rules.InboxRules.processed`,
   which logs only when a hook or the log level asks for it;
 * each store's claim and fenced writes are tuned per driver in its ``async_store.py``; the rule
-  they apply is :func:`oncely._core.state.claimable`.
+  they apply is :func:`oncely._core.state.claimable`;
+* the JSON codec decodes a stored object without ``json.loads``'s encoding guess
+  (``_core/codec.py``);
+* the Redis store packs ``EVALSHA`` by a format per call shape
+  (``stores/redis/errors.py``), runs an exchange's first attempt outside redis-py's retry
+  wrapper and takes its own connection in one frame (``stores/redis/async_io.py``), and reads
+  an existing record in a claim reply and escapes record names without the general case's
+  calls (``stores/redis/dialect.py``);
+* the HTTP middleware answers a replay and reads a one-message body without helper
+  coroutines (``http.py``).
+
+The HTTP replay path on Redis in process (``python bench/web.py --variant oncely-redis
+--in-process 5000 --in-flight 16``) runs about 7.7% fewer instructions with the last four of
+these (322k per replay instead of 349k, counted under ``valgrind --tool=callgrind`` one
+request at a time).
 """
 
 from __future__ import annotations
