@@ -83,6 +83,11 @@ SERVERS = {
 def serving(variant: str, space: str, server: str = "standard") -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "ONCELY_BENCH_HTTP": variant, "ONCELY_BENCH_SPACE": space}
+    # The server runs in bench/: a relative PYTHONPATH (PYTHONPATH=src, a worktree's sources)
+    # made absolute, or the server would import whatever oncely is installed instead.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(str(Path(p).resolve()) for p in paths)
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "web_app:app", "--port", str(port),
          "--log-level", "warning", "--no-access-log", *SERVERS[server]],
