@@ -36,7 +36,7 @@ own, with the same signature.
   (``_core/codec.py``);
 * the Redis store packs ``EVALSHA`` by a format per call shape
   (``stores/redis/errors.py``), runs an exchange's first attempt outside redis-py's retry
-  wrapper and takes its own connection in one frame (``stores/redis/async_io.py``), and reads
+  wrapper (``stores/redis/async_io.py``), and reads
   an existing record in a claim reply and escapes record names without the general case's
   calls (``stores/redis/dialect.py``);
 * the HTTP middleware answers a replay and reads a one-message body without helper

@@ -247,36 +247,8 @@ class Runner:
         forget_parent_in_children(self)
 
     async def run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
-        if not self._limit:
-            if not self._direct:
-                return await evalsha(self._client, script, keys, args)
-            return await self._run_borrowed(script, keys, args)
-        # Speed: the common case (the runner's own connections, the script known) in this one
-        # frame, :meth:`_ask` written in: a coroutine fewer per call (about 0.3 us of a 50 us
-        # replay, ``bench/web.py --in-process``).
-        packed = (pack_evalsha(script.sha_bytes, keys, args),)
-        if ASYNC:
-            conn = self._idle.pop() if self._idle else await self._take()
-        else:
-            try:
-                conn = self._idle.pop()  # atomic: no lock on the common path
-            except IndexError:
-                conn = self._take()
-        try:
-            return await _exchange(conn, packed, self._timeout)
-        except NoScriptError:
-            pass  # below, with the connection given back
-        finally:
-            self._idle.append(conn)
-            if self._waiting:
-                async with self._cond:
-                    self._cond.notify()
-        await self._client.script_load(script.text)
-        return await self._ask(packed)
-
-    async def _run_borrowed(
-        self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]
-    ) -> Any:
+        if not self._direct:
+            return await evalsha(self._client, script, keys, args)
         packed = (pack_evalsha(script.sha_bytes, keys, args),)
         try:
             return await self._ask(packed)

@@ -228,31 +228,8 @@ class Runner:
         forget_parent_in_children(self)
 
     def run(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
-        if not self._limit:
-            if not self._direct:
-                return evalsha(self._client, script, keys, args)
-            return self._run_borrowed(script, keys, args)
-        # Speed: the common case (the runner's own connections, the script known) in this one
-        # frame, :meth:`_ask` written in: a coroutine fewer per call (about 0.3 us of a 50 us
-        # replay, ``bench/web.py --in-process``).
-        packed = (pack_evalsha(script.sha_bytes, keys, args),)
-        try:
-            conn = self._idle.pop()  # atomic: no lock on the common path
-        except IndexError:
-            conn = self._take()
-        try:
-            return _exchange(conn, packed, self._timeout)
-        except NoScriptError:
-            pass  # below, with the connection given back
-        finally:
-            self._idle.append(conn)
-            if self._waiting:
-                with self._cond:
-                    self._cond.notify()
-        self._client.script_load(script.text)
-        return self._ask(packed)
-
-    def _run_borrowed(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
+        if not self._direct:
+            return evalsha(self._client, script, keys, args)
         packed = (pack_evalsha(script.sha_bytes, keys, args),)
         try:
             return self._ask(packed)
