@@ -4,8 +4,9 @@ subscriber behind ``oncely.integrations.faststream.Idempotency``, its effects co
 Redis (``INCR``) so every worker process counts in one place, its results published to
 ``<source>.receipts``, and a subscriber of ``<source>.plain`` the middleware leaves alone.
 
-Configured by the environment: ``ONCELY_TEST_FASTSTREAM_BROKER`` (``nats``, ``redis`` or
-``kafka``, at ``ONCELY_TEST_KAFKA_URL``),
+Configured by the environment: ``ONCELY_TEST_FASTSTREAM_BROKER`` (``nats`` for a pull consumer,
+``nats-push`` for a push consumer read by a queue group, ``redis`` or ``kafka``, at
+``ONCELY_TEST_KAFKA_URL``),
 ``ONCELY_TEST_FASTSTREAM_QUEUE`` (the subject or stream), ``ONCELY_TEST_FASTSTREAM_STORE``
 (the inbox's store URL), ``ONCELY_TEST_FASTSTREAM_NS`` (the Redis key prefix of the
 effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds) and
@@ -73,7 +74,7 @@ async def plain(order: str) -> None:  # not in the mapping: untouched by the mid
 
 
 broker: Any
-if BROKER == "nats":
+if BROKER in ("nats", "nats-push"):
     from faststream.nats import JStream, NatsBroker, PullSub
     from nats.js.api import ConsumerConfig
 
@@ -81,12 +82,19 @@ if BROKER == "nats":
 
     broker = NatsBroker(NATS_URL, middlewares=[idempotency])
     receipts = JStream(stream_name_for(f"{SOURCE}.receipts"), subjects=[f"{SOURCE}.receipts"])
+    # A pull consumer ("nats"), or a push consumer shared by a queue group ("nats-push": the
+    # queue names the durable consumer and its deliver group, and the server hands each
+    # message to one member of the group).
+    reading: dict[str, Any] = (
+        {"queue": "billing"}
+        if BROKER == "nats-push"
+        else {"durable": "billing", "pull_sub": PullSub(timeout=1.0)}
+    )
     broker.subscriber(
         SOURCE,
         stream=JStream(stream_name_for(SOURCE), subjects=[SOURCE]),
-        durable="billing",
-        pull_sub=PullSub(timeout=1.0),
         config=ConsumerConfig(ack_wait=TAKEOVER),
+        **reading,
     )(broker.publisher(f"{SOURCE}.receipts", stream=receipts)(charge))
     broker.subscriber(
         f"{SOURCE}.plain",
@@ -131,6 +139,6 @@ elif BROKER == "kafka":
     broker.subscriber(SOURCE, group_id="billing", **group)(published)
     broker.subscriber(f"{SOURCE}.plain", group_id="plain", **group)(plain)
 else:  # pragma: no cover - a test configured it
-    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats, redis or kafka")
+    raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats, nats-push, redis or kafka")
 
 app = FastStream(broker)
