@@ -35,8 +35,16 @@ the same loop doing the same batch statements by hand; the effect is one Redis `
 ``hand batch redis`` / ``oncely batch redis``
     the same on Redis: one pipeline of ``SET NX PX`` claims, the effects, one pipeline of
     completions; and oncely's batch on the Redis store;
+``hand batch pg, oncely's sql``
+    the same loop running oncely's own two batch statements (the PostgreSQL store's
+    ``claim_many`` and ``complete_many`` SQL, same parameters) by hand on the store's table:
+    what the store's statements cost without oncely's Python, the floor for ``oncely batch pg``;
 ``oncely per-message pg``
     oncely's two-phase mode on the PostgreSQL store with ``batch=1``: the batch mode's gain.
+
+``--effect count`` replaces the ``INCR`` of every variant that has one with an increment of a
+counter in the consumer's own memory: the loop's and oncely's own cost, with no effect's round
+trip to bound them.
 
 Messages per second is the count drained over the time from the first settled message until
 the last one (scaled up by the messages settled at that first moment), so that a consumer
@@ -56,6 +64,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -106,14 +115,21 @@ VARIANTS = (
 )
 BATCH_VARIANTS = (
     "hand batch pg",
+    "hand batch pg, oncely's sql",
     "oncely batch pg",
     "hand batch redis",
     "oncely batch redis",
     "oncely per-message pg",
 )
 BATCH_PAIRS = (
-    ("batch, two-phase (PostgreSQL), INCR effect", "hand batch pg", "oncely batch pg", 1.25),
-    ("batch, two-phase (Redis), INCR effect", "hand batch redis", "oncely batch redis", 1.25),
+    ("batch, two-phase (PostgreSQL), {effect}", "hand batch pg", "oncely batch pg", 1.25),
+    (
+        "batch, two-phase (PostgreSQL), oncely's statements by hand, {effect}",
+        "hand batch pg, oncely's sql",
+        "oncely batch pg",
+        1.25,
+    ),
+    ("batch, two-phase (Redis), {effect}", "hand batch redis", "oncely batch redis", 1.25),
     (
         "batch gain (PostgreSQL): per message / batch",
         "oncely per-message pg",
@@ -122,12 +138,13 @@ BATCH_PAIRS = (
     ),
 )
 BATCHED = ("kafka", "sqs")
+EFFECTS = {"incr": "INCR effect", "count": "in-memory count effect"}
 ALL = VARIANTS + BATCH_VARIANTS
 PAIRS = (
     ("transactional (PostgreSQL)", "plain tx", "oncely tx"),
     ("(marker by hand, for scale)", "plain tx", "marker by hand"),
     ("two-phase (Redis), row effect", "plain row", "oncely two-phase row"),
-    ("two-phase (Redis), INCR effect", "plain incr", "oncely two-phase incr"),
+    ("two-phase (Redis), {effect}", "plain incr", "oncely two-phase incr"),
 )
 
 
@@ -216,8 +233,10 @@ class HandBatch:
 class Setup:
     """The shared clients of one run: a PostgreSQL pool and ledger, a Redis client, stores."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, effect: str = "incr") -> None:
         self.run = run
+        self.effect = effect
+        self.local = 0  # the in-memory counter of --effect count
         self.ledger = f"bench_ledger_{run}"
         self.inbox_table = f"bench_inbox_{run}"
         self.counter = f"bench:{run}:effects"
@@ -247,6 +266,7 @@ class Setup:
         self.pg_store = oncely.AsyncPostgresStore(POSTGRES, table=self.inbox_table, pool_max=16)
         self.prefix = f"oncelybench{self.run}"
         self.redis_store = oncely.AsyncRedisStore.from_url(f"{REDIS}?prefix={self.prefix}")
+        await self.pg_store.release("bench", "warm-up", token="-")  # creates the store's table
 
     async def close(self) -> None:
         async with self.pool.connection() as conn:
@@ -292,6 +312,12 @@ class Setup:
 
         async def incr(body: dict[str, Any]) -> None:
             await self.redis.incr(self.counter)
+
+        async def count(body: dict[str, Any]) -> None:
+            self.local += 1
+
+        if self.effect == "count":
+            incr = count
 
         if variant.startswith("hand batch"):
             return self.hand_batch(variant, consumer, incr)
@@ -348,7 +374,54 @@ class Setup:
 
         if variant == "hand batch pg":
             return HandBatch(claim_pg, done_pg, effect)
+        if variant == "hand batch pg, oncely's sql":
+            return self.store_sql_batch(consumer, effect)
         return HandBatch(claim_redis, done_redis, effect)
+
+    def store_sql_batch(
+        self, consumer: str, effect: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> HandBatch:
+        """The PostgreSQL store's own ``claim_many`` and ``complete_many`` statements, sent by
+        hand with the parameters the store sends (a 35-character fingerprint and a fresh
+        32-character token per key, the server's clock), on the store's table."""
+        from oncely.stores.postgres.dialect import text_array  # noqa: PLC0415 - internals
+
+        tokens: dict[str, str] = {}
+
+        async def claim(keys: list[str]) -> set[str]:
+            dialect = self.pg_store._dialect  # the store's statements by hand
+            for k in keys:
+                tokens[k] = os.urandom(16).hex()
+            params = {
+                "now": None,
+                "consumer": consumer,
+                "keys": text_array(keys),
+                "fingerprints": text_array(["f" * 35] * len(keys)),
+                "tokens": text_array([tokens[k] for k in keys]),
+                "lease": 60_000,
+                "span": 600_000,
+            }
+            async with self.pool.connection() as conn:
+                rows = await (await conn.execute(dialect.claim_many, params)).fetchall()
+            return {k for k, row in zip(keys, rows, strict=True) if row[1]}
+
+        async def complete(keys: list[str]) -> None:
+            dialect = self.pg_store._dialect
+            params = {
+                "now": None,
+                "consumer": consumer,
+                "keys": text_array(keys),
+                "tokens": text_array([tokens.pop(k) for k in keys]),
+                "results": [None] * len(keys),
+                "notes": text_array([None] * len(keys)),
+                "keep": 600_000,
+            }
+            async with self.pool.connection() as conn:
+                done = await (await conn.execute(dialect.complete_many, params)).fetchall()
+            if len(done) != len(keys):
+                raise RuntimeError(f"completed {len(done)} of {len(keys)} by hand")
+
+        return HandBatch(claim, complete, effect)
 
 
 async def publish(url: str, source: str, messages: int) -> None:
@@ -412,12 +485,18 @@ async def drain(
 
 
 async def run_broker(
-    name: str, url: str, messages: int, rounds: int, concurrency: int, chosen: Sequence[str]
+    name: str,
+    url: str,
+    messages: int,
+    rounds: int,
+    concurrency: int,
+    chosen: Sequence[str],
+    effect: str = "incr",
 ) -> dict[str, Any]:
     from tests.brokers.common import remove_destinations  # noqa: PLC0415 - after the path
 
     run = uuid.uuid4().hex[:8]
-    setup = Setup(run)
+    setup = Setup(run, effect)
     await setup.open()
     variants = tuple(
         v for v in VARIANTS + (BATCH_VARIANTS if name in BATCHED else ()) if v in chosen
@@ -427,16 +506,16 @@ async def run_broker(
         for r in range(rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
-                source = f"bench_{run}_{r}_{variant.replace(' ', '_').replace('-', '_')}"
+                source = f"bench_{run}_{r}_{re.sub('[^a-z0-9]+', '_', variant)}"
                 await publish(url, source, messages)
                 rows_before = await setup.ledger_rows()
-                count_before = int(await setup.redis.get(setup.counter) or 0)
+                count_before = int(await setup.redis.get(setup.counter) or 0) + setup.local
                 processor = setup.processor(variant, consumer=source)
-                batch = None if variant.endswith("batch pg") or "batch redis" in variant else 1
+                batch = None if "batch" in variant.split() else 1  # batch mode
                 seconds = await drain(url, source, processor, messages, concurrency, batch)
                 await remove_destinations(url, source)
                 rows = await setup.ledger_rows() - rows_before
-                incr = int(await setup.redis.get(setup.counter) or 0) - count_before
+                incr = int(await setup.redis.get(setup.counter) or 0) + setup.local - count_before
                 effects = incr if variant.endswith("incr") or variant in BATCH_VARIANTS else rows
                 if effects != messages:
                     raise RuntimeError(f"{name} {variant}: {effects} effects for {messages}")
@@ -461,7 +540,9 @@ def table(results: dict[str, Any]) -> str:
         if name in BATCHED:
             pairs = [(f"per message, {label}", a, b, t) for label, a, b, t in pairs]
             pairs += list(BATCH_PAIRS)
-        for label, plain, with_oncely, target in pairs:
+        effect = EFFECTS[results.get("effect", "incr")]
+        for shape, plain, with_oncely, target in pairs:
+            label = shape.format(effect=effect)
             if plain not in m or with_oncely not in m:
                 continue
             cost = m[plain] / m[with_oncely]
@@ -479,6 +560,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds per broker (default 3)")
     p.add_argument("--concurrency", type=int, default=16, help="consumer concurrency (16)")
     p.add_argument("--only", action="append", choices=list(BROKERS), help="one broker")
+    p.add_argument(
+        "--effect",
+        choices=list(EFFECTS),
+        default="incr",
+        help="the effect of the INCR variants: a Redis INCR (default) or an in-memory count",
+    )
     p.add_argument("--variant", action="append", choices=ALL, help="one variant (repeatable)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-save", action="store_true")
@@ -490,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "messages": args.messages,
         "rounds": args.rounds,
         "concurrency": args.concurrency,
+        "effect": args.effect,
         "cpus": os.cpu_count(),
         "brokers": {},
     }
@@ -513,7 +601,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}:", flush=True)
         results["brokers"][name] = asyncio.run(
             run_broker(
-                name, where, args.messages, args.rounds, args.concurrency, args.variant or ALL
+                name,
+                where,
+                args.messages,
+                args.rounds,
+                args.concurrency,
+                args.variant or ALL,
+                args.effect,
             )
         )
     text = table(results)
