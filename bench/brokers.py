@@ -285,6 +285,12 @@ class Setup:
         await self.pg_store.aclose()
         await self.redis_store.aclose()
 
+    async def increments(self) -> int:
+        """The effects counted so far: in Redis, or in memory with ``--effect count``."""
+        if self.effect == "count":
+            return self.local
+        return int(await self.redis.get(self.counter) or 0)
+
     async def ledger_rows(self) -> int:
         async with self.pool.connection() as conn:
             row = await (await conn.execute(f"SELECT count(*) FROM {self.ledger}")).fetchone()
@@ -311,13 +317,10 @@ class Setup:
                 await row_in(conn, body)
 
         async def incr(body: dict[str, Any]) -> None:
-            await self.redis.incr(self.counter)
-
-        async def count(body: dict[str, Any]) -> None:
-            self.local += 1
-
-        if self.effect == "count":
-            incr = count
+            if self.effect == "count":
+                self.local += 1
+            else:
+                await self.redis.incr(self.counter)
 
         if variant.startswith("hand batch"):
             return self.hand_batch(variant, consumer, incr)
@@ -386,10 +389,10 @@ class Setup:
         32-character token per key, the server's clock), on the store's table."""
         from oncely.stores.postgres.dialect import text_array  # noqa: PLC0415 - internals
 
+        dialect = self.pg_store._dialect  # the store's statements, sent by hand
         tokens: dict[str, str] = {}
 
         async def claim(keys: list[str]) -> set[str]:
-            dialect = self.pg_store._dialect  # the store's statements by hand
             for k in keys:
                 tokens[k] = os.urandom(16).hex()
             params = {
@@ -406,7 +409,6 @@ class Setup:
             return {k for k, row in zip(keys, rows, strict=True) if row[1]}
 
         async def complete(keys: list[str]) -> None:
-            dialect = self.pg_store._dialect
             params = {
                 "now": None,
                 "consumer": consumer,
@@ -509,13 +511,13 @@ async def run_broker(
                 source = f"bench_{run}_{r}_{re.sub('[^a-z0-9]+', '_', variant)}"
                 await publish(url, source, messages)
                 rows_before = await setup.ledger_rows()
-                count_before = int(await setup.redis.get(setup.counter) or 0) + setup.local
+                count_before = await setup.increments()
                 processor = setup.processor(variant, consumer=source)
                 batch = None if "batch" in variant.split() else 1  # batch mode
                 seconds = await drain(url, source, processor, messages, concurrency, batch)
                 await remove_destinations(url, source)
                 rows = await setup.ledger_rows() - rows_before
-                incr = int(await setup.redis.get(setup.counter) or 0) + setup.local - count_before
+                incr = await setup.increments() - count_before
                 effects = incr if variant.endswith("incr") or variant in BATCH_VARIANTS else rows
                 if effects != messages:
                     raise RuntimeError(f"{name} {variant}: {effects} effects for {messages}")
