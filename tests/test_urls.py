@@ -63,3 +63,5 @@ def test_passwords_in_query_options_are_redacted_too() -> None:
     assert oncely.redact(url) == "postgresql://u@h/db?sslmode=require&password=***&Password=***"
     assert oncely.redact("redis://h/0?password=s3cret") == "redis://h/0?password=***"
     assert oncely.redact("redis://h/0?db=1") == "redis://h/0?db=1"
+    # Nothing to mask: the URL as written (urlunsplit would drop sqlite:///'s empty host).
+    assert oncely.redact("sqlite:///x.db?table=t") == "sqlite:///x.db?table=t"

@@ -33,15 +33,17 @@ def redact(url: str) -> str:
         netloc = parts.netloc.rsplit("@", 1)
         userinfo = netloc[0].split(":", 1)[0] + ":***"
         parts = parts._replace(netloc=f"{userinfo}@{netloc[1]}")
+    masked = password is not None
     if parts.query:
         pairs = []
         for pair in parts.query.split("&"):
             name, sep, _value = pair.partition("=")
-            secret = unquote(name).lower() in _SECRET_OPTIONS
-            pairs.append(f"{name}{sep}***" if secret and sep else pair)
+            secret = unquote(name).lower() in _SECRET_OPTIONS and bool(sep)
+            masked = masked or secret
+            pairs.append(f"{name}{sep}***" if secret else pair)
         parts = parts._replace(query="&".join(pairs))
-    if password is None and not parts.query:
-        return url
+    if not masked:
+        return url  # as written: urlunsplit would turn sqlite:///x.db?y=1 into sqlite:/x.db?y=1
     return urlunsplit(parts)
 
 

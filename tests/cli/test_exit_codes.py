@@ -1,16 +1,23 @@
 """The exit codes of the ``oncely`` command line (schema problem, store unavailable, corrupt
-file, usage errors), and that a password in a store URL is never printed.
+file, usage errors), that a message names the store URL as the user typed it (a Redis that is
+down, MariaDB's errors as sentences, on the real servers), and that a password in a store URL
+is never printed.
 """
 
 from __future__ import annotations
 
+import socket
 import sqlite3
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 import oncely
 from tests.cli.helpers import SECRET, count, rows, run, url_of
+from tests.services import MYSQL_URL, REDIS_URL, require
 
 # ------------------------------------------------------------------------ exit codes
 
@@ -72,6 +79,59 @@ def test_unsupported_url_scheme_is_a_usage_error(url: str) -> None:
     assert result.exit_code == 2
     assert "unsupported store URL scheme" in result.stderr
     assert "sqlite://" in result.stderr  # names what is supported
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["foo://bar", f"foo://admin:{SECRET}@bar/x?y=1", "sqlite:///x.db?bogus=1", "memory://?x=1"],
+)
+def test_a_refused_url_is_named_as_typed(url: str) -> None:
+    # Inspection commands open the store with migrate=false added to its URL: the message
+    # names the URL the user typed (redacted), never that query.
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 2, result.stderr
+    assert f"Invalid value for '--store': {oncely.redact(url)}: " in result.stderr
+    assert "migrate" not in result.stderr.split("(known:")[0]
+
+
+# -------------------------------------------------- store errors name the URL typed
+
+
+def test_a_redis_that_is_down_is_named(unused_port: int) -> None:
+    url = f"redis://127.0.0.1:{unused_port}/0?connect_timeout=2"
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 3, result.stderr
+    # As PostgreSQL's store names its server: the URL, without oncely's options.
+    assert f"on redis://127.0.0.1:{unused_port}/0: " in result.stderr
+    assert "Connection refused" in result.stderr and "migrate" not in result.stderr
+
+
+def test_a_redis_without_the_marker_is_named_as_typed() -> None:
+    require("Redis", REDIS_URL, 6379)
+    url = f"{REDIS_URL}?prefix=oncely_cli_{uuid.uuid4().hex[:10]}"
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 4, result.stderr
+    assert f"at {url}; run `oncely migrate" in result.stderr
+    assert "migrate=false" not in result.stderr
+
+
+def test_an_unknown_mysql_database_reads_as_a_sentence() -> None:
+    require("MariaDB", MYSQL_URL, 3306)
+    parts = urlsplit(MYSQL_URL)
+    url = parts._replace(path="/nosuchdb").geturl()
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 5, result.stderr
+    assert "MariaDB/MySQL error 1049: Unknown database 'nosuchdb'" in result.stderr
+    assert "/nosuchdb: " in result.stderr  # the store's URL
+    assert "(1049," not in result.stderr
+
+
+@pytest.fixture
+def unused_port() -> Iterator[int]:
+    """A loopback port that is bound but never listened on: connections are refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """``oncely inbox stats``: estimates by default, ``--exact`` counts every record.
 
 The SQLite sample database (the ``db`` fixture) is small: its estimate counts every consumer
-and the expired records outright, so the default answer has the exact totals, marked as
-estimates, with no status split (SQLite keeps no statistic of it). On PostgreSQL, a table of
-a few thousand records after ANALYZE: the default answer is the planner's estimate, within
-10%, with its status split; ``--exact`` is the exact count.
+and the expired records outright, so the default answer has the exact totals, printed as
+exact (no ``~``, no "estimate": the README promises consumers of at most 1,000 records are
+counted exactly), with no status split (SQLite keeps no statistic of it). A larger SQLite
+consumer is estimated and marked ``~`` beside the small ones, and the live total is SQLite's
+exact row count less the expired. On PostgreSQL, a table of a few thousand records after
+ANALYZE: the default answer is the planner's estimate, within 10%, with its status split,
+the small consumer counted; ``--exact`` is the exact count.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from oncely import Inbox, SQLiteStore
 from oncely.stores import ClaimRequest
 from oncely.stores.postgres import PostgresStore
 from tests.backends.postgres import drop_tables
@@ -30,15 +34,36 @@ def _live_per_consumer() -> dict[str, int]:
     return found
 
 
-def test_the_default_is_an_estimate_and_says_so(db: Path) -> None:
+def _cells(out: str, consumer: str) -> list[str]:
+    line = next(line for line in out.splitlines() if f" {consumer} " in line)
+    return line.replace("│", " ").split()[1:]
+
+
+def test_a_small_table_is_counted_and_never_shown_as_an_estimate(db: Path) -> None:
+    # Every consumer has at most 1,000 records and the expired are few: each number of the
+    # default answer was counted, so none is marked ~ or called an estimate.
     result = run("inbox", "stats", "--store", url_of(db))
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    assert "estimates from the database's statistics; --exact counts every record" in out
-    assert f"live records: ~{len(LIVE_KEYS)}; expired, awaiting purge: ~3" in out
-    billing = next(line for line in out.splitlines() if "billing" in line)
-    assert billing.replace("│", " ").split()[1:] == ["~6"]
+    assert "~" not in out and "estimate" not in out.replace("not estimated on this store", "")
+    assert f"live records: {len(LIVE_KEYS)}; expired, awaiting purge: 3" in out
+    assert _cells(out, "billing") == ["6"]
     assert "by status: not estimated on this store (--exact counts them)" in out
+
+
+def test_a_one_record_table_shows_one_not_about_one(tmp_path: Path) -> None:
+    # The new user's trial: `oncely migrate`, one record, `oncely inbox stats`.
+    url = url_of(tmp_path / "one.db")
+    assert run("migrate", "--store", url).exit_code == 0
+    store = SQLiteStore(tmp_path / "one.db")
+    try:
+        Inbox(store, consumer="billing").handle("k1", 1, lambda _p: 1)
+    finally:
+        store.close()
+    out = run("inbox", "stats", "--store", url).stdout
+    assert _cells(out, "billing") == ["1"]
+    assert "live records: 1; expired, awaiting purge: 0" in out
+    assert "~" not in out and "(estimate)" not in out
 
 
 def test_the_default_json_holds_exact_false(db: Path) -> None:
@@ -46,11 +71,36 @@ def test_the_default_json_holds_exact_false(db: Path) -> None:
     assert result.exit_code == 0, result.stderr
     stats = json.loads(result.stdout)
     assert stats["exact"] is False
-    # Small consumers are counted outright, even by an estimate.
+    # Small consumers are counted outright, even by an estimate, and say so.
     assert {c: v["total"] for c, v in stats["consumers"].items()} == _live_per_consumer()
     assert stats["total"] == len(LIVE_KEYS)
     assert stats["expired"] == 3
     assert stats["statuses"] is None
+    assert stats["counted"] == {
+        "consumers": sorted(_live_per_consumer()), "total": True, "expired": True,
+    }  # fmt: skip
+
+
+def test_a_larger_sqlite_consumer_is_marked_as_estimated(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "big.db")
+    try:
+        store.migrate()
+        for consumer, n in (("orders", 1800), ("mail", 1200), ("rare", 7)):
+            requests = [ClaimRequest(f"{consumer}-{i}", None, f"t{i}") for i in range(n)]
+            store.claim_many(consumer, requests, lease_ms=60_000, keep_ms=3_600_000,
+                             takeover=False)  # fmt: skip
+    finally:
+        store.close()
+    result = run("inbox", "stats", "--store", url_of(tmp_path / "big.db"))
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert _cells(out, "rare") == ["7"]  # counted outright
+    for consumer, n in (("orders", 1800), ("mail", 1200)):
+        (cell,) = _cells(out, consumer)
+        assert cell.startswith("~") and abs(int(cell[1:]) - n) <= 0.1 * n, (consumer, cell)
+    # SQLite's total: its exact row count, less the expired, counted too.
+    assert "live records: 3007; expired, awaiting purge: 0" in out
+    assert "~ marks estimates from the database's statistics; --exact counts every" in out
 
 
 def test_exact_gives_the_counts_per_status(db: Path) -> None:
@@ -120,4 +170,7 @@ def test_postgres_default_estimates_and_exact_counts(pg_url: str) -> None:
     assert counted["total"] == 5507
     table = run("inbox", "stats", "--store", pg_url)
     assert "by status, all consumers: in_progress ~" in table.stdout
-    assert "~7" in table.stdout
+    assert _cells(table.stdout, "rare") == ["7"]  # counted, so not marked ~
+    assert _cells(table.stdout, "orders")[0].startswith("~")
+    assert "live records: ~" in table.stdout  # the planner's share of the total
+    assert found["counted"] == {"consumers": ["rare"], "total": False, "expired": True}

@@ -3,7 +3,9 @@
 On every store (real servers, no mocks), a few thousand records of three consumers, their
 expiries spread over 300 minutes, with a share completed or failed and 1,200 expired: after
 ``ANALYZE`` where the database needs it, the estimates of each consumer's live records, of the
-live total and of the expired records are within a tolerance of what ``stats()`` counts. The
+live total and of the expired records are within a tolerance of what ``stats()`` counts, and
+what an estimate counted outright (a small consumer; on SQLite the expired and the total) it
+says it counted. The
 tolerances are those of each method: PostgreSQL's planner has seen every row (ANALYZE samples
 all of a small table); SQLite counts its rows exactly and samples minutes of its purge index
 for the split; MariaDB's ``TABLE_ROWS`` is InnoDB's estimate; Redis samples 2,000 random keys
@@ -131,7 +133,15 @@ def test_r13_estimates_are_close_to_the_exact_counts(
     assert abs(estimate.total - exact.total) <= _tolerance(backend, store, exact.total)
     assert abs(estimate.expired - EXPIRED) <= _tolerance(backend, store, EXPIRED), estimate
     if not backend.name.startswith("redis"):
-        assert found["few"] == SMALL  # a small consumer is counted outright
+        assert found["few"] == SMALL  # a small consumer is counted outright, and says so
+        assert estimate.counted == {"few"}
+        # SQLite counts its rows and its 1,200 expired: the live total is exact too.
+        assert estimate.counted_expired is (backend.name == "sqlite")
+        assert estimate.counted_total is (backend.name == "sqlite")
+        if backend.name == "sqlite":
+            assert (estimate.total, estimate.expired) == (exact.total, EXPIRED)
+    else:  # a sample counts nothing outright
+        assert not (estimate.counted or estimate.counted_total or estimate.counted_expired)
     statuses = estimate.per_status
     if statuses is not None:  # PostgreSQL's column statistics, Redis's sample
         assert sum(statuses.values()) == pytest.approx(estimate.total, abs=3)
@@ -171,6 +181,10 @@ def test_r13_a_small_purged_table_is_estimated_exactly(
         estimate = store.stats(exact=False)
         assert estimate.per_consumer == {"a": 7, "b": 3}
         assert estimate.expired == 4
+        # Counted, not estimated: every number is exact, and the stats say so.
+        assert estimate.exact or (
+            estimate.counted == {"a", "b"} and estimate.counted_total and estimate.counted_expired
+        )
         store.purge_expired()
         assert store.stats(exact=False).expired == 0
     finally:

@@ -183,7 +183,12 @@ class StoreStats:
       (a sample of records); empty dicts otherwise. A database keeps statistics per column,
       not per pair, and oncely does not make a split up from them;
     * ``note``: how the numbers were made, when that deserves a word (a table never
-      analyzed: a rough estimate from a sample of its pages).
+      analyzed: a rough estimate from a sample of its pages);
+    * ``counted``, ``counted_total``, ``counted_expired``: which of those numbers an
+      estimate counted outright all the same, and so are exact: the consumers with few
+      records (at most 1,000 on the SQL stores), the live total (every consumer counted, or
+      SQLite's row count less the expired counted), the expired records (few of them, while
+      a purge keeps up). Nothing, unless the store says so.
     """
 
     counts: dict[str, dict[Status, int]]
@@ -192,6 +197,9 @@ class StoreStats:
     consumers: dict[str, int] | None = None
     statuses: dict[Status, int] | None = None
     note: str = ""
+    counted: frozenset[str] = frozenset()
+    counted_total: bool = False
+    counted_expired: bool = False
 
     @property
     def per_consumer(self) -> dict[str, int]:

@@ -64,7 +64,9 @@ def stats(store_url: str, as_json: bool, exact: bool) -> None:
 
     By default the numbers are estimates from the database's own statistics (PostgreSQL's
     planner, InnoDB's row count, SQLite's index counts, a sample of Redis keys), which
-    answer in under a second at any size; --exact counts every record.
+    answer in under a second at any size; --exact counts every record. A number shown
+    without `~` was counted all the same (a consumer with at most 1,000 records, the
+    expired while a purge keeps up).
     """
     with opened(store_url) as store:
         found = _read_stats(store, exact)
@@ -115,6 +117,8 @@ def _print_exact(store_url: str, found: StoreStats, as_json: bool) -> None:
 
 
 def _print_estimate(store_url: str, found: StoreStats, as_json: bool) -> None:
+    # An estimate counts some numbers outright all the same (a consumer with few records, the
+    # expired while a purge keeps up): those are exact, printed as such; `~` marks the others.
     per_consumer = dict(sorted(found.per_consumer.items()))
     per_status = found.per_status
     if as_json:
@@ -132,34 +136,51 @@ def _print_estimate(store_url: str, found: StoreStats, as_json: bool) -> None:
                 ),
                 "total": found.total,
                 "expired": found.expired,
+                "counted": {
+                    "consumers": sorted(found.counted & per_consumer.keys()),
+                    "total": found.counted_total,
+                    "expired": found.counted_expired,
+                },
                 "note": found.note,
             }
         )
         return
+    estimated = (
+        per_status is not None
+        or not (found.counted_total and found.counted_expired)
+        or not found.counted >= per_consumer.keys()
+    )
     out = console()
     out.print(text(f"Store {oncely.redact(store_url)}"))
     if per_consumer:
-        table = Table("consumer", "live records (estimate)")
+        table = Table("consumer", "live records")
         for consumer, total in per_consumer.items():
-            table.add_row(text(consumer, "bold"), f"~{total}")
+            table.add_row(text(consumer, "bold"), _shown(total, consumer in found.counted))
         out.print(table)
     else:
-        out.print(text("no live records (estimate)"))
+        out.print(text("no live records" if found.counted_total else "no live records (estimate)"))
     if per_status is not None:
         split = ", ".join(f"{s.value} ~{per_status.get(s, 0)}" for s in Status)
         out.print(text(f"by status, all consumers: {split}"))
     else:
         out.print(text("by status: not estimated on this store (--exact counts them)"))
-    out.print(text(f"live records: ~{found.total}; expired, awaiting purge: ~{found.expired}"))
+    live = _shown(found.total, found.counted_total)
+    expired = _shown(found.expired, found.counted_expired)
+    out.print(text(f"live records: {live}; expired, awaiting purge: {expired}"))
     if found.note:
         out.print(text(f"note: {found.note}"))
-    out.print(
-        text(
-            "estimates from the database's statistics; --exact counts every record "
-            "(slow on large tables)",
-            "dim",
+    if estimated:
+        out.print(
+            text(
+                "~ marks estimates from the database's statistics; --exact counts every "
+                "record (slow on large tables)",
+                "dim",
+            )
         )
-    )
+
+
+def _shown(n: int, counted: bool) -> str:
+    return str(n) if counted else f"~{n}"
 
 
 # ------------------------------------------------------------------------------- list

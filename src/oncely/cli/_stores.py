@@ -19,7 +19,7 @@ import click
 import oncely
 from oncely import Store
 from oncely.cli._errors import SCHEMA, CliError, remember_secrets
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, OncelyError
 
 __all__ = ["DEFAULT_STORE", "ENV_STORE", "opened", "store_option"]
 
@@ -67,6 +67,12 @@ def _without_auto_migrate(url: str) -> str:
     return url + ("&" if "?" in url else "?") + "migrate=false"
 
 
+def _as_typed(message: str, target: str, url: str) -> str:
+    """``message`` naming ``url`` as the user typed it where it names the ``target`` opened
+    (``url`` with ``migrate=false`` added): the user did not write that query."""
+    return message.replace(oncely.redact(target), oncely.redact(url))
+
+
 @contextmanager
 def opened(url: str, *, create: bool = False) -> Iterator[Store]:
     """The store at ``url``, closed when the block ends.
@@ -75,10 +81,13 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
     message names the fix. A URL oncely cannot use is a usage error (exit 2).
     """
     remember_secrets(url)
+    target = url
     try:
-        store = oncely.open(url if create else _without_auto_migrate(url))
+        target = url if create else _without_auto_migrate(url)
+        store = oncely.open(target)
     except ConfigurationError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--store'") from None
+        message = _as_typed(str(exc), target, url)
+        raise click.BadParameter(message, param_hint="'--store'") from None
     except ValueError as exc:
         # urlsplit's own complaint (a malformed host); the URL itself is not repeated here
         # because it could not be parsed, hence not redacted.
@@ -92,5 +101,9 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
                 SCHEMA,
             )
         yield store
+    except OncelyError as exc:
+        if target != url and len(exc.args) == 1 and isinstance(exc.args[0], str):
+            exc.args = (_as_typed(exc.args[0], target, url),)
+        raise
     finally:
         store.close()

@@ -13,6 +13,7 @@ of all three are parsed here. Names spliced into statements (tables, schemas) ar
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = [
     "STATUS",
     "Estimate",
     "PlainRows",
+    "apportion",
     "bucket_sql",
     "check_identifier",
     "parse_record",
@@ -245,6 +247,12 @@ class Estimate:
     expired: int = 0
     counted: int = SMALL
     """Up to how many expired records ``expired`` was counted outright (more: estimated)."""
+    cut: bool = False
+    """A bounded count behind ``expired`` stopped at its bound (SQLite's two counts, whose
+    bounds ``counted`` adds up): ``expired`` is not exact whatever its value."""
+    rows: int | None = None
+    """The table's rows where the store counted them (SQLite's ``count(*)``): the live total
+    is then exact when the expired were counted and the split adds up to the rest."""
     shares: dict[Status, float] = field(default_factory=dict)
     note: str = ""
 
@@ -263,6 +271,14 @@ class Estimate:
         statuses = None
         if self.shares:
             statuses = {s: round(total * self.shares.get(s, 0.0)) for s in Status}
+        # What was counted outright is exact: a small consumer (its rows read to the end),
+        # the expired while under their bound, and the live total when every consumer was
+        # listed and small, or when it is the counted rows less the counted expired.
+        counted_expired = not self.cut and 0 <= self.expired <= self.counted
+        listed = len(self.seen) < MAX_CONSUMERS
+        counted_total = (listed and all(self.small(c) for c in self.seen)) or (
+            self.rows is not None and counted_expired and total == self.rows - self.expired
+        )
         return StoreStats(
             counts={consumer: {} for consumer in consumers},
             expired=max(self.expired, 0),
@@ -270,4 +286,20 @@ class Estimate:
             consumers=consumers,
             statuses=statuses,
             note=self.note,
+            counted=frozenset(c for c in consumers if self.small(c)),
+            counted_total=counted_total,
+            counted_expired=counted_expired,
         )
+
+
+def apportion(whole: int, shares: Mapping[str, float]) -> dict[str, int]:
+    """``whole`` split in proportion to ``shares`` (which add up to 1), in whole numbers that
+    add up to ``whole`` (the largest remainders get the units rounding down left over)."""
+    if not shares:
+        return {}
+    exact = {name: whole * share for name, share in shares.items()}
+    parts = {name: math.floor(x) for name, x in exact.items()}
+    order = sorted(exact, key=lambda name: parts[name] - exact[name])
+    for name in order[: max(whole - sum(parts.values()), 0)]:
+        parts[name] += 1
+    return parts

@@ -50,7 +50,7 @@ from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, check_pause
-from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, parse_stats
+from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, apportion, parse_stats
 
 __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
 
@@ -300,7 +300,7 @@ class SQLStoreBase(Generic[Q]):
         small_rows = sum(seen for c, (seen, _) in found.seen.items() if found.small(c))
         small_dead = sum(s - live for c, (s, live) in found.seen.items() if found.small(c))
         rest = max(total_rows - small_rows - max(found.expired - small_dead, 0), 0)
-        found.big = {c: round(rest * share) for c, share in shares.items()}
+        found.big = apportion(rest, shares)
         return found.stats()
 
     async def _sample_minutes(

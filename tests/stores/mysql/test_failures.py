@@ -8,6 +8,7 @@ import asyncio
 import os
 import uuid
 
+import pymysql
 import pytest
 
 from oncely.errors import (
@@ -16,7 +17,7 @@ from oncely.errors import (
 )
 from oncely.stores import ClaimStatus
 from oncely.stores.mysql.async_store import AsyncMySQLStore
-from oncely.stores.mysql.errors import parse_url
+from oncely.stores.mysql.errors import describe_error, parse_url
 from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import sql, url
 from tests.services import MYSQL_URL
@@ -50,10 +51,24 @@ def test_a_wrong_password_is_an_error_that_does_not_show_it(table: str) -> None:
 
 def test_an_unknown_database_is_an_error(server: None) -> None:
     s = parse_url(MYSQL_URL).settings
-    store = MySQLStore.from_url(f"mysql://{s.user}@{s.host}:{s.port}/no_such_db_{os.getpid()}")
-    with pytest.raises(StoreError, match="Unknown database"):
+    url = f"mysql://{s.user}@{s.host}:{s.port}/no_such_db_{os.getpid()}"
+    store = MySQLStore.from_url(url)
+    with pytest.raises(StoreError) as failed:
         store.get("c", "k")
     store.close()
+    # A sentence naming the store, not PyMySQL's (code, message) tuple.
+    assert str(failed.value) == (
+        f"connecting to {url}: MariaDB/MySQL error 1049: Unknown database "
+        f"'no_such_db_{os.getpid()}'"
+    )
+
+
+def test_driver_errors_read_as_sentences() -> None:
+    assert describe_error(pymysql.OperationalError(1049, "Unknown database 'x'")) == (
+        "MariaDB/MySQL error 1049: Unknown database 'x'"
+    )
+    assert describe_error(OSError("reset by peer")) == "reset by peer"
+    assert describe_error(pymysql.InterfaceError()) == "InterfaceError"
 
 
 def _session_ids(store: MySQLStore, count: int) -> list[int]:

@@ -34,12 +34,27 @@ from tests.backends.redis import drop_prefix
 def test_a_closed_port_is_unavailable_at_once(cluster_mode: str) -> None:
     with socket_bound() as port:  # a port nobody accepts on
         store = oncely.open(f"redis://127.0.0.1:{port}/0?cluster={cluster_mode}&connect_timeout=2")
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable) as down:
             store.claim(
                 "billing", "k", fingerprint=None, token="t", lease_ms=1, keep_ms=1,
                 takeover=False,
             )  # fmt: skip
         store.close()
+    # The message names the server, as PostgreSQL's store names its own (oncely's options
+    # apart; a cluster says so).
+    where = f"redis://127.0.0.1:{port}/0" + ("?cluster=true" if cluster_mode == "true" else "")
+    assert f" on {where}: " in str(down.value), str(down.value)
+
+
+def test_the_message_names_the_server_redacted() -> None:
+    store = oncely.open("redis://app:s3cret@127.0.0.1:1/0?prefix=p")
+    assert store._where == "redis://app:***@127.0.0.1:1/0"
+    store.close()
+    error = BaseParser.parse_error("LOADING Redis is loading the dataset in memory")
+    translated = translate(error, "reading the schema version", "redis://h:6379/0")
+    assert str(translated) == (
+        "reading the schema version on redis://h:6379/0: Redis is loading the dataset in memory"
+    )
 
 
 class socket_bound:
@@ -87,7 +102,7 @@ def test_a_script_error_is_a_store_error_not_an_outage(redis_url: str, prefix: s
 )
 def test_transient_server_replies_mean_unavailable(reply: str) -> None:
     error = BaseParser.parse_error(reply)  # the exception redis-py raises for that reply
-    assert isinstance(translate(error, "claim"), StoreUnavailable)
+    assert isinstance(translate(error, "claim", "redis://h/0"), StoreUnavailable)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +115,7 @@ def test_transient_server_replies_mean_unavailable(reply: str) -> None:
     ],
 )
 def test_other_server_replies_are_store_errors(reply: str) -> None:
-    translated = translate(BaseParser.parse_error(reply), "claim")
+    translated = translate(BaseParser.parse_error(reply), "claim", "redis://h/0")
     assert isinstance(translated, StoreError) and not isinstance(translated, StoreUnavailable)
 
 

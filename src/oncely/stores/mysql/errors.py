@@ -22,6 +22,7 @@ __all__ = [
     "MySQLSettings",
     "autocommits",
     "code_of",
+    "describe_error",
     "disconnected",
     "in_transaction",
     "joinable",
@@ -84,6 +85,17 @@ def code_of(exc: BaseException) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
+def describe_error(exc: BaseException) -> str:
+    """A driver error as a sentence: PyMySQL's ``(1049, "Unknown database 'x'")`` (its
+    ``args``, a tuple, as ``str`` shows them) reads ``MariaDB/MySQL error 1049: Unknown
+    database 'x'``."""
+    code = code_of(exc)
+    args = exc.args
+    if code is not None and len(args) == 2 and isinstance(args[1], str):
+        return f"MariaDB/MySQL error {code}: {args[1]}"
+    return str(exc) or type(exc).__name__
+
+
 def retries_for(exc: BaseException) -> int:
     """How many times an autocommit statement that failed with ``exc`` is run again: InnoDB
     rolled it back whole, so repeating it is safe. A deadlock victim retries at once (the
@@ -108,7 +120,7 @@ def translate(exc: BaseException, doing: str, *, joined: bool = False) -> StoreE
     """The oncely error for a driver error raised while ``doing`` something; ``joined`` when it
     happened inside a transaction the caller owns."""
     code = code_of(exc)
-    text = str(exc)
+    text = describe_error(exc)
     if code == NO_SUCH_TABLE:
         return SchemaMissing(
             f"{doing}: {text}; create the tables with `oncely migrate --store URL` "

@@ -138,6 +138,7 @@ class AsyncRedisStore:
         self._has_client = True
         self._cluster = is_cluster(client)
         base = describe(client)
+        self._where = base  # the server, for messages (as PostgreSQL's name theirs)
         self._url = f"{base}{'&' if '?' in base else '?'}prefix={prefix}"
 
     def _setup(self, prefix: str, clock: Clock | None, migrate: bool) -> None:
@@ -173,6 +174,7 @@ class AsyncRedisStore:
         store._options = options
         store._cluster = options.cluster
         store._url = redact(url)
+        store._where = redact(options.server) + ("?cluster=true" if options.cluster else "")
         return store
 
     @property
@@ -196,7 +198,7 @@ class AsyncRedisStore:
                 self._eval = self._runner.run
                 self._has_client = True
             except DRIVER_ERRORS as exc:
-                raise translate(exc, f"connecting to {self._url}") from exc
+                raise translate(exc, "opening the store", self._where) from exc
 
     async def _check(self) -> None:
         if self._closed:
@@ -216,7 +218,7 @@ class AsyncRedisStore:
                 await self._runner.close()
                 await close(self._client)
             except DRIVER_ERRORS as exc:
-                raise translate(exc, "closing") from exc
+                raise translate(exc, "closing", self._where) from exc
 
     # ------------------------------------------------------------ sending scripts
 
@@ -230,7 +232,7 @@ class AsyncRedisStore:
         try:
             return await server_time_ms(self._client)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "reading the server's clock") from exc
+            raise translate(exc, "reading the server's clock", self._where) from exc
 
     async def _run(self, script: Script, name: bytes, args: Sequence[bytes], op: str) -> Any:
         if not self._ready:  # also after aclose: _check raises then
@@ -238,7 +240,7 @@ class AsyncRedisStore:
         try:
             return await self._eval(script, (name,), args)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, op) from exc
+            raise translate(exc, op, self._where) from exc
 
     def _groups(self, names: Sequence[bytes]) -> list[list[int]]:
         """Indexes of ``names`` in groups that one script may touch together, each in request
@@ -263,7 +265,7 @@ class AsyncRedisStore:
                 return [await self._eval(script, calls[0][0], calls[0][1])]
             return await evalsha_many(self._client, script, calls)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, op) from exc
+            raise translate(exc, op, self._where) from exc
 
     async def _scan_page(
         self, where: tuple[int, int], pattern: bytes
@@ -271,7 +273,7 @@ class AsyncRedisStore:
         try:
             return await scan_page(self._client, where, pattern, _BATCH)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "scanning keys") from exc
+            raise translate(exc, "scanning keys", self._where) from exc
 
     async def _read(self, names: list[bytes]) -> list[bytes | None]:
         """The stored string of each of ``names``, in order (None where there is none),
@@ -314,7 +316,7 @@ class AsyncRedisStore:
         try:
             value = await hget(self._client, self._keys.meta, _VERSION_FIELD)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "reading the schema version") from exc
+            raise translate(exc, "reading the schema version", self._where) from exc
         return None if value is None else int(value)
 
     async def _create(self) -> None:
@@ -322,7 +324,7 @@ class AsyncRedisStore:
         try:
             await hsetnx(self._client, self._keys.meta, _VERSION_FIELD, b"%d" % SCHEMA_VERSION)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "writing the schema version") from exc
+            raise translate(exc, "writing the schema version", self._where) from exc
 
     async def migrate(self) -> int:
         """Write the schema marker if it is missing (idempotent, safe to run from several
@@ -646,7 +648,7 @@ class AsyncRedisStore:
         try:
             drawn = await self._draw()
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "sampling keys") from exc
+            raise translate(exc, "sampling keys", self._where) from exc
         if sum(size for size, _ in drawn) <= _SAMPLE:
             return await self.stats()
         found: dict[str, dict[Status, float]] = {}
@@ -767,7 +769,7 @@ class AsyncRedisStore:
         try:
             return await unlink(self._client, self._keys.record(consumer, key))
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "forget") from exc
+            raise translate(exc, "forget", self._where) from exc
 
 
 def _name(name: bytes | str | None) -> bytes | None:

@@ -144,9 +144,12 @@ def _kernel_timed_out(exc: BaseException) -> bool:
     return False
 
 
-def translate(exc: BaseException, doing: str) -> StoreError:
-    """The oncely error for a redis-py error raised while ``doing`` something."""
+def translate(exc: BaseException, doing: str, where: str) -> StoreError:
+    """The oncely error for a redis-py error raised while ``doing`` something on the server
+    ``where`` (a URL, already redacted), named in the message as PostgreSQL's store names its
+    own."""
     text = str(exc) or type(exc).__name__
+    doing = f"{doing} on {where}"
     if isinstance(exc, AuthenticationError | AuthorizationError | NoPermissionError):
         return StoreError(f"{doing}: {text}; check the user and password of the Redis URL")
     if _kernel_timed_out(exc):

@@ -139,6 +139,7 @@ class RedisStore:
         self._has_client = True
         self._cluster = is_cluster(client)
         base = describe(client)
+        self._where = base  # the server, for messages (as PostgreSQL's name theirs)
         self._url = f"{base}{'&' if '?' in base else '?'}prefix={prefix}"
 
     def _setup(self, prefix: str, clock: Clock | None, migrate: bool) -> None:
@@ -174,6 +175,7 @@ class RedisStore:
         store._options = options
         store._cluster = options.cluster
         store._url = redact(url)
+        store._where = redact(options.server) + ("?cluster=true" if options.cluster else "")
         return store
 
     @property
@@ -197,7 +199,7 @@ class RedisStore:
                 self._eval = self._runner.run
                 self._has_client = True
             except DRIVER_ERRORS as exc:
-                raise translate(exc, f"connecting to {self._url}") from exc
+                raise translate(exc, "opening the store", self._where) from exc
 
     def _check(self) -> None:
         if self._closed:
@@ -217,7 +219,7 @@ class RedisStore:
                 self._runner.close()
                 close(self._client)
             except DRIVER_ERRORS as exc:
-                raise translate(exc, "closing") from exc
+                raise translate(exc, "closing", self._where) from exc
 
     # ------------------------------------------------------------ sending scripts
 
@@ -231,7 +233,7 @@ class RedisStore:
         try:
             return server_time_ms(self._client)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "reading the server's clock") from exc
+            raise translate(exc, "reading the server's clock", self._where) from exc
 
     def _run(self, script: Script, name: bytes, args: Sequence[bytes], op: str) -> Any:
         if not self._ready:  # also after aclose: _check raises then
@@ -239,7 +241,7 @@ class RedisStore:
         try:
             return self._eval(script, (name,), args)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, op) from exc
+            raise translate(exc, op, self._where) from exc
 
     def _groups(self, names: Sequence[bytes]) -> list[list[int]]:
         """Indexes of ``names`` in groups that one script may touch together, each in request
@@ -264,7 +266,7 @@ class RedisStore:
                 return [self._eval(script, calls[0][0], calls[0][1])]
             return evalsha_many(self._client, script, calls)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, op) from exc
+            raise translate(exc, op, self._where) from exc
 
     def _scan_page(
         self, where: tuple[int, int], pattern: bytes
@@ -272,7 +274,7 @@ class RedisStore:
         try:
             return scan_page(self._client, where, pattern, _BATCH)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "scanning keys") from exc
+            raise translate(exc, "scanning keys", self._where) from exc
 
     def _read(self, names: list[bytes]) -> list[bytes | None]:
         """The stored string of each of ``names``, in order (None where there is none),
@@ -315,7 +317,7 @@ class RedisStore:
         try:
             value = hget(self._client, self._keys.meta, _VERSION_FIELD)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "reading the schema version") from exc
+            raise translate(exc, "reading the schema version", self._where) from exc
         return None if value is None else int(value)
 
     def _create(self) -> None:
@@ -323,7 +325,7 @@ class RedisStore:
         try:
             hsetnx(self._client, self._keys.meta, _VERSION_FIELD, b"%d" % SCHEMA_VERSION)
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "writing the schema version") from exc
+            raise translate(exc, "writing the schema version", self._where) from exc
 
     def migrate(self) -> int:
         """Write the schema marker if it is missing (idempotent, safe to run from several
@@ -643,7 +645,7 @@ class RedisStore:
         try:
             drawn = self._draw()
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "sampling keys") from exc
+            raise translate(exc, "sampling keys", self._where) from exc
         if sum(size for size, _ in drawn) <= _SAMPLE:
             return self.stats()
         found: dict[str, dict[Status, float]] = {}
@@ -762,7 +764,7 @@ class RedisStore:
         try:
             return unlink(self._client, self._keys.record(consumer, key))
         except DRIVER_ERRORS as exc:
-            raise translate(exc, "forget") from exc
+            raise translate(exc, "forget", self._where) from exc
 
 
 def _name(name: bytes | str | None) -> bytes | None:

@@ -485,7 +485,12 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         (total,) = (await self._rows("stats", d.count_rows, {}))[0]
         (ended,) = (await self._rows("stats", d.count_ended, {"cur": cur}))[0]
         (expiring,) = (await self._rows("stats", d.count_expiring, {"now": now, "cur": cur}))[0]
-        found = Estimate(expired=ended + expiring, counted=ENDED_COUNTED + SMALL)
+        found = Estimate(
+            expired=ended + expiring,
+            counted=ENDED_COUNTED + SMALL,
+            cut=ended > ENDED_COUNTED or expiring > SMALL,
+            rows=total,
+        )
         rows = await self._rows("stats", d.first_consumer, {})
         while rows and rows[0][0] is not None and len(found.seen) < MAX_CONSUMERS:
             consumer = rows[0][0]

@@ -481,7 +481,12 @@ class SQLiteStore(SQLStoreBase[str]):
         (total,) = (self._rows("stats", d.count_rows, {}))[0]
         (ended,) = (self._rows("stats", d.count_ended, {"cur": cur}))[0]
         (expiring,) = (self._rows("stats", d.count_expiring, {"now": now, "cur": cur}))[0]
-        found = Estimate(expired=ended + expiring, counted=ENDED_COUNTED + SMALL)
+        found = Estimate(
+            expired=ended + expiring,
+            counted=ENDED_COUNTED + SMALL,
+            cut=ended > ENDED_COUNTED or expiring > SMALL,
+            rows=total,
+        )
         rows = self._rows("stats", d.first_consumer, {})
         while rows and rows[0][0] is not None and len(found.seen) < MAX_CONSUMERS:
             consumer = rows[0][0]
