@@ -11,11 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from oncely.brokers import open_producer
-from tests.brokers.common import remove_destinations, unique
+from tests.brokers.common import free_port, remove_destinations, unique
 from tests.services import RABBITMQ_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,3 +160,80 @@ def test_r13_consume_refuses_a_retention_below_its_horizon(tmp_path: Path) -> No
         "(max_deliveries=20 x (lock=30m + delay=1m) + message_ttl=0s)"
     ) in done.stderr
     asyncio.run(remove_destinations(RABBITMQ_URL, source))
+
+
+async def _queue_exists(name: str) -> bool:
+    import aio_pika
+    import aiormq
+
+    connection = await aio_pika.connect(RABBITMQ_URL)
+    async with connection:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
+
+
+def _consume_once(
+    source: str, *, broker: str = RABBITMQ_URL, store: str
+) -> subprocess.CompletedProcess[str]:
+    return _run(
+        [
+            "consume",
+            "--broker",
+            broker,
+            "--source",
+            source,
+            "--handler",
+            "tests.brokers.handlers:record",
+            "--store",
+            store,
+            "--consumer",
+            "cli-test",
+        ]
+    )
+
+
+@pytest.mark.services
+def test_consume_exits_3_at_start_when_the_store_is_down_and_reads_nothing() -> None:
+    # Before, it started, logged itself healthy, and gave every message back to the broker
+    # (each one a delivery closer to the dead-letter queue) until someone read the logs.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_store_down")
+    port = free_port()
+    done = _consume_once(source, store=f"postgresql://postgres:s3cret@127.0.0.1:{port}/test")
+    assert done.returncode == 3, done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr and "s3cret" not in done.stderr
+    assert "Traceback" not in done.stderr and "oncely consume stopped" not in done.stderr
+    # The store is checked before the broker is opened: the queue was never even declared.
+    assert not asyncio.run(_queue_exists(source))
+
+
+@pytest.mark.services
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"password": "not-the-password"}, "ACCESS_REFUSED"),
+        ({"vhost": "no_such_vhost_oncely"}, "virtual host"),
+    ],
+    ids=["wrong-password", "unknown-vhost"],
+)
+def test_consume_exits_6_when_rabbitmq_refuses_it_at_start(
+    tmp_path: Path, change: dict[str, str], said: str
+) -> None:
+    # A refusal is not an outage: retrying the same credentials forever helps no one.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    parts = urlsplit(RABBITMQ_URL)
+    user = parts.username or "guest"
+    password = change.get("password", parts.password or "guest")
+    vhost = change.get("vhost", parts.path.lstrip("/"))
+    broker = f"amqp://{user}:{password}@{parts.hostname}:{parts.port or 5672}/{vhost}"
+    done = _consume_once(
+        unique("cli_refused"), broker=broker, store=f"sqlite:///{tmp_path / 'inbox.db'}"
+    )
+    assert done.returncode == 6, done.stderr
+    assert "RabbitMQ refused" in done.stderr and said in done.stderr, done.stderr
+    assert "not-the-password" not in done.stderr
+    assert "error when creating transport" not in done.stderr

@@ -55,6 +55,7 @@ RENAMES = {
     "AsyncTransactionalStore": "TransactionalStore",
     "AsyncCompletesMany": "CompletesMany",
     "AsyncKeepsOffsets": "KeepsOffsets",
+    "AsyncPrepares": "Prepares",
     "AsyncMemoryStore": "MemoryStore",
     "AsyncSQLiteStore": "SQLiteStore",
     "AsyncPostgresStore": "PostgresStore",

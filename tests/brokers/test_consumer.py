@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 import oncely
 from oncely.brokers import Backoff, BrokerConsumer, ConsumerSettings, key_source
-from oncely.errors import ConfigurationError, StoreUnavailable
+from oncely.errors import ConfigurationError, SchemaMissing, StoreUnavailable
 from oncely.testing import MemoryBroker
 
 FAST = ConsumerSettings(
@@ -304,3 +305,59 @@ def test_settings_refuse_what_cannot_work() -> None:
         Backoff(first=timedelta(seconds=5), most=timedelta(seconds=1))
     backoff = Backoff(first=timedelta(seconds=1), most=timedelta(seconds=5))
     assert [backoff.delay(n).total_seconds() for n in (1, 2, 3, 4, 9)] == [1, 2, 4, 5, 5]
+
+
+# ---------------------------------------------------------------- the store, checked at start
+
+
+async def test_a_store_down_at_start_stops_run_before_the_broker_is_read(tmp_path: Any) -> None:
+    # A real Redis client against a loopback port nothing listens on: the store is down.
+    from tests.brokers.common import free_port
+
+    store = oncely.open_async(f"redis://127.0.0.1:{free_port()}/0")
+    inbox = oncely.AsyncInbox(store, consumer="orders")
+    broker, effects = MemoryBroker(), Effects()
+    broker.publish(body(order=1), message_id="order-1")
+    consumer = BrokerConsumer(broker, inbox, effects.apply, settings=FAST)
+    with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1"):
+        await asyncio.wait_for(consumer.run(), 30)
+    # Nothing was read: the message is still the broker's, not given back once per attempt.
+    assert broker.outstanding == 1 and broker.retried == 0 and broker.acked == 0
+    assert not effects.applied and not consumer.counts
+    await store.aclose()
+
+
+async def test_the_store_schema_is_made_at_start_not_at_the_first_message(tmp_path: Any) -> None:
+    path = tmp_path / "inbox.db"
+    store = oncely.open_async(f"sqlite:///{path}")  # migrate=True: tables made on first use
+    inbox = oncely.AsyncInbox(store, consumer="orders")
+    broker = MemoryBroker()
+    consumer = BrokerConsumer(broker, inbox, Effects().apply, settings=FAST)
+    running = asyncio.create_task(consumer.run())
+    try:
+        for _ in range(200):
+            if path.exists():
+                break
+            await asyncio.sleep(0.01)
+        with sqlite3.connect(path) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        assert "oncely_inbox" in tables, tables  # with no message read yet
+    finally:
+        consumer.stop()
+        await running
+        await store.aclose()
+
+
+async def test_a_schema_this_oncely_cannot_use_stops_the_start(tmp_path: Any) -> None:
+    path = tmp_path / "empty.db"
+    sqlite3.connect(path).close()
+    store = oncely.open_async(f"sqlite:///{path}?migrate=false")  # no tables, none made
+    broker = MemoryBroker()
+    broker.publish(body(order=1), message_id="order-1")
+    consumer = BrokerConsumer(
+        broker, oncely.AsyncInbox(store, consumer="orders"), Effects().apply, settings=FAST
+    )
+    with pytest.raises(SchemaMissing, match="oncely migrate"):
+        await consumer.run()
+    assert broker.outstanding == 1 and broker.retried == 0
+    await store.aclose()

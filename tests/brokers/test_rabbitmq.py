@@ -14,6 +14,7 @@ import subprocess
 import time
 from datetime import timedelta
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -22,7 +23,8 @@ import pytest
 import oncely
 from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
 from oncely.brokers.rabbitmq import DEFAULT_DELIVERY_LIMIT, RabbitMQ, RabbitMQProducer
-from tests.brokers.common import running, unique, wait_until
+from oncely.errors import BrokerError, BrokerUnavailable
+from tests.brokers.common import remove_destinations, running, unique, wait_until
 from tests.brokers.foreign import publish_amqp
 from tests.brokers.suite import BrokerSuite, DeadCopy, body, fetch_one
 from tests.services import RABBITMQ_URL, disruptive, require
@@ -330,3 +332,50 @@ def test_url_options_are_checked() -> None:
         RabbitMQ(RABBITMQ_URL, "q", dead_letter="q")
     with pytest.raises(oncely.ConfigurationError):
         open_producer(f"{RABBITMQ_URL}?delivery_limit=-1", "q")
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+async def test_a_refusal_at_start_is_final_but_once_let_in_it_is_ridden_out() -> None:
+    """Wrong credentials at start raise :class:`BrokerError` (retrying them forever helps no
+    one); the same refusal after the broker has let the consumer in once (a password being
+    rotated, a broker still starting) is :class:`BrokerUnavailable`, which the consumer
+    loop rides out, and the transport comes back once the broker lets it in again."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    user, queue = unique("oncely_user"), unique("rmq_refused")
+    parts = urlsplit(RABBITMQ_URL)
+    vhost = unquote(parts.path[1:]) or "/"
+
+    def url(password: str) -> str:
+        path = parts.path if parts.path not in ("", "/") else "/"
+        return f"amqp://{user}:{password}@{parts.hostname}:{parts.port or 5672}{path}"
+
+    with pytest.raises(BrokerError, match="ACCESS_REFUSED") as refused:
+        await RabbitMQ(url("pw-1"), queue).open(1)  # no such user yet
+    assert not isinstance(refused.value, BrokerUnavailable)
+    await rabbitmqctl("add_user", user, "pw-1")
+    transport = RabbitMQ(url("pw-1"), queue, connection_name=f"oncely {user}")
+    try:
+        await rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+        await transport.open(1)
+        await rabbitmqctl("change_password", user, "pw-2")
+        table = await rabbitmqctl(
+            "-q", "--no-table-headers", "list_connections", "pid", "client_properties"
+        )
+        pids = [row.split("\t", 1)[0] for row in table.splitlines() if user in row]
+        assert pids, table
+        for pid in pids:
+            await rabbitmqctl("close_connection", pid, "oncely test: password rotated")
+        await wait_until(lambda: transport._session is None or transport._session.lost is not None)
+        with pytest.raises(BrokerUnavailable, match="connection to RabbitMQ was lost"):
+            await transport.fetch(1, timedelta(milliseconds=50))
+        with pytest.raises(BrokerUnavailable, match="ACCESS_REFUSED"):
+            await transport.fetch(1, timedelta(milliseconds=50))  # refused, not final
+        await rabbitmqctl("change_password", user, "pw-1")
+        assert await transport.fetch(1, timedelta(milliseconds=50)) == []  # back in
+        assert transport._session is not None and transport._session.lost is None
+    finally:
+        await transport.close()
+        await rabbitmqctl("delete_user", user)
+        await remove_destinations(RABBITMQ_URL, queue)

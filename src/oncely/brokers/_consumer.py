@@ -93,6 +93,10 @@ class Processor(Protocol):
         the producer's message id when it is readable, for the log line only."""
         ...
 
+    # Optional: ``async def prepare(self) -> None``, awaited once by BrokerConsumer.run before
+    # the broker is read (InboxProcessor's checks the store). Not part of the protocol, so that
+    # a processor written before it still is one.
+
 
 class InboxProcessor:
     """Runs ``handler`` through ``inbox``: two-phase (``handler(payload)``) or transactional
@@ -145,6 +149,15 @@ class InboxProcessor:
     @property
     def consumer(self) -> str:
         return self.inbox.consumer
+
+    async def prepare(self) -> None:
+        """Connect to the store and check its schema (and, with ``store_offsets``, make the
+        offsets table ready) before the first message: :meth:`BrokerConsumer.run` awaits it
+        at start, so a store that is down stops the start instead of every message."""
+        await self.inbox.prepare()
+        if self.offsets is not None and not self._offsets_ready:
+            await self.offsets.prepare_offsets()
+            self._offsets_ready = True
 
     async def process(
         self, envelope: Envelope, *, position: Position | None = None
@@ -383,9 +396,12 @@ class BrokerConsumer:
         return self._stopping.is_set()
 
     async def run(self, *, handle_signals: bool = False) -> None:
-        """Read and process messages until :meth:`stop`. Connection loss is ridden out: the
-        transport reconnects with ``settings.reconnect`` backoff and the broker redelivers
-        whatever was not settled. Returns after a graceful stop (see ``shutdown_grace``)."""
+        """Read and process messages until :meth:`stop`. The store is checked first: one that
+        is down at start raises :class:`~oncely.StoreUnavailable` (a schema it cannot use, a
+        :class:`~oncely.SchemaError`) before the broker is read. Connection loss is ridden
+        out: the transport reconnects with ``settings.reconnect`` backoff and the broker
+        redelivers whatever was not settled. Returns after a graceful stop (see
+        ``shutdown_grace``)."""
         loop = asyncio.get_running_loop()
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -393,6 +409,7 @@ class BrokerConsumer:
         purge: AsyncPurgeService | None = None
         purging: asyncio.Task[None] | None = None
         try:
+            await self._prepare()
             await self._open()
             self._check_horizon()
             purge = self._purge_service()
@@ -466,6 +483,14 @@ class BrokerConsumer:
                 "its own process instead (oncely inbox purge --every 1m)"
             )
         return AsyncPurgeService(inbox.store, every=every)
+
+    async def _prepare(self) -> None:
+        """The processor's own check before the broker is read (an :class:`InboxProcessor`'s:
+        its store reachable, its schema usable): a store that is down or a schema this oncely
+        cannot use stops the start with its error, rather than giving back every message."""
+        prepare = getattr(self.processor, "prepare", None)
+        if prepare is not None:
+            await prepare()
 
     async def _open(self) -> None:
         """Open the transport, riding out an unavailable broker; a stop asked meanwhile

@@ -99,6 +99,14 @@ class _NotOutcomes(logging.Filter):
         return not hasattr(record, "oncely_outcome")
 
 
+class _SaidByOncely(logging.Filter):
+    """Drops the AMQP client's own line for a connection that failed: the consumer's warning
+    ("unavailable (...); trying again in ...") says the same, formatted like every other."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("error when creating transport")
+
+
 def _configure_logging(log_format: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
@@ -109,6 +117,7 @@ def _configure_logging(log_format: str, level: str) -> None:
     broker_log.addHandler(handler)
     broker_log.setLevel(level.upper())
     broker_log.propagate = False
+    logging.getLogger("aiormq.connection").addFilter(_SaidByOncely())
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -140,7 +149,8 @@ broker_options = _options(
         "--source",
         required=True,
         metavar="NAME",
-        help="The queue (RabbitMQ), stream (Redis) or subject (NATS) to read.",
+        help="What to read: the queue (RabbitMQ, SQS), stream (Redis), subject (NATS) or "
+        "topic (Kafka).",
     ),
     click.option("--consumer", required=True, help="The consumer name that scopes records (R5)."),
     click.option(
@@ -169,7 +179,14 @@ broker_options = _options(
         metavar="N",
         help="Dead-letter a body over N bytes without decoding it (default: no limit).",
     ),
-    click.option("--concurrency", type=click.IntRange(1, 10_000), default=16, show_default=True),
+    click.option(
+        "--concurrency",
+        type=click.IntRange(1, 10_000),
+        default=16,
+        show_default=True,
+        help="Messages handled at once (on Kafka, partitions handled at once; the records of "
+        "one partition stay in order).",
+    ),
     click.option("--group", help="Consumer group / durable name (default: the consumer name)."),
     click.option(
         "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
@@ -177,7 +194,13 @@ broker_options = _options(
     click.option(
         "--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery."
     ),
-    click.option("--max-deliveries", type=click.IntRange(1, 1000), default=5, show_default=True),
+    click.option(
+        "--max-deliveries",
+        type=click.IntRange(1, 1000),
+        default=5,
+        show_default=True,
+        help="Deliveries of a failing message before it is dead-lettered with its reason.",
+    ),
     click.option(
         "--retention",
         type=Duration(),
@@ -201,7 +224,14 @@ broker_options = _options(
         help="The longest a message may wait in the queue, when the broker cannot say (a "
         "queue policy); part of the horizon.",
     ),
-    click.option("--shutdown-grace", type=Duration(), default="30s", show_default=True),
+    click.option(
+        "--shutdown-grace",
+        type=Duration(),
+        default="30s",
+        show_default=True,
+        help="On SIGTERM or SIGINT, how long running handlers may finish; what is still "
+        "running then is given back to the broker, never acknowledged.",
+    ),
     click.option(
         "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
     ),

@@ -14,6 +14,8 @@ from urllib.parse import unquote, urlsplit
 import click
 
 from oncely.errors import (
+    BrokerError,
+    BrokerUnavailable,
     ConfigurationError,
     OncelyError,
     RetentionTooShort,
@@ -22,6 +24,7 @@ from oncely.errors import (
 )
 
 __all__ = [
+    "BROKER_ERROR",
     "CHECK_FAILED",
     "OK",
     "SCHEMA",
@@ -39,6 +42,7 @@ USAGE: Final = 2
 STORE_UNAVAILABLE: Final = 3
 SCHEMA: Final = 4
 STORE_ERROR: Final = 5
+BROKER_ERROR: Final = 6
 
 _SECRETS_KEY: Final = "oncely.secrets"
 _DEBUG_KEY: Final = "oncely.debug"
@@ -63,7 +67,7 @@ def _error_class(code: int) -> type[CliError]:
 
 _ERROR_CLASSES: Final[dict[int, type[CliError]]] = {
     code: _error_class(code)
-    for code in (CHECK_FAILED, USAGE, STORE_UNAVAILABLE, SCHEMA, STORE_ERROR)
+    for code in (CHECK_FAILED, USAGE, STORE_UNAVAILABLE, SCHEMA, STORE_ERROR, BROKER_ERROR)
 }
 
 
@@ -109,6 +113,8 @@ def exit_code_for(exc: OncelyError) -> int:
         return CHECK_FAILED
     if isinstance(exc, ConfigurationError):
         return USAGE
+    if isinstance(exc, BrokerError) and not isinstance(exc, BrokerUnavailable):
+        return BROKER_ERROR  # a refusal (credentials, permissions): an outage is ridden out
     return STORE_ERROR
 
 

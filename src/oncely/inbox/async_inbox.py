@@ -72,6 +72,7 @@ from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
 from oncely.inbox.heartbeats import AsyncHeartbeats, AsyncTicket
 from oncely.stores.async_protocols import (
     AsyncCompletesMany,
+    AsyncPrepares,
     AsyncStore,
     AsyncTransactionalStore,
     complete_each,
@@ -662,6 +663,15 @@ class AsyncInbox:
             )
         except ResolveRefused as refused:
             return Resolved(key, "skipped", record, refused.current, str(refused))
+
+    async def prepare(self) -> None:
+        """Connect to the store and check its schema now (creating it when the store was
+        opened with ``migrate=True``), instead of at the first message: a store that is down
+        raises :class:`~oncely.StoreUnavailable` here, a schema this oncely cannot use a
+        :class:`~oncely.SchemaError`. A consumer calls it at start; a store without
+        ``prepare`` is left to its first operation."""
+        if isinstance(self.store, AsyncPrepares):
+            await self.store.prepare()
 
     async def aclose(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""

@@ -67,6 +67,7 @@ from oncely.inbox.heartbeats import Heartbeats, Ticket
 from oncely.inbox.sync_types import Function, Handler, TxHandler
 from oncely.stores.sync_protocols import (
     CompletesMany,
+    Prepares,
     Store,
     TransactionalStore,
     complete_each,
@@ -637,6 +638,15 @@ class Inbox:
             )
         except ResolveRefused as refused:
             return Resolved(key, "skipped", record, refused.current, str(refused))
+
+    def prepare(self) -> None:
+        """Connect to the store and check its schema now (creating it when the store was
+        opened with ``migrate=True``), instead of at the first message: a store that is down
+        raises :class:`~oncely.StoreUnavailable` here, a schema this oncely cannot use a
+        :class:`~oncely.SchemaError`. A consumer calls it at start; a store without
+        ``prepare`` is left to its first operation."""
+        if isinstance(self.store, Prepares):
+            self.store.prepare()
 
     def close(self) -> None:
         """Stop background heartbeats. The store stays open (it is yours)."""

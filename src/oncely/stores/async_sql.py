@@ -234,6 +234,13 @@ class SQLStoreBase(Generic[Q]):
                 await self._setup(migrating=False)
                 self._ready = True
 
+    async def prepare(self) -> None:
+        """Connect and check the schema now (creating it when opened with ``migrate=True``),
+        as the first operation would: a consumer calls it at start."""
+        if self._closed:
+            raise self._closed_error()
+        await self._prepare()
+
     async def migrate(self) -> int:
         if self._closed:
             raise self._closed_error()

@@ -24,6 +24,7 @@ from oncely.errors import LeaseLost
 __all__ = [
     "CompletesMany",
     "KeepsOffsets",
+    "Prepares",
     "Store",
     "TransactionalStore",
     "complete_each",
@@ -165,6 +166,18 @@ class CompletesMany(Protocol):
         the completed record or the :class:`~oncely.LeaseLost` that a lone ``complete`` would
         have raised (returned, not raised, so the rest of the batch still lands). A store
         error raises for the whole batch; completing again with the same tokens is safe."""
+        ...
+
+
+@runtime_checkable
+class Prepares(Protocol):
+    """A store that can connect and check (or, opened with ``migrate=True``, create) its
+    schema on demand, as its first operation would (every built-in store). A consumer calls
+    :meth:`prepare` at start, so that a store that is down, or a schema this oncely cannot
+    use, stops the start with its error instead of failing each message."""
+
+    def prepare(self) -> None:
+        """Connect and check the schema now; raise what the first operation would."""
         ...
 
 

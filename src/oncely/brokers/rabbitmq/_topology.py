@@ -42,14 +42,36 @@ def raise_translated(exc: BaseException, doing: str) -> NoReturn:
             "delete the queue, or manage it with a policy and declare=false)"
         ) from None
     if isinstance(
-        exc, aiormq.exceptions.AuthenticationError | aiormq.exceptions.ChannelAccessRefused
+        exc,
+        aiormq.exceptions.AuthenticationError
+        | aiormq.exceptions.ProbableAuthenticationError
+        | aiormq.exceptions.ChannelAccessRefused,
     ):
-        raise BrokerError(f"RabbitMQ refused to {doing}: {exc}") from None
+        # A refusal is not an outage: trying again with the same credentials cannot succeed.
+        raise BrokerError(f"RabbitMQ refused to {doing}: {_reason(exc)}") from None
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and _closed_while_opening(exc):
+        raise BrokerError(
+            f"RabbitMQ refused to {doing}: it closed the connection while opening the "
+            "virtual host (one that does not exist, or that this user may not use)"
+        ) from None
     if isinstance(exc, aiormq.exceptions.DeliveryError | aiormq.exceptions.ChannelNotFoundEntity):
         raise BrokerError(f"RabbitMQ could not {doing}: {exc}") from None
     raise BrokerUnavailable(
         f"RabbitMQ is unavailable ({doing}): {type(exc).__name__}: {exc}"
     ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The broker's words in ``exc``, without the tuple the client wraps them in."""
+    args = [str(a) for a in exc.args if a]
+    return "; ".join(args) if args else type(exc).__name__
+
+
+def _closed_while_opening(exc: BaseException) -> bool:
+    # aiormq reports a Connection.Close answered to Connection.Open (RabbitMQ's answer for a
+    # virtual host that does not exist or that the user may not use) only as this text.
+    text = str(exc)
+    return "Connection.OpenOk" in text and "Connection.Close" in text
 
 
 FAILURES = (

@@ -19,7 +19,7 @@ from oncely.brokers.rabbitmq._topology import (
     parse_url,
     raise_translated,
 )
-from oncely.errors import BrokerUnavailable, ConfigurationError
+from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
 DEFAULT_CONSUMER_TIMEOUT = timedelta(minutes=30)
 """RabbitMQ's own default ``consumer_timeout`` (since 3.8.15)."""
@@ -94,6 +94,8 @@ class RabbitMQ:
         self._connection_name = connection_name or f"oncely {self.queue}"
         self._prefetch = 1
         self._session: Session | None = None
+        self._connected = False
+        """Whether the broker has let this transport in once (a refusal is final only before)."""
         self._stopped = False
         self._held: set[asyncio.Task[None]] = set()
 
@@ -155,7 +157,15 @@ class RabbitMQ:
         old, self._session = self._session, None
         if old is not None:
             await self._discard(old)
-        connection = await self._link.connect(self._connection_name)
+        try:
+            connection = await self._link.connect(self._connection_name)
+        except BrokerError as exc:
+            if self._connected and not isinstance(exc, BrokerUnavailable):
+                # It let these credentials in before: a refusal now (a broker still starting,
+                # a password being rotated) is ridden out like an outage, not fatal mid-run.
+                raise BrokerUnavailable(str(exc)) from None
+            raise
+        self._connected = True
         try:
             session = await self._start(connection)
         except BaseException:

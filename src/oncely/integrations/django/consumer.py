@@ -57,6 +57,19 @@ class AtomicProcessor:
     def consumer(self) -> str:
         return self.inbox.consumer
 
+    async def prepare(self) -> None:
+        """Check the store on a worker thread, with that thread's Django connection, before
+        the first message (the consumer calls it at start)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self._prepare)
+
+    def _prepare(self) -> None:
+        close_old_connections()
+        try:
+            self.inbox.prepare()
+        finally:
+            close_old_connections()
+
     async def process(self, envelope: Envelope) -> Handled[Any]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(self._one, envelope))

@@ -175,5 +175,8 @@ class AsyncMemoryStore:
     async def migrate(self) -> int:
         return 1
 
+    async def prepare(self) -> None:
+        """Nothing to connect to or check."""
+
     async def aclose(self) -> None:
         """Nothing to release; records stay readable."""

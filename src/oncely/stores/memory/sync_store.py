@@ -173,5 +173,8 @@ class MemoryStore:
     def migrate(self) -> int:
         return 1
 
+    def prepare(self) -> None:
+        """Nothing to connect to or check."""
+
     def close(self) -> None:
         """Nothing to release; records stay readable."""

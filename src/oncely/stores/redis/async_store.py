@@ -291,6 +291,13 @@ class AsyncRedisStore:
 
     # ------------------------------------------------------------ the schema marker
 
+    async def prepare(self) -> None:
+        """Connect and check the schema marker now (writing it when opened with
+        ``migrate=True``), as the first operation would: a consumer calls it at start."""
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        await self._prepare()
+
     async def _prepare(self) -> None:
         async with self._ready_lock:
             if self._ready:

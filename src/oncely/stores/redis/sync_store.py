@@ -292,6 +292,13 @@ class RedisStore:
 
     # ------------------------------------------------------------ the schema marker
 
+    def prepare(self) -> None:
+        """Connect and check the schema marker now (writing it when opened with
+        ``migrate=True``), as the first operation would: a consumer calls it at start."""
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        self._prepare()
+
     def _prepare(self) -> None:
         with self._ready_lock:
             if self._ready:
