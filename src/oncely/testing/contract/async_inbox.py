@@ -4,6 +4,7 @@ messages keyed by their source."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -203,6 +204,7 @@ class InboxContract(ContractBase):
     async def test_r16_every_outcome_is_logged_with_its_fields(
         self, inbox: AsyncInbox, caplog: pytest.LogCaptureFixture
     ) -> None:
+        caplog.set_level(logging.INFO, logger="oncely")  # outcomes log at INFO
         await inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
         await inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
         records = [r for r in caplog.records if r.name == "oncely"]
@@ -219,6 +221,7 @@ class InboxContract(ContractBase):
         def broken_hook(handled: Handled[object]) -> None:
             raise RuntimeError("exporter down")
 
+        caplog.set_level(logging.INFO, logger="oncely")
         inbox = AsyncInbox(store, consumer="billing", log_keys="hash", hooks=[broken_hook])
         handled = await inbox.handle("secret-card-4111", {"a": 1}, Calls())
         assert handled.outcome is Outcome.PROCESSED

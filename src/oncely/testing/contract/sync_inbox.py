@@ -6,6 +6,7 @@ messages keyed by their source."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -191,6 +192,7 @@ class InboxContract(ContractBase):
     def test_r16_every_outcome_is_logged_with_its_fields(
         self, inbox: Inbox, caplog: pytest.LogCaptureFixture
     ) -> None:
+        caplog.set_level(logging.INFO, logger="oncely")  # outcomes log at INFO
         inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
         inbox.handle("k", {"a": 1}, Calls(), correlation_id="c-9")
         records = [r for r in caplog.records if r.name == "oncely"]
@@ -207,6 +209,7 @@ class InboxContract(ContractBase):
         def broken_hook(handled: Handled[object]) -> None:
             raise RuntimeError("exporter down")
 
+        caplog.set_level(logging.INFO, logger="oncely")
         inbox = Inbox(store, consumer="billing", log_keys="hash", hooks=[broken_hook])
         handled = inbox.handle("secret-card-4111", {"a": 1}, Calls())
         assert handled.outcome is Outcome.PROCESSED
