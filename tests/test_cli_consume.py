@@ -237,3 +237,62 @@ def test_consume_exits_6_when_rabbitmq_refuses_it_at_start(
     assert "RabbitMQ refused" in done.stderr and said in done.stderr, done.stderr
     assert "not-the-password" not in done.stderr
     assert "error when creating transport" not in done.stderr
+
+
+@pytest.mark.slow
+def test_client_library_lines_keep_the_log_format_and_do_not_flood(tmp_path: Path) -> None:
+    # Kafka at a port where nothing listens: aiokafka logs its own error on every attempt.
+    # Before, those lines went to stderr as plain text (breaking a JSON log) and repeated.
+    command = [
+        *ONCELY,
+        "consume",
+        "--broker",
+        f"kafka://127.0.0.1:{free_port()}",
+        "--source",
+        "orders",
+        "--handler",
+        "tests.brokers.handlers:record",
+        "--store",
+        "memory://",
+        "--consumer",
+        "cli-test",
+        "--log-format",
+        "json",
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(6)  # five attempts or so, each one logged by aiokafka
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines()]  # every line is JSON
+    theirs = [line for line in lines if not line["logger"].startswith("oncely")]
+    ours = [line for line in lines if "unavailable" in line["message"]]
+    assert len(ours) >= 3, lines  # the consumer tried again and said so each time
+    assert theirs and all(line["logger"].startswith("aiokafka") for line in theirs), theirs
+    assert len(theirs) < len(ours), lines  # one of a kind per 30 s, not one per attempt
+    assert all(line["time"].endswith("Z") for line in lines)  # UTC, whatever the TZ
+
+
+def test_repeated_records_are_let_through_once_per_window() -> None:
+    import logging
+
+    from oncely.cli._consume import _Repeats
+
+    repeats = _Repeats(window=30)
+
+    def record(at: float, msg: str = "Unable connect to %r") -> logging.LogRecord:
+        made = logging.LogRecord("aiokafka", logging.ERROR, __file__, 1, msg, ("x",), None)
+        made.created = at
+        return made
+
+    passed = [r for r in (record(t) for t in (0, 1, 2, 29.9)) if repeats.filter(r)]
+    assert len(passed) == 1
+    assert repeats.filter(record(5, "another kind %r"))  # another message: its own window
+    later = record(31)
+    assert repeats.filter(later) and "(3 more like it in the last 30s)" in later.getMessage()

@@ -26,7 +26,7 @@ from tests.services import RABBITMQ_URL, require
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ")
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z [A-Z]+ ")  # UTC, ISO 8601
 
 
 def _consume(

@@ -41,6 +41,12 @@ def test_unopenable_store_exits_3(tmp_path: Path) -> None:
         assert result.exit_code == 3, result.stderr
         assert result.stderr.startswith("Error: ")
         assert result.stderr.count("\n") == 1
+    # Not SQLite's "unable to open database file", nor a hint to run migrate (which fails too).
+    for command in (["migrate"], ["inbox", "stats"]):
+        result = run(*command, "--store", url_of(tmp_path / "missing" / "x.db"))
+        assert result.exit_code == 3, result.stderr
+        assert f"there is no directory {tmp_path / 'missing'}" in result.stderr, result.stderr
+        assert "oncely migrate" not in result.stderr
 
 
 def test_locked_store_exits_3(db: Path) -> None:

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import sys
+import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -48,7 +49,18 @@ __all__ = ["Consumption", "broker_options", "consume", "read_consumption", "run_
 ENV_BROKER = "ONCELY_BROKER"
 
 
-class JSONLines(logging.Formatter):
+class _UTC(logging.Formatter):
+    """Times in UTC, ISO 8601 with milliseconds and ``Z``, whatever the process's time zone
+    (Django sets it from ``TIME_ZONE``): one consumer's lines sort with every other's."""
+
+    def formatTime(  # noqa: N802 (logging's name)
+        self, record: logging.LogRecord, datefmt: str | None = None
+    ) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d}Z"
+
+
+class JSONLines(_UTC):
     """One JSON object per record: time, level, logger, message and every ``oncely_*`` field."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -78,13 +90,13 @@ def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
     return target  # type: ignore[no-any-return]
 
 
-class TextLines(logging.Formatter):
+class TextLines(_UTC):
     """``time LEVEL message``, one line per record: control characters in the message (a
     key or reason holding a newline) are escaped, so no field can forge a line. A traceback
     still follows on its own lines."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(message)s")
+    def __init__(self, fmt: str = "%(asctime)s %(levelname)s %(message)s") -> None:
+        super().__init__(fmt)
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = printable(record.message)
@@ -107,17 +119,52 @@ class _SaidByOncely(logging.Filter):
         return not record.getMessage().startswith("error when creating transport")
 
 
+class _Repeats(logging.Filter):
+    """Lets one record of a kind (logger and message template) through per ``window``
+    seconds; the next one through says how many were held back. A client library retrying a
+    broker that is down logs the same line dozens of times a second."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        super().__init__()
+        self.window = window
+        self._seen: dict[tuple[str, object], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = (record.name, record.msg)
+        last, held = self._seen.get(kind, (float("-inf"), 0))
+        if record.created - last < self.window:
+            self._seen[kind] = (last, held + 1)
+            return False
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[kind] = (record.created, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in the last {self.window:.0f}s)"
+        return True
+
+
 def _configure_logging(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """oncely's records at ``level``, and the client libraries' own (aiokafka, aio-pika,
+    nats, botocore...) at WARNING and above, in the same format on stderr (so a JSON log
+    stays JSON), each kind of theirs at most once per 30 seconds."""
+    ours = logging.StreamHandler(sys.stderr)
+    theirs = logging.StreamHandler(sys.stderr)
     if log_format == "json":
-        handler.setFormatter(JSONLines())
+        ours.setFormatter(JSONLines())
+        theirs.setFormatter(JSONLines())
     else:
-        handler.setFormatter(TextLines())
+        ours.setFormatter(TextLines())
+        theirs.setFormatter(TextLines("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     broker_log = logging.getLogger("oncely")
-    broker_log.addHandler(handler)
+    broker_log.addHandler(ours)
     broker_log.setLevel(level.upper())
     broker_log.propagate = False
-    logging.getLogger("aiormq.connection").addFilter(_SaidByOncely())
+    theirs.setLevel(logging.WARNING)
+    theirs.addFilter(_SaidByOncely())
+    theirs.addFilter(_Repeats())
+    root = logging.getLogger()
+    if not root.handlers:  # a framework's own logging set-up (Django's LOGGING) is kept
+        root.addHandler(theirs)
 
 
 _F = TypeVar("_F", bound=Callable[..., object])

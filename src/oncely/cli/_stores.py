@@ -18,7 +18,7 @@ import click
 
 import oncely
 from oncely import Store
-from oncely.cli._errors import SCHEMA, CliError, remember_secrets
+from oncely.cli._errors import SCHEMA, STORE_UNAVAILABLE, CliError, remember_secrets
 from oncely.errors import ConfigurationError, OncelyError
 
 __all__ = ["DEFAULT_STORE", "ENV_STORE", "opened", "store_option"]
@@ -78,7 +78,8 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
     """The store at ``url``, closed when the block ends.
 
     Without ``create``, a SQLite file that does not exist is a schema problem (exit 4) whose
-    message names the fix. A URL oncely cannot use is a usage error (exit 2).
+    message names the fix; one in a directory that does not exist cannot be opened (exit 3).
+    A URL oncely cannot use is a usage error (exit 2).
     """
     remember_secrets(url)
     target = url
@@ -94,6 +95,14 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
         raise click.BadParameter(f"not a valid URL ({exc})", param_hint="'--store'") from None
     try:
         path = _sqlite_path(url)
+        folder = os.path.dirname(path) if path is not None else ""
+        if folder and not os.path.isdir(folder):
+            # SQLite says only "unable to open database file"; and migrate cannot help.
+            raise CliError(
+                f"cannot open the SQLite database {path}: there is no directory {folder} "
+                "(oncely creates the database file, not its directory)",
+                STORE_UNAVAILABLE,
+            )
         if not create and path is not None and not os.path.exists(path):
             raise CliError(
                 f"no SQLite database at {path}; create it with "

@@ -105,11 +105,13 @@ class PurgeService:
         run = PurgeRun(leader, deleted, self._batches, perf_counter() - started)
         if leader:
             LOGGER.info(
-                "purge deleted=%d batches=%d seconds=%.3f rows_per_s=%.0f",
-                run.deleted, run.batches, run.seconds, run.rows_per_s,
+                "oncely purge store=%s deleted=%d batches=%d seconds=%.3f rows_per_s=%.0f",
+                self.store.url, run.deleted, run.batches, run.seconds, run.rows_per_s,
             )  # fmt: skip
         else:
-            LOGGER.debug("purge skipped: another process leads the purge of %r", self.store)
+            LOGGER.debug(
+                "oncely purge store=%s skipped: another process leads its purge", self.store.url
+            )
         if self.on_run is not None:
             self.on_run(run)
         return run
@@ -121,7 +123,10 @@ class PurgeService:
             try:
                 self.run_once()
             except StoreError as exc:
-                LOGGER.warning("purge failed, trying again in %s: %s", self.every, exc)
+                LOGGER.warning(
+                    "oncely purge store=%s failed, trying again in %s: %s",
+                    self.store.url, self.every, exc,
+                )  # fmt: skip
             self._pause()
 
     def _pause(self) -> None:
