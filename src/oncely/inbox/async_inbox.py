@@ -217,8 +217,9 @@ class AsyncInbox:
         handler runs for each key this call won; the handlers that returned are completed
         together in one round trip at the end (``complete_many``), a handler that raised is
         released (or failed, for :class:`~oncely.Reject`) at once. Returns one outcome per item,
-        in the order given. A key repeated within the batch is processed once; its later
-        copies are ``in_flight`` or ``duplicate`` like any concurrent copy.
+        in the order given. A key repeated within the batch is processed once: a later copy
+        with the same content is its ``duplicate`` once the first completed (``in_flight``,
+        to be delivered again, when it did not), one with other content a ``key_conflict``.
 
         ``groups`` gives each item an ordering group (a Kafka partition, an SQS FIFO message
         group): items of one group run one after the other, in the order given, and once one
@@ -271,8 +272,9 @@ class AsyncInbox:
                 f"{len(groups)} groups for {len(entries)} items: give one group per item"
             )
         results: list[Handled[R] | None] = [None] * len(entries)
-        runs = await self._claim_batch(entries, groups, results, started)
+        runs, copies = await self._claim_batch(entries, groups, results, started)
         finished: list[tuple[int, Claim, R | None, bytes | None, str | None]] = []
+        completed: dict[int, Claim] = {}
 
         async def run(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
             held_back: str | None = None
@@ -334,6 +336,16 @@ class AsyncInbox:
             answers = await self._complete_many(completions)
             for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
                 results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
+                if isinstance(done, Record):
+                    completed[i] = Claim(ClaimStatus.EXISTING, done, claim.now_ms)
+        for i, (first, claim) in copies.items():
+            # A copy of a message earlier in this batch (a producer's retry in the same poll):
+            # once that one completed, the copy is its duplicate now, rather than in_flight
+            # and given back to stall its partition or queue until a redelivery says so.
+            found = completed.get(first)
+            step = Step.DUPLICATE if found is not None else Step.IN_FLIGHT
+            decided = found if found is not None else claim
+            results[i] = self._rules.settle(step, decided, entries[i][2], started)
         return [handled for handled in results if handled is not None]
 
     async def _claim_batch(
@@ -342,10 +354,11 @@ class AsyncInbox:
         groups: Sequence[Hashable] | None,
         results: list[Handled[R] | None],
         started: float,
-    ) -> dict[Hashable, list[tuple[int, Claim, Step]]]:
+    ) -> tuple[dict[Hashable, list[tuple[int, Claim, Step]]], dict[int, tuple[int, Claim]]]:
         """Claim the batch's admitted keys in one round trip; fill in ``results`` for the
         items decided without running (refused, duplicate, in flight...) and return the won
-        claims by group, in order."""
+        claims by group, in order, and the copies of an item this batch won (by index: the
+        index of the item they copy, and their own claim), decided once that item is."""
         claimed: list[int] = []
         requests: list[ClaimRequest] = []
         for i, (key, payload, correlation_id) in enumerate(entries):
@@ -371,13 +384,19 @@ class AsyncInbox:
             else []
         )
         runs: dict[Hashable, list[tuple[int, Claim, Step]]] = {}
+        won: dict[str, int] = {}
+        copies: dict[int, tuple[int, Claim]] = {}
         for i, request, claim in zip(claimed, requests, claims, strict=True):
             step = decide(claim, request.fingerprint)
             if step is Step.PROCEED or step is Step.STALE:
                 runs.setdefault(None if groups is None else groups[i], []).append((i, claim, step))
+                if claim.won:
+                    won[claim.record.token] = i
+            elif step is Step.IN_FLIGHT and claim.record.token in won:
+                copies[i] = (won[claim.record.token], claim)  # held by this very batch
             else:
                 results[i] = self._rules.settle(step, claim, entries[i][2], started)
-        return runs
+        return runs, copies
 
     async def _complete_many(self, completions: list[Completion]) -> list[Record | LeaseLost]:
         # As _complete: the effects are done, so a short outage is ridden out.

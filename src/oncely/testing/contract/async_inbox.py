@@ -64,12 +64,44 @@ class InboxContract(ContractBase):
             Outcome.REJECTED,
             Outcome.KEY_CONFLICT,
             Outcome.PROCESSED,
-            Outcome.IN_FLIGHT,  # its first copy held the claim when the batch was claimed
+            Outcome.DUPLICATE,  # a copy of the first item: its duplicate once it completed
         ]
         assert [h.key for h in handled] == ["a", "seen", None, "seen", "b", "a"]
+        assert handled[5].value == handled[0].value == "ok"
         assert handler.count == 3
         again = await inbox.handle_batch([("a", {"n": 1}), ("b", {"n": 3})], handler)
         assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.DUPLICATE]
+
+    async def test_r1_r8_copies_within_a_batch_follow_their_first_copy(
+        self, inbox: AsyncInbox, store: AsyncStore
+    ) -> None:
+        # A producer's retry often lands in the same poll as the original: the copy is the
+        # duplicate of its first copy once that completed, never run twice, never given back.
+        async def handler(payload: dict[str, str]) -> str:
+            if payload["id"] == "down":
+                raise RuntimeError("down")
+            return payload["id"].upper()
+
+        items = [
+            ("k1", {"id": "one"}),
+            ("k2", {"id": "down"}),
+            ("k1", {"id": "one"}),  # a copy of the first item
+            ("k2", {"id": "down"}),  # a copy of one that failed
+            ("k1", {"id": "other"}),  # the key reused for other content
+        ]
+        handled = await inbox.handle_batch(items, handler, groups=["p", "q", "p", "q", "p"])
+        assert [h.outcome for h in handled] == [
+            Outcome.PROCESSED,
+            Outcome.FAILED,
+            Outcome.DUPLICATE,
+            Outcome.IN_FLIGHT,  # its first copy did not finish: delivered again later
+            Outcome.KEY_CONFLICT,
+        ]
+        assert handled[2].value == "ONE" and handled[2].action is Action.ACK
+        assert handled[3].action is Action.REQUEUE_LATER
+        assert await store.get("billing", "k2") is None  # released: a redelivery retries
+        done = await store.get("billing", "k1")
+        assert done is not None and done.attempt == 1  # run once for the three copies
 
     async def test_r1_a_batch_keeps_each_groups_order_and_holds_back_after_a_failure(
         self, inbox: AsyncInbox, store: AsyncStore
@@ -127,7 +159,7 @@ class InboxContract(ContractBase):
         assert [h.outcome for h in handled] == [
             Outcome.PROCESSED,
             Outcome.REJECTED,  # no key: dead-lettered, never processed unprotected (R4)
-            Outcome.IN_FLIGHT,
+            Outcome.DUPLICATE,  # the producer's retry in the same batch, settled at once
             Outcome.PROCESSED,
         ]
         assert handled[0].correlation_id == "c-1" and handler.count == 2
