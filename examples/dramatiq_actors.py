@@ -2,14 +2,24 @@
 ``python examples/dramatiq_actors.py [AMQP_URL] [DIRECTORY]``.
 
 The actors and the middleware are what a Dramatiq app declares; a deployment runs them with
-``dramatiq examples.dramatiq_actors``. To be runnable on its own, this file also sends the
-messages (a producer retrying, a resend under the producer's key, a keyless one) and runs a
-worker in process until the queue is drained, then prints what happened.
+``dramatiq examples.dramatiq_actors`` (worker processes, from the repository's root). Imported
+so, by each worker process or by a producer's ``charge.send(...)``, the module reads the
+broker's URL from ``$ONCELY_EXAMPLE_AMQP`` (default: RabbitMQ on 127.0.0.1 as guest) and
+uses the queue ``dramatiq_charges``, with the inbox and the ledger in
+``$ONCELY_EXAMPLE_DIR/dramatiq`` (default ``oncely-examples/dramatiq`` in the system's
+temporary directory): every process of the deployment shares them, so an order is charged
+once however many processes run.
+
+To be runnable on its own, this file also sends the messages (a producer retrying, a resend
+under the producer's key, a keyless one) and runs a worker in process until the queue is
+drained, then prints what happened. Run so, it uses a queue of its own, deleted at the end,
+and a new directory (or DIRECTORY), never a deployment's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 import tempfile
@@ -23,9 +33,19 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 import oncely
 from oncely.integrations.dramatiq import Idempotency, send_with_key
 
-AMQP = sys.argv[1] if len(sys.argv) > 1 else "amqp://guest:guest@127.0.0.1:5672/"
-HERE = Path(sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp())
-QUEUE = f"charges_{uuid.uuid4().hex[:6]}"
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_DIR = Path(tempfile.gettempdir(), "oncely-examples")  # $ONCELY_EXAMPLE_DIR overrides it
+
+if __name__ == "__main__":  # run on its own, by python: the arguments are this file's
+    ARGS = sys.argv[1:]
+    AMQP = ARGS[0] if ARGS else os.environ.get("ONCELY_EXAMPLE_AMQP", DEFAULT_AMQP)
+    HERE = Path(ARGS[1] if len(ARGS) > 1 else tempfile.mkdtemp())
+    QUEUE = f"dramatiq_charges_{uuid.uuid4().hex[:6]}"
+else:  # imported by the worker command (not its arguments): one deployment's settings
+    AMQP = os.environ.get("ONCELY_EXAMPLE_AMQP", DEFAULT_AMQP)
+    HERE = Path(os.environ.get("ONCELY_EXAMPLE_DIR", DEFAULT_DIR), "dramatiq")
+    QUEUE = "dramatiq_charges"
+HERE.mkdir(parents=True, exist_ok=True)
 
 broker = RabbitmqBroker(url=AMQP)
 inbox = oncely.Inbox(oncely.open(f"sqlite:///{HERE / 'inbox.db'}"), consumer="billing")

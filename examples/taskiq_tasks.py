@@ -3,14 +3,23 @@
 
 The broker, the middleware and the tasks are what a taskiq app declares; a deployment runs
 them with ``taskiq worker examples.taskiq_tasks:broker --receiver
-oncely.integrations.taskiq:Receiver``. To be runnable on its own, this file also sends the
-tasks (a producer retrying ``kiq()``, a resend under the producer's key, a keyless one), runs
-oncely's receiver in this process until they are done, then prints what happened.
+oncely.integrations.taskiq:Receiver`` (from the repository's root). Imported so, by each
+worker process or by a producer's ``charge.kiq(...)``, the module reads the broker's URL from
+``$ONCELY_EXAMPLE_AMQP`` (default: RabbitMQ on 127.0.0.1 as guest) and uses the queue
+``taskiq_charges``, with the inbox and the ledger in ``$ONCELY_EXAMPLE_DIR/taskiq`` (default
+``oncely-examples/taskiq`` in the system's temporary directory): every process of the
+deployment shares them, so an order is charged once however many processes run.
+
+To be runnable on its own, this file also sends the tasks (a producer retrying ``kiq()``, a
+resend under the producer's key, a keyless one), runs oncely's receiver in this process until
+they are done, then prints what happened. Run so, it uses a queue of its own, deleted at the
+end, and a new directory (or DIRECTORY), never a deployment's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import sys
 import tempfile
@@ -24,10 +33,19 @@ from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
 import oncely
 from oncely.integrations.taskiq import Idempotency, Receiver, send_with_key
 
-ARGS = sys.argv[1:] if __name__ == "__main__" else []  # not the worker command's arguments
-AMQP = ARGS[0] if ARGS else "amqp://guest:guest@127.0.0.1:5672/"
-HERE = Path(ARGS[1] if len(ARGS) > 1 else tempfile.mkdtemp())
-QUEUE = f"charges_{uuid.uuid4().hex[:6]}" if ARGS else "charges"
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_DIR = Path(tempfile.gettempdir(), "oncely-examples")  # $ONCELY_EXAMPLE_DIR overrides it
+
+if __name__ == "__main__":  # run on its own, by python: the arguments are this file's
+    ARGS = sys.argv[1:]
+    AMQP = ARGS[0] if ARGS else os.environ.get("ONCELY_EXAMPLE_AMQP", DEFAULT_AMQP)
+    HERE = Path(ARGS[1] if len(ARGS) > 1 else tempfile.mkdtemp())
+    QUEUE = f"taskiq_charges_{uuid.uuid4().hex[:6]}"
+else:  # imported by the worker command (not its arguments): one deployment's settings
+    AMQP = os.environ.get("ONCELY_EXAMPLE_AMQP", DEFAULT_AMQP)
+    HERE = Path(os.environ.get("ONCELY_EXAMPLE_DIR", DEFAULT_DIR), "taskiq")
+    QUEUE = "taskiq_charges"
+HERE.mkdir(parents=True, exist_ok=True)
 
 inbox = oncely.AsyncInbox(oncely.open_async(f"sqlite:///{HERE / 'inbox.db'}"), consumer="billing")
 broker = (

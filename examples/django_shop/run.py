@@ -63,6 +63,8 @@ async def queue_stats(name: str, *, delete: bool = False) -> tuple[int, int, str
             message = await queue.get(fail=False)
             reason = str(message.headers.get("x-oncely-reason", "")) if message else ""
             await queue.delete(if_unused=False, if_empty=False)
+            if name.endswith(".dead"):  # and the dead-letter exchange, named as its queue
+                await channel.exchange_delete(name)
         return found.message_count or 0, found.consumer_count or 0, reason
 
 
