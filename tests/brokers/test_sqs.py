@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,8 @@ from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, ope
 from oncely.brokers.sqs import SQS, SQSProducer
 from oncely.brokers.sqs._endpoint import Endpoint
 from oncely.brokers.sqs._transport import PACKED_ATTRIBUTE
-from tests.brokers.common import Proxy, running, unique, wait_until
+from oncely.errors import BrokerError
+from tests.brokers.common import Proxy, remove_destinations, running, unique, wait_until
 from tests.brokers.sqs_broker import create_queue, queue_depth, sqs_url
 from tests.brokers.suite import SECOND, BrokerSuite, DeadCopy, Watched, body, fetch_one, total
 
@@ -262,6 +264,26 @@ class TestSQS(BrokerSuite):
         headers = {f"h{n}": "v" for n in range(9)}
         with pytest.raises(oncely.ConfigurationError, match="at most 10 message attributes"):
             await producer.publish(b"{}", message_id="m", headers=headers)
+
+    async def test_a_missing_queue_to_read_is_created_with_a_warning_or_refused(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A mistyped --source used to make an empty queue with only an INFO line to say so.
+        name = unique("sqs_missing")
+        refused = SQS(f"{self.url}?create=false", name, group="g")
+        with pytest.raises(BrokerError, match="create=false"):
+            await refused.open(1)
+        await refused.close()
+        made = SQS(self.url, name, group="g")
+        with caplog.at_level(logging.INFO, logger="oncely"):
+            await made.open(1)
+        await made.close()
+        created = {r.getMessage(): r.levelno for r in caplog.records if "created" in r.getMessage()}
+        source = [level for text, level in created.items() if f"queue {name} " in text]
+        dead = [level for text, level in created.items() if f"{name}-dead" in text]
+        assert source == [logging.WARNING] and "create=false" in " ".join(created)
+        assert dead == [logging.INFO]
+        await remove_destinations(self.url, name)
 
     async def test_open_transport_reads_sqs_urls(self) -> None:
         made = open_transport(f"{self.url}?visibility_timeout=7", self.source, group="g")

@@ -183,7 +183,14 @@ class SQS:
             attributes["VisibilityTimeout"] = str(visibility)
         with self.endpoint.errors(f"create the queue {name!r}"):
             made = await client.create_queue(QueueName=name, Attributes=attributes)
-        LOGGER.info("oncely broker=sqs created queue %s", name)
+        if name == self.source:  # nothing to read yet: a mistyped name reads nothing, forever
+            LOGGER.warning(
+                "oncely broker=sqs created queue %s to read, which did not exist (create=false "
+                "refuses a missing queue instead)",
+                name,
+            )
+        else:
+            LOGGER.info("oncely broker=sqs created queue %s", name)
         return str(made["QueueUrl"])
 
     async def stop(self) -> None:
