@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 import oncely
-from oncely.brokers import Backoff, BrokerConsumer, ConsumerSettings, key_source
+from oncely.brokers import (
+    Backoff,
+    BrokerConsumer,
+    ConsumerSettings,
+    DeadLetter,
+    Delivery,
+    key_source,
+)
 from oncely.errors import ConfigurationError, SchemaMissing, StoreUnavailable
 from oncely.testing import MemoryBroker
 
@@ -121,6 +128,56 @@ async def test_a_failing_handler_is_retried_then_dead_lettered_after_max_deliver
     assert dead.why.reason.startswith("failed on all 3 deliveries")
     assert "payment gateway timed out" in dead.why.reason
     assert (await inbox.get("m-flaky")) is not None
+
+
+class CopiesFail(MemoryBroker):
+    """A memory broker whose first ``failures`` dead-letter copies are not written (as a Kafka
+    copy that times out during a broker restart): the message is given back instead."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
+        return [_CopyMayFail(d, self) for d in await super().fetch(limit, timeout)]
+
+
+class _CopyMayFail:
+    def __init__(self, inner: Delivery, broker: CopiesFail) -> None:
+        self._inner, self._broker = inner, broker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def dead_letter(self, why: DeadLetter) -> None:
+        if self._broker.failures:
+            self._broker.failures -= 1
+            await self._inner.retry(timedelta(0))  # not copied: handed out again
+            raise oncely.BrokerUnavailable("the dead-letter copy was not confirmed in time")
+        await self._inner.dead_letter(why)
+
+
+async def test_r13_a_dead_letter_that_was_not_written_is_not_counted_as_dead_lettered(
+    inbox: oncely.AsyncInbox,
+) -> None:
+    """A handler failing on every delivery, max_deliveries=3: the first two dead-letter copies
+    fail (the message is given back, read again, fails again), the third is written. The
+    counts say what happened: one dead letter after retries, two copies that failed, and
+    the broker holds one dead message."""
+    broker, attempts = CopiesFail(failures=2), Counter[str]()
+
+    async def broken(payload: dict[str, Any]) -> None:
+        attempts["broken"] += 1
+        raise ConnectionError("payment gateway timed out")
+
+    broker.publish(body(kind="broken"), message_id="m-broken")
+    consumer = BrokerConsumer(broker, inbox, broken, settings=FAST)
+    await broker.run_until_idle(consumer)
+    assert len(broker.dead) == 1 and broker.outstanding == 0
+    assert attempts == {"broken": 5}  # 3 deliveries, then one more for each failed copy
+    assert consumer.counts["dead_lettered_after_retries"] == 1
+    assert consumer.counts["dead_letter_failed"] == 2
+    assert consumer.counts["failed"] == 5
 
 
 async def test_in_flight_is_given_back_later_and_never_acked(inbox: oncely.AsyncInbox) -> None:

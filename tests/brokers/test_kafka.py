@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -201,6 +203,24 @@ class TestKafka(BrokerSuite):
         finally:
             await asyncio.to_thread(stop_tansu, process)
 
+    @contextlib.asynccontextmanager
+    async def _own_broker(self) -> AsyncIterator[subprocess.Popen[bytes]]:
+        """A Tansu of this test's own, to kill: for the block, the test's URL is that broker
+        and its topic lives there."""
+        binary = tansu_binary()
+        assert binary is not None, "kafka_url() ran: the binary is there"
+        port = free_port()
+        process = await asyncio.to_thread(start_tansu, binary, port, port)
+        try:
+            self._private_url = f"kafka://127.0.0.1:{port}"
+            try:
+                await asyncio.to_thread(create_topic, self.source, PARTITIONS, self.url)
+                yield process
+            finally:
+                self._private_url = None
+        finally:
+            await asyncio.to_thread(stop_tansu, process)
+
     def proxy(self) -> contextlib.AbstractAsyncContextManager[Proxy]:
         proxy = self._private_proxy
         assert proxy is not None, "run inside _behind_a_proxy()"
@@ -285,6 +305,58 @@ class TestKafka(BrokerSuite):
         assert await transport.fetch(1, 100 * MS) == []  # commits what is finished
         assert await self._committed(name) == 4
 
+    async def test_r7_a_stop_while_the_broker_is_gone_returns_cleanly(self) -> None:
+        """The broker dies under a running consumer (SIGKILL to this test's own Tansu), then
+        the consumer is asked to stop (SIGTERM during an outage): ``run()`` returns, nothing
+        raised. aiokafka's ``stop()`` can end in a ``CancelledError`` of its own while the
+        broker is away; the transport's close logs such a failure at WARNING and lets the
+        client go (what was not committed is read again by the group), while a cancellation
+        of the closing task itself still propagates."""
+        async with self._own_broker() as broker:
+            keys = [f"k{n}" for n in range(8)]
+            for key in keys:
+                await self.publish(key)
+            # A short timeout: the commits the outage holds up give up sooner.
+            worker = self.consumer(self.apply, transport=self.transport(timeout=2 * SECOND))
+            task = asyncio.create_task(worker.run())
+            try:
+                await wait_until(lambda: worker.counts["processed"] == 8, what="all eight")
+                broker.kill()  # SIGKILL
+                await asyncio.to_thread(broker.wait)
+                await asyncio.sleep(1)  # the client meets the outage (fetches, heartbeats)
+                worker.stop()
+                await asyncio.wait_for(task, 60)  # returns; raises nothing
+            finally:
+                worker.stop()
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+        assert worker.counts == Counter({"processed": 8})
+        assert self.ledger.counts() == dict.fromkeys(keys, 1)
+
+    async def test_r7_close_swallows_the_clients_own_cancellation_never_its_own(self) -> None:
+        """What tells the two apart: a ``CancelledError`` raised by the client's stop() (the
+        closing task is not being cancelled) is logged and swallowed; a cancellation of the
+        closing task itself propagates."""
+        made = self.transport()
+
+        async def clients_own() -> None:
+            raise asyncio.CancelledError  # as aiokafka's fetcher re-raises its fetch task's
+
+        assert await made._quietly("stop the client", clients_own()) is False
+        started = asyncio.Event()
+
+        async def slow() -> None:
+            started.set()
+            await asyncio.sleep(60)
+
+        closing = asyncio.create_task(made._quietly("stop the client", slow()))
+        await started.wait()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+
     # ------------------------------------------------------------------ offsets in the database
 
     def _keeping(self, inbox: oncely.AsyncInbox, group: str, **settings: Any) -> BrokerConsumer:
@@ -347,10 +419,11 @@ class TestKafka(BrokerSuite):
     async def test_a_stored_offset_never_passes_a_record_whose_dead_letter_is_still_to_come(
         self,
     ) -> None:
-        """One partition, one batch: r0 processed, r1 undecodable (its dead letter is copied
-        when the batch is settled), r2 processed. The stored offset stays at 1 (past r0 only),
-        so a crash before the dead letter is copied cannot skip r1; the broker's commit moves
-        past all three once they are settled, and the next record stores its own."""
+        """One partition: r0 processed, r1 undecodable, r2 processed. While r1's dead-letter
+        copy is held up (not yet written) the stored offset stays at 1 (past r0 only), so a
+        crash before the copy cannot skip r1; once the broker has the copy, the offset past
+        r1 and r2 is stored (in a transaction of its own), the broker's commit moves past all
+        three, and the next record stores its own."""
         name = unique("kt1")
         create_topic(name, 1)
         self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
@@ -362,7 +435,14 @@ class TestKafka(BrokerSuite):
         (inbox,) = self.inboxes("transactional", 1)
         store = inbox.store
         assert isinstance(store, oncely.AsyncPostgresStore)
-        transport = Kafka(self.url, name, group=self.group, session_timeout=SESSION)
+        copying = asyncio.Event()
+
+        class HeldUp(Kafka):
+            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
+                await copying.wait()
+                await super()._copy_to_dead_letter(held, why)
+
+        transport = HeldUp(self.url, name, group=self.group, session_timeout=SESSION)
         self.closed_after(transport)
         worker = BrokerConsumer(
             transport,
@@ -372,16 +452,149 @@ class TestKafka(BrokerSuite):
             store_offsets=True,
             settings=self.settings(),
         )
-        async with running(worker):
-            await wait_until(
-                lambda: worker.counts["processed"] == 2 and worker.counts["rejected"] == 1,
-                what="the batch",
-            )
-            assert await store.offsets(self.group, name) == {0: 1}
-            await producer.publish(body("r3"), message_id="r3")
-            await wait_until(lambda: worker.counts["processed"] == 3, what="r3")
+        try:
+            async with running(worker):
+                await wait_until(lambda: worker.counts["rejected"] == 1, what="r1 refused")
+                assert await store.offsets(self.group, name) == {0: 1}
+                copying.set()
+                await wait_until(lambda: worker.counts["processed"] == 2, what="r2")
+
+                async def past_r2() -> bool:
+                    return await store.offsets(self.group, name) == {0: 3}
+
+                await wait_until(past_r2, what="the offset past r2 stored")
+                await producer.publish(body("r3"), message_id="r3")
+                await wait_until(lambda: worker.counts["processed"] == 3, what="r3")
+        finally:
+            copying.set()
         assert await store.offsets(self.group, name) == {0: 4}
         assert await self._committed(name) == 4
+        assert len(await self._read_all(f"{name}.dead")) == 1
+
+    async def test_r13_r20_a_dead_letter_stores_its_offset_so_a_new_group_skips_it(
+        self,
+    ) -> None:
+        """``store_offsets`` with dead letters: a reused id with other content (key_conflict,
+        R20 step 6), a handler's ``Reject`` and a handler that fails on every delivery are
+        dead-lettered, and once each copy is written its next offset is stored. A consumer of
+        a new group (its Kafka commits lost) starts from the stored offset: no record is
+        dead-lettered a second time, the failing handler is not run again, only the later
+        record is read."""
+        name = unique("kt1")
+        create_topic(name, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        calls: Counter[str] = Counter()
+
+        async def handler(tx: Any, payload: dict[str, Any]) -> None:
+            calls[payload["k"]] += 1
+            if payload.get("poison"):
+                raise oncely.Reject("poison pill: no such account")
+            if payload["k"] == "always":
+                raise RuntimeError("the gateway is down")
+            await self.apply_in(tx, payload)
+
+        await producer.publish(body("pay", amount=10), message_id="pay")
+        await producer.publish(body("pay", amount=99), message_id="pay")  # key_conflict
+        await producer.publish(body("bad", poison=True), message_id="bad")  # rejected
+        await producer.publish(body("always"), message_id="always")  # failed, 3 deliveries
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+
+        def keeping(group: str) -> BrokerConsumer:
+            made = Kafka(self.url, name, group=group, session_timeout=SESSION)
+            self.closed_after(made)
+            return BrokerConsumer(
+                made,
+                inbox,
+                handler,
+                mode="transactional",
+                store_offsets=True,
+                settings=self.settings(max_deliveries=3),
+            )
+
+        first = keeping(self.group)
+        async with running(first):  # its stop waits for the batch, the offset stored
+            await wait_until(
+                lambda: first.counts["dead_lettered_after_retries"] == 1, what="the dead letters"
+            )
+        assert first.counts == Counter(
+            {"processed": 1, "key_conflict": 1, "rejected": 1, "failed": 3,
+             "dead_lettered_after_retries": 1}
+        )  # fmt: skip
+        assert len(await self._read_all(f"{name}.dead")) == 3
+        assert calls == {"pay": 1, "bad": 1, "always": 3}
+
+        await producer.publish(body("later"), message_id="later")
+        fresh = keeping(unique("lost-commits"))
+        async with running(fresh):
+            await wait_until(lambda: fresh.counts["processed"] == 1, what="the later record")
+        assert fresh.counts == Counter({"processed": 1})  # nothing before it read again
+        assert len(await self._read_all(f"{name}.dead")) == 3
+        assert calls == {"pay": 1, "bad": 1, "always": 3, "later": 1}
+        assert self.ledger.counts() == {"pay": 1, "later": 1}
+        assert await store.offsets(self.group, name) == {0: 5}  # past the later record too
+
+    async def test_r13_a_stored_offset_past_the_end_of_a_recreated_topic_is_not_used(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The topic is deleted and created again between two runs (Tansu loses its topics
+        on a restart; an operator may do it on Kafka). The offset stored for the old log (6)
+        is past the new log's end (3), so it cannot be of this log: the consumer warns,
+        naming the partition, the stored offset and the end, and starts from the group's
+        commit, here none (as after a restart), so from the topic's start: every record of
+        the new log is processed, none skipped."""
+        name = unique("kt1")
+        create_topic(name, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+
+        def keeping(group: str) -> BrokerConsumer:
+            made = Kafka(self.url, name, group=group, session_timeout=SESSION)
+            self.closed_after(made)
+            return BrokerConsumer(
+                made,
+                inbox,
+                self.apply_in,
+                mode="transactional",
+                store_offsets=True,
+                settings=self.settings(),
+            )
+
+        for n in range(6):
+            await producer.publish(body(f"a{n}"), message_id=f"a{n}")
+        first = keeping(self.group)
+        async with running(first):
+            await wait_until(lambda: first.counts["processed"] == 6, what="the old log")
+        assert await store.offsets(self.group, name) == {0: 6}
+
+        await asyncio.to_thread(delete_topics, name)
+        await asyncio.to_thread(create_topic, name, 1)
+        for n in range(3):
+            await producer.publish(body(f"b{n}"), message_id=f"b{n}")
+        second = keeping(unique("after-recreate"))
+        with caplog.at_level(logging.WARNING, logger="oncely.broker.kafka"):
+            async with running(second):
+                await wait_until(lambda: second.counts["processed"] == 3, what="the new log")
+        assert second.counts == Counter({"processed": 3})
+        assert self.ledger.counts() == {
+            **{f"a{n}": 1 for n in range(6)},
+            **{f"b{n}": 1 for n in range(3)},
+        }
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.WARNING and "past the partition's end" in r.getMessage()
+        ]
+        assert len(warned) == 1, warned
+        said = f"topic={name} partition=0: the stored offset 6 is past the partition's end 3"
+        assert said in warned[0]
 
     def test_store_offsets_is_refused_where_it_cannot_hold(self) -> None:
         (inbox,) = self.inboxes("transactional", 1)

@@ -191,11 +191,24 @@ class InboxProcessor:
                 # A copy of a message finished earlier: no handler ran, so its position goes
                 # in a transaction of its own (else, once the marker expires, a group that
                 # lost its commits would read the copy again and run it again).
-                store = cast(AsyncTransactionalStore[Any], self.inbox.store)
-                async with store.transaction() as tx:
-                    await offsets.save_offset_in(tx, self.consumer, *position)
+                await self.save_position(position)
             return handled
         return await self.inbox.handle_message(envelope, self._handler, key=key)
+
+    async def save_position(self, position: Position) -> None:
+        """With ``store_offsets``: write ``position`` in a transaction of its own, for a
+        message finished without a handler's transaction to carry it (a duplicate; a dead
+        letter, once the broker confirmed its copy). Positions only move forward: an older
+        one than the stored one changes nothing. Without ``store_offsets``, nothing."""
+        offsets = self.offsets
+        if offsets is None:
+            return
+        if not self._offsets_ready:  # before the transaction: DDL must not join it
+            await offsets.prepare_offsets()
+            self._offsets_ready = True
+        store = cast(AsyncTransactionalStore[Any], self.inbox.store)
+        async with store.transaction() as tx:
+            await offsets.save_offset_in(tx, self.consumer, *position)
 
     async def process_batch(
         self,
@@ -332,7 +345,10 @@ class BrokerConsumer:
     Instead of an inbox and a handler, a :class:`Processor` can produce each outcome itself.
     :meth:`run` reads until :meth:`stop` (or SIGTERM/SIGINT with ``handle_signals=True``).
     ``counts`` holds how many deliveries ended in each outcome, plus ``store_unavailable``
-    for deliveries given back because the store failed.
+    for deliveries given back because the store failed, ``dead_lettered_after_retries`` for
+    failures dead-lettered after ``max_deliveries`` (counted once the copy is written),
+    ``dead_letter_failed`` for dead-letter copies that were not written (the message was
+    given back), and ``settle_failed`` for any broker action that failed.
     """
 
     def __init__(
@@ -641,12 +657,13 @@ class BrokerConsumer:
             return
         ack_many = getattr(self.transport, "ack_many", None)
         together = ack_many is not None
-        await asyncio.gather(
+        finished = await asyncio.gather(
             *(
                 self._settle(d, handled, ack=not together)
                 for d, handled in zip(deliveries, outcomes, strict=True)
             )
         )
+        await self._store_past_dead_letters(deliveries, outcomes, finished)
         acks = [d for d, h in zip(deliveries, outcomes, strict=True) if h.action is Action.ACK]
         if ack_many is not None and acks:  # one call for the batch's acks (SQS)
             try:
@@ -707,7 +724,8 @@ class BrokerConsumer:
         try:
             handled = await self._outcome(delivery)
             if handled is not None:
-                await self._settle(delivery, handled)
+                finished = await self._settle(delivery, handled)
+                await self._store_past_dead_letters([delivery], [handled], [finished])
         finally:
             self._slots.release()
 
@@ -787,9 +805,10 @@ class BrokerConsumer:
             correlation_id=envelope.correlation_id,
         )
 
-    async def _settle(self, delivery: Delivery, handled: Handled[Any], *, ack: bool = True) -> None:
+    async def _settle(self, delivery: Delivery, handled: Handled[Any], *, ack: bool = True) -> bool:
         """Count, log and carry out the outcome's broker action; with ``ack=False`` an ack is
-        left to the caller (a batch's acks go in one call)."""
+        left to the caller (a batch's acks go in one call). Whether the delivery is finished:
+        acknowledged (or left to the caller to), or its dead-letter copy written."""
         self.counts[handled.outcome.value] += 1
         settings = self.settings
         action = handled.action
@@ -799,6 +818,7 @@ class BrokerConsumer:
             # process's own, the inbox's attempts count across processes and restarts.
             count = max(count or 0, handled.attempt)
         step: Awaitable[None] | None
+        after_retries = False
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
@@ -811,7 +831,7 @@ class BrokerConsumer:
             if action is Action.RETRY:
                 outcome = Outcome.REJECTED.value
                 reason = f"failed on all {count} deliveries; last: {reason}"
-                self.counts["dead_lettered_after_retries"] += 1
+                after_retries = True
             why = DeadLetter(
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
             )
@@ -840,10 +860,19 @@ class BrokerConsumer:
                     "oncely_reason": handled.reason,
                 },
             )
-        if step is not None:
-            await self._settle_quietly(step, delivery, how)
+        done = step is None or await self._settle_quietly(step, delivery, how)
+        if how == "dead_letter":
+            # Counted once the copy is written: a copy that failed gave the message back
+            # (it is read again, and its outcome decided anew), it dead-lettered nothing.
+            if not done:
+                self.counts["dead_letter_failed"] += 1
+            elif after_retries:
+                self.counts["dead_lettered_after_retries"] += 1
+        return done and how in ("ack", "dead_letter")
 
-    async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> None:
+    async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> bool:
+        """Await the broker action ``step``; whether it was carried out (a failure is counted
+        and logged, never raised)."""
         try:
             await step
         except Exception as exc:
@@ -857,6 +886,57 @@ class BrokerConsumer:
                 exc,
                 _fields(delivery.describe()),
             )
+            return False
+        return True
+
+    async def _store_past_dead_letters(
+        self,
+        deliveries: Sequence[Delivery],
+        outcomes: Sequence[Handled[Any]],
+        finished: Sequence[bool],
+    ) -> None:
+        """With ``store_offsets``: once dead letters are written, store how far each group
+        (partition) got, in a transaction of its own, as for a duplicate. A dead letter's
+        position is never written before its copy is confirmed (no handler's transaction
+        carried it, and the records after it in its group wrote none), so a group whose
+        Kafka commits were lost would read it, and dead-letter it, again. The position
+        stored is the end of the group's run of finished deliveries from the start of the
+        batch, where that run holds one that did not store its own (a dead letter);
+        nothing of a group whose first delivery is not finished."""
+        positions = self._positions
+        if positions is None:
+            return
+        ends: dict[Hashable, Position] = {}
+        behind: set[Hashable] = set()  # the run holds a delivery with no position of its own
+        stopped: set[Hashable] = set()
+        for delivery, handled, done in zip(deliveries, outcomes, finished, strict=True):
+            group = _group(delivery)
+            if group in stopped:
+                continue
+            position = _position(delivery)
+            if not done or position is None:
+                stopped.add(group)
+                continue
+            ends[group] = position
+            if handled.outcome not in _FINISHED_HERE:
+                behind.add(group)
+        for group in behind:
+            try:
+                await positions.save_position(ends[group])
+            except Exception as exc:
+                # The copy is written and the broker's commit moves past it: only a group
+                # that lost its commits would read (and dead-letter) it again.
+                self.counts["offset_not_stored"] += 1
+                self._log.warning(
+                    "oncely broker=%s could not store the offset %s of partition %s of %s "
+                    "after a dead letter (%s: %s)",
+                    self.transport.name,
+                    ends[group][2],
+                    ends[group][1],
+                    ends[group][0],
+                    type(exc).__name__,
+                    exc,
+                )
 
 
 def _position(delivery: Delivery) -> Position | None:

@@ -72,6 +72,11 @@ escalated            ``x-oncely-consumer``, ``x-oncely-deliveries``, ``x-oncely-
                      to be handed out again.
 ===================  ==========================================================================
 
+Stopping while the broker is away: the commit and the group leave are tried within
+``timeout``; a failure of either (aiokafka's ``stop()`` can end in a ``CancelledError`` of its
+own then) is logged at WARNING and the consumer stops all the same; what was not committed is
+read again by the group's next member.
+
 Rebalances: when partitions are revoked, the member hands out nothing more of them, waits up
 to ``revoke_grace`` (10 s) for the handlers running on them, commits what is finished and lets
 them go. A handler still running after that finishes, and its record is done in the inbox, but
@@ -88,11 +93,20 @@ offset in the handler's transaction, beside the marker and the business writes, 
 assigned partition from that offset where it is ahead of the group's commit (the commit then
 catches up with it). A consumer from Kafka to its database is then effectively once even when
 its commits to Kafka were lost (a group reset or renamed, offsets expired), whatever the
-inbox's retention. A duplicate stores its offset in a transaction of its own; within a batch
-no stored offset passes a record whose broker action is still to come (a dead letter to copy, a
-retry, a copy in flight elsewhere), so such a record is read again, never skipped. When the
-stored offsets cannot be read at assignment (the database is down) the committed ones are used,
-with a warning, and what was finished since meets the inbox's markers.
+inbox's retention. A duplicate stores its offset in a transaction of its own; within a batch no
+stored offset passes a record whose broker action is still to come (a dead letter to copy, a
+retry, a copy in flight elsewhere), so such a record is read again, never skipped. A dead
+letter (key_conflict, rejected, failed on every delivery) stores its offset, in a transaction
+of its own, once the broker has confirmed its copy, never before: the partition's offset then
+moves past it and past the records finished after it in its batch, so a group that lost its
+commits dead-letters nothing twice. When the stored offsets cannot be read at assignment (the
+database is down) the committed ones are used, with a warning, and what was finished since
+meets the inbox's markers. A stored offset past the partition's end (its high watermark) cannot
+be of this log (the topic was deleted and created again, as Tansu's topics are on a restart):
+it is not used, with a warning naming the partition, the offset and the end, and the partition
+starts from the group's commit (the topic's start when there is none). A recreated topic that
+has already grown past the stored offset cannot be told apart this way (Kafka's topic id would
+tell it; it is not stored).
 
 The source topic and the dead-letter topic are created when missing (``partitions``, 1 by
 default); a topic's retention is its own (``retention.ms``): a consumer group reset to an

@@ -328,20 +328,63 @@ class Kafka:
         self._stopped = True
 
     async def close(self) -> None:
+        """Commit what is finished and leave the group. Neither step raises: a broker that is
+        away (or a client that fails while it stops) is logged at WARNING, and what was not
+        committed is read again by the group's next member. Only a cancellation of the
+        task that closes propagates."""
         self._stopped = True
         consumer, self._consumer = self._consumer, None
         try:
             if consumer is not None:
-                with contextlib.suppress(BrokerError):
-                    await self._commit(consumer, list(self._owned.values()))
-                with contextlib.suppress(KafkaError, OSError, TimeoutError):
-                    # leaves the group: its partitions move at once
-                    await asyncio.wait_for(consumer.stop(), self.timeout.total_seconds())
+                await self._quietly(
+                    "commit the finished records",
+                    self._commit(consumer, list(self._owned.values())),
+                )
+                # leaves the group: its partitions move at once
+                stopped = await self._quietly(
+                    "stop the client",
+                    asyncio.wait_for(consumer.stop(), self.timeout.total_seconds()),
+                )
+                if not stopped:
+                    # A stop() that failed part way left aiokafka's connections (and their
+                    # metadata task, which reconnects forever) open: close them ourselves.
+                    await self._quietly("close the connections", consumer._client.close())
         finally:
             self._owned.clear()
             producer, self._producer = self._producer, None
             if producer is not None:
                 await producer.close()
+
+    async def _quietly(self, what: str, step: Awaitable[None]) -> bool:
+        """Await ``step`` of the close; whether it succeeded, its failure logged instead of
+        raised. aiokafka's ``stop()`` can end in a ``CancelledError`` of its own while the
+        broker is away (its fetcher awaits the fetch tasks it has just cancelled): that is
+        the client's, not a cancellation of this task (``cancelling()`` says which), so it
+        is swallowed too."""
+        try:
+            await step
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task is being cancelled: never swallow that
+            self._close_failed(what, exc)
+        except Exception as exc:
+            self._close_failed(what, exc)
+        else:
+            return True
+        return False
+
+    def _close_failed(self, what: str, exc: BaseException) -> None:
+        cause = exc.__context__
+        LOGGER.warning(
+            "oncely broker=kafka topic=%s group=%s could not %s on close (%s%s); what was "
+            "not committed is read again by the group",
+            self.source,
+            self.group,
+            what,
+            _said(exc),
+            f", after {_said(cause)}" if cause is not None else "",
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -594,24 +637,41 @@ class Kafka:
     ) -> None:
         """Start each of ``fresh`` from its stored offset where that is ahead of the group's
         commit. Without the stored offsets (the database is down) the committed offsets hold:
-        a record finished since is read again and met by the inbox's marker."""
+        a record finished since is read again and met by the inbox's marker. A stored offset
+        past the partition's end cannot be of this log (the topic was deleted and created
+        again): it is not used, with a warning, rather than skip the new log's records."""
         assert self._start_from is not None
         try:
             stored = await self._start_from(self.source)
             committed = {tp: await consumer.committed(tp) for tp in fresh if tp.partition in stored}
+            ahead = [tp for tp, at in committed.items() if at is None or at < stored[tp.partition]]
+            ends: Mapping[TopicPartition, int] = await consumer.end_offsets(ahead) if ahead else {}
         except Exception as exc:
             LOGGER.warning(
-                "oncely broker=kafka topic=%s could not read the stored offsets (%s: %s); the "
-                "partitions start from the group's committed offsets, and what was finished "
-                "since is answered by the inbox as duplicates",
+                "oncely broker=kafka topic=%s could not read the stored offsets or the "
+                "partitions' ends (%s: %s); the partitions start from the group's committed "
+                "offsets, and what was finished since is answered by the inbox as duplicates",
                 self.source,
                 type(exc).__name__,
                 exc,
             )
             return
-        for tp, at in committed.items():
-            kept = stored[tp.partition]
-            if at is not None and at >= kept:
+        for tp in ahead:
+            kept, at, end = stored[tp.partition], committed[tp], ends.get(tp)
+            if end is not None and kept > end:
+                LOGGER.warning(
+                    "oncely broker=kafka topic=%s partition=%d: the stored offset %d is past "
+                    "the partition's end %d, so it belongs to another log (the topic was "
+                    "deleted and created again, or the stored offsets are of another "
+                    "cluster); it is not used: the partition starts from the group's commit "
+                    "(%s), else from the topic's start, and the inbox answers what it has "
+                    "seen as duplicates",
+                    self.source,
+                    tp.partition,
+                    kept,
+                    end,
+                    at,
+                )
                 continue
             consumer.seek(tp, kept)
             self._owned[tp].finished = kept  # the next commit brings the group's up to it
@@ -623,6 +683,12 @@ class Kafka:
                 kept,
                 at,
             )
+
+
+def _said(exc: BaseException) -> str:
+    """``Name: text`` of an error, once (some of aiokafka's name themselves already)."""
+    name, text = type(exc).__name__, str(exc)
+    return text if text.startswith(name) else f"{name}: {text}" if text else name
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
