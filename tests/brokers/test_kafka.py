@@ -631,6 +631,21 @@ class TestKafka(BrokerSuite):
         assert all(r.key == b"same" for r in records)
         assert [dict(r.headers)["message-id"] for r in records] == [b"same"] * 3
 
+    async def test_a_missing_topic_to_read_is_created_with_a_warning(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # A mistyped --source used to make a new, empty topic with only an INFO line.
+        name = unique("kafka_missing")
+        made = Kafka(self.url, name, group=unique("g"), session_timeout=SESSION, revoke_grace=GRACE)
+        try:
+            with caplog.at_level(logging.INFO, logger="oncely"):
+                await made.open(1)
+        finally:
+            await made.close()
+        created = [r for r in caplog.records if "created topics" in r.getMessage()]
+        assert [r.levelno for r in created] == [logging.WARNING]
+        assert name in created[0].getMessage() and "one replica" in created[0].getMessage()
+
     async def test_open_transport_reads_kafka_urls(self) -> None:
         made = open_transport(f"{self.url}?session_timeout=6&partitions=2", self.source, group="g")
         assert isinstance(made, Kafka)

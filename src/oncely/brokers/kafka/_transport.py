@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -311,7 +312,16 @@ class Kafka:
                         await admin.create_topics(
                             [NewTopic(t, self.partitions, 1) for t in missing]
                         )
-                    LOGGER.info("oncely broker=kafka created topics %s", missing)
+                    # The topic to read made here is news: a mistyped name reads nothing, and
+                    # one replica suits a test broker, not a cluster.
+                    level = logging.WARNING if self.source in missing else logging.INFO
+                    LOGGER.log(
+                        level,
+                        "oncely broker=kafka created topics %s with %d partitions and one "
+                        "replica each; create a cluster's topics yourself",
+                        missing,
+                        self.partitions,
+                    )
             finally:
                 await admin.close()
 
