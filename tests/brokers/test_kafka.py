@@ -359,12 +359,26 @@ class TestKafka(BrokerSuite):
 
     # ------------------------------------------------------------------ offsets in the database
 
-    def _keeping(self, inbox: oncely.AsyncInbox, group: str, **settings: Any) -> BrokerConsumer:
-        """A transactional consumer that keeps its offsets in the inbox's database."""
+    def _keeping(
+        self,
+        inbox: oncely.AsyncInbox,
+        group: str,
+        *,
+        topic: str | None = None,
+        handler: Any = None,
+        **settings: Any,
+    ) -> BrokerConsumer:
+        """A transactional consumer that keeps its offsets in the inbox's database, reading
+        the suite's topic or ``topic``, running ``handler`` (default: the ledger's insert)."""
+        transport = (
+            self.transport(group=group)
+            if topic is None
+            else self.closed_after(Kafka(self.url, topic, group=group, session_timeout=SESSION))
+        )
         return BrokerConsumer(
-            self.transport(group=group),
+            transport,
             inbox,
-            self.apply_in,
+            handler if handler is not None else self.apply_in,
             mode="transactional",
             store_offsets=True,
             settings=self.settings(**settings),
@@ -504,16 +518,7 @@ class TestKafka(BrokerSuite):
         assert isinstance(store, oncely.AsyncPostgresStore)
 
         def keeping(group: str) -> BrokerConsumer:
-            made = Kafka(self.url, name, group=group, session_timeout=SESSION)
-            self.closed_after(made)
-            return BrokerConsumer(
-                made,
-                inbox,
-                handler,
-                mode="transactional",
-                store_offsets=True,
-                settings=self.settings(max_deliveries=3),
-            )
+            return self._keeping(inbox, group, topic=name, handler=handler, max_deliveries=3)
 
         first = keeping(self.group)
         async with running(first):  # its stop waits for the batch, the offset stored
@@ -556,16 +561,7 @@ class TestKafka(BrokerSuite):
         assert isinstance(store, oncely.AsyncPostgresStore)
 
         def keeping(group: str) -> BrokerConsumer:
-            made = Kafka(self.url, name, group=group, session_timeout=SESSION)
-            self.closed_after(made)
-            return BrokerConsumer(
-                made,
-                inbox,
-                self.apply_in,
-                mode="transactional",
-                store_offsets=True,
-                settings=self.settings(),
-            )
+            return self._keeping(inbox, group, topic=name)
 
         for n in range(6):
             await producer.publish(body(f"a{n}"), message_id=f"a{n}")
