@@ -155,8 +155,14 @@ class InboxProcessor:
         offsets table ready) before the first message: :meth:`BrokerConsumer.run` awaits it
         at start, so a store that is down stops the start instead of every message."""
         await self.inbox.prepare()
-        if self.offsets is not None and not self._offsets_ready:
-            await self.offsets.prepare_offsets()
+        if self.offsets is not None:
+            await self._offsets_table(self.offsets)
+
+    async def _offsets_table(self, offsets: AsyncKeepsOffsets[Any]) -> None:
+        """The offsets table made ready, once: before any transaction (DDL must not join
+        one)."""
+        if not self._offsets_ready:
+            await offsets.prepare_offsets()
             self._offsets_ready = True
 
     async def process(
@@ -180,9 +186,7 @@ class InboxProcessor:
                 return await self.inbox.handle_message_in_transaction(
                     envelope, self._handler, key=key
                 )
-            if not self._offsets_ready:  # before the transaction: DDL must not join it
-                await offsets.prepare_offsets()
-                self._offsets_ready = True
+            await self._offsets_table(offsets)
             handler = functools.partial(
                 _at_position, offsets, self.consumer, position, self._handler
             )
@@ -203,9 +207,7 @@ class InboxProcessor:
         offsets = self.offsets
         if offsets is None:
             return
-        if not self._offsets_ready:  # before the transaction: DDL must not join it
-            await offsets.prepare_offsets()
-            self._offsets_ready = True
+        await self._offsets_table(offsets)
         store = cast(AsyncTransactionalStore[Any], self.inbox.store)
         async with store.transaction() as tx:
             await offsets.save_offset_in(tx, self.consumer, *position)
