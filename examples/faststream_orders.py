@@ -49,8 +49,9 @@ else:  # imported by the run command (not its arguments): one deployment's setti
 HERE.mkdir(parents=True, exist_ok=True)
 
 inbox = oncely.AsyncInbox(oncely.open_async(f"sqlite:///{HERE / 'inbox.db'}"), consumer="billing")
-broker = RabbitBroker(AMQP, middlewares=[Idempotency(inbox)])
-app = FastStream(broker)
+idempotency = Idempotency(inbox)
+broker = RabbitBroker(AMQP, middlewares=[idempotency])
+app = FastStream(broker, on_startup=[idempotency.prepare])  # the store checked at start
 ledger = sqlite3.connect(HERE / "ledger.db", isolation_level=None)
 ledger.execute("CREATE TABLE IF NOT EXISTS charges (order_id TEXT, amount INTEGER)")
 dead_letters: asyncio.Queue[str] = asyncio.Queue()

@@ -39,7 +39,7 @@ idempotency = Idempotency(
     requeue_delay=timedelta(seconds=0.5),
 )
 broker = RabbitBroker(RABBITMQ, middlewares=[idempotency])
-app = FastStream(broker)
+app = FastStream(broker, on_startup=[idempotency.prepare])
 
 
 class Charge(BaseModel):

@@ -4,8 +4,10 @@ counted in Redis (R1, R2, R10, R13, R16)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -17,8 +19,9 @@ import pytest
 pytest.importorskip("celery")
 import pika
 
-from tests.integrations.workers import WorkerRun, store_url, until
-from tests.services import REDIS_URL
+import oncely
+from tests.integrations.workers import WorkerRun, down_store, store_url, until
+from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
 class Run(WorkerRun):
@@ -34,10 +37,11 @@ class Run(WorkerRun):
             os.environ.pop("ONCELY_TEST_CELERY_BROKER", None)
         self.app = self.load_app()
 
-    def worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+    def worker(self, concurrency: int = 2, log: Path | None = None) -> subprocess.Popen[bytes]:
         return self.spawn(
             "celery", "-A", self.app_module, "worker", "-P", "prefork", "-c", str(concurrency),
             "-Q", self.queue, "--loglevel", "warning", "--without-mingle", "--without-gossip",
+            log=log,
         )  # fmt: skip
 
     def dead_letters(self) -> list[tuple[str, str]]:
@@ -60,6 +64,41 @@ class Run(WorkerRun):
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     yield from store_url(request, tmp_path, "oncely_cqi")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
+    # Before, it started, looked healthy, and sent every task again every second until the
+    # store answered, each one closer to its max_retries for nothing.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    store, where = down_store()
+    run = Run(store)
+    try:
+        run.app.charge.delay("u1", 10)
+        worker = run.worker(log=tmp_path / "worker.log")
+        assert worker.wait(60) == 3
+        run.assert_stopped_at_start(tmp_path / "worker.log", where)
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_tables_cannot_be_used_stops_with_exit_code_4(tmp_path: Path) -> None:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    db = tmp_path / "inbox.db"
+    oncely.open(f"sqlite:///{db}").migrate()  # then written by a newer oncely
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("UPDATE oncely_inbox_meta SET value = '99' WHERE name = 'schema_version'")
+    run = Run(f"sqlite:///{db}")
+    try:
+        run.app.charge.delay("u1", 10)
+        worker = run.worker(log=tmp_path / "worker.log")
+        assert worker.wait(60) == 4
+        said = (tmp_path / "worker.log").read_text()
+        assert "its tables cannot be used" in said and "schema version 99" in said, said
+        assert run.started("u1") == 0 and run.waiting() == 1
+    finally:
+        run.close()
 
 
 @pytest.mark.timeout(180)

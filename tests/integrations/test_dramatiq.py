@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("dramatiq")
 
-from tests.integrations.workers import WorkerRun, store_url, until
+from tests.integrations.workers import WorkerRun, down_store, store_url, until
+from tests.services import RABBITMQ_URL, require
 
 
 class Run(WorkerRun):
@@ -33,10 +34,12 @@ class Run(WorkerRun):
         super().__init__(store, lease)
         self.app = self.load_app()
 
-    def worker(self, processes: int = 2, threads: int = 2) -> subprocess.Popen[bytes]:
+    def worker(
+        self, processes: int = 2, threads: int = 2, log: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         return self.spawn(
             "dramatiq", self.app_module, "--processes", str(processes),
-            "--threads", str(threads), "--queues", self.queue,
+            "--threads", str(threads), "--queues", self.queue, log=log,
         )  # fmt: skip
 
     def dead_letters(self) -> list[dict[str, Any]]:
@@ -65,6 +68,22 @@ def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = Non
 @pytest.fixture(params=["sqlite", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     yield from store_url(request, tmp_path, "oncely_dqi")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
+    # Before, each worker process started and sent every message again every second until
+    # the store answered.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    store, where = down_store()
+    run = Run(store)
+    try:
+        run.app.charge.send("u1", 10)
+        worker = run.worker(processes=2, log=tmp_path / "worker.log")
+        assert worker.wait(60) == 3
+        run.assert_stopped_at_start(tmp_path / "worker.log", where)
+    finally:
+        run.close()
 
 
 @pytest.mark.timeout(180)

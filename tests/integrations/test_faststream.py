@@ -24,8 +24,8 @@ pytest.importorskip("faststream")
 import aio_pika
 import pika
 
-from tests.integrations.workers import WorkerRun, store_url, until
-from tests.services import RABBITMQ_URL
+from tests.integrations.workers import WorkerRun, down_store, store_url, until
+from tests.services import RABBITMQ_URL, require
 
 
 class Run(WorkerRun):
@@ -44,8 +44,8 @@ class Run(WorkerRun):
     def app(self) -> ModuleType:
         return self.load_app()
 
-    def worker(self) -> subprocess.Popen[bytes]:
-        return self.spawn("faststream", "run", f"{self.app_module}:app")
+    def worker(self, log: Path | None = None) -> subprocess.Popen[bytes]:
+        return self.spawn("faststream", "run", f"{self.app_module}:app", log=log)
 
     def charge(self, message_id: str | None, order: str, amount: int = 10, **more: Any) -> None:
         body = json.dumps({"order": order, "amount": amount, **more}).encode()
@@ -89,6 +89,23 @@ def _reason(properties: Any) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_app_whose_store_is_down_does_not_start(tmp_path: Path) -> None:
+    # With on_startup=[idempotency.prepare]; before, the app started and gave every message
+    # back to RabbitMQ until the store answered.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    store, where = down_store()
+    run = Run(store)
+    try:
+        run.charge("m-u1", "u1")
+        worker = run.worker(log=tmp_path / "worker.log")
+        assert worker.wait(60) != 0
+        said = run.assert_stopped_at_start(tmp_path / "worker.log", where, oncely_line=False)
+        assert "StoreUnavailable" in said and "started successfully" not in said, said
+    finally:
+        run.close()
+
+
 @pytest.mark.timeout(180)
 def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_reason(
     store: str,

@@ -24,7 +24,8 @@ pytest.importorskip("taskiq")
 pytest.importorskip("taskiq_aio_pika")
 import pika
 
-from tests.integrations.workers import WorkerRun, store_url, until
+from tests.integrations.workers import WorkerRun, down_store, store_url, until
+from tests.services import RABBITMQ_URL, require
 
 RECEIVER = "oncely.integrations.taskiq:Receiver"
 
@@ -38,10 +39,13 @@ class Run(WorkerRun):
         super().__init__(store, lease)
         self.app: ModuleType = self.load_app()
 
-    def worker(self, workers: int = 2, receiver: str = RECEIVER) -> subprocess.Popen[bytes]:
+    def worker(
+        self, workers: int = 2, receiver: str = RECEIVER, *more: str, log: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         return self.spawn(
             "taskiq", "worker", f"{self.app_module}:broker", "--workers", str(workers),
-            *(("--receiver", receiver) if receiver else ()), "--log-level", "WARNING",
+            *(("--receiver", receiver) if receiver else ()), "--log-level", "WARNING", *more,
+            log=log,
         )  # fmt: skip
 
     def dead_letters(self) -> list[tuple[str, str]]:
@@ -167,6 +171,26 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
         time.sleep(2.0)
         assert run.effects("k1") == 1 and run.started("k1") == 2
         assert run.drive(result) == {"order": "k1", "amount": 10}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
+    # Before, each worker process started and sent every task again every 2 s until the
+    # store answered. taskiq starts a stopped worker process again: --max-fails ends it.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    store, where = down_store()
+    run = Run(store)
+    try:
+
+        async def send(app: ModuleType) -> None:
+            await app.charge.kiq("u1", 10)
+
+        run.drive(send)
+        worker = run.worker(1, RECEIVER, "--max-fails", "1", log=tmp_path / "worker.log")
+        assert worker.wait(60) != 0
+        run.assert_stopped_at_start(tmp_path / "worker.log", where)
     finally:
         run.close()
 

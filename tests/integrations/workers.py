@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,15 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> It
 
 
 ROOT = Path(__file__).resolve().parents[2]
+DOWN_STORE_PASSWORD = "s3cret-d0wn"
+
+
+def down_store() -> tuple[str, str]:
+    """A PostgreSQL store URL (with a password) where no server answers, and its address."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"postgresql://postgres:{DOWN_STORE_PASSWORD}@127.0.0.1:{port}/test", f"127.0.0.1:{port}"
 
 
 class WorkerRun:
@@ -89,14 +99,41 @@ class WorkerRun:
         os.environ.update(self.env)
         return importlib.reload(importlib.import_module(self.app_module))
 
-    def spawn(self, *argv: str) -> subprocess.Popen[bytes]:
-        """``python -m <argv>`` from the repository's root with this run's environment."""
-        process = subprocess.Popen(
-            [sys.executable, "-m", *argv],
-            cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
-        )  # fmt: skip
+    def spawn(self, *argv: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+        """``python -m <argv>`` from the repository's root with this run's environment; its
+        stdout and stderr written to ``log`` when one is given."""
+        out = None if log is None else log.open("wb")
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                cwd=ROOT, env={**os.environ, **self.env}, start_new_session=True,
+                stdout=out, stderr=None if out is None else subprocess.STDOUT,
+            )  # fmt: skip
+        finally:
+            if out is not None:
+                out.close()
         self.workers.append(process)
         return process
+
+    def waiting(self) -> int:
+        """How many messages wait, ready, in this run's queue."""
+        with self.channel() as channel:
+            return int(channel.queue_declare(self.queue, passive=True).method.message_count)
+
+    def assert_stopped_at_start(self, log: Path, where: str, *, oncely_line: bool = True) -> str:
+        """The worker whose output is ``log`` stopped before taking a message: it named the
+        store at ``where`` (its password hidden), in oncely's one line with the exit code
+        unless ``oncely_line`` is false, and the message sent before it started still waits
+        in the queue, never run. Returns what the worker said."""
+        said = log.read_text(errors="replace")
+        assert where in said and DOWN_STORE_PASSWORD not in said, said
+        if oncely_line:
+            lines = [line for line in said.splitlines() if "the worker stops before" in line]
+            assert lines and where in lines[0] and "[exit 3]" in lines[0], said
+            assert "Traceback" not in said, said
+        assert self.started("u1") == 0
+        assert self.waiting() == 1
+        return said
 
     @contextlib.contextmanager
     def channel(self) -> Iterator[Any]:

@@ -31,6 +31,9 @@ a copy while the first still runs      sent again ``retry_in_flight`` seconds la
 killed mid-task)                       taken over once a dead worker's lease lapses
 the store cannot answer                sent again later the same way, never run
                                        unprotected
+the store is down when the worker      the worker stops before taking a message (exit
+starts, or its tables cannot be used   code 3, or 4 for the tables), the store named in
+                                       the log
 the key with other arguments, no key,  dead-lettered to ``<queue>.dead`` (a Celery task
 ``oncely.Reject``, Celery's            message with ``x-oncely-*`` headers) and the task
 ``Reject(requeue=False)``              recorded as failed with :class:`DeadLettered`
@@ -68,9 +71,17 @@ from oncely._core.outcomes import Outcome
 from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
+from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import Keyer, task_key
 
-__all__ = ["KEY_HEADER", "DeadLettered", "IdempotentTask", "KeepUnreadable", "send_with_key"]
+__all__ = [
+    "KEY_HEADER",
+    "CheckStores",
+    "DeadLettered",
+    "IdempotentTask",
+    "KeepUnreadable",
+    "send_with_key",
+]
 
 LOGGER = logging.getLogger("oncely.celery")
 KEY_HEADER = "oncely_key"
@@ -117,9 +128,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        """Bound to an app: its workers dead-letter the messages Celery cannot read
+        """Bound to an app: its workers check their inboxes' stores at start
+        (:class:`CheckStores`), and dead-letter the messages Celery cannot read
         (:class:`KeepUnreadable`) instead of dropping them."""
         super().on_bound(app)
+        app.steps["worker"].add(CheckStores)
         app.steps["consumer"].add(KeepUnreadable)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,6 +296,25 @@ class KeepUnreadable(bootsteps.StartStopStep):  # type: ignore[misc]
         consumer.on_unknown_message = on_unknown_message
         consumer.on_unknown_task = on_unknown_task
         consumer.on_invalid_task = on_invalid_task
+
+
+class CheckStores(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A worker bootstep, added by :class:`IdempotentTask`: before the worker takes a
+    message, the store of every ``IdempotentTask``'s inbox is connected and its schema
+    checked. A store that cannot be reached stops the worker with exit code 3, a schema this
+    oncely cannot use with 4 (``oncely consume``'s codes), after one log line naming the
+    store: a worker that started anyway would give every message back to the broker, each
+    time a delivery closer to its dead-letter queue."""
+
+    label = "oncely: check the inboxes' stores"
+
+    def start(self, worker: Any) -> None:
+        inboxes = [
+            task.inbox
+            for task in worker.app.tasks.values()
+            if isinstance(task, IdempotentTask) and isinstance(task.inbox, Inbox)
+        ]
+        check_stores(inboxes, "celery")
 
 
 def _keep(consumer: Any, message: Any, reason: str) -> None:

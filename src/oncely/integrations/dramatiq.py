@@ -32,6 +32,9 @@ a copy while the first still runs      sent again ``retry_in_flight_ms`` later (
                                        lapses, never dropped
 the store cannot answer                sent again later the same way, never run
                                        unprotected
+the store is down when the worker      the worker process stops before taking a message
+starts, or its tables cannot be used   (exit code 3, or 4 for the tables), the store
+                                       named in the log
 the key with other arguments           dead-lettered with the reason
 no key                                 dead-lettered with the reason
 the actor raises :class:`oncely.Reject`  the key is marked rejected; the retry Dramatiq
@@ -71,6 +74,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from oncely._core.outcomes import Outcome
 from oncely.errors import Reject
 from oncely.inbox.sync_inbox import Claimed, Inbox
+from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
 
 __all__ = ["KEY_OPTION", "REASON_OPTION", "Idempotency", "TryLater", "send_with_key"]
@@ -118,6 +122,21 @@ class Idempotency(Middleware):
         # (a redelivery beside a run still going) must never end each other's claim.
         self._claims: dict[int, Claimed[Any]] = {}
         self._lock = threading.Lock()
+        self._worker_process = False
+
+    # ------------------------------------------------------------------ at start
+
+    def after_process_boot(self, broker: Any) -> None:
+        self._worker_process = True  # the dramatiq command's worker process, no one else's
+
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        """In a ``dramatiq`` worker process, before it takes a message, the inbox's store
+        is connected and its schema checked: a store that cannot be reached stops the process
+        (and with it the command) with exit code 3, a schema this oncely cannot use with 4,
+        after one log line naming the store. A ``Worker`` a program or a test starts itself
+        meets the store at its first message."""
+        if self._worker_process:
+            check_stores([self.inbox], "dramatiq")
 
     # ------------------------------------------------------------------ before the actor
 

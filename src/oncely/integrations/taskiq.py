@@ -41,6 +41,10 @@ a copy while the first still runs      sent again ``retry_in_flight`` s later (n
                                        over once a dead worker's lease lapses
 the store cannot answer                sent again later the same way, never run
                                        unprotected
+the store is down when the worker      the worker process stops before taking a message
+starts, or its tables cannot be used   (exit code 3, or 4 for the tables), the store
+                                       named in the log; taskiq starts it again, so pass
+                                       ``--max-fails`` to let the command stop
 the key with other arguments, no key,  dead-lettered with the reason, and the task's
 ``oncely.Reject``                      result is the error :class:`DeadLettered`
 a message taskiq cannot parse, or a    dead-lettered as it came, with the reason
@@ -87,6 +91,7 @@ from oncely._core.outcomes import Outcome
 from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
+from oncely.integrations._startup import check_stores_async
 from oncely.integrations._task_keys import SENT, Keyer, task_key
 
 __all__ = [
@@ -155,7 +160,19 @@ class Idempotency(TaskiqMiddleware):
         self.dead_letter = dead_letter
         self.receiver: Receiver | None = None
 
-    def startup(self) -> None:
+    async def startup(self) -> None:
+        """Checks the worker's set-up, then (in a ``taskiq worker`` process, before it takes a
+        message) connects the inbox's store and checks its schema: a store that cannot be
+        reached stops the process with exit code 3, a schema this oncely cannot use with 4,
+        after one log line naming the store. On ``InMemoryBroker`` the typed error is raised
+        instead."""
+        self._check_setup()
+        if isinstance(self.broker, InMemoryBroker):
+            await self.inbox.prepare()
+        elif self.broker.is_worker_process:
+            await check_stores_async([self.inbox], "taskiq")
+
+    def _check_setup(self) -> None:
         broker: Any = self.broker
         if isinstance(broker, InMemoryBroker):  # users' unit tests: it runs tasks itself
             if not isinstance(broker.receiver, Receiver):

@@ -8,7 +8,9 @@ Kafka (aiokafka) brokers.
     from oncely.integrations.faststream import Idempotency
 
     inbox = oncely.AsyncInbox(store, consumer="billing")
-    broker = RabbitBroker(url, middlewares=[Idempotency(inbox)])
+    idempotency = Idempotency(inbox)
+    broker = RabbitBroker(url, middlewares=[idempotency])
+    app = FastStream(broker, on_startup=[idempotency.prepare])  # the store checked at start
 
     @broker.subscriber("orders")
     async def charge(order: Order) -> None: ...
@@ -37,6 +39,8 @@ or FastStream's ``RejectMessage``
 the handler raised ``AckMessage``      the key completes (nothing is published)
 the handler raised ``NackMessage``     a failure: retried as above
 the store cannot answer                given back, never run unprotected
+the store is down at start             the app does not start, with
+                                       ``on_startup=[idempotency.prepare]``
 the dead-letter copy cannot be sent    given back, never acknowledged without its copy
 =====================================  ================================================
 

@@ -97,6 +97,19 @@ class Idempotency:
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
         return _Scope(self, msg, context=context)
 
+    async def prepare(self) -> None:
+        """Connect every inbox's store and check its schema now, not at the first message.
+        FastStream gives a broker middleware no start-up of its own: give this to the app,
+        ``FastStream(broker, on_startup=[idempotency.prepare])``, and an app whose store is
+        down does not start, with :class:`~oncely.StoreUnavailable` naming the store (or
+        :class:`~oncely.SchemaError` for tables this oncely cannot use). Without it, such an
+        app starts and gives every message back to the broker until the store answers."""
+        seen: set[int] = set()
+        for inbox in self._inboxes.values():
+            if id(inbox.store) not in seen:
+                seen.add(id(inbox.store))
+                await inbox.prepare()
+
     def _inbox_for(self, queue: str | None) -> AsyncInbox | None:
         if self._every is not None:
             return self._every
