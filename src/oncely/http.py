@@ -67,7 +67,8 @@ from http import HTTPStatus
 from typing import Any
 
 from oncely._core.outcomes import Handled, Outcome
-from oncely.errors import ConfigurationError, TransactionRequired
+from oncely._core.policy import Limits
+from oncely.errors import ConfigurationError, StoreUnavailable, TransactionRequired
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.stores.async_protocols import AsyncTransactionalStore
@@ -123,7 +124,10 @@ def _part(text: str) -> str:
 
 
 KeyFrom = Callable[[Scope, bytes], str | None]
-"""Reads a request's key from its scope (headers) and body; None when it has none."""
+"""Reads a request's key from its ASGI scope and body; None when it has none. A
+``ValueError`` it raises (the id cannot be read) answers ``400`` with its message. Behind the
+WSGI middleware the scope is a mapping with ``headers`` (as ASGI names them), ``method``,
+``path``, ``query_string`` and ``environ``."""
 
 
 def _from_header(name: bytes, what: str) -> KeyFrom:
@@ -148,6 +152,13 @@ standard_webhooks = _from_header(b"webhook-id", "webhook-id")
 """Standard Webhooks (Svix and the providers using it): the message id."""
 shopify = _from_header(b"x-shopify-webhook-id", "X-Shopify-Webhook-Id")
 """Shopify webhooks: the webhook's id (the same on a retry)."""
+_NAMED = {
+    "X-GitHub-Delivery": "X-GitHub-Delivery header",
+    "webhook-id": "webhook-id header",
+    "X-Shopify-Webhook-Id": "X-Shopify-Webhook-Id header",
+    "stripe": 'Stripe event id (the body\'s "id")',
+}
+"""What a request lacks, by the name of the built-in key function that found nothing."""
 
 
 def stripe(scope: Scope, body: bytes) -> str | None:
@@ -281,6 +292,7 @@ class _Policy:
         self._max_stored = max_stored_bytes
         self._key_from = key
         self._transactional = transactional
+        self._inbox_limit = Limits().max_result_bytes  # the inbox's, once it is known
         if transactional and wait is not None:
             raise ConfigurationError(
                 "wait= is for the two-phase mode: with transactional=True a repeat already "
@@ -288,6 +300,7 @@ class _Policy:
             )
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
+        self._inbox_limit = inbox.limits.max_result_bytes
         protocol = AsyncTransactionalStore if isinstance(inbox, AsyncInbox) else TransactionalStore
         if self._transactional and not isinstance(inbox.store, protocol):
             raise ConfigurationError(
@@ -306,14 +319,20 @@ class _Policy:
     ) -> dict[str, Any] | str:
         """:func:`kept` with this middleware's limits (a response over ``max_stored_bytes``
         logged): the response to store, or why it is not kept."""
-        decided = kept(status, headers, chunks, size, self._max_stored, self._store_status)
+        limit = self._max_stored
+        if _stored_size(size, headers) > self._inbox_limit:
+            limit = min(limit, size - 1)  # kept, it would be over the inbox's own limit
+        decided = kept(status, headers, chunks, size, limit, self._store_status)
         if not isinstance(decided, str) and "too_large" in decided:
             LOGGER.warning(
-                "oncely http key=%s: the %d-byte response is over max_stored_bytes (%d); it "
-                "was sent but not kept, and a repeat cannot be replayed",
+                "oncely http key=%s: the %d-byte response was sent but not kept (%s), so a "
+                "repeat cannot be replayed",
                 key,
                 size,
-                self._max_stored,
+                f"over max_stored_bytes={self._max_stored}"
+                if size > self._max_stored
+                else f"stored, it would be over the inbox's Limits(max_result_bytes="
+                f"{self._inbox_limit}); raise that to keep it",
             )
         return decided
 
@@ -361,9 +380,7 @@ class _Policy:
             )
         return None
 
-    def _body_step(
-        self, headers: Iterable[tuple[bytes, bytes]], body: bytes | None, key: str | None
-    ) -> str | Reply:
+    def _body_step(self, scope: Scope, body: bytes | None, key: str | None) -> str | Reply:
         """With the body read: the key, or the reply that refuses the request."""
         if body is None:
             return problem(
@@ -376,12 +393,16 @@ class _Policy:
             return key
         assert self._key_from is not None
         try:
-            found = self._key_from({"headers": list(headers)}, body)
-        except _BadKey as exc:
+            found = self._key_from(scope, body)
+        except ValueError as exc:  # _BadKey, or the user's own function's refusal
             return problem(400, "Invalid delivery id", str(exc))
         if found is None:
-            name = getattr(self._key_from, "__name__", "key")
-            return problem(400, "Delivery id missing", f"the request has no {name}")
+            what = _NAMED.get(getattr(self._key_from, "__name__", ""), "id this endpoint needs")
+            return problem(400, "Delivery id missing", f"the request has no {what}")
+        if not isinstance(found, str) or not found:
+            raise ConfigurationError(
+                f"the key= function returned {found!r}: a non-empty str, or None for none"
+            )
         return found
 
 
@@ -434,7 +455,9 @@ class IdempotencyMiddleware(_Policy):
             await _send(send, first)
             return
         body = await _read_body(receive, self._max_request)
-        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        if body is _GONE:
+            return  # the client went away before its body ended: nothing claimed, nothing run
+        key = self._body_step(scope, body, first if isinstance(first, str) else None)
         if not isinstance(key, str):
             await _send(send, key)
             return
@@ -447,9 +470,15 @@ class IdempotencyMiddleware(_Policy):
             scope.get("query_string", b""), body, _header(headers, b"content-type")
         )
         if self._transactional:
-            await self._run_in_transaction(scope, body, send, scoped, fingerprint)
+            await self._run_in_transaction(scope, body, receive, send, scoped, fingerprint)
             return
-        claimed: AsyncClaimed[Any] = await self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        try:
+            claimed: AsyncClaimed[Any] = await self.inbox.claim(
+                scoped, fingerprint, wait=self._wait
+            )
+        except StoreUnavailable as exc:
+            await _send(send, _store_down(scoped, exc))
+            return
         if not claimed.won:
             assert claimed.handled is not None
             # Speed: _answer and _send written in: two coroutines fewer on a replay, 0.1 us of
@@ -458,14 +487,20 @@ class IdempotencyMiddleware(_Policy):
             await send({"type": "http.response.start", "status": status, "headers": reply_headers})
             await send({"type": "http.response.body", "body": reply_body})
             return
-        await self._run(scope, body, send, claimed)
+        await self._run(scope, body, receive, send, claimed)
 
     async def _run_in_transaction(
-        self, scope: Scope, body: bytes, send: Send, scoped: str, fingerprint: dict[str, Any]
+        self,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        scoped: str,
+        fingerprint: dict[str, Any],
     ) -> None:
         """The app inside :meth:`AsyncInbox.handle_in_transaction
         <oncely.AsyncInbox.handle_in_transaction>`, its response held until the commit."""
-        replay_body = _body_once(body)
+        replay_body = _body_once(body, receive)
         held: list[Message] = []
         raised: list[BaseException] = []
 
@@ -483,15 +518,28 @@ class IdempotencyMiddleware(_Policy):
                 _TX.reset(entered)
             return self._keep(*_response_of(held), scoped)
 
-        handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        try:
+            handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        except StoreUnavailable as exc:
+            if raised:
+                raise raised[0] from exc
+            await _send(send, _store_down(scoped, exc))  # nothing committed: the retry runs
+            return
         if _ran(handled, raised):
             for message in held:
                 await send(message)
             return
         await self._answer(send, handled)
 
-    async def _run(self, scope: Scope, body: bytes, send: Send, claimed: AsyncClaimed[Any]) -> None:
-        replay_body = _body_once(body)
+    async def _run(
+        self,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        claimed: AsyncClaimed[Any],
+    ) -> None:
+        replay_body = _body_once(body, receive)
         status = 0
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
@@ -523,7 +571,13 @@ class IdempotencyMiddleware(_Policy):
                 await claimed.release(f"the app raised {type(exc).__name__}: {exc}")
             raise
         if not ended:
-            await self._end(claimed, status, headers, chunks, size)
+            # No last body message: no response at all, or one cut short (a stream whose
+            # client went away). Neither is what the client would get on a repeat.
+            await claimed.release(
+                "the app returned before its response ended"
+                if status
+                else "the app returned without a response"
+            )
 
     async def _end(
         self,
@@ -548,18 +602,21 @@ Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 """A response: status, headers, body."""
 
 
-def _body_once(body: bytes) -> Receive:
-    """An ASGI ``receive`` that gives ``body`` whole once, then a disconnect."""
+def _body_once(body: bytes, receive: Receive) -> Receive:
+    """An ASGI ``receive`` that gives ``body`` (read already) whole once, then passes on to
+    the server's ``receive``: an app that listens for the client's disconnect while it streams
+    (Starlette's ``StreamingResponse``, ``request.is_disconnected()``) hears the real one, not
+    one made up the moment the body was handed over."""
     given = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal given
         if not given:
             given = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
+        return await receive()
 
-    return receive
+    return replay
 
 
 def _ran(handled: Handled[Any], raised: list[BaseException]) -> bool:
@@ -605,8 +662,8 @@ def answer(handled: Handled[Any]) -> Reply:
         return problem(
             409,
             "Response not replayable",
-            "the first request with this key ran, but its response was not kept (over "
-            "max_stored_bytes); it is not run again",
+            "the first request with this key ran, but its response was too large to keep; "
+            "it is not run again",
         )
     if outcome is Outcome.IN_FLIGHT:
         return problem(
@@ -624,6 +681,25 @@ def answer(handled: Handled[Any]) -> Reply:
     if outcome is Outcome.REJECTED:
         return problem(400, "Invalid Idempotency-Key", handled.reason or "refused")
     return problem(409, "Request needs attention", handled.reason or outcome.value, retry_after=60)
+
+
+_STORE_DOWN_RETRY = 5
+"""Seconds a client is asked to wait before it retries a request the store could not take."""
+
+
+def _store_down(key: str, exc: StoreUnavailable) -> Reply:
+    """``503`` for a request whose key the store could not claim (or whose transaction it
+    could not commit): nothing ran, or nothing of it was kept, so a retry is safe."""
+    LOGGER.error(
+        "oncely http key=%s: the store cannot be reached, the request was not run: %s", key, exc
+    )
+    return problem(
+        503,
+        "Idempotency store unavailable",
+        "the request was not run (the store that recognises repeats cannot be reached); "
+        "retry with the same Idempotency-Key",
+        retry_after=_STORE_DOWN_RETRY,
+    )
 
 
 def problem(status: int, title: str, detail: str, *, retry_after: int | None = None) -> Reply:
@@ -645,13 +721,30 @@ def scoped_key(who: str, method: str, path: str, key: str) -> str:
     return f"http:{_part(who)}:{method}:{_part(path)}:{_part(key)}"
 
 
+_BOUNDARY = re.compile(r';[ \t]*boundary[ \t]*=[ \t]*(?:"([^"]+)"|([^;, \t]+))', re.IGNORECASE)
+
+
 def request_fingerprint(query: bytes, body: bytes, content_type: str | None) -> dict[str, Any]:
-    """What must match for a repeat to be the same request (beside its method and path)."""
+    """What must match for a repeat to be the same request (beside its method and path). A
+    multipart body's boundary, which a client draws afresh for every request, is left out
+    (of the body and of the content type): a retried upload is the same request."""
+    if content_type is not None and content_type[:10].lower() == "multipart/":
+        found = _BOUNDARY.search(content_type)
+        if found is not None:
+            boundary = (found.group(1) or found.group(2)).encode("latin-1")
+            body = body.replace(b"--" + boundary, b"--\x00boundary")
+            content_type = content_type[: found.start()] + content_type[found.end() :]
     return {
         "query": query.decode("latin-1"),
         "body": hashlib.sha256(body).hexdigest(),
         "type": content_type,
     }
+
+
+def _stored_size(size: int, headers: list[tuple[bytes, bytes]]) -> int:
+    """At least the encoded size of a stored response of ``size`` body bytes and ``headers``
+    (the body in base64; each header byte counted as an escaped character)."""
+    return 4 * ((size + 2) // 3) + sum(6 * (len(k) + len(v)) + 8 for k, v in headers) + 96
 
 
 def kept(
@@ -699,8 +792,16 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
+class _Gone(bytes):
+    """What :func:`_read_body` returns when the client disconnected before its body ended."""
+
+
+_GONE = _Gone()
+
+
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it is over ``limit`` bytes."""
+    """The whole request body; None when it is over ``limit`` bytes; :data:`_GONE` when the
+    client went away before its last part (a body cut short is never taken for the whole)."""
     message = await receive()
     if message["type"] != "http.disconnect" and not message.get("more_body", False):
         # Speed: a body in one message (every small request) is that message's, unjoined
@@ -711,7 +812,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
     size = 0
     while True:
         if message["type"] == "http.disconnect":
-            break
+            return _GONE
         chunk = bytes(message.get("body", b""))
         size += len(chunk)
         if size > limit:
@@ -771,7 +872,14 @@ class WSGIIdempotencyMiddleware(_Policy):
         if isinstance(first, tuple):
             return _respond(start_response, first)
         body = self._read(environ)
-        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        wsgi_scope = {
+            "headers": headers,
+            "method": method,
+            "path": str(environ.get("PATH_INFO", "")),
+            "query_string": str(environ.get("QUERY_STRING", "")).encode("latin-1"),
+            "environ": environ,
+        }
+        key = self._body_step(wsgi_scope, body, first if isinstance(first, str) else None)
         if not isinstance(key, str):
             return _respond(start_response, key)
         assert body is not None
@@ -790,7 +898,10 @@ class WSGIIdempotencyMiddleware(_Policy):
         )
         if self._transactional:
             return self._run_in_transaction(environ, body, start_response, scoped, fingerprint)
-        claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        try:
+            claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        except StoreUnavailable as exc:
+            return _respond(start_response, _store_down(scoped, exc))
         if not claimed.won:
             assert claimed.handled is not None
             return _respond(start_response, answer(claimed.handled))
@@ -819,7 +930,12 @@ class WSGIIdempotencyMiddleware(_Policy):
             status_line, raw_headers, chunks = held[0]
             return self._keep(*_wsgi_response(status_line, raw_headers), chunks, scoped)
 
-        handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        try:
+            handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+        except StoreUnavailable as exc:
+            if raised:
+                raise raised[0] from exc
+            return _respond(start_response, _store_down(scoped, exc))
         if _ran(handled, raised):
             status_line, raw_headers, chunks = held[0]
             start_response(status_line, raw_headers)
@@ -851,13 +967,26 @@ class WSGIIdempotencyMiddleware(_Policy):
         return str(status_line), list(raw_headers), chunks
 
     def _read(self, environ: dict[str, Any]) -> bytes | None:
+        """The request body; None when it is over ``max_request_bytes``. Without a
+        ``Content-Length``, a server that marks its input terminated (``wsgi.input_terminated``:
+        gunicorn and others for a chunked request) is read to its end."""
+        stream = environ.get("wsgi.input")
+        given = environ.get("CONTENT_LENGTH")
+        if not given and environ.get("wsgi.input_terminated") and stream is not None:
+            parts: list[bytes] = []
+            size = 0
+            while chunk := stream.read(65536):
+                size += len(chunk)
+                if size > self._max_request:
+                    return None
+                parts.append(bytes(chunk))
+            return b"".join(parts)
         try:
-            length = int(environ.get("CONTENT_LENGTH") or 0)
+            length = int(given or 0)
         except ValueError:
             length = 0
         if length > self._max_request:
             return None
-        stream = environ.get("wsgi.input")
         body = stream.read(length) if stream is not None and length else b""
         return bytes(body)
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 from collections import Counter
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -109,7 +110,7 @@ async def plain(scope: Scope, receive: Receive, send: Send) -> None:
 
 def starlette_app() -> Any:
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     async def orders(request: Request) -> JSONResponse:
@@ -119,8 +120,31 @@ def starlette_app() -> Any:
     async def effects(request: Request) -> JSONResponse:
         return JSONResponse(dict(EFFECTS))
 
+    async def notes(request: Request) -> JSONResponse:
+        """Any body (an upload, a partial one): one effect per run, by its size."""
+        size = len(await request.body())
+        EFFECTS[f"note:{size}"] += 1
+        return JSONResponse({"size": size, "run": EFFECTS[f"note:{size}"]}, status_code=201)
+
+    async def stream(request: Request) -> StreamingResponse:
+        """``n`` chunks, a little apart, as a report that is streamed would be."""
+        n = int(request.query_params.get("n", "5"))
+        EFFECTS[f"stream:{n}"] += 1
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(n):
+                await asyncio.sleep(0.05)
+                yield f"chunk {i}\n".encode()
+
+        return StreamingResponse(chunks(), status_code=201, media_type="text/plain")
+
     return Starlette(
-        routes=[Route("/orders", orders, methods=["POST"]), Route("/effects", effects)]
+        routes=[
+            Route("/orders", orders, methods=["POST"]),
+            Route("/effects", effects),
+            Route("/notes", notes, methods=["POST"]),
+            Route("/stream", stream, methods=["POST"]),
+        ]
     )
 
 

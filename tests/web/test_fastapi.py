@@ -85,7 +85,24 @@ async def test_r19_a_route_added_after_install_refuses_rather_than_runs_unprotec
         got = await client.post("/late", json={"id": late}, headers={"Idempotency-Key": key()})
         assert got.status_code == 500 and "install" in got.json()["detail"]
         assert late not in (await client.get("/effects")).json()
-        assert (await client.get("/installed")).json() == ["/orders"]
+        installed = (await client.get("/installed")).json()
+        assert sorted(installed) == ["/api/shop/v1/refunds", "/billing/invoices", "/orders"]
+
+
+@pytest.mark.parametrize("path", ["/api/shop/v1/refunds", "/billing/invoices"])
+async def test_r19_routes_of_included_routers_are_idempotent_too(server: str, path: str) -> None:
+    # FastAPI 0.160 and later keep an included router whole instead of copying its routes
+    # into the app: before, install() found none of them, and each answered 500.
+    async with httpx.AsyncClient(base_url=server) as client:
+        k, order = key(), f"r-{uuid.uuid4().hex[:8]}"
+        first = await client.post(path, json={"id": order}, headers={"Idempotency-Key": k})
+        assert first.status_code == 201, first.text
+        again = await client.post(path, json={"id": order}, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true"
+        _same_response(first, again)
+        missing = await client.post(path, json={"id": f"{order}-no-key"})
+        assert missing.status_code == 400
+        assert (await client.get("/effects")).json()[order] == 1
 
 
 async def test_r19_the_header_is_in_the_routes_openapi_schema(server: str) -> None:

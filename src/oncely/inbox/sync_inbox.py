@@ -182,6 +182,11 @@ class Inbox:
         return self._store
 
     @property
+    def limits(self) -> Limits:
+        """The bounds on keys, payloads and stored results this inbox enforces."""
+        return self._limits
+
+    @property
     def retention(self) -> Retention:
         """How long this inbox keeps records (R13)."""
         return self._retention

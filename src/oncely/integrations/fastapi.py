@@ -17,13 +17,14 @@ response replayed byte for byte, 409, 422, 400, problem details; the same option
 
     idempotency.install(app)                          # after the routes are added
 
-:meth:`Idempotency.install` puts the middleware in front of every route of the app (routers
-included with ``include_router`` are the app's routes by then) whose dependencies include this
-object, for the route's own methods, with the key required unless ``required=False`` was
-given. A route the dependency finds without that middleware in front of it (added after
-``install``, or ``install`` never called) answers 500 and logs why, rather than run
-unprotected. The dependency's value is the request's ``Idempotency-Key`` (the string inside
-the quotes), or None on a route that does not require one.
+:meth:`Idempotency.install` puts the middleware in front of every route of the app (those of
+routers included with ``include_router`` too, at any depth) whose dependencies, or its
+routers' dependencies, include this object, for the route's own methods, with the key
+required unless ``required=False`` was given. A route the dependency finds without that
+middleware in front of it (added after ``install``, or ``install`` never called) answers 500
+and logs why, rather than run unprotected. The dependency's value is the request's
+``Idempotency-Key`` (the string inside the quotes), or None on a route that does not require
+one.
 
 Tested with uvicorn serving a FastAPI app on SQLite, PostgreSQL and Redis
 (``tests/web/test_fastapi.py``).
@@ -31,7 +32,7 @@ Tested with uvicorn serving a FastAPI app on SQLite, PostgreSQL and Redis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any
 
 try:
@@ -109,26 +110,44 @@ class Idempotency:
             return None
 
     def install(self, app: FastAPI) -> list[str]:
-        """Put the middleware in front of each route of ``app`` that depends on this object;
-        the routes' paths. Call it once the routes are added (again after adding more)."""
+        """Put the middleware in front of each route of ``app`` that depends on this object
+        (its own dependency, or one of a router it was included with); the routes' full
+        paths. Call it once the routes are added and routers included (again after adding
+        more)."""
         done = []
-        for route in app.router.routes:
-            if not isinstance(route, APIRoute) or not _depends_on(route, self):
-                continue
-            if isinstance(route.app, _Marked):
-                continue  # installed already
+        for route in _served(app.router.routes):
+            if not _depends_on(route, self) or isinstance(route.app, _Marked):
+                continue  # not ours, or installed already
             options = {"methods": route.methods or ("POST",), "required": True, **self._options}
             inner = IdempotencyMiddleware(route.app, inbox=self.inbox, **options)
             route.app = _Marked(inner, self)
-            done.append(route.path)
+            done.append(str(getattr(route, "path_format", "") or route.path))
         return done
 
 
-def _depends_on(route: APIRoute, owner: Idempotency) -> bool:
+def _served(routes: Iterable[Any]) -> Iterator[Any]:
+    """What serves each FastAPI route of ``routes``: the ``APIRoute`` itself where the app
+    holds it (FastAPI copied an included router's routes into the app before 0.160), else,
+    for a router included whole, the route as that inclusion serves it (its full path, the
+    router's dependencies added, its own ASGI ``app``)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+            continue
+        contexts = getattr(route, "effective_route_contexts", None)
+        if contexts is None:
+            continue
+        for context in contexts():
+            if isinstance(context.original_route, APIRoute) and context.app is not None:
+                yield context
+
+
+def _depends_on(route: Any, owner: Idempotency) -> bool:
     def walk(dependants: Iterable[Any]) -> bool:
         return any(d.call is owner or walk(d.dependencies) for d in dependants)
 
-    return walk(route.dependant.dependencies)
+    dependant = route.dependant
+    return dependant is not None and walk(dependant.dependencies)
 
 
 def _unprotected(request: Request) -> HTTPException:

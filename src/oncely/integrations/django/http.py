@@ -48,10 +48,11 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 import oncely
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, StoreUnavailable
 from oncely.http import (
     Reply,
     _Policy,
+    _store_down,
     _wsgi_headers,
     answer,
     request_fingerprint,
@@ -93,6 +94,7 @@ class _Guard(_Policy):
             )
         options.setdefault("principal", default_principal)
         super().__init__(**options)
+        self._check_inbox(inbox)
         self.inbox = inbox
 
     def run(self, request: HttpRequest, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
@@ -106,7 +108,14 @@ class _Guard(_Policy):
         if isinstance(first, tuple):
             return _response(first)
         body = self._read(request)
-        key = self._body_step(headers, body, first if isinstance(first, str) else None)
+        scope = {
+            "headers": headers,
+            "method": method,
+            "path": request.path,
+            "query_string": str(request.META.get("QUERY_STRING", "")).encode("latin-1"),
+            "request": request,
+        }
+        key = self._body_step(scope, body, first if isinstance(first, str) else None)
         if not isinstance(key, str):
             return _response(key)
         assert body is not None
@@ -119,7 +128,10 @@ class _Guard(_Policy):
             body,
             request.META.get("CONTENT_TYPE") or None,
         )
-        claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        try:
+            claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
+        except StoreUnavailable as exc:
+            return _response(_store_down(scoped, exc))
         if not claimed.won:
             assert claimed.handled is not None
             return _response(answer(claimed.handled))

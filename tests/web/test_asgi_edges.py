@@ -1,0 +1,204 @@
+"""The ASGI middleware where a request or a response is not one plain message: a streamed
+response, a client that goes away mid-upload, a retried multipart upload, a store that is
+down, a response larger than the inbox keeps, a webhook id function of the user's own; served
+by uvicorn where the server's own behaviour matters (R19)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+import oncely
+from oncely.http import IdempotencyMiddleware, Receive, Scope, Send, WSGIIdempotencyMiddleware
+from tests.brokers.common import free_port
+from tests.web.test_asgi import _store, effects, key, serving
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url, drop = _store("sqlite", tmp_path_factory.mktemp("edges"))
+    try:
+        with serving(url, "starlette") as base:
+            yield base
+    finally:
+        drop()
+
+
+async def test_r19_a_streamed_response_reaches_the_client_whole_and_is_replayed_whole(
+    server: str,
+) -> None:
+    # Before, the app was told the client had gone as soon as it had read the body: the
+    # stream stopped after its first chunk, and that first chunk was what a repeat got.
+    async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+        k, n = key(), 5 + uuid.uuid4().int % 50
+        whole = "".join(f"chunk {i}\n" for i in range(n)).encode()
+        first = await client.post(f"/stream?n={n}", headers={"Idempotency-Key": k})
+        assert first.status_code == 201 and first.content == whole
+        again = await client.post(f"/stream?n={n}", headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true" and again.content == whole
+        assert (await effects(client))[f"stream:{n}"] == 1
+
+
+def test_r19_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(server: str) -> None:
+    # Before, the part that had arrived was taken for the whole body: the app ran on it, its
+    # response was kept, and the client's retry with the whole body was refused (422).
+    parts = urlsplit(server)
+    k = key()
+    size = 1000 + uuid.uuid4().int % 1000
+    body = b"x" * size
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(
+            b"POST /notes HTTP/1.1\r\nHost: shop\r\nIdempotency-Key: "
+            + k.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % size
+            + body[:100]
+        )
+        sock.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)  # no answer: the server waits for the rest of the body
+    with httpx.Client(base_url=server) as client:
+        retried = client.post("/notes", content=body, headers={"Idempotency-Key": k})
+        assert retried.status_code == 201 and retried.json() == {"size": size, "run": 1}
+        done = client.get("/effects").json()
+    assert done[f"note:{size}"] == 1 and "note:100" not in done
+
+
+async def test_r19_a_retried_multipart_upload_is_the_same_request(server: str) -> None:
+    # Each request draws a new multipart boundary: before, the retry of an upload was taken
+    # for another body under the same key (422).
+    async with httpx.AsyncClient(base_url=server) as client:
+        k = key()
+        content = uuid.uuid4().bytes * 40
+        sent = [
+            await client.post(
+                "/notes",
+                files={"scan": ("scan.bin", content)},
+                data={"note": "receipt"},
+                headers={"Idempotency-Key": k},
+            )
+            for _ in range(2)
+        ]
+        assert [a.status_code for a in sent] == [201, 201]
+        assert sent[1].headers["idempotent-replayed"] == "true"
+        other = await client.post(
+            "/notes", files={"scan": ("scan.bin", content + b"!")}, headers={"Idempotency-Key": k}
+        )
+        assert other.status_code == 422  # another file under the same key is still refused
+        assert (await effects(client))[f"note:{sent[0].json()['size']}"] == 1
+
+
+async def test_r19_a_store_that_is_down_answers_503_and_runs_nothing(tmp_path: Path) -> None:
+    # Before, a plain-text 500 (and a traceback in the log): nothing said a retry was safe.
+    store = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
+    with serving(store, "starlette") as base:
+        async with httpx.AsyncClient(base_url=base) as client:
+            got = await client.post(
+                "/orders", json={"id": "down-1"}, headers={"Idempotency-Key": key()}
+            )
+            assert got.status_code == 503
+            assert got.headers["content-type"] == "application/problem+json"
+            assert int(got.headers["retry-after"]) > 0
+            assert "not run" in got.json()["detail"]
+            assert "down-1" not in await effects(client)
+
+
+async def _app_of(size: int, answered: list[int]) -> Any:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        answered.append(size)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"r" * size})
+
+    return app
+
+
+async def test_r19_a_response_larger_than_the_inbox_keeps_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before, max_stored_bytes (1 MiB) let it through, the inbox's own limit (256 KiB after
+    # encoding) dropped it with an ERROR line, and the repeat's 409 blamed max_stored_bytes.
+    answered: list[int] = []
+    limits = oncely.Limits(max_result_bytes=10_000)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api", limits=limits)
+    api = IdempotencyMiddleware(await _app_of(9_000, answered), inbox=inbox)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        caplog.set_level(logging.WARNING, logger="oncely")
+        headers = {"Idempotency-Key": key()}
+        first = await client.post("/report", headers=headers)
+        assert first.status_code == 200 and len(first.content) == 9_000
+        again = await client.post("/report", headers=headers)
+        assert again.status_code == 409 and "too large to keep" in again.json()["detail"]
+    assert answered == [9_000]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("max_result_bytes=10000" in line for line in said), said
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records), said
+
+
+async def test_r19_a_key_function_gets_the_scope_and_a_value_error_is_a_400() -> None:
+    seen: list[str] = []
+
+    def tenant_event(scope: Scope, body: bytes) -> str | None:
+        seen.append(scope["path"])
+        if not body:
+            return None
+        if not body.isdigit():
+            raise ValueError("the event id is not a number")
+        return f"{scope['path']}:{body.decode()}"
+
+    answered: list[int] = []
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="hooks")
+    api = IdempotencyMiddleware(await _app_of(2, answered), inbox=inbox, key=tenant_event)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        assert (await client.post("/hooks/a", content=b"17")).status_code == 200
+        replay = await client.post("/hooks/a", content=b"17")
+        assert replay.headers["idempotent-replayed"] == "true"
+        bad = await client.post("/hooks/a", content=b"x17")
+        assert bad.status_code == 400 and bad.json()["detail"] == "the event id is not a number"
+        none = await client.post("/hooks/a", content=b"")
+        assert none.status_code == 400 and "no id this endpoint needs" in none.json()["detail"]
+    assert seen == ["/hooks/a"] * 4 and answered == [2]
+
+
+def test_r19_a_chunked_wsgi_request_is_read_to_its_end() -> None:
+    # Without a Content-Length (a chunked request), servers that mark their input
+    # terminated give the whole body: before, the middleware read none of it.
+    got: list[bytes] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        got.append(environ["wsgi.input"].read())
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="api")
+    api = WSGIIdempotencyMiddleware(app, inbox=inbox)
+    body = uuid.uuid4().bytes * 1000
+    answered: list[str] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+        answered.append(status)
+
+    for _ in range(2):
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/upload",
+            "HTTP_IDEMPOTENCY_KEY": '"chunked-1"',
+            "wsgi.input": io.BytesIO(body),
+            "wsgi.input_terminated": True,
+        }
+        out = api(environ, start_response)
+        assert answered.pop() == "201 Created" and b"".join(out) == b"ok"
+    assert got == [body]  # the repeat was the same request: replayed, not run
+
+
