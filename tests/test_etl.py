@@ -1,5 +1,8 @@
 """ETL units and checkpoints (R19): files re-fed and a log resumed from its checkpoint after a
-``SIGKILL``, every unit applied once, on SQLite, in a process of its own."""
+``SIGKILL``, every unit applied once, on SQLite, in a process of its own; a checkpoint that
+compares each range with its mark (a range already passed is a duplicate, a gap or an overlap
+is refused), in-process and with two runner processes at once, on SQLite, PostgreSQL and
+MariaDB."""
 
 from __future__ import annotations
 
@@ -9,12 +12,16 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import oncely
-from oncely.etl import Checkpoint, file_unit, range_unit
+from oncely.etl import Checkpoint, CheckpointMismatch, file_unit, range_unit
+from tests.etl_runner import open_store, row_writer
+from tests.services import MYSQL_URL, POSTGRES_DSN, require
 
 ROOT = Path(__file__).resolve().parent.parent
 LINES = 200
@@ -33,6 +40,32 @@ def test_r19_a_unit_is_keyed_by_what_it_holds(tmp_path: Path) -> None:
         range_unit("log", 5, 5)
     with pytest.raises(oncely.ConfigurationError, match="keeps no checkpoints"):
         Checkpoint(oncely.Inbox(oncely.MemoryStore(), consumer="x"), "log")
+
+
+def test_r2_r19_the_same_file_fed_from_another_folder_is_a_duplicate(tmp_path: Path) -> None:
+    """The payload names the unit as its key does (the file's name, as the README and the
+    module show): the path, which differs from folder to folder, would be a key conflict."""
+    store = oncely.SQLiteStore(tmp_path / "etl.db")
+    inbox = oncely.Inbox(store, consumer="loader")
+    loaded: list[Path] = []
+    for folder in ("incoming", "retried"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "orders-1.csv").write_text("o-1,42\n")
+    for folder in ("incoming", "retried", "retried"):
+        path = tmp_path / folder / "orders-1.csv"
+        handled = inbox.handle_in_transaction(
+            file_unit(path),
+            {"file": path.name},
+            lambda _tx, _unit: loaded.append(path),  # noqa: B023
+        )
+        assert handled.outcome is (
+            oncely.Outcome.PROCESSED if folder == "incoming" else oncely.Outcome.DUPLICATE
+        )
+    assert loaded == [tmp_path / "incoming" / "orders-1.csv"]
+    by_path = inbox.handle_in_transaction(file_unit(path), str(path), lambda _tx, _p: None)
+    assert by_path.outcome is oncely.Outcome.KEY_CONFLICT
+    inbox.close()
+    store.close()
 
 
 def _run(db: Path, incoming: Path, log: Path, pause: float) -> subprocess.Popen[str]:
@@ -91,3 +124,158 @@ def test_r19_refed_files_and_a_resumed_log_apply_every_unit_once_across_a_sigkil
     store = oncely.SQLiteStore(db)
     assert Checkpoint(oncely.Inbox(store, consumer="loader"), "clicks.log").position() == LINES
     store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres", "mysql"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A store (as :func:`tests.etl_runner.open_store` names it) and an inbox table of this
+    test's own, with a ``<table>_rows`` table beside it; the tables are dropped afterwards."""
+    table = f"oncely_etl_{uuid.uuid4().hex[:12]}"
+    if request.param == "sqlite":
+        db = tmp_path / "etl.db"
+        with sqlite3.connect(db) as conn:
+            conn.execute(f"CREATE TABLE {table}_rows (n INTEGER)")
+        yield f"sqlite:{db}", table
+        return
+    if request.param == "postgres":
+        require("PostgreSQL", POSTGRES_DSN, 5432)
+        import psycopg
+
+        from tests.backends.postgres import drop_tables
+
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as pg:
+            pg.execute(f"CREATE TABLE {table}_rows (n INTEGER)")
+    else:
+        require("MariaDB", MYSQL_URL, 3306)
+        from tests.backends.mysql import drop_tables, sql
+
+        sql(f"CREATE TABLE {table}_rows (n INTEGER) ENGINE=InnoDB")
+    try:
+        yield request.param, table
+    finally:
+        drop_tables(table, f"{table}_rows")
+
+
+def _rows(where: tuple[str, str]) -> list[int]:
+    """The offsets written to the rows table, in order."""
+    name, table = where
+    query = f"SELECT n FROM {table}_rows ORDER BY n"
+    if name.startswith("sqlite:"):
+        with sqlite3.connect(name.removeprefix("sqlite:")) as conn:
+            return [int(n) for (n,) in conn.execute(query)]
+    if name == "postgres":
+        import psycopg
+
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as pg:
+            return [int(n) for (n,) in pg.execute(query)]
+    from tests.backends.mysql import sql
+
+    return [int(n) for (n,) in sql(query)]
+
+
+def test_r19_a_range_at_or_before_the_mark_is_a_duplicate_a_gap_or_an_overlap_is_refused(
+    where: tuple[str, str],
+) -> None:
+    """Re-fed with other bounds than the first time, a source loads no row twice: the mark,
+    not the range's key, says what was applied."""
+    name, table = where
+    store = open_store(name, table)
+    mark = Checkpoint(oncely.Inbox(store, consumer="loader"), "log")
+    written = row_writer(name, table)
+    calls: list[tuple[int, int]] = []
+
+    def write(tx: object, offsets: list[int]) -> int:
+        calls.append((offsets[0], offsets[-1] + 1))
+        return written(tx, offsets)
+
+    for first in range(0, 1000, 50):  # rows 0-1000, in chunks of 50
+        assert mark.apply(first, first + 50, list(range(first, first + 50)), write).ok
+    assert mark.position() == 1000 and len(calls) == 20
+
+    again = mark.apply(0, 100, list(range(100)), write)  # other bounds, all before the mark
+    assert again.outcome is oncely.Outcome.DUPLICATE and again.value is None
+    assert again.reason is not None and "mark 1000" in again.reason
+    assert mark.apply(0, 1000, list(range(1000)), write).outcome is oncely.Outcome.DUPLICATE
+    same = mark.apply(950, 1000, list(range(950, 1000)), write)  # the very unit: its result
+    assert same.outcome is oncely.Outcome.DUPLICATE and same.value == 50
+    with pytest.raises(CheckpointMismatch, match=r"\[5000, 5002\).*past the mark 1000") as gap:
+        mark.apply(5000, 5002, [5000, 5001], write)
+    assert (gap.value.mark, gap.value.first, gap.value.last) == (1000, 5000, 5002)
+    assert isinstance(gap.value, oncely.ConfigurationError)
+    with pytest.raises(CheckpointMismatch, match=r"\[990, 1010\).*mark 1000"):
+        mark.apply(990, 1010, list(range(990, 1010)), write)
+    assert mark.position() == 1000 and len(calls) == 20  # nothing ran, nothing moved
+
+    applied = mark.apply(1000, 1010, list(range(1000, 1010)), write)  # at the mark: applied
+    assert applied.outcome is oncely.Outcome.PROCESSED and mark.position() == 1010
+    assert _rows(where) == list(range(1010))  # every row once
+    mark.inbox.close()
+    store.close()
+
+
+def test_r19_a_failed_or_rejected_range_leaves_the_mark_and_is_fed_again(
+    where: tuple[str, str],
+) -> None:
+    name, table = where
+    store = open_store(name, table)
+    mark = Checkpoint(oncely.Inbox(store, consumer="loader"), "log")
+    written = row_writer(name, table)
+
+    def flaky(tx: object, offsets: list[int]) -> int:
+        written(tx, offsets)
+        raise RuntimeError("the source hiccuped")
+
+    def poison(tx: object, offsets: list[int]) -> int:
+        raise oncely.Reject("row 12 is garbage")
+
+    assert mark.apply(0, 10, list(range(10)), flaky).outcome is oncely.Outcome.FAILED
+    assert mark.position() == 0 and _rows(where) == []
+    assert mark.apply(0, 10, list(range(10)), written).outcome is oncely.Outcome.PROCESSED
+    assert mark.apply(10, 20, list(range(10, 20)), poison).outcome is oncely.Outcome.REJECTED
+    assert mark.apply(10, 20, list(range(10, 20)), written).outcome is oncely.Outcome.REJECTED
+    assert mark.position() == 10 and _rows(where) == list(range(10))
+    mark.inbox.close()
+    store.close()
+
+
+def _apply(where: tuple[str, str], first: int, last: int, start_at: float, hold: float):  # type: ignore[no-untyped-def]
+    name, table = where
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.etl_runner", "apply", name, table, str(first), str(last),
+         str(start_at), str(hold)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _race(where: tuple[str, str], *ranges: tuple[int, int]) -> list[str]:
+    """Run one runner per range, each starting 0.3 s after the one before, each holding its
+    transaction 1.5 s: their outputs in the order of ``ranges``."""
+    start = time.time() + 3.0
+    runners = [_apply(where, a, b, start + 0.3 * n, 1.5) for n, (a, b) in enumerate(ranges)]
+    outputs = [r.communicate(timeout=120) for r in runners]
+    assert all(r.returncode == 0 for r in runners), outputs
+    return [out.strip() for out, _err in outputs]
+
+
+def test_r8_r19_two_runners_feeding_one_range_at_once_apply_it_once(
+    where: tuple[str, str],
+) -> None:
+    assert sorted(o.split()[0] for o in _race(where, (0, 20), (0, 20))) == [
+        "duplicate",
+        "processed",
+    ]
+    assert _rows(where) == list(range(20))
+
+
+def test_r8_r19_two_runners_feeding_other_bounds_at_once_load_each_row_once(
+    where: tuple[str, str],
+) -> None:
+    """The second runner waits for the first's transaction, then compares its range with the
+    mark the first one committed: already passed, it is a duplicate; overlapping, refused."""
+    wider_first = _race(where, (0, 20), (0, 10))
+    assert [o.split()[0] for o in wider_first] == ["processed", "duplicate"], wider_first
+    assert _rows(where) == list(range(20))
+    narrower_first = _race(where, (20, 30), (20, 40))
+    assert narrower_first[0].split()[0] == "processed", narrower_first
+    assert narrower_first[1].startswith("refused") and "mark 30" in narrower_first[1]
+    assert _rows(where) == list(range(30))

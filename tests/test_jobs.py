@@ -11,7 +11,9 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -127,4 +129,80 @@ def test_r1_r19_a_later_run_of_a_slot_gets_the_first_runs_result_as_its_type(
     assert isinstance(again.value, Report)
     kept = run_once(inbox, "report", build, every="day", at=at, returns=None)
     assert kept.value == {"rows": 12, "at": "2026-12-01T09:00:00+00:00"}
+    inbox.close()
+
+
+def test_r19_the_repeated_local_hour_of_a_dst_fall_back_is_a_slot_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # Europe/Rome on 25 October 2026: 03:00 CEST becomes 02:00 CET, so 02:00-03:00 is lived
+    # twice (00:00-01:00 UTC, then 01:00-02:00 UTC).
+    first, second = (
+        datetime(2026, 10, 25, 0, 30, tzinfo=UTC),
+        datetime(2026, 10, 25, 1, 30, tzinfo=UTC),
+    )
+    assert slot("hourly", "hour", at=first, tz="Europe/Rome") == "hourly:2026-10-25T02"
+    assert slot("hourly", "hour", at=second, tz="Europe/Rome") == "hourly:2026-10-25T02+01:00"
+    assert slot("tick", "minute", at=first, tz="Europe/Rome") == "tick:2026-10-25T02:30"
+    assert slot("tick", "minute", at=second, tz="Europe/Rome") == "tick:2026-10-25T02:30+01:00"
+    assert slot("daily", "day", at=second, tz="Europe/Rome") == "daily:2026-10-25"  # one day
+    west = datetime(2026, 11, 1, 6, 30, tzinfo=UTC)  # New York: 01:00-02:00 twice, at 05 and 06Z
+    assert slot("hourly", "hour", at=west, tz="America/New_York") == "hourly:2026-11-01T01-05:00"
+    assert slot("hourly", "hour", at=west - timedelta(hours=1), tz="America/New_York") == (
+        "hourly:2026-11-01T01"
+    )
+
+    inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
+    runs: list[datetime] = []
+    for at in (first, second, second):
+        handled = run_once(
+            inbox, "hourly", partial(runs.append, at), every="hour", tz="Europe/Rome", at=at
+        )
+    assert runs == [first, second]  # the second 02:00-03:00 hour runs; its repeat does not
+    assert handled.outcome is oncely.Outcome.DUPLICATE
+    inbox.close()
+
+
+def test_r19_every_real_hour_and_minute_has_one_slot_and_only_ambiguous_keys_change() -> None:
+    """A year of hours in three zones (Lord Howe Island moves its clocks by half an hour), and
+    the minutes of Rome's two DST days: moments of different real hours (minutes) never share
+    a slot, so no run is skipped; and a slot that is not the second pass of a repeated local
+    time keeps the key it always had."""
+    for tz in ("Europe/Rome", "America/New_York", "Australia/Lord_Howe"):
+        zone = ZoneInfo(tz)
+        start = datetime(2026, 1, 1, tzinfo=UTC)
+        hours = [start + timedelta(hours=n) for n in range(365 * 24)]
+        keys = [slot("h", "hour", at=at, tz=tz) for at in hours]
+        assert len(set(keys)) == len(keys), tz
+        for at, key in zip(hours, keys, strict=True):
+            local = at.astimezone(zone)
+            if local.fold == 0:
+                assert key == f"h:{local:%Y-%m-%dT%H}"  # the key of every earlier release
+    for day in (datetime(2026, 3, 29, tzinfo=UTC), datetime(2026, 10, 25, tzinfo=UTC)):
+        minutes = [day + timedelta(minutes=n) for n in range(24 * 60)]
+        keys = [slot("m", "minute", at=at, tz="Europe/Rome") for at in minutes]
+        assert len(set(keys)) == len(keys)
+
+
+def test_r19_a_local_hour_the_clocks_skip_has_no_slot_and_no_real_hour_goes_without_one() -> None:
+    # Europe/Rome on 29 March 2026: 02:00 CET becomes 03:00 CEST; local 02:xx never happens.
+    at = datetime(2026, 3, 29, 0, 30, tzinfo=UTC)
+    keys = [slot("hourly", "hour", at=at + timedelta(hours=n), tz="Europe/Rome") for n in range(3)]
+    assert keys == ["hourly:2026-03-29T01", "hourly:2026-03-29T03", "hourly:2026-03-29T04"]
+
+
+def test_r19_a_timedelta_period_is_counted_in_utc_and_refuses_another_time_zone(
+    tmp_path: Path,
+) -> None:
+    at = datetime(2026, 11, 30, 23, 40, tzinfo=UTC)
+    every = timedelta(minutes=15)
+    assert slot("sync", every, at=at) == "sync:2026-11-30T23:30:00Z"
+    assert slot("sync", every, at=at, tz="UTC") == "sync:2026-11-30T23:30:00Z"
+    assert slot("sync", every, at=at, tz=UTC) == "sync:2026-11-30T23:30:00Z"
+    for tz in ("Europe/Rome", ZoneInfo("Asia/Kolkata")):
+        with pytest.raises(oncely.ConfigurationError, match=r"timedelta period .* UTC"):
+            slot("sync", every, at=at, tz=tz)
+    inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
+    with pytest.raises(oncely.ConfigurationError, match="tz="):
+        run_once(inbox, "sync", lambda: None, every=every, tz="Europe/Rome", at=at)
     inbox.close()

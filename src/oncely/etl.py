@@ -7,7 +7,9 @@ mark kept in the same transaction as a unit's writes.
 
     inbox = oncely.Inbox(oncely.open("postgresql://..."), consumer="loader")
     for path in sorted(incoming.glob("*.csv")):              # re-fed files are skipped
-        inbox.handle_in_transaction(file_unit(path), {"file": path.name}, load)
+        inbox.handle_in_transaction(
+            file_unit(path), {"file": path.name}, lambda tx, _unit: load(tx, path)
+        )
 
     mark = Checkpoint(inbox, "clicks.log")                   # a source read by offsets
     start = mark.position()                                  # where the last run got to
@@ -17,11 +19,20 @@ mark kept in the same transaction as a unit's writes.
 A unit's key is what the source says it is (:func:`file_unit`: the file's name and the SHA-256
 of its content; :func:`range_unit`: a stream and an offset range), never when or how often it
 was fed, so a file delivered twice, or a run restarted after a crash, applies each unit once
-(R19). :class:`Checkpoint` adds the resume point: in the transactional mode its
-:meth:`~Checkpoint.apply` writes the unit's rows, its marker and the new high-water mark in one
-transaction, so after a ``SIGKILL`` the next run starts exactly past the last committed unit.
-The mark is kept in the store's offsets table (``<inbox table>_offsets``, the one Kafka's
-``store_offsets`` uses), on the SQL stores.
+(R19). The payload is fingerprinted with the key, so it names the unit as the key does (the
+file's name, not the folder it was found in: the same file fed from another folder is then a
+``duplicate``, not a ``key_conflict``); the handler gets the path it reads from its caller.
+
+:class:`Checkpoint` adds the resume point: its :meth:`~Checkpoint.apply` writes the unit's
+rows, its marker and the new high-water mark in one transaction, so after a ``SIGKILL`` the
+next run starts exactly past the last committed unit. The mark, not the range's key, says
+what was applied, so a source re-fed in other chunks loads no row twice: a range entirely at
+or before the mark is a ``duplicate`` (nothing runs), a range that starts at the mark is
+applied, and one that leaves a gap after the mark or straddles it is refused
+(:class:`CheckpointMismatch`). Two runners applying at once take turns on the mark: the
+second waits for the first's transaction, then compares its range with the mark the first
+committed. The mark is kept in the store's offsets table (``<inbox table>_offsets``, the one
+Kafka's ``store_offsets`` uses), on the SQL stores.
 """
 
 from __future__ import annotations
@@ -30,14 +41,16 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from time import perf_counter
 from typing import Any, TypeVar
 
-from oncely._core.outcomes import Handled
-from oncely.errors import ConfigurationError
+from oncely._core.outcomes import Handled, Outcome
+from oncely.errors import ConfigurationError, OncelyError, StoreError
 from oncely.inbox.sync_inbox import Inbox
 from oncely.stores.sync_protocols import KeepsOffsets, TransactionalStore
+from oncely.stores.sync_sql import SQLStoreBase
 
-__all__ = ["Checkpoint", "file_unit", "range_unit"]
+__all__ = ["Checkpoint", "CheckpointMismatch", "file_unit", "range_unit"]
 
 R = TypeVar("R")
 _CHUNK = 1 << 20
@@ -62,13 +75,40 @@ def range_unit(stream: str, first: int, last: int) -> str:
     return f"range:{stream}:{first}-{last}"
 
 
+class CheckpointMismatch(ConfigurationError):
+    """A range given to :meth:`Checkpoint.apply` that does not start at the mark: it starts
+    past it (the offsets between were never applied) or straddles it (its start was applied
+    already). Nothing was written and the mark did not move: feed the source from
+    :meth:`Checkpoint.position`. ``mark``, ``first`` and ``last`` say which."""
+
+    def __init__(self, stream: str, mark: int, first: int, last: int) -> None:
+        if first > mark:
+            why = (
+                f"starts past the mark {mark}: the offsets {mark} to {first - 1} were never applied"
+            )
+        else:
+            why = f"straddles the mark {mark}: [{first}, {mark}) was applied already"
+        super().__init__(
+            f"the range [{first}, {last}) of {stream!r} {why}; nothing was written: feed the "
+            "source from the mark (Checkpoint.position())"
+        )
+        self.stream = stream
+        self.mark = mark
+        self.first = first
+        self.last = last
+
+
 class Checkpoint:
     """The high-water mark of ``stream`` for ``inbox``'s consumer, kept with each unit's
     writes (a SQL store: the offsets table beside the inbox)."""
 
     def __init__(self, inbox: Inbox, stream: str) -> None:
         store = inbox.store
-        if not isinstance(store, TransactionalStore) or not isinstance(store, KeepsOffsets):
+        if (
+            not isinstance(store, TransactionalStore)
+            or not isinstance(store, KeepsOffsets)
+            or not isinstance(store, SQLStoreBase)
+        ):
             raise ConfigurationError(
                 f"{type(store).__name__} keeps no checkpoints: use a SQL store (PostgreSQL, "
                 "MariaDB/MySQL, SQLite)"
@@ -90,17 +130,79 @@ class Checkpoint:
         handler: Callable[[Any, Any], R],
     ) -> Handled[R]:
         """Apply the unit ``[first, last)`` of the stream: ``handler(tx, payload)``, its
-        marker (:func:`range_unit`) and the mark moved to ``last``, in one transaction. A
-        unit applied before is a ``duplicate`` (its handler does not run). A unit whose
-        handler raises leaves the mark where it was: a failed one runs again on the next run,
-        a rejected one (:class:`~oncely.Reject`) is answered ``rejected`` at once each time,
-        so the mark never passes a unit that was not applied."""
+        marker (:func:`range_unit`) and the mark moved to ``last``, in one transaction.
+
+        The range is compared with the mark inside that transaction, the mark's row locked
+        (a concurrent :meth:`apply` of the stream waits until this one commits):
+
+        * ``first`` at the mark: the unit is applied (``processed``);
+        * ``last`` at or before the mark: a ``duplicate``, and the handler does not run.
+          Re-fed with the bounds it was applied with, the unit gets the first result as
+          ``value`` (or ``key_conflict`` for other content); with other bounds (the source
+          re-read in other chunks) it was applied in other units, so ``value`` is ``None``
+          and ``reason`` says so;
+        * otherwise (a gap after the mark, or a range across it): :class:`CheckpointMismatch`
+          is raised, and nothing is written.
+
+        A unit whose handler raises leaves the mark where it was: a failed one runs again on
+        the next run, a rejected one (:class:`~oncely.Reject`) is answered ``rejected`` at
+        once each time, so the mark never passes a unit that was not applied."""
+        started = perf_counter()
         inbox = self.inbox
         store = self._store
         consumer, stream = inbox.consumer, self.stream
+        key = range_unit(stream, first, last)
 
         def run(tx: Any, data: Any) -> R:
             store.save_offset_in(tx, consumer, stream, 0, last)
             return handler(tx, data)
 
-        return inbox.handle_in_transaction(range_unit(stream, first, last), payload, run)
+        with store.transaction() as tx:
+            mark = self._mark_in(tx)
+            if first == mark:
+                return inbox.handle_in_transaction(key, payload, run, tx=tx)
+            if last > mark:
+                raise CheckpointMismatch(stream, mark, first, last)
+        # Wholly at or before the mark, which never moves back: applied, as this very unit
+        # (its marker answers, with its result) or in units of other bounds.
+        if inbox.get(key) is not None:
+
+            def gone(_tx: Any, _data: Any) -> R:
+                # The marker lapsed (retention) or was forgotten since it was read: the mark
+                # is past the range all the same, so it is not applied again. ``failed``
+                # here; the next feed of it is a duplicate.
+                raise RuntimeError(
+                    f"the marker of {key} ended as it was read, and the mark {mark} is past "
+                    "it: not applied again"
+                )
+
+            return inbox.handle_in_transaction(key, payload, gone)
+        reason = (
+            f"the range [{first}, {last}) of {stream!r} is at or before the mark {mark}: "
+            "applied before, in units of other bounds; not applied again"
+        )
+        # The inbox's own outcome builder: logged and counted as every duplicate is (R16).
+        return inbox._rules.done(Outcome.DUPLICATE, key, started, None, reason)
+
+    def _mark_in(self, tx: Any) -> int:
+        """The mark as ``tx`` sees it, its row locked first by a write that leaves it as it
+        is (inserted as 0 where missing): another transaction moving it commits before this
+        read, or waits until ``tx`` ends."""
+        store = self._store
+        consumer, stream = self.inbox.consumer, self.stream
+        store.save_offset_in(tx, consumer, stream, 0, 0)
+        # The offsets table's own read (the store's dialect), on ``tx``: every SQL store's
+        # transaction is a DB-API connection (sqlite3, psycopg, PyMySQL).
+        statements = store._offset_sql
+        try:
+            cursor = tx.cursor()
+            try:
+                cursor.execute(statements.read, statements.params(consumer, stream))
+                rows = cursor.fetchall()
+            finally:
+                cursor.close()
+        except OncelyError:
+            raise
+        except Exception as exc:  # the driver's: translated, as every store does
+            raise StoreError(f"reading the checkpoint of {stream!r}: {exc}") from exc
+        return next((int(offset) for part, offset in rows if int(part) == 0), 0)

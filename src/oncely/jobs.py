@@ -16,13 +16,21 @@ waits for the first and gets its result); a run after the slot's job finished ge
 next run of that slot tries again (``failed``). The job holds a lease renewed while it runs:
 a runner killed mid-job stops renewing, and once the lease lapses the next run of the slot
 takes it over (``stale_reclaimed``), or does what the inbox's ``on_stale`` says.
+
+Slots follow the local clock of ``tz``, daylight saving time included. When the clocks go
+back, the local times they repeat are lived twice: an hourly or per-minute job runs in both
+passes, the second one's key carrying its UTC offset (``hourly:2026-10-25T02`` and then
+``hourly:2026-10-25T02+01:00`` in Europe/Rome); a day, week or month is one slot however long.
+When the clocks go forward, the local hour they skip has no slot (the run after ``T01`` is
+``T03``): no run for a time that never happens, and no real hour without one. A
+``timedelta`` period is counted in UTC and takes no ``tz``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo
 
@@ -37,7 +45,10 @@ __all__ = ["Every", "run_once", "run_once_async", "slot"]
 R = TypeVar("R")
 Every = Literal["minute", "hour", "day", "week", "month"] | timedelta
 """A schedule's period: a calendar unit in the time zone, or a fixed span (slots counted from
-the epoch, in UTC)."""
+the epoch, in UTC, whatever the time zone: a ``timedelta`` with a ``tz`` other than UTC is
+refused)."""
+
+_UTC_NAMES = frozenset({"UTC", "Etc/UTC"})
 
 
 def _zone(tz: str | tzinfo) -> tzinfo:
@@ -49,11 +60,40 @@ def _zone(tz: str | tzinfo) -> tzinfo:
         raise ConfigurationError(f"unknown time zone {tz!r}: {exc}") from None
 
 
+def _is_utc(zone: str | tzinfo) -> bool:
+    """Whether ``zone`` is UTC itself (``"UTC"``, ``datetime.UTC``, ``ZoneInfo("Etc/UTC")``)."""
+    if isinstance(zone, str):
+        return zone in _UTC_NAMES
+    if isinstance(zone, timezone):
+        return zone.utcoffset(None) == timedelta(0)
+    return isinstance(zone, ZoneInfo) and zone.key in _UTC_NAMES
+
+
+def _repeat(local: datetime) -> str:
+    """What tells the second pass of a local time the clocks repeat from the first: its UTC
+    offset (``+01:00``) when ``local`` is that second pass (``fold=1``, and another offset
+    than the first pass's); nothing for every other time, so those keep their key."""
+    offset = local.utcoffset()
+    if not local.fold or offset is None or local.replace(fold=0).utcoffset() == offset:
+        return ""
+    sign = "-" if offset < timedelta(0) else "+"
+    minutes, seconds = divmod(int(abs(offset).total_seconds()), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{sign}{hours:02d}:{minutes:02d}" + (f":{seconds:02d}" if seconds else "")
+
+
 def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinfo = "UTC") -> str:
     """The key of the run of job ``name`` that ``at`` (default: now) falls in: ``name:`` then
     the slot's start in ``tz`` (``2026-12-01`` for a day, ``2026-12-01T13`` for an hour,
     ``2026-12-01T13:05`` for a minute, ``2026-W49`` for an ISO week, ``2026-12`` for a month;
-    for a ``timedelta``, the slot's start in UTC to the second)."""
+    for a ``timedelta``, the slot's start in UTC to the second).
+
+    An hour or a minute that the clocks repeat when they go back (daylight saving time ends)
+    is two slots: the second pass (``fold=1``) gets its UTC offset appended
+    (``2026-10-25T02+01:00`` in Europe/Rome), so that its run happens too; every other slot's
+    key is as it always was. A local hour the clocks skip when they go forward has no slot.
+    A ``timedelta`` counts from the epoch in UTC: any ``tz`` but UTC is refused
+    (:class:`~oncely.ConfigurationError`) rather than ignored."""
     if not name or ":" in name:
         raise ConfigurationError("a job name is not empty and holds no ':'")
     moment = at if at is not None else datetime.now(UTC)
@@ -63,13 +103,20 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
         span = int(every.total_seconds())
         if span < 1 or every != timedelta(seconds=span):
             raise ConfigurationError("a timedelta period is a whole number of seconds, >= 1s")
+        if not _is_utc(tz):
+            raise ConfigurationError(
+                f"a timedelta period counts its slots from the epoch in UTC, so tz={tz!r} "
+                "cannot apply to it: leave tz= out (the slots and their keys stay the same), "
+                "or use a calendar unit (minute, hour, day, week, month) to follow the local "
+                "clock"
+            )
         start = int(moment.timestamp()) // span * span
         return f"{name}:{datetime.fromtimestamp(start, UTC):%Y-%m-%dT%H:%M:%SZ}"
     local = moment.astimezone(_zone(tz))
     if every == "minute":
-        return f"{name}:{local:%Y-%m-%dT%H:%M}"
+        return f"{name}:{local:%Y-%m-%dT%H:%M}{_repeat(local)}"
     if every == "hour":
-        return f"{name}:{local:%Y-%m-%dT%H}"
+        return f"{name}:{local:%Y-%m-%dT%H}{_repeat(local)}"
     if every == "day":
         return f"{name}:{local:%Y-%m-%d}"
     if every == "week":
