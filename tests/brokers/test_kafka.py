@@ -430,6 +430,49 @@ class TestKafka(BrokerSuite):
         assert control.counts["processed"] == 40 and control.counts["duplicate"] == 8
         assert self.ledger.counts() == {**dict.fromkeys(first, 2), **dict.fromkeys(later, 1)}
 
+    async def test_nothing_is_read_before_the_stored_offsets_answer(self) -> None:
+        """The stored offsets are read when the group assigns the partitions; the client
+        starts fetching from the group's commit meanwhile. Before, a database slow to answer
+        (here 2 s) let those records run, the forgotten ones applied a second time; now the
+        partitions wait for their start, and only the later records run."""
+        (inbox,) = self.inboxes("transactional", 1)
+        first = [f"s{n}" for n in range(20)]
+        for key in first:
+            await self.publish(key)
+        worker = self._keeping(inbox, self.group)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 20, what="the first 20")
+        for key in first:
+            assert await inbox.forget(key)
+        later = [f"t{n}" for n in range(4)]
+        for key in later:
+            await self.publish(key)
+
+        class SlowDatabase(Kafka):
+            def start_from(self, read: Any) -> None:
+                async def slowly(topic: str) -> Any:
+                    await asyncio.sleep(2.0)
+                    return await read(topic)
+
+                super().start_from(slowly)
+
+        transport = SlowDatabase(
+            self.url, self.source, group=unique("lost"), session_timeout=SESSION
+        )
+        self.closed_after(transport)
+        fresh = BrokerConsumer(
+            transport,
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(),
+        )
+        async with running(fresh):
+            await wait_until(lambda: fresh.counts["processed"] == 4, what="the 4 later ones")
+        assert sum(fresh.counts.values()) == 4
+        assert self.ledger.counts() == dict.fromkeys(first + later, 1)
+
     async def test_a_stored_offset_never_passes_a_record_whose_dead_letter_is_still_to_come(
         self,
     ) -> None:

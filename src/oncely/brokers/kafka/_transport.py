@@ -85,6 +85,12 @@ class _Partition:
     revoking: bool = False
     """The group is taking it away: what is running finishes, nothing more starts."""
     paused: bool = False
+    starting: bool = False
+    """Its start is being looked up (the offsets stored in the database): paused, and
+    nothing read of it is taken yet."""
+    set_aside: int | None = None
+    """The first offset read while it was starting (and not taken): read again from there
+    unless the start moves elsewhere."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -447,6 +453,11 @@ class Kafka:
         part = self._owned.get(tp)
         if part is None or not part.owned:
             return  # fetched before a revocation: the next owner reads them again
+        if part.starting:  # fetched before its pause: read again once its start is known
+            first = int(records[0].offset) if records else None
+            if first is not None and (part.set_aside is None or first < part.set_aside):
+                part.set_aside = first
+            return
         part.waiting.extend(_Held(r) for r in records)
         if len(part.waiting) >= self.max_buffered and not part.paused:
             consumer.pause(tp)
@@ -496,6 +507,8 @@ class Kafka:
 
     def _resume(self, part: _Partition) -> None:
         consumer = self._consumer
+        if part.starting:
+            return
         if part.paused and consumer is not None and len(part.waiting) < self.max_buffered // 2:
             consumer.resume(part.tp)
             part.paused = False
@@ -640,16 +653,42 @@ class Kafka:
             sorted(tp.partition for tp in assigned),
         )
         if self._start_from is not None and fresh:
-            await self._seek_to_stored(consumer, fresh)
+            # Nothing of them is taken before their start is known: a record read from the
+            # group's commit meanwhile would run although the stored offset is past it.
+            for tp in fresh:
+                self._owned[tp].starting = True
+            consumer.pause(*fresh)
+            seeked: set[TopicPartition] = set()
+            try:
+                seeked = await self._seek_to_stored(consumer, fresh)
+            finally:
+                for tp in fresh:
+                    self._started(consumer, tp, moved=tp in seeked)
+
+    def _started(self, consumer: AIOKafkaConsumer, tp: TopicPartition, *, moved: bool) -> None:
+        """``tp``'s start is known: what was read of it meanwhile is read again (unless it
+        was moved to its stored offset), and it is read on."""
+        part = self._owned.get(tp)
+        if part is None or not part.starting:
+            return
+        part.starting = False
+        aside, part.set_aside = part.set_aside, None
+        if not part.owned:
+            return
+        if aside is not None and not moved:
+            consumer.seek(tp, aside)
+        if not part.paused:
+            consumer.resume(tp)
 
     async def _seek_to_stored(
         self, consumer: AIOKafkaConsumer, fresh: list[TopicPartition]
-    ) -> None:
+    ) -> set[TopicPartition]:
         """Start each of ``fresh`` from its stored offset where that is ahead of the group's
         commit. Without the stored offsets (the database is down) the committed offsets hold:
         a record finished since is read again and met by the inbox's marker. A stored offset
         past the partition's end cannot be of this log (the topic was deleted and created
-        again): it is not used, with a warning, rather than skip the new log's records."""
+        again): it is not used, with a warning, rather than skip the new log's records.
+        Returns the partitions moved to their stored offset."""
         assert self._start_from is not None
         try:
             stored = await self._start_from(self.source)
@@ -665,7 +704,8 @@ class Kafka:
                 type(exc).__name__,
                 exc,
             )
-            return
+            return set()
+        moved = set()
         for tp in ahead:
             kept, at, end = stored[tp.partition], committed[tp], ends.get(tp)
             if end is not None and kept > end:
@@ -684,6 +724,7 @@ class Kafka:
                 )
                 continue
             consumer.seek(tp, kept)
+            moved.add(tp)
             self._owned[tp].finished = kept  # the next commit brings the group's up to it
             LOGGER.info(
                 "oncely broker=kafka topic=%s partition=%d starts from the stored offset %d "
@@ -693,6 +734,7 @@ class Kafka:
                 kept,
                 at,
             )
+        return moved
 
 
 def _said(exc: BaseException) -> str:
