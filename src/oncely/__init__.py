@@ -46,6 +46,7 @@ from oncely._core.policy import (
 )
 from oncely._core.records import Record, Status, StoreStats
 from oncely.errors import (
+    AsyncHandlerRefused,
     BrokerError,
     BrokerUnavailable,
     ClaimEnded,
@@ -139,6 +140,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "Action",
     "AsyncClaimed",
+    "AsyncHandlerRefused",
     "AsyncInbox",
     "AsyncMemoryStore",
     "AsyncPurgeService",

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from oncely._core.records import Record
 
 __all__ = [
+    "AsyncHandlerRefused",
     "BrokerError",
     "BrokerUnavailable",
     "ClaimEnded",
@@ -112,6 +113,14 @@ class OncelyError(Exception):
 
 class ConfigurationError(OncelyError, ValueError):
     """A configuration that cannot keep oncely's guarantees. Raised at construction time."""
+
+
+class AsyncHandlerRefused(ConfigurationError, TypeError):
+    """A sync :class:`~oncely.Inbox` was given an async handler (an ``async def``, or a
+    function that returned an awaitable): it has no event loop to run it on, so the handler
+    would never run while its key was recorded as done. Raised before the key is claimed
+    (for an ``async def``) or once the awaitable comes back (the claim released, nothing
+    recorded). Use :class:`~oncely.AsyncInbox`, or give the sync inbox a plain function."""
 
 
 class RetentionTooShort(ConfigurationError):

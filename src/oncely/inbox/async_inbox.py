@@ -24,8 +24,11 @@ from oncely._twin import ASYNC
 
 if ASYNC:
     from asyncio import Semaphore, gather, sleep
+    from inspect import isawaitable
 else:
     from time import sleep
+
+    from oncely._core.handlers import refuse_async, sync_result
 
 import functools
 import inspect
@@ -58,6 +61,7 @@ from oncely._core.policy import (
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
+    AsyncHandlerRefused,
     ClaimEnded,
     ConfigurationError,
     LeaseLost,
@@ -88,6 +92,16 @@ PS = ParamSpec("PS")
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
+
+
+async def _called(handler: Callable[..., Any], *args: Any) -> Any:
+    """``handler(*args)``'s result: awaited (the asyncio inbox takes a plain function's value
+    as it is), or refused when the sync inbox got an awaitable back."""
+    if ASYNC:
+        returned = handler(*args)
+        return await returned if isawaitable(returned) else returned
+    else:
+        return sync_result(handler(*args), handler)
 
 
 class _HandlerError(Exception):
@@ -177,6 +191,16 @@ class AsyncInbox:
             observer=Observer(hooks=hooks, logger=logger, log_keys=log_keys),
         )
         self._heartbeats = AsyncHeartbeats()
+
+    @staticmethod
+    def _refuse_async(handler: object) -> None:
+        """The sync inbox cannot run an async handler: refused before anything is claimed
+        (:mod:`oncely._core.handlers`). The asyncio inbox runs a plain function and takes its
+        value as it is (see :meth:`_invoke`)."""
+        if ASYNC:
+            return
+        else:
+            refuse_async(handler)
 
     @property
     def consumer(self) -> str:
@@ -270,6 +294,7 @@ class AsyncInbox:
         stop: Callable[[Hashable], bool] | None,
         started: float,
     ) -> list[Handled[R]]:
+        self._refuse_async(handler)
         if concurrency < 1:
             raise ConfigurationError("concurrency must be at least 1")
         if groups is not None and len(groups) != len(entries):
@@ -461,6 +486,14 @@ class AsyncInbox:
         """
 
         def decorate(fn: AsyncFunction[PS, R]) -> AsyncFunction[PS, R]:
+            if ASYNC:
+                if not inspect.iscoroutinefunction(fn):
+                    raise TypeError(
+                        f"AsyncInbox.idempotent decorates an async def; {fn.__qualname__} is "
+                        "a plain function: decorate it with a sync oncely.Inbox's idempotent"
+                    )
+            else:
+                refuse_async(fn)
             signature = inspect.signature(fn)
             wanted = result_type(fn, returns)
             convert = reviver(wanted)
@@ -732,6 +765,7 @@ class AsyncInbox:
         With ``wait``, a caller that is not a broker waits up to that long for an in-flight
         claim to finish and receives its result (or takes over its work if it is released).
         """
+        self._refuse_async(handler)
         started = perf_counter()
         got = await self._acquire(key, payload, correlation_id, wait, started)
         if isinstance(got, Claim):
@@ -852,7 +886,12 @@ class AsyncInbox:
             )
         context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
         try:
-            return await handler(payload), None
+            if ASYNC:
+                returned: Any = handler(payload)
+                # A plain function ran already: its value is the result.
+                return (await returned if isawaitable(returned) else returned), None
+            else:
+                return sync_result(handler(payload), handler), None
         except BaseException as exc:
             return None, exc
         finally:
@@ -864,6 +903,9 @@ class AsyncInbox:
         self, record: Record, error: BaseException, correlation_id: str | None, started: float
     ) -> Handled[R]:
         """The outcome of a handler that raised ``error`` under ``record``'s claim."""
+        if isinstance(error, AsyncHandlerRefused):  # it never ran: nothing to record
+            await self._release_quietly(record.key, record.token)
+            raise error
         if isinstance(error, Reject):
             return await self._reject(record, error.reason, correlation_id, started)
         await self._release_quietly(record.key, record.token)
@@ -1063,6 +1105,7 @@ class AsyncInbox:
         writes were rolled back with the marker, so a redelivery retries. A result that cannot
         be stored also fails the transaction (nothing happened, so nothing is lost).
         """
+        self._refuse_async(handler)
         started = perf_counter()
         try:
             checked = validate_key(key, self._limits)
@@ -1106,8 +1149,10 @@ class AsyncInbox:
                         (consumer, checked, record.attempt, correlation_id, "transactional")
                     )
                     try:
-                        value = await handler(conn, payload)
+                        value = await _called(handler, conn, payload)
                         data = None if value is None else self._rules.encode(value, strict=True)[0]
+                    except AsyncHandlerRefused:
+                        raise  # it never ran: the transaction rolls back, nothing recorded
                     except Exception as exc:
                         raise _HandlerError(exc) from exc
                     finally:

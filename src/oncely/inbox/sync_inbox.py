@@ -36,6 +36,7 @@ from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
+from oncely._core.handlers import refuse_async, sync_result
 from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
@@ -53,6 +54,7 @@ from oncely._core.policy import (
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
+    AsyncHandlerRefused,
     ClaimEnded,
     ConfigurationError,
     LeaseLost,
@@ -83,6 +85,12 @@ PS = ParamSpec("PS")
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
+
+
+def _called(handler: Callable[..., Any], *args: Any) -> Any:
+    """``handler(*args)``'s result: awaited (the asyncio inbox takes a plain function's value
+    as it is), or refused when the sync inbox got an awaitable back."""
+    return sync_result(handler(*args), handler)
 
 
 class _HandlerError(Exception):
@@ -172,6 +180,13 @@ class Inbox:
             observer=Observer(hooks=hooks, logger=logger, log_keys=log_keys),
         )
         self._heartbeats = Heartbeats()
+
+    @staticmethod
+    def _refuse(handler: object) -> None:
+        """The sync inbox cannot run an async handler: refused before anything is claimed
+        (:mod:`oncely._core.handlers`). The asyncio inbox runs a plain function and takes its
+        value as it is (see :meth:`_invoke`)."""
+        refuse_async(handler)
 
     @property
     def consumer(self) -> str:
@@ -265,6 +280,7 @@ class Inbox:
         stop: Callable[[Hashable], bool] | None,
         started: float,
     ) -> list[Handled[R]]:
+        self._refuse(handler)
         if concurrency < 1:
             raise ConfigurationError("concurrency must be at least 1")
         if groups is not None and len(groups) != len(entries):
@@ -443,6 +459,7 @@ class Inbox:
         """
 
         def decorate(fn: Function[PS, R]) -> Function[PS, R]:
+            refuse_async(fn)
             signature = inspect.signature(fn)
             wanted = result_type(fn, returns)
             convert = reviver(wanted)
@@ -707,6 +724,7 @@ class Inbox:
         With ``wait``, a caller that is not a broker waits up to that long for an in-flight
         claim to finish and receives its result (or takes over its work if it is released).
         """
+        self._refuse(handler)
         started = perf_counter()
         got = self._acquire(key, payload, correlation_id, wait, started)
         if isinstance(got, Claim):
@@ -827,7 +845,7 @@ class Inbox:
             )
         context = _CURRENT.set((self._consumer, key, record.attempt, correlation_id, "two_phase"))
         try:
-            return handler(payload), None
+            return sync_result(handler(payload), handler), None
         except BaseException as exc:
             return None, exc
         finally:
@@ -839,6 +857,9 @@ class Inbox:
         self, record: Record, error: BaseException, correlation_id: str | None, started: float
     ) -> Handled[R]:
         """The outcome of a handler that raised ``error`` under ``record``'s claim."""
+        if isinstance(error, AsyncHandlerRefused):  # it never ran: nothing to record
+            self._release_quietly(record.key, record.token)
+            raise error
         if isinstance(error, Reject):
             return self._reject(record, error.reason, correlation_id, started)
         self._release_quietly(record.key, record.token)
@@ -1038,6 +1059,7 @@ class Inbox:
         writes were rolled back with the marker, so a redelivery retries. A result that cannot
         be stored also fails the transaction (nothing happened, so nothing is lost).
         """
+        self._refuse(handler)
         started = perf_counter()
         try:
             checked = validate_key(key, self._limits)
@@ -1081,8 +1103,10 @@ class Inbox:
                         (consumer, checked, record.attempt, correlation_id, "transactional")
                     )
                     try:
-                        value = handler(conn, payload)
+                        value = _called(handler, conn, payload)
                         data = None if value is None else self._rules.encode(value, strict=True)[0]
+                    except AsyncHandlerRefused:
+                        raise  # it never ran: the transaction rolls back, nothing recorded
                     except Exception as exc:
                         raise _HandlerError(exc) from exc
                     finally:
