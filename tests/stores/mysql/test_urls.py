@@ -66,6 +66,15 @@ def test_the_url_must_name_a_database(text: str) -> None:
         MySQLStore.from_url(text)
 
 
+@pytest.mark.parametrize("store", [MySQLStore, AsyncMySQLStore])
+def test_a_url_given_as_the_database_name_is_refused_without_its_password(store: type) -> None:
+    # Before, it was taken for the name of a database, and the error that said no such
+    # database exists showed the URL, password and all.
+    with pytest.raises(ConfigurationError, match=r"oncely\.open") as refused:
+        store("mysql://root:hunter2@127.0.0.1:3306/shop")
+    assert "hunter2" not in str(refused.value)
+
+
 def test_mysql_and_mariadb_urls_open_both_twins() -> None:
     sync = oncely.open("mariadb://app@db.example/shop")
     assert isinstance(sync, MySQLStore) and sync.table == "oncely_inbox"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from oncely._twin import ASYNC
@@ -37,11 +38,18 @@ __all__ = ["check_session_async", "store_identity_async"]
 
 
 async def store_identity_async(
-    store: AsyncTransactionalStore[object], kind: Kind, consumer: str, driver: object
+    store: AsyncTransactionalStore[object],
+    kind: Kind,
+    consumer: str,
+    driver: object,
+    *,
+    again: bool = False,
 ) -> Identity:
-    """The identity of ``store``'s database (read once per store). Call it before the session's
-    transaction writes on SQLite: opening the store may need SQLite's write lock."""
-    known = remembered(store)
+    """The identity of ``store``'s database (read once per store; ``again``: read anew, as
+    after a mismatch, which a server restart causes: PostgreSQL's start time changes). Call it
+    before the session's transaction writes on SQLite: opening the store may need SQLite's
+    write lock."""
+    known = None if again else remembered(store)
     if known is not None:
         return known
     if kind.family == "sqlite":
@@ -76,13 +84,21 @@ async def store_identity_async(
 
 
 async def check_session_async(
-    store_url: str, expected: Identity, connection: SessionConnection, fairy: PoolProxiedConnection
+    store_url: str,
+    expected: Identity,
+    connection: SessionConnection,
+    fairy: PoolProxiedConnection,
+    again: Callable[[], Awaitable[Identity]],
 ) -> None:
     """Raise :class:`~oncely.ConfigurationError` unless the session's connection is on the
-    database ``expected`` identifies."""
+    database ``expected`` identifies. On a mismatch the store's side is read ``again`` first:
+    the one kept may be stale (the server restarted, or failed over, since it was read)."""
     found = cast("Identity | None", fairy.info.get(INFO_KEY))
     if found is None:
         result = await connection.exec_driver_sql(SQL[str(expected[0])])
         found = fairy.info[INFO_KEY] = identity_of(str(expected[0]), [tuple(r) for r in result])
-    if not same_database(expected, found):
-        raise mismatch(store_url, expected, found)
+    if same_database(expected, found):
+        return
+    fresh = await again()
+    if not same_database(fresh, found):
+        raise mismatch(store_url, fresh, found)

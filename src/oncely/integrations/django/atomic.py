@@ -164,7 +164,12 @@ def _driver(inbox: Inbox, connection: Any, alias: str) -> object:
     _check_driver(kind, driver, str(connection.vendor), alias)
     expected = store_identity(joined, kind, inbox.consumer, driver)
     joined.check_transaction(driver)
-    _check_database(store.url, expected, connection, driver)
+    if not _on_database(expected, connection, driver):
+        # The store's side may be stale (the server restarted or failed over since it was
+        # read: PostgreSQL's start time changed); read it again before refusing.
+        expected = store_identity(joined, kind, inbox.consumer, driver, again=True)
+        if not _on_database(expected, connection, driver):
+            raise mismatch(store.url, expected, getattr(connection, _IDENTITY)[1])
     return driver
 
 
@@ -185,9 +190,9 @@ def _check_driver(kind: Kind, driver: object, vendor: str, alias: str) -> None:
     )
 
 
-def _check_database(store_url: str, expected: Identity, connection: Any, driver: object) -> None:
-    """Raise :class:`~oncely.ConfigurationError` unless Django's connection is on the store's
-    database (read once per DB-API connection, kept on Django's connection wrapper)."""
+def _on_database(expected: Identity, connection: Any, driver: object) -> bool:
+    """Whether Django's connection is on the store's database (its side read once per DB-API
+    connection, kept on Django's connection wrapper)."""
     seen: tuple[int, Identity] | None = getattr(connection, _IDENTITY, None)
     if seen is None or seen[0] != id(driver):
         family = str(expected[0])
@@ -196,5 +201,4 @@ def _check_database(store_url: str, expected: Identity, connection: Any, driver:
             rows = [tuple(row) for row in cursor.fetchall()]
         seen = (id(driver), identity_of(family, rows))
         setattr(connection, _IDENTITY, seen)
-    if not same_database(expected, seen[1]):
-        raise mismatch(store_url, expected, seen[1])
+    return same_database(expected, seen[1])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from oncely._core.outcomes import Handled
 from oncely._twin import ASYNC
 from oncely.errors import StoreError
-from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.async_inbox import AsyncInbox, _called
 from oncely.integrations._joined.async_identity import check_session_async, store_identity_async
 from oncely.integrations._joined.kinds import (
     ASYNC_KINDS,
@@ -83,13 +83,20 @@ async def handle_in_session_async(
     if kind.family == "sqlite" and needs_begin(driver):
         await connection.exec_driver_sql("BEGIN IMMEDIATE")
     joined.check_transaction(driver)
-    await check_session_async(store.url, expected, connection, fairy)
+    await check_session_async(
+        store.url,
+        expected,
+        connection,
+        fairy,
+        lambda: store_identity_async(joined, kind, inbox.consumer, driver, again=True),
+    )
 
     failures: list[Exception] = []
 
     async def run(_tx: object, body: P) -> R:
         try:
-            result = await handler(session, body)
+            # (the sync twin refuses an awaitable back: an async handler never runs there)
+            result: R = await _called(handler, session, body)
             if orm is not None:
                 await orm.flush()  # inside the savepoint: a failing flush fails the handler
         except Exception as exc:
@@ -113,6 +120,12 @@ async def handle_in_session_async(
     except StoreError:
         raise
     except Exception as exc:
+        lost = _store_error_under(exc)
+        if lost is not None:
+            # The store's error ended the whole transaction (a MariaDB deadlock rolls it all
+            # back), so releasing the savepoint failed on top of it: the store's error is
+            # what happened, and what a caller catches (StoreError).
+            raise lost from exc
         if not handler_failed(exc, failures):
             raise
         error = exc
@@ -123,6 +136,17 @@ async def handle_in_session_async(
     return await inbox.handle_in_transaction(
         key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
     )
+
+
+def _store_error_under(exc: BaseException) -> StoreError | None:
+    """The store's error that ``exc`` was raised while handling (leaving the savepoint block
+    after it), if any."""
+    seen = exc.__context__
+    while seen is not None and seen is not exc:
+        if isinstance(seen, StoreError):
+            return seen
+        seen = seen.__context__
+    return None
 
 
 if ASYNC:

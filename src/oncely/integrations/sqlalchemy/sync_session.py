@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from oncely._core.outcomes import Handled
 from oncely.errors import StoreError
-from oncely.inbox.sync_inbox import Inbox
+from oncely.inbox.sync_inbox import Inbox, _called
 from oncely.integrations._joined.kinds import (
     SYNC_KINDS,
     check_driver,
@@ -71,13 +71,20 @@ def handle_in_session(
     if kind.family == "sqlite" and needs_begin(driver):
         connection.exec_driver_sql("BEGIN IMMEDIATE")
     joined.check_transaction(driver)
-    check_session(store.url, expected, connection, fairy)
+    check_session(
+        store.url,
+        expected,
+        connection,
+        fairy,
+        lambda: store_identity(joined, kind, inbox.consumer, driver, again=True),
+    )
 
     failures: list[Exception] = []
 
     def run(_tx: object, body: P) -> R:
         try:
-            result = handler(session, body)
+            # (the sync twin refuses an awaitable back: an async handler never runs there)
+            result: R = _called(handler, session, body)
             if orm is not None:
                 orm.flush()  # inside the savepoint: a failing flush fails the handler
         except Exception as exc:
@@ -99,6 +106,12 @@ def handle_in_session(
     except StoreError:
         raise
     except Exception as exc:
+        lost = _store_error_under(exc)
+        if lost is not None:
+            # The store's error ended the whole transaction (a MariaDB deadlock rolls it all
+            # back), so releasing the savepoint failed on top of it: the store's error is
+            # what happened, and what a caller catches (StoreError).
+            raise lost from exc
         if not handler_failed(exc, failures):
             raise
         error = exc
@@ -109,6 +122,17 @@ def handle_in_session(
     return inbox.handle_in_transaction(
         key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
     )
+
+
+def _store_error_under(exc: BaseException) -> StoreError | None:
+    """The store's error that ``exc`` was raised while handling (leaving the savepoint block
+    after it), if any."""
+    seen = exc.__context__
+    while seen is not None and seen is not exc:
+        if isinstance(seen, StoreError):
+            return seen
+        seen = seen.__context__
+    return None
 
 
 def _split(session: Session | Connection) -> tuple[Session | None, Connection]:

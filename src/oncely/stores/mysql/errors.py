@@ -203,6 +203,15 @@ class MySQLSettings:
     connect_timeout: timedelta = timedelta(seconds=10)
     lock_timeout: timedelta | None = None
 
+    def __post_init__(self) -> None:
+        if "://" in self.database:
+            # A URL given as the database name: refused before it reaches an error message
+            # (with its password in it) as the name of a database that does not exist.
+            raise ConfigurationError(
+                "the store's first argument is the database name, and this is a URL: open it "
+                "with oncely.open(url) (or MySQLStore.from_url(url))"
+            )
+
     def init_command(self) -> str:
         sets = [
             "sql_mode = CONCAT_WS(',', NULLIF(@@sql_mode, ''), "
