@@ -80,6 +80,7 @@ __all__ = [
     "SchemaTooNew",
     "StoreError",
     "StoreUnavailable",
+    "TransactionEnded",
     "TransactionRequired",
     "TransactionsUnsupported",
     "UndecodableBody",
@@ -193,6 +194,12 @@ class SchemaTooNew(SchemaError):
 
 class TransactionRequired(StoreError):
     """Transactional mode was asked to join a connection that has no open transaction."""
+
+
+class TransactionEnded(TransactionRequired):
+    """A transactional handler committed or rolled back the transaction it was given: its
+    writes and the key's marker no longer commit together (what it committed stays; the rest
+    is rolled back, the result not stored). A handler writes; oncely or its caller commits."""
 
 
 class TransactionsUnsupported(StoreError):

@@ -107,3 +107,48 @@ def test_r7_a_deadlock_inside_the_savepoint_is_the_stores_error(env: Env) -> Non
         ]
         assert not strays, strays
     assert len(got) == 4
+
+
+@pytest.mark.parametrize("ends", ["rollback", "commit"])
+def test_r7_a_handler_that_ends_the_sessions_transaction_is_refused(env: Env, ends: str) -> None:
+    """Before, ``session.rollback()`` in the handler gave ``processed`` with neither the row
+    nor the marker (the message acknowledged, lost), and ``session.commit()`` a marker without
+    its result."""
+    inbox = env.inbox(migrated=True)
+    engine = env.new_engine()
+
+    def book(session: Session, order: dict[str, Any]) -> str:
+        session.add(env.booking(order_id=order["id"], amount=1))
+        getattr(session, ends)()
+        return "booked"
+
+    with (
+        pytest.raises(oncely.TransactionEnded, match="ended the transaction"),
+        Session(engine) as session,
+        session.begin(),
+    ):
+        handle_in_session(inbox, session, "o-1", {"id": "o-1"}, book)
+    if ends == "rollback":
+        assert env.rows() == {} and env.marker("o-1") is None
+        good = booker(env, [])
+        with Session(engine) as session, session.begin():
+            done = handle_in_session(inbox, session, "o-1", {"id": "o-1", "amount": 1}, good)
+        assert done.outcome is oncely.Outcome.PROCESSED and env.rows() == {"o-1": 1}
+
+
+def test_r7_a_handler_that_ends_oncelys_transaction_is_refused(env: Env) -> None:
+    inbox = env.inbox(migrated=True)
+
+    def book(tx: Any, order: dict[str, Any]) -> str:
+        tx.rollback()
+        return "booked"
+
+    if env.backend == "postgresql":  # psycopg itself forbids it inside its transaction block
+        failed = inbox.handle_in_transaction("o-2", {"id": "o-2"}, book)
+        assert failed.outcome is oncely.Outcome.FAILED and "forbidden" in str(failed.error)
+    else:
+        with pytest.raises(oncely.TransactionEnded):
+            inbox.handle_in_transaction("o-2", {"id": "o-2"}, book)
+    assert env.marker("o-2") is None
+    again = inbox.handle_in_transaction("o-2", {"id": "o-2"}, lambda tx, order: "booked")
+    assert again.outcome is oncely.Outcome.PROCESSED

@@ -63,6 +63,7 @@ from oncely.errors import (
     ResolveRefused,
     StoreError,
     StoreUnavailable,
+    TransactionEnded,
     TransactionsUnsupported,
 )
 from oncely.inbox.heartbeats import Heartbeats, Ticket
@@ -91,6 +92,21 @@ def _called(handler: Callable[..., Any], *args: Any) -> Any:
     """``handler(*args)``'s result: awaited (the asyncio inbox takes a plain function's value
     as it is), or refused when the sync inbox got an awaitable back."""
     return sync_result(handler(*args), handler)
+
+
+def _called_in(store: object, handler: Callable[..., Any], conn: Any, payload: Any) -> Any:
+    """``handler(conn, payload)`` in the transaction the claim opened, which must still be
+    open when it returns: a handler that committed or rolled back ended it (the claim with
+    it), so its writes and the marker no longer commit together."""
+    value = _called(handler, conn, payload)
+    inside = getattr(store, "in_transaction", None)
+    if inside is not None and not inside(conn):
+        raise TransactionEnded(
+            "the handler ended the transaction it was given (it committed or rolled back): "
+            "its writes and the key's marker no longer commit together. A handler never "
+            "commits or rolls back that transaction: oncely, or your code around the call, does"
+        )
+    return value
 
 
 class _HandlerError(Exception):
@@ -1103,10 +1119,10 @@ class Inbox:
                         (consumer, checked, record.attempt, correlation_id, "transactional")
                     )
                     try:
-                        value = _called(handler, conn, payload)
+                        value = _called_in(store, handler, conn, payload)
                         data = None if value is None else self._rules.encode(value, strict=True)[0]
-                    except AsyncHandlerRefused:
-                        raise  # it never ran: the transaction rolls back, nothing recorded
+                    except (AsyncHandlerRefused, TransactionEnded):
+                        raise  # the transaction rolls back (or was ended): nothing recorded
                     except Exception as exc:
                         raise _HandlerError(exc) from exc
                     finally:

@@ -762,6 +762,10 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         except DRIVER_ERRORS as exc:
             raise translate(exc, op, joined=True) from exc
 
+    def in_transaction(self, tx: Connection) -> bool:
+        """Whether ``tx`` is inside a transaction now (not merely able to start one)."""
+        return in_transaction(tx)
+
     def check_transaction(self, tx: Connection) -> None:
         if not joinable(tx):
             raise TransactionRequired(

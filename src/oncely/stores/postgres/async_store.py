@@ -930,6 +930,10 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         except psycopg.Error as exc:
             raise self._error(exc, op) from exc
 
+    def in_transaction(self, tx: Connection) -> bool:
+        """Whether ``tx`` is inside a transaction now (not merely able to start one)."""
+        return tx.info.transaction_status in (_TX.INTRANS, _TX.INERROR)
+
     def check_transaction(self, tx: Connection) -> None:
         if not is_connection(tx):
             raise TransactionRequired(

@@ -808,6 +808,10 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
+    def in_transaction(self, tx: aiosqlite.Connection) -> bool:
+        """Whether ``tx`` is inside a transaction now."""
+        return bool(tx.in_transaction)
+
     def check_transaction(self, tx: aiosqlite.Connection) -> None:
         if not tx.in_transaction:
             raise TransactionRequired(

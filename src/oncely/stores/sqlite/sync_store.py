@@ -800,6 +800,10 @@ class SQLiteStore(SQLStoreBase[str]):
         except sqlite3.Error as exc:
             raise translate(exc, op) from exc
 
+    def in_transaction(self, tx: sqlite3.Connection) -> bool:
+        """Whether ``tx`` is inside a transaction now."""
+        return bool(tx.in_transaction)
+
     def check_transaction(self, tx: sqlite3.Connection) -> None:
         if not tx.in_transaction:
             raise TransactionRequired(
