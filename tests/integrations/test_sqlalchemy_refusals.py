@@ -153,3 +153,25 @@ def test_an_async_inbox_is_refused_by_the_sync_function(tmp_path: Path) -> None:
             handle_in_session(inbox, session, "k", 1, lambda s, p: 1)  # type: ignore[arg-type]
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("env", ["sqlite"], indirect=True)
+def test_what_is_not_a_session_is_refused_and_a_scoped_session_is_taken(env: Env) -> None:
+    """Before, a scoped_session (Flask-SQLAlchemy's ``db.session``), an Engine or an
+    AsyncSession given to ``handle_in_session`` failed with an AttributeError."""
+    from sqlalchemy.orm import scoped_session, sessionmaker
+
+    engine, inbox = env.new_engine(), env.inbox(migrated=True)
+    calls: list[str] = []
+    registry = scoped_session(sessionmaker(engine))
+    try:
+        with registry.begin():
+            done = handle_in_session(inbox, registry, "o-1", ORDER, booker(env, calls))
+        assert done.outcome is oncely.Outcome.PROCESSED and calls == [ORDER["id"]]
+    finally:
+        registry.remove()
+    with pytest.raises(TypeError, match=r"engine\.begin"):
+        handle_in_session(inbox, engine, "o-2", ORDER, booker(env, calls))  # type: ignore[arg-type]
+    async_engine = create_async_engine(env.async_url)
+    with pytest.raises(TypeError, match="handle_in_session_async"):
+        handle_in_session(inbox, AsyncSession(async_engine), "o-3", ORDER, booker(env, calls))  # type: ignore[arg-type]

@@ -137,6 +137,17 @@ def _store_error_under(exc: BaseException) -> StoreError | None:
 
 def _split(session: Session | Connection) -> tuple[Session | None, Connection]:
     """The session (None for a connection) and the connection its transaction runs on."""
-    if isinstance(session, Session):
-        return session, session.connection()
-    return None, session
+    from sqlalchemy.orm import scoped_session  # noqa: PLC0415
+
+    given: object = session  # what a caller may pass, whatever the annotation says
+    if isinstance(given, scoped_session):
+        given = given()  # the registry's session (Flask-SQLAlchemy's db.session)
+    if isinstance(given, Session):
+        return given, given.connection()
+    if isinstance(given, Connection):
+        return None, given
+    raise TypeError(
+        f"handle_in_session takes a Session or a Connection (in a transaction), not "
+        f"{type(given).__module__}.{type(given).__name__}; an AsyncSession goes to "
+        "handle_in_session_async, and an Engine gives a Connection with engine.begin()"
+    )
