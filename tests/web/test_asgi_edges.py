@@ -202,3 +202,22 @@ def test_r19_a_chunked_wsgi_request_is_read_to_its_end() -> None:
     assert got == [body]  # the repeat was the same request: replayed, not run
 
 
+async def test_r19_a_response_not_kept_is_logged_as_released_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: "failed ... handler raised _Released: the app answered 500", with a traceback
+    # naming a private class, as if the middleware had crashed.
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b"later"})
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    api = IdempotencyMiddleware(app, inbox=inbox)
+    caplog.set_level(logging.INFO, logger="oncely")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        assert (await client.post("/o", headers={"Idempotency-Key": key()})).status_code == 503
+    failed = [r for r in caplog.records if r.getMessage().startswith("failed ")]
+    assert failed and "reason=released: the app answered 503" in failed[0].getMessage()
+    assert failed[0].exc_info is None and "_Released" not in caplog.text

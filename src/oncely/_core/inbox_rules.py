@@ -20,7 +20,7 @@ from oncely._core.fingerprint import Fingerprinter
 from oncely._core.flows import Step
 from oncely._core.keys import Envelope, KeySource, MessageIdKey, validate_key
 from oncely._core.observe import Observer
-from oncely._core.outcomes import Handled, Outcome, new_handled
+from oncely._core.outcomes import Handled, Outcome, Released, new_handled
 from oncely._core.policy import Limits
 from oncely._core.records import Claim, Record, new_record
 from oncely.errors import LeaseLost, PayloadError, ResultTooLarge
@@ -171,7 +171,11 @@ class InboxRules:
             Outcome.FAILED,
             key,
             started,
-            reason=f"handler raised {type(error).__name__}: {error}",
+            reason=(
+                f"released: {error}"
+                if isinstance(error, Released)
+                else f"handler raised {type(error).__name__}: {error}"
+            ),
             error=error,
             attempt=attempt,
             correlation_id=correlation_id,

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from oncely._core.outcomes import Handled
+from oncely._core.outcomes import Handled, Released
 from oncely.wire import printable
 
 __all__ = ["Hook", "Observer", "key_for_logs"]
@@ -79,7 +79,9 @@ class Observer:
             if handled.reason:
                 text += " reason=%s"
                 args.append(printable(handled.reason))
-            self.logger.log(level, text, *args, extra=extra, exc_info=handled.error)
+            error = handled.error
+            quiet = error is None or isinstance(error, Released)  # a reason, not a crash
+            self.logger.log(level, text, *args, extra=extra, exc_info=None if quiet else error)
         for hook in self.hooks:
             try:
                 hook(handled)

@@ -29,9 +29,15 @@ from oncely._core.fast import frozen_builder
 from oncely._core.records import Record
 from oncely.errors import Escalated, InFlight, KeyConflict, OutcomeError, Rejected
 
-__all__ = ["Action", "Handled", "Outcome", "new_handled"]
+__all__ = ["Action", "Handled", "Outcome", "Released", "new_handled"]
 
 R = TypeVar("R")
+
+
+class Released(Exception):
+    """The error of a ``failed`` outcome whose claim its caller gave back (``release``, an
+    HTTP response not kept): the reason it gave, not something a handler raised, so it is
+    logged without a traceback."""
 
 
 class Action(StrEnum):

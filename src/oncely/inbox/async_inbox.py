@@ -47,7 +47,7 @@ from oncely._core.flows import Step, decide
 from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
-from oncely._core.outcomes import Handled, Outcome
+from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import (
     AsyncReconciler,
     Lease,
@@ -1356,7 +1356,7 @@ class AsyncClaimed(Generic[R]):
         record = claim.record
         await self._inbox._release_quietly(record.key, record.token)
         handled: Handled[R] = self._inbox._rules.failed(
-            record.key, _Released(reason), self._started, self._correlation_id, record.attempt
+            record.key, Released(reason), self._started, self._correlation_id, record.attempt
         )
         self._handled = handled
         return handled
@@ -1402,5 +1402,3 @@ class AsyncClaimed(Generic[R]):
             await self.release("the block ended without completing the claim")
 
 
-class _Released(Exception):
-    """The reason a caller gave back its claim (``failed`` outcomes carry an error)."""

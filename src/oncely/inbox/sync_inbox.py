@@ -40,7 +40,7 @@ from oncely._core.handlers import refuse_async, sync_result
 from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
-from oncely._core.outcomes import Handled, Outcome
+from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import (
     Lease,
     Limits,
@@ -1308,7 +1308,7 @@ class Claimed(Generic[R]):
         record = claim.record
         self._inbox._release_quietly(record.key, record.token)
         handled: Handled[R] = self._inbox._rules.failed(
-            record.key, _Released(reason), self._started, self._correlation_id, record.attempt
+            record.key, Released(reason), self._started, self._correlation_id, record.attempt
         )
         self._handled = handled
         return handled
@@ -1352,7 +1352,3 @@ class Claimed(Generic[R]):
             self.release(f"the block raised {type(error).__name__}: {error}")
         else:
             self.release("the block ended without completing the claim")
-
-
-class _Released(Exception):
-    """The reason a caller gave back its claim (``failed`` outcomes carry an error)."""
