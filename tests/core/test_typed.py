@@ -67,3 +67,25 @@ def test_r1_a_pydantic_model_and_plain_values() -> None:
 def test_r1_a_result_that_cannot_be_read_back_raises_payload_error() -> None:
     with pytest.raises(PayloadError, match="cannot be read back"):
         revive(Item, {"name": "pen"})
+
+
+def test_r1_a_set_comes_back_with_its_members_as_they_were() -> None:
+    # Before, the stored form of a set was its members' canonical JSON text: {1, 2, 10} came
+    # back as {"1", "10", "2"} (and as ["1", "10", "2"] without a declared type).
+    import oncely
+
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="c")
+
+    @inbox.idempotent(key=lambda order: order)
+    def lines(order: str) -> set[int]:
+        return {1, 2, 10}
+
+    @inbox.idempotent(key=lambda order: f"tags:{order}")
+    def tags(order: str) -> dict[str, Any]:
+        return {"tags": frozenset({"b", "a"}), "ids": {UUID(int=1)}}
+
+    assert lines("o-1") == lines("o-1") == {1, 2, 10}
+    tags("o-1")
+    assert tags("o-1") == {"tags": ["a", "b"], "ids": [str(UUID(int=1))]}
+    # A payload's fingerprint takes a set's members as their canonical text, as before.
+    assert canonical_json({"s": {1, 2, 10}}) == '{"s":["1","10","2"]}'

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
-from oncely._core.fingerprint import canonical_json
+from oncely._core.fingerprint import result_json
 from oncely.errors import PayloadError, UnfingerprintablePayload
 
 __all__ = ["Codec", "JSONCodec", "RawCodec"]
@@ -31,7 +31,7 @@ class JSONCodec:
 
     def encode(self, value: object) -> bytes:
         try:
-            return canonical_json(value).encode("utf-8", "surrogatepass")
+            return result_json(value).encode("utf-8", "surrogatepass")
         except UnfingerprintablePayload as exc:
             raise PayloadError(
                 f"the result is not JSON: {exc.__cause__}; return JSON-compatible values "

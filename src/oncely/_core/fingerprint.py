@@ -24,7 +24,7 @@ from uuid import UUID
 
 from oncely.errors import ConfigurationError, UnfingerprintablePayload
 
-__all__ = ["Fingerprint", "Fingerprinter", "canonical_json", "fingerprint"]
+__all__ = ["Fingerprint", "Fingerprinter", "canonical_json", "fingerprint", "result_json"]
 
 VERSION: Final = "v1:"
 
@@ -52,7 +52,21 @@ def _default(value: object) -> object:
     raise TypeError(f"no canonical form for {type(value).__name__}")
 
 
-def _make_canonical() -> Callable[[object], str]:
+def _result_default(value: object) -> object:
+    # A result's set keeps its members as they are (a set of ints comes back as a list of
+    # ints, which a declared ``set[int]`` rebuilds), ordered by their canonical text. The
+    # fingerprint's form (members as their canonical text) stays as it is: fingerprints
+    # already stored must not change.
+    if isinstance(value, set | frozenset):
+        return [member for _, member in sorted(((canonical_json(m), m) for m in value), key=_first)]
+    return _default(value)
+
+
+def _first(pair: tuple[str, object]) -> str:
+    return pair[0]
+
+
+def _make_canonical(default: Callable[[object], object] = _default) -> Callable[[object], str]:
     # One C encoder built once: json.dumps (and JSONEncoder.encode) build a new one per call,
     # a fifth of the cost of fingerprinting a small payload. Circular structures are caught
     # as RecursionError instead of by the encoder's marker dict.
@@ -63,9 +77,9 @@ def _make_canonical() -> Callable[[object], str]:
             separators=(",", ":"),
             ensure_ascii=False,
             allow_nan=True,
-            default=_default,
+            default=default,
         ).encode
-    encode = make(None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, True)
+    encode = make(None, default, json.encoder.encode_basestring, None, ":", ",", True, False, True)
 
     def canonical(value: object) -> str:
         if isinstance(value, str):
@@ -76,6 +90,16 @@ def _make_canonical() -> Callable[[object], str]:
 
 
 _canonical = _make_canonical()
+_result_canonical = _make_canonical(_result_default)
+
+
+def result_json(value: object) -> str:
+    """The JSON text a result is stored as: :func:`canonical_json`, except that a set's
+    members stay values (not their canonical text)."""
+    try:
+        return _result_canonical(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise _unfingerprintable(exc) from exc
 
 
 def canonical_json(value: object) -> str:

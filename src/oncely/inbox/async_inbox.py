@@ -1400,5 +1400,3 @@ class AsyncClaimed(Generic[R]):
             await self.release(f"the block raised {type(error).__name__}: {error}")
         else:
             await self.release("the block ended without completing the claim")
-
-
