@@ -314,3 +314,48 @@ def test_r10_a_fork_while_the_heartbeat_thread_holds_its_lock_does_not_hang_the_
         done.set()
         holder.join(10)
     assert answer == ["processed", [True]]
+
+
+def test_r10_a_claim_dropped_without_an_ending_lapses_and_is_taken_over(
+    store: oncely.Store,
+) -> None:
+    """Before, a claim collected while held kept its heartbeat for as long as the process
+    lived: the key stayed in_flight for everyone. Now renewal stops, with a ResourceWarning,
+    and the next caller takes the key over once the lease lapses."""
+    inbox = oncely.Inbox(store, consumer="c", lease=SHORT)
+
+    def drop() -> None:
+        claimed = inbox.claim("k", {"n": 1})
+        assert claimed.won
+
+    with pytest.warns(ResourceWarning, match="dropped without complete"):
+        drop()  # collected as it returns (nothing else refers to it)
+    deadline = time.monotonic() + 10
+    while True:
+        again = inbox.claim("k", {"n": 1})
+        if again.won or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert again.won and again.handled is None
+    assert again.complete("done").outcome is Outcome.STALE_RECLAIMED
+
+
+async def test_r10_an_async_claim_dropped_without_an_ending_lapses_too(
+    async_store: oncely.AsyncStore,
+) -> None:
+    inbox = oncely.AsyncInbox(async_store, consumer="c", lease=SHORT)
+
+    async def drop() -> None:
+        claimed = await inbox.claim("k", {"n": 1})
+        assert claimed.won
+
+    with pytest.warns(ResourceWarning, match="dropped without complete"):
+        await drop()
+    deadline = time.monotonic() + 10
+    while True:
+        again = await inbox.claim("k", {"n": 1})
+        if again.won or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert again.won
+    assert (await again.complete("done")).outcome is Outcome.STALE_RECLAIMED

@@ -33,6 +33,7 @@ else:
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
@@ -1335,6 +1336,25 @@ class AsyncClaimed(Generic[R]):
         beat, self._beat = self._beat, None
         if beat is not None:
             await beat.stop()
+
+    def __del__(self) -> None:
+        # Collected while still held (no complete, release or reject, no ``with`` block):
+        # its heartbeat would renew the lease for as long as the process lives, and the key
+        # stay in_flight for everyone. Renewal stops; the lease lapses and the key is taken
+        # over (stale_reclaimed) by the next caller.
+        beat = getattr(self, "_beat", None)
+        if beat is None or getattr(self, "_handled", None) is not None:
+            return
+        beat.abandon()
+        claim = getattr(self, "_claim", None)
+        key = claim.record.key if claim is not None else "?"
+        warnings.warn(
+            f"oncely: the claim of {key!r} was dropped without complete(), release() or "
+            "reject(); its lease is no longer renewed, and the key is taken over once it "
+            "lapses. End every claim, or use it as a context manager",
+            ResourceWarning,
+            stacklevel=1,
+        )
 
     async def complete(self, result: R | None = None) -> Handled[R]:
         """The work is done: store ``result`` (what a later copy gets as its ``duplicate``

@@ -53,6 +53,11 @@ class AsyncTicket:
         if not self._stopped:
             self._handle = self._loop.call_later(self._every, self._fire)
 
+    def abandon(self) -> None:
+        """Renew no more, from anywhere (a claim collected without an ending): the timer
+        already set fires once and does nothing."""
+        self._stopped = True
+
     async def stop(self) -> None:
         """Stop renewing; wait for a renewal already under way so none lands afterwards."""
         self._stopped = True
@@ -100,6 +105,11 @@ class Ticket:
                     self._renew()
         finally:
             self.due = time.monotonic() + self._every
+
+    def abandon(self) -> None:
+        """Renew no more, from anywhere (a claim collected without an ending): no lock is
+        taken; the thread drops the ticket at its next pass."""
+        self.stopped = True
 
     def stop(self) -> None:
         """Stop renewing; wait for a renewal already under way so none lands afterwards."""
@@ -177,6 +187,10 @@ class Heartbeats:
                     self._cond.wait(_IDLE_EXIT_S)
                     continue
                 idle_since = None
+                for gone in [k for k, t in self._tickets.items() if t.stopped]:
+                    del self._tickets[gone]  # abandoned: nothing left to renew
+                if not self._tickets:
+                    continue
                 due = [t for t in self._tickets.values() if t.due <= now]
                 if not due:
                     wait = min(t.due for t in self._tickets.values()) - now
