@@ -51,6 +51,24 @@ def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fields(db: Db) -
     assert db.count(db.orders) == 1
 
 
+@pytest.mark.parametrize(
+    ("amount", "why"),
+    [("12.50", "is a str"), (Decimal("12.505"), "more decimal places"), (12.505, "more decimal")],
+)
+def test_r20_a_compared_value_the_database_would_change_is_refused(
+    db: Db, amount: object, why: str
+) -> None:
+    # Before, "12.50" (a JSON payload's amount) for a Numeric(10, 2) column was written, read
+    # back as Decimal("12.50"), and every copy of the message was a key_conflict.
+    with db.engine.begin() as conn, pytest.raises(oncely.ConfigurationError, match=why):
+        _by_fields(conn, db, amount=amount)
+    assert db.count(db.orders) == 0
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db, amount=Decimal("12.50")).outcome == CREATED
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db, amount=12.5).outcome == DUPLICATE
+
+
 def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fingerprint(db: Db) -> None:
     results = []
     for _ in range(3):

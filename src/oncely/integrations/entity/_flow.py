@@ -18,7 +18,9 @@ The flow (R20 steps 2-6, R21)::
 
 from __future__ import annotations
 
+import datetime
 import enum
+import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -121,6 +123,52 @@ def _column_dict(shape: Shape, values: Values, what: str) -> dict[Column[object]
             f"known: {', '.join(shape.columns)}"
         )
     return {shape.columns[name]: value for name, value in values.items()}
+
+
+_RETYPED: Final = (datetime.datetime, datetime.date, datetime.time, uuid.UUID)
+"""Column types whose values come back as that type whatever was written (a string, a date
+for a datetime): a compared value must already be one."""
+
+
+def _comparable(shape: Shape, name: str, given: object) -> None:
+    """Refuse a compared value that would come back from the database as another value, so
+    that every copy of the message would be a key_conflict: a value of another type than the
+    column's (``"10.00"`` for a ``Numeric`` column), or a number with more decimal places
+    than the column keeps (``Decimal("10.123")`` for ``Numeric(10, 2)``)."""
+    if given is None:
+        return
+    column_type = shape.columns[name].type
+    try:
+        wanted = column_type.python_type
+    except NotImplementedError:
+        return
+    numbers = (int, float, Decimal)
+    number = isinstance(given, numbers) and not isinstance(given, bool)
+    if issubclass(wanted, numbers) and not issubclass(wanted, bool):
+        if not number:
+            raise ConfigurationError(
+                f"values: {name} is a {type(given).__name__} ({given!r}) for a {column_type} "
+                "column, which gives back a number: every copy would differ from the stored "
+                f"row (a key_conflict). Pass a {wanted.__name__} (Decimal(...) for a string "
+                "amount)"
+            )
+        scale = getattr(column_type, "scale", None)
+        if isinstance(scale, int) and not isinstance(given, int):
+            exponent = Decimal(str(given)).as_tuple().exponent
+            if isinstance(exponent, int) and -exponent > scale:
+                raise ConfigurationError(
+                    f"values: {name}={given!r} has more decimal places than its column "
+                    f"{column_type} keeps: the database would round it, and every copy would "
+                    f"differ from the stored row (a key_conflict). Round it to {scale} places "
+                    "first"
+                )
+        return
+    if wanted in _RETYPED and not isinstance(given, wanted):
+        raise ConfigurationError(
+            f"values: {name} is a {type(given).__name__} ({given!r}) for a {column_type} "
+            f"column, which gives back a {wanted.__name__}: every copy would differ from the "
+            f"stored row (a key_conflict). Pass a {wanted.__name__}"
+        )
 
 
 def _unique_sets(table: Table) -> list[frozenset[str]]:
@@ -311,6 +359,9 @@ def make_plan(
     elif payload is not MISSING:
         raise ConfigurationError("a payload is only used with fingerprint_column")
     _column_dict(shape, row, "values")
+    for name in compared:
+        if name != fingerprint_column:
+            _comparable(shape, name, row[name])
     return Plan(
         shape=shape,
         dialect=dialect.name,
