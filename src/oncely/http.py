@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import base64
 import contextvars
+import difflib
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -255,6 +257,21 @@ def transaction() -> Any:
         ) from None
 
 
+def _unknown_options(unknown: dict[str, Any]) -> ConfigurationError:
+    known = [
+        name
+        for name, p in inspect.signature(_Policy.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    said = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        said.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ConfigurationError(
+        f"unknown option {', '.join(said)}; the options are {', '.join(known)}"
+    )
+
+
 class _NotKept(Exception):
     """The app's response is not kept: the transaction rolls back, the response is sent."""
 
@@ -276,11 +293,18 @@ class _Policy:
         wait: timedelta | None = None,
         max_request_bytes: int = 1 << 20,
         max_stored_bytes: int = 1 << 20,
+        max_key_chars: int = 255,
         key: KeyFrom | None = None,
         transactional: bool = False,
+        **unknown: Any,
     ) -> None:
-        if max_request_bytes < 0 or max_stored_bytes < 0:
-            raise ConfigurationError("max_request_bytes and max_stored_bytes are not negative")
+        if unknown:
+            raise _unknown_options(unknown)
+        if max_request_bytes < 0 or max_stored_bytes < 0 or max_key_chars < 1:
+            raise ConfigurationError(
+                "max_request_bytes and max_stored_bytes are not negative, max_key_chars positive"
+            )
+        self._max_key = max_key_chars
         self.methods = frozenset(m.upper() for m in methods)
         self._applies = applies
         self._required = required
@@ -372,6 +396,13 @@ class _Policy:
         except _BadKey as exc:
             return problem(400, "Invalid Idempotency-Key", str(exc))
         if key is not None:
+            if len(key) > self._max_key:
+                return problem(
+                    400,
+                    "Invalid Idempotency-Key",
+                    f"the Idempotency-Key has {len(key)} characters; this endpoint takes at "
+                    f"most {self._max_key}",
+                )
             return key
         required = self._required
         if required is True or (callable(required) and required(scope)):
@@ -416,6 +447,7 @@ class IdempotencyMiddleware(_Policy):
     (may be async); ``store_status``: which responses are kept; ``wait``: how long a repeat
     waits for a running first request instead of getting 409; ``max_request_bytes`` and
     ``max_stored_bytes``: the request body read for the fingerprint, the response body kept;
+    ``max_key_chars``: the longest ``Idempotency-Key`` taken (255; a longer one is a 400);
     ``transactional``: run the app in the store's database transaction (see the module
     docstring and :func:`transaction`).
 

@@ -221,3 +221,20 @@ async def test_r19_a_response_not_kept_is_logged_as_released_without_a_traceback
     failed = [r for r in caplog.records if r.getMessage().startswith("failed ")]
     assert failed and "reason=released: the app answered 503" in failed[0].getMessage()
     assert failed[0].exc_info is None and "_Released" not in caplog.text
+
+
+async def test_r19_a_misspelt_option_and_an_overlong_key_say_what_is_wrong() -> None:
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    with pytest.raises(oncely.ConfigurationError, match="did you mean 'methods'"):
+        IdempotencyMiddleware(await _app_of(2, []), inbox=inbox, methodz=["POST"])
+    api = IdempotencyMiddleware(await _app_of(2, []), inbox=inbox, max_key_chars=40)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        long = await client.post("/o", headers={"Idempotency-Key": '"' + "k" * 41 + '"'})
+        assert long.status_code == 400
+        assert long.json()["detail"] == (
+            "the Idempotency-Key has 41 characters; this endpoint takes at most 40"
+        )
+        fits = await client.post("/o", headers={"Idempotency-Key": '"' + "k" * 40 + '"'})
+        assert fits.status_code == 200
