@@ -459,3 +459,15 @@ async def test_r7_async_closing_right_after_a_cancelled_transaction_waits_for_it
         assert reader.execute("SELECT count(*) FROM oncely_inbox").fetchone() == (0,)
     finally:
         reader.close()
+
+
+def test_r7_a_failed_transactional_attempt_reports_its_attempt_number(tmp_path: Path) -> None:
+    # Before, a transactional ``failed`` reported attempt 0 (in the log and in Handled),
+    # where a two-phase one reported 1.
+    inbox = oncely.Inbox(oncely.open(f"sqlite:///{tmp_path / 'a.db'}"), consumer="c")
+
+    def broken(tx: object, payload: object) -> None:
+        raise RuntimeError("the ledger is down")
+
+    assert inbox.handle_in_transaction("k", {}, broken).attempt == 1
+    assert inbox.handle("k2", {}, lambda p: 1 / 0).attempt == 1

@@ -1184,7 +1184,8 @@ class AsyncInbox:
             if isinstance(error, Reject):
                 await self._reject_in(store, tx, checked, fp, error.reason)
                 return self._rules.rejected(checked, error.reason, started, correlation_id)
-            return self._rules.failed(checked, error, started, correlation_id)
+            # The attempt this was (the claim that counted it was rolled back with the rest).
+            return self._rules.failed(checked, error, started, correlation_id, record.attempt)
         if step is not Step.PROCEED:
             return self._rules.settle(step, claim, correlation_id, started)
         if claim.status is ClaimStatus.NEW:
