@@ -26,12 +26,14 @@ a body over ``max_request_bytes``       ``413 Content Too Large``, never run unp
 
 Errors are RFC 9457 problem details (``application/problem+json``). Keys are scoped per
 principal (``principal(scope)``: the API key, auth subject or tenant; by default a hash of
-the ``Authorization`` header, so two clients never share a key) and per method and path, so
-one client can never read another's response. Responses are stored when
-``store_status(status)`` says so: by default 2xx, 3xx and 4xx except 408, 409, 425 and 429,
-never 5xx (the claim is released: a retry runs again). A response over ``max_stored_bytes``
-is sent to the client but not kept: a repeat then gets ``409`` saying it cannot be replayed
-(the work is never run twice).
+the ``Authorization`` header, so two clients with credentials there never share a key) and per
+method and path, so one client can never read another's response. An app whose clients sign
+in with a cookie must give ``principal=`` (its session's user): by default they all share the
+``anonymous`` scope, and the middleware logs a warning the first time it sees one.
+Responses are stored when ``store_status(status)`` says so: by default 2xx, 3xx and 4xx
+except 408, 409, 425 and 429, never 5xx (the claim is released: a retry runs again). A
+response over ``max_stored_bytes`` is sent to the client but not kept: a repeat then gets
+``409`` saying it cannot be replayed (the work is never run twice).
 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
@@ -227,11 +229,25 @@ def _explain(text: str) -> None:
 def default_principal(scope: Scope) -> str:
     """Who is asking, from the ``Authorization`` header (a hash of it; ``anonymous`` without
     one). Give your own (the auth subject, the API key's id) where a client's credentials
-    change between its retries: a refreshed token would otherwise be a new scope."""
+    change between its retries: a refreshed token would otherwise be a new scope. Cookies are
+    not read (they change between retries for reasons of their own): an app whose clients sign
+    in with one needs its own ``principal``."""
     values = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
     if not values:
+        if not _COOKIES_SEEN and any(k == b"cookie" for k, _ in scope.get("headers", ())):
+            _COOKIES_SEEN.append(True)
+            LOGGER.warning(
+                "oncely http: a request with a key carries a cookie but no Authorization "
+                "header: with the default principal, every such client shares one scope of "
+                "keys ('anonymous'), and one could be answered with another's response; give "
+                "the middleware principal= (the signed-in user) if clients sign in by cookie"
+            )
         return "anonymous"
     return "auth:" + hashlib.sha256(b"\n".join(values)).hexdigest()[:32]
+
+
+_COOKIES_SEEN: list[bool] = []
+"""Whether the warning about cookies and the default principal was logged (once a process)."""
 
 
 def default_store_status(status: int) -> bool:

@@ -238,3 +238,22 @@ async def test_r19_a_misspelt_option_and_an_overlong_key_say_what_is_wrong() -> 
         )
         fits = await client.post("/o", headers={"Idempotency-Key": '"' + "k" * 40 + '"'})
         assert fits.status_code == 200
+
+
+async def test_r19_cookies_with_the_default_principal_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from oncely import http
+
+    http._COOKIES_SEEN.clear()
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    api = IdempotencyMiddleware(await _app_of(2, []), inbox=inbox)
+    caplog.set_level(logging.WARNING, logger="oncely.http")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        for n in range(3):
+            headers = {"Idempotency-Key": key(), "Cookie": f"session=s{n}"}
+            assert (await client.post("/o", headers=headers)).status_code == 200
+    said = [r.getMessage() for r in caplog.records if "cookie" in r.getMessage()]
+    assert len(said) == 1 and "principal=" in said[0]
