@@ -103,8 +103,12 @@ def test_an_in_memory_sqlite_session_is_refused(tmp_path: Path) -> None:
 
 def test_a_session_without_a_transaction_is_refused(env: Env) -> None:
     engine, inbox = env.new_engine(isolation_level="AUTOCOMMIT"), env.inbox()
-    with Session(engine) as session, pytest.raises(oncely.TransactionRequired):
+    with (
+        Session(engine) as session,
+        pytest.raises(oncely.TransactionRequired, match=r"session\.begin\(\)") as refused,
+    ):
         handle_in_session(inbox, session, "o-1", ORDER, booker(env, []))
+    assert "AUTOCOMMIT" in str(refused.value)
     assert env.rows() == {}
     assert env.marker("o-1") is None
 

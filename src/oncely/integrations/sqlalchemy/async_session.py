@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 from oncely._core.outcomes import Handled
 from oncely._twin import ASYNC
-from oncely.errors import StoreError
+from oncely.errors import StoreError, TransactionRequired
 from oncely.inbox.async_inbox import AsyncInbox, _called
 from oncely.integrations._joined.async_identity import check_session_async, store_identity_async
 from oncely.integrations._joined.kinds import (
@@ -82,7 +82,14 @@ async def handle_in_session_async(
         await orm.flush()  # your pending changes go before the savepoint: a failure keeps them
     if kind.family == "sqlite" and needs_begin(driver):
         await connection.exec_driver_sql("BEGIN IMMEDIATE")
-    joined.check_transaction(driver)
+    try:
+        joined.check_transaction(driver)
+    except TransactionRequired as exc:
+        raise TransactionRequired(
+            f"{exc}. In SQLAlchemy terms: the session or connection has no open transaction "
+            "(an engine with isolation_level='AUTOCOMMIT' never has one): call it inside "
+            "session.begin() or engine.begin(), on an engine that is not in autocommit"
+        ) from exc
     await check_session_async(
         store.url,
         expected,

@@ -13,7 +13,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from oncely._core.outcomes import Handled
-from oncely.errors import StoreError
+from oncely.errors import StoreError, TransactionRequired
 from oncely.inbox.sync_inbox import Inbox, _called
 from oncely.integrations._joined.kinds import (
     SYNC_KINDS,
@@ -70,7 +70,14 @@ def handle_in_session(
         orm.flush()  # your pending changes go before the savepoint: a failure keeps them
     if kind.family == "sqlite" and needs_begin(driver):
         connection.exec_driver_sql("BEGIN IMMEDIATE")
-    joined.check_transaction(driver)
+    try:
+        joined.check_transaction(driver)
+    except TransactionRequired as exc:
+        raise TransactionRequired(
+            f"{exc}. In SQLAlchemy terms: the session or connection has no open transaction "
+            "(an engine with isolation_level='AUTOCOMMIT' never has one): call it inside "
+            "session.begin() or engine.begin(), on an engine that is not in autocommit"
+        ) from exc
     check_session(
         store.url,
         expected,
