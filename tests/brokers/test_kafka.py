@@ -384,6 +384,17 @@ class TestKafka(BrokerSuite):
             settings=self.settings(**settings),
         )
 
+    async def _kept_through(self, inbox: oncely.AsyncInbox, prefix: str, n: int) -> list[str]:
+        """``n`` records published and applied by a consumer of the suite's group that keeps
+        its offsets in the database; their keys."""
+        keys = [f"{prefix}{i}" for i in range(n)]
+        for key in keys:
+            await self.publish(key)
+        worker = self._keeping(inbox, self.group)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == n, what=f"the first {n}")
+        return keys
+
     async def test_offsets_in_the_transaction_outlive_the_groups_commits_and_the_markers(
         self,
     ) -> None:
@@ -394,12 +405,7 @@ class TestKafka(BrokerSuite):
         change without stored offsets applies every earlier record again (what the stored
         offsets prevent)."""
         (inbox,) = self.inboxes("transactional", 1)
-        first = [f"o{n}" for n in range(40)]
-        for key in first:
-            await self.publish(key)
-        worker = self._keeping(inbox, self.group)
-        async with running(worker):
-            await wait_until(lambda: worker.counts["processed"] == 40, what="the first 40")
+        first = await self._kept_through(inbox, "o", 40)
         store = inbox.store
         assert isinstance(store, oncely.AsyncPostgresStore)
         ends: Counter[int] = Counter()
@@ -436,12 +442,7 @@ class TestKafka(BrokerSuite):
         (here 2 s) let those records run, the forgotten ones applied a second time; now the
         partitions wait for their start, and only the later records run."""
         (inbox,) = self.inboxes("transactional", 1)
-        first = [f"s{n}" for n in range(20)]
-        for key in first:
-            await self.publish(key)
-        worker = self._keeping(inbox, self.group)
-        async with running(worker):
-            await wait_until(lambda: worker.counts["processed"] == 20, what="the first 20")
+        first = await self._kept_through(inbox, "s", 20)
         for key in first:
             assert await inbox.forget(key)
         later = [f"t{n}" for n in range(4)]

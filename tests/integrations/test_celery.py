@@ -20,7 +20,7 @@ pytest.importorskip("celery")
 import pika
 
 import oncely
-from tests.integrations.workers import WorkerRun, down_store, store_url, until
+from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
 from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
@@ -70,16 +70,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, it started, looked healthy, and sent every task again every second until the
     # store answered, each one closer to its max_retries for nothing.
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    store, where = down_store()
-    run = Run(store)
-    try:
-        run.app.charge.delay("u1", 10)
-        worker = run.worker(log=tmp_path / "worker.log")
-        assert worker.wait(60) == 3
-        run.assert_stopped_at_start(tmp_path / "worker.log", where)
-    finally:
-        run.close()
+    stopped_at_start(
+        Run,
+        lambda run: run.app.charge.delay("u1", 10),
+        lambda run, log: run.worker(log=log),
+        tmp_path / "worker.log",
+    )
 
 
 @pytest.mark.timeout(120)

@@ -35,7 +35,6 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 REDIS_DB = REDIS_URL.rsplit("/", 1)[0] + "/15"
 
 
-
 class Project:
     """The test project on a database of its own, its worker's environment and helpers."""
 

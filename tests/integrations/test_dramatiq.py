@@ -19,8 +19,7 @@ import pytest
 
 pytest.importorskip("dramatiq")
 
-from tests.integrations.workers import WorkerRun, down_store, store_url, until
-from tests.services import RABBITMQ_URL, require
+from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
 
 
 class Run(WorkerRun):
@@ -74,16 +73,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, each worker process started and sent every message again every second until
     # the store answered.
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    store, where = down_store()
-    run = Run(store)
-    try:
-        run.app.charge.send("u1", 10)
-        worker = run.worker(processes=2, log=tmp_path / "worker.log")
-        assert worker.wait(60) == 3
-        run.assert_stopped_at_start(tmp_path / "worker.log", where)
-    finally:
-        run.close()
+    stopped_at_start(
+        Run,
+        lambda run: run.app.charge.send("u1", 10),
+        lambda run, log: run.worker(processes=2, log=log),
+        tmp_path / "worker.log",
+    )
 
 
 @pytest.mark.timeout(180)

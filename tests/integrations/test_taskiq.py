@@ -24,8 +24,7 @@ pytest.importorskip("taskiq")
 pytest.importorskip("taskiq_aio_pika")
 import pika
 
-from tests.integrations.workers import WorkerRun, down_store, store_url, until
-from tests.services import RABBITMQ_URL, require
+from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
 
 RECEIVER = "oncely.integrations.taskiq:Receiver"
 
@@ -179,20 +178,16 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, each worker process started and sent every task again every 2 s until the
     # store answered. taskiq starts a stopped worker process again: --max-fails ends it.
-    require("RabbitMQ", RABBITMQ_URL, 5672)
-    store, where = down_store()
-    run = Run(store)
-    try:
+    async def send(app: ModuleType) -> None:
+        await app.charge.kiq("u1", 10)
 
-        async def send(app: ModuleType) -> None:
-            await app.charge.kiq("u1", 10)
-
-        run.drive(send)
-        worker = run.worker(1, RECEIVER, "--max-fails", "1", log=tmp_path / "worker.log")
-        assert worker.wait(60) != 0
-        run.assert_stopped_at_start(tmp_path / "worker.log", where)
-    finally:
-        run.close()
+    stopped_at_start(
+        Run,
+        lambda run: run.drive(send),
+        lambda run, log: run.worker(1, RECEIVER, "--max-fails", "1", log=log),
+        tmp_path / "worker.log",
+        code=None,
+    )
 
 
 @pytest.mark.timeout(120)

@@ -67,6 +67,30 @@ def down_store() -> tuple[str, str]:
     return f"postgresql://postgres:{DOWN_STORE_PASSWORD}@127.0.0.1:{port}/test", f"127.0.0.1:{port}"
 
 
+def stopped_at_start(
+    make_run: Callable[[str], WorkerRun],
+    send: Callable[[Any], object],
+    start: Callable[[Any, Path], subprocess.Popen[bytes]],
+    log: Path,
+    *,
+    code: int | None = 3,
+    oncely_line: bool = True,
+) -> str:
+    """A worker started (``start(run, log)``) on a store where nothing answers, after
+    ``send(run)`` sent it one message: it exits (with ``code``; any code but 0 when None)
+    having named the store, and the message waits untouched. Returns what the worker said."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    store, where = down_store()
+    run = make_run(store)
+    try:
+        send(run)
+        returned = start(run, log).wait(60)
+        assert returned == code if code is not None else returned != 0, returned
+        return run.assert_stopped_at_start(log, where, oncely_line=oncely_line)
+    finally:
+        run.close()
+
+
 class WorkerRun:
     """One scenario of a worker test: its own queue and Redis namespace, the test app module
     configured for them by the environment (``ONCELY_TEST_<FRAMEWORK>_QUEUE``, ``_NS``,
