@@ -109,5 +109,7 @@ async def test_r19_the_header_is_in_the_routes_openapi_schema(server: str) -> No
     async with httpx.AsyncClient(base_url=server) as client:
         schema = (await client.get("/openapi.json")).json()
     params = schema["paths"]["/orders"]["post"]["parameters"]
-    assert [(p["name"], p["in"]) for p in params] == [("Idempotency-Key", "header")]
+    assert [(p["name"], p["in"], p["required"]) for p in params] == [
+        ("Idempotency-Key", "header", True)  # as the middleware has it (before: not required)
+    ]
     assert "parameters" not in schema["paths"]["/notes"]["post"]

@@ -32,6 +32,7 @@ Tested with uvicorn serving a FastAPI app on SQLite, PostgreSQL and Redis
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Annotated, Any
 
@@ -57,6 +58,12 @@ from oncely.inbox.async_inbox import AsyncInbox
 __all__ = ["Idempotency"]
 
 _MARK = "oncely.idempotency"
+HEADER_NAME = "Idempotency-Key"
+_SAID = (
+    "A unique key for this operation, as a quoted string (RFC 8941): a repeat with the same "
+    "key gets the first response again"
+)
+_KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD
 """The scope key the per-route middleware sets: the route is protected."""
 
 
@@ -85,19 +92,25 @@ class Idempotency:
         self._options = options
         self._bare = bool(options.get("bare_keys", False))
         IdempotencyMiddleware(_never, inbox=inbox, **options)  # the options, checked now
+        if options.get("required", True) is True:
+            # The schema says what the middleware enforces: the header is required.
+            self.__signature__ = inspect.Signature(
+                [
+                    inspect.Parameter("request", _KEYWORD, annotation=Request),
+                    inspect.Parameter(
+                        "idempotency_key",
+                        _KEYWORD,
+                        annotation=Annotated[str, Header(alias=HEADER_NAME, description=_SAID)],
+                    ),
+                ],
+                return_annotation=str | None,
+            )
 
     async def __call__(
         self,
         request: Request,
         idempotency_key: Annotated[
-            str | None,
-            Header(
-                alias="Idempotency-Key",
-                description=(
-                    "A unique key for this operation, as a quoted string (RFC 8941): a repeat "
-                    "with the same key gets the first response again"
-                ),
-            ),
+            str | None, Header(alias="Idempotency-Key", description=_SAID)
         ] = None,
     ) -> str | None:
         if request.scope.get(_MARK) is not self:
