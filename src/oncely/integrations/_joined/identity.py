@@ -120,18 +120,24 @@ def same_database(store: Identity, session: Identity) -> bool:
     return False
 
 
-def mismatch(store_url: str, store: Identity, session: Identity) -> ConfigurationError:
-    """The error for a session that is not on the store's database."""
+def mismatch(
+    store_url: str,
+    store: Identity,
+    session: Identity,
+    *,
+    side: str = "the session",
+    fix: str = "Bind the session to the store's database, or open the store on the session's",
+) -> ConfigurationError:
+    """The error for a session (``side``) that is not on the store's database."""
     if store[0] == "sqlite" and (not store[1] or not session[1]):
         return ConfigurationError(
-            "an in-memory SQLite database cannot be shared between the session and the store: "
+            f"an in-memory SQLite database cannot be shared between {side} and the store: "
             f"use one database file for both (the store is {store_url})"
         )
     return ConfigurationError(
-        f"the session is connected to {_describe(session)}, but the inbox's store "
+        f"{side} is connected to {_describe(session)}, but the inbox's store "
         f"({store_url}) is in {_describe(store)}: the dedup marker must commit in the database "
-        "the handler writes in. Bind the session to the store's database, or open the store "
-        "on the session's"
+        f"the handler writes in. {fix}"
     )
 
 

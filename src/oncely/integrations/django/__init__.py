@@ -13,14 +13,13 @@ Set up (``pip install 'oncely[django]'``)::
     from django.db import transaction
     from oncely.integrations.django import get_inbox, handle_in_atomic
 
-    billing = get_inbox("billing")                 # an oncely.Inbox on DATABASES["default"]
-
     def charge(order: dict) -> int:
         Charge.objects.create(order_id=order["id"], amount=order["amount"])
         return order["amount"]
 
-    with transaction.atomic():
-        handled = handle_in_atomic(billing, message_id, order, charge)
+    billing = get_inbox("billing")   # an oncely.Inbox on DATABASES["default"] (cheap: the
+    with transaction.atomic():       # store is opened once per database; made at import, it
+        handled = handle_in_atomic(billing, message_id, order, charge)  # misses test DBs)
     handled.outcome   # processed | duplicate | key_conflict | failed | rejected
 
 The marker and the handler's rows commit together or not at all (R7): until the outer block

@@ -169,7 +169,18 @@ def _driver(inbox: Inbox, connection: Any, alias: str) -> object:
         # read: PostgreSQL's start time changed); read it again before refusing.
         expected = store_identity(joined, kind, inbox.consumer, driver, again=True)
         if not _on_database(expected, connection, driver):
-            raise mismatch(store.url, expected, getattr(connection, _IDENTITY)[1])
+            raise mismatch(
+                store.url,
+                expected,
+                getattr(connection, _IDENTITY)[1],
+                side=f"Django's connection {alias!r}",
+                fix=(
+                    f"Use an inbox on that database, get_inbox(consumer, using={alias!r}). An "
+                    "inbox made at import time is on the database the settings named then "
+                    "(under the test runner, not the test database): call get_inbox where "
+                    "the inbox is used (its store is opened once per database)"
+                ),
+            )
     return driver
 
 

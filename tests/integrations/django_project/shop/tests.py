@@ -132,6 +132,12 @@ class AtomicTests(TransactionTestCase):
         other = oncely.Inbox(
             oncely.open(f"sqlite:///{tempfile.mkdtemp()}/other.db"), consumer="billing"
         )
-        with self.assertRaises((oncely.ConfigurationError, oncely.TransactionsUnsupported)):
+        with self.assertRaises(
+            (oncely.ConfigurationError, oncely.TransactionsUnsupported)
+        ) as refused:
             handle_in_atomic(other, key(), self.order, book)
         self.assertEqual(self.rows(), 0)
+        if isinstance(refused.exception, oncely.ConfigurationError):  # both SQLite: the fix
+            said = str(refused.exception)
+            self.assertIn("Django's connection 'default'", said)
+            self.assertIn("get_inbox(consumer, using='default')", said)
