@@ -110,9 +110,11 @@ def sqlite_identity(rows: list[tuple[object, ...]]) -> Identity:
 def same_database(store: Identity, session: Identity) -> bool:
     """Whether the two sides are the same database. A SQLite file may be reached by two
     paths (a hard link): on a mismatch the files themselves are compared."""
+    if store[0] == session[0] == "sqlite" and not (store[1] and session[1]):
+        return False  # an in-memory database is its connection's alone, never shared
     if store == session:
         return True
-    if store[0] == session[0] == "sqlite" and store[1] and session[1]:
+    if store[0] == session[0] == "sqlite":
         try:
             return os.path.samefile(str(store[1]), str(session[1]))
         except OSError:
