@@ -553,9 +553,9 @@ class BrokerSuite:
         self,
     ) -> None:
         """Another worker holds the claim (a live lease, renewed): the consumer's copy is
-        answered ``in_flight`` and given back after ``requeue_delay``, again and again, its
-        delivery count rising each time, never acknowledged; once the holder has finished it
-        is a ``duplicate`` and acknowledged."""
+        answered ``in_flight`` and given back once what is left of that lease has run out (at
+        least ``requeue_delay``), again and again, its delivery count rising each time, never
+        acknowledged; once the holder has finished it is a ``duplicate`` and acknowledged."""
         (inbox,) = self.inboxes("two_phase", 1)
         release = asyncio.Event()
 
@@ -584,6 +584,31 @@ class BrokerSuite:
         assert watched.counts("held") == list(range(1, in_flight + 2))
         assert worker.counts == Counter({"in_flight": in_flight, "duplicate": 1})
         assert self.ledger.counts() == {"held": 1}
+        await self.assert_settled()
+
+    async def test_r8_r10_a_copy_waits_out_a_dead_workers_lease_instead_of_spending_deliveries(
+        self,
+    ) -> None:
+        """A worker died holding the key (its 3 s lease is not renewed). Before, the copy was
+        given back every ``requeue_delay`` (here 0.1 s) while the lease ran out, a delivery
+        spent each time: with the defaults (a 30 s lease, 1 s, a RabbitMQ delivery limit of 20)
+        the broker dead-lettered the message, with no reason, before the key was free. Now
+        each give-back waits for what is left of the lease: a few deliveries, then it runs."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        dead = oncely.AsyncInbox(
+            inbox.store,
+            consumer=self.group,
+            lease=oncely.Lease(duration=timedelta(seconds=3), heartbeat=False),
+        )
+        held = await dead.claim("orphan", json.loads(body("orphan")))
+        assert held.won
+        worker = self.consumer(self.apply, inbox=inbox, requeue_delay=timedelta(seconds=0.1))
+        await self.publish("orphan")
+        async with running(worker):
+            await wait_until(lambda: worker.counts["stale_reclaimed"] == 1, what="the takeover")
+        assert worker.counts["in_flight"] <= 3, worker.counts
+        assert self.ledger.counts() == {"orphan": 1}
+        assert await self.dead_letters() == []
         await self.assert_settled()
 
     # ------------------------------------------------------------------ c. two consumers

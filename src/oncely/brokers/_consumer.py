@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import signal
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from typing import Any, Literal, Protocol, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
+from oncely._core.records import Status
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_inbox import AsyncInbox
@@ -824,7 +826,7 @@ class BrokerConsumer:
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
-            step, how = delivery.retry(settings.requeue_delay), "requeue"
+            step, how = delivery.retry(_in_flight_delay(handled, settings.requeue_delay)), "requeue"
         elif action is Action.RETRY and (count is None or count < settings.max_deliveries):
             step, how = delivery.retry(settings.backoff.delay(count)), "retry"
         else:
@@ -939,6 +941,25 @@ class BrokerConsumer:
                     type(exc).__name__,
                     exc,
                 )
+
+
+_HOLD_AT_MOST = timedelta(minutes=5)
+"""The longest an in_flight copy waits for another worker's lease in one go (a broker may
+close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min)."""
+
+
+def _in_flight_delay(handled: Handled[Any], floor: timedelta) -> timedelta:
+    """How long an ``in_flight`` copy waits before it is given back: ``floor``
+    (``requeue_delay``), or what is left of the lease the key is held under, where that is
+    longer (up to :data:`_HOLD_AT_MOST`). A copy given back every second while a dead worker's
+    30 s lease runs out would spend a delivery each time, and reach the broker's delivery
+    limit (RabbitMQ's, NATS's ``max_deliver``) before the key is free: dead-lettered by the
+    broker, with no reason, never run."""
+    record = handled.record
+    if record is None or record.status is not Status.IN_PROGRESS:
+        return floor
+    left = timedelta(milliseconds=record.lease_until_ms - time.time() * 1000 + 100)
+    return max(floor, min(left, _HOLD_AT_MOST))
 
 
 def _position(delivery: Delivery) -> Position | None:

@@ -11,7 +11,8 @@ outcome              action                          what a transport does
 ===================  =============================  ================================================
 processed/duplicate  ack                             acknowledge
 stale_reclaimed      ack                             acknowledge
-in_flight            requeue later                   give the message back after ``requeue_delay``
+in_flight            requeue later                   give the message back once the holder's lease
+                                                     has run out (at least ``requeue_delay``)
 failed               retry                           give it back after a backoff; past
                                                      ``max_deliveries`` dead-letter it instead
 key_conflict         dead-letter                     copy it to the dead-letter destination with
@@ -203,10 +204,12 @@ class ConsumerSettings:
     """How a :class:`~oncely.brokers.BrokerConsumer` reads and settles.
 
     ``concurrency`` messages run at once and the broker hands out at most that many
-    unacknowledged (prefetch). ``requeue_delay`` is how long an ``in_flight`` message waits
-    before it is given back. A ``failed`` message is retried after ``backoff`` until it has
-    been delivered ``max_deliveries`` times, then dead-lettered with the last error (R13: keep
-    the broker's own limit at or above this one, or set it here to the broker's). On
+    unacknowledged (prefetch). ``requeue_delay`` is the least an ``in_flight`` message waits
+    before it is given back; it waits for what is left of the lease the key is held under where
+    that is longer (up to 5 minutes at a time), so a dead worker's claim does not spend the
+    message's deliveries while it runs out. A ``failed`` message is retried after ``backoff``
+    until it has been delivered ``max_deliveries`` times, then dead-lettered with the last error
+    (R13: keep the broker's own limit at or above this one, or set it here to the broker's). On
     shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
     claims released and their messages given back. A body longer than ``max_body_bytes``
     (``None``: no limit) is dead-lettered as ``rejected`` without being decoded. With
