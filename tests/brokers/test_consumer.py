@@ -279,9 +279,12 @@ async def test_stop_lets_running_handlers_finish_and_acks_them(inbox: oncely.Asy
     assert effects.applied == {"1": 1} and broker.acked == 1 and broker.outstanding == 0
 
 
+@pytest.mark.parametrize("concurrency", [16, 1], ids=["a-free-slot", "every-slot-busy"])
 async def test_past_the_grace_a_handler_is_cancelled_and_its_message_given_back(
-    inbox: oncely.AsyncInbox,
+    inbox: oncely.AsyncInbox, concurrency: int
 ) -> None:
+    # Every slot busy: before, the reading loop waited for a slot to free before it saw the
+    # stop, so the grace only started once a handler finished (here: never).
     broker, effects = MemoryBroker(), Effects()
     entered = asyncio.Event()
 
@@ -290,12 +293,14 @@ async def test_past_the_grace_a_handler_is_cancelled_and_its_message_given_back(
         await asyncio.sleep(3600)
 
     broker.publish(body(order=1), message_id="order-1")
-    grace = ConsumerSettings(shutdown_grace=timedelta(milliseconds=50), poll=FAST.poll)
+    grace = ConsumerSettings(
+        shutdown_grace=timedelta(milliseconds=50), poll=FAST.poll, concurrency=concurrency
+    )
     consumer = BrokerConsumer(broker, inbox, stuck, settings=grace)
     task = asyncio.create_task(consumer.run())
     await entered.wait()
     consumer.stop()
-    await task
+    await asyncio.wait_for(task, 60)  # (a guard against a hang, not a timing)
     assert broker.acked == 0 and broker.outstanding == 1  # given back, not lost
     record = await inbox.get("order-1")
     assert record is None or record.status is not oncely.Status.COMPLETED  # claim released

@@ -553,9 +553,10 @@ class BrokerConsumer:
         failures = 0
         settings = self.settings
         while not self.stopping:
-            await self._slots.acquire()  # wait for one free slot, then take all free ones
-            if self._stopping.is_set():  # asked to stop while every slot was busy: take none
-                self._slots.release()
+            # Wait for one free slot, then take all free ones; a stop asked while every slot is
+            # busy ends the reading at once, so the shutdown grace starts then, not when a
+            # handler happens to finish.
+            if not await self._slot_or_stop():
                 break
             free = 1
             while free < settings.concurrency and not self._slots.locked():
@@ -574,6 +575,26 @@ class BrokerConsumer:
                 task = asyncio.create_task(self._one(delivery))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _slot_or_stop(self) -> bool:
+        """Take one slot (True), or give up once a stop is asked (False, no slot taken)."""
+        if not self._slots.locked():
+            await self._slots.acquire()  # free now: no wait, no race
+            return True
+        acquiring = asyncio.ensure_future(self._slots.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not acquiring.done():
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+        if acquiring.done() and not acquiring.cancelled() and self._stopping.is_set():
+            self._slots.release()  # taken as the stop came: give it back
+            return False
+        return acquiring.done() and not acquiring.cancelled()
 
     async def _read_batches(self) -> None:
         """One batch at a time: read up to ``batch`` deliveries, run them through the inbox
