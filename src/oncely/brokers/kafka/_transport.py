@@ -350,21 +350,16 @@ class Kafka:
         task that closes propagates."""
         self._stopped = True
         consumer, self._consumer = self._consumer, None
-        # One budget for the whole close, the client timeout: a broker that is away must not
-        # make the commit and the stop each wait that long (a stop deadline, as a container
-        # platform's grace period, would end the process first).
-        budget = self.timeout.total_seconds()
-        deadline = asyncio.get_running_loop().time() + budget
         try:
             if consumer is not None:
                 await self._quietly(
                     "commit the finished records",
-                    self._commit(consumer, list(self._owned.values()), within=budget),
+                    self._commit(consumer, list(self._owned.values())),
                 )
-                left = max(_LAST_STEP_S, deadline - asyncio.get_running_loop().time())
                 # leaves the group: its partitions move at once
                 stopped = await self._quietly(
-                    "stop the client", asyncio.wait_for(consumer.stop(), left)
+                    "stop the client",
+                    asyncio.wait_for(consumer.stop(), self.timeout.total_seconds()),
                 )
                 if not stopped:
                     # A stop() that failed part way left aiokafka's connections (and their
@@ -569,14 +564,10 @@ class Kafka:
         ]
         await self._producing().send(self.dead_letter, record.value or b"", headers, key=record.key)
 
-    async def _commit(
-        self, consumer: AIOKafkaConsumer, parts: list[_Partition], within: float | None = None
-    ) -> None:
-        """Commit, for each owned partition in ``parts``, the end of its finished run, waiting
-        up to ``within`` seconds (the client ``timeout`` by default). A commit the group
-        refuses (this member was fenced by a rebalance) counts as the loss of every
-        partition: none is handed out again until the group assigns it anew."""
-        wait = self.timeout.total_seconds() if within is None else within
+    async def _commit(self, consumer: AIOKafkaConsumer, parts: list[_Partition]) -> None:
+        """Commit, for each owned partition in ``parts``, the end of its finished run. A
+        commit the group refuses (this member was fenced by a rebalance) counts as the loss
+        of every partition: none is handed out again until the group assigns it anew."""
         due = {
             p.tp: OffsetAndMetadata(p.finished, "")
             for p in parts
@@ -585,7 +576,7 @@ class Kafka:
         if not due:
             return
         try:
-            await asyncio.wait_for(consumer.commit(due), wait)
+            await asyncio.wait_for(consumer.commit(due), self.timeout.total_seconds())
         except RebalanceInProgressError:
             return  # the revocation commits what is finished; or the next fetch does
         except _FENCED as exc:
@@ -593,7 +584,8 @@ class Kafka:
             return
         except TimeoutError:
             raise BrokerUnavailable(
-                f"kafka {self.cluster.shown}: a commit got no answer within {wait:g}s"
+                f"kafka {self.cluster.shown}: a commit got no answer within "
+                f"{self.timeout.total_seconds():g}s"
             ) from None
         except (KafkaError, OSError) as exc:
             raise BrokerUnavailable(
@@ -743,10 +735,6 @@ class Kafka:
                 at,
             )
         return moved
-
-
-_LAST_STEP_S = 1.0
-"""The least a close gives the client's own stop, however little of its budget is left."""
 
 
 def _said(exc: BaseException) -> str:
