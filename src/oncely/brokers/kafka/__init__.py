@@ -61,9 +61,10 @@ duplicate,
 stale_reclaimed
 in_flight, failed    retry: the record is handed out again after the delay, and its partition
                      waits for it (order is kept). Kafka counts no deliveries, so the
-                     consumer counts the inbox's attempts for ``max_deliveries``: a record
-                     that keeps failing is dead-lettered after that many, across restarts and
-                     rebalances, and its partition moves on.
+                     consumer counts them itself for ``max_deliveries``: a record that keeps
+                     failing is dead-lettered after that many and its partition moves on. The
+                     count is the process's own: a record that fails in one process and then
+                     in another (a restart, a rebalance) starts counting again there.
 key_conflict,        dead-letter: the record is copied to ``<topic>.dead`` (or ``dead_letter``)
 rejected,            with its headers plus ``x-oncely-outcome``, ``x-oncely-reason``,
 escalated            ``x-oncely-consumer``, ``x-oncely-deliveries``, ``x-oncely-topic``,
