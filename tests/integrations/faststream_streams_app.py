@@ -84,16 +84,19 @@ if BROKER in ("nats", "nats-push"):
     receipts = JStream(stream_name_for(f"{SOURCE}.receipts"), subjects=[f"{SOURCE}.receipts"])
     # A pull consumer ("nats"), or a push consumer shared by a queue group ("nats-push": the
     # queue names the durable consumer and its deliver group, and the server hands each
-    # message to one member of the group).
+    # message to one member of the group). The push consumer's deliver subject is fixed, as
+    # the docs say: members that start at once both create the consumer, and with a random
+    # inbox each the last one's wins, so the other member never receives a message.
+    push = BROKER == "nats-push"
     reading: dict[str, Any] = (
-        {"queue": "billing"}
-        if BROKER == "nats-push"
-        else {"durable": "billing", "pull_sub": PullSub(timeout=1.0)}
+        {"queue": "billing"} if push else {"durable": "billing", "pull_sub": PullSub(timeout=1.0)}
     )
     broker.subscriber(
         SOURCE,
         stream=JStream(stream_name_for(SOURCE), subjects=[SOURCE]),
-        config=ConsumerConfig(ack_wait=TAKEOVER),
+        config=ConsumerConfig(
+            ack_wait=TAKEOVER, deliver_subject=f"deliver.{SOURCE}" if push else None
+        ),
         **reading,
     )(broker.publisher(f"{SOURCE}.receipts", stream=receipts)(charge))
     broker.subscriber(

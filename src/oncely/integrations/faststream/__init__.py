@@ -79,7 +79,10 @@ NATS (``NatsBroker``, JetStream subscribers)
     again with its id in ``x-oncely-message-id``), then the original is terminated
     (``+TERM``). Refused: core NATS subscriptions (never redelivered), JetStream consumers
     that are not durable (give ``durable=`` to a pull subscriber, or ``queue=`` to a push
-    one), batch subscribers, key-value and object-store watches. A subscriber whose own
+    one), batch subscribers, key-value and object-store watches. Give a push consumer read by
+    a queue group a fixed ``deliver_subject`` in its ``ConsumerConfig``: members started at
+    the same moment each create the consumer, and with a random inbox each only the last
+    one's receives. A subscriber whose own
     stream captures ``<subject>.dead`` cannot dead-letter (the copies would come back): its
     refused messages are given back with the error logged until the stream's subjects are
     narrowed. While a handler runs, its message is kept with ``+WPI`` every third of the
