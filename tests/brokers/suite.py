@@ -337,7 +337,9 @@ class BrokerSuite:
         await self.ledger.apply_in(tx, payload["k"], payload)
 
     async def assert_settled(self) -> None:
-        assert await self.settled(), "messages were left on the broker (unacknowledged)"
+        if not await self.settled():
+            found = await self.unsettled()
+            pytest.fail(f"messages were left on the broker (unacknowledged): {found}")
 
     async def assert_unsettled(self, n: int) -> None:
         """The broker holds ``n`` messages of the source unacknowledged (where it can say)."""
@@ -368,6 +370,26 @@ class BrokerSuite:
         assert self.ledger.counts() == dict.fromkeys(keys, 1)
         assert worker.counts == Counter({"processed": 5, "duplicate": copies - 5})
         assert await self.dead_letters() == []
+        await self.assert_settled()
+
+    async def test_r1_one_producer_publishing_150_messages_at_once_sends_every_one(
+        self,
+    ) -> None:
+        """An application that publishes from many tasks at once through one producer (a web
+        server's requests, a ``gather``): 150 publishes in flight together each land, none
+        refused for want of a connection, and a consumer applies each once."""
+        keys = [f"c{n}" for n in range(150)]
+        producer = self.producer()
+        await asyncio.gather(
+            *(producer.publish(body(key), message_id=key) for key in keys)
+        )  # fmt: skip
+        worker = self.consumer(self.apply_in, mode="transactional")
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] == len(keys),
+                what="every message published at once to be processed",
+            )
+        assert self.ledger.counts() == dict.fromkeys(keys, 1)
         await self.assert_settled()
 
     # ------------------------------------------------------------------ d. dead letters

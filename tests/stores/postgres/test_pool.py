@@ -4,6 +4,7 @@ child opens its own, and a store nobody closed never keeps a process alive.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -269,3 +270,90 @@ def test_only_connections_the_store_holds_alone_reuse_its_cursor(table: str) -> 
         given.close()
     finally:
         pool.close()
+
+
+# ------------------------------------------------------------------ a read-only spell
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_the_store_writes_again_once_a_read_only_spell_ends(flavour: str) -> None:
+    """The database turns read-only (what a failover does while a standby is promoted, or
+    ``default_transaction_read_only`` set by an operator) and its connections are replaced
+    meanwhile: the new ones start read-only and stay so, since a session keeps the default
+    it opened with. Calls during the spell fail with StoreUnavailable; once the database is
+    writable again (its sessions left running), the store renews its connections and
+    writes: the last ten calls are processed."""
+    database = f"oncely_ro_{uuid.uuid4().hex[:8]}"
+    app = f"oncely_ro_{uuid.uuid4().hex[:8]}"
+    _sql(f'CREATE DATABASE "{database}"')
+    base, _, _ = POSTGRES_DSN.rpartition("/")
+    url = f"{base}/{database}?pool_min=2&pool_max=2&application_name={app}"
+
+    def spell(on: bool) -> None:
+        if on:
+            _sql(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+            _sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                 database)  # fmt: skip
+        else:
+            _sql(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+
+    def run_sync() -> list[str]:
+        store = oncely.open(url)
+        inbox = oncely.Inbox(store, consumer="c")
+        seen: list[str] = []
+        try:
+            for i in range(5):
+                seen.append(inbox.handle(f"before-{i}", 1, lambda p: p).outcome.value)
+            spell(True)
+            for i in range(10):
+                try:
+                    seen.append(inbox.handle(f"during-{i}", 1, lambda p: p).outcome.value)
+                except oncely.StoreUnavailable:
+                    seen.append("unavailable")
+                time.sleep(0.05)
+            spell(False)
+            for i in range(40):
+                try:
+                    seen.append(inbox.handle(f"after-{i}", 1, lambda p: p).outcome.value)
+                except oncely.StoreUnavailable:
+                    seen.append("unavailable")
+                time.sleep(0.05)
+        finally:
+            store.close()
+        return seen
+
+    async def run_async() -> list[str]:
+        store = oncely.open_async(url)
+        inbox = oncely.AsyncInbox(store, consumer="c")
+
+        async def handler(payload: object) -> object:
+            return payload
+
+        seen: list[str] = []
+        try:
+            for i in range(5):
+                seen.append((await inbox.handle(f"before-{i}", 1, handler)).outcome.value)
+            await asyncio.to_thread(spell, True)
+            for phase, n in (("during", 10), ("after", 40)):
+                if phase == "after":
+                    await asyncio.to_thread(spell, False)
+                for i in range(n):
+                    try:
+                        handled = await inbox.handle(f"{phase}-{i}", 1, handler)
+                        seen.append(handled.outcome.value)
+                    except oncely.StoreUnavailable:
+                        seen.append("unavailable")
+                    await asyncio.sleep(0.05)
+        finally:
+            await store.aclose()
+        return seen
+
+    try:
+        seen = run_sync() if flavour == "sync" else asyncio.run(run_async())
+    finally:
+        _sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+             database)  # fmt: skip
+        _sql(f'DROP DATABASE IF EXISTS "{database}"')
+    assert seen[:5] == ["processed"] * 5
+    assert "unavailable" in seen[5:15], seen  # the spell was real
+    assert seen[-10:] == ["processed"] * 10, seen

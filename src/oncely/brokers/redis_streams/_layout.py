@@ -158,14 +158,23 @@ def plain_url(url: str) -> str:
 
 def open_client(url: str, timeout: timedelta, connect_timeout: timedelta) -> redis.asyncio.Redis:
     # No retries inside redis-py: the consumer loop reconnects with its own backoff, and a
-    # producer's caller retries with the same message id.
-    return redis.asyncio.Redis.from_url(
+    # producer's caller retries with the same message id. A blocking pool: more calls at
+    # once than it has connections wait (up to the timeout) for one, where redis-py's plain
+    # pool refuses the 101st with "Too many connections".
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
         plain_url(url),
+        max_connections=MAX_CONNECTIONS,
+        timeout=timeout.total_seconds(),
         decode_responses=False,
         socket_timeout=timeout.total_seconds(),
         socket_connect_timeout=connect_timeout.total_seconds(),
         retry=Retry(NoBackoff(), 0),
     )
+    return redis.asyncio.Redis.from_pool(pool)
+
+
+MAX_CONNECTIONS = 100
+"""Connections one producer or transport opens to Redis at most; calls beyond wait."""
 
 
 class Translated:

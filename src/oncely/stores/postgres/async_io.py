@@ -264,15 +264,17 @@ else:
     _lock = threading.Lock()
 
 
-def recheck_soon(pool: ConnPool) -> None:
+def recheck_soon(pool: ConnPool, *, renew: bool = False) -> None:
     """Test the pool's idle connections in the background and replace the dead ones (after
-    a server restart every idle connection is dead; without this each would fail one call).
-    At most one check per pool at a time; never raises."""
+    a server restart every idle connection is dead; without this each would fail one call);
+    with ``renew``, replace every connection, idle ones now and lent ones when they come
+    back (psycopg_pool 3.3's ``drain``; a plain check before it). At most one check per
+    pool at a time; never raises."""
     if ASYNC:
         if id(pool) in _checking:
             return
         try:
-            task = asyncio.get_running_loop().create_task(_check(pool))
+            task = asyncio.get_running_loop().create_task(_check(pool, renew))
         except RuntimeError:
             return
         _checking[id(pool)] = task
@@ -282,17 +284,20 @@ def recheck_soon(pool: ConnPool) -> None:
             if id(pool) in _checking:
                 return
             _checking.add(id(pool))
-        threading.Thread(target=_check, args=(pool,), name="oncely-pool-check", daemon=True).start()
+        threading.Thread(
+            target=_check, args=(pool, renew), name="oncely-pool-check", daemon=True
+        ).start()
 
 
-async def _check(pool: ConnPool) -> None:
+async def _check(pool: ConnPool, renew: bool) -> None:
+    drain = getattr(pool, "drain", None) if renew else None
     if ASYNC:
         with contextlib.suppress(Exception):
-            await pool.check()
+            await (drain() if drain is not None else pool.check())
     else:
         try:
             with contextlib.suppress(Exception):
-                pool.check()
+                drain() if drain is not None else pool.check()
         finally:
             with _lock:
                 _checking.discard(id(pool))

@@ -92,7 +92,13 @@ from oncely.stores.postgres.dialect import (
     parse_record,
     text_array,
 )
-from oncely.stores.postgres.errors import describe, is_disconnect, parse_url, translate
+from oncely.stores.postgres.errors import (
+    describe,
+    is_disconnect,
+    is_read_only,
+    parse_url,
+    translate,
+)
 
 __all__ = ["AsyncPostgresStore"]
 
@@ -242,6 +248,14 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         if is_disconnect(exc) and self._pool is not None:
             self._stale = True  # the kept connections may be dead too (a server restart)
             recheck_soon(self._pool)
+        elif is_read_only(exc) and self._pool is not None:
+            # Opened while the server was read-only (a failover in progress, a standby),
+            # the connections stay read-only once it is writable again: the kept ones are
+            # closed and the store's own pool replaces all of its connections. A pool the
+            # caller gave is theirs to renew.
+            self._stale = True
+            if self._given_pool is None:
+                recheck_soon(self._pool, renew=True)
         return translate(exc, doing, self._where)
 
     async def _prepare(self) -> None:

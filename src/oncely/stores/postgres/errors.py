@@ -80,6 +80,14 @@ def is_disconnect(exc: psycopg.Error) -> bool:
     return state[:2] == "08" or state in ("57P01", "57P02", "57P03")
 
 
+def is_read_only(exc: psycopg.Error) -> bool:
+    """True when ``exc`` is a write refused because the session is read-only (25006): a
+    standby, or a primary that was read-only when the connection opened. A session keeps
+    the default it started with, so its connection stays read-only after the server is
+    writable again."""
+    return exc.sqlstate == "25006"
+
+
 def describe(conninfo: str) -> str:
     """``conninfo`` (a URL or ``key=value`` pairs) safe to print: any password is ``***``."""
     if "://" in conninfo:
