@@ -13,11 +13,13 @@ Used by ``test_fleet.py`` for every broker whose transport is registered in
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -94,6 +96,10 @@ async def _consume(config: FleetConfig, index: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)
+    # What a worker that does not stop is doing: the parent sends SIGUSR1 before it fails,
+    # and the stacks of every thread (a blocked loop) and every task land on stderr.
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
+    faulthandler.register(signal.SIGUSR1, chain=True)  # after: it chains to the loop's
     if config.ready_dir:  # from here on SIGTERM is a graceful stop
         (Path(config.ready_dir) / str(os.getpid())).touch()
     try:
@@ -103,6 +109,13 @@ async def _consume(config: FleetConfig, index: int) -> None:
     if config.sigterm_log:
         with Path(config.sigterm_log).open("a") as out:
             out.write(json.dumps({"worker": index, "counts": dict(consumer.counts)}) + "\n")
+
+
+def _dump_tasks() -> None:
+    for task in asyncio.all_tasks():
+        print(f"--- {task!r}", file=sys.stderr)
+        task.print_stack(limit=30, file=sys.stderr)
+    sys.stderr.flush()
 
 
 @dataclass
@@ -248,6 +261,9 @@ def run_fleet(
                 process.terminate()  # SIGTERM: the graceful stop
             for process in live.values():
                 process.join(120)  # a Kafka member may be mid-rebalance: bounded, not instant
+                if process.exitcode is None and process.pid is not None:
+                    os.kill(process.pid, signal.SIGUSR1)  # its stacks, on stderr
+                    time.sleep(3)
                 assert process.exitcode == 0, f"{process.name} exited with {process.exitcode}"
             if settled is None or asyncio.run(settled()):
                 break

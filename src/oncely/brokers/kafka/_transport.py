@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from time import monotonic
@@ -49,6 +49,14 @@ _TRANSPORT_OPTIONS = (
     "connect_timeout",
     *SHARED_URL_OPTIONS,
 )
+_CLOSE_CANCELS = 4
+"""How many times a close step past its timeout is cancelled before it is left behind."""
+_CLOSE_CANCEL_WAIT = 0.5
+"""Seconds a close step is given to end after each cancel."""
+_LEFT_BEHIND: set[asyncio.Task[None]] = set()
+"""Close steps that outlived their cancels: kept referenced so they are not collected
+mid-run."""
+
 _FENCED = (CommitFailedError, IllegalStateError, IllegalGenerationError, UnknownMemberIdError)
 
 
@@ -346,8 +354,9 @@ class Kafka:
     async def close(self) -> None:
         """Commit what is finished and leave the group. Neither step raises: a broker that is
         away (or a client that fails while it stops) is logged at WARNING, and what was not
-        committed is read again by the group's next member. Only a cancellation of the
-        task that closes propagates."""
+        committed is read again by the group's next member. Each step is bounded by the
+        timeout, a client that swallows its cancellation included. Only a cancellation of
+        the task that closes propagates."""
         self._stopped = True
         consumer, self._consumer = self._consumer, None
         try:
@@ -357,10 +366,7 @@ class Kafka:
                     self._commit(consumer, list(self._owned.values())),
                 )
                 # leaves the group: its partitions move at once
-                stopped = await self._quietly(
-                    "stop the client",
-                    asyncio.wait_for(consumer.stop(), self.timeout.total_seconds()),
-                )
+                stopped = await self._quietly("stop the client", consumer.stop())
                 if not stopped:
                     # A stop() that failed part way left aiokafka's connections (and their
                     # metadata task, which reconnects forever) open: close them ourselves.
@@ -371,24 +377,43 @@ class Kafka:
             if producer is not None:
                 await producer.close()
 
-    async def _quietly(self, what: str, step: Awaitable[None]) -> bool:
-        """Await ``step`` of the close; whether it succeeded, its failure logged instead of
-        raised. aiokafka's ``stop()`` can end in a ``CancelledError`` of its own while the
-        broker is away (its fetcher awaits the fetch tasks it has just cancelled): that is
-        the client's, not a cancellation of this task (``cancelling()`` says which), so it
-        is swallowed too."""
+    async def _quietly(self, what: str, step: Coroutine[Any, Any, None]) -> bool:
+        """Run ``step`` of the close for at most the timeout; whether it succeeded, its
+        failure logged instead of raised. ``asyncio.wait_for`` cannot bound it: aiokafka's
+        ``stop()`` awaits tasks it has just cancelled with the ``CancelledError`` suppressed,
+        so a cancellation landing there is swallowed and ``wait_for`` then waits for the rest
+        of the stop (a group join the broker holds, a commit retried). Here a step past its
+        time is cancelled again until it ends, and left behind after a few tries. A
+        ``CancelledError`` of the client's own (its fetcher's) is its failure; one of the task
+        that closes propagates."""
+        task = asyncio.ensure_future(step)
         try:
-            await step
-        except asyncio.CancelledError as exc:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # this task is being cancelled: never swallow that
+            done, _ = await asyncio.wait({task}, timeout=self.timeout.total_seconds())
+            for _try in range(_CLOSE_CANCELS):
+                if done:
+                    break
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=_CLOSE_CANCEL_WAIT)
+        except asyncio.CancelledError:
+            task.cancel()  # the task that closes is cancelled: so is its step
+            raise
+        if not done:
+            _LEFT_BEHIND.add(task)  # referenced until it ends, however late
+            task.add_done_callback(_LEFT_BEHIND.discard)
+            self._close_failed(
+                what,
+                TimeoutError(
+                    f"it did not end within {self.timeout.total_seconds():g}s, "
+                    f"nor after {_CLOSE_CANCELS} cancels"
+                ),
+            )
+            return False
+        try:
+            task.result()
+        except (asyncio.CancelledError, Exception) as exc:
             self._close_failed(what, exc)
-        except Exception as exc:
-            self._close_failed(what, exc)
-        else:
-            return True
-        return False
+            return False
+        return True
 
     def _close_failed(self, what: str, exc: BaseException) -> None:
         cause = exc.__context__
