@@ -64,8 +64,10 @@ class UrlOptions:
 
     __slots__ = ("_url", "_values")
 
-    def __init__(self, url: str) -> None:
-        self._url = url
+    def __init__(self, url: str, *, shown: str | None = None) -> None:
+        """``shown``: the URL errors name, when ``url`` is a stand-in parsed for its query
+        (a list of hosts that ``urlsplit`` cannot take)."""
+        self._url = url if shown is None else shown
         query = split(url).query
         self._values = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
 

@@ -704,12 +704,41 @@ class TestKafka(BrokerSuite):
         assert made.dead_letter == f"{self.source}.dead"
         with pytest.raises(oncely.ConfigurationError, match="unknown option"):
             open_transport(f"{self.url}?nope=1", self.source, group="g")
+        # An error names the URL as given, every broker and the password hidden included.
+        given = "kafka://app:s3cret@kafka-a.internal:9092,kafka-b.internal:9092?nope=1"
+        with pytest.raises(oncely.ConfigurationError) as refused:
+            open_transport(given, self.source, group="g")
+        said = str(refused.value)
+        assert said.startswith("kafka://app:***@kafka-a.internal:9092,kafka-b.internal:9092")
+        assert "s3cret" not in said and "localhost" not in said
         with pytest.raises(oncely.ConfigurationError, match="topic name"):
             Kafka(self.url, "bad topic", group="g")
         with pytest.raises(oncely.ConfigurationError, match=r"'partitions' in the URL is read by"):
             Kafka(f"{self.url}?partitions=2", self.source, group="g")  # a keyword argument here
         with pytest.raises(oncely.ConfigurationError, match=r"'linger' in the URL is read by"):
             KafkaProducer(f"{self.url}?linger=0.1", self.source)
+
+    async def test_a_producer_whose_broker_never_answers_says_so_once_not_at_every_retry(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """librdkafka reports a broker name that does not resolve at every reconnect (about
+        ten lines a second); the producer's log carries it once, and the publish fails with
+        BrokerUnavailable at its timeout."""
+        caplog.set_level(logging.DEBUG, logger="oncely.broker.kafka")
+        producer = KafkaProducer(
+            "kafka://nohost.invalid:9092",
+            self.source,
+            timeout=timedelta(seconds=3),
+            connect_timeout=timedelta(seconds=3),
+        )
+        try:
+            with pytest.raises(oncely.BrokerUnavailable):
+                await producer.publish(b"{}", message_id="m-1")
+        finally:
+            await producer.close()
+        lines = [r for r in caplog.records if r.name.startswith("oncely.broker.kafka")]
+        resolving = [r for r in lines if "Failed to resolve" in r.getMessage()]
+        assert 1 <= len(resolving) <= 2, [r.getMessage() for r in lines]
 
     async def test_records_of_one_partition_run_in_order_partitions_side_by_side(self) -> None:
         """Twelve records of four entities (the record key), each handler slow: within a

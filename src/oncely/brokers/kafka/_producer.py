@@ -19,7 +19,7 @@ import confluent_kafka
 
 from oncely.brokers._common import require_message_id
 from oncely.brokers.kafka._records import (
-    LOGGER,
+    LIBRDKAFKA_LOGGER,
     SHARED_URL_OPTIONS,
     Cluster,
     check_topic,
@@ -90,7 +90,8 @@ class KafkaProducer:
                 "acks": "all",
                 "message.timeout.ms": ms(timeout),
                 "linger.ms": ms(linger),
-                "logger": LOGGER,  # librdkafka's own lines, on Python's logging, not stderr
+                # librdkafka's own lines, on Python's logging (not stderr), repeats held back
+                "logger": LIBRDKAFKA_LOGGER,
             }
         )
         settings.update(config or {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -17,6 +18,39 @@ from oncely.keys import Envelope
 from oncely.wire import wire_text
 
 LOGGER = logging.getLogger("oncely.broker.kafka")
+
+
+class _Repeats(logging.Filter):
+    """Lets a line through once per ``window`` seconds: librdkafka says the same failure at
+    every reconnect (a broker name that does not resolve: about ten lines a second). The
+    count of the lines held back rides on the next one let through."""
+
+    _TIMINGS = re.compile(r"\(after \d+ms in state [A-Z_]+\)|\d+ms")
+
+    def __init__(self, window: float = 10.0) -> None:
+        super().__init__()
+        self.window = window
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = self._TIMINGS.sub("", record.getMessage())
+        now = time.monotonic()
+        last, held = self._seen.get(text, (-self.window, 0))
+        if now - last < self.window:
+            self._seen[text] = (last, held + 1)
+            return False
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[text] = (now, 0)
+        if held:
+            record.msg = f"{record.getMessage()} (and {held} more like it)"
+            record.args = ()
+        return True
+
+
+LIBRDKAFKA_LOGGER = logging.getLogger("oncely.broker.kafka.librdkafka")
+"""librdkafka's own lines (the producer's client), each repeat once per 10 s at most."""
+LIBRDKAFKA_LOGGER.addFilter(_Repeats())
 
 MESSAGE_ID_HEADER = "message-id"
 CONTENT_TYPE_HEADER = "content-type"
@@ -52,7 +86,8 @@ class Cluster:
         servers = [_server(url, h.strip()) for h in hosts.split(",") if h.strip()]
         if not servers:
             raise ConfigurationError(f"{redact(url)}: name at least one broker (kafka://host:port)")
-        options = UrlOptions(f"kafka://localhost{match.group(3)}")
+        # Parsed with one stand-in host (urlsplit refuses a list of them), named as given.
+        options = UrlOptions(f"kafka://localhost{match.group(3)}", shown=url)
         user, has_password, secret = userinfo.partition(":")
         username = unquote(user) if user else None
         password = unquote(secret) if has_password else None
