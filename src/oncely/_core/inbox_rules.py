@@ -136,8 +136,8 @@ class InboxRules:
         if step is Step.CONFLICT:
             reason = (
                 f"key reused for different content: the {record.status} record has fingerprint "
-                f"{record.fingerprint}, this message another; dead-letter it and check the "
-                "producer (R20 step 6)"
+                f"{record.fingerprint}, this one another: its sender reused the key for other "
+                "content (R20 step 6)"
             )
             outcome = Outcome.KEY_CONFLICT
         elif step is Step.FAILED_BEFORE:
