@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from oncely._core import records as _records
 from oncely._core.clock import Clock, FakeClock, SystemClock
 from oncely._core.codec import Codec, JSONCodec, RawCodec
-from oncely._core.context import Current, current
+from oncely._core.context import Current, current, handling
 from oncely._core.fingerprint import Fingerprint, Fingerprinter, canonical_json, fingerprint
 from oncely._core.keys import (
     BusinessKey,
@@ -52,6 +52,7 @@ from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
     Escalated,
+    HandlerRefused,
     InFlight,
     InvalidIdentifier,
     InvalidKey,
@@ -66,6 +67,7 @@ from oncely.errors import (
     Rejected,
     ResolveRefused,
     ResultTooLarge,
+    ResultUnavailable,
     RetentionTooShort,
     SchemaError,
     SchemaMissing,
@@ -166,6 +168,7 @@ __all__ = [
     "Fingerprinter",
     "FirstOf",
     "Handled",
+    "HandlerRefused",
     "HeaderKey",
     "Hook",
     "InFlight",
@@ -199,6 +202,7 @@ __all__ = [
     "ResolveRefused",
     "Resolved",
     "ResultTooLarge",
+    "ResultUnavailable",
     "Retention",
     "RetentionTooShort",
     "SQLiteSettings",
@@ -225,6 +229,7 @@ __all__ = [
     "current",
     "fingerprint",
     "format_duration",
+    "handling",
     "open",
     "open_async",
     "redact",

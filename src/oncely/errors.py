@@ -59,6 +59,7 @@ __all__ = [
     "ClaimEnded",
     "ConfigurationError",
     "Escalated",
+    "HandlerRefused",
     "InFlight",
     "InvalidIdentifier",
     "InvalidKey",
@@ -73,6 +74,7 @@ __all__ = [
     "Rejected",
     "ResolveRefused",
     "ResultTooLarge",
+    "ResultUnavailable",
     "RetentionTooShort",
     "SchemaError",
     "SchemaMissing",
@@ -116,7 +118,16 @@ class ConfigurationError(OncelyError, ValueError):
     """A configuration that cannot keep oncely's guarantees. Raised at construction time."""
 
 
-class AsyncHandlerRefused(ConfigurationError, TypeError):
+class HandlerRefused(ConfigurationError, TypeError):
+    """A handler whose call runs nothing the inbox could record as done: a generator function
+    (calling it returns a generator and runs none of its body), or an async one given to a
+    sync :class:`~oncely.Inbox` (:class:`AsyncHandlerRefused`). Raised before the key is
+    claimed, or once such an object comes back from the call (the claim released, nothing
+    recorded); :meth:`Claimed.complete <oncely.Claimed.complete>` refuses one as a result
+    too. Return a value (``list(...)`` of a generator's items), or await the coroutine."""
+
+
+class AsyncHandlerRefused(HandlerRefused):
     """A sync :class:`~oncely.Inbox` was given an async handler (an ``async def``, or a
     function that returned an awaitable): it has no event loop to run it on, so the handler
     would never run while its key was recorded as done. Raised before the key is claimed
@@ -280,3 +291,9 @@ class Escalated(OutcomeError):
 
 class Rejected(OutcomeError):
     """The message was refused: it has no usable key, or it failed for good before."""
+
+
+class ResultUnavailable(OutcomeError):
+    """A repeat of a call that ran: its first result was not kept (over
+    ``max_result_bytes``, or not encodable) or cannot be decoded, so there is nothing to
+    return. The call is not run again; ``handled.reason`` says why."""

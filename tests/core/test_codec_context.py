@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import oncely
 from oncely._core.codec import JSONCodec, RawCodec
 from oncely._core.context import Current, current
 
@@ -151,3 +152,23 @@ def test_r17_a_reconciler_sees_the_key_the_lapsed_attempt_sent_downstream() -> N
     sent = Current("billing", "order-1", 1, None, "two_phase").downstream_key("charge")
     assert StaleClaim(record, {"a": 1}).downstream_key("charge") == sent
     assert StaleClaim(record, None).downstream_key("email") != sent
+
+
+def test_r17_handling_is_the_running_handlers_message_and_refuses_outside_one() -> None:
+    """``oncely.handling()`` types as ``Current`` (the README's tour type-checks with
+    ``mypy --strict``), and outside a handler raises instead of answering ``None``."""
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="billing")
+    seen: list[str] = []
+
+    def handler(payload: object) -> str:
+        key = oncely.handling().downstream_key("charge")
+        current = oncely.current()
+        assert current is not None and current.downstream_key("charge") == key
+        seen.append(key)
+        return key
+
+    assert inbox.handle("order-1", {}, handler).value == seen[0]
+    assert seen[0] == _current(key="order-1").downstream_key("charge")
+    with pytest.raises(LookupError, match="outside a handler"):
+        oncely.handling()
+    assert oncely.current() is None

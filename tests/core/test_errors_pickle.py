@@ -42,6 +42,7 @@ from oncely.errors import (
     Reject,
     Rejected,
     ResolveRefused,
+    ResultUnavailable,
 )
 
 PROTOCOLS = list(range(pickle.HIGHEST_PROTOCOL + 1))
@@ -154,6 +155,12 @@ EXAMPLES: dict[type[BaseException], Callable[[], list[BaseException]]] = {
     KeyConflict: lambda: [outcome_error(KeyConflict, CONFLICT)],
     Escalated: lambda: [outcome_error(Escalated, ESCALATED)],
     Rejected: lambda: [outcome_error(Rejected, REJECTED), outcome_error(Rejected, NO_KEY)],
+    ResultUnavailable: lambda: [
+        ResultUnavailable(
+            "refund ran for 'refund:o-1' before, but its result is not there to return",
+            handled(Outcome.DUPLICATE, reason="result not stored: 300000 bytes is over the limit"),
+        )
+    ],
 }
 
 

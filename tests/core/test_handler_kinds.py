@@ -129,3 +129,68 @@ def test_the_asyncio_inbox_still_awaits_coroutines() -> None:
         return (await inbox.handle("k", {}, charge)).value
 
     assert asyncio.run(main()) == "charged"
+
+
+# ------------------------------------------------------------------ generators
+
+
+def charges(payload: object) -> Iterator[str]:
+    ran.append(payload)
+    yield "charged"
+
+
+async def charges_async(payload: object) -> Any:
+    ran.append(payload)
+    yield "charged"
+
+
+def test_a_generator_function_is_refused_before_claiming_by_either_inbox(
+    inbox: oncely.Inbox,
+) -> None:
+    """Calling a generator function runs none of its body: before, the key was recorded as
+    done (the generator not stored, a warning) and the message acknowledged, the effect
+    never applied (R1)."""
+    ran.clear()
+    with pytest.raises(oncely.HandlerRefused, match="generator function"):
+        inbox.handle("o-1", {"amount": 1}, charges)
+    with pytest.raises(oncely.HandlerRefused):
+        inbox.handle_in_transaction("o-2", {"amount": 1}, lambda tx, p: charges(p))
+    with pytest.raises(oncely.HandlerRefused, match="returned a generator"):
+        inbox.handle("o-3", {"amount": 1}, lambda p: charges(p))  # noqa: PLW0108 - a wrapper
+    with pytest.raises(oncely.HandlerRefused):
+        inbox.idempotent(key=lambda order: order)(charges)
+    assert [inbox.get(k) for k in ("o-1", "o-2", "o-3")] == [None, None, None]
+    assert inbox.handle("o-3", {"amount": 1}, lambda p: "done").outcome is oncely.Outcome.PROCESSED
+
+    async def run_async() -> None:
+        store = oncely.open_async("memory://")
+        async_inbox = oncely.AsyncInbox(store, consumer="billing")
+        for handler in (charges, charges_async):
+            with pytest.raises(oncely.HandlerRefused):
+                await async_inbox.handle("a-1", {"amount": 1}, handler)
+        with pytest.raises(oncely.HandlerRefused, match="returned a generator"):
+            await async_inbox.handle("a-1", {"amount": 1}, lambda p: charges(p))  # noqa: PLW0108
+        assert await async_inbox.get("a-1") is None
+        await store.aclose()
+
+    asyncio.run(run_async())
+    assert ran == []
+
+
+def test_complete_refuses_a_coroutine_or_a_generator_and_keeps_the_claim(
+    inbox: oncely.Inbox,
+) -> None:
+    """A coroutine given to ``complete()`` (not awaited) stands for work that never ran:
+    before, the key was recorded as done; now the call is refused and the claim is still
+    held, to complete with the value or release."""
+    claimed = inbox.claim("o-1", {"amount": 1})
+    assert isinstance(claimed, oncely.Claimed)
+    pending = charge({"amount": 1})
+    with pytest.raises(oncely.HandlerRefused, match="coroutine"):
+        claimed.complete(pending)  # type: ignore[arg-type]
+    pending.close()
+    with pytest.raises(oncely.HandlerRefused, match="generator"):
+        claimed.complete(charges({"amount": 1}))  # type: ignore[arg-type]
+    assert inbox.get("o-1") is not None and inbox.get("o-1").status.value == "in_progress"  # type: ignore[union-attr]
+    assert claimed.complete("charged").outcome is oncely.Outcome.PROCESSED
+    assert inbox.handle("o-1", {"amount": 1}, lambda p: "again").value == "charged"

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple, TypedDict
 from uuid import UUID, uuid4
 
 import pydantic
 import pytest
 
+import oncely
 from oncely import PayloadError
 from oncely._core.fingerprint import canonical_json
 from oncely._core.typed import revive
@@ -89,3 +90,93 @@ def test_r1_a_set_comes_back_with_its_members_as_they_were() -> None:
     assert tags("o-1") == {"tags": ["a", "b"], "ids": [str(UUID(int=1))]}
     # A payload's fingerprint takes a set's members as their canonical text, as before.
     assert canonical_json({"s": {1, 2, 10}}) == '{"s":["1","10","2"]}'
+
+
+class Point(NamedTuple):
+    x: int
+    at: datetime
+
+
+class Stamped(TypedDict):
+    when: datetime
+    note: str
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [
+        (bytes, b"\x00\xff"),
+        (dict[int, str], {1: "a", 20: "b"}),
+        (Point, Point(1, datetime(2026, 1, 1, tzinfo=UTC))),
+        (Stamped, {"when": datetime(2026, 1, 1, tzinfo=UTC), "note": "n"}),
+        (datetime | str, "2026-01-01"),  # a string that looks like a date stays a string
+        (datetime | str, datetime(2026, 1, 1, tzinfo=UTC)),
+        (Decimal | str, "not a number"),  # Decimal raises InvalidOperation: the next member
+        (Decimal | str, Decimal("1.10")),
+        (int | None, None),
+        (float, 2.0),
+    ],
+)
+def test_r1_more_shapes_come_back_as_they_were_returned(annotation: Any, value: object) -> None:
+    """Before: bytes came back as their base64 text, int keys as strings, a NamedTuple as a
+    list, a TypedDict's datetime as a string, a string in ``datetime | str`` as a datetime,
+    and ``Decimal | str`` raised on every repeat."""
+    back = revive(annotation, stored(value))
+    assert back == value and type(back) is type(value)
+
+
+def test_r1_a_union_takes_the_first_member_the_stored_form_reads_back_as() -> None:
+    # The JSON form cannot say which member a string was: one that is exactly a member's
+    # stored form becomes that member; one that only parses as it stays a string.
+    assert revive(date | str, "2026-01-01") == date(2026, 1, 1)
+    assert revive(datetime | str, "2026-01-01") == "2026-01-01"
+    assert revive(str | date, "2026-01-01") == "2026-01-01"
+    assert revive(int | bool, True) is True
+
+
+def test_r1_a_repeat_whose_first_result_was_not_kept_raises_instead_of_returning_none() -> None:
+    """Before, a repeat of a call whose result was over ``max_result_bytes`` returned
+    ``None`` from a function annotated ``-> str``; now it raises ResultUnavailable, and the
+    call is not run again. A function that returned ``None`` still repeats as ``None``."""
+    inbox = oncely.Inbox(
+        oncely.open("memory://"), consumer="c", limits=oncely.Limits(max_result_bytes=100)
+    )
+    runs: list[str] = []
+
+    @inbox.idempotent(key=lambda order: order)
+    def big(order: str) -> str:
+        runs.append(order)
+        return "x" * 1000
+
+    @inbox.idempotent(key=lambda order: f"none-{order}")
+    def nothing(order: str) -> None:
+        runs.append(order)
+
+    assert big("o-1") == "x" * 1000
+    with pytest.raises(oncely.ResultUnavailable, match="over the limit") as raised:
+        big("o-1")
+    assert raised.value.handled.outcome is oncely.Outcome.DUPLICATE
+    assert nothing("o-2") is None and nothing("o-2") is None
+    assert runs == ["o-1", "o-2"]
+
+
+def test_r1_a_method_is_keyed_and_fingerprinted_without_its_instance() -> None:
+    """Before, ``self`` was part of the fingerprinted payload: every call was rejected (an
+    object has no canonical form)."""
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="c")
+
+    class Billing:
+        def __init__(self) -> None:
+            self.charged: list[int] = []
+
+        @inbox.idempotent(key=lambda self, order, amount: order)
+        def charge(self, order: str, amount: int) -> int:
+            self.charged.append(amount)
+            return amount
+
+    first, second = Billing(), Billing()
+    assert first.charge("o-1", 5) == 5
+    assert second.charge("o-1", 5) == 5  # another instance, the same call: a duplicate
+    assert first.charged == [5] and second.charged == []
+    with pytest.raises(oncely.KeyConflict):
+        first.charge("o-1", 6)

@@ -6,7 +6,7 @@ import hashlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["Current", "current", "downstream_key"]
+__all__ = ["Current", "current", "downstream_key", "handling"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,16 @@ def current() -> Current | None:
     """The message being processed by the calling handler, or ``None`` outside a handler."""
     fields = _CURRENT.get()
     return None if fields is None else Current(*fields)
+
+
+def handling() -> Current:
+    """The message being processed by the calling handler; :class:`LookupError` outside a
+    handler. For code that only runs inside one (``oncely.handling().downstream_key(...)``
+    type-checks where :func:`current`'s optional result needs a check first)."""
+    fields = _CURRENT.get()
+    if fields is None:
+        raise LookupError(
+            "oncely.handling() is called outside a handler: only a function an inbox is "
+            "running has a message (oncely.current() returns None there instead)"
+        )
+    return Current(*fields)

@@ -1,9 +1,11 @@
-"""The kind of a handler an inbox is given: a sync inbox cannot run an async one.
+"""The kind of a handler an inbox is given: one whose call runs nothing is refused.
 
 A sync :class:`~oncely.Inbox` that calls an ``async def`` gets a coroutine back, not a result:
 the body never runs, and without a check the key would be recorded as done (the coroutine
-stored as its result, or nothing) while the message was acknowledged. An asyncio inbox given
-a plain function gets its value at once: the function ran, and its value is the result.
+stored as its result, or nothing) while the message was acknowledged. A generator function
+is the same trap for either inbox: its call returns a generator and runs none of the body.
+An asyncio inbox given a plain function gets its value at once: the function ran, and its
+value is the result.
 """
 
 from __future__ import annotations
@@ -11,26 +13,42 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from oncely.errors import AsyncHandlerRefused
+from oncely.errors import AsyncHandlerRefused, HandlerRefused
 
-__all__ = ["refuse_async", "sync_result"]
+__all__ = ["refuse_async", "refuse_generator", "refuse_result", "refuse_unrun", "sync_result"]
 
 
 _ASYNC_CODE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+_GENERATOR_CODE = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 _PLAIN = frozenset({dict, list, tuple, str, bytes, int, float, bool})
 """Result types that are never awaitable: taken without a question (the common case)."""
+
+
+def refuse_generator(handler: object) -> None:
+    """Raise :class:`~oncely.HandlerRefused` for a generator function (sync or async), before
+    anything is claimed."""
+    code = getattr(handler, "__code__", None)
+    if code is not None:
+        if code.co_flags & _GENERATOR_CODE:
+            raise HandlerRefused(_generator(handler))
+        return
+    if inspect.isgeneratorfunction(handler) or inspect.isasyncgenfunction(handler):
+        raise HandlerRefused(_generator(handler))
 
 
 def refuse_async(handler: object) -> None:
     """Raise :class:`~oncely.AsyncHandlerRefused` for a handler the sync inbox would call and
     get a coroutine from (an ``async def``, a partial of one, an object whose ``__call__``
-    is one), before anything is claimed."""
+    is one), and :class:`~oncely.HandlerRefused` for a generator function, before anything
+    is claimed."""
     # Speed: a function or a method answers from its code's flags (about 0.1 us; the
     # inspect calls below cost a microsecond or two on every message).
     code = getattr(handler, "__code__", None)
     if code is not None:
         if code.co_flags & _ASYNC_CODE:
             raise AsyncHandlerRefused(_said(handler))
+        if code.co_flags & inspect.CO_GENERATOR:
+            raise HandlerRefused(_generator(handler))
         return
     call = getattr(handler, "__call__", None)  # noqa: B004 - an object's own async __call__
     if inspect.iscoroutinefunction(handler) or (
@@ -39,11 +57,37 @@ def refuse_async(handler: object) -> None:
         raise AsyncHandlerRefused(_said(handler))
     if inspect.isasyncgenfunction(handler):
         raise AsyncHandlerRefused(_said(handler))
+    refuse_generator(handler)
+
+
+def refuse_unrun(returned: Any, handler: object) -> None:
+    """Refuse a generator (sync or async) that came back from a call, closed unrun: the
+    handler's body never ran (a generator function behind a wrapper, or a result built
+    lazily)."""
+    if inspect.isgenerator(returned) or inspect.isasyncgen(returned):
+        close = getattr(returned, "close", None)
+        if inspect.isgenerator(returned) and close is not None:
+            close()
+        raise HandlerRefused(_generator(handler, returned=True))
+
+
+def refuse_result(value: Any) -> None:
+    """Refuse, as the result a claim completes with, what stands for work that never ran: a
+    coroutine (not awaited), an awaitable or a generator."""
+    if value is None or type(value) in _PLAIN:
+        return
+    if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
+        kind = "a coroutine" if inspect.iscoroutine(value) else type(value).__name__
+        raise HandlerRefused(
+            f"complete() was given {kind} as the result: the work it stands for has not run "
+            "(await it, or list(...) a generator, and complete with the value); the claim "
+            "is still held"
+        )
 
 
 def sync_result(returned: Any, handler: object) -> Any:
     """What a sync inbox's handler returned, unless it is an awaitable (an async function
-    behind a lambda or a wrapper): that is closed unrun and refused."""
+    behind a lambda or a wrapper) or a generator: that is closed unrun and refused."""
     if returned is None or type(returned) in _PLAIN:
         return returned
     if inspect.iscoroutine(returned):
@@ -51,13 +95,26 @@ def sync_result(returned: Any, handler: object) -> Any:
         raise AsyncHandlerRefused(_said(handler, returned=True))
     if inspect.isawaitable(returned) or inspect.isasyncgen(returned):
         raise AsyncHandlerRefused(_said(handler, returned=True))
+    refuse_unrun(returned, handler)
     return returned
 
 
+def _name(handler: object) -> str:
+    return getattr(handler, "__qualname__", None) or type(handler).__name__
+
+
 def _said(handler: object, *, returned: bool = False) -> str:
-    name = getattr(handler, "__qualname__", None) or type(handler).__name__
     what = "returned an awaitable (an async function behind it)" if returned else "is async"
     return (
-        f"the handler {name} {what}: a sync oncely.Inbox cannot run it (it would be recorded "
-        "as done without running); use oncely.AsyncInbox, or a plain function"
+        f"the handler {_name(handler)} {what}: a sync oncely.Inbox cannot run it (it would be "
+        "recorded as done without running); use oncely.AsyncInbox, or a plain function"
+    )
+
+
+def _generator(handler: object, *, returned: bool = False) -> str:
+    what = "returned a generator" if returned else "is a generator function"
+    return (
+        f"the handler {_name(handler)} {what}: calling it runs none of its body, so it would "
+        "be recorded as done without running; return the value instead (list(...) of what "
+        "it yields)"
     )

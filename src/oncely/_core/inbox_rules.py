@@ -25,7 +25,26 @@ from oncely._core.policy import Limits
 from oncely._core.records import Claim, Record, new_record
 from oncely.errors import LeaseLost, PayloadError, ResultTooLarge
 
-__all__ = ["InboxRules", "lost_reason", "new_token", "reclaim_reason", "with_result"]
+__all__ = [
+    "InboxRules",
+    "lost_reason",
+    "new_token",
+    "reclaim_reason",
+    "result_lost",
+    "with_result",
+]
+
+
+RESULT_NOT_STORED = "result not stored"
+"""How the note of a completed record whose result was not kept begins (too large, or not
+encodable): a repeat gets ``None`` with this reason."""
+RESULT_UNDECODABLE = "the stored result cannot be decoded"
+"""How a duplicate's reason begins when the stored result cannot be decoded."""
+
+
+def result_lost(reason: str | None) -> bool:
+    """Whether a duplicate's ``reason`` says that the first result is not there to return."""
+    return reason is not None and reason.startswith((RESULT_NOT_STORED, RESULT_UNDECODABLE))
 
 
 class _Tokens:
@@ -221,12 +240,12 @@ class InboxRules:
         except Exception as exc:
             if strict:
                 raise PayloadError(f"the result cannot be encoded: {exc}") from exc
-            note = f"result not stored: {type(result).__name__} cannot be encoded ({exc})"
+            note = f"{RESULT_NOT_STORED}: {type(result).__name__} cannot be encoded ({exc})"
             self.observer.logger.error("oncely %s consumer=%s", note, self.consumer)
             return None, note
         limit = self.limits.max_result_bytes
         if len(data) > limit:
-            note = f"result not stored: {len(data)} bytes is over the limit of {limit}"
+            note = f"{RESULT_NOT_STORED}: {len(data)} bytes is over the limit of {limit}"
             if strict:
                 raise ResultTooLarge(note)
             self.observer.logger.error("oncely %s consumer=%s", note, self.consumer)
@@ -239,7 +258,7 @@ class InboxRules:
         try:
             return self.codec.decode(record.result), None
         except Exception as exc:
-            return None, f"the stored result cannot be decoded: {exc}"
+            return None, f"{RESULT_UNDECODABLE}: {exc}"
 
     def processed(
         self,

@@ -10,7 +10,9 @@ and calls ``model_validate`` on a pydantic model. What it does not know (``Any``
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from enum import Enum
 from typing import Any
 from uuid import UUID
 
+from oncely._core.fingerprint import result_json
 from oncely.errors import PayloadError
 
 __all__ = ["ANNOTATED", "result_type", "revive", "reviver"]
@@ -33,7 +36,13 @@ _PARSE: dict[type, Callable[[Any], Any]] = {
     time: time.fromisoformat,
     Decimal: Decimal,
     UUID: UUID,
+    bytes: lambda text: base64.b64decode(text, validate=True),  # the stored form (base64)
+    int: int,  # a dict key: JSON keeps keys as strings
+    float: float,
 }
+_JSON_NATIVE = (str, int, float, bool, list, dict)
+"""Classes a decoded result can be an instance of as it is (in a union, such a member takes
+a value of its class as it is)."""
 
 
 def _identity(value: Any) -> Any:
@@ -51,20 +60,7 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
-        members = [reviver(a) for a in args if a is not type(None)]
-        optional = type(None) in args
-
-        def union(value: Any) -> Any:
-            if value is None and optional:
-                return None
-            for revive_member in members:
-                try:
-                    return revive_member(value)
-                except (TypeError, ValueError, KeyError, PayloadError):
-                    continue
-            return value
-
-        return union
+        return _union(args)
     if origin in (list, set, frozenset) and args:
         item = reviver(args[0])
         kind = origin
@@ -82,6 +78,10 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
         return _identity
     if dataclasses.is_dataclass(annotation):
         return _dataclass(annotation)
+    if issubclass(annotation, tuple) and hasattr(annotation, "_fields"):  # a NamedTuple
+        return _named_tuple(annotation)
+    if typing.is_typeddict(annotation):
+        return _typed_dict(annotation)
     validate = getattr(annotation, "model_validate", None)  # pydantic v2
     if callable(validate):
         return validate  # type: ignore[no-any-return]
@@ -91,6 +91,39 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
     if parse is not None:
         return lambda value: value if isinstance(value, annotation) else parse(value)
     return _identity
+
+
+def _union(args: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """A union's converter: the first member the stored value is (a JSON type: a string, a
+    number), or that it converts to and back unchanged, so a string in ``datetime | str``
+    that only looks like a date stays a string while a stored ``datetime`` comes back as one.
+    The JSON form cannot say more: a string that is exactly a member's stored form (a
+    ``date | str`` given ``"2026-01-01"``) becomes that member. A value no member takes is
+    left as decoded."""
+    optional = type(None) in args
+    members: list[tuple[type | None, Callable[[Any], Any]]] = [
+        (a if isinstance(a, type) and a in _JSON_NATIVE else None, reviver(a))
+        for a in args
+        if a is not type(None)
+    ]
+
+    def union(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        for native, revive_member in members:
+            if native is not None:
+                if isinstance(value, native) and (native is bool) == isinstance(value, bool):
+                    return value
+                continue
+            try:
+                made = revive_member(value)
+                if json.loads(result_json(made)) == value:
+                    return made
+            except Exception:  # not this member (a Decimal raises its own error)
+                continue
+        return value
+
+    return union
 
 
 def _dataclass(cls: type) -> Callable[[Any], Any]:
@@ -107,6 +140,29 @@ def _dataclass(cls: type) -> Callable[[Any], Any]:
             **{name: revivers[name](value[name]) for name, init in fields if init and name in value}
         )
         return made
+
+    return build
+
+
+def _named_tuple(cls: type) -> Callable[[Any], Any]:
+    hints = typing.get_type_hints(cls)
+    items = [reviver(hints.get(name, Any)) for name in cls._fields]  # type: ignore[attr-defined]
+
+    def build(value: Any) -> Any:
+        if isinstance(value, cls):
+            return value
+        return cls(*(f(v) for f, v in zip(items, value, strict=True)))
+
+    return build
+
+
+def _typed_dict(cls: type) -> Callable[[Any], Any]:
+    revivers = {name: reviver(hint) for name, hint in typing.get_type_hints(cls).items()}
+
+    def build(value: Any) -> Any:
+        return {
+            name: revivers[name](item) if name in revivers else item for name, item in value.items()
+        }
 
     return build
 

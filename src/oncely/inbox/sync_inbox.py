@@ -37,8 +37,15 @@ from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
-from oncely._core.handlers import refuse_async, sync_result
-from oncely._core.inbox_rules import InboxRules, lost_reason, new_token, reclaim_reason, with_result
+from oncely._core.handlers import refuse_async, refuse_result, sync_result
+from oncely._core.inbox_rules import (
+    InboxRules,
+    lost_reason,
+    new_token,
+    reclaim_reason,
+    result_lost,
+    with_result,
+)
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
 from oncely._core.observe import Hook, Observer
 from oncely._core.outcomes import Handled, Outcome, Released
@@ -55,13 +62,14 @@ from oncely._core.policy import (
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
-    AsyncHandlerRefused,
     ClaimEnded,
     ConfigurationError,
+    HandlerRefused,
     LeaseLost,
     PayloadError,
     Reject,
     ResolveRefused,
+    ResultUnavailable,
     StoreError,
     StoreUnavailable,
     TransactionEnded,
@@ -87,6 +95,13 @@ PS = ParamSpec("PS")
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
+
+
+def _instance_parameter(signature: inspect.Signature) -> str | None:
+    """The name of a method's first parameter when it is ``self`` or ``cls`` (the function
+    is decorated in a class body): the instance is left out of the fingerprinted payload."""
+    first = next(iter(signature.parameters), None)
+    return first if first in ("self", "cls") else None
 
 
 def _called(handler: Callable[..., Any], *args: Any) -> Any:
@@ -200,9 +215,9 @@ class Inbox:
 
     @staticmethod
     def _refuse(handler: object) -> None:
-        """The sync inbox cannot run an async handler: refused before anything is claimed
-        (:mod:`oncely._core.handlers`). The asyncio inbox runs a plain function and takes its
-        value as it is (see :meth:`_invoke`)."""
+        """Neither inbox can run a generator function, nor the sync one an async handler:
+        refused before anything is claimed (:mod:`oncely._core.handlers`). The asyncio inbox
+        runs a plain function and takes its value as it is (see :meth:`_invoke`)."""
         refuse_async(handler)
 
     @property
@@ -472,7 +487,11 @@ class Inbox:
         A repeat returns the first result as the type the function returns (its return
         annotation, or ``returns=``): a dataclass, a pydantic model, a ``datetime``, a
         ``Decimal``, lists and dicts of them, rebuilt from the stored form (``returns=None``:
-        the stored form as it is decoded).
+        the stored form as it is decoded). In a union, a stored value that already is one of
+        its members (a string, a number) stays as it is. A repeat whose first result was not
+        kept (over ``max_result_bytes``, or not encodable) raises
+        :class:`~oncely.ResultUnavailable`, never returns ``None`` for it. On a method, the
+        instance (``self``, or ``cls``) is not part of the fingerprinted payload.
         """
 
         def decorate(fn: Function[PS, R]) -> Function[PS, R]:
@@ -480,18 +499,29 @@ class Inbox:
             signature = inspect.signature(fn)
             wanted = result_type(fn, returns)
             convert = reviver(wanted)
+            instance = _instance_parameter(signature)
 
             @functools.wraps(fn)
             def once(*args: PS.args, **kwargs: PS.kwargs) -> R:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
+                payload = dict(bound.arguments)
+                if instance is not None:
+                    payload.pop(instance)  # a method's self (or cls) is not what it is given
 
                 def run(_payload: object) -> R:
                     return fn(*args, **kwargs)
 
-                handled = self.handle(key(*args, **kwargs), dict(bound.arguments), run, wait=wait)
+                handled = self.handle(key(*args, **kwargs), payload, run, wait=wait)
                 value = handled.unwrap()
-                if handled.outcome is Outcome.DUPLICATE and value is not None:
+                if handled.outcome is Outcome.DUPLICATE and value is None:
+                    if result_lost(handled.reason):
+                        raise ResultUnavailable(
+                            f"{fn.__qualname__} ran for {handled.key!r} before, but its result "
+                            f"is not there to return ({handled.reason}); it is not run again",
+                            cast("Handled[object]", handled),
+                        )
+                elif handled.outcome is Outcome.DUPLICATE:
                     try:
                         value = convert(value)
                     except Exception as exc:
@@ -874,7 +904,7 @@ class Inbox:
         self, record: Record, error: BaseException, correlation_id: str | None, started: float
     ) -> Handled[R]:
         """The outcome of a handler that raised ``error`` under ``record``'s claim."""
-        if isinstance(error, AsyncHandlerRefused):  # it never ran: nothing to record
+        if isinstance(error, HandlerRefused):  # it never ran: nothing to record
             self._release_quietly(record.key, record.token)
             raise error
         if isinstance(error, Reject):
@@ -1122,7 +1152,7 @@ class Inbox:
                     try:
                         value = _called_in(store, handler, conn, payload)
                         data = None if value is None else self._rules.encode(value, strict=True)[0]
-                    except (AsyncHandlerRefused, TransactionEnded):
+                    except (HandlerRefused, TransactionEnded):
                         raise  # the transaction rolls back (or was ended): nothing recorded
                     except Exception as exc:
                         raise _HandlerError(exc) from exc
@@ -1313,6 +1343,7 @@ class Claimed(Generic[R]):
         """The work is done: store ``result`` (what a later copy gets as its ``duplicate``
         value) and end the claim. ``processed`` (``stale_reclaimed`` after a takeover), or
         ``in_flight`` when another caller took the key over meanwhile (its result wins)."""
+        refuse_result(result)
         claim = self._holding("complete")
         self._stop_beat()
         handled: Handled[R] = self._inbox._finish(
