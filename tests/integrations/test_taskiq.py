@@ -279,3 +279,14 @@ async def test_the_middleware_and_the_receiver_check_their_settings() -> None:
 
     with pytest.raises(ConfigurationError, match="when_received"):
         Receiver(broker, ack_type=AcknowledgeType.WHEN_RECEIVED)
+    # taskiq's own retries turn a failure into NoResultError: it read as a task that ended,
+    # the key recorded as done and the retry copies answered as duplicates (never run).
+    from taskiq.middlewares import SimpleRetryMiddleware, SmartRetryMiddleware
+
+    async def keep(message: bytes, headers: dict[str, str]) -> None:
+        return None
+
+    for retrying in (SimpleRetryMiddleware(default_retry_count=3), SmartRetryMiddleware()):
+        broker = InMemoryBroker().with_middlewares(Idempotency(inbox, dead_letter=keep), retrying)
+        with pytest.raises(ConfigurationError, match="NoResultError"):
+            await broker.startup()

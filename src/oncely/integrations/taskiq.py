@@ -81,6 +81,7 @@ try:
     from taskiq.brokers.inmemory_broker import InMemoryBroker
     from taskiq.exceptions import NoResultError
     from taskiq.labels import prepare_label
+    from taskiq.middlewares import SimpleRetryMiddleware, SmartRetryMiddleware
     from taskiq.receiver import Receiver as _TaskiqReceiver
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
@@ -101,6 +102,9 @@ __all__ = [
     "Receiver",
     "send_with_key",
 ]
+
+_RETRYING = (SimpleRetryMiddleware, SmartRetryMiddleware)
+"""taskiq's retry middlewares: they turn a failure into ``NoResultError`` (refused)."""
 
 LOGGER = logging.getLogger("oncely.taskiq")
 KEY_LABEL = "oncely_key"
@@ -190,6 +194,17 @@ class Idempotency(TaskiqMiddleware):
             raise ConfigurationError(
                 "oncely's taskiq middleware needs its receiver in the worker: run "
                 "taskiq worker ... --receiver oncely.integrations.taskiq:Receiver"
+            )
+        retrying = [type(m).__name__ for m in broker.middlewares if isinstance(m, _RETRYING)]
+        if retrying:
+            raise ConfigurationError(
+                f"{', '.join(retrying)} cannot run beside oncely's Idempotency: on a failure "
+                "it sends the task again and turns the error into NoResultError, which reads "
+                "as a task that ended without a result, so the key would be recorded as done "
+                "and the retries answered as duplicates (the task never runs again). "
+                "Idempotency retries a failed task itself (Idempotency(max_retries=..., "
+                "retry_delay=...), or the task's max_retries label) and dead-letters it after: "
+                "remove the retry middleware"
             )
         if self.dead_letter is None and not _is_aio_pika(self.broker):
             raise ConfigurationError(
