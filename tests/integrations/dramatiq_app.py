@@ -14,6 +14,8 @@ from datetime import timedelta
 import dramatiq
 import redis
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
 
 import oncely
 from oncely.integrations.dramatiq import Idempotency
@@ -21,7 +23,8 @@ from oncely.integrations.dramatiq import Idempotency
 QUEUE = os.environ["ONCELY_TEST_DRAMATIQ_QUEUE"]
 NS = os.environ["ONCELY_TEST_DRAMATIQ_NS"]
 RABBITMQ = os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
-REDIS = redis.Redis.from_url(os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+REDIS_URL = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS = redis.Redis.from_url(REDIS_URL)
 
 broker = RabbitmqBroker(url=RABBITMQ)
 inbox = oncely.Inbox(
@@ -32,6 +35,7 @@ inbox = oncely.Inbox(
     ),
 )
 broker.add_middleware(Idempotency(inbox, retry_in_flight_ms=1_000))
+broker.add_middleware(Results(backend=RedisBackend(url=REDIS_URL, namespace=f"{NS}-results")))
 dramatiq.set_broker(broker)
 
 
@@ -62,3 +66,23 @@ def notify(order: str) -> None:
 @dramatiq.actor(queue_name=QUEUE, max_retries=0)
 def plain(order: str) -> None:  # no idempotency_key: untouched by the middleware
     REDIS.incr(f"{NS}:effects:plain:{order}")
+
+
+@dramatiq.actor(
+    queue_name=QUEUE,
+    store_results=True,
+    max_retries=0,
+    idempotency_key=lambda order, sleep=0: f"price:{order}",
+)
+def price(order: str, sleep: float = 0) -> dict[str, object]:
+    """A result a caller reads (the Results middleware, in Redis)."""
+    REDIS.incr(f"{NS}:started:price:{order}")
+    time.sleep(sleep)
+    REDIS.incr(f"{NS}:effects:price:{order}")
+    return {"order": order, "total": 42}
+
+
+@dramatiq.actor(queue_name=QUEUE, max_retries=0)
+def record(priced: dict[str, object]) -> None:
+    """A pipeline's next stage, given the price."""
+    REDIS.incr(f"{NS}:effects:record:{priced['order']}")

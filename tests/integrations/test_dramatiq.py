@@ -180,3 +180,44 @@ def test_r10_two_copies_of_one_message_at_once_never_end_each_others_claim(store
         assert run.started("twin") == 1
     finally:
         run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r1_a_duplicate_answers_with_the_first_result_and_a_pipeline_goes_on(store: str) -> None:
+    """A second send of one key (a new message id) is not run, and its caller reads the
+    first result; a pipeline whose first stage is a duplicate goes on to the next stage
+    with that result. Before, a duplicate was skipped: the Results middleware stored None
+    for it, and the pipeline's next stage was never sent."""
+    import dramatiq
+
+    run = Run(store)
+    try:
+        run.worker(processes=1, threads=2)
+        first = run.app.price.send("p1")
+        assert first.get_result(block=True, timeout=30_000) == {"order": "p1", "total": 42}
+        again = run.app.price.send("p1")
+        assert again.get_result(block=True, timeout=30_000) == {"order": "p1", "total": 42}
+        dramatiq.pipeline([run.app.price.message("p1"), run.app.record.message()]).run()
+        _until(lambda: run.effects("record:p1") == 1, run=run)
+        assert run.effects("price:p1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r10_a_copy_sent_again_stores_no_result_for_its_caller(store: str) -> None:
+    """Two copies of one message at once: the second meets the first's claim and is sent
+    again. Before, the Results middleware stored None under the message's id for that
+    skipped copy, and the caller read None while the work had not run; now the caller reads
+    the result once the one run is done."""
+    run = Run(store)
+    try:
+        message = run.app.price.message("p2", sleep=3.0)
+        run.app.broker.enqueue(message)
+        run.app.broker.enqueue(message)
+        run.worker(processes=1, threads=2)
+        got = message.get_result(block=True, timeout=30_000)
+        assert run.effects("price:p2") == 1  # read when the work was done, not before
+        assert got == {"order": "p2", "total": 42}
+    finally:
+        run.close()

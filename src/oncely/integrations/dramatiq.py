@@ -25,11 +25,16 @@ What each message gets, before the actor runs:
 the first message with a key           the actor runs; the claim completes when it
                                        returns, is released when it raises (Dramatiq's
                                        Retries middleware then retries, then dead-letters)
-a duplicate (the key completed)        skipped (acknowledged), the actor not run
+a duplicate (the key completed)        the actor not run: the first result stands in
+                                       for its value (rebuilt as the function's return
+                                       annotation), so the Results middleware stores it
+                                       and a pipeline goes on to its next stage; skipped
+                                       when the first result was not kept
 a copy while the first still runs      sent again ``retry_in_flight_ms`` later (not one
                                        of its retries), so a redelivery after a worker
                                        died is taken over once the dead worker's lease
-                                       lapses, never dropped
+                                       lapses, never dropped; the Results middleware
+                                       stores nothing for the copy sent again
 the store cannot answer                sent again later the same way, never run
                                        unprotected
 the store is down when the worker      the worker process stops before taking a message
@@ -56,6 +61,7 @@ Tested with the ``dramatiq`` worker command (processes and threads) on RabbitMQ,
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
@@ -71,7 +77,9 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.dramatiq needs Dramatiq: pip install 'oncely[dramatiq]'"
     ) from exc
 
+from oncely._core.inbox_rules import result_lost
 from oncely._core.outcomes import Outcome
+from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import Reject
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
@@ -80,6 +88,12 @@ from oncely.integrations._task_keys import task_key
 __all__ = ["KEY_OPTION", "REASON_OPTION", "Idempotency", "TryLater", "send_with_key"]
 
 LOGGER = logging.getLogger("oncely.dramatiq")
+_REPLAY = threading.local()
+"""A duplicate's first result, for the actor's stand-in to return (the worker thread that
+took the message calls the actor right after the middleware)."""
+_NOTHING = object()
+_REPLAYS = "__oncely_replays__"
+"""Set on an actor's stand-in, so it is never wrapped twice."""
 KEY_OPTION = "oncely_key"
 """The message option :func:`send_with_key` sets: the producer's key."""
 REASON_OPTION = "oncely_reason"
@@ -126,6 +140,30 @@ class Idempotency(Middleware):
 
     # ------------------------------------------------------------------ at start
 
+    def after_declare_actor(self, broker: Any, actor: Any) -> None:
+        """An actor that declares ``idempotency_key`` runs behind a stand-in: on a duplicate
+        it returns the first result (its stored form brought back to the function's return
+        annotation) instead of calling the function, so the middlewares after the actor
+        (Results, Pipelines, Callbacks) see a message that ran, with the first result."""
+        if actor.options.get("idempotency_key") is None or hasattr(actor.fn, _REPLAYS):
+            return
+        fn = actor.fn
+        convert = reviver(result_type(fn, ANNOTATED))
+
+        @functools.wraps(fn)
+        def replaying(*args: Any, **kwargs: Any) -> Any:
+            found = getattr(_REPLAY, "value", _NOTHING)
+            if found is _NOTHING:
+                return fn(*args, **kwargs)
+            _REPLAY.value = _NOTHING
+            try:
+                return convert(found)
+            except Exception:  # its stored form, as a duplicate of any other actor gets
+                return found
+
+        setattr(replaying, _REPLAYS, True)
+        actor.fn = replaying
+
     def after_process_boot(self, broker: Any) -> None:
         self._worker_process = True  # the dramatiq command's worker process, no one else's
 
@@ -141,6 +179,7 @@ class Idempotency(Middleware):
     # ------------------------------------------------------------------ before the actor
 
     def before_process_message(self, broker: Any, message: Any) -> None:
+        _REPLAY.value = _NOTHING
         try:
             self._before(broker, message)
         except MiddlewareError:
@@ -162,6 +201,9 @@ class Idempotency(Middleware):
             broker.enqueue(message.copy(), delay=self._retry_ms)
         except Exception as exc:
             raise TryLater(f"{why}; the resend failed: {exc!r}", delay=self._retry_ms) from exc
+        # The copy sent again carries the message's id: the Results middleware must not
+        # store a None under it for this skipped delivery (a caller would read it as done).
+        message.options["store_results"] = False
         raise SkipMessage(f"{why}: sent again in {self._retry_ms} ms")
 
     def _before(self, broker: Any, message: Any) -> None:
@@ -186,8 +228,13 @@ class Idempotency(Middleware):
         assert handled is not None
         outcome = handled.outcome
         if outcome is Outcome.DUPLICATE:
-            LOGGER.info("oncely dramatiq key=%s: a duplicate, skipped", key)
-            raise SkipMessage(f"duplicate of {key}")
+            if handled.value is None and result_lost(handled.reason):
+                LOGGER.warning("oncely dramatiq key=%s: a duplicate, skipped (%s)", key,
+                               handled.reason)  # fmt: skip
+                raise SkipMessage(f"duplicate of {key}")
+            LOGGER.info("oncely dramatiq key=%s: a duplicate, answered with the first result", key)
+            _REPLAY.value = handled.value  # the actor's stand-in returns it (this thread)
+            return
         if outcome is Outcome.IN_FLIGHT:
             self._later(broker, message, f"key {key} is being processed elsewhere")
         self._dead_letter(broker, message, handled.reason or outcome.value)
@@ -225,6 +272,7 @@ class Idempotency(Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
+        _REPLAY.value = _NOTHING  # not taken if the actor did not run (a later middleware)
         with self._lock:
             claimed = self._claims.pop(id(message), None)
         if claimed is None:
@@ -239,6 +287,7 @@ class Idempotency(Middleware):
             claimed.release(f"the actor raised {type(exception).__name__}: {exception}")
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
+        _REPLAY.value = _NOTHING  # a later middleware skipped it: never the next message's
         with self._lock:
             claimed = self._claims.pop(id(message), None)
         if claimed is not None:  # another middleware skipped it after the claim
