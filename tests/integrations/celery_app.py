@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis
 from celery import Celery
@@ -68,3 +68,37 @@ def charge(
 @app.task(base=IdempotentTask, inbox=inbox, idempotency_key="sent")
 def notify(order: str) -> None:
     REDIS.incr(f"{NS}:effects:mail:{order}")
+
+
+@app.task(base=IdempotentTask, inbox=inbox, idempotency_key=lambda order: f"quote:{order}")
+def quote(order: str) -> dict[str, datetime]:
+    """A result Celery's JSON keeps as a datetime (oncely stores its ISO form)."""
+    REDIS.incr(f"{NS}:effects:quote:{order}")
+    return {"at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)}
+
+
+@app.task(base=IdempotentTask, inbox=inbox, idempotency_key=lambda order: f"big:{order}")
+def big(order: str) -> str:
+    """A result over the inbox's 256 KiB: not kept for a duplicate."""
+    REDIS.incr(f"{NS}:effects:big:{order}")
+    return "x" * 300_000
+
+
+@app.task(
+    base=IdempotentTask,
+    inbox=inbox,
+    autoretry_for=(RuntimeError,),
+    retry_kwargs={"max_retries": 1, "countdown": 0.2},
+    idempotency_key=lambda order: f"flaky:{order}",
+)
+def flaky(order: str) -> None:
+    """Celery's autoretry with its own limit: one retry, then dead-lettered."""
+    REDIS.incr(f"{NS}:started:flaky:{order}")
+    raise RuntimeError(f"the ledger is down (order {order})")
+
+
+if os.environ.get("ONCELY_TEST_CELERY_EARLY_ACK"):
+
+    @app.task(base=IdempotentTask, inbox=inbox, acks_late=False, idempotency_key="sent")
+    def early(order: str) -> None:
+        REDIS.incr(f"{NS}:effects:early:{order}")

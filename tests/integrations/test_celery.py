@@ -12,6 +12,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -188,5 +189,52 @@ def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice
         assert result.get(timeout=90) == {"order": "v1", "amount": 10}
         time.sleep(5.0)  # copies restored meanwhile arrive, and find it done
         assert run.effects("v1") == 1 and run.started("v1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r1_a_duplicate_gets_the_first_result_as_the_task_returned_it_or_fails_loudly(
+    store: str,
+) -> None:
+    """Before, a duplicate's AsyncResult.get() gave the stored form (a datetime as its ISO
+    string) where the first gave a datetime, and None for a result over the inbox's limit;
+    now the value is rebuilt as the task's return annotation, and a result that was not kept
+    fails the duplicate with ResultUnavailable. Celery's autoretry_for limit
+    (retry_kwargs max_retries=1) is the one kept: two runs, then dead-lettered (before,
+    four: the task's own max_retries was applied after Celery gave up)."""
+    from oncely.integrations.celery import DeadLettered
+
+    run = Run(store)
+    try:
+        app = run.app
+        run.worker()
+        first = app.quote.delay("q1").get(timeout=60)
+        again = app.quote.delay("q1").get(timeout=60)
+        assert first == again and isinstance(again["at"], datetime)
+        assert app.big.delay("b1").get(timeout=60) == "x" * 300_000
+        with pytest.raises(Exception, match="not there to return") as lost:
+            app.big.delay("b1").get(timeout=60)
+        assert "ResultUnavailable" in type(lost.value).__name__ + repr(lost.value)
+        assert run.effects("quote:q1") == 1 and run.effects("big:b1") == 1
+        with pytest.raises(DeadLettered, match="failed on all 2 deliveries"):
+            app.flaky.delay("f1").get(timeout=60)
+        assert run.started("flaky:f1") == 2
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_task_that_acknowledges_early_stops_the_worker_at_start(tmp_path: Path) -> None:
+    """``acks_late=False`` on an IdempotentTask: a message acknowledged before its task ends
+    is lost in a crash, its key left in progress. Before, it was accepted without a word."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    run.env["ONCELY_TEST_CELERY_EARLY_ACK"] = "1"
+    try:
+        worker = run.worker(log=tmp_path / "worker.log")
+        assert worker.wait(60) == 2
+        said = (tmp_path / "worker.log").read_text()
+        assert "acks_late=False" in said and "early" in said, said
     finally:
         run.close()

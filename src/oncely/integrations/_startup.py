@@ -19,11 +19,18 @@ from oncely.errors import SchemaError, StoreError, StoreUnavailable
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.sync_inbox import Inbox
 
-__all__ = ["EXIT_SCHEMA", "EXIT_STORE_UNAVAILABLE", "check_stores", "check_stores_async"]
+__all__ = [
+    "EXIT_SCHEMA",
+    "EXIT_STORE_UNAVAILABLE",
+    "EXIT_USAGE",
+    "check_stores",
+    "check_stores_async",
+]
 
 LOGGER = logging.getLogger("oncely.worker")
 _I = TypeVar("_I", Inbox, AsyncInbox)
 
+EXIT_USAGE: Final = 2
 EXIT_STORE_UNAVAILABLE: Final = 3
 EXIT_SCHEMA: Final = 4
 

@@ -55,7 +55,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 try:
     from celery import Task, bootsteps
@@ -67,11 +67,13 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.celery needs Celery: pip install 'oncely[celery]'"
     ) from exc
 
-from oncely._core.outcomes import Outcome
+from oncely._core.inbox_rules import result_lost
+from oncely._core.outcomes import Handled, Outcome
+from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.brokers._shape import DeadLetter
-from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
+from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
-from oncely.integrations._startup import check_stores
+from oncely.integrations._startup import EXIT_USAGE, check_stores
 from oncely.integrations._task_keys import Keyer, task_key
 
 __all__ = [
@@ -162,10 +164,34 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.is_eager:
             return handled.unwrap()
         if handled.outcome is Outcome.DUPLICATE:
-            return handled.value
+            return self._first_result(handled)
         if handled.outcome is Outcome.IN_FLIGHT:
             return self._later(key, f"key {key} is being processed elsewhere")
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
+
+    def _first_result(self, handled: Handled[Any]) -> Any:
+        """A duplicate's value: the first result, rebuilt as the task's return annotation
+        (a ``datetime``, a ``Decimal``, a dataclass...); :class:`~oncely.ResultUnavailable`
+        (the duplicate's task fails with it) when the first result was not kept, never a
+        ``None`` its caller would take for the result."""
+        value = handled.value
+        if value is None:
+            if result_lost(handled.reason):
+                raise ResultUnavailable(
+                    f"task {self.name} ran for {handled.key!r} before, but its result is not "
+                    f"there to return ({handled.reason}); it is not run again",
+                    cast("Handled[object]", handled),
+                )
+            return None
+        cls = type(self)
+        convert = cls.__dict__.get("_oncely_revive")
+        if convert is None:
+            convert = reviver(result_type(self.run, ANNOTATED))
+            cls._oncely_revive = convert
+        try:
+            return convert(value)
+        except Exception:  # the stored form, as a task with no annotation gets it
+            return value
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         keyer = type(self).idempotency_key  # the plain function, not bound to the task
@@ -206,7 +232,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _retry(self, key: str, exc: Exception) -> Any:
         retries = self.request.retries
-        if self.max_retries is not None and retries >= self.max_retries:
+        limit = self.max_retries
+        # Celery's autoretry_for with retry_kwargs={"max_retries": n}: once Celery gives up
+        # it raises the error here, after n retries; the task's own limit is not the one.
+        given = getattr(self, "retry_kwargs", None) or {}
+        automatic = tuple(getattr(self, "autoretry_for", ()) or ())
+        if "max_retries" in given and automatic and isinstance(exc, automatic):
+            limit = given["max_retries"]
+        if limit is not None and retries >= limit:
             return self._dead_letter(
                 Outcome.FAILED,
                 f"failed on all {retries + 1} deliveries; last: {type(exc).__name__}: {exc}",
@@ -309,12 +342,19 @@ class CheckStores(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "oncely: check the inboxes' stores"
 
     def start(self, worker: Any) -> None:
-        inboxes = [
-            task.inbox
-            for task in worker.app.tasks.values()
-            if isinstance(task, IdempotentTask) and isinstance(task.inbox, Inbox)
-        ]
-        check_stores(inboxes, "celery")
+        tasks = [task for task in worker.app.tasks.values() if isinstance(task, IdempotentTask)]
+        early = sorted(task.name for task in tasks if not task.acks_late)
+        if early:
+            LOGGER.error(
+                "oncely celery: the worker stops before taking a message: %s set acks_late="
+                "False: a message acknowledged before its task ended is lost in a crash, its "
+                "key left in progress (IdempotentTask acknowledges late; drop the option) "
+                "[exit %d]",
+                ", ".join(early),
+                EXIT_USAGE,
+            )
+            raise SystemExit(EXIT_USAGE)
+        check_stores([task.inbox for task in tasks if isinstance(task.inbox, Inbox)], "celery")
 
 
 def _keep(consumer: Any, message: Any, reason: str) -> None:
