@@ -1,13 +1,20 @@
 """How a task integration (Celery, Dramatiq, taskiq) finds a message's key: the one the
 producer named on purpose, else the task's key function of its arguments. One rule for all
-of them, so no integration reads a framework's own minted message id as the key."""
+of them, so no integration reads a framework's own minted message id as the key. And what a
+duplicate answers: the first result as the task returned it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["SENT", "Keyer", "task_key"]
+from oncely._core.inbox_rules import result_lost
+from oncely._core.outcomes import Handled
+from oncely._core.typed import ANNOTATED, result_type, reviver
+from oncely.errors import ResultUnavailable
+
+__all__ = ["SENT", "Keyer", "first_result", "task_key"]
 
 SENT = "sent"
 """``idempotency_key="sent"``: the key is the one the producer gave (``send_with_key``)."""
@@ -28,3 +35,29 @@ def task_key(
     if not callable(keyer):
         raise TypeError(f"idempotency_key is a function of the arguments or {SENT!r}")
     return keyer(*args, **kwargs)
+
+
+def first_result(handled: Handled[Any], fn: Callable[..., Any], task: str) -> Any:
+    """A duplicate's value: the first result, rebuilt as ``fn``'s return annotation (a
+    ``datetime``, a ``Decimal``, a dataclass...; the stored form where there is none, or
+    where it does not fit). :class:`~oncely.ResultUnavailable` when the first result was not
+    kept (over ``max_result_bytes``, or not encodable): never a ``None`` a caller would take
+    for the result."""
+    value = handled.value
+    if value is None:
+        if result_lost(handled.reason):
+            raise ResultUnavailable(
+                f"task {task} ran for {handled.key!r} before, but its result is not there to "
+                f"return ({handled.reason}); it is not run again",
+                cast("Handled[object]", handled),
+            )
+        return None
+    try:
+        return _converter(fn)(value)
+    except Exception:  # the stored form, as a task with no annotation gets it
+        return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _converter(fn: Callable[..., Any]) -> Callable[[Any], Any]:
+    return reviver(result_type(fn, ANNOTATED))

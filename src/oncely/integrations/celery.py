@@ -55,7 +55,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 try:
     from celery import Task, bootsteps
@@ -67,14 +67,12 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.celery needs Celery: pip install 'oncely[celery]'"
     ) from exc
 
-from oncely._core.inbox_rules import result_lost
-from oncely._core.outcomes import Handled, Outcome
-from oncely._core.typed import ANNOTATED, result_type, reviver
+from oncely._core.outcomes import Outcome
 from oncely.brokers._shape import DeadLetter
-from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
+from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import EXIT_USAGE, check_stores
-from oncely.integrations._task_keys import Keyer, task_key
+from oncely.integrations._task_keys import Keyer, first_result, task_key
 
 __all__ = [
     "KEY_HEADER",
@@ -164,34 +162,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.is_eager:
             return handled.unwrap()
         if handled.outcome is Outcome.DUPLICATE:
-            return self._first_result(handled)
+            return first_result(handled, self.run, self.name)
         if handled.outcome is Outcome.IN_FLIGHT:
             return self._later(key, f"key {key} is being processed elsewhere")
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
-
-    def _first_result(self, handled: Handled[Any]) -> Any:
-        """A duplicate's value: the first result, rebuilt as the task's return annotation
-        (a ``datetime``, a ``Decimal``, a dataclass...); :class:`~oncely.ResultUnavailable`
-        (the duplicate's task fails with it) when the first result was not kept, never a
-        ``None`` its caller would take for the result."""
-        value = handled.value
-        if value is None:
-            if result_lost(handled.reason):
-                raise ResultUnavailable(
-                    f"task {self.name} ran for {handled.key!r} before, but its result is not "
-                    f"there to return ({handled.reason}); it is not run again",
-                    cast("Handled[object]", handled),
-                )
-            return None
-        cls = type(self)
-        convert = cls.__dict__.get("_oncely_revive")
-        if convert is None:
-            convert = reviver(result_type(self.run, ANNOTATED))
-            cls._oncely_revive = convert
-        try:
-            return convert(value)
-        except Exception:  # the stored form, as a task with no annotation gets it
-            return value
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         keyer = type(self).idempotency_key  # the plain function, not bound to the task

@@ -90,10 +90,10 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from oncely._core.outcomes import Outcome
 from oncely.brokers._shape import DeadLetter
-from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
+from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.integrations._startup import check_stores_async
-from oncely.integrations._task_keys import SENT, Keyer, task_key
+from oncely.integrations._task_keys import SENT, Keyer, first_result, task_key
 
 __all__ = [
     "KEY_LABEL",
@@ -355,7 +355,10 @@ class Receiver(_TaskiqReceiver):
         handled = claimed.handled
         assert handled is not None
         if handled.outcome is Outcome.DUPLICATE:
-            return _result(message, handled.value)
+            try:
+                return _result(message, first_result(handled, target, message.task_name))
+            except ResultUnavailable as lost:  # the caller reads the error, not a None
+                return _result(message, None, lost)
         if handled.outcome is Outcome.IN_FLIGHT:
             return await self._later(message, f"key {key} is being processed elsewhere")
         return await self._dead_letter(message, handled.outcome, handled.reason or "refused")
