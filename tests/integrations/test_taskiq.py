@@ -250,10 +250,21 @@ async def test_r1_r2_with_taskiqs_in_memory_broker_for_users_unit_tests() -> Non
         conflict = await charge.kiq("o1", 99)
         keyless = await notify.kiq("o2")
         assert (await conflict.wait_result()).is_err and (await keyless.wait_result()).is_err
+        # send_with_key's task id comes from the key: a resend with other arguments is
+        # dead-lettered without writing over the first message's result (it did before).
+        first = await send_with_key(charge, "charge:o7", "o7", 1)
+        assert (await first.wait_result()).return_value == 1
+        await send_with_key(charge, "charge:o7", "o7", 2)
+        again = await first.wait_result()
+        assert not again.is_err and again.return_value == 1
     finally:
         await broker.shutdown()
-    assert effects == ["o1", "mail:o1"]
-    assert [letter["x-oncely-outcome"] for letter in letters] == ["key_conflict", "rejected"]
+    assert effects == ["o1", "mail:o1", "o7"]
+    assert [letter["x-oncely-outcome"] for letter in letters] == [
+        "key_conflict",
+        "rejected",
+        "key_conflict",
+    ]
     assert "no idempotency key" in letters[1]["x-oncely-reason"]
 
 

@@ -361,7 +361,12 @@ class Receiver(_TaskiqReceiver):
                 return _result(message, None, lost)
         if handled.outcome is Outcome.IN_FLIGHT:
             return await self._later(message, f"key {key} is being processed elsewhere")
-        return await self._dead_letter(message, handled.outcome, handled.reason or "refused")
+        refused = await self._dead_letter(message, handled.outcome, handled.reason or "refused")
+        if message.task_id == stable_task_id(message.task_name, key):
+            # send_with_key's task id comes from the key: this refused copy shares its result
+            # with the first message, whose result stands (the refusal is in the dead letter).
+            return _result(message, None, NoResultError())
+        return refused
 
     async def _run(
         self,
