@@ -23,7 +23,7 @@ from __future__ import annotations
 from oncely._twin import ASYNC
 
 if ASYNC:
-    from asyncio import Semaphore, gather, sleep
+    from asyncio import Semaphore, create_task, gather, sleep, wait
     from inspect import isawaitable
 
     from oncely._core.handlers import refuse_generator, refuse_unrun
@@ -32,11 +32,12 @@ else:
 
     from oncely._core.handlers import refuse_async, sync_result
 
+import contextlib
 import functools
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter, time
@@ -105,6 +106,18 @@ PS = ParamSpec("PS")
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
+
+
+def _completions(
+    finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
+) -> list[Completion]:
+    """The completions of a batch's finished handlers, in the batch's order (``finished``
+    is sorted in place, so its answers line up with it)."""
+    finished.sort(key=lambda done: done[0])
+    return [
+        Completion(claim.record.key, claim.record.token, data, note)
+        for _i, claim, _result, data, note in finished
+    ]
 
 
 def _instance_parameter(signature: inspect.Signature) -> str | None:
@@ -384,24 +397,9 @@ class AsyncInbox:
                         "group failed, and the group's order is kept"
                     )
 
-        if ASYNC:
-            slots = Semaphore(concurrency)
-
-            async def bounded(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
-                async with slots:
-                    await run(group, members)
-
-            await gather(*(bounded(group, members) for group, members in runs.items()))
-        else:
-            for group, members in runs.items():
-                run(group, members)
+        await self._run_groups(runs, run, concurrency, finished)
         if finished:
-            finished.sort(key=lambda done: done[0])
-            completions = [
-                Completion(claim.record.key, claim.record.token, data, note)
-                for _i, claim, _result, data, note in finished
-            ]
-            answers = await self._complete_many(completions)
+            answers = await self._complete_many(_completions(finished))
             for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
                 results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
                 if isinstance(done, Record):
@@ -415,6 +413,38 @@ class AsyncInbox:
             decided = found if found is not None else claim
             results[i] = self._rules.settle(step, decided, entries[i][2], started)
         return [handled for handled in results if handled is not None]
+
+    async def _run_groups(
+        self,
+        runs: dict[Hashable, list[tuple[int, Claim, Step]]],
+        run: Callable[[Hashable, list[tuple[int, Claim, Step]]], Awaitable[None]],
+        concurrency: int,
+        finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
+    ) -> None:
+        """Run a batch's groups, up to ``concurrency`` at once."""
+        if ASYNC:
+            slots = Semaphore(concurrency)
+
+            async def bounded(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
+                async with slots:
+                    await run(group, members)
+
+            tasks = [create_task(bounded(group, members)) for group, members in runs.items()]
+            try:
+                await gather(*tasks)
+            except BaseException:
+                # Cancelled (a shutdown's grace ran out; gather passed the cancel on to every
+                # group's task): each is waited for, as it may still be releasing its claim
+                # (gather stops at the first one to end, and a second cancel would cut that
+                # release short), then the handlers that did finish keep their results, so a
+                # redelivery is their duplicate rather than a second run.
+                await wait(tasks)
+                with contextlib.suppress(Exception):
+                    await self._complete_many(_completions(finished))
+                raise
+        else:
+            for group, members in runs.items():
+                run(group, members)
 
     async def _claim_batch(
         self,

@@ -97,6 +97,18 @@ _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the las
 _MAX_ROUNDS = 8
 
 
+def _completions(
+    finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
+) -> list[Completion]:
+    """The completions of a batch's finished handlers, in the batch's order (``finished``
+    is sorted in place, so its answers line up with it)."""
+    finished.sort(key=lambda done: done[0])
+    return [
+        Completion(claim.record.key, claim.record.token, data, note)
+        for _i, claim, _result, data, note in finished
+    ]
+
+
 def _instance_parameter(signature: inspect.Signature) -> str | None:
     """The name of a method's first parameter when it is ``self`` or ``cls`` (the function
     is decorated in a class body): the instance is left out of the fingerprinted payload."""
@@ -364,15 +376,9 @@ class Inbox:
                         "group failed, and the group's order is kept"
                     )
 
-        for group, members in runs.items():
-            run(group, members)
+        self._run_groups(runs, run, concurrency, finished)
         if finished:
-            finished.sort(key=lambda done: done[0])
-            completions = [
-                Completion(claim.record.key, claim.record.token, data, note)
-                for _i, claim, _result, data, note in finished
-            ]
-            answers = self._complete_many(completions)
+            answers = self._complete_many(_completions(finished))
             for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
                 results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
                 if isinstance(done, Record):
@@ -386,6 +392,17 @@ class Inbox:
             decided = found if found is not None else claim
             results[i] = self._rules.settle(step, decided, entries[i][2], started)
         return [handled for handled in results if handled is not None]
+
+    def _run_groups(
+        self,
+        runs: dict[Hashable, list[tuple[int, Claim, Step]]],
+        run: Callable[[Hashable, list[tuple[int, Claim, Step]]], None],
+        concurrency: int,
+        finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
+    ) -> None:
+        """Run a batch's groups, up to ``concurrency`` at once."""
+        for group, members in runs.items():
+            run(group, members)
 
     def _claim_batch(
         self,
