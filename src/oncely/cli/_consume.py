@@ -459,6 +459,11 @@ def consume(
                 store_offsets=store_offsets,
             )
         finally:
-            await inbox.aclose()
+            try:
+                await inbox.aclose()
+            finally:
+                # The store is the caller's to close (the inbox leaves it open): left to the
+                # garbage collector, a MariaDB pool printed tracebacks at every exit.
+                await store.aclose()
 
     run_consumer(consumption, options, inbox_processor, batch=batch, purge_every=purge_every)
