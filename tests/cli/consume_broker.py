@@ -29,9 +29,7 @@ async def _publish(url: str, source: str) -> None:
         await producer.close()
 
 
-def consume_orders_once(
-    broker: str, url: str, source: str, tmp_path: Path, *options: str
-) -> None:
+def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path, *options: str) -> None:
     """Run ``oncely consume --broker url --source source`` while the orders are published,
     stop it with SIGTERM, and check it exited cleanly, applied orders 1, 2 and 3 once each,
     logged its redelivery horizon and answered the two retries as duplicates."""

@@ -74,3 +74,8 @@ def reconcile_sent(stale: oncely.StaleClaim) -> oncely.Resolution:
 
 async def reconcile_async(stale: oncely.StaleClaim) -> oncely.Resolution:
     return oncely.Resolution.failed(f"bounced: {stale.record.key}")
+
+
+def reconcile_wrongly(stale: oncely.StaleClaim) -> object:
+    """A reconciler that returns what is not a Resolution (a user's slip)."""
+    return "done"

@@ -113,3 +113,16 @@ def test_r10_reconcile_with_an_async_reconciler_or_escalation(db: Path) -> None:
     assert run("reconcile", "--store", store, "--consumer", "email").exit_code == 2
     missing = run("reconcile", "--store", store, "--consumer", "email", "--reconciler", "x:y")
     assert missing.exit_code == 2 and "cannot import 'x'" in missing.stderr
+
+
+def test_r10_a_reconciler_that_returns_no_resolution_is_an_error_for_that_claim(db: Path) -> None:
+    """Before, the whole run stopped with "AttributeError: 'str' object has no attribute
+    'action'" (exit 5); now that claim is reported, unchanged, and the run exits 1."""
+    result = run("reconcile", "--store", url_of(db), "--consumer", "email",
+                 "--reconciler", "tests.cli.helpers:reconcile_wrongly")  # fmt: skip
+    assert result.exit_code == 1, result.stderr
+    assert "msg-stale: error" in result.stdout and "returned str, not an oncely.Resolution" in (
+        result.stdout
+    )
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.IN_PROGRESS and record.token == TOKEN

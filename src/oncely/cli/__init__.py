@@ -25,6 +25,7 @@ Exit codes:
 4  schema problem: the tables are missing (run ``oncely migrate``) or were written by a
    newer oncely (upgrade oncely)
 5  any other oncely or store error
+6  the broker refused the consumer (``oncely consume``: wrong credentials, no such vhost)
 == =====================================================================================
 
 Errors go to stderr as one line; ``oncely --debug ...`` shows the traceback instead.

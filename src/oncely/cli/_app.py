@@ -25,6 +25,7 @@ Exit codes:
   3  store unavailable (cannot open it, or it stayed locked): retry later
   4  schema problem: tables missing (run `oncely migrate`) or too new (upgrade oncely)
   5  any other oncely or store error
+  6  the broker refused the consumer (oncely consume: wrong credentials, no such vhost)
 
 \b
 The store URL comes from --store, else $ONCELY_STORE, else sqlite:///oncely.db.

@@ -733,6 +733,16 @@ class Inbox:
                 return Resolved(
                     key, "error", record, record, f"reconciler raised {type(exc).__name__}: {exc}"
                 )
+            if not isinstance(resolution, Resolution):  # typed, but a user's function
+                return Resolved(  # type: ignore[unreachable]
+                    key,
+                    "error",
+                    record,
+                    record,
+                    f"the reconciler returned {type(resolution).__name__}, not an "
+                    "oncely.Resolution (Resolution.completed(...), .failed(...), .retry() or "
+                    ".escalate(...)); nothing was changed",
+                )
         if resolution.action == "escalate":
             return Resolved(key, "escalate", record, record, resolution.reason or "escalated")
         try:
