@@ -18,7 +18,7 @@ import pytest
 from oncely.brokers import open_producer
 from tests.backends.mysql import drop_tables
 from tests.brokers.common import free_port, remove_destinations, unique
-from tests.services import MYSQL_URL, RABBITMQ_URL, require
+from tests.services import MYSQL_URL, RABBITMQ_URL, REDIS_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
 ONCELY = [sys.executable, "-m", "oncely.cli"]
@@ -277,6 +277,21 @@ def test_consume_exits_6_when_rabbitmq_refuses_it_at_start(
     assert "RabbitMQ refused" in done.stderr and said in done.stderr, done.stderr
     assert "not-the-password" not in done.stderr
     assert "error when creating transport" not in done.stderr
+
+
+@pytest.mark.services
+def test_consume_exits_6_when_redis_refuses_its_credentials(tmp_path: Path) -> None:
+    """Before, Redis's WRONGPASS (a ConnectionError to redis-py) was retried forever with
+    backoff, as if the server were away."""
+    require("Redis", REDIS_URL, 6379)
+    parts = urlsplit(REDIS_URL)
+    broker = f"redis://nobody:not-the-password@{parts.hostname}:{parts.port or 6379}{parts.path}"
+    done = _consume_once(
+        unique("cli_refused"), broker=broker, store=f"sqlite:///{tmp_path / 'inbox.db'}"
+    )
+    assert done.returncode == 6, done.stderr
+    assert "Redis refused the credentials" in done.stderr, done.stderr
+    assert "not-the-password" not in done.stderr
 
 
 @pytest.mark.slow

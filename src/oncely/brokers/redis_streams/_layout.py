@@ -12,8 +12,14 @@ from typing import Any, TypedDict
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    NoPermissionError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oncely._urls import UrlOptions
@@ -177,6 +183,11 @@ MAX_CONNECTIONS = 100
 """Connections one producer or transport opens to Redis at most; calls beyond wait."""
 
 
+_REFUSED = (AuthenticationError, AuthorizationError, NoPermissionError)
+"""What Redis answers a client it will not serve: wrong credentials, a user without the
+commands' permissions."""
+
+
 class Translated:
     """Turns redis-py's exceptions into oncely's at the boundary."""
 
@@ -187,6 +198,10 @@ class Translated:
     def errors(self, doing: str, on_missing: Any = None) -> Iterator[None]:
         try:
             yield
+        except _REFUSED as exc:  # a ConnectionError to redis-py, but retrying cannot help
+            raise BrokerError(
+                f"{self.where}: Redis refused the credentials or permissions to {doing}: {exc}"
+            ) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise BrokerUnavailable(f"{self.where}: could not {doing}: {exc}") from exc
         except ResponseError as exc:
