@@ -126,3 +126,26 @@ def test_r10_a_reconciler_that_returns_no_resolution_is_an_error_for_that_claim(
     )
     record = _get(db, "email", "msg-stale")
     assert record is not None and record.status is Status.IN_PROGRESS and record.token == TOKEN
+
+
+def test_r10_reconcile_and_resolve_take_keys_as_long_as_a_consumer_may_have(db: Path) -> None:
+    """A consumer with ``--max-key-bytes 2048`` stored a 1000-byte key. Before, reconcile
+    stopped its whole run on it (over the default 512 bytes, exit 5), leaving msg-stale
+    unsettled too, and resolve refused to name it."""
+    from tests.cli.helpers import PAST
+
+    long_key = "k" * 1000
+    with closing(oncely.SQLiteStore(db, clock=oncely.FakeClock(PAST))) as past:
+        for key in (long_key, "also-" + "x" * 900):
+            past.claim(
+                "email", key, fingerprint=None, token=TOKEN,
+                lease_ms=1000, keep_ms=100 * 365 * 86_400_000, takeover=False,
+            )  # fmt: skip
+    store = url_of(db)
+    done = run("reconcile", "--store", store, "--consumer", "email", "--on-stale", "retry")
+    assert done.exit_code == 0, done.stderr
+    assert "3 stale claim(s)" in done.stdout
+    assert _get(db, "email", long_key) is None and _get(db, "email", "msg-stale") is None
+    kept = run("inbox", "resolve", "--store", store, "--consumer", "email", "also-" + "x" * 900,
+               "--retry")  # fmt: skip
+    assert kept.exit_code == 1 and "nothing to retry" in kept.stderr  # reconciled already

@@ -27,12 +27,22 @@ __all__ = ["reconcile", "resolve"]
 _KEEP_HELP = "How long the settled record is kept: give the consumer's own retention (R13)."
 
 
+_LONGEST_KEY = 4096
+"""The largest ``max_key_bytes`` a consumer can have: the operator commands take any key."""
+
+
 def _inbox(
     store: oncely.Store, consumer: str, keep: timedelta, on_stale: Any = "retry"
 ) -> oncely.Inbox:
     try:
         return oncely.Inbox(
-            store, consumer=consumer, retention=oncely.Retention(keep=keep), on_stale=on_stale
+            store,
+            consumer=consumer,
+            retention=oncely.Retention(keep=keep),
+            on_stale=on_stale,
+            # An operator names records as stored: a consumer may have taken keys up to the
+            # largest limit (oncely consume --max-key-bytes), and none is refused here.
+            limits=oncely.Limits(max_key_bytes=_LONGEST_KEY),
         )
     except ConfigurationError as exc:
         raise CliError(str(exc), USAGE) from None

@@ -76,6 +76,7 @@ from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
     HandlerRefused,
+    InvalidKey,
     LeaseLost,
     PayloadError,
     Reject,
@@ -811,6 +812,8 @@ class AsyncInbox:
             )
         except ResolveRefused as refused:
             return Resolved(key, "skipped", record, refused.current, str(refused))
+        except (InvalidKey, PayloadError) as refused:  # this claim's, not the run's
+            return Resolved(key, "error", record, record, str(refused))
 
     async def prepare(self) -> None:
         """Connect to the store and check its schema now (creating it when the store was

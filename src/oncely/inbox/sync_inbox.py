@@ -65,6 +65,7 @@ from oncely.errors import (
     ClaimEnded,
     ConfigurationError,
     HandlerRefused,
+    InvalidKey,
     LeaseLost,
     PayloadError,
     Reject,
@@ -753,6 +754,8 @@ class Inbox:
             )
         except ResolveRefused as refused:
             return Resolved(key, "skipped", record, refused.current, str(refused))
+        except (InvalidKey, PayloadError) as refused:  # this claim's, not the run's
+            return Resolved(key, "error", record, record, str(refused))
 
     def prepare(self) -> None:
         """Connect to the store and check its schema now (creating it when the store was
