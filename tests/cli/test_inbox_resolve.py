@@ -149,3 +149,18 @@ def test_r10_reconcile_and_resolve_take_keys_as_long_as_a_consumer_may_have(db: 
     kept = run("inbox", "resolve", "--store", store, "--consumer", "email", "also-" + "x" * 900,
                "--retry")  # fmt: skip
     assert kept.exit_code == 1 and "nothing to retry" in kept.stderr  # reconciled already
+
+
+def test_resolve_refuses_a_key_with_no_record_unless_asked_to_create_one(db: Path) -> None:
+    """Before, a mistyped key became a completed record at once (exit 0), and the real
+    message, once delivered, was acknowledged as its duplicate without ever running."""
+    store = url_of(db)
+    base = ("inbox", "resolve", "--store", store, "--consumer", "billing", "order-99")
+    typo = run(*base, "--completed", '{"ok": true}')
+    assert typo.exit_code == 1 and "has no record for key 'order-99'" in typo.stderr
+    assert _get(db, "billing", "order-99") is None
+    ahead = run(*base, "--completed", '{"ok": true}', "--create")
+    assert ahead.exit_code == 0, ahead.stderr
+    assert ahead.stdout.rstrip().endswith("absent -> completed")
+    record = _get(db, "billing", "order-99")
+    assert record is not None and record.status is Status.COMPLETED

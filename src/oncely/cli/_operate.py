@@ -85,6 +85,12 @@ def _state(record: oncely.Record | None) -> str:
     "--retry", is_flag=True, help="Delete the record so the next delivery runs the handler."
 )
 @click.option("--note", help="Kept on a completed record (default: resolved by an operator).")
+@click.option(
+    "--create",
+    is_flag=True,
+    help="With --completed or --failed: write the record when KEY has none (a message not "
+    "delivered yet, settled ahead of it).",
+)
 @click.option("--keep", type=Duration(), default="7d", show_default=True, help=_KEEP_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def resolve(
@@ -95,6 +101,7 @@ def resolve(
     failed: str | None,
     retry: bool,
     note: str | None,
+    create: bool,
     keep: timedelta,
     as_json: bool,
 ) -> None:
@@ -107,8 +114,9 @@ def resolve(
     while a worker holds a live lease: a running worker is never overridden.
 
     Exits 1, changing nothing, when a live claim holds the record, it is already settled that
-    way (a completed record: `oncely inbox forget` it to run it again), or there is nothing
-    to retry.
+    way (a completed record: `oncely inbox forget` it to run it again), there is nothing to
+    retry, or KEY has no record and --create was not given (a mistyped key would otherwise
+    become a completed record, and the real message a duplicate that never runs).
     """
     chosen = [name for name, given in (("--completed", completed is not None),
               ("--failed", failed is not None), ("--retry", retry)) if given]  # fmt: skip
@@ -127,6 +135,13 @@ def resolve(
         resolution = Resolution.retry()
     with opened(store_url) as store:
         inbox = _inbox(store, consumer, keep)
+        if not retry and not create and inbox.get(key) is None:
+            raise CliError(
+                f"not resolved: consumer {safe(consumer)!r} has no record for key {safe(key)!r} "
+                "(check the key with `oncely inbox list`; --create writes one for a message "
+                "not delivered yet)",
+                CHECK_FAILED,
+            )
         try:
             done = inbox.resolve(key, resolution, note=note)
         except ResolveRefused as refused:
