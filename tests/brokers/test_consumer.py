@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 from collections import Counter
 from datetime import timedelta
@@ -281,7 +282,7 @@ async def test_stop_lets_running_handlers_finish_and_acks_them(inbox: oncely.Asy
 
 @pytest.mark.parametrize("concurrency", [16, 1], ids=["a-free-slot", "every-slot-busy"])
 async def test_past_the_grace_a_handler_is_cancelled_and_its_message_given_back(
-    inbox: oncely.AsyncInbox, concurrency: int
+    inbox: oncely.AsyncInbox, concurrency: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Every slot busy: before, the reading loop waited for a slot to free before it saw the
     # stop, so the grace only started once a handler finished (here: never).
@@ -299,9 +300,15 @@ async def test_past_the_grace_a_handler_is_cancelled_and_its_message_given_back(
     consumer = BrokerConsumer(broker, inbox, stuck, settings=grace)
     task = asyncio.create_task(consumer.run())
     await entered.wait()
+    caplog.set_level(logging.INFO, logger="oncely.broker")
     consumer.stop()
     await asyncio.wait_for(task, 60)  # (a guard against a hang, not a timing)
     assert broker.acked == 0 and broker.outstanding == 1  # given back, not lost
+    # Said in the log (before, a cut-off handler left no trace and the stop read "idle").
+    said = [r.getMessage() for r in caplog.records if r.name == "oncely.broker"]
+    assert any("stopping: waiting up to 0.05s for 1 running" in line for line in said), said
+    assert any("shutdown grace of 0.05s ran out: 1 handler task(s) cancelled" in line
+               for line in said), said  # fmt: skip
     record = await inbox.get("order-1")
     assert record is None or record.status is not oncely.Status.COMPLETED  # claim released
     # The next consumer processes it (the released claim does not make it a duplicate).

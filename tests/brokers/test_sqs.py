@@ -228,15 +228,30 @@ class TestSQS(BrokerSuite):
             assert max(count or 0 for _, count in seen) >= 2
         await self.assert_settled()
 
+    async def _fifo(self, *, ack_wait: timedelta) -> tuple[SQSProducer, SQS]:
+        """A FIFO queue of this test's own (deleted after it, with its dead-letter queue): a
+        producer and an open transport."""
+        name = unique("fq") + ".fifo"
+
+        async def delete() -> None:
+            async with await self._admin() as client:
+                for queue in (name, name.removesuffix(".fifo") + "-dead.fifo"):
+                    url = await self._queue_url(client, queue)
+                    if url:
+                        await client.delete_queue(QueueUrl=url)
+
+        self.after(delete)  # last, once the producer and the transport are closed
+        producer = SQSProducer(self.url, name)
+        self.after(producer.close)
+        made = SQS(self.url, name, group=self.group, ack_wait=ack_wait)
+        self.closed_after(made)
+        await made.open(10)
+        return producer, made
+
     async def test_r14_a_fifo_queue_drops_a_resend_and_keeps_a_groups_order(self) -> None:
         """On a FIFO queue the producer's message id is the deduplication id: three sends of
         one id are one message; a group's messages come in the order sent."""
-        name = unique("fq") + ".fifo"
-        producer = SQSProducer(self.url, name)
-        self.after(producer.close)
-        made = SQS(self.url, name, group=self.group, ack_wait=timedelta(seconds=5))
-        self.closed_after(made)
-        await made.open(10)
+        producer, made = await self._fifo(ack_wait=timedelta(seconds=5))
         for _ in range(3):
             await producer.publish(body("same"), message_id="same", group="g1")
         for n in range(3):
@@ -248,11 +263,6 @@ class TestSQS(BrokerSuite):
             await delivery.ack()
         assert got == ["same", "o0", "o1", "o2"]
         assert await made.fetch(10, 0 * SECOND) == []
-        async with await self._admin() as client:
-            for queue in (name, name.removesuffix(".fifo") + "-dead.fifo"):
-                url = await self._queue_url(client, queue)
-                if url:
-                    await client.delete_queue(QueueUrl=url)
 
     async def test_r10_a_fifo_group_behind_a_failure_waits_for_it_and_keeps_its_order(
         self,
@@ -262,12 +272,7 @@ class TestSQS(BrokerSuite):
         while an earlier one is invisible (the failure, for its backoff): they come after it,
         and the effects follow the order sent. Holding them for the failure's backoff as well
         was tried: then all three turn visible together and moto hands out the last first."""
-        name = unique("fq") + ".fifo"
-        producer = SQSProducer(self.url, name)
-        self.after(producer.close)
-        transport = SQS(self.url, name, group=self.group, ack_wait=timedelta(seconds=10))
-        self.closed_after(transport)
-        await transport.open(10)
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=10))
         for n in range(3):
             await producer.publish(body(f"f{n}"), message_id=f"f{n}", group="g1")
         applied: list[str] = []
@@ -289,11 +294,6 @@ class TestSQS(BrokerSuite):
             await wait_until(lambda: len(applied) == 3, what="the group's three messages")
         assert failed == ["f0"]
         assert applied == ["f0", "f1", "f2"]
-        async with await self._admin() as client:
-            for queue in (name, name.removesuffix(".fifo") + "-dead.fifo"):
-                url = await self._queue_url(client, queue)
-                if url:
-                    await client.delete_queue(QueueUrl=url)
 
     async def test_a_body_that_is_not_utf8_travels_as_base64_and_comes_back_as_it_was(
         self,

@@ -633,9 +633,23 @@ class BrokerConsumer:
         with contextlib.suppress(BrokerUnavailable):
             await self.transport.stop()
         if self._tasks:
-            _done, pending = await asyncio.wait(
-                set(self._tasks), timeout=self.settings.shutdown_grace.total_seconds()
+            grace = self.settings.shutdown_grace.total_seconds()
+            self._log.info(
+                "oncely broker=%s stopping: waiting up to %gs for %d running handler task(s)",
+                self.transport.name,
+                grace,
+                len(self._tasks),
             )
+            _done, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+            if pending:
+                self._log.warning(
+                    "oncely broker=%s the shutdown grace of %gs ran out: %d handler task(s) "
+                    "cancelled; their claims are released (a finished handler's result kept) "
+                    "and their messages given back for a redelivery",
+                    self.transport.name,
+                    grace,
+                    len(pending),
+                )
             for task in pending:  # cancelled handlers release their claims (the inbox does)
                 task.cancel()
             if pending:

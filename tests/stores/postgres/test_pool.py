@@ -304,20 +304,14 @@ def test_the_store_writes_again_once_a_read_only_spell_ends(flavour: str) -> Non
         try:
             for i in range(5):
                 seen.append(inbox.handle(f"before-{i}", 1, lambda p: p).outcome.value)
-            spell(True)
-            for i in range(10):
-                try:
-                    seen.append(inbox.handle(f"during-{i}", 1, lambda p: p).outcome.value)
-                except oncely.StoreUnavailable:
-                    seen.append("unavailable")
-                time.sleep(0.05)
-            spell(False)
-            for i in range(40):
-                try:
-                    seen.append(inbox.handle(f"after-{i}", 1, lambda p: p).outcome.value)
-                except oncely.StoreUnavailable:
-                    seen.append("unavailable")
-                time.sleep(0.05)
+            for phase, n in (("during", 10), ("after", 40)):
+                spell(phase == "during")
+                for i in range(n):
+                    try:
+                        seen.append(inbox.handle(f"{phase}-{i}", 1, lambda p: p).outcome.value)
+                    except oncely.StoreUnavailable:
+                        seen.append("unavailable")
+                    time.sleep(0.05)
         finally:
             store.close()
         return seen
@@ -333,10 +327,8 @@ def test_the_store_writes_again_once_a_read_only_spell_ends(flavour: str) -> Non
         try:
             for i in range(5):
                 seen.append((await inbox.handle(f"before-{i}", 1, handler)).outcome.value)
-            await asyncio.to_thread(spell, True)
             for phase, n in (("during", 10), ("after", 40)):
-                if phase == "after":
-                    await asyncio.to_thread(spell, False)
+                await asyncio.to_thread(spell, phase == "during")
                 for i in range(n):
                     try:
                         handled = await inbox.handle(f"{phase}-{i}", 1, handler)
