@@ -294,6 +294,30 @@ def test_consume_exits_6_when_redis_refuses_its_credentials(tmp_path: Path) -> N
     assert "not-the-password" not in done.stderr
 
 
+@pytest.mark.services
+def test_consume_on_a_memory_store_warns_that_a_restart_forgets_it() -> None:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_memory")
+    command = [
+        *ONCELY, "consume", "--broker", RABBITMQ_URL, "--source", source,
+        "--handler", "tests.brokers.handlers:record", "--store", "memory://",
+        "--consumer", "cli-memory",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(3)
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))
+    assert process.returncode == 0, err
+    assert "the store is memory://, which lives in this process only" in err, err
+
+
 @pytest.mark.slow
 def test_client_library_lines_keep_the_log_format_and_do_not_flood(tmp_path: Path) -> None:
     # Kafka at a port where nothing listens: aiokafka logs its own error on every attempt.

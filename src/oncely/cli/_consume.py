@@ -441,6 +441,12 @@ def consume(
 
     @asynccontextmanager
     async def inbox_processor(run: Consumption) -> AsyncIterator[Processor]:
+        if store_url.split(":", 1)[0].lower() == "memory":
+            run.logger.warning(
+                "oncely consume: the store is memory://, which lives in this process only: "
+                "a restart forgets every record, and a redelivery after it runs again (use "
+                "SQLite, PostgreSQL, MariaDB or Redis for anything but a trial)"
+            )
         store = oncely.open_async(store_url)
         inbox = oncely.AsyncInbox(
             store,
