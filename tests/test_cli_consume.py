@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -28,6 +29,24 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*ONCELY, *args], capture_output=True, text=True, cwd=ROOT, timeout=60, check=False
     )
+
+
+def _consume_until_sigterm(
+    command: list[str], meanwhile: Callable[[], None], env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Run ``oncely consume`` (``command``), call ``meanwhile`` while it runs, stop it with
+    SIGTERM; its exit code and stderr (killed if it did not stop within 30 s)."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        meanwhile()
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err
 
 
 def test_consume_refuses_a_transport_id_as_key_and_a_sync_handler() -> None:
@@ -147,23 +166,20 @@ def test_consume_closes_its_store_on_the_way_out(tmp_path: Path) -> None:
     subprocess.run([*ONCELY, "migrate", "--store", f"{MYSQL_URL}?table={table}"], check=True,
                    cwd=ROOT, capture_output=True)  # fmt: skip
     env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
+
+    def one_message() -> None:
         time.sleep(2)  # the queue is declared by the consumer
         asyncio.run(_publish(source, [("c-1", {"order": 1})]))
         deadline = time.monotonic() + 30
         while not effects.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        _out, err = process.communicate(timeout=30)
+
+    try:
+        code, err = _consume_until_sigterm(command, one_message, env)
     finally:
-        if process.poll() is None:
-            process.kill()
         asyncio.run(remove_destinations(RABBITMQ_URL, source))
         drop_tables(table)
-    assert process.returncode == 0, err
+    assert code == 0, err
     assert effects.read_text().count("\n") == 1
     assert "Exception ignored" not in err and "Event loop is closed" not in err, err
 
@@ -303,18 +319,11 @@ def test_consume_on_a_memory_store_warns_that_a_restart_forgets_it() -> None:
         "--handler", "tests.brokers.handlers:record", "--store", "memory://",
         "--consumer", "cli-memory",
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
     try:
-        time.sleep(3)
-        process.send_signal(signal.SIGTERM)
-        _out, err = process.communicate(timeout=30)
+        code, err = _consume_until_sigterm(command, lambda: time.sleep(3))
     finally:
-        if process.poll() is None:
-            process.kill()
         asyncio.run(remove_destinations(RABBITMQ_URL, source))
-    assert process.returncode == 0, err
+    assert code == 0, err
     assert "the store is memory://, which lives in this process only" in err, err
 
 
@@ -338,17 +347,9 @@ def test_client_library_lines_keep_the_log_format_and_do_not_flood(tmp_path: Pat
         "--log-format",
         "json",
     ]
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        time.sleep(6)  # five attempts or so, each one logged by aiokafka
-        process.send_signal(signal.SIGTERM)
-        _out, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, err
+    # five attempts or so, each one logged by aiokafka
+    code, err = _consume_until_sigterm(command, lambda: time.sleep(6))
+    assert code == 0, err
     lines = [json.loads(line) for line in err.splitlines()]  # every line is JSON
     theirs = [line for line in lines if not line["logger"].startswith("oncely")]
     ours = [line for line in lines if "unavailable" in line["message"]]
@@ -361,9 +362,9 @@ def test_client_library_lines_keep_the_log_format_and_do_not_flood(tmp_path: Pat
 def test_repeated_records_are_let_through_once_per_window() -> None:
     import logging
 
-    from oncely.cli._consume import _Repeats
+    from oncely._repeats import Repeats
 
-    repeats = _Repeats(window=30)
+    repeats = Repeats(window=30)
 
     def record(at: float, msg: str = "Unable connect to %r") -> logging.LogRecord:
         made = logging.LogRecord("aiokafka", logging.ERROR, __file__, 1, msg, ("x",), None)

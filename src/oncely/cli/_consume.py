@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import click
 
 import oncely
+from oncely._repeats import Repeats
 from oncely.brokers import (
     BrokerConsumer,
     ConsumerSettings,
@@ -119,30 +120,6 @@ class _SaidByOncely(logging.Filter):
         return not record.getMessage().startswith("error when creating transport")
 
 
-class _Repeats(logging.Filter):
-    """Lets one record of a kind (logger and message template) through per ``window``
-    seconds; the next one through says how many were held back. A client library retrying a
-    broker that is down logs the same line dozens of times a second."""
-
-    def __init__(self, window: float = 30.0) -> None:
-        super().__init__()
-        self.window = window
-        self._seen: dict[tuple[str, object], tuple[float, int]] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        kind = (record.name, record.msg)
-        last, held = self._seen.get(kind, (float("-inf"), 0))
-        if record.created - last < self.window:
-            self._seen[kind] = (last, held + 1)
-            return False
-        if len(self._seen) > 1000:
-            self._seen.clear()
-        self._seen[kind] = (record.created, 0)
-        if held:
-            record.msg = f"{record.msg} ({held} more like it in the last {self.window:.0f}s)"
-        return True
-
-
 def _configure_logging(log_format: str, level: str) -> None:
     """oncely's records at ``level``, and the client libraries' own (aiokafka, aio-pika,
     nats, botocore...) at WARNING and above, in the same format on stderr (so a JSON log
@@ -161,7 +138,7 @@ def _configure_logging(log_format: str, level: str) -> None:
     broker_log.propagate = False
     theirs.setLevel(logging.WARNING)
     theirs.addFilter(_SaidByOncely())
-    theirs.addFilter(_Repeats())
+    theirs.addFilter(Repeats())
     root = logging.getLogger()
     if not root.handlers:  # a framework's own logging set-up (Django's LOGGING) is kept
         root.addHandler(theirs)

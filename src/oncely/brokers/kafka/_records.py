@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import unquote
 
+from oncely._repeats import Repeats
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._common import not_utf8
 from oncely.errors import ConfigurationError
@@ -20,37 +20,17 @@ from oncely.wire import wire_text
 LOGGER = logging.getLogger("oncely.broker.kafka")
 
 
-class _Repeats(logging.Filter):
-    """Lets a line through once per ``window`` seconds: librdkafka says the same failure at
-    every reconnect (a broker name that does not resolve: about ten lines a second). The
-    count of the lines held back rides on the next one let through."""
+_TIMINGS = re.compile(r"\(after \d+ms in state [A-Z_]+\)|\d+ms")
 
-    _TIMINGS = re.compile(r"\(after \d+ms in state [A-Z_]+\)|\d+ms")
 
-    def __init__(self, window: float = 10.0) -> None:
-        super().__init__()
-        self.window = window
-        self._seen: dict[str, tuple[float, int]] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = self._TIMINGS.sub("", record.getMessage())
-        now = time.monotonic()
-        last, held = self._seen.get(text, (-self.window, 0))
-        if now - last < self.window:
-            self._seen[text] = (last, held + 1)
-            return False
-        if len(self._seen) > 1000:
-            self._seen.clear()
-        self._seen[text] = (now, 0)
-        if held:
-            record.msg = f"{record.getMessage()} (and {held} more like it)"
-            record.args = ()
-        return True
+def _librdkafka_kind(record: logging.LogRecord) -> Hashable:
+    """librdkafka formats its lines itself: one kind is the line without its timings."""
+    return _TIMINGS.sub("", record.getMessage())
 
 
 LIBRDKAFKA_LOGGER = logging.getLogger("oncely.broker.kafka.librdkafka")
 """librdkafka's own lines (the producer's client), each repeat once per 10 s at most."""
-LIBRDKAFKA_LOGGER.addFilter(_Repeats())
+LIBRDKAFKA_LOGGER.addFilter(Repeats(window=10.0, kind=_librdkafka_kind))
 
 MESSAGE_ID_HEADER = "message-id"
 CONTENT_TYPE_HEADER = "content-type"
