@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
@@ -37,6 +37,7 @@ from oncely.wire import escaped, printable
 __all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
 
 LOGGER = logging.getLogger("oncely.broker")
+_T = TypeVar("_T")
 
 Mode = Literal["two_phase", "transactional"]
 Decoder = Callable[[Envelope], object]
@@ -517,18 +518,10 @@ class BrokerConsumer:
         abandons the attempt (a Kafka group join can take a rebalance or two)."""
         failures = 0
         while not self.stopping:
-            opening = asyncio.ensure_future(
+            opening = await self._unless_stopped(
                 self.transport.open(max(self.settings.concurrency, self.batch))
             )
-            stopping = asyncio.ensure_future(self._stopping.wait())
-            try:
-                await asyncio.wait([opening, stopping], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stopping.cancel()
-            if not opening.done():
-                opening.cancel()
-                with contextlib.suppress(BaseException):
-                    await opening
+            if opening.cancelled():
                 return
             try:
                 opening.result()
@@ -576,21 +569,27 @@ class BrokerConsumer:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    async def _unless_stopped(self, work: Awaitable[_T]) -> asyncio.Future[_T]:
+        """Run ``work`` until it ends or a stop is asked, whichever comes first: its future,
+        ended either way (cancelled, and that cancel waited for, when the stop came first)."""
+        doing = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([doing, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not doing.done():
+            doing.cancel()
+            with contextlib.suppress(BaseException):
+                await doing
+        return doing
+
     async def _slot_or_stop(self) -> bool:
         """Take one slot (True), or give up once a stop is asked (False, no slot taken)."""
         if not self._slots.locked():
             await self._slots.acquire()  # free now: no wait, no race
             return True
-        acquiring = asyncio.ensure_future(self._slots.acquire())
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-        if not acquiring.done():
-            acquiring.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acquiring
+        acquiring = await self._unless_stopped(self._slots.acquire())
         if acquiring.done() and not acquiring.cancelled() and self._stopping.is_set():
             self._slots.release()  # taken as the stop came: give it back
             return False
