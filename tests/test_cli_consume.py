@@ -184,6 +184,76 @@ def test_consume_closes_its_store_on_the_way_out(tmp_path: Path) -> None:
     assert "Exception ignored" not in err and "Event loop is closed" not in err, err
 
 
+@pytest.mark.slow
+@pytest.mark.services
+def test_r10_consume_asks_its_reconciler_about_a_claim_whose_worker_died(tmp_path: Path) -> None:
+    """Before, ``oncely consume`` had no --reconciler or --on-stale: a message whose earlier
+    worker died mid-handler always ran again, even when ``oncely reconcile`` had left its
+    record for a person. Now the consumer's reconciler decides, as on the library."""
+    from contextlib import closing
+
+    import oncely
+    from tests.cli.helpers import PAST, TOKEN
+
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_stale")
+    db = tmp_path / "inbox.db"
+    with closing(oncely.SQLiteStore(db, clock=oncely.FakeClock(PAST))) as past:
+        for key in ("sent-1", "lost-1"):  # claimed in 2020, a one-second lease: stale
+            past.claim(
+                "cli-stale", key, fingerprint=None, token=TOKEN,
+                lease_ms=1000, keep_ms=100 * 365 * 86_400_000, takeover=False,
+            )  # fmt: skip
+    effects = tmp_path / "effects.jsonl"
+    effects.touch()
+    command = [
+        *ONCELY, "consume", "--broker", RABBITMQ_URL, "--source", source,
+        "--handler", "tests.brokers.handlers:record", "--store", f"sqlite:///{db}",
+        "--consumer", "cli-stale", "--reconciler", "tests.brokers.handlers:reconcile_by_key",
+        "--log-format", "json",
+    ]  # fmt: skip
+    env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
+
+    def stale_messages() -> None:
+        time.sleep(2)  # the queue is declared by the consumer
+        asyncio.run(_publish(source, [("sent-1", {"order": 1}), ("lost-1", {"order": 2})]))
+        deadline = time.monotonic() + 30
+        while effects.read_text().count("\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # the outcomes are logged after the reconciler answers
+
+    try:
+        code, err = _consume_until_sigterm(command, stale_messages, env)
+    finally:
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))
+    assert code == 0, err
+    # The reconciler was asked about both, and the handler ran for neither.
+    asked = sorted(json.loads(line)["asked"] for line in effects.read_text().splitlines())
+    assert asked == ["lost-1", "sent-1"]
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    outcomes = {line["key"]: (line["outcome"], line["broker_action"])
+                for line in lines if "broker_action" in line}  # fmt: skip
+    assert outcomes == {"sent-1": ("duplicate", "ack"), "lost-1": ("escalated", "dead_letter")}
+    with closing(oncely.SQLiteStore(db)) as store:
+        sent, lost = store.get("cli-stale", "sent-1"), store.get("cli-stale", "lost-1")
+    assert sent is not None and sent.status is oncely.Status.COMPLETED
+    assert sent.result == b'{"found":"sent-1"}'
+    assert lost is not None and lost.status is oncely.Status.IN_PROGRESS and lost.token == TOKEN
+
+
+def test_consume_takes_one_stale_policy_and_only_in_the_two_phase_mode() -> None:
+    base = ["consume", "--broker", "amqp://localhost/", "--source", "q", "--consumer", "c",
+            "--handler", "tests.brokers.handlers:record", "--store", "memory://"]  # fmt: skip
+    both = _run([*base, "--on-stale", "escalate",
+                 "--reconciler", "tests.brokers.handlers:reconcile_by_key"])  # fmt: skip
+    assert both.returncode == 2 and "not both" in both.stderr
+    transactional = _run([*base, "--mode", "transactional", "--on-stale", "escalate"])
+    assert transactional.returncode == 2, transactional.stderr
+    assert "--on-stale is for the two-phase mode" in transactional.stderr
+    missing = _run([*base, "--reconciler", "tests.brokers.handlers:nowhere"])
+    assert missing.returncode == 2 and "has no 'nowhere'" in missing.stderr
+
+
 @pytest.mark.services
 def test_r13_consume_refuses_a_retention_below_its_horizon(tmp_path: Path) -> None:
     require("RabbitMQ", RABBITMQ_URL, 5672)

@@ -35,3 +35,14 @@ async def record_in(tx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """:func:`record` for the transactional mode (the effect file is written in the handler,
     the marker and any stored offset in ``tx``)."""
     return await record(payload)
+
+
+def reconcile_by_key(stale: oncely.StaleClaim) -> oncely.Resolution:
+    """A reconciler (a plain def: ``oncely consume`` runs it in a worker thread) that finds
+    the effect of a ``sent-*`` key done and leaves any other for a person. Each question is
+    a line in the effects file."""
+    with open(os.environ["ONCELY_TEST_EFFECTS"], "a") as out:
+        out.write(json.dumps({"asked": stale.record.key}) + "\n")
+    if stale.record.key.startswith("sent-"):
+        return oncely.Resolution.completed({"found": stale.record.key})
+    return oncely.Resolution.escalate(f"no trace of {stale.record.key}")

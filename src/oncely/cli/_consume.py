@@ -38,7 +38,7 @@ from oncely.brokers import (
 )
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
-from oncely.cli._loading import load_attribute
+from oncely.cli._loading import load_attribute, load_reconciler
 from oncely.cli._stores import store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
@@ -89,6 +89,26 @@ def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
             USAGE,
         )
     return target  # type: ignore[no-any-return]
+
+
+def _stale_policy(
+    mode: str, on_stale: str | None, reconciler_spec: str | None
+) -> oncely.OnStale | Callable[[oncely.StaleClaim], Awaitable[oncely.Resolution]]:
+    """The inbox's ``on_stale`` from ``--on-stale`` and ``--reconciler`` (one of them)."""
+    given = "--reconciler" if reconciler_spec is not None else "--on-stale"
+    if reconciler_spec is not None and on_stale is not None:
+        raise CliError("give --reconciler or --on-stale, not both", USAGE)
+    if mode == "transactional" and (reconciler_spec is not None or on_stale is not None):
+        raise CliError(
+            f"{given} is for the two-phase mode: in the transactional mode a worker that "
+            "dies mid-handler leaves no claim behind (its transaction, the claim with it, "
+            "rolls back) and the next delivery simply runs",
+            USAGE,
+        )
+    reconciler = load_reconciler(reconciler_spec)
+    if reconciler is not None:
+        return reconciler.asynchronous()
+    return oncely.OnStale(on_stale or "retry")
 
 
 class TextLines(_UTC):
@@ -388,6 +408,22 @@ def run_consumer(
     help="Also purge expired records every DURATION (e.g. 1m); one consumer of a fleet "
     "leads the purge of a table at a time.",
 )
+@click.option(
+    "--on-stale",
+    type=click.Choice(["retry", "escalate"]),
+    default=None,
+    help="Two-phase mode, a message whose earlier worker died mid-handler (its claim's lease "
+    "lapsed): retry runs the handler again (the default); escalate dead-letters it with the "
+    "reason and leaves the record for a person (oncely inbox resolve).",
+)
+@click.option(
+    "--reconciler",
+    "reconciler_spec",
+    metavar="MODULE:FUNCTION",
+    help="Two-phase mode: ask reconciler(stale) -> oncely.Resolution (def or async def) "
+    "about such a message instead, to look in the external system for its effect (R10); "
+    "give `oncely reconcile` the same one.",
+)
 def consume(
     handler_spec: str,
     store_url: str,
@@ -396,6 +432,8 @@ def consume(
     payload: str,
     batch: int | None,
     purge_every: timedelta | None,
+    on_stale: str | None,
+    reconciler_spec: str | None,
     **options: Any,
 ) -> None:
     """Consume SOURCE from a broker, running HANDLER once per logical message.
@@ -415,6 +453,7 @@ def consume(
     consumption = read_consumption(options)
     remember_secrets(store_url)
     handler = load_handler(handler_spec)
+    stale_policy = _stale_policy(mode, on_stale, reconciler_spec)
 
     @asynccontextmanager
     async def inbox_processor(run: Consumption) -> AsyncIterator[Processor]:
@@ -431,6 +470,7 @@ def consume(
             logger=run.logger,
             limits=run.limits,
             retention=run.retention,
+            on_stale=stale_policy,
         )
         try:
             yield InboxProcessor(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from oncely import Resolution, StaleClaim
 from oncely.cli._errors import USAGE, CliError
 
-__all__ = ["load_attribute"]
+__all__ = ["Reconciler", "load_attribute", "load_reconciler"]
 
 
 def load_attribute(spec: str, option: str) -> Any:
@@ -33,3 +37,46 @@ def load_attribute(spec: str, option: str) -> Any:
                 f"{option} {spec!r}: {module_name} has no {attribute!r}", USAGE
             ) from None
     return target
+
+
+class Reconciler:
+    """A reconciler named by ``--reconciler MODULE:FUNCTION`` (``def`` or ``async def``), for
+    a synchronous or an asynchronous inbox."""
+
+    def __init__(self, spec: str) -> None:
+        target = load_attribute(spec, "--reconciler")
+        if not callable(target):
+            raise CliError(f"--reconciler {spec!r} is not callable", USAGE)
+        self.spec = spec
+        self._target: Callable[[StaleClaim], Any] = target
+        self._coroutine = inspect.iscoroutinefunction(target)
+
+    def sync(self) -> Callable[[StaleClaim], Resolution]:
+        """For an :class:`~oncely.Inbox`: an ``async def`` runs to its end in a loop of its
+        own (the inbox calls it from a thread with none running)."""
+        target = self._target
+        if not self._coroutine:
+            return target
+
+        def run(stale: StaleClaim) -> Resolution:
+            return asyncio.run(target(stale))  # type: ignore[no-any-return]
+
+        return run
+
+    def asynchronous(self) -> Callable[[StaleClaim], Awaitable[Resolution]]:
+        """For an :class:`~oncely.AsyncInbox`: a plain ``def`` runs in a worker thread, so a
+        reconciler that asks an external system over a blocking client does not stall the
+        consumer's event loop."""
+        target = self._target
+        if self._coroutine:
+            return target
+
+        async def run(stale: StaleClaim) -> Resolution:
+            return await asyncio.to_thread(target, stale)
+
+        return run
+
+
+def load_reconciler(spec: str | None) -> Reconciler | None:
+    """The reconciler ``--reconciler`` names, or None when it is not given."""
+    return None if spec is None else Reconciler(spec)

@@ -4,20 +4,17 @@ its stale in-progress records now. Both are fenced: a live claim is never overri
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import click
 
 import oncely
-from oncely import Resolution, Resolved, StaleClaim, Status
+from oncely import Resolution, Resolved, Status
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, USAGE, CliError
-from oncely.cli._loading import load_attribute
+from oncely.cli._loading import load_reconciler
 from oncely.cli._output import echo_json, lease_state, now_ms, record_dict, safe
 from oncely.cli._stores import opened, store_option
 from oncely.errors import ConfigurationError, ResolveRefused
@@ -158,19 +155,6 @@ def resolve(
 # ---------------------------------------------------------------------------- reconcile
 
 
-def _reconciler(spec: str) -> Callable[[StaleClaim], Resolution]:
-    target = load_attribute(spec, "--reconciler")
-    if not callable(target):
-        raise CliError(f"--reconciler {spec!r} is not callable", USAGE)
-    if inspect.iscoroutinefunction(target):
-
-        def run(stale: StaleClaim) -> Resolution:
-            return asyncio.run(target(stale))  # type: ignore[no-any-return]
-
-        return run
-    return target  # type: ignore[no-any-return]
-
-
 @click.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer whose stale claims to settle.")
@@ -213,7 +197,8 @@ def reconcile(
     """
     if (reconciler_spec is None) == (on_stale is None) and not dry_run:
         raise click.UsageError("give --reconciler MODULE:FUNCTION or --on-stale retry|escalate")
-    policy: Any = _reconciler(reconciler_spec) if reconciler_spec else (on_stale or "escalate")
+    reconciler = load_reconciler(reconciler_spec)
+    policy: Any = reconciler.sync() if reconciler is not None else (on_stale or "escalate")
     with opened(store_url) as store:
         inbox = _inbox(store, consumer, keep, policy)
         if dry_run:
