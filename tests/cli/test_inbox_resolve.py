@@ -70,8 +70,27 @@ def test_resolve_usage_errors(db: Path) -> None:
     bad = run(*base, "--completed", "{not json")
     assert bad.exit_code == 2 and "not JSON" in bad.stderr
     assert run(*base, "--failed", " ").exit_code == 2
+    # Python's JSON reader takes these; JSON has no such numbers, so a duplicate's caller
+    # reading the result elsewhere could not.
+    for constant in ("NaN", "[Infinity]", '{"a": -Infinity}'):
+        refused = run(*base, "--completed", constant)
+        assert refused.exit_code == 2 and "is not a JSON number" in refused.stderr, constant
+    # Before, it was written with an expiry past the year 9999, which `inbox show` then
+    # could not read back.
+    forever = run(*base, "--completed", "1", "--keep", "4000000d")
+    assert forever.exit_code == 2 and "longer than any record can be kept" in forever.stderr
     record = _get(db, "email", "msg-stale")
     assert record is not None and record.status is Status.IN_PROGRESS
+
+
+def test_resolve_shows_a_key_with_control_characters_escaped_once(db: Path) -> None:
+    """Before, such a key was escaped and then quoted with repr, doubling every backslash
+    (``'a\\nb'``): not the key the operator typed."""
+    result = run("inbox", "resolve", "--store", url_of(db), "--consumer", "email", "a\nb\x1b",
+                 "--completed", "1")  # fmt: skip
+    assert result.exit_code == 1
+    assert "has no record for key 'a\\nb\\x1b'" in result.stderr, result.stderr
+    assert "\x1b" not in result.stderr.replace("\\x1b", "")  # no raw escape on the terminal
 
 
 def test_r10_reconcile_dry_run_lists_the_stale_claims_only(db: Path) -> None:
@@ -79,6 +98,11 @@ def test_r10_reconcile_dry_run_lists_the_stale_claims_only(db: Path) -> None:
     assert result.exit_code == 0, result.stderr
     shown = json.loads(result.stdout)
     assert [r["key"] for r in shown["results"]] == ["msg-stale"]
+    text = run("reconcile", "--store", url_of(db), "--consumer", "email", "--dry-run")
+    assert text.exit_code == 0, text.stderr
+    # The state each is in, not a "change" from it to itself.
+    assert text.stdout.startswith("msg-stale: in_progress (") and "->" not in text.stdout
+    assert "1 stale claim(s) of consumer 'email' (dry run: nothing changed)" in text.stdout
     record = _get(db, "email", "msg-stale")
     assert record is not None and record.token == TOKEN
 
@@ -89,6 +113,8 @@ def test_r10_reconcile_runs_the_reconciler_and_spares_the_live_claim(db: Path) -
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("msg-stale: completed (in_progress (")
     assert "1 stale claim(s) of consumer 'email'" in result.stdout
+    # The reconciler decided, and the output says so (it said "by an operator").
+    assert "completed by the reconciler" in result.stdout and "operator" not in result.stdout
     record = _get(db, "email", "msg-stale")
     assert record is not None and record.status is Status.COMPLETED
     assert record.result == b'{"sent":"msg-stale"}'

@@ -87,6 +87,11 @@ class RedeliveryHorizon:
         return text
 
 
+LONGEST_KEEP = timedelta(days=365_000)
+"""The longest retention: a thousand years, so that every record expires at a date a
+``datetime`` can hold (the year 9999 at the latest)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Retention:
     """How long records are kept after their last write (R13).
@@ -106,6 +111,14 @@ class Retention:
             raise ConfigurationError("retention keep must be positive: every record must expire")
         if self.keep_failed is not None and self.keep_failed <= timedelta(0):
             raise ConfigurationError("retention keep_failed must be positive")
+        for name, value in (("keep", self.keep), ("keep_failed", self.keep_failed)):
+            if value is not None and value > LONGEST_KEEP:
+                # A record's expiry must be a date: one past the year 9999 could be written
+                # to the store (milliseconds) but not read back as a datetime.
+                raise ConfigurationError(
+                    f"retention {name} of {format_duration(value)} is longer than any record "
+                    f"can be kept: at most {format_duration(LONGEST_KEEP)} (1000 years)"
+                )
         if self.horizon is not None:
             self.check(self.horizon)
 

@@ -296,7 +296,7 @@ def _get(store: Store, consumer: str, key: str) -> Record:
     record = store.get(consumer, key)
     if record is None:
         raise CliError(
-            f"no live record for consumer {safe(consumer)!r} and key {safe(key)!r} "
+            f"no live record for consumer {consumer!r} and key {key!r} "
             "(never processed, forgotten, or expired)",
             CHECK_FAILED,
         )
@@ -468,7 +468,7 @@ def forget(store_url: str, consumer: str, key: str, yes: bool) -> None:
     The next delivery of KEY to this consumer is processed again as new: do this only when
     you know its effects did not happen (or must happen again). Exits 1 if there was no record.
     """
-    shown = f"consumer {safe(consumer)!r}, key {safe(key)!r}"
+    shown = f"consumer {consumer!r}, key {key!r}"
     if not yes:
         click.confirm(
             f"Delete the record of {shown}? Its next delivery will be processed again",

@@ -67,6 +67,12 @@ def _state(record: oncely.Record | None) -> str:
 # ------------------------------------------------------------------------------ resolve
 
 
+def _finite(constant: str) -> float:
+    """Python's JSON reader takes NaN and Infinity, which JSON has not: a result holding one
+    could not be read back by another JSON reader (a duplicate's caller in another language)."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 @click.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
@@ -121,7 +127,7 @@ def resolve(
         raise click.UsageError("give exactly one of --completed JSON, --failed REASON, --retry")
     if completed is not None:
         try:
-            resolution = Resolution.completed(json.loads(completed))
+            resolution = Resolution.completed(json.loads(completed, parse_constant=_finite))
         except ValueError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="'--completed'") from None
     elif failed is not None:
@@ -134,7 +140,7 @@ def resolve(
         inbox = _inbox(store, consumer, keep)
         if not retry and not create and inbox.get(key) is None:
             raise CliError(
-                f"not resolved: consumer {safe(consumer)!r} has no record for key {safe(key)!r} "
+                f"not resolved: consumer {consumer!r} has no record for key {key!r} "
                 "(check the key with `oncely inbox list`; --create writes one for a message "
                 "not delivered yet)",
                 CHECK_FAILED,
@@ -146,7 +152,7 @@ def resolve(
     if as_json:
         echo_json(_resolved_dict(done))
         return
-    shown = f"consumer {safe(consumer)!r}, key {safe(key)!r}"
+    shown = f"consumer {consumer!r}, key {key!r}"
     click.echo(f"resolved {shown}: {_state(done.before)} -> {_state(done.after)}")
     if done.action == "retry":
         click.echo("its next delivery runs the handler")
@@ -212,10 +218,14 @@ def reconcile(
             _resolved_dict(d) for d in done]})  # fmt: skip
     else:
         for each in done:
+            if dry_run:  # nothing was done: the state it is in, not a change
+                click.echo(f"{safe(each.key)}: {_state(each.before)}")
+                continue
             click.echo(
                 f"{safe(each.key)}: {each.action} ({_state(each.before)} -> "
                 f"{_state(each.after)}) {safe(each.detail)}"
             )
-        click.echo(f"{len(done)} stale claim(s) of consumer {safe(consumer)!r}")
+        tail = " (dry run: nothing changed)" if dry_run else ""
+        click.echo(f"{len(done)} stale claim(s) of consumer {consumer!r}{tail}")
     if unsettled and not dry_run:
         raise CliError(f"{len(unsettled)} stale claim(s) left for a person", CHECK_FAILED)

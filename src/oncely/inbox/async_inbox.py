@@ -635,6 +635,13 @@ class AsyncInbox:
         claim holds the record, the record is already settled that way (or completed: forget
         it to run it again), or there is nothing to retry.
         """
+        return await self._resolve(key, resolution, note, "an operator")
+
+    async def _resolve(
+        self, key: str, resolution: Resolution, note: str | None, by: str
+    ) -> Resolved:
+        """:meth:`resolve`, the decision made ``by`` an operator or the reconciler (said in
+        the record's note or reason and in what is returned)."""
         checked = validate_key(key, self._limits)
         action = resolution.action
         if action not in ("completed", "failed", "retry"):
@@ -666,10 +673,10 @@ class AsyncInbox:
                     token=token,
                     result=data,
                     keep_ms=self._keep_ms,
-                    note=note or "resolved as completed by an operator",
+                    note=note or f"resolved as completed by {by}",
                 )
             else:
-                reason = resolution.reason or "resolved as failed by an operator"
+                reason = resolution.reason or f"resolved as failed by {by}"
                 after = await self._store.fail(
                     self._consumer,
                     checked,
@@ -682,7 +689,7 @@ class AsyncInbox:
                 f"{checked!r} changed hands while it was being resolved: {lost_reason(lost)}",
                 lost.current,
             ) from None
-        return Resolved(checked, action, before, after, f"{action} by an operator")
+        return Resolved(checked, action, before, after, f"{action} by {by}")
 
     async def _own(
         self, key: str, record: Record | None, action: str
@@ -804,11 +811,13 @@ class AsyncInbox:
                 )
         if resolution.action == "escalate":
             return Resolved(key, "escalate", record, record, resolution.reason or "escalated")
+        by = "the reconciler" if self._reconciler is not None else "on_stale=retry"
         try:
-            return await self.resolve(
+            return await self._resolve(
                 key,
                 resolution,
-                note=resolution.reason or "reconciled: the external system showed it done",
+                resolution.reason or "reconciled: the external system showed it done",
+                by,
             )
         except ResolveRefused as refused:
             return Resolved(key, "skipped", record, refused.current, str(refused))
