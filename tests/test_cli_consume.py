@@ -381,6 +381,20 @@ def test_consume_exits_6_when_redis_refuses_its_credentials(tmp_path: Path) -> N
 
 
 @pytest.mark.services
+@pytest.mark.slow
+def test_consume_stopped_before_the_broker_answers_says_why_and_claims_no_horizon() -> None:
+    """Before, the failure read "TimeoutError: " (nats-py's error has no text), and a stop
+    before any connection still logged a redelivery horizon "from JetStream consumer ..."
+    that no broker had said."""
+    command = [*ONCELY, "consume", "--broker", f"nats://127.0.0.1:{free_port()}",
+               "--source", "s", "--consumer", "c", "--handler", "tests.brokers.handlers:record",
+               "--store", "memory://"]  # fmt: skip
+    code, err = _consume_until_sigterm(command, lambda: time.sleep(7))
+    assert code == 0, err
+    assert "no connection within 5s" in err and "TimeoutError" not in err, err
+    assert "redelivery horizon" not in err and "oncely consume stopped: idle" in err, err
+
+
 def test_consume_on_a_memory_store_warns_that_a_restart_forgets_it() -> None:
     require("RabbitMQ", RABBITMQ_URL, 5672)
     source = unique("cli_memory")

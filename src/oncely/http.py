@@ -72,6 +72,7 @@ from typing import Any
 
 from oncely._core.outcomes import Handled, Outcome
 from oncely._core.policy import Limits
+from oncely._core.said import said
 from oncely.errors import ConfigurationError, StoreUnavailable, TransactionRequired
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.inbox.sync_inbox import Claimed, Inbox
@@ -616,7 +617,7 @@ class IdempotencyMiddleware(_Policy):
             await self.app(scope, replay_body, capture)
         except BaseException as exc:
             if not ended:
-                await claimed.release(f"the app raised {type(exc).__name__}: {exc}")
+                await claimed.release(f"the app raised {said(exc)}")
             raise
         if not ended:
             # No last body message: no response at all, or one cut short (a stream whose
@@ -1048,7 +1049,7 @@ class WSGIIdempotencyMiddleware(_Policy):
         try:
             status_line, raw_headers, chunks = self._call_app(environ, body)
         except BaseException as exc:
-            claimed.release(f"the app raised {type(exc).__name__}: {exc}")
+            claimed.release(f"the app raised {said(exc)}")
             raise
         self._settle(claimed, *_wsgi_response(status_line, raw_headers), chunks)
         start_response(status_line, raw_headers)

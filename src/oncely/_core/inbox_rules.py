@@ -23,6 +23,7 @@ from oncely._core.observe import Observer
 from oncely._core.outcomes import Handled, Outcome, Released, new_handled
 from oncely._core.policy import Limits
 from oncely._core.records import Claim, Record, new_record
+from oncely._core.said import said
 from oncely.errors import LeaseLost, PayloadError, ResultTooLarge
 
 __all__ = [
@@ -193,7 +194,7 @@ class InboxRules:
             reason=(
                 f"released: {error}"
                 if isinstance(error, Released)
-                else f"handler raised {type(error).__name__}: {error}"
+                else f"handler raised {said(error)}"
             ),
             error=error,
             attempt=attempt,

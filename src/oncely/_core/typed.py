@@ -23,6 +23,7 @@ from typing import Any
 from uuid import UUID
 
 from oncely._core.fingerprint import result_json
+from oncely._core.said import said
 from oncely.errors import PayloadError
 
 __all__ = ["ANNOTATED", "result_type", "revive", "reviver"]
@@ -176,7 +177,7 @@ def revive(annotation: Any, value: Any) -> Any:
         raise
     except Exception as exc:
         raise PayloadError(
-            f"the stored result cannot be read back as {annotation!r}: {type(exc).__name__}: {exc}"
+            f"the stored result cannot be read back as {annotation!r}: {said(exc)}"
         ) from exc
 
 

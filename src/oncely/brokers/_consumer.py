@@ -432,6 +432,8 @@ class BrokerConsumer:
         try:
             await self._prepare()
             await self._open()
+            if self.stopping:  # stopped before the broker answered: nothing of it is known
+                return
             self._check_horizon()
             purge = self._purge_service()
             purging = asyncio.create_task(purge.run()) if purge is not None else None

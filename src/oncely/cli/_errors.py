@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
+from oncely._core.said import said
 from oncely.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -147,7 +148,7 @@ class OncelyGroup(click.Group):
             # A bug (in oncely or here): still one line, with the way to the traceback.
             if debug_enabled(ctx):
                 raise
-            text = scrub(f"{type(exc).__name__}: {exc}", ctx)
+            text = scrub(f"{said(exc)}", ctx)
             raise CliError(
                 f"unexpected error: {text} (run with --debug for the traceback)", STORE_ERROR
             ) from None

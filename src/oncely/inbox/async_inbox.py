@@ -71,6 +71,7 @@ from oncely._core.policy import (
     StaleClaim,
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
+from oncely._core.said import said
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
     ClaimEnded,
@@ -598,7 +599,7 @@ class AsyncInbox:
                     except Exception as exc:
                         raise PayloadError(
                             f"the stored result of {handled.key!r} cannot be read back as "
-                            f"{wanted!r}: {type(exc).__name__}: {exc}"
+                            f"{wanted!r}: {said(exc)}"
                         ) from exc
                 return cast(R, value)
 
@@ -796,9 +797,7 @@ class AsyncInbox:
             try:
                 resolution = await self._reconciler(StaleClaim(record, None))
             except Exception as exc:
-                return Resolved(
-                    key, "error", record, record, f"reconciler raised {type(exc).__name__}: {exc}"
-                )
+                return Resolved(key, "error", record, record, f"reconciler raised {said(exc)}")
             if not isinstance(resolution, Resolution):  # typed, but a user's function
                 return Resolved(  # type: ignore[unreachable]
                     key,
@@ -1135,7 +1134,7 @@ class AsyncInbox:
                 Outcome.FAILED,
                 key,
                 started,
-                reason=f"reconciler raised {type(exc).__name__}: {exc}",
+                reason=f"reconciler raised {said(exc)}",
                 error=exc,
                 record=record,
                 correlation_id=correlation_id,
@@ -1509,6 +1508,6 @@ class AsyncClaimed(Generic[R]):
         if isinstance(error, Reject):
             await self.reject(error.reason)
         elif error is not None:
-            await self.release(f"the block raised {type(error).__name__}: {error}")
+            await self.release(f"the block raised {said(error)}")
         else:
             await self.release("the block ended without completing the claim")

@@ -60,6 +60,7 @@ from oncely._core.policy import (
     StaleClaim,
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
+from oncely._core.said import said
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
     ClaimEnded,
@@ -545,7 +546,7 @@ class Inbox:
                     except Exception as exc:
                         raise PayloadError(
                             f"the stored result of {handled.key!r} cannot be read back as "
-                            f"{wanted!r}: {type(exc).__name__}: {exc}"
+                            f"{wanted!r}: {said(exc)}"
                         ) from exc
                 return cast(R, value)
 
@@ -736,9 +737,7 @@ class Inbox:
             try:
                 resolution = self._reconciler(StaleClaim(record, None))
             except Exception as exc:
-                return Resolved(
-                    key, "error", record, record, f"reconciler raised {type(exc).__name__}: {exc}"
-                )
+                return Resolved(key, "error", record, record, f"reconciler raised {said(exc)}")
             if not isinstance(resolution, Resolution):  # typed, but a user's function
                 return Resolved(  # type: ignore[unreachable]
                     key,
@@ -1066,7 +1065,7 @@ class Inbox:
                 Outcome.FAILED,
                 key,
                 started,
-                reason=f"reconciler raised {type(exc).__name__}: {exc}",
+                reason=f"reconciler raised {said(exc)}",
                 error=exc,
                 record=record,
                 correlation_id=correlation_id,
@@ -1438,6 +1437,6 @@ class Claimed(Generic[R]):
         if isinstance(error, Reject):
             self.reject(error.reason)
         elif error is not None:
-            self.release(f"the block raised {type(error).__name__}: {error}")
+            self.release(f"the block raised {said(error)}")
         else:
             self.release("the block ended without completing the claim")

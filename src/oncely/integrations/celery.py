@@ -68,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.outcomes import Outcome
+from oncely._core.said import said
 from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
@@ -194,7 +195,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise
             return self._dead_letter(Outcome.REJECTED, exc.reason)
         except Exception as exc:
-            claimed.release(f"the task raised {type(exc).__name__}: {exc}")
+            claimed.release(f"the task raised {said(exc)}")
             if self.request.is_eager:
                 raise
             return self._retry(key, exc)
@@ -216,7 +217,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if limit is not None and retries >= limit:
             return self._dead_letter(
                 Outcome.FAILED,
-                f"failed on all {retries + 1} deliveries; last: {type(exc).__name__}: {exc}",
+                f"failed on all {retries + 1} deliveries; last: {said(exc)}",
             )
         backoff = getattr(self, "retry_backoff", False)  # set only with autoretry options
         if backoff:

@@ -27,6 +27,7 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata
 
+from oncely._core.said import said
 from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.kafka._producer import KafkaProducer
 from oncely.brokers.kafka._records import (
@@ -273,8 +274,7 @@ class Kafka:
             raise
         except (KafkaError, OSError) as exc:
             raise BrokerUnavailable(
-                f"kafka {self.cluster.shown} topic {self.source!r}: could not {what}: "
-                f"{type(exc).__name__}: {exc}"
+                f"kafka {self.cluster.shown} topic {self.source!r}: could not {what}: {said(exc)}"
             ) from None
 
     async def open(self, prefetch: int) -> None:
@@ -423,8 +423,8 @@ class Kafka:
             self.source,
             self.group,
             what,
-            _said(exc),
-            f", after {_said(cause)}" if cause is not None else "",
+            said(exc),
+            f", after {said(cause)}" if cause is not None else "",
         )
 
     # ------------------------------------------------------------------ reading
@@ -615,7 +615,7 @@ class Kafka:
         except (KafkaError, OSError) as exc:
             raise BrokerUnavailable(
                 f"kafka {self.cluster.shown} topic {self.source!r}: could not commit "
-                f"offsets: {type(exc).__name__}: {exc}"
+                f"offsets: {said(exc)}"
             ) from None
         for p in parts:
             if p.tp in due:
@@ -760,12 +760,6 @@ class Kafka:
                 at,
             )
         return moved
-
-
-def _said(exc: BaseException) -> str:
-    """``Name: text`` of an error, once (some of aiokafka's name themselves already)."""
-    name, text = type(exc).__name__, str(exc)
-    return text if text.startswith(name) else f"{name}: {text}" if text else name
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]

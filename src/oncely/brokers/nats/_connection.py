@@ -12,6 +12,7 @@ import nats.aio.client
 from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
+from oncely._core.said import said
 from oncely._urls import redact
 from oncely.brokers._common import positive, server_url
 from oncely.brokers.nats._settings import LOGGER, SCHEMES, UNAVAILABLE
@@ -96,9 +97,14 @@ async def connect(
     except UNAVAILABLE as exc:
         with contextlib.suppress(Exception):
             await client.close()
-        raise BrokerUnavailable(
-            f"cannot connect to NATS at {redact(server)}: {type(exc).__name__}: {exc}"
-        ) from None
+        # nats-py keeps trying a server that refuses connections until the deadline: its
+        # TimeoutError, which says nothing, means no connection in that time.
+        why = (
+            f"no connection within {connect_timeout.total_seconds():g}s"
+            if isinstance(exc, TimeoutError)
+            else said(exc)
+        )
+        raise BrokerUnavailable(f"cannot connect to NATS at {redact(server)}: {why}") from None
     return client
 
 

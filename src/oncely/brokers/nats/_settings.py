@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import nats.errors
 
+from oncely._core.said import said
 from oncely._urls import redact
 from oncely.errors import BrokerUnavailable, ConfigurationError
 
@@ -52,7 +53,7 @@ UNAVAILABLE: tuple[type[Exception], ...] = (nats.errors.Error, OSError, TimeoutE
 
 
 def unavailable(what: str, exc: BaseException) -> BrokerUnavailable:
-    return BrokerUnavailable(f"NATS {what} failed: {type(exc).__name__}: {exc}")
+    return BrokerUnavailable(f"NATS {what} failed: {said(exc)}")
 
 
 def stream_name_for(subject: str) -> str:

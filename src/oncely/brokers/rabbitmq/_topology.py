@@ -12,6 +12,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractQueue, ExchangeType
 
+from oncely._core.said import said
 from oncely._urls import UrlOptions, redact
 from oncely.brokers._common import positive, server_url
 from oncely.brokers.rabbitmq._frames import lossless_frames
@@ -56,9 +57,7 @@ def raise_translated(exc: BaseException, doing: str) -> NoReturn:
         ) from None
     if isinstance(exc, aiormq.exceptions.DeliveryError | aiormq.exceptions.ChannelNotFoundEntity):
         raise BrokerError(f"RabbitMQ could not {doing}: {exc}") from None
-    raise BrokerUnavailable(
-        f"RabbitMQ is unavailable ({doing}): {type(exc).__name__}: {exc}"
-    ) from None
+    raise BrokerUnavailable(f"RabbitMQ is unavailable ({doing}): {said(exc)}") from None
 
 
 def _reason(exc: BaseException) -> str:

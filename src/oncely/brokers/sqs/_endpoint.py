@@ -15,6 +15,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
+from oncely._core.said import said
 from oncely._urls import UrlOptions, redact, split
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
@@ -127,9 +128,7 @@ class Endpoint:
             error = BrokerUnavailable if code in _UNAVAILABLE_CODES else BrokerError
             raise error(f"sqs {self.shown}: could not {what}: {code}: {exc}") from None
         except (BotoCoreError, OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(
-                f"sqs {self.shown}: could not {what}: {type(exc).__name__}: {exc}"
-            ) from None
+            raise BrokerUnavailable(f"sqs {self.shown}: could not {what}: {said(exc)}") from None
 
 
 def error_code(exc: BaseException) -> str:

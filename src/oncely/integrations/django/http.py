@@ -48,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 import oncely
+from oncely._core.said import said
 from oncely.errors import ConfigurationError, StoreUnavailable
 from oncely.http import (
     Reply,
@@ -138,7 +139,7 @@ class _Guard(_Policy):
         try:
             response = call()
         except BaseException as exc:
-            claimed.release(f"the view raised {type(exc).__name__}: {exc}")
+            claimed.release(f"the view raised {said(exc)}")
             raise
         self._end(claimed, response)
         return response

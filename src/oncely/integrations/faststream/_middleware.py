@@ -23,6 +23,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
 from oncely.brokers._shape import Backoff, DeadLetter
 from oncely.errors import ConfigurationError, MissingKey, Reject
@@ -220,7 +221,7 @@ class Idempotency:
         inbox = self._inbox_for(source)
         if adapter is None or inbox is None or _dead_letters(source):
             return False
-        reason = f"FastStream could not read the message: {type(exc).__name__}: {exc}"
+        reason = f"FastStream could not read the message: {said(exc)}"
         why = DeadLetter(
             outcome="rejected", reason=reason, consumer=inbox.consumer, deliveries=None
         )
@@ -310,7 +311,9 @@ class Idempotency:
             how,
             None if handled.key is None else printable(handled.key),
             count,
-            f" reason={printable(said)}" if (said := why.reason if why else handled.reason) else "",
+            f" reason={printable(shown)}"
+            if (shown := why.reason if why else handled.reason)
+            else "",
         )
 
     async def _give_back(self, adapter: Adapter, held: Settling, delay: timedelta) -> None:
