@@ -112,9 +112,19 @@ async def _consume(config: FleetConfig, index: int) -> None:
 
 
 def _dump_tasks() -> None:
+    """Every task and the whole chain of awaits it is suspended in (``print_stack`` shows
+    only a suspended task's outermost frame), down to the future it waits for."""
     for task in asyncio.all_tasks():
         print(f"--- {task!r}", file=sys.stderr)
-        task.print_stack(limit=30, file=sys.stderr)
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                print(f"    waits for {awaited!r}"[:600], file=sys.stderr)
+                break
+            print(f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}",
+                  file=sys.stderr)  # fmt: skip
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
     sys.stderr.flush()
 
 

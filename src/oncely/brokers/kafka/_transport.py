@@ -50,6 +50,8 @@ _TRANSPORT_OPTIONS = (
     "connect_timeout",
     *SHARED_URL_OPTIONS,
 )
+_POLL_SLACK = 0.1
+"""Seconds a poll may take past its own wait before it is cut (see ``Kafka._poll``)."""
 _CLOSE_CANCELS = 4
 """How many times a close step past its timeout is cancelled before it is left behind."""
 _CLOSE_CANCEL_WAIT = 0.5
@@ -460,19 +462,32 @@ class Kafka:
                 # Records wait behind a run still out: hand them out as soon as it is
                 # settled, or take new records of another partition, whichever comes first.
                 self._wake.clear()
-                with self._errors("fetch records"):
-                    batches = await consumer.getmany(timeout_ms=0, max_records=500)
+                batches = await self._poll(consumer, 0)
                 if not batches:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), max(0.0, min(wait, 0.05)))
                     continue
             else:
-                with self._errors("fetch records"):
-                    batches = await consumer.getmany(
-                        timeout_ms=max(1, int(wait * 1000)), max_records=500
-                    )
+                batches = await self._poll(consumer, max(1, int(wait * 1000)))
             for tp, records in batches.items():
                 self._take(consumer, tp, records)
+
+    async def _poll(
+        self, consumer: AIOKafkaConsumer, timeout_ms: int
+    ) -> dict[TopicPartition, list[Any]]:
+        """The records aiokafka has fetched, waiting up to ``timeout_ms`` for some. Bounded
+        here: while the group rebalances, ``getmany`` waits for the next assignment whatever
+        its timeout, and a member whose group never settled (its peers stopping, a broker
+        holding the join) did not return to see a stop, and never left the group. Nothing
+        is lost by the cut: aiokafka hands out records without awaiting after it takes them."""
+        with self._errors("fetch records"):
+            try:
+                return await asyncio.wait_for(
+                    consumer.getmany(timeout_ms=timeout_ms, max_records=500),
+                    timeout_ms / 1000 + _POLL_SLACK,
+                )
+            except TimeoutError:
+                return {}
 
     def _take(self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[Any]) -> None:
         part = self._owned.get(tp)
