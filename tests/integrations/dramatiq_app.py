@@ -3,7 +3,9 @@ command on RabbitMQ: actors behind ``oncely.integrations.dramatiq.Idempotency``,
 counted in Redis (``INCR``), so every worker process counts in one place. Configured by the
 environment: ``ONCELY_TEST_DRAMATIQ_QUEUE`` (the queue), ``ONCELY_TEST_DRAMATIQ_STORE`` (the
 inbox's store URL), ``ONCELY_TEST_DRAMATIQ_NS`` (the Redis key prefix of the effects),
-``ONCELY_TEST_DRAMATIQ_LEASE`` (the lease, seconds)."""
+``ONCELY_TEST_DRAMATIQ_LEASE`` (the lease, seconds), ``ONCELY_TEST_DRAMATIQ_ON_STALE`` (the
+inbox's ``on_stale``), ``ONCELY_TEST_DRAMATIQ_BROKER`` (``rabbitmq``, or ``redis`` for a broker
+that dead-letters with Dramatiq's own ``fail()``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from datetime import timedelta
 import dramatiq
 import redis
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.brokers.redis import RedisBroker
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 
@@ -26,13 +29,18 @@ RABBITMQ = os.environ.get("ONCELY_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.
 REDIS_URL = os.environ.get("ONCELY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 REDIS = redis.Redis.from_url(REDIS_URL)
 
-broker = RabbitmqBroker(url=RABBITMQ)
+broker: dramatiq.Broker
+if os.environ.get("ONCELY_TEST_DRAMATIQ_BROKER", "rabbitmq") == "redis":
+    broker = RedisBroker(url=REDIS_URL, namespace=f"{NS}:broker")  # removed with the effects
+else:
+    broker = RabbitmqBroker(url=RABBITMQ)
 inbox = oncely.Inbox(
     oncely.open(os.environ["ONCELY_TEST_DRAMATIQ_STORE"]),
     consumer="billing",
     lease=oncely.Lease(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_DRAMATIQ_LEASE", "30")))
     ),
+    on_stale=oncely.OnStale(os.environ.get("ONCELY_TEST_DRAMATIQ_ON_STALE", "retry")),
 )
 broker.add_middleware(Idempotency(inbox, retry_in_flight_ms=1_000))
 broker.add_middleware(Results(backend=RedisBackend(url=REDIS_URL, namespace=f"{NS}-results")))

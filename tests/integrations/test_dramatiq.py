@@ -29,8 +29,12 @@ class Run(WorkerRun):
     app_module = "tests.integrations.dramatiq_app"
     queue_suffixes = ("", ".DQ", ".XQ")
 
-    def __init__(self, store: str, lease: float = 30.0) -> None:
+    def __init__(
+        self, store: str, lease: float = 30.0, *, on_stale: str = "retry", broker: str = "rabbitmq"
+    ) -> None:
         super().__init__(store, lease)
+        self.env["ONCELY_TEST_DRAMATIQ_ON_STALE"] = on_stale
+        self.env["ONCELY_TEST_DRAMATIQ_BROKER"] = broker
         self.app = self.load_app()
 
     def worker(
@@ -51,6 +55,30 @@ class Run(WorkerRun):
                 found.append({"undecodable": body})
         return found
 
+    def dead_lettered(self, count: int) -> list[dict[str, Any]]:
+        """The dead-letter queue's messages once ``count`` arrived (taken off it), and any that
+        arrive a moment later (a second letter of one message would)."""
+        found: list[dict[str, Any]] = []
+
+        def arrived() -> bool:
+            found.extend(self.dead_letters())
+            return len(found) >= count
+
+        self.until(arrived)
+        time.sleep(0.5)
+        return found + self.dead_letters()
+
+    def send_rejected(self, order: str) -> Any:
+        """Send ``charge`` for ``order``, refused by the actor (``oncely.Reject``), its result
+        stored for the caller."""
+        return self.app.charge.send_with_options(
+            args=(order, 10), kwargs={"reject": True}, store_results=True
+        )
+
+    def redis_dead_letters(self) -> int:
+        """How many messages the Redis broker holds dead-lettered for this run's queue."""
+        return int(self.redis.zcard(f"{self.ns}:broker:{self.queue}.XQ"))
+
     def publish_raw(self, body: bytes) -> None:
         with self.channel() as channel:
             channel.basic_publish(exchange="", routing_key=self.queue, body=body)
@@ -58,6 +86,30 @@ class Run(WorkerRun):
     def close(self) -> None:
         super().close()
         self.app.broker.close()
+
+
+def _result(message: Any, seconds: float = 60) -> Any:
+    """What the caller of ``message`` reads from the Results middleware, waited for a second
+    at a time (redis-py's default socket timeout, 5 s, cuts a longer blocking read)."""
+    from dramatiq.results import ResultTimeout
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return message.get_result(block=True, timeout=1_000)
+        except ResultTimeout:
+            if time.monotonic() > deadline:
+                raise
+
+
+def _failure(message: Any) -> Any:
+    """The ``ResultFailure`` the caller of ``message`` reads (the test fails if it reads a
+    value instead)."""
+    from dramatiq.results import ResultFailure
+
+    with pytest.raises(ResultFailure) as failed:
+        _result(message)
+    return failed.value
 
 
 def _until(check: Callable[[], bool], seconds: float = 60, run: Run | None = None) -> None:
@@ -219,5 +271,117 @@ def test_r10_a_copy_sent_again_stores_no_result_for_its_caller(store: str) -> No
         got = message.get_result(block=True, timeout=30_000)
         assert run.effects("price:p2") == 1  # read when the work was done, not before
         assert got == {"order": "p2", "total": 42}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_message_refused_before_it_ran_answers_its_caller_with_the_reason(store: str) -> None:
+    """A message oncely dead-letters before the actor runs (its key reused for other
+    arguments, no key, a key the arguments cannot give) answers a caller who waits for its
+    result with a ``ResultFailure`` naming oncely's reason, as an actor that failed for good
+    does. Before, the dead letter was a skipped message to the Results middleware, which
+    stored None for it: the caller read a success for work that never ran."""
+    run = Run(store)
+    try:
+        app = run.app
+        run.worker(processes=1, threads=2)
+        assert _result(app.price.send("c1")) == {"order": "c1", "total": 42}
+        reused = app.price.send("c1", 0.01)  # the key again, with other arguments
+        keyless = app.notify.send_with_options(args=("n1",), store_results=True)
+        unreadable = app.charge.send_with_options(args=("u1",), store_results=True)  # no amount
+        for message, why in (
+            (reused, "key_conflict: key reused for different content"),
+            (keyless, "rejected: no idempotency key"),
+            (unreadable, "rejected: the key could not be read"),
+        ):
+            failure = _failure(message)
+            assert failure.orig_exc_type == "DeadLettered", failure
+            assert failure.orig_exc_msg.startswith(why), failure
+            assert f"the message is in {run.queue}.XQ" in failure.orig_exc_msg, failure
+        assert run.effects("price:c1") == 1 and run.started("price:c1") == 1
+        assert run.effects("mail:n1") == 0 and run.started("u1") == 0
+        assert len(run.dead_lettered(3)) == 3  # still dead-lettered, each once
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_rejected_message_and_its_duplicates_answer_their_callers_with_the_rejection(
+    store: str,
+) -> None:
+    """The actor raises ``oncely.Reject``: the retry Dramatiq sends meets the mark and is
+    dead-lettered, and its caller reads a ``ResultFailure`` with the rejection's reason; a
+    later send of the same key (a duplicate of a rejected message) is dead-lettered without
+    running and answers its caller with the same failure. Before, both callers read None. An
+    actor whose retries run out keeps Dramatiq's own answer: its last exception."""
+    run = Run(store)
+    try:
+        app = run.app
+        run.worker(processes=1, threads=2)
+        first = _failure(run.send_rejected("r1"))
+        assert first.orig_exc_type == "DeadLettered", first
+        assert first.orig_exc_msg.startswith("rejected: "), first
+        assert "order r1 is not billable" in first.orig_exc_msg, first
+        again = _failure(run.send_rejected("r1"))
+        assert str(again) == str(first)
+        assert run.started("r1") == 1  # the first attempt only: no retry or duplicate ran it
+        down = app.charge.send_with_options(
+            args=("f1", 10), kwargs={"fail_times": 99}, store_results=True
+        )
+        failure = _failure(down)
+        assert failure.orig_exc_type == "RuntimeError", failure
+        assert "the ledger is down" in failure.orig_exc_msg, failure
+        assert run.effects("r1") == 0 and run.effects("f1") == 0
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_an_escalated_stale_claim_answers_its_caller_with_the_reason(store: str) -> None:
+    """With ``on_stale="escalate"``, the worker is ``SIGKILL``ed mid-task and the redelivery
+    meets the dead worker's claim once its lease lapsed: the message is dead-lettered for a
+    person, and its caller reads a ``ResultFailure`` saying so, not None."""
+    run = Run(store, lease=2.0, on_stale="escalate")
+    try:
+        message = run.app.charge.send_with_options(
+            args=("s1", 10), kwargs={"sleep": 4.0}, store_results=True
+        )
+        first = run.worker(processes=1, threads=1)
+        _until(lambda: run.started("s1") == 1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker(processes=1, threads=1)
+        failure = _failure(message)
+        assert failure.orig_exc_type == "DeadLettered", failure
+        assert failure.orig_exc_msg.startswith("escalated: "), failure
+        assert run.effects("s1") == 0 and run.started("s1") == 1
+        letters = run.dead_lettered(1)
+        assert len(letters) == 1, letters
+        assert letters[0]["options"]["oncely_reason"] in failure.orig_exc_msg, letters
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_letter_on_a_broker_without_reason_options_answers_its_caller(store: str) -> None:
+    """On a broker other than RabbitMQ (here Dramatiq's Redis broker) oncely dead-letters with
+    Dramatiq's own ``fail()``. Before, the message went on as if the actor had returned None
+    (the Results middleware stored None, and a caller already waiting read it) before the
+    failure was stored; now its caller reads oncely's reason, and the message is in the
+    broker's dead letters."""
+    run = Run(store, broker="redis")
+    try:
+        app = run.app
+        run.worker(processes=1, threads=2)
+        assert _result(app.price.send("c2")) == {"order": "c2", "total": 42}
+        reused = _failure(app.price.send("c2", 0.01))
+        assert reused.orig_exc_type == "DeadLettered", reused
+        assert reused.orig_exc_msg.startswith("key_conflict: "), reused
+        first = _failure(run.send_rejected("r2"))
+        assert "order r2 is not billable" in first.orig_exc_msg, first
+        assert str(_failure(run.send_rejected("r2"))) == str(first)
+        assert run.effects("price:c2") == 1 and run.started("r2") == 1
+        run.until(lambda: run.redis_dead_letters() == 3)
     finally:
         run.close()

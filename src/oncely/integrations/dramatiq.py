@@ -52,8 +52,12 @@ before it (the error is logged): every failure here is turned into a resend, or 
 
 Dead letters go to the queue's own dead-letter queue (``<queue>.XQ``). On RabbitMQ the
 dead-lettered copy carries the reason in its options (``oncely_reason``); other brokers
-get Dramatiq's own ``fail()`` and the reason is logged (``oncely.dramatiq``). A message
-Dramatiq cannot decode never reaches a middleware: Dramatiq dead-letters it itself.
+get Dramatiq's own ``fail()`` and the reason is logged (``oncely.dramatiq``). When the
+Results middleware stores the actor's results, a dead letter's result is the failure
+:class:`DeadLettered` (its text: the outcome, the reason, the queue), so the caller's
+``get_result`` raises ``ResultFailure`` as for an actor that failed for good, never returns
+a None as if it had run. A message Dramatiq cannot decode never reaches a middleware:
+Dramatiq dead-letters it itself.
 
 Tested with the ``dramatiq`` worker command (processes and threads) on RabbitMQ, a worker
 ``SIGKILL``ed mid-task included (``tests/integrations/test_dramatiq.py``).
@@ -64,7 +68,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 try:
     import dramatiq
@@ -72,6 +76,7 @@ try:
     from dramatiq.common import xq_name
     from dramatiq.errors import Retry
     from dramatiq.middleware import MiddlewareError, SkipMessage
+    from dramatiq.results import Results
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         "oncely.integrations.dramatiq needs Dramatiq: pip install 'oncely[dramatiq]'"
@@ -80,12 +85,19 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from oncely._core.inbox_rules import result_lost
 from oncely._core.outcomes import Outcome
 from oncely._core.typed import ANNOTATED, result_type, reviver
-from oncely.errors import Reject
+from oncely.errors import OncelyError, Reject
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
 
-__all__ = ["KEY_OPTION", "REASON_OPTION", "Idempotency", "TryLater", "send_with_key"]
+__all__ = [
+    "KEY_OPTION",
+    "REASON_OPTION",
+    "DeadLettered",
+    "Idempotency",
+    "TryLater",
+    "send_with_key",
+]
 
 LOGGER = logging.getLogger("oncely.dramatiq")
 _REPLAY = threading.local()
@@ -98,6 +110,12 @@ KEY_OPTION = "oncely_key"
 """The message option :func:`send_with_key` sets: the producer's key."""
 REASON_OPTION = "oncely_reason"
 """The option a dead-lettered copy carries (RabbitMQ): why it was dead-lettered."""
+
+
+class DeadLettered(OncelyError):
+    """The message was dead-lettered by oncely (the text says why and where): the failure the
+    Results middleware's backend holds for it, so ``message.get_result()`` raises
+    ``ResultFailure`` with this type's name and text, as for an actor that failed for good."""
 
 
 class TryLater(MiddlewareError, Retry):
@@ -213,11 +231,13 @@ class Idempotency(Middleware):
         try:
             key = task_key(keyer, message.options.get(KEY_OPTION), message.args, message.kwargs)
         except Exception as exc:
-            self._dead_letter(broker, message, f"the key could not be read: {exc!r}")
-            return
+            self._dead_letter(
+                broker, message, Outcome.REJECTED, f"the key could not be read: {exc!r}"
+            )
         if not key:
-            self._dead_letter(broker, message, "no idempotency key: the producer gave none")
-            return
+            self._dead_letter(
+                broker, message, Outcome.REJECTED, "no idempotency key: the producer gave none"
+            )
         payload = {"args": list(message.args), "kwargs": dict(message.kwargs)}
         claimed: Claimed[Any] = self.inbox.claim(key, payload)
         if claimed.won:
@@ -237,30 +257,69 @@ class Idempotency(Middleware):
             return
         if outcome is Outcome.IN_FLIGHT:
             self._later(broker, message, f"key {key} is being processed elsewhere")
-        self._dead_letter(broker, message, handled.reason or outcome.value)
+        self._dead_letter(broker, message, outcome, handled.reason or outcome.value)
 
-    def _dead_letter(self, broker: Any, message: Any, reason: str) -> None:
-        """Send ``message`` to its dead-letter queue with ``reason``, and stop here."""
+    def _dead_letter(self, broker: Any, message: Any, outcome: Outcome, reason: str) -> NoReturn:
+        """Send ``message`` to its dead-letter queue with ``reason``, record the failure for
+        a caller waiting on its result, and stop here (the actor never runs)."""
         LOGGER.warning(
             "oncely dramatiq message %s (%s): dead-lettered: %s",
             message.message_id,
             message.actor_name,
             reason,
         )
+        queue = xq_name(message.queue_name)
         channel = getattr(broker, "channel", None) if _is_rabbitmq(broker) else None
         if channel is None:
+            # Dramatiq's own dead letter: the worker nacks a failed message after the skip.
             message.fail()
-            return
-        import pika  # noqa: PLC0415 - with the RabbitMQ broker only
+        else:
+            import pika  # noqa: PLC0415 - with the RabbitMQ broker only
 
-        copy = message.copy(options={REASON_OPTION: reason})
-        channel.basic_publish(
-            exchange="",
-            routing_key=xq_name(message.queue_name),
-            body=copy.encode(),
-            properties=pika.BasicProperties(delivery_mode=2),
-        )
-        raise SkipMessage(f"dead-lettered: {reason}")  # the original is acknowledged
+            copy = message.copy(options={REASON_OPTION: reason})
+            channel.basic_publish(
+                exchange="",
+                routing_key=queue,
+                body=copy.encode(),
+                properties=pika.BasicProperties(delivery_mode=2),
+            )  # and the original is acknowledged after the skip
+        failure = DeadLettered(f"{outcome.value}: {reason}; the message is in {queue}")
+        self._store_failure(broker, message, failure)
+        # A skip, never a return: the worker would then go on as if the actor had returned
+        # None (the Results middleware storing it, an on_success callback sent).
+        raise SkipMessage(f"dead-lettered: {reason}")
+
+    def _store_failure(self, broker: Any, message: Any, failure: DeadLettered) -> None:
+        """Keep ``failure`` as the result of ``message`` when the Results middleware stores
+        the actor's results, so the caller's ``get_result`` raises ``ResultFailure`` with
+        oncely's reason. Stored here, not left to the Results middleware: for a skipped
+        message it stores None unless the message is failed, and the RabbitMQ dead letter
+        cannot be failed (the broker would dead-letter it a second time, without the reason);
+        for a failed one it stores only the ``SkipMessage``. So the Results middleware is told
+        to store nothing for this delivery (``store_results`` off, as for a copy sent again
+        later): a None would read as a success for work that never ran."""
+        results = next((m for m in broker.middleware if isinstance(m, Results)), None)
+        if results is None:
+            return
+        actor = broker.get_actor(message.actor_name)
+
+        def option(name: str, default: Any) -> Any:  # the message's, the actor's, the default
+            return message.options.get(name, actor.options.get(name, default))
+
+        if not option("store_results", results.store_results):
+            return
+        ttl = option("result_ttl", results.result_ttl)
+        message.options["store_results"] = False  # after the RabbitMQ copy: it keeps its own
+        try:
+            results.backend.store_exception(message, failure, ttl)
+        except Exception as exc:  # the letter is kept; the caller's answer is a courtesy
+            LOGGER.error(
+                "oncely dramatiq message %s (%s): the failure could not be stored for its "
+                "caller: %r",
+                message.message_id,
+                message.actor_name,
+                exc,
+            )
 
     # ------------------------------------------------------------------ after the actor
 
