@@ -94,3 +94,15 @@ def price(order: str, sleep: float = 0) -> dict[str, object]:
 def record(priced: dict[str, object]) -> None:
     """A pipeline's next stage, given the price."""
     REDIS.incr(f"{NS}:effects:record:{priced['order']}")
+
+
+@dramatiq.actor(
+    queue_name=QUEUE,
+    store_results=True,
+    max_retries=0,
+    idempotency_key=lambda order: f"bulky:{order}",
+)
+def bulky(order: str) -> str:
+    """A result over the inbox's ``max_result_bytes`` (256 KiB): not kept for duplicates."""
+    REDIS.incr(f"{NS}:effects:bulky:{order}")
+    return "x" * (300 * 1024)

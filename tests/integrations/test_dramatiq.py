@@ -276,6 +276,26 @@ def test_r10_a_copy_sent_again_stores_no_result_for_its_caller(store: str) -> No
 
 
 @pytest.mark.timeout(120)
+def test_a_duplicate_whose_first_result_was_not_kept_tells_its_caller_so(store: str) -> None:
+    """The first result was over the inbox's ``max_result_bytes``: a duplicate cannot answer
+    with it, and is not run again. Before, its caller read None from the Results middleware
+    (a skipped message's result), a success it would take for the result; now it reads a
+    ``ResultFailure`` of ``ResultUnavailable`` saying why."""
+    run = Run(store)
+    try:
+        run.worker(processes=1, threads=2)
+        assert len(_result(run.app.bulky.send("b1"))) == 300 * 1024
+        failure = _failure(run.app.bulky.send("b1"))
+        assert failure.orig_exc_type == "ResultUnavailable", failure
+        assert "ran for 'bulky:b1' before" in failure.orig_exc_msg, failure
+        assert "not there to return" in failure.orig_exc_msg, failure
+        assert run.effects("bulky:b1") == 1
+        assert run.dead_letters() == []  # a duplicate: acknowledged, never a dead letter
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_message_refused_before_it_ran_answers_its_caller_with_the_reason(store: str) -> None:
     """A message oncely dead-letters before the actor runs (its key reused for other
     arguments, no key, a key the arguments cannot give) answers a caller who waits for its

@@ -68,7 +68,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 try:
     import dramatiq
@@ -83,9 +83,9 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.inbox_rules import result_lost
-from oncely._core.outcomes import Outcome
+from oncely._core.outcomes import Handled, Outcome
 from oncely._core.typed import ANNOTATED, result_type, reviver
-from oncely.errors import OncelyError, Reject
+from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
@@ -251,6 +251,14 @@ class Idempotency(Middleware):
             if handled.value is None and result_lost(handled.reason):
                 LOGGER.warning("oncely dramatiq key=%s: a duplicate, skipped (%s)", key,
                                handled.reason)  # fmt: skip
+                # Its caller is told so: a skipped message's result would be None, which a
+                # caller takes for the result.
+                lost = ResultUnavailable(
+                    f"actor {message.actor_name} ran for {key!r} before, but its result is "
+                    f"not there to return ({handled.reason}); it is not run again",
+                    cast("Handled[object]", handled),
+                )
+                self._store_failure(broker, message, lost)
                 raise SkipMessage(f"duplicate of {key}")
             LOGGER.info("oncely dramatiq key=%s: a duplicate, answered with the first result", key)
             _REPLAY.value = handled.value  # the actor's stand-in returns it (this thread)
@@ -289,7 +297,7 @@ class Idempotency(Middleware):
         # None (the Results middleware storing it, an on_success callback sent).
         raise SkipMessage(f"dead-lettered: {reason}")
 
-    def _store_failure(self, broker: Any, message: Any, failure: DeadLettered) -> None:
+    def _store_failure(self, broker: Any, message: Any, failure: OncelyError) -> None:
         """Keep ``failure`` as the result of ``message`` when the Results middleware stores
         the actor's results, so the caller's ``get_result`` raises ``ResultFailure`` with
         oncely's reason. Stored here, not left to the Results middleware: for a skipped
