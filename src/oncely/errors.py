@@ -295,5 +295,6 @@ class Rejected(OutcomeError):
 
 class ResultUnavailable(OutcomeError):
     """A repeat of a call that ran: its first result was not kept (over
-    ``max_result_bytes``, or not encodable) or cannot be decoded, so there is nothing to
-    return. The call is not run again; ``handled.reason`` says why."""
+    ``max_result_bytes``, or not encodable, or it is another's: a Celery task that replaced
+    itself) or cannot be decoded, so there is nothing to return. The call is not run again;
+    ``handled.reason`` says why."""

@@ -3,6 +3,7 @@ nested in containers, optional fields, pydantic models, dates, decimals, UUIDs, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -158,6 +159,33 @@ def test_r1_a_repeat_whose_first_result_was_not_kept_raises_instead_of_returning
     assert raised.value.handled.outcome is oncely.Outcome.DUPLICATE
     assert nothing("o-2") is None and nothing("o-2") is None
     assert runs == ["o-1", "o-2"]
+
+
+def test_r1_a_claim_completed_without_its_result_says_so_to_every_repeat() -> None:
+    """``complete(not_kept=why)``: the work is done but its result is another's (a Celery task
+    replaced by another one, say). Its repeats raise ResultUnavailable with ``why`` rather
+    than return a ``None`` the work never returned; a result and ``not_kept`` together are
+    refused, the claim still held."""
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="c")
+    claimed = inbox.claim("o-1", {"order": "o-1"})
+    with pytest.raises(ValueError, match="not both"):
+        claimed.complete("done", not_kept="elsewhere")
+    assert claimed.won
+    assert claimed.complete(not_kept="task t-1 answers for it").outcome is oncely.Outcome.PROCESSED
+    repeat = inbox.claim("o-1", {"order": "o-1"}).handled
+    assert repeat is not None and repeat.outcome is oncely.Outcome.DUPLICATE
+    assert repeat.value is None and repeat.reason == "result not stored: task t-1 answers for it"
+    with pytest.raises(oncely.ResultUnavailable, match="task t-1 answers for it"):
+        inbox.idempotent(key=lambda order: order)(lambda order: "ran again")("o-1")
+
+    async def run_async() -> oncely.Handled[object] | None:
+        ainbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="c")
+        aclaimed = await ainbox.claim("o-1", {"order": "o-1"})
+        await aclaimed.complete(not_kept="task t-1 answers for it")
+        return (await ainbox.claim("o-1", {"order": "o-1"})).handled
+
+    again = asyncio.run(run_async())
+    assert again is not None and again.reason == "result not stored: task t-1 answers for it"
 
 
 def test_r1_a_method_is_keyed_and_fingerprinted_without_its_instance() -> None:

@@ -34,12 +34,20 @@ app.conf.broker_transport_options = {  # the Redis broker only: a 3 s visibility
     "unacked_restore_throttle": 1,
     "global_keyprefix": f"{NS}:kombu:",
 }
+
+
+def counted(handled: oncely.Handled[object]) -> None:
+    """Every outcome, counted by key: what a test waits on when nothing else shows it."""
+    REDIS.incr(f"{NS}:outcomes:{handled.key}:{handled.outcome.value}")
+
+
 inbox = oncely.Inbox(
     oncely.open(os.environ["ONCELY_TEST_CELERY_STORE"]),
     consumer="billing",
     lease=oncely.Lease(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_CELERY_LEASE", "30")))
     ),
+    hooks=[counted],
 )
 
 
@@ -102,3 +110,42 @@ if os.environ.get("ONCELY_TEST_CELERY_EARLY_ACK"):
     @app.task(base=IdempotentTask, inbox=inbox, acks_late=False, idempotency_key="sent")
     def early(order: str) -> None:
         REDIS.incr(f"{NS}:effects:early:{order}")
+
+
+@app.task
+def total(order: str, sleep: float = 0) -> dict[str, object]:
+    """What ``reorder`` replaces itself with: a plain Celery task, with no key of its own."""
+    time.sleep(sleep)
+    REDIS.incr(f"{NS}:effects:total:{order}")
+    return {"order": order, "total": 42}
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    inbox=inbox,
+    idempotency_key=lambda order, **options: f"reorder:{order}",
+)
+def reorder(self: IdempotentTask, order: str, sleep: float = 0) -> dict[str, object]:
+    """Ends with ``Task.replace``: its caller's result is ``total``'s."""
+    REDIS.incr(f"{NS}:started:reorder:{order}")
+    return self.replace(total.s(order, sleep))
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    inbox=inbox,
+    default_retry_delay=5.0,
+    retry_in_flight=0.5,
+    idempotency_key=lambda order, **options: f"audit:{order}",
+)
+def audit(self: IdempotentTask, order: str, sleep: float = 0, fail_times: int = 0) -> str:
+    """Notes the ``tenant`` header its producer sent, on every run: a copy oncely sends again
+    (a retry, a copy that met a running one) must carry it too. Retried 5 s later, so a copy
+    sent again after meeting the running one gets there first."""
+    REDIS.rpush(f"{NS}:tenants:{order}", str((self.request.headers or {}).get("tenant")))
+    time.sleep(sleep)
+    if REDIS.incr(f"{NS}:attempts:audit:{order}") <= fail_times:
+        raise RuntimeError(f"the audit log is down (order {order})")
+    return order

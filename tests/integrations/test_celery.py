@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,5 +237,83 @@ def test_a_task_that_acknowledges_early_stops_the_worker_at_start(tmp_path: Path
         assert worker.wait(60) == 2
         said = (tmp_path / "worker.log").read_text()
         assert "acks_late=False" in said and "early" in said, said
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r1_a_duplicate_of_a_task_that_replaced_itself_never_answers_none(store: str) -> None:
+    """``reorder`` ends with ``self.replace(total.s(order))``: Celery sends ``total`` under
+    ``reorder``'s task id and ignores ``reorder``, so its caller gets ``total``'s result.
+    Before, the inbox recorded ``None`` as ``reorder``'s result: a duplicate answered
+    ``None``, and one sent under the same task id (``send_with_key``) while ``total`` still
+    ran stored that ``None`` first, so the first caller got ``None`` too. Now a duplicate
+    under another task id fails with ``ResultUnavailable`` naming the id that answers, and
+    one under the same id leaves that id to ``total``."""
+    from oncely.integrations.celery import send_with_key
+
+    run = Run(store)
+    try:
+        app = run.app
+        run.worker()
+        first = app.reorder.delay("r1")
+        assert first.get(timeout=60) == {"order": "r1", "total": 42}
+        with pytest.raises(Exception, match="replaced itself") as lost:
+            app.reorder.delay("r1").get(timeout=60)
+        assert "ResultUnavailable" in type(lost.value).__name__ + repr(lost.value)
+        assert f"AsyncResult('{first.id}')" in str(lost.value)
+
+        # send_with_key's task id is the key's: one of its own, so no result of another run
+        # of this test answers for it.
+        order = f"r2-{run.ns}"
+
+        def seen(outcome: str) -> int:
+            return int(run.redis.get(f"{run.ns}:outcomes:reorder:{order}:{outcome}") or 0)
+
+        def send() -> Any:
+            key = f"reorder:{order}"
+            return send_with_key(app.reorder, key, args=(order,), kwargs={"sleep": 3.0})
+
+        keyed = send()
+        run.until(lambda: seen("processed") == 1)  # replaced: total sleeps 3 s
+        again = send()
+        run.until(lambda: seen("duplicate") == 1)
+        assert again.id == keyed.id and run.effects(f"total:{order}") == 0
+        assert keyed.get(timeout=60) == again.get(timeout=60) == {"order": order, "total": 42}
+        assert run.started("reorder:r1") == 1 and run.effects("total:r1") == 1
+        assert run.started(f"reorder:{order}") == 1 and run.effects(f"total:{order}") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_copy_oncely_sends_again_keeps_the_producers_custom_headers(store: str) -> None:
+    """A task sent with ``apply_async(headers={"tenant": ...})`` that fails once (oncely's
+    retry), or whose copy meets the first still running (sent again ``retry_in_flight``
+    later), and a task sent with ``send_with_key`` and a header of its own: every run sees
+    the header. Before, the copies oncely sent again had only oncely's key header."""
+    from oncely.integrations.celery import send_with_key
+
+    run = Run(store)
+    tenant = {"tenant": "acme"}
+    try:
+        app = run.app
+        run.worker()
+        retried = app.audit.apply_async(("h1",), {"fail_times": 1}, headers=tenant)
+        keyed = send_with_key(  # a key of this run's own: its task id is the key's
+            app.audit, f"audit:{run.ns}", args=(run.ns,), kwargs={"fail_times": 1}, headers=tenant
+        )
+        busy = [
+            app.audit.apply_async(("h2",), {"sleep": 2.0, "fail_times": 1}, headers=tenant)
+            for _ in range(2)
+        ]
+        assert retried.get(timeout=60) == "h1" and keyed.get(timeout=60) == run.ns
+        assert [result.get(timeout=60) for result in busy] == ["h2", "h2"]
+        orders = ("h1", "h2", run.ns)
+        seen = {
+            order: [t.decode() for t in run.redis.lrange(f"{run.ns}:tenants:{order}", 0, -1)]
+            for order in orders
+        }
+        assert seen == {order: ["acme", "acme"] for order in orders}
     finally:
         run.close()

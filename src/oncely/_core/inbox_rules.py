@@ -30,6 +30,7 @@ __all__ = [
     "InboxRules",
     "lost_reason",
     "new_token",
+    "not_kept_note",
     "reclaim_reason",
     "result_lost",
     "with_result",
@@ -46,6 +47,13 @@ RESULT_UNDECODABLE = "the stored result cannot be decoded"
 def result_lost(reason: str | None) -> bool:
     """Whether a duplicate's ``reason`` says that the first result is not there to return."""
     return reason is not None and reason.startswith((RESULT_NOT_STORED, RESULT_UNDECODABLE))
+
+
+def not_kept_note(why: str) -> str:
+    """The note of a record completed without its result, for ``why`` (the caller's words):
+    what :func:`result_lost` recognises, so a repeat is not answered with a ``None`` that
+    stands for nothing."""
+    return f"{RESULT_NOT_STORED}: {why}"
 
 
 class _Tokens:

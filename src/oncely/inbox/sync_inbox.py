@@ -42,6 +42,7 @@ from oncely._core.inbox_rules import (
     InboxRules,
     lost_reason,
     new_token,
+    not_kept_note,
     reclaim_reason,
     result_lost,
     with_result,
@@ -902,11 +903,22 @@ class Inbox:
         return self._finish(claim, result, correlation_id, started)
 
     def _finish(
-        self, claim: Claim, result: R | None, correlation_id: str | None, started: float
+        self,
+        claim: Claim,
+        result: R | None,
+        correlation_id: str | None,
+        started: float,
+        not_kept: str | None = None,
     ) -> Handled[R]:
-        """Complete ``claim`` with ``result`` (fenced) and say what came of it."""
+        """Complete ``claim`` with ``result`` (fenced), or without one for the reason
+        ``not_kept``, and say what came of it."""
         record = claim.record
-        data, note = (None, None) if result is None else self._rules.encode(result, strict=False)
+        if not_kept is not None:
+            data, note = None, not_kept_note(not_kept)
+        elif result is None:
+            data, note = None, None
+        else:
+            data, note = self._rules.encode(result, strict=False)
         done: Record | LeaseLost
         try:
             done = self._complete(record.key, record.token, data, note)
@@ -1375,15 +1387,23 @@ class Claimed(Generic[R]):
             stacklevel=1,
         )
 
-    def complete(self, result: R | None = None) -> Handled[R]:
+    def complete(self, result: R | None = None, *, not_kept: str | None = None) -> Handled[R]:
         """The work is done: store ``result`` (what a later copy gets as its ``duplicate``
         value) and end the claim. ``processed`` (``stale_reclaimed`` after a takeover), or
-        ``in_flight`` when another caller took the key over meanwhile (its result wins)."""
+        ``in_flight`` when another caller took the key over meanwhile (its result wins).
+
+        ``not_kept``, instead of a result, says why the work's result is not here to keep
+        (another task produces it, say): a later copy's ``duplicate`` has no value and the
+        reason ``result not stored: <not_kept>``, as for a result over ``max_result_bytes``,
+        so it is not taken for a result of ``None`` (the task integrations raise
+        :class:`~oncely.ResultUnavailable` for it)."""
+        if result is not None and not_kept is not None:
+            raise ValueError("complete() takes a result or why there is none (not_kept), not both")
         refuse_result(result)
         claim = self._holding("complete")
         self._stop_beat()
         handled: Handled[R] = self._inbox._finish(
-            claim, result, self._correlation_id, self._started
+            claim, result, self._correlation_id, self._started, not_kept
         )
         self._handled = handled
         return handled

@@ -26,6 +26,12 @@ the first message with a key           the task runs; the claim completes when i
                                        task's ``default_retry_delay`` / ``retry_backoff``
                                        until ``max_retries``, then it is dead-lettered
 a duplicate (the key completed)        the first result is returned, the task not run
+a task that ends with                  the claim completes without a result: Celery
+``self.replace(sig)``                  sent ``sig`` under the task's id, which answers
+                                       with its result. A duplicate under another id
+                                       raises :class:`~oncely.ResultUnavailable` naming
+                                       that id; one under the same id (``send_with_key``,
+                                       a redelivery) is ignored, the id left to ``sig``
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
 killed mid-task)                       taken over once a dead worker's lease lapses
@@ -43,8 +49,10 @@ the worker does not know)              Celery alone would ack or reject it away)
 =====================================  ================================================
 
 Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
-acknowledged before its task ended). A resend or retry the broker refuses becomes
-``Reject(requeue=True)``: the broker keeps the message (Celery's own ``retry`` would drop it).
+acknowledged before its task ended). A copy oncely sends again (a retry, a later try) keeps
+the message's headers, the producer's own included. A resend or retry the broker refuses
+becomes ``Reject(requeue=True)``: the broker keeps the message (Celery's own ``retry`` would
+drop it).
 Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
 claim, and raise oncely's typed errors instead of dead-lettering.
 """
@@ -67,6 +75,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.celery needs Celery: pip install 'oncely[celery]'"
     ) from exc
 
+from oncely._core.inbox_rules import not_kept_note
 from oncely._core.outcomes import Outcome
 from oncely._core.said import said
 from oncely.brokers._shape import DeadLetter
@@ -86,6 +95,7 @@ __all__ = [
 
 LOGGER = logging.getLogger("oncely.celery")
 KEY_HEADER = "oncely_key"
+_REPLACED = "oncely_replaced"  # on a request whose task called self.replace()
 _NAMESPACE = uuid.UUID("6f1c2a3e-9b7d-4c1e-8a55-0e7f1d2c3b4a")
 
 
@@ -163,6 +173,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.is_eager:
             return handled.unwrap()
         if handled.outcome is Outcome.DUPLICATE:
+            if handled.reason == not_kept_note(self._replaced(request)):
+                # This very message again (a redelivery, or sent again with send_with_key):
+                # its task id is the replacement's now, and any result stored for this copy
+                # would overwrite the answer the first caller waits for.
+                LOGGER.info("oncely celery %s[%s]: replaced before; ignored", self.name, request.id)
+                raise Ignore(f"key {key} was replaced by another task under this task id")
             return first_result(handled, self.run, self.name)
         if handled.outcome is Outcome.IN_FLIGHT:
             return self._later(key, f"key {key} is being processed elsewhere")
@@ -181,7 +197,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             claimed.release("the task asked Celery to retry it")
             raise
         except Ignore:
-            claimed.complete(None)
+            if self.request.get(_REPLACED):
+                claimed.complete(not_kept=self._replaced(self.request))
+            else:
+                claimed.complete(None)
             raise
         except CeleryReject as exc:
             if exc.requeue:
@@ -202,8 +221,37 @@ class IdempotentTask(Task):  # type: ignore[misc]
         claimed.complete(result)
         return result
 
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's step of ``self.replace(sig)``: it sends ``sig`` under this task's id, and
+        then raises ``Ignore``. Noted on the request, so :meth:`_run` completes the claim
+        without a result: this task returned none, and its id answers with the replacement's
+        (a ``None`` recorded here was what every duplicate answered)."""
+        self.request.update({_REPLACED: True})
+        return super().on_replace(sig)
+
+    def _replaced(self, request: Any) -> str:
+        """Why the record of this task, replaced under ``request``, keeps no result. Its
+        words name the task id and Celery's replacement nesting, so a copy that is this very
+        message again (same id, same nesting) can be told from another task sent under that
+        id in its place (one nesting deeper) whose key happens to be the same."""
+        task_id = request.id
+        return (
+            f"{self.name} replaced itself (Task.replace, nesting "
+            f"{request.replaced_task_nesting or 0}); the task sent in its place answers under "
+            f"task id {task_id}: AsyncResult({task_id!r})"
+        )
+
     def _headers(self, key: str) -> dict[str, Any]:
-        return {KEY_HEADER: key} if _given_key(self.request) is not None else {}
+        """The headers of a copy this task sends again (a retry, a later try): the message's
+        own, as Celery itself would pass them on (the producer's custom headers kept,
+        RabbitMQ's ``x-death`` left out), with the key the producer named. Giving Celery
+        ``headers=`` replaces the message's headers, so handing it the key alone dropped every
+        other header from the copy."""
+        request = self.request
+        headers = dict(request.as_execution_options().get("headers") or {})
+        if _given_key(request) is not None:
+            headers[KEY_HEADER] = key
+        return headers
 
     def _retry(self, key: str, exc: Exception) -> Any:
         retries = self.request.retries
