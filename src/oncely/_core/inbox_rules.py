@@ -81,9 +81,6 @@ class _Tokens:
 new_token = _Tokens().new  # a bound method: calling it skips the instance's __call__ slot
 """A new fencing token (32 hex digits), unique across processes and within one."""
 
-new_token = _Tokens().new  # a bound method: calling it skips the instance's __call__ slot
-"""A new fencing token (32 hex digits), unique across processes and within one."""
-
 _MESSAGE_ID = MessageIdKey()
 
 
