@@ -170,7 +170,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._run(claimed, key, args, kwargs)
         handled = claimed.handled
         assert handled is not None
-        if request.is_eager:
+        if request.is_eager:  # apply(), task_always_eager: the caller gets it in hand
+            if handled.outcome is Outcome.DUPLICATE:
+                return first_result(handled, self.run, self.name)
             return handled.unwrap()
         if handled.outcome is Outcome.DUPLICATE:
             if handled.reason == not_kept_note(self._replaced(request)):
