@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 import oncely
-from oncely.jobs import run_once, slot
+from oncely.jobs import Every, run_once, slot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,4 +205,44 @@ def test_r19_a_timedelta_period_is_counted_in_utc_and_refuses_another_time_zone(
     inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
     with pytest.raises(oncely.ConfigurationError, match="tz="):
         run_once(inbox, "sync", lambda: None, every=every, tz="Europe/Rome", at=at)
+    inbox.close()
+
+
+@pytest.mark.parametrize(
+    ("every", "longest"),
+    [("week", "7d1h"), ("month", "31d1h"), (timedelta(days=8), "8d")],
+)
+def test_r13_r19_an_inbox_that_forgets_a_slot_before_it_ends_is_refused(
+    tmp_path: Path, every: Every, longest: str
+) -> None:
+    """Before, the default retention (7 days) let a monthly job run on the 1st, 8th, 15th,
+    22nd and 29th: each record expired mid-slot, and the next run found none."""
+    inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
+    ran: list[int] = []
+    with pytest.raises(oncely.ConfigurationError, match=f"a slot of up to {longest}"):
+        run_once(inbox, "statement", lambda: ran.append(1), every=every)
+    assert ran == []  # refused before the job ran
+    inbox.close()
+
+
+def test_r19_a_monthly_job_fired_daily_runs_once_a_month_with_a_month_of_retention(
+    tmp_path: Path,
+) -> None:
+    """The trial's schedule, on a clock that moves: fired every day of December 2026, a
+    monthly job on an inbox that keeps 32 days runs once, and once more in January."""
+    clock = oncely.FakeClock(datetime(2026, 12, 1, 0, 30, tzinfo=UTC))
+    store = oncely.SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    inbox = oncely.Inbox(
+        store, consumer="jobs", retention=oncely.Retention(keep=timedelta(days=32))
+    )
+    ran: list[str] = []
+    for day in range(32):
+        at = datetime(2026, 12, 1, 0, 30, tzinfo=UTC) + timedelta(days=day)
+        clock.set(at)
+        run_once(inbox, "statement", lambda at=at: ran.append(f"{at:%m-%d}"), every="month",
+                 at=at)  # fmt: skip
+    assert ran == ["12-01", "01-01"]
+    with pytest.raises(oncely.ConfigurationError):  # a shorter keep_failed is refused too
+        short = oncely.Retention(keep=timedelta(days=32), keep_failed=timedelta(days=1))
+        run_once(oncely.Inbox(store, consumer="jobs", retention=short), "x", list, every="month")
     inbox.close()

@@ -24,6 +24,13 @@ passes, the second one's key carrying its UTC offset (``hourly:2026-10-25T02`` a
 When the clocks go forward, the local hour they skip has no slot (the run after ``T01`` is
 ``T03``): no run for a time that never happens, and no real hour without one. A
 ``timedelta`` period is counted in UTC and takes no ``tz``.
+
+A slot's record must outlive the slot: a run late in the slot finds the first run's record
+only if the inbox still keeps it. So the inbox's retention (and ``keep_failed``, which keeps
+a rejected run) must be at least the longest the slot can last (a day 25 hours, a week 169,
+a month 31 days and an hour, when the clocks change in it); a shorter one is refused with
+:class:`~oncely.ConfigurationError` before the job runs. A weekly or monthly job wants an
+inbox of its own, ``Retention(keep=timedelta(days=32))`` for a monthly one.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo
 
 from oncely._core.outcomes import Handled, Outcome
+from oncely._core.policy import Retention, format_duration
 from oncely._core.typed import ANNOTATED, result_type, revive
 from oncely.errors import ConfigurationError
 from oncely.inbox.async_inbox import AsyncInbox
@@ -129,6 +137,34 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
     )
 
 
+_LONGEST = {
+    "minute": timedelta(minutes=1),
+    "hour": timedelta(hours=1),  # a repeated hour is a slot of its own
+    "day": timedelta(hours=25),  # the day the clocks go back
+    "week": timedelta(days=7, hours=1),
+    "month": timedelta(days=31, hours=1),
+}
+"""The longest a calendar slot lasts, clock changes included."""
+
+
+def _check_retention(retention: Retention, name: str, every: Every) -> None:
+    """Refuse an inbox that would forget a slot's run before the slot ends: a later run of
+    the slot would then find no record and run the job again."""
+    longest = every if isinstance(every, timedelta) else _LONGEST.get(every)
+    if longest is None:
+        return  # an unknown period: slot() says so
+    for what, keep in (("retention", retention.keep), ("keep_failed", retention.keep_failed)):
+        if keep is not None and keep < longest:
+            period = every if isinstance(every, str) else f"every {format_duration(every)}"
+            raise ConfigurationError(
+                f"job {name!r} runs once per {period}, a slot of up to "
+                f"{format_duration(longest)}, but the inbox's {what} is "
+                f"{format_duration(keep)}: the first run's record would expire before the "
+                "slot ends, and a later run in the same slot would run the job again. Give "
+                f"the jobs' inbox Retention(keep=...) of at least {format_duration(longest)}"
+            )
+
+
 def _typed(handled: Handled[R], job: Callable[..., Any], returns: Any) -> Handled[R]:
     """``handled`` with a duplicate's stored result brought back to the job's return type
     (its annotation, or ``returns``)."""
@@ -150,8 +186,10 @@ def run_once(
 ) -> Handled[R]:
     """Run ``job()`` unless this slot's run of ``name`` ran, or runs now (see the module). A
     later run's ``value`` is the first run's result as the job's return type (its annotation,
-    or ``returns=``; ``None``: as stored)."""
+    or ``returns=``; ``None``: as stored). Refuses an inbox whose retention is shorter
+    than the slot (:class:`~oncely.ConfigurationError`)."""
     key = slot(name, every, at=at, tz=tz)
+    _check_retention(inbox.retention, name, every)
     return _typed(inbox.handle(key, {"job": name}, lambda _payload: job(), wait=wait), job, returns)
 
 
@@ -168,6 +206,7 @@ async def run_once_async(
 ) -> Handled[R]:
     """:func:`run_once` for an ``async def`` job on an :class:`~oncely.AsyncInbox`."""
     key = slot(name, every, at=at, tz=tz)
+    _check_retention(inbox.retention, name, every)
 
     async def run(_payload: object) -> R:
         return await job()
