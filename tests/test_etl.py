@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,14 @@ from pathlib import Path
 import pytest
 
 import oncely
-from oncely.etl import Checkpoint, CheckpointMismatch, file_unit, range_unit
+from oncely.etl import (
+    Checkpoint,
+    CheckpointMismatch,
+    FileChanged,
+    file_contents,
+    file_unit,
+    range_unit,
+)
 from tests.etl_runner import open_store, row_writer
 from tests.services import MYSQL_URL, POSTGRES_DSN, require
 
@@ -279,3 +287,42 @@ def test_r8_r19_two_runners_feeding_other_bounds_at_once_load_each_row_once(
     assert narrower_first[0].split()[0] == "processed", narrower_first
     assert narrower_first[1].startswith("refused") and "mark 30" in narrower_first[1]
     assert _rows(where) == list(range(30))
+
+
+def test_r19_file_contents_keys_the_bytes_it_returns(tmp_path: Path) -> None:
+    path = tmp_path / "orders.csv"
+    path.write_bytes(b"o-1,42\n")
+    key, data = file_contents(path)
+    assert key == file_unit(path) and data == b"o-1,42\n"
+    path.write_bytes(b"o-1,42\no-2,7\n")  # the file changed after it was keyed
+    assert data == b"o-1,42\n" and file_unit(path) != key  # what was keyed is what is loaded
+
+
+def test_r19_a_file_still_being_written_is_refused_rather_than_keyed(tmp_path: Path) -> None:
+    """Before, a file keyed while its writer still appended was keyed by a part of it, and
+    came back whole under another key: its first rows loaded twice."""
+    path = tmp_path / "growing.csv"
+    path.write_bytes(b"x" * (64 << 20))  # long enough to read that the writer gets a turn
+    reading = threading.Event()
+    done = threading.Event()
+
+    def writer() -> None:
+        with path.open("ab") as out:
+            while not done.is_set():
+                out.write(b"row\n")
+                out.flush()
+                reading.set()
+                time.sleep(0.0005)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    reading.wait(5)
+    try:
+        with pytest.raises(FileChanged, match="still being written"):
+            file_unit(path)
+        with pytest.raises(FileChanged):
+            file_contents(path)
+    finally:
+        done.set()
+        thread.join(5)
+    assert file_unit(path).startswith("file:growing.csv:sha256:")  # complete: keyed

@@ -21,7 +21,8 @@ of its content; :func:`range_unit`: a stream and an offset range), never when or
 was fed, so a file delivered twice, or a run restarted after a crash, applies each unit once
 (R19). The payload is fingerprinted with the key, so it names the unit as the key does (the
 file's name, not the folder it was found in: the same file fed from another folder is then a
-``duplicate``, not a ``key_conflict``); the handler gets the path it reads from its caller.
+``duplicate``, not a ``key_conflict``); the handler gets what it loads from its caller: the
+bytes :func:`file_contents` read and keyed, or the path of a file that is complete.
 
 :class:`Checkpoint` adds the resume point: its :meth:`~Checkpoint.apply` writes the unit's
 rows, its marker and the new high-water mark in one transaction, so after a ``SIGKILL`` the
@@ -50,22 +51,66 @@ from oncely.inbox.sync_inbox import Inbox
 from oncely.stores.sync_protocols import KeepsOffsets, TransactionalStore
 from oncely.stores.sync_sql import SQLStoreBase
 
-__all__ = ["Checkpoint", "CheckpointMismatch", "file_unit", "range_unit"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointMismatch",
+    "FileChanged",
+    "file_contents",
+    "file_unit",
+    "range_unit",
+]
 
 R = TypeVar("R")
 _CHUNK = 1 << 20
 
 
+class FileChanged(OncelyError):
+    """The file changed while it was read to be keyed (its size or modification time moved):
+    it is still being written. Key it once it is complete (the writer renames it into the
+    folder when done); nothing was run."""
+
+
 def file_unit(path: str | os.PathLike[str], *, name: str | None = None) -> str:
     """The key of a file as a unit of work: ``file:<name>:sha256:<digest of its content>``
     (``name`` defaults to the file's name). The same file fed again is the same unit; a file
-    of the same name with other content is another."""
+    of the same name with other content is another. Raises :class:`FileChanged` for a file
+    that changed while it was read.
+
+    The key is of the content read here: a handler that reads the file again must find the
+    same content, so key only complete files (a writer renames them into the folder when
+    done), or load what :func:`file_contents` read."""
+    return _read(path, name, keep=False)[0]
+
+
+def file_contents(path: str | os.PathLike[str], *, name: str | None = None) -> tuple[str, bytes]:
+    """:func:`file_unit`'s key and the very bytes it is the digest of: load these, and the
+    unit's key names exactly what was loaded, even if the file changes afterwards (a file
+    still being written, keyed by its first part and loaded whole, would come back under a
+    new key and load again)."""
+    key, data = _read(path, name, keep=True)
+    assert data is not None
+    return key, data
+
+
+def _read(
+    path: str | os.PathLike[str], name: str | None, *, keep: bool
+) -> tuple[str, bytes | None]:
     digest = hashlib.sha256()
+    kept: list[bytes] = []
     with open(path, "rb") as source:
+        before = os.fstat(source.fileno())
         while chunk := source.read(_CHUNK):
             digest.update(chunk)
+            if keep:
+                kept.append(chunk)
+        after = os.fstat(source.fileno())
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise FileChanged(
+            f"{os.fspath(path)!r} changed while it was read ({before.st_size} bytes, then "
+            f"{after.st_size}): it is still being written; key it once it is complete"
+        )
     shown = name if name is not None else Path(path).name
-    return f"file:{shown}:sha256:{digest.hexdigest()}"
+    return f"file:{shown}:sha256:{digest.hexdigest()}", b"".join(kept) if keep else None
 
 
 def range_unit(stream: str, first: int, last: int) -> str:
