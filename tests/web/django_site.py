@@ -2,7 +2,10 @@
 ``wsgiref`` server in a process of its own (``python -m tests.web.django_site PORT``; the store
 from ``ONCELY_TEST_HTTP_STORE``). ``POST /orders`` runs behind oncely's middleware (from
 ``MIDDLEWARE``), ``POST /decorated`` behind the view decorator alone (the middleware skips
-it), ``POST /stream`` answers a streaming response, ``GET /effects`` counts the runs."""
+it), ``POST /stream`` answers a streaming response, ``POST /page`` (middleware) and
+``POST /decorated-page`` (decorator) answer a ``TemplateResponse`` Django has not rendered yet,
+``GET /effects`` counts the runs. A body's ``gate`` (a file path) holds ``/orders`` after its
+run is counted until that file exists: a test does something to the store meanwhile."""
 
 from __future__ import annotations
 
@@ -27,17 +30,37 @@ settings.configure(
     MIDDLEWARE=["oncely.integrations.django.http.IdempotencyMiddleware"],
     INSTALLED_APPS=[],
     DATABASES={},
+    TEMPLATES=[
+        {
+            "BACKEND": "django.template.backends.django.DjangoTemplates",
+            "OPTIONS": {
+                "loaders": [
+                    (
+                        "django.template.loaders.locmem.Loader",
+                        {"order.html": "<p>order {{ order }}, run {{ run }}</p>"},
+                    )
+                ]
+            },
+        }
+    ],
     ONCELY_HTTP={
         "store": STORE,
         "consumer": "django-api",
         "required": lambda request: request.path == "/orders",
-        "applies": lambda request: request.path != "/decorated",
+        "applies": lambda request: not request.path.startswith("/decorated"),
         "principal": lambda request: request.META.get("HTTP_X_CLIENT", "anon"),
     },
 )
 django.setup()
 
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse  # noqa: E402
+from django.http import (  # noqa: E402
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
+from django.template.response import TemplateResponse  # noqa: E402
 from django.urls import path  # noqa: E402
 from django.views.decorators.csrf import csrf_exempt  # noqa: E402
 
@@ -85,6 +108,36 @@ def stream(request: HttpRequest) -> StreamingHttpResponse:
     return StreamingHttpResponse(iter([b"part one, ", b"part two"]), status=201)
 
 
+def _page(request: HttpRequest) -> TemplateResponse:
+    """An order as a page: a ``TemplateResponse`` whose template Django renders after the view
+    (``missing.html`` on a body's ``fail_once``, the first time: rendering it raises)."""
+    body = json.loads(request.body or b"{}")
+    order = str(body.get("id"))
+    with LOCK:
+        EFFECTS[order] += 1
+        run = EFFECTS[order]
+        broken = bool(body.get("fail_once")) and order not in FAILED_ONCE
+        FAILED_ONCE.add(order)
+    template = "missing.html" if broken else "order.html"
+    response = TemplateResponse(request, template, {"order": order, "run": run}, status=201)
+    response["X-App"] = "django"
+    return response
+
+
+@csrf_exempt
+def page(request: HttpRequest) -> TemplateResponse:
+    return _page(request)
+
+
+@csrf_exempt
+@idempotent(
+    inbox=oncely.Inbox(oncely.open(STORE), consumer="django-decorated-page"),
+    required=True,
+)
+def decorated_page(request: HttpRequest) -> HttpResponseBase:
+    return _page(request)
+
+
 def effects(request: HttpRequest) -> JsonResponse:
     with LOCK:
         return JsonResponse(dict(EFFECTS))
@@ -94,6 +147,8 @@ urlpatterns = [
     path("orders", orders),
     path("decorated", decorated),
     path("stream", stream),
+    path("page", page),
+    path("decorated-page", decorated_page),
     path("effects", effects),
 ]
 

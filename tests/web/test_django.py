@@ -106,3 +106,38 @@ def test_r19_django_a_streaming_response_is_sent_and_not_kept(server: str) -> No
             assert got.status_code == 201 and got.content == b"part one, part two"
             assert "idempotent-replayed" not in got.headers
         assert effects(client)[order] == 2  # released, so the repeat ran: never a stuck key
+
+
+@pytest.mark.parametrize("route", ["/page", "/decorated-page"])
+def test_django_a_template_response_is_rendered_kept_and_replayed(server: str, route: str) -> None:
+    """A view's ``TemplateResponse`` (any ``SimpleTemplateResponse``: DRF's ``Response`` is
+    one) is kept as rendered: under the decorator, which sees it before Django renders it,
+    reading its content unrendered raised and left the claim held."""
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"p-{uuid.uuid4().hex[:8]}"
+        first = client.post(route, json={"id": order}, headers={"Idempotency-Key": k})
+        assert first.status_code == 201, first.text
+        assert first.text == f"<p>order {order}, run 1</p>" and first.headers["x-app"] == "django"
+        again = client.post(route, json={"id": order}, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true"
+        _same_response(first, again)
+        assert effects(client)[order] == 1
+
+
+@pytest.mark.parametrize("route", ["/page", "/decorated-page"])
+def test_django_a_template_that_fails_to_render_gives_the_claim_back(
+    server: str, route: str
+) -> None:
+    """A template that raises while it renders is a 500, as a view that raises: the claim is
+    given back, so the retry runs (not a 409 until the lease lapses)."""
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"r-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True}
+        assert client.post(route, json=body, headers={"Idempotency-Key": k}).status_code == 500
+        retry = client.post(route, json=body, headers={"Idempotency-Key": k})
+        assert retry.status_code == 201, retry.text
+        assert retry.text == f"<p>order {order}, run 2</p>"
+        assert "idempotent-replayed" not in retry.headers
+        again = client.post(route, json=body, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
+        assert effects(client)[order] == 2

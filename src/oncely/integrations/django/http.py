@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,8 @@ from oncely.http import (
 from oncely.inbox.sync_inbox import Claimed, Inbox
 
 __all__ = ["IdempotencyMiddleware", "default_principal", "idempotent"]
+
+LOGGER = logging.getLogger("oncely.http")
 
 View = Callable[..., HttpResponseBase]
 
@@ -141,8 +144,7 @@ class _Guard(_Policy):
         except BaseException as exc:
             claimed.release(f"the view raised {said(exc)}")
             raise
-        self._end(claimed, response)
-        return response
+        return self._end(claimed, response)
 
     def _read(self, request: HttpRequest) -> bytes | None:
         try:
@@ -153,13 +155,70 @@ class _Guard(_Policy):
             return None
         return bytes(request.body)
 
-    def _end(self, claimed: Claimed[Any], response: HttpResponseBase) -> None:
+    def _end(self, claimed: Claimed[Any], response: HttpResponseBase) -> HttpResponseBase:
+        """End the claim on the view's response (kept, or given back), and return the response
+        to send. Whatever goes wrong here ends the claim too: a claim left held would answer
+        every retry 409 until its lease lapsed, and then run the view again."""
+        try:
+            response = _rendered(response)
+        except BaseException as exc:
+            # As a view that raises: nothing to send or keep, so the claim is given back and
+            # Django answers 500 (the view's effects, if it had any, may run again on a retry).
+            claimed.release(f"the response could not be rendered: {said(exc)}")
+            LOGGER.warning(
+                "oncely http key=%s: the view's response could not be rendered (%s); the "
+                "claim was released, so a retry runs the view again",
+                claimed.key,
+                said(exc),
+            )
+            raise
         if response.streaming:
             claimed.release("a streaming response is not kept")
-            return
-        assert isinstance(response, HttpResponse)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.items()]
-        self._settle(claimed, int(response.status_code), headers, [bytes(response.content)])
+            return response
+        try:
+            if not isinstance(response, HttpResponse):
+                raise TypeError(f"{type(response).__name__} is not an HttpResponse")
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.items()]
+            chunks = [bytes(response.content)]
+            decided = self._decide(
+                int(response.status_code), headers, chunks, len(chunks[0]), claimed.key
+            )
+        except Exception as exc:
+            claimed.release(f"the response could not be kept: {said(exc)}")
+            LOGGER.error(
+                "oncely http key=%s: the view's response is sent but could not be kept (%s); "
+                "the claim was released, so a repeat runs the view again",
+                claimed.key,
+                said(exc),
+                exc_info=True,
+            )
+            return response
+        if isinstance(decided, str):
+            claimed.release(decided)
+        else:
+            claimed.complete(decided)
+        return response
+
+
+def _rendered(response: HttpResponseBase) -> HttpResponseBase:
+    """``response`` with its content: a ``SimpleTemplateResponse`` (a ``TemplateResponse``,
+    DRF's ``Response``) not rendered yet is rendered now, and what ``render()`` returns (a
+    post-render callback may return another response) is the one sent and kept.
+
+    Django renders such a response after the view and the ``process_template_response``
+    hooks, inside every middleware's ``__call__``: the middleware gets it rendered. A view
+    decorator gets it straight from the view, before that. Rendering it here (an explicit
+    ``render()`` is one of the ways Django's docs give) makes what is kept what the client
+    gets; a ``process_template_response`` hook that changes its template or context later no
+    longer changes it (use the middleware where one must). Keeping it from a post-render
+    callback instead would leave the claim held by nobody when rendering fails or a hook hands
+    back another response."""
+    render = getattr(response, "render", None)
+    if callable(render) and not getattr(response, "is_rendered", True):
+        rendered = render()
+        if isinstance(rendered, HttpResponseBase):
+            return rendered
+    return response
 
 
 def _response(reply: Reply) -> HttpResponse:
@@ -205,7 +264,9 @@ class IdempotencyMiddleware:
 def idempotent(*, inbox: Inbox, **options: Any) -> Callable[[View], View]:
     """A view decorator: this view's requests with a key go through the layer (the options
     of :class:`~oncely.http.WSGIIdempotencyMiddleware`; ``methods`` defaults to POST and
-    PATCH)."""
+    PATCH). It wraps the view Django calls, above DRF's ``@api_view`` say: it renders the
+    view's ``TemplateResponse`` (or DRF ``Response``) to keep it, which needs the response as
+    the view hands it to Django."""
     guard = _Guard(inbox, **options)
 
     def decorate(view: View) -> View:
