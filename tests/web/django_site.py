@@ -10,11 +10,13 @@ run is counted until that file exists: a test does something to the store meanwh
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import django
 from django.conf import settings
@@ -69,6 +71,11 @@ from oncely.integrations.django.http import idempotent  # noqa: E402
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 LOCK = threading.Lock()
+if os.environ.get("ONCELY_TEST_LOG"):  # what oncely logs, for a test to read
+    _log = logging.FileHandler(os.environ["ONCELY_TEST_LOG"])
+    _log.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+    logging.getLogger("oncely").addHandler(_log)
+    logging.getLogger("oncely").setLevel(logging.INFO)
 
 
 def _run(request: HttpRequest) -> HttpResponse:
@@ -81,6 +88,10 @@ def _run(request: HttpRequest) -> HttpResponse:
             FAILED_ONCE.add(order)
             return JsonResponse({"error": "the ledger is down"}, status=500)
         run = EFFECTS[order]
+    gate = body.get("gate")
+    deadline = time.monotonic() + 20
+    while gate and not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     response = JsonResponse({"order": order, "run": run}, status=201)
     response["X-App"] = "django"
     return response

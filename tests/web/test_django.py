@@ -6,13 +6,19 @@ driven by httpx, on SQLite, PostgreSQL and Redis stores (R19)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import sys
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.brokers.common import Proxy
 from tests.web.test_asgi import _same_response, _store, key, serving_command
 
 pytest.importorskip("django")
@@ -141,3 +147,130 @@ def test_django_a_template_that_fails_to_render_gives_the_claim_back(
         again = client.post(route, json=body, headers={"Idempotency-Key": k})
         assert again.headers["idempotent-replayed"] == "true" and again.content == retry.content
         assert effects(client)[order] == 2
+
+
+@contextlib.contextmanager
+def relayed(url: str) -> Iterator[tuple[str, Callable[[bool], None]]]:
+    """``url`` through a TCP relay (``tests.brokers.common.Proxy``, on a loop of its own
+    thread), and what turns the store away (``True``: every connection cut, new ones refused)
+    or back (``False``)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = Proxy(url)
+
+    def on_loop(work: Callable[[], Awaitable[object]]) -> None:
+        asyncio.run_coroutine_threadsafe(work(), loop).result(10)
+
+    async def switch(down: bool) -> None:
+        proxy.refusing = down
+        if down:
+            proxy.cut()
+
+    on_loop(proxy.__aenter__)
+    try:
+        yield proxy.url, lambda down: on_loop(lambda: switch(down))
+    finally:
+        on_loop(lambda: proxy.__aexit__(None, None, None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture(params=["postgres", "redis"])
+def relayed_server(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[str, Callable[[bool], None], Path]]:
+    """The site on a PostgreSQL or Redis store reached through a relay the test turns off
+    and on; the file oncely's log goes to."""
+    url, drop = _store(request.param, tmp_path)
+    if request.param == "postgres":  # a connection is waited for 0.5 s, not 10: quick tries
+        url += "&connect_timeout=0.5"
+    log = tmp_path / "oncely.log"
+    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
+    try:
+        with (
+            relayed(url) as (through, store_down),
+            serving_command(
+                command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
+            ) as base,
+        ):
+            yield base, store_down, log
+    finally:
+        drop()
+
+
+def _post_held_at_the_gate(
+    client: httpx.Client, route: str, k: str, body: dict[str, object]
+) -> concurrent.futures.Future[httpx.Response]:
+    """Post ``body`` (whose ``gate`` holds the view) in a thread; return once the view runs,
+    so the claim is taken."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    sent = pool.submit(client.post, route, json=body, headers={"Idempotency-Key": k}, timeout=60)
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 20
+    while effects(client).get(str(body["id"])) != 1:
+        assert time.monotonic() < deadline and not sent.done(), "the view did not start"
+        time.sleep(0.02)
+    return sent
+
+
+@pytest.mark.parametrize("relayed_server", ["redis"], indirect=True)
+def test_django_a_store_blip_at_completion_keeps_the_response(
+    relayed_server: tuple[str, Callable[[bool], None], Path], tmp_path: Path
+) -> None:
+    """The store is unreachable from the moment the view has run until 3 s later: the
+    completion is retried until it goes through, the client gets the view's 201, and the
+    retry is the replay (the view ran once). On Redis, whose client fails at once and
+    reconnects at once; PostgreSQL's pool waits for a connection (``connect_timeout``, 10 s by
+    default) and reconnects after a backoff of its own (1 s, 2 s, 4 s...), so its recovery
+    from a blip is the pool's more than this layer's."""
+    base, store_down, log = relayed_server
+    gate = tmp_path / "gate"
+    with httpx.Client(base_url=base) as client:
+        k, order = key(), f"b-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "gate": str(gate)}
+        sent = _post_held_at_the_gate(client, "/orders", k, body)
+        store_down(True)
+        gate.touch()  # the view returns while the store is away
+        time.sleep(3.0)  # longer than the inbox's own retries of a completion
+        store_down(False)
+        first = sent.result(30)
+        assert first.status_code == 201, first.text
+        assert first.json() == {"order": order, "run": 1}
+        again = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert again.headers["idempotent-replayed"] == "true", again.text
+        _same_response(first, again)
+        assert effects(client)[order] == 1
+    assert "could not complete" not in log.read_text()
+
+
+def test_django_a_store_down_past_the_retries_still_sends_the_response(
+    relayed_server: tuple[str, Callable[[bool], None], Path], tmp_path: Path
+) -> None:
+    """The store stays away longer than the completion is retried: the client still gets
+    the view's 201 (the work was done), and an ERROR says the record was not completed."""
+    base, store_down, log = relayed_server
+    gate = tmp_path / "gate"
+    with httpx.Client(base_url=base) as client:
+        k, order = key(), f"d-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "gate": str(gate)}
+        sent = _post_held_at_the_gate(client, "/orders", k, body)
+        store_down(True)
+        gate.touch()
+        first = sent.result(30)
+        store_down(False)
+        assert first.status_code == 201, first.text
+        assert first.json() == {"order": order, "run": 1}
+        # Not released: within the lease a retry is told the request is in progress (once the
+        # store answers again: PostgreSQL's pool reconnects after a backoff, 503 until then).
+        deadline = time.monotonic() + 20
+        while True:
+            retry = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+            if retry.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert retry.status_code == 409, retry.text
+        assert effects(client)[order] == 1
+    logged = log.read_text()
+    assert "ERROR oncely.http" in logged and "could not complete" in logged, logged
