@@ -42,7 +42,9 @@ from collections.abc import Callable
 from typing import Any
 
 try:
+    from django.apps import apps
     from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
     from django.http import HttpRequest, HttpResponse, HttpResponseBase
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
@@ -74,6 +76,8 @@ _COMPLETE_FOR = 5.0
 reached (on top of the inbox's own short retries): a blip is ridden out, well inside the
 lease (30 s by default), without holding the client for long."""
 
+_AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+
 
 def default_principal(request: HttpRequest) -> str:
     """The signed-in user (``user:<pk>``), else a hash of the ``Authorization`` header, else
@@ -102,6 +106,9 @@ class _Guard(_Policy):
                 "transactional=True is not offered in Django's layer: the transaction would "
                 "be the store's connection, not Django's; use the two-phase mode (the default)"
             )
+        # Scoped per signed-in user only when the principal is the default one: a principal
+        # the project gives says on its own how requests are told apart.
+        self._per_user = "principal" not in options
         options.setdefault("principal", default_principal)
         super().__init__(**options)
         self._check_inbox(inbox)
@@ -129,6 +136,8 @@ class _Guard(_Policy):
         if not isinstance(key, str):
             return _response(key)
         assert body is not None
+        if self._per_user and not hasattr(request, "user"):
+            _refuse_without_user()
         who = self._principal(request)
         if not isinstance(who, str):
             raise ConfigurationError("a Django principal returns a str")
@@ -277,6 +286,23 @@ def _complete(claimed: Claimed[Any], decided: dict[str, Any]) -> None:
                 exc_info=True,
             )
             return
+
+
+def _refuse_without_user() -> None:
+    """Keys are scoped per signed-in user, but the request has no ``user``: with
+    ``django.contrib.auth`` installed that is the authentication middleware running after
+    this layer (or not at all), and every signed-in user would share the ``anonymous`` scope,
+    one of them replayed another's response. Without ``django.contrib.auth`` there are no
+    users to tell apart."""
+    if apps.is_installed("django.contrib.auth"):
+        raise ImproperlyConfigured(
+            "oncely scopes Idempotency-Keys per signed-in user, but this request has no "
+            f"request.user: list {_AUTH_MIDDLEWARE!r} in MIDDLEWARE before "
+            "'oncely.integrations.django.http.IdempotencyMiddleware' (an @idempotent view "
+            "needs it in MIDDLEWARE too), or give principal= to say how requests are told "
+            "apart. Without it every user would share one scope, and one could be replayed "
+            "another's response"
+        )
 
 
 def _response(reply: Reply) -> HttpResponse:
