@@ -6,30 +6,45 @@ missing or malformed key, RFC 9457 problem details) and the same options as
 :class:`~oncely.http.WSGIIdempotencyMiddleware` (``principal`` and ``applies`` get the
 ``HttpRequest``).
 
-The middleware, configured in the settings::
+The middleware, configured in the settings, comes after Django's authentication
+middleware::
 
     MIDDLEWARE = [
         ...,
+        "django.contrib.sessions.middleware.SessionMiddleware",
         "django.contrib.auth.middleware.AuthenticationMiddleware",
-        "oncely.integrations.django.http.IdempotencyMiddleware",
+        "oncely.integrations.django.http.IdempotencyMiddleware",  # after the line above
     ]
     ONCELY_HTTP = {"store": "postgresql://app@db/shop", "consumer": "shop-api",
                    "required": True}                  # or "inbox": an oncely.Inbox
 
-Per view, without the middleware::
+Per view, without the middleware (``AuthenticationMiddleware`` still in ``MIDDLEWARE``)::
 
     from oncely.integrations.django.http import idempotent
 
     @idempotent(inbox=inbox, required=True)
     def create_order(request): ...
 
-Keys are scoped per principal: by default the signed-in user (``request.user``, when
-Django's authentication middleware runs before this one), else a hash of the
-``Authorization`` header, else ``anonymous``. A streaming response is sent but not kept (the
-claim is released, so a repeat runs again); cookies are never kept.
+Keys are scoped per principal: by default the signed-in user (``request.user``), else a hash
+of the ``Authorization`` header, else ``anonymous``. With ``django.contrib.auth`` installed,
+a request that reaches this layer without ``request.user`` (oncely's middleware listed before
+``AuthenticationMiddleware``, or that one missing) raises ``ImproperlyConfigured`` naming the
+order to use, rather than scope every user as ``anonymous`` (where one would be replayed
+another's response); a project without ``django.contrib.auth`` has the ``anonymous`` scope,
+and a ``principal`` of the project's own is used as it is, whatever the order.
+
+A ``TemplateResponse`` (any ``SimpleTemplateResponse``, DRF's ``Response`` too) is kept as
+rendered: Django renders it before the middleware sees it; the decorator renders it itself,
+so a ``process_template_response`` hook that changes it afterwards does not change it. A
+streaming response is sent but not kept (the claim is released, so a repeat runs again);
+cookies are never kept. When the response cannot be rendered or kept, the claim is released.
+When the store cannot be reached to complete the claim after the view ran, the completion is
+retried for a few seconds; if it still fails the view's response is sent all the same and an
+ERROR is logged (the record is not completed: a repeat gets 409 until the claim's lease
+lapses, then runs the view again).
 
 Tested with Django's WSGI handler served by a threaded ``wsgiref`` server, on SQLite,
-PostgreSQL and Redis stores (``tests/web/test_django.py``).
+PostgreSQL and Redis stores (``tests/web/test_django.py``, ``tests/web/test_django_auth.py``).
 """
 
 from __future__ import annotations
