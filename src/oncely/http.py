@@ -56,7 +56,9 @@ SQLite and PostgreSQL (``tests/web``).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import contextvars
 import difflib
 import hashlib
@@ -65,6 +67,7 @@ import io
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from datetime import timedelta
 from http import HTTPStatus
@@ -73,7 +76,13 @@ from typing import Any
 from oncely._core.outcomes import Handled, Outcome
 from oncely._core.policy import Limits
 from oncely._core.said import said
-from oncely.errors import ConfigurationError, StoreUnavailable, TransactionRequired
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    StoreError,
+    StoreUnavailable,
+    TransactionRequired,
+)
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.stores.async_protocols import AsyncTransactionalStore
@@ -289,6 +298,16 @@ def _unknown_options(unknown: dict[str, Any]) -> ConfigurationError:
     )
 
 
+_COMPLETE_WITHIN = 5.0
+"""Seconds the middlewares keep starting new tries to complete the claim of a request whose
+response is ready while the store cannot be reached (at most a third of the lease: the last
+renewal left two thirds of it at least), before they send the response anyway. A try itself
+lasts as long as the store's own timeouts and the inbox's own quick retries let it."""
+_FIRST_PAUSE = 0.1
+_LAST_PAUSE = 1.0
+"""The pauses between those tries: doubling from the first to the last."""
+
+
 class _NotKept(Exception):
     """The app's response is not kept: the transaction rolls back, the response is sent."""
 
@@ -342,6 +361,10 @@ class _Policy:
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
         self._inbox_limit = inbox.limits.max_result_bytes
+        lease = inbox._lease
+        self._lease_s = lease.duration.total_seconds()
+        self._renews = lease.heartbeat
+        self._complete_within = min(_COMPLETE_WITHIN, self._lease_s / 3)
         protocol = AsyncTransactionalStore if isinstance(inbox, AsyncInbox) else TransactionalStore
         if self._transactional and not isinstance(inbox.store, protocol):
             raise ConfigurationError(
@@ -394,12 +417,49 @@ class _Policy:
         headers: list[tuple[bytes, bytes]],
         chunks: list[bytes],
     ) -> None:
-        """Two-phase mode, sync: keep the response (complete the claim) or give it back."""
+        """Two-phase mode, sync: keep the response (complete the claim) or give it back. A
+        store that cannot be reached is retried for a few seconds; then the caller sends the
+        response all the same, and the record left uncompleted is logged at ERROR."""
         decided = self._decide(status, headers, chunks, sum(len(c) for c in chunks), claimed.key)
         if isinstance(decided, str):
             claimed.release(decided)
-        else:
-            claimed.complete(decided)
+            return
+        # The work is done: a short outage of the store is ridden out here (complete with the
+        # same token is safe to repeat) rather than lose the response and, once the lease
+        # lapses, run the request again.
+        deadline = time.monotonic() + self._complete_within
+        pause = _FIRST_PAUSE
+        while True:
+            try:
+                claimed.complete(decided)
+                return
+            except StoreUnavailable as exc:
+                error: StoreError = exc
+                if time.monotonic() + pause > deadline:
+                    break
+            except StoreError as exc:  # not a passing outage: retrying will not help
+                error = exc
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
+            if self._renews:
+                # complete() stopped the claim's heartbeat: renew in its place meanwhile.
+                # (It fails while the store is away, or once the key is another's: the
+                # next complete() says which.)
+                with contextlib.suppress(StoreError, LeaseLost):
+                    claimed.renew()
+        self._not_completed(claimed.key, error)
+
+    def _not_completed(self, key: str | None, error: StoreError) -> None:
+        """Log that a response goes out whose record could not be completed."""
+        LOGGER.error(
+            "oncely http key=%s: the request ran and its response is sent, but its record "
+            "could not be completed (%s); a repeat gets 409 until the claim's lease lapses "
+            "(%gs after its last renewal) and may then run the request again",
+            key,
+            said(error),
+            self._lease_s,
+        )
 
     def _header_step(
         self, headers: Iterable[tuple[bytes, bytes]], scope: Any
@@ -606,9 +666,14 @@ class IdempotencyMiddleware(_Policy):
                 if size <= self._max_stored:
                     chunks.append(chunk)
                 if not message.get("more_body", False) and not ended:
-                    # The claim ends before the client sees the end of the response: a client
-                    # that repeats the request at once meets the stored response (or, for a
-                    # response not kept, runs again), never a claim still held.
+                    # The claim ends before the client sees the end of the response (complete,
+                    # then send): a client that repeats the request at once meets the stored
+                    # response (or, for a response not kept, runs again), never a claim still
+                    # held; and a crash between the two leaves a completed record whose repeat
+                    # is a replay. Sending first would leave, after such a crash, a client that
+                    # has its answer and a claim that lapses into running the request again.
+                    # A store that cannot be reached holds the last chunk back while _end
+                    # retries (a bounded time): the response goes out either way.
                     ended = True
                     await self._end(claimed, status, headers, chunks, size)
             await send(message)
@@ -636,12 +701,36 @@ class IdempotencyMiddleware(_Policy):
         chunks: list[bytes],
         size: int,
     ) -> None:
-        """Keep the response (complete the claim), or give the claim back."""
+        """Keep the response (complete the claim), or give the claim back. A store that
+        cannot be reached is retried for a few seconds (see :meth:`_Policy._settle`); after
+        that the response goes out all the same (the work was done) and the failure is
+        logged: the client gets what the app answered, never a connection cut short."""
         decided = self._decide(status, headers, chunks, size, claimed.key)
         if isinstance(decided, str):
             await claimed.release(decided)
-        else:
-            await claimed.complete(decided)
+            return
+        deadline = time.monotonic() + self._complete_within
+        pause = _FIRST_PAUSE
+        while True:
+            try:
+                await claimed.complete(decided)
+                return
+            except StoreUnavailable as exc:
+                error: StoreError = exc
+                if time.monotonic() + pause > deadline:
+                    break
+            except StoreError as exc:  # not a passing outage: retrying will not help
+                error = exc
+                break
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
+            if self._renews:
+                # complete() stopped the claim's heartbeat: renew in its place meanwhile.
+                # (It fails while the store is away, or once the key is another's: the
+                # next complete() says which.)
+                with contextlib.suppress(StoreError, LeaseLost):
+                    await claimed.renew()
+        self._not_completed(claimed.key, error)
 
     async def _answer(self, send: Send, handled: Handled[Any]) -> None:
         await _send(send, answer(handled))
@@ -1051,6 +1140,9 @@ class WSGIIdempotencyMiddleware(_Policy):
         except BaseException as exc:
             claimed.release(f"the app raised {said(exc)}")
             raise
+        # Complete, then answer (as the ASGI middleware does): a crash between the two leaves
+        # a completed record, whose repeat is a replay; a store that cannot be reached delays
+        # the answer while _settle retries (a bounded time), and never turns it into an error.
         self._settle(claimed, *_wsgi_response(status_line, raw_headers), chunks)
         start_response(status_line, raw_headers)
         return chunks

@@ -1,0 +1,216 @@
+"""The HTTP middlewares when the store goes away while a request runs: the app's work is done,
+so its response must still reach the client, and the record be completed once the store is
+back, so a retry is replayed rather than run again (R19). The store (Redis, PostgreSQL) is
+reached through a relay the test cuts during the handler and restores a few seconds later;
+the apps are served by uvicorn (ASGI) and a threaded wsgiref server (WSGI, Flask) in
+processes of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+import oncely
+from oncely.http import IdempotencyMiddleware, Receive, Scope, Send, WSGIIdempotencyMiddleware
+from tests.brokers.common import Proxy
+from tests.services import POSTGRES_DSN, REDIS_URL, require
+from tests.web.test_asgi import key, serving, serving_command
+
+OUTAGE = {"redis": 3.0, "postgres": 4.5}
+"""Seconds the store is unreachable: longer than the inbox's own retries of a completion
+(about one second on Redis; on PostgreSQL, with ``connect_timeout=1``, each try waits a second
+for the pool too), shorter than the middleware's (five seconds more)."""
+
+
+@contextlib.contextmanager
+def _store(kind: str) -> Iterator[str]:
+    """A store URL of ``kind`` (Redis or PostgreSQL) under a name of the test's own; dropped
+    after."""
+    name = f"http_out_{uuid.uuid4().hex[:10]}"
+    if kind == "postgres":
+        require("PostgreSQL", POSTGRES_DSN, 5432)
+        try:
+            yield f"{POSTGRES_DSN}?table={name}&connect_timeout=1"
+        finally:
+            with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+                conn.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_meta"'.encode())
+        return
+    require("Redis", REDIS_URL, 6379)
+    try:
+        yield f"{REDIS_URL}?prefix={name}"
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for found in client.scan_iter(match=f"{name}*"):
+            client.delete(found)
+        client.close()
+
+
+@contextlib.asynccontextmanager
+async def _relayed(kind: str) -> AsyncIterator[Proxy]:
+    with _store(kind) as url:
+        async with Proxy(url) as proxy:
+            yield proxy
+
+
+async def _outage(proxy: Proxy, after: float, lasting: float) -> None:
+    """The store unreachable from ``after`` seconds on, for ``lasting`` seconds: open
+    connections cut, new ones refused."""
+    await asyncio.sleep(after)
+    proxy.refusing = True
+    proxy.cut()
+    await asyncio.sleep(lasting)
+    proxy.refusing = False
+
+
+async def _request_through_an_outage(base: str, proxy: Proxy, kind: str) -> None:
+    """A request whose handler runs (one second) across the start of an outage: its response
+    arrives whole, and a retry with the key is its replay (one effect)."""
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        # A first request opens the store's connections: the cut then breaks live ones.
+        warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}
+        assert (
+            await client.post("/orders", json=warm, headers={"Idempotency-Key": key()})
+        ).status_code == 201
+        k, order = key(), f"out-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "sleep": 1.0}
+        outage = asyncio.create_task(_outage(proxy, 0.3, OUTAGE[kind]))
+        first = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        await outage
+        assert first.status_code == 201 and first.json()["run"] == 1
+        again = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+        assert again.content == first.content
+        assert (await client.get("/effects")).json()[order] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+async def test_r19_asgi_a_store_outage_at_completion_keeps_the_response_and_the_record(
+    kind: str,
+) -> None:
+    # Before, the completion's StoreUnavailable escaped into the app's send: the client got
+    # the headers and then a closed connection, repeats got 409 for the lease (30 s), and
+    # then the request ran a second time (stale_reclaimed).
+    async with _relayed(kind) as proxy:
+        with serving(proxy.url, "starlette") as base:
+            await _request_through_an_outage(base, proxy, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+async def test_r19_wsgi_a_store_outage_at_completion_keeps_the_response_and_the_record(
+    kind: str,
+) -> None:
+    # Before, the WSGI server answered 500 for a request whose work was done, and its retry
+    # got 409 until the lease lapsed, then ran it again.
+    async with _relayed(kind) as proxy:
+        command = [sys.executable, "-m", "tests.web.wsgi_app", "{port}"]
+        with serving_command(command, ONCELY_TEST_HTTP_STORE=proxy.url) as base:
+            await _request_through_an_outage(base, proxy, kind)
+
+
+async def test_r19_asgi_a_store_away_for_longer_still_answers_and_says_what_was_not_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The store stays away past the middleware's tries (a third of a 3 s lease here): the
+    # client still gets the app's response, and an ERROR says the record was not completed.
+    ran: list[str] = []
+    async with _relayed("redis") as proxy:
+        store = oncely.open_async(proxy.url)
+        lease = oncely.Lease(duration=timedelta(seconds=3))
+        inbox = oncely.AsyncInbox(store, consumer="api", lease=lease)
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            ran.append(scope["path"])
+            proxy.refusing = True
+            proxy.cut()
+            await send({"type": "http.response.start", "status": 201, "headers": []})
+            await send({"type": "http.response.body", "body": b"booked"})
+
+        api = IdempotencyMiddleware(app, inbox=inbox)
+        caplog.set_level(logging.INFO, logger="oncely")
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=api), base_url="http://shop"
+            ) as client:
+                headers = {"Idempotency-Key": key()}
+                got = await client.post("/orders", headers=headers)
+                assert got.status_code == 201 and got.content == b"booked"
+                proxy.refusing = False
+                again = await client.post("/orders", headers=headers)
+                assert again.status_code == 409  # the claim is still held: not run again
+        finally:
+            await store.aclose()
+    assert ran == ["/orders"]
+    _says_not_completed(caplog)
+
+
+async def test_r19_wsgi_a_store_away_for_longer_still_answers_and_says_what_was_not_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[str] = []
+    async with _relayed("redis") as proxy:
+        store = oncely.open(proxy.url)
+        lease = oncely.Lease(duration=timedelta(seconds=3))
+        inbox = oncely.Inbox(store, consumer="api", lease=lease)
+
+        loop = asyncio.get_running_loop()
+
+        async def away() -> None:
+            proxy.refusing = True
+            proxy.cut()
+
+        def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+            ran.append(environ["PATH_INFO"])
+            # On the relay's own loop: its transports are not for another thread to abort.
+            asyncio.run_coroutine_threadsafe(away(), loop).result()
+            start_response("201 Created", [("Content-Type", "text/plain")])
+            return [b"booked"]
+
+        api = WSGIIdempotencyMiddleware(app, inbox=inbox)
+        caplog.set_level(logging.INFO, logger="oncely")
+        answered: list[str] = []
+
+        def start_response(status: str, headers: Any, exc_info: Any = None) -> None:
+            answered.append(status)
+
+        def post() -> bytes:
+            environ = {
+                "REQUEST_METHOD": "POST",
+                "PATH_INFO": "/orders",
+                "HTTP_IDEMPOTENCY_KEY": '"wsgi-away-1"',
+                "wsgi.input": io.BytesIO(b""),
+            }
+            return b"".join(api(environ, start_response))
+
+        try:
+            # In a thread: the relay runs on this event loop.
+            assert await asyncio.to_thread(post) == b"booked"
+            assert answered == ["201 Created"]
+            proxy.refusing = False
+            await asyncio.to_thread(post)
+            assert answered[-1].startswith("409")  # the claim is still held: not run again
+        finally:
+            store.close()
+    assert ran == ["/orders"]
+    _says_not_completed(caplog)
+
+
+def _says_not_completed(caplog: pytest.LogCaptureFixture) -> None:
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    said = errors[0].getMessage()
+    assert "response is sent" in said and "could not be completed" in said
+    assert "may then run the request again" in said and errors[0].exc_info is None
