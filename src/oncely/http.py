@@ -361,6 +361,10 @@ class _Policy:
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
         self._inbox_limit = inbox.limits.max_result_bytes
+        # The longest scoped key the inbox takes as it is (with hash_long_keys it hashes a
+        # longer one whole itself, as it did before scoped keys had a limit of their own).
+        limits = inbox.limits
+        self._max_scoped = None if limits.hash_long_keys else limits.max_key_bytes
         lease = inbox._lease
         self._lease_s = lease.duration.total_seconds()
         self._renews = lease.heartbeat
@@ -574,7 +578,9 @@ class IdempotencyMiddleware(_Policy):
         who = self._principal(scope)
         if not isinstance(who, str):
             who = await who
-        scoped = scoped_key(who, scope["method"], scope.get("path", ""), key)
+        scoped = scoped_key(
+            who, scope["method"], scope.get("path", ""), key, max_bytes=self._max_scoped
+        )
         fingerprint = request_fingerprint(
             scope.get("query_string", b""), body, _header(headers, b"content-type")
         )
@@ -854,9 +860,64 @@ def problem(status: int, title: str, detail: str, *, retry_after: int | None = N
     return status, headers, body
 
 
-def scoped_key(who: str, method: str, path: str, key: str) -> str:
-    """The inbox key of a request: its principal, method, path and Idempotency-Key."""
-    return f"http:{_part(who)}:{method}:{_part(path)}:{_part(key)}"
+_MAX_KEY_BYTES = Limits().max_key_bytes
+_DIGEST = "%sha256-"
+"""How a part of a scoped key replaced by its SHA-256 starts (see :func:`scoped_key`)."""
+_LONG_PART = 64
+"""Characters over which a part of a scoped key too long to keep whole is a digest instead."""
+
+
+def scoped_key(
+    who: str, method: str, path: str, key: str, *, max_bytes: int | None = _MAX_KEY_BYTES
+) -> str:
+    """The inbox key of a request: its principal, method, path and Idempotency-Key, each
+    escaped (``%`` and ``:``), so two requests never share one.
+
+    When that is over ``max_bytes`` (UTF-8; the inbox's ``Limits.max_key_bytes``, None for no
+    limit), or holds what no key may (a NUL, text that is not UTF-8), parts are replaced by
+    their SHA-256 (``%sha256-<hex>``) until it fits: first any that holds such text, then a
+    principal or path over 64 characters, then a key or method that long (a client's key stays
+    readable in the logs while it can); failing all that, the whole key is a digest. No
+    escaped part holds ``%s`` (its ``%`` are ``%25`` and ``%3A``), so a digest never reads as a
+    plain part: requests that differ anywhere (two long paths alike but for their end) keep
+    keys of their own. A key that fits is the plain form, as it always was."""
+    plain = f"http:{_part(who)}:{_part(method)}:{_part(path)}:{_part(key)}"
+    if plain.isascii():
+        if (max_bytes is None or len(plain) <= max_bytes) and "\x00" not in plain:
+            return plain  # almost every request
+    elif _keepable(plain) and (max_bytes is None or len(plain.encode()) <= max_bytes):
+        return plain
+    return _digested([who, method, path, key], max_bytes)
+
+
+def _keepable(text: str) -> bool:
+    """Whether ``text`` can be (part of) an inbox key as it is: UTF-8, no NUL."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _digest(part: str) -> str:
+    return _DIGEST + hashlib.sha256(part.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _digested(parts: list[str], max_bytes: int | None) -> str:
+    """:func:`scoped_key` when its plain form cannot be the key: principal, method, path and
+    key, some of them digests."""
+    fields = [_part(p) if _keepable(p) else _digest(p) for p in parts]
+    for order in ((0, 2), (3, 1)):  # principal and path first; the key and method last
+        for i in order:
+            if len(fields[i]) > _LONG_PART and not fields[i].startswith(_DIGEST):
+                fields[i] = _digest(parts[i])
+        text = "http:" + ":".join(fields)
+        if max_bytes is None or len(text.encode()) <= max_bytes:
+            return text
+    whole = f"{_part(parts[0])}:{_part(parts[1])}:{_part(parts[2])}:{_part(parts[3])}"
+    return "http:" + _digest(whole)
 
 
 _BOUNDARY = re.compile(r';[ \t]*boundary[ \t]*=[ \t]*(?:"([^"]+)"|([^;, \t]+))', re.IGNORECASE)
@@ -1028,7 +1089,8 @@ class WSGIIdempotencyMiddleware(_Policy):
             if not isinstance(found, str):
                 raise ConfigurationError("a WSGI middleware's principal returns a str")
             who = found
-        scoped = scoped_key(who, method, str(environ.get("PATH_INFO", "")), key)
+        path = str(environ.get("PATH_INFO", ""))
+        scoped = scoped_key(who, method, path, key, max_bytes=self._max_scoped)
         fingerprint = request_fingerprint(
             str(environ.get("QUERY_STRING", "")).encode("latin-1"),
             body,

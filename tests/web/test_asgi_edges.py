@@ -257,3 +257,60 @@ async def test_r19_cookies_with_the_default_principal_are_warned_about_once(
             assert (await client.post("/o", headers=headers)).status_code == 200
     said = [r.getMessage() for r in caplog.records if "cookie" in r.getMessage()]
     assert len(said) == 1 and "principal=" in said[0]
+
+
+async def test_r19_a_valid_key_on_a_long_path_is_taken_and_long_paths_stay_apart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before, the scoped key (principal, method, path, key) went over the inbox's 512 bytes:
+    # "400 Invalid Idempotency-Key" for a valid key, advising a CLI option, logged at ERROR.
+    answered: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        answered.append(scope["path"])
+        body = scope["path"][-1:].encode()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    api = IdempotencyMiddleware(app, inbox=inbox, principal=lambda scope: "tenant-" + "t" * 300)
+    caplog.set_level(logging.INFO, logger="oncely")
+    a, b = "/" + "p" * 398 + "a", "/" + "p" * 398 + "b"
+    headers = {"Idempotency-Key": '"' + "k" * 200 + '"'}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        for path in (a, b, a, b):
+            got = await client.post(path, headers=headers)
+            assert got.status_code == 201, got.text
+            assert got.content == path[-1:].encode()
+        assert (await client.post(b, headers=headers)).headers["idempotent-replayed"] == "true"
+    assert answered == [a, b]  # each long path its own scope, each run once
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_r19_wsgi_a_valid_key_on_a_long_path_is_taken_and_long_paths_stay_apart() -> None:
+    answered: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        answered.append(environ["PATH_INFO"])
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [environ["PATH_INFO"][-1:].encode()]
+
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="api")
+    api = WSGIIdempotencyMiddleware(app, inbox=inbox)
+    a, b = "/" + "p" * 398 + "a", "/" + "p" * 398 + "b"
+    statuses: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> None:
+        statuses.append(status)
+
+    for path in (a, b, a, b):
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": path,
+            "HTTP_IDEMPOTENCY_KEY": '"' + "k" * 200 + '"',
+            "wsgi.input": io.BytesIO(b""),
+        }
+        assert b"".join(api(environ, start_response)) == path[-1:].encode()
+    assert statuses == ["201 Created"] * 4 and answered == [a, b]

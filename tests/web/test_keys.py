@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from oncely.http import _GONE, _read_body, parse_key
+from oncely import Limits
+from oncely._core.keys import validate_key
+from oncely.http import _GONE, _read_body, parse_key, scoped_key
 
 
 @pytest.mark.parametrize(
@@ -77,3 +79,42 @@ async def test_the_request_body_is_read_whole_up_to_the_limit(
 
     read = await _read_body(receive, limit)
     assert read is body if body is _GONE else (read == body and read is not _GONE)
+
+
+def test_r19_a_short_scoped_key_is_as_it_always_was() -> None:
+    # Records written before long keys were shortened stay readable: same text.
+    made = scoped_key("auth:ab12", "POST", "/orders/7", "k-1")
+    assert made == "http:auth%3Aab12:POST:/orders/7:k-1"
+    assert scoped_key("a:b", "POST", "/x%y", "k:1") == "http:a%3Ab:POST:/x%25y:k%3A1"
+    assert scoped_key("anonymous", "POST", "/caf\u00e9", "k") == "http:anonymous:POST:/caf\u00e9:k"
+
+
+def test_r19_a_long_scoped_key_fits_and_never_merges_two_requests() -> None:
+    limits = Limits()
+    path, key = "/" + "p" * 399, "k" * 200
+    long = scoped_key("anonymous", "POST", path, key)
+    assert len(long.encode()) <= limits.max_key_bytes and validate_key(long, limits) == long
+    assert long.endswith(":" + key)  # the client's key stays readable
+    # Two long paths alike but for their end, two long principals: distinct scopes.
+    assert scoped_key("anonymous", "POST", path[:-1] + "q", key) != long
+    assert scoped_key("u" * 300 + "1", "POST", path, key) != scoped_key(
+        "u" * 300 + "2", "POST", path, key
+    )
+    # A digest never reads as a plain part, even one that spells it out.
+    digest = long.split(":")[3]
+    assert digest.startswith("%sha256-") and len(digest) == 8 + 64
+    assert scoped_key("anonymous", "POST", digest, key) != long
+    # What no key may hold (a NUL, a lone surrogate) is a digest too, distinct from its
+    # neighbours.
+    seen = {
+        scoped_key(who, "POST", p, "k")
+        for who, p in [("a", "/x\x00"), ("a", "/x\x00\x00"), ("a\ud800", "/x"), ("a\ud801", "/x")]
+    }
+    assert len(seen) == 4
+    for made in seen:
+        assert validate_key(made, limits) == made
+    # Under a small limit the whole key becomes one digest; without a limit nothing is.
+    assert scoped_key("anonymous", "POST", path, key, max_bytes=100).count(":") == 1
+    assert scoped_key("anonymous", "POST", path, key, max_bytes=None) == (
+        f"http:anonymous:POST:{path}:{key}"
+    )
