@@ -73,7 +73,8 @@ from datetime import timedelta
 from http import HTTPStatus
 from typing import Any
 
-from oncely._core.outcomes import Handled, Outcome
+from oncely._core.observe import CLIENT_KEYS
+from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import Limits
 from oncely._core.said import said
 from oncely.errors import (
@@ -308,8 +309,10 @@ _LAST_PAUSE = 1.0
 """The pauses between those tries: doubling from the first to the last."""
 
 
-class _NotKept(Exception):
-    """The app's response is not kept: the transaction rolls back, the response is sent."""
+class _NotKept(Released):
+    """The app's response is not kept: the transaction rolls back, the response is sent. A
+    :class:`~oncely._core.outcomes.Released`: the inbox logs it as the reason it is (``failed
+    ... reason=released: the app answered 503: not kept; ...``), without a traceback."""
 
 
 class _Policy:
@@ -411,7 +414,7 @@ class _Policy:
         (the transaction rolls back)."""
         decided = self._decide(status, headers, chunks, sum(len(c) for c in chunks), key)
         if isinstance(decided, str):
-            raise _NotKept(decided)
+            raise _NotKept(f"{decided}; its transaction was rolled back")
         return decided
 
     def _settle(
@@ -587,6 +590,7 @@ class IdempotencyMiddleware(_Policy):
         if self._transactional:
             await self._run_in_transaction(scope, body, receive, send, scoped, fingerprint)
             return
+        client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
             claimed: AsyncClaimed[Any] = await self.inbox.claim(
                 scoped, fingerprint, wait=self._wait
@@ -594,6 +598,8 @@ class IdempotencyMiddleware(_Policy):
         except StoreUnavailable as exc:
             await _send(send, _store_down(scoped, exc))
             return
+        finally:
+            CLIENT_KEYS.reset(client)
         if not claimed.won:
             assert claimed.handled is not None
             # Speed: _answer and _send written in: two coroutines fewer on a replay, 0.1 us of
@@ -624,15 +630,18 @@ class IdempotencyMiddleware(_Policy):
 
         async def handler(tx: Any, _request: object) -> dict[str, Any]:
             entered = _TX.set(tx)
+            inside = CLIENT_KEYS.set(False)  # the app's own inboxes log as they always do
             try:
                 await self.app(scope, replay_body, hold)
             except Exception as exc:
                 raised.append(exc)
                 raise
             finally:
+                CLIENT_KEYS.reset(inside)
                 _TX.reset(entered)
             return self._keep(*_response_of(held), scoped)
 
+        client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
             handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
         except StoreUnavailable as exc:
@@ -640,6 +649,8 @@ class IdempotencyMiddleware(_Policy):
                 raise raised[0] from exc
             await _send(send, _store_down(scoped, exc))  # nothing committed: the retry runs
             return
+        finally:
+            CLIENT_KEYS.reset(client)
         if _ran(handled, raised):
             for message in held:
                 await send(message)
@@ -1098,10 +1109,13 @@ class WSGIIdempotencyMiddleware(_Policy):
         )
         if self._transactional:
             return self._run_in_transaction(environ, body, start_response, scoped, fingerprint)
+        client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
             claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
         except StoreUnavailable as exc:
             return _respond(start_response, _store_down(scoped, exc))
+        finally:
+            CLIENT_KEYS.reset(client)
         if not claimed.won:
             assert claimed.handled is not None
             return _respond(start_response, answer(claimed.handled))
@@ -1120,22 +1134,27 @@ class WSGIIdempotencyMiddleware(_Policy):
 
         def handler(tx: Any, _request: object) -> dict[str, Any]:
             entered = _TX.set(tx)
+            inside = CLIENT_KEYS.set(False)  # the app's own inboxes log as they always do
             try:
                 held.append(self._call_app(environ, body))
             except Exception as exc:
                 raised.append(exc)
                 raise
             finally:
+                CLIENT_KEYS.reset(inside)
                 _TX.reset(entered)
             status_line, raw_headers, chunks = held[0]
             return self._keep(*_wsgi_response(status_line, raw_headers), chunks, scoped)
 
+        client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
             handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
         except StoreUnavailable as exc:
             if raised:
                 raise raised[0] from exc
             return _respond(start_response, _store_down(scoped, exc))
+        finally:
+            CLIENT_KEYS.reset(client)
         if _ran(handled, raised):
             status_line, raw_headers, chunks = held[0]
             start_response(status_line, raw_headers)

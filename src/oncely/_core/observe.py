@@ -6,7 +6,9 @@ Log records go to the ``oncely`` logger with flat ``extra`` fields (``oncely_con
 A rising rate of ``duplicate`` signals producer retries or too short an ack/lock window; every
 ``key_conflict``, ``rejected`` and ``escalated`` is logged at ERROR because a person must look,
 and an outcome that acknowledges the message but carries a reason (processed, yet the result
-could not be stored) at WARNING. The message text escapes control characters in every field.
+could not be stored) at WARNING. The HTTP layer's ``key_conflict`` is a WARNING: there the key
+is a client's, and any client can reuse one (:data:`CLIENT_KEYS`). The message text escapes
+control characters in every field.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from oncely._core.outcomes import Handled, Released
+from oncely._core.outcomes import Handled, Outcome, Released
 from oncely.wire import printable
 
 __all__ = ["Hook", "Observer", "key_for_logs"]
@@ -25,6 +28,11 @@ Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
 
 LOGGER = logging.getLogger("oncely")
+
+CLIENT_KEYS: ContextVar[bool] = ContextVar("oncely_client_keys", default=False)
+"""True while the HTTP layer claims the key of a client's request: a ``key_conflict`` then is
+that client's mistake (a key reused for another request, answered 422), logged at WARNING,
+not a producer's bug that a person must look at (ERROR, for message consumers)."""
 
 
 def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
@@ -52,6 +60,8 @@ class Observer:
     def emit(self, handled: Handled[Any]) -> None:
         """Log ``handled`` (if the logger is enabled for its level) and call every hook."""
         level = handled.log_level
+        if level == logging.ERROR and handled.outcome is Outcome.KEY_CONFLICT and CLIENT_KEYS.get():
+            level = logging.WARNING
         if self.logger.isEnabledFor(level):
             key = key_for_logs(handled.key, self.log_keys)
             duration_ms = round(handled.duration_s * 1000, 3)
