@@ -37,7 +37,9 @@ response over ``max_stored_bytes`` is sent to the client but not kept: a repeat 
 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
-claim.
+claim. The claim is completed before the end of the response is sent; a store that cannot be
+reached then is retried for a few seconds, and the response goes out either way (a record
+left uncompleted is logged at ERROR: a repeat may run again once the lease lapses).
 
 With ``transactional=True`` (a SQL store: PostgreSQL, MariaDB/MySQL, SQLite) the app runs
 inside one database transaction on the store's database instead, which :func:`transaction`
