@@ -149,6 +149,12 @@ def decorated_page(request: HttpRequest) -> HttpResponseBase:
     return _page(request)
 
 
+@csrf_exempt
+def long_orders(request: HttpRequest, rest: str) -> HttpResponse:
+    """``orders`` under any sub-path: a path as long as a client makes it."""
+    return _run(request)
+
+
 def effects(request: HttpRequest) -> JsonResponse:
     with LOCK:
         return JsonResponse(dict(EFFECTS))
@@ -156,6 +162,7 @@ def effects(request: HttpRequest) -> JsonResponse:
 
 urlpatterns = [
     path("orders", orders),
+    path("orders/<path:rest>", long_orders),
     path("decorated", decorated),
     path("stream", stream),
     path("page", page),

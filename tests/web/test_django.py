@@ -274,3 +274,42 @@ def test_django_a_store_down_past_the_retries_still_sends_the_response(
         assert effects(client)[order] == 1
     logged = log.read_text()
     assert "ERROR oncely.http" in logged and "could not complete" in logged, logged
+
+
+@pytest.fixture
+def logged_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The site on SQLite, and the file oncely's log goes to."""
+    url, drop = _store("sqlite", tmp_path)
+    log = tmp_path / "oncely.log"
+    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
+    try:
+        with serving_command(command, ONCELY_TEST_HTTP_STORE=url, ONCELY_TEST_LOG=str(log)) as base:
+            yield base, log
+    finally:
+        drop()
+
+
+def test_r16_r19_django_a_long_path_and_a_reused_key_are_the_clients_own(
+    logged_server: tuple[str, Path],
+) -> None:
+    """A 200-character key on a 400-character path is taken (it was refused as an invalid
+    key: the scoped key was over the inbox's limit), two such paths differing only at their
+    end stay apart, and a key reused for another body is logged as the client's mistake
+    (WARNING), not as an ERROR any client could write at will."""
+    base, log = logged_server
+    k = '"' + "k" * 198 + '"'  # a structured-field string, 200 characters in all
+    long_a, long_b = "/orders/" + "a" * 399 + "1", "/orders/" + "a" * 399 + "2"
+    with httpx.Client(base_url=base) as client:
+        first = client.post(long_a, json={"id": "long-1"}, headers={"Idempotency-Key": k})
+        assert first.status_code == 201, first.text
+        other = client.post(long_b, json={"id": "long-2"}, headers={"Idempotency-Key": k})
+        assert other.status_code == 201 and other.json()["order"] == "long-2"
+        again = client.post(long_a, json={"id": "long-1"}, headers={"Idempotency-Key": k})
+        assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+        reused = client.post(long_a, json={"id": "long-3"}, headers={"Idempotency-Key": k})
+        assert reused.status_code == 422
+        assert effects(client) == {"long-1": 1, "long-2": 1}
+    logged = log.read_text().splitlines()
+    conflicts = [line for line in logged if "key_conflict" in line]
+    assert conflicts and all(line.startswith("WARNING ") for line in conflicts), logged
+    assert not [line for line in logged if line.startswith("ERROR ")], logged

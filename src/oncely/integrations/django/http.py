@@ -67,6 +67,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 import oncely
+from oncely._core.observe import CLIENT_KEYS
 from oncely._core.said import said
 from oncely.errors import ConfigurationError, StoreUnavailable
 from oncely.http import (
@@ -156,16 +157,19 @@ class _Guard(_Policy):
         who = self._principal(request)
         if not isinstance(who, str):
             raise ConfigurationError("a Django principal returns a str")
-        scoped = scoped_key(who, method, request.path, key)
+        scoped = scoped_key(who, method, request.path, key, max_bytes=self._max_scoped)
         fingerprint = request_fingerprint(
             str(request.META.get("QUERY_STRING", "")).encode("latin-1"),
             body,
             request.META.get("CONTENT_TYPE") or None,
         )
+        client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
             claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
         except StoreUnavailable as exc:
             return _response(_store_down(scoped, exc))
+        finally:
+            CLIENT_KEYS.reset(client)
         if not claimed.won:
             assert claimed.handled is not None
             return _response(answer(claimed.handled))
