@@ -28,8 +28,9 @@ Errors are RFC 9457 problem details (``application/problem+json``). Keys are sco
 principal (``principal(scope)``: the API key, auth subject or tenant; by default a hash of
 the ``Authorization`` header, so two clients with credentials there never share a key) and per
 method and path, so one client can never read another's response. An app whose clients sign
-in with a cookie must give ``principal=`` (its session's user): by default they all share the
-``anonymous`` scope, and the middleware logs a warning the first time it sees one.
+in with a cookie, or name themselves in another header (``X-API-Key``), must give
+``principal=`` (the session's user, the API key's id): by default they all share the
+``anonymous`` scope, and the middleware logs a warning the first time it sees such a header.
 Responses are stored when ``store_status(status)`` says so: by default 2xx, 3xx and 4xx
 except 408, 409, 425 and 429, never 5xx (the claim is released: a retry runs again). A
 response over ``max_stored_bytes`` is sent to the client but not kept: a repeat then gets
@@ -247,20 +248,38 @@ def default_principal(scope: Scope) -> str:
     in with one needs its own ``principal``."""
     values = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
     if not values:
-        if not _COOKIES_SEEN and any(k == b"cookie" for k, _ in scope.get("headers", ())):
-            _COOKIES_SEEN.append(True)
-            LOGGER.warning(
-                "oncely http: a request with a key carries a cookie but no Authorization "
-                "header: with the default principal, every such client shares one scope of "
-                "keys ('anonymous'), and one could be answered with another's response; give "
-                "the middleware principal= (the signed-in user) if clients sign in by cookie"
-            )
+        if not _COOKIES_SEEN:
+            _warn_unread_credentials(scope)
         return "anonymous"
     return "auth:" + hashlib.sha256(b"\n".join(values)).hexdigest()[:32]
 
 
 _COOKIES_SEEN: list[bool] = []
-"""Whether the warning about cookies and the default principal was logged (once a process)."""
+"""Whether the warning about credentials the default principal does not read was logged (once
+a process)."""
+
+_CREDENTIALS = frozenset(
+    {b"cookie", b"x-api-key", b"api-key", b"x-auth-token", b"x-access-token", b"x-token"}
+)
+"""Request headers that usually say who the client is, which :func:`default_principal` does
+not read."""
+
+
+def _warn_unread_credentials(scope: Scope) -> None:
+    """Log once a process that a keyed request names its client in a header the default
+    principal does not read: every such client shares the ``anonymous`` scope."""
+    found = next((k for k, _ in scope.get("headers", ()) if k in _CREDENTIALS), None)
+    if found is None:
+        return
+    _COOKIES_SEEN.append(True)
+    header = found.decode("latin-1")
+    LOGGER.warning(
+        "oncely http: a request with a key carries a %s header but no Authorization header: "
+        "with the default principal, every such client shares one scope of keys "
+        "('anonymous'), and one could be answered with another's response; give the "
+        "middleware principal= (the signed-in user, the API key's id) that reads it",
+        header,
+    )
 
 
 def default_store_status(status: int) -> bool:

@@ -259,6 +259,27 @@ async def test_r19_cookies_with_the_default_principal_are_warned_about_once(
     assert len(said) == 1 and "principal=" in said[0]
 
 
+async def test_r19_an_api_key_header_with_the_default_principal_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before, clients that name themselves with X-API-Key all shared the 'anonymous' scope
+    without a word: one could be answered with another's response."""
+    from oncely import http
+
+    http._COOKIES_SEEN.clear()
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
+    api = IdempotencyMiddleware(await _app_of(2, []), inbox=inbox)
+    caplog.set_level(logging.WARNING, logger="oncely.http")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api), base_url="http://shop"
+    ) as client:
+        for n in range(2):
+            headers = {"Idempotency-Key": key(), "X-API-Key": f"client-{n}"}
+            assert (await client.post("/o", headers=headers)).status_code == 200
+    said = [r.getMessage() for r in caplog.records if "x-api-key" in r.getMessage()]
+    assert len(said) == 1 and "principal=" in said[0], said
+
+
 async def test_r19_a_valid_key_on_a_long_path_is_taken_and_long_paths_stay_apart(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
