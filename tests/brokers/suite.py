@@ -576,8 +576,9 @@ class BrokerSuite:
     ) -> None:
         """Another worker holds the claim (a live lease, renewed): the consumer's copy is
         answered ``in_flight`` and given back once what is left of that lease has run out (at
-        least ``requeue_delay``), again and again, its delivery count rising each time, never
-        acknowledged; once the holder has finished it is a ``duplicate`` and acknowledged."""
+        least ``requeue_delay``), again and again, never acknowledged (a broker's delivery
+        count rising each time; Kafka's, the consumer's own, counting runs only); once the
+        holder has finished it is a ``duplicate`` and acknowledged."""
         (inbox,) = self.inboxes("two_phase", 1)
         release = asyncio.Event()
 
@@ -603,7 +604,12 @@ class BrokerSuite:
             with contextlib.suppress(Exception):
                 await other
         in_flight = worker.counts["in_flight"]
-        assert watched.counts("held") == list(range(1, in_flight + 2))
+        if getattr(watched.inner, "local_delivery_counts", False):
+            # A count of the consumer's own (Kafka) counts runs: a copy given back unrun is
+            # not one, so a later failure of it is not taken for its last delivery.
+            assert watched.counts("held") == [1] * (in_flight + 1)
+        else:  # the broker counts every delivery
+            assert watched.counts("held") == list(range(1, in_flight + 2))
         assert worker.counts == Counter({"in_flight": in_flight, "duplicate": 1})
         assert self.ledger.counts() == {"held": 1}
         await self.assert_settled()

@@ -41,7 +41,16 @@ from tests.brokers.kafka_broker import (
     stop_tansu,
     tansu_binary,
 )
-from tests.brokers.suite import MS, SECOND, BrokerSuite, DeadCopy, body, fetch_one, total
+from tests.brokers.suite import (
+    MS,
+    SECOND,
+    BrokerSuite,
+    DeadCopy,
+    Watched,
+    body,
+    fetch_one,
+    total,
+)
 
 pytestmark = pytest.mark.services
 
@@ -776,6 +785,43 @@ class TestKafka(BrokerSuite):
         assert worker.counts == Counter({"processed": 12})
         await self.assert_settled()
 
+    async def test_r13_a_record_held_back_behind_a_failing_one_keeps_its_own_retries(
+        self,
+    ) -> None:
+        """One partition: A always fails, B fails once, C succeeds. B waits behind A's retries
+        (the partition's order is kept), and each wait gave it back. Before, every give-back
+        counted as one of B's deliveries: once A was dead-lettered, B was dead-lettered on
+        its first failure ("failed on all 4 deliveries") although it had run once."""
+        attempts = Counter[str]()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            key = payload["k"]
+            attempts[key] += 1
+            if key == "A" or (key == "B" and attempts[key] == 1):
+                raise RuntimeError(f"boom {attempts[key]} for {key}")
+            await self.apply(payload)
+
+        producer = self.producer()
+        assert isinstance(producer, KafkaProducer)
+        for k in ("A", "B", "C"):
+            await producer.publish(body(k), message_id=k, key="one-entity")
+        watched = Watched(self.transport())
+        worker = self.consumer(handler, transport=watched, max_deliveries=3)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] == 2,
+                what="B retried and applied, C applied",
+            )
+        assert attempts == {"A": 3, "B": 2, "C": 1}
+        # B was handed out behind A and given back unrun (at least once: the three came in
+        # one poll), which no longer counts: its two runs are its deliveries 1 and 2.
+        seen = watched.counts("B")
+        assert len(seen) >= 3 and seen[-1] == 2 and max(c or 0 for c in seen) == 2, seen
+        assert self.ledger.counts() == {"B": 1, "C": 1}
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "A"
+        await self.assert_settled()
+
     async def test_a_rebalance_with_three_members_joining_and_leaving_loses_and_repeats_nothing(
         self,
     ) -> None:
@@ -790,10 +836,12 @@ class TestKafka(BrokerSuite):
         bad: list[str] = []
 
         class Checked(Kafka):
-            def _settled(self, part: Any, held: Any, state: int, delay: float = 0.0) -> None:
+            def _settled(
+                self, part: Any, held: Any, state: int, delay: float = 0.0, counted: bool = True
+            ) -> None:
                 if state == DONE and held.state == RUNNING and part.owned:
                     finished.setdefault(part.tp.partition, set()).add(held.record.offset)
-                super()._settled(part, held, state, delay)
+                super()._settled(part, held, state, delay, counted)
 
             async def open(self, prefetch: int) -> None:
                 await super().open(prefetch)

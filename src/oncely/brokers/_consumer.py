@@ -674,7 +674,7 @@ class BrokerConsumer:
                     await ticket.stop()
         except asyncio.CancelledError:
             await asyncio.gather(
-                *(self._settle_quietly(d.retry(timedelta(0)), d, "retry") for d in deliveries)
+                *(self._settle_quietly(_give_back(d, timedelta(0)), d, "retry") for d in deliveries)
             )
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
@@ -690,7 +690,7 @@ class BrokerConsumer:
             backoff = self.settings.backoff
             await asyncio.gather(
                 *(
-                    self._settle_quietly(d.retry(backoff.delay(d.delivery_count)), d, "retry")
+                    self._settle_quietly(_give_back(d, backoff.delay(d.delivery_count)), d, "retry")
                     for d in deliveries
                 )
             )
@@ -786,7 +786,7 @@ class BrokerConsumer:
                     await ticket.stop()
         except asyncio.CancelledError:
             # Shutdown past the grace period: the inbox released the claim; give it back.
-            await self._settle_quietly(delivery.retry(timedelta(0)), delivery, "retry")
+            await self._settle_quietly(_give_back(delivery, timedelta(0)), delivery, "retry")
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += 1
@@ -799,7 +799,7 @@ class BrokerConsumer:
                 _fields(delivery.describe()),
             )
             await self._settle_quietly(
-                delivery.retry(self.settings.backoff.delay(delivery.delivery_count)),
+                _give_back(delivery, self.settings.backoff.delay(delivery.delivery_count)),
                 delivery,
                 "retry",
             )
@@ -855,14 +855,18 @@ class BrokerConsumer:
         count = delivery.delivery_count
         if handled.attempt and getattr(self.transport, "local_delivery_counts", False):
             # The broker counts no deliveries (Kafka): the transport's count is this
-            # process's own, the inbox's attempts count across processes and restarts.
+            # process's own; the inbox's attempt count is higher when a claim was taken over
+            # (a failure releases its claim, so failures are counted by the transport alone).
             count = max(count or 0, handled.attempt)
         step: Awaitable[None] | None
         after_retries = False
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
-            step, how = delivery.retry(_in_flight_delay(handled, settings.requeue_delay)), "requeue"
+            step, how = (
+                _give_back(delivery, _in_flight_delay(handled, settings.requeue_delay)),
+                "requeue",
+            )
         elif action is Action.RETRY and (count is None or count < settings.max_deliveries):
             step, how = delivery.retry(settings.backoff.delay(count)), "retry"
         else:
@@ -982,6 +986,15 @@ class BrokerConsumer:
 _HOLD_AT_MOST = timedelta(minutes=5)
 """The longest an in_flight copy waits for another worker's lease in one go (a broker may
 close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min)."""
+
+
+def _give_back(delivery: Delivery, delay: timedelta) -> Awaitable[None]:
+    """Give ``delivery`` back for a later delivery without counting one: its handler did not
+    run to a failure (held back behind one, meeting a running copy, the store away, the
+    shutdown). A transport that counts deliveries itself (Kafka) has ``requeue`` for it; a
+    broker's own count (RabbitMQ, SQS, NATS) moves anyway."""
+    requeue = getattr(delivery, "requeue", None)
+    return requeue(delay) if requeue is not None else delivery.retry(delay)
 
 
 def _in_flight_delay(handled: Handled[Any], floor: timedelta) -> timedelta:

@@ -76,6 +76,9 @@ class _Held:
     state: int = _RUNNING
     """While handed out: running, done (finished), or back (to be handed out again)."""
     delay: float = 0.0
+    counted: bool = True
+    """Whether its give-back counts as a delivery: a failure does, a requeue of a record that
+    did not run (held back behind a failure, or meeting a running copy) does not."""
 
 
 @dataclass(slots=True, eq=False)
@@ -555,7 +558,9 @@ class Kafka:
 
     # ------------------------------------------------------------------ settling
 
-    def _settled(self, part: _Partition, held: _Held, state: int, delay: float = 0.0) -> None:
+    def _settled(
+        self, part: _Partition, held: _Held, state: int, delay: float = 0.0, counted: bool = True
+    ) -> None:
         """``held`` is done, or to be handed out again after ``delay`` seconds. Once its whole
         run is settled, the partition commits (at the next commit) past the run's finished
         prefix, and the records from the first one given back on go back to the front of the
@@ -564,7 +569,7 @@ class Kafka:
         commit never passes an unfinished record)."""
         if held.state != _RUNNING or not part.out:
             return  # settled twice
-        held.state, held.delay = state, delay
+        held.state, held.delay, held.counted = state, delay, counted
         part.running -= 1
         if part.running > 0:
             return
@@ -586,7 +591,7 @@ class Kafka:
         now = monotonic()
         for h in reversed(run[first_back:]):
             if h.state == _BACK:
-                h.attempt += 1
+                h.attempt += h.counted
                 h.not_before = now + h.delay
             part.waiting.appendleft(h)
 
@@ -853,6 +858,14 @@ class KafkaDelivery:
     async def retry(self, delay: timedelta) -> None:
         """Hand the record out again after ``delay``; later records of its partition wait."""
         self._transport._settled(self._part, self._held, _BACK, delay.total_seconds())
+
+    async def requeue(self, delay: timedelta) -> None:
+        """:meth:`retry` for a record whose handler did not run (held back behind a failure
+        in its batch, or meeting a copy that runs): not counted as a delivery, so it is not
+        dead-lettered for an earlier record's failures."""
+        self._transport._settled(
+            self._part, self._held, _BACK, delay.total_seconds(), counted=False
+        )
 
     async def dead_letter(self, why: DeadLetter) -> None:
         """Copy the record to the dead-letter topic with ``why`` in ``x-oncely-*`` headers
