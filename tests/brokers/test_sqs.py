@@ -94,10 +94,11 @@ class TestSQS(BrokerSuite):
             message_id=None,
         )
 
-    async def dead_letters(self) -> list[DeadCopy]:
+    async def dead_letters(self, dead: str | None = None) -> list[DeadCopy]:
+        """The copies in the dead-letter queue ``dead`` (default: the source's)."""
         copies = []
         async with await self._admin() as client:
-            queue = await self._queue_url(client, f"{self.source}-dead")
+            queue = await self._queue_url(client, dead or f"{self.source}-dead")
             if queue is None:
                 return []
             while True:
@@ -263,6 +264,30 @@ class TestSQS(BrokerSuite):
             await delivery.ack()
         assert got == ["same", "o0", "o1", "o2"]
         assert await made.fetch(10, 0 * SECOND) == []
+
+    async def test_r20_a_reused_id_with_other_content_reaches_the_inbox_and_its_dead_letter(
+        self,
+    ) -> None:
+        """Three messages sharing one id with different content, on a FIFO queue. Before,
+        the deduplication id was the message id: SQS dropped the second and third silently,
+        so no key_conflict was ever seen (R20); and a dead-letter copy's deduplication id was
+        the message id too, so of two such conflicts only one reached the dead-letter queue.
+        Now each reaches the consumer, the first runs, the two others are dead-lettered."""
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=10))
+        for amount in (1, 2, 3):
+            await producer.publish(
+                json.dumps({"k": "x1", "amount": amount}).encode(), message_id="x1", group="g1"
+            )
+        worker = self.consumer(self.apply, transport=transport)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] == 1 and worker.counts["key_conflict"] == 2,
+                what="one run and two key_conflicts",
+            )
+        assert self.ledger.counts() == {"x1": 1}
+        dead = await self.dead_letters(transport.dead_letter)
+        assert sorted(json.loads(c.body)["amount"] for c in dead) == [2, 3]
+        assert {c.headers.get("x-oncely-outcome") for c in dead} == {"key_conflict"}
 
     async def test_r10_a_fifo_group_behind_a_failure_waits_for_it_and_keeps_its_order(
         self,

@@ -168,7 +168,8 @@ def open_transport(
 
     ``group`` names the consumer group (Redis Streams) or durable consumer (JetStream); for
     RabbitMQ the queue itself is the group. ``dead_letter`` names the dead-letter destination
-    (default: ``<source>.dead``). ``ack_wait`` is how long the broker waits for an ack before
+    (default: ``<source>.dead``; on SQS ``<source>-dead``, ``<name>-dead.fifo`` for a FIFO
+    queue). ``ack_wait`` is how long the broker waits for an ack before
     redelivering to another consumer (JetStream ack wait, Redis Streams idle time before
     XAUTOCLAIM); running handlers extend it.
     """

@@ -233,7 +233,10 @@ broker_options = _options(
     ),
     click.option("--group", help="Consumer group / durable name (default: the consumer name)."),
     click.option(
-        "--dead-letter", metavar="NAME", help="Dead-letter destination (default SOURCE.dead)."
+        "--dead-letter",
+        metavar="NAME",
+        help="Dead-letter destination (default SOURCE.dead; SOURCE-dead on SQS, NAME-dead.fifo "
+        "for a FIFO queue NAME.fifo).",
     ),
     click.option(
         "--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery."

@@ -25,7 +25,7 @@ Message layout
 
 ==================  ===========================================================================
 ``message-id``      the producer-assigned message id (R2): the dedup key by default; on a FIFO
-                    queue also the ``MessageDeduplicationId`` (R14)
+                    queue, with the body, the ``MessageDeduplicationId`` (R14, R20)
 ``content-type``    e.g. ``application/json`` (read by the default decoder)
 ``correlation-id``  optional
 anything else       an application header (CloudEvents ``ce-*``, R3; a business key)

@@ -51,9 +51,11 @@ def fifo_id(value: str) -> str:
 
 class SQSProducer:
     """Sends messages to the queue ``queue`` with the producer's ``message-id`` attribute
-    (R2) and returns once SQS has them. To a FIFO queue (``.fifo``) the message id is also
-    the ``MessageDeduplicationId``, so SQS itself drops a resend within five minutes (R14),
-    and ``group`` (default: the message id) its ``MessageGroupId``, the unit of order."""
+    (R2) and returns once SQS has them. To a FIFO queue (``.fifo``) the message id and the
+    body make the ``MessageDeduplicationId``, so SQS itself drops a resend within five
+    minutes (R14) while a reused id with other content still reaches the consumer's inbox as
+    a ``key_conflict`` (R20); ``group`` (default: the message id) is its ``MessageGroupId``,
+    the unit of order."""
 
     def __init__(self, url: str, queue: str) -> None:
         endpoint, options = Endpoint.from_url(url)
@@ -128,7 +130,17 @@ class SQSProducer:
                 f"SQS carries at most {MAX_ATTRIBUTES} message attributes; this message has "
                 f"{len(values)} (the id, content type and correlation id count)"
             )
-        await self.send(text, text_attributes(values), message_id=message_id, group=group)
+        # The deduplication id holds the content too: SQS drops a resend with the same id
+        # silently, and a reused id with other content must reach the consumer, whose inbox
+        # answers it key_conflict (R20), rather than vanish. A retry sends the same content.
+        content = hashlib.sha256(f"{message_id}\n{text}".encode("utf-8", "surrogateescape"))
+        await self.send(
+            text,
+            text_attributes(values),
+            message_id=message_id,
+            group=group,
+            dedup=content.hexdigest(),
+        )
 
     async def send(
         self,
@@ -138,8 +150,10 @@ class SQSProducer:
         message_id: str | None,
         group: str | None = None,
         queue_url: str | None = None,
+        dedup: str | None = None,
     ) -> None:
-        """Send one message as it is (also the dead-letter copy's path)."""
+        """Send one message as it is (also the dead-letter copy's path). On a FIFO queue its
+        deduplication id is ``dedup`` (default: ``message_id``)."""
         client, own_url = await self._ready()
         request: dict[str, Any] = {
             "QueueUrl": queue_url or own_url,
@@ -149,7 +163,7 @@ class SQSProducer:
         if (queue_url or own_url).endswith(".fifo"):
             if message_id is None:
                 raise BrokerError("a FIFO queue needs a deduplication id for every message")
-            request["MessageDeduplicationId"] = fifo_id(message_id)
+            request["MessageDeduplicationId"] = fifo_id(dedup or message_id)
             request["MessageGroupId"] = fifo_id(group or message_id)
         with self.endpoint.errors(f"send to {self.queue!r}"):
             await client.send_message(**request)

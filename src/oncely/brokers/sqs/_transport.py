@@ -283,6 +283,10 @@ class SQS:
             message_id=message_id or str(message.get("MessageId")),
             group=group,
             queue_url=self._dead_url,
+            # One copy per message SQS delivered (its own MessageId), not per message id: two
+            # messages reusing one id (a key_conflict) are two dead letters, and a copy
+            # written again for one redelivered message is dropped by the FIFO queue.
+            dedup=f"dead:{message.get('MessageId')}",
         )
 
 
