@@ -289,8 +289,9 @@ class Inbox:
         they come back ``in_flight`` (to be delivered again, after the one that failed).
         Without ``groups`` every item is in one group. Up to ``concurrency`` groups run at
         once (in the asyncio inbox; the sync one runs them one after the other). A won claim
-        waits for the end of the batch to be completed: the lease must cover the batch (the
-        heartbeat renews each claim only while its own handler runs). ``stop(group)`` is asked
+        waits for the end of the batch to be completed, its lease renewed by the heartbeat
+        meanwhile, as is every claim the batch holds (one waiting behind its group too).
+        ``stop(group)`` is asked
         before each handler starts: once it answers true (the consumer is shutting down, the
         group's partition was revoked), the group's items not started yet are released and come
         back ``in_flight`` too.
@@ -338,6 +339,11 @@ class Inbox:
         runs, copies = self._claim_batch(entries, groups, results, started)
         finished: list[tuple[int, Claim, R | None, bytes | None, str | None]] = []
         completed: dict[int, Claim] = {}
+        # Every claim the batch holds, renewed until it is completed or released: one that
+        # waits behind its group, or whose handler returned while others still run, would
+        # otherwise lapse in a batch that outlasts the lease, and another worker's copy would
+        # take it over and run it again.
+        held, beat = self._renewing(runs)
 
         def run(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
             held_back: str | None = None
@@ -347,6 +353,7 @@ class Inbox:
                 if held_back is None and stop is not None and stop(group):
                     held_back = "not started: the consumer is stopping or gave up its group"
                 if held_back is not None:
+                    held.pop(i, None)
                     self._release_quietly(record.key, record.token)
                     results[i] = self._rules.done(
                         Outcome.IN_FLIGHT,
@@ -371,6 +378,7 @@ class Inbox:
                         )
                         finished.append((i, claim, result, data, note))
                         continue
+                    held.pop(i, None)
                     results[i] = self._raised(record, error, correlation_id, started)
                 outcome = results[i]
                 if outcome is not None and outcome.outcome is Outcome.FAILED:
@@ -379,13 +387,18 @@ class Inbox:
                         "group failed, and the group's order is kept"
                     )
 
-        self._run_groups(runs, run, concurrency, finished)
-        if finished:
-            answers = self._complete_many(_completions(finished))
-            for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
-                results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
-                if isinstance(done, Record):
-                    completed[i] = Claim(ClaimStatus.EXISTING, done, claim.now_ms)
+        try:
+            self._run_groups(runs, run, concurrency, finished)
+            if finished:
+                answers = self._complete_many(_completions(finished))
+                for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
+                    results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
+                    if isinstance(done, Record):
+                        completed[i] = Claim(ClaimStatus.EXISTING, done, claim.now_ms)
+        finally:
+            held.clear()
+            if beat is not None:
+                beat.stop()
         for i, (first, claim) in copies.items():
             # A copy of a message earlier in this batch (a producer's retry in the same poll):
             # once that one completed, the copy is its duplicate now, rather than in_flight
@@ -406,6 +419,27 @@ class Inbox:
         """Run a batch's groups, up to ``concurrency`` at once."""
         for group, members in runs.items():
             run(group, members)
+
+    def _renewing(
+        self, runs: dict[Hashable, list[tuple[int, Claim, Step]]]
+    ) -> tuple[dict[int, Record], Ticket | None]:
+        """The claims a batch won (by index), and a heartbeat that renews each of them still
+        in that mapping at each beat (None when the lease has no heartbeat): the batch takes
+        a claim out once it released it."""
+        held = {
+            i: claim.record
+            for members in runs.values()
+            for i, claim, step in members
+            if step is Step.PROCEED
+        }
+        if not self._lease.heartbeat or not held:
+            return held, None
+
+        def renew_held() -> None:
+            for record in list(held.values()):
+                self._renew(record.key, record.token)
+
+        return held, self._heartbeats.start(renew_held, self._renew_every)
 
     def _claim_batch(
         self,
