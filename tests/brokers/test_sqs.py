@@ -8,6 +8,7 @@ attribute limit.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from collections import Counter
@@ -20,6 +21,7 @@ import oncely
 from oncely.brokers import (
     Backoff,
     BrokerLimits,
+    DeadLetter,
     Delivery,
     Transport,
     open_producer,
@@ -30,7 +32,7 @@ from oncely.brokers.sqs._endpoint import Endpoint
 from oncely.brokers.sqs._transport import PACKED_ATTRIBUTE
 from oncely.errors import BrokerError
 from tests.brokers.common import Proxy, remove_destinations, running, unique, wait_until
-from tests.brokers.sqs_broker import create_queue, queue_depth, sqs_url
+from tests.brokers.sqs_broker import create_queue, delete_queues, queue_depth, sqs_url
 from tests.brokers.suite import MS, SECOND, BrokerSuite, DeadCopy, Watched, body, fetch_one, total
 
 pytestmark = pytest.mark.services
@@ -319,6 +321,86 @@ class TestSQS(BrokerSuite):
             await wait_until(lambda: len(applied) == 3, what="the group's three messages")
         assert failed == ["f0"]
         assert applied == ["f0", "f1", "f2"]
+
+    async def test_r13_a_redrive_limit_below_max_deliveries_is_warned_and_never_strands(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A queue whose redrive policy moves a message after 2 receives, a consumer allowing
+        5 deliveries, a handler that always fails. Before, the consumer said nothing at start,
+        gave the message back on its second receive, and SQS moved it to the redrive queue
+        with no reason. Now the start warns with both numbers, and the second receive is
+        dead-lettered to ``<queue>-dead`` with the reason; nothing reaches the redrive
+        queue."""
+        redrive = unique("sqrd")
+        create_queue(redrive)
+        self.after(lambda: delete_queues(self.url, redrive))
+        async with await self._admin() as client:
+            target = await self._queue_url(client, redrive)
+            arn = (
+                await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"])
+            )["Attributes"]["QueueArn"]
+            await client.set_queue_attributes(
+                QueueUrl=await self._queue_url(client, self.source),
+                Attributes={
+                    "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": 2})
+                },
+            )
+        await self.publish("poison")
+
+        async def failing(payload: dict[str, Any]) -> None:
+            raise RuntimeError("the ledger refuses it")
+
+        worker = self.consumer(
+            failing, max_deliveries=5, backoff=Backoff(first=100 * MS, most=100 * MS)
+        )
+        with caplog.at_level(logging.WARNING, logger="oncely"):
+            async with running(worker):
+                await wait_until(lambda: worker.counts["failed"] == 2, what="two failures")
+                await wait_until(self.settled, what="the message gone from the queue")
+        warned = [r.getMessage() for r in caplog.records if "delivery limit 2" in r.getMessage()]
+        assert warned and "max_deliveries=5" in warned[0]
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "poison" and copy.outcome == "rejected"
+        assert "maxReceiveCount" in (copy.reason or "") and copy.deliveries == "2"
+        assert await queue_depth(self.url, redrive) == 0
+
+    async def test_a_packed_dead_letter_keeps_binary_and_number_attributes(self) -> None:
+        """A message with nine application attributes, one Binary and one Number, is
+        dead-lettered: its attributes are packed into one JSON attribute. Before, a Binary
+        attribute was packed as an empty string and a Number one as text; now each keeps its
+        type and value."""
+        attributes: dict[str, Any] = {
+            "message-id": {"DataType": "String", "StringValue": "packed"},
+            "content-type": {"DataType": "String", "StringValue": "application/json"},
+            "signature": {"DataType": "Binary", "BinaryValue": b"\x00\xffsig"},
+            "amount": {"DataType": "Number", "StringValue": "12.50"},
+            **{f"h{n}": {"DataType": "String", "StringValue": f"v{n}"} for n in range(6)},
+        }
+        await self.producer().send('{"k": "packed"}', attributes, message_id="packed")
+        made = self.transport()
+        await made.open(1)
+        got = await fetch_one(made)
+        await got.dead_letter(
+            DeadLetter(outcome="rejected", reason="test", consumer="c", deliveries=1)
+        )
+        async with await self._admin() as client:
+            dead = await self._queue_url(client, f"{self.source}-dead")
+            found = await client.receive_message(
+                QueueUrl=dead, MessageAttributeNames=["All"], WaitTimeSeconds=1
+            )
+        (message,) = found["Messages"]
+        packed = json.loads(message["MessageAttributes"][PACKED_ATTRIBUTE]["StringValue"])
+        assert packed["h0"] == "v0"
+        assert packed["amount"] == {"DataType": "Number", "StringValue": "12.50"}
+        signature = packed["signature"]
+        assert signature["DataType"] == "Binary"
+        assert base64.b64decode(signature["BinaryValue"]) == b"\x00\xffsig"
+
+    async def test_a_producer_to_a_missing_queue_says_it_never_creates_one(self) -> None:
+        producer = SQSProducer(self.url, unique("sqs_nowhere"))
+        self.after(producer.close)
+        with pytest.raises(BrokerError, match="a producer never creates one"):
+            await producer.publish(b"{}", message_id="m")
 
     async def test_a_body_that_is_not_utf8_travels_as_base64_and_comes_back_as_it_was(
         self,

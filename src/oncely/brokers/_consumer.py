@@ -478,6 +478,20 @@ class BrokerConsumer:
             advice="raise the inbox's Retention(keep=...), or lower max_deliveries, the "
             "backoff, the ack wait or ConsumerSettings.resubmit_window",
         )
+        most = limits.max_deliveries
+        if most is not None and 0 < most <= self.settings.max_deliveries:
+            self._log.warning(
+                "oncely broker=%s consumer=%s the broker's own delivery limit %d%s is not above "
+                "max_deliveries=%d: a message that keeps failing, or is given back while a "
+                "copy runs, is dead-lettered on its delivery %d, before its retries are spent; "
+                "raise the broker's limit above max_deliveries",
+                self.transport.name,
+                self.processor.consumer,
+                most,
+                f" ({limits.source})" if limits.source else "",
+                self.settings.max_deliveries,
+                most,
+            )
         self._log.info(
             "oncely broker=%s consumer=%s redelivery horizon %s = %s%s; retention %s covers it",
             self.transport.name,

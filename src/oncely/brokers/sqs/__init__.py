@@ -5,12 +5,14 @@
     import oncely
     from oncely.brokers import BrokerConsumer, open_producer, open_transport
 
-    producer = open_producer("sqs://eu-west-1", "payments")
-    await producer.publish(b'{"order": 7}', message_id=order_id)  # reuse order_id on retries
-
+    # the consumer: creates the queue "payments" and "payments-dead" if they are missing
     inbox = oncely.AsyncInbox(oncely.open_async("postgresql://..."), consumer="billing")
     transport = open_transport("sqs://eu-west-1", "payments", group="billing")
     await BrokerConsumer(transport, inbox, charge).run(handle_signals=True)
+
+    # a producer, elsewhere: the queue must exist
+    producer = open_producer("sqs://eu-west-1", "payments")
+    await producer.publish(b'{"order": 7}', message_id=order_id)  # reuse order_id on retries
 
 Needs ``pip install 'oncely[sqs]'`` (aiobotocore). ``sqs://HOST:PORT`` is a plain-HTTP
 endpoint such as an emulator's (``?secure=true`` for HTTPS); ``sqs://REGION`` and ``sqs://``
@@ -51,7 +53,9 @@ key_conflict,        a copy with the original's attributes plus ``x-oncely-outco
 rejected,            ``x-oncely-reason``, ``x-oncely-consumer``, ``x-oncely-deliveries`` and
 escalated            ``x-oncely-queue`` is sent to ``<queue>-dead`` (``<name>-dead.fifo``), then
                      the original deleted. Where that would pass ten attributes the original's
-                     application attributes travel as one JSON attribute, ``x-oncely-attributes``.
+                     application attributes travel as one JSON attribute, ``x-oncely-attributes``
+                     (a ``String`` one as its text; a ``Binary`` or ``Number`` one as an object
+                     with its ``DataType`` and base64 ``BinaryValue`` or ``StringValue``).
 ===================  ==========================================================================
 
 Each received message gets the transport's visibility timeout (``ack_wait``, 30 s by default)
@@ -59,10 +63,14 @@ and a running handler's is extended every third of it, so another consumer never
 message a live handler holds (R10); a crashed consumer's messages come back once it lapses. A
 queue with a redrive policy moves a message to its own dead-letter queue after
 ``maxReceiveCount`` receives, without a reason: keep that count above the consumer's
-``max_deliveries`` (R13), which the consumer reads from the queue for its horizon, with the
-queue's ``MessageRetentionPeriod``. Missing queues are created (``create=false`` refuses
-instead); a FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``), and a
-message given back holds up its group until it is settled.
+``max_deliveries`` (R13), with room for the give-backs of ``in_flight`` copies, which SQS
+counts as receives too. The consumer reads it from the queue for its horizon, with the
+queue's ``MessageRetentionPeriod``, and warns at start when it is not above
+``max_deliveries``; a message it would give back on its last receive is dead-lettered to
+``<queue>-dead`` instead, with the reason. Missing queues are created by the consumer
+(``create=false`` refuses instead), never by a producer, which needs its queue to exist; a
+FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``), and a message
+given back holds up its group until it is settled.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from oncely.brokers.sqs._endpoint import (
     SHARED_URL_OPTIONS,
     Endpoint,
     check_queue,
+    error_code,
 )
 from oncely.errors import BrokerError, ConfigurationError
 
@@ -95,7 +96,16 @@ class SQSProducer:
         await self._ready_client()
         if self._queue_url is None:
             with self.endpoint.errors(f"find the queue {self.queue!r}"):
-                found = await self._client.get_queue_url(QueueName=self.queue)
+                try:
+                    found = await self._client.get_queue_url(QueueName=self.queue)
+                except Exception as exc:
+                    if "NonExistentQueue" not in error_code(exc):
+                        raise
+                    raise BrokerError(
+                        f"sqs {self.endpoint.shown}: no queue {self.queue!r} to send to: a "
+                        "producer never creates one (the consumer creates its queue when it "
+                        "starts, or create it yourself)"
+                    ) from None
             self._queue_url = str(found["QueueUrl"])
         return self._client, self._queue_url
 

@@ -37,7 +37,8 @@ _MOST_VISIBILITY = 12 * 3600
 """SQS's ceiling on a visibility timeout, in seconds."""
 PACKED_ATTRIBUTE = "x-oncely-attributes"
 """On a dead-letter copy whose attributes would pass SQS's ten: the original's application
-attributes, as one JSON object."""
+attributes, as one JSON object (a ``String`` attribute as its text, any other type as an
+object with its ``DataType`` and its ``StringValue`` or base64 ``BinaryValue``)."""
 
 
 def dead_letter_name(source: str) -> str:
@@ -132,17 +133,23 @@ class SQS:
         """The queue's own numbers once open: the visibility timeout, ``MessageRetention
         Period`` and the redrive policy's ``maxReceiveCount`` (none without one)."""
         retention = self._attributes.get("MessageRetentionPeriod")
-        redrive = self._attributes.get("RedrivePolicy")
-        most = None
-        if redrive:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                most = int(json.loads(redrive)["maxReceiveCount"])
         return BrokerLimits(
             ack_wait=timedelta(seconds=self.visibility),
             message_ttl=timedelta(seconds=int(retention)) if retention else None,
-            max_deliveries=most,
+            max_deliveries=self.redrive_limit,
             source=f"SQS queue {self.source!r} visibility timeout, retention and redrive policy",
         )
+
+    @property
+    def redrive_limit(self) -> int | None:
+        """The queue's redrive policy ``maxReceiveCount`` once open: SQS moves a message
+        received that many times to the policy's queue, with no reason, on its next receive
+        (``None``: no redrive policy)."""
+        redrive = self._attributes.get("RedrivePolicy")
+        if redrive:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                return int(json.loads(redrive)["maxReceiveCount"])
+        return None
 
     # ------------------------------------------------------------------ the connection
 
@@ -272,7 +279,7 @@ class SQS:
         if len(original) + len(reasons) > MAX_ATTRIBUTES:
             own = (MESSAGE_ID_ATTRIBUTE, CONTENT_TYPE_ATTRIBUTE, CORRELATION_ATTRIBUTE)
             kept = {n: v for n, v in original.items() if n in own or n == BODY_ENCODING_ATTRIBUTE}
-            packed = {n: v.get("StringValue", "") for n, v in original.items() if n not in kept}
+            packed = {n: _packable(v) for n, v in original.items() if n not in kept}
             original = {**kept, **text_attributes({PACKED_ATTRIBUTE: json.dumps(packed)})}
         attributes = {**original, **text_attributes(reasons)}
         message_id = _text(message.get("MessageAttributes", {}).get(MESSAGE_ID_ATTRIBUTE))
@@ -288,6 +295,20 @@ class SQS:
             # written again for one redelivered message is dropped by the FIFO queue.
             dedup=f"dead:{message.get('MessageId')}",
         )
+
+
+def _packable(attribute: Mapping[str, Any]) -> object:
+    """A message attribute as a value of the packed JSON attribute: a ``String`` one's text;
+    any other (``Number``, ``Binary``, custom types) as ``{"DataType": ..., "StringValue":
+    ...}`` or ``{"DataType": ..., "BinaryValue": base64}``, so nothing is lost in the copy."""
+    kind = str(attribute.get("DataType", "String"))
+    if "StringValue" in attribute:
+        if kind == "String":
+            return str(attribute["StringValue"])
+        return {"DataType": kind, "StringValue": str(attribute["StringValue"])}
+    raw = attribute.get("BinaryValue", b"")
+    raw = raw if isinstance(raw, bytes | bytearray) else str(raw).encode()
+    return {"DataType": kind, "BinaryValue": base64.b64encode(raw).decode("ascii")}
 
 
 def _text(attribute: Mapping[str, Any] | None) -> str | None:
@@ -388,8 +409,30 @@ class SQSDelivery:
         self._settled = True
 
     async def retry(self, delay: timedelta) -> None:
-        """Visible again after ``delay`` (whole seconds, rounded up; at most 12 h)."""
+        """Visible again after ``delay`` (whole seconds, rounded up; at most 12 h). On its
+        last receive under the queue's redrive policy it is dead-lettered instead, with the
+        reason: SQS would move it to the policy's queue without one."""
         self._settling("retry")
+        limit = self._transport.redrive_limit
+        if limit is not None and self._count >= limit:
+            LOGGER.warning(
+                "oncely broker=sqs a message on its last receive (%s, the queue's redrive "
+                "maxReceiveCount) is dead-lettered instead of given back",
+                self._count,
+            )
+            await self.dead_letter(
+                DeadLetter(
+                    outcome="rejected",
+                    reason=(
+                        f"received {self._count} times, the queue's redrive maxReceiveCount: "
+                        "SQS would move it to the redrive queue with no reason (raise "
+                        "maxReceiveCount above ConsumerSettings.max_deliveries)"
+                    ),
+                    consumer=self._transport.group,
+                    deliveries=self._count,
+                )
+            )
+            return
         seconds = min(_MOST_VISIBILITY, max(0, math.ceil(delay.total_seconds())))
         await self._transport._change(self._receipt, seconds, "give a message back")
         self._settled = True
