@@ -706,6 +706,23 @@ class TestKafka(BrokerSuite):
         assert [r.levelno for r in created] == [logging.WARNING]
         assert name in created[0].getMessage() and "one replica" in created[0].getMessage()
 
+    async def test_a_dead_letter_copy_keeps_a_null_value_and_null_headers(self) -> None:
+        """A tombstone (null value) with a null header is refused and dead-lettered. Before,
+        the copy carried b"" for both, which a reader of the dead-letter topic cannot tell
+        from an empty body or an empty header; now both stay null."""
+        producer = await self._raw_producer()
+        await producer.send(
+            self.source, None, [("message-id", b"tomb"), ("trace", None)], key=b"k1"
+        )
+        worker = self.consumer(self.apply)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["rejected"] == 1, what="the dead letter")
+        (copy,) = await self._read_all(f"{self.source}.dead")
+        headers = dict(copy.headers)
+        assert copy.value is None and copy.key == b"k1"
+        assert headers["trace"] is None and headers["message-id"] == b"tomb"
+        assert b"tombstone" in headers["x-oncely-reason"]
+
     async def test_open_transport_reads_kafka_urls(self) -> None:
         made = open_transport(f"{self.url}?session_timeout=6&partitions=2", self.source, group="g")
         assert isinstance(made, Kafka)

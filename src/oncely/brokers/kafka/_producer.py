@@ -143,7 +143,7 @@ class KafkaProducer:
     async def send(
         self,
         topic: str,
-        value: bytes,
+        value: bytes | None,
         headers: list[tuple[str, str | bytes | None]],
         *,
         key: str | bytes | None,

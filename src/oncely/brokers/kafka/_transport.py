@@ -598,8 +598,10 @@ class Kafka:
     async def _copy_to_dead_letter(self, held: _Held, why: DeadLetter) -> None:
         record = held.record
         reasons = why.headers()
+        # A null header and a null value (a tombstone) stay null in the copy: b"" is another
+        # value, which a consumer of the dead-letter topic would read differently.
         headers: list[tuple[str, str | bytes | None]] = [
-            (name, value or b"") for name, value in (record.headers or ()) if name not in reasons
+            (name, value) for name, value in (record.headers or ()) if name not in reasons
         ]
         headers += [(name, text.encode()) for name, text in reasons.items()]
         headers += [
@@ -607,7 +609,7 @@ class Kafka:
             ("x-oncely-partition", str(record.partition).encode()),
             ("x-oncely-offset", str(record.offset).encode()),
         ]
-        await self._producing().send(self.dead_letter, record.value or b"", headers, key=record.key)
+        await self._producing().send(self.dead_letter, record.value, headers, key=record.key)
 
     async def _commit(self, consumer: AIOKafkaConsumer, parts: list[_Partition]) -> None:
         """Commit, for each owned partition in ``parts``, the end of its finished run. A
