@@ -723,6 +723,36 @@ class TestKafka(BrokerSuite):
         assert headers["trace"] is None and headers["message-id"] == b"tomb"
         assert b"tombstone" in headers["x-oncely-reason"]
 
+    async def test_a_member_left_without_a_partition_says_so(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Two members of one group on a topic of one partition: one of them reads nothing.
+        Before, nothing said so (a group stuck in its rebalance looked the same: a consumer
+        silent for good). Now that member warns, once, naming the topic's partition count."""
+        topic = unique("kt1")
+        create_topic(topic, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, topic, f"{topic}.dead"))
+        members = []
+        for _ in range(2):
+            made = Kafka(
+                self.url, topic, group=self.group, session_timeout=SESSION, revoke_grace=GRACE
+            )
+            made._unassigned_after = 3.0  # 60 s or more in use
+            members.append(self.closed_after(made))
+        workers = [self.consumer(self.apply, transport=m) for m in members]
+
+        def warned() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "no partition for" in r.getMessage()]
+
+        with caplog.at_level(logging.WARNING, logger="oncely"):
+            async with running(workers[0]), running(workers[1]):
+                await wait_until(
+                    lambda: sum(len(m.assignment) for m in members) == 1 and bool(warned()),
+                    what="one member owning the partition, the other saying it owns none",
+                )
+        (said,) = warned()
+        assert f"topic={topic}" in said and "topic's 1 partitions" in said
+
     async def test_open_transport_reads_kafka_urls(self) -> None:
         made = open_transport(f"{self.url}?session_timeout=6&partitions=2", self.source, group="g")
         assert isinstance(made, Kafka)

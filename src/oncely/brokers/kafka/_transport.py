@@ -52,6 +52,8 @@ _TRANSPORT_OPTIONS = (
 )
 _POLL_SLACK = 0.1
 """Seconds a poll may take past its own wait before it is cut (see ``Kafka._poll``)."""
+_UNASSIGNED_AFTER = 60.0
+"""Seconds a member may go without a partition before it says so (once per such stretch)."""
 _CLOSE_CANCELS = 4
 """How many times a close step past its timeout is cancelled before it is left behind."""
 _CLOSE_CANCEL_WAIT = 0.5
@@ -209,6 +211,10 @@ class Kafka:
         self._stopped = False
         self._prefetch = 1
         self._start_from: Callable[[str], Awaitable[Mapping[int, int]]] | None = None
+        self._unassigned_after = max(_UNASSIGNED_AFTER, 3 * session_timeout.total_seconds())
+        self._unassigned_since: float | None = None
+        """Since when this member has owned no partition (``None``: it owns some, or it
+        said so already)."""
 
     @classmethod
     def from_url(
@@ -310,6 +316,7 @@ class Kafka:
                 await consumer.stop()
                 raise
         self._consumer = consumer
+        self._unassigned_since = monotonic()
 
     async def _create_topics(self) -> None:
         admin = AIOKafkaAdminClient(
@@ -474,6 +481,28 @@ class Kafka:
                 batches = await self._poll(consumer, max(1, int(wait * 1000)))
             for tp, records in batches.items():
                 self._take(consumer, tp, records)
+            self._watch_assignment(consumer)
+
+    def _watch_assignment(self, consumer: AIOKafkaConsumer) -> None:
+        """Say once when this member has gone without a partition for a while: it reads
+        nothing then, and nothing else would tell."""
+        now = monotonic()
+        if any(p.owned for p in self._owned.values()):
+            self._unassigned_since = now
+            return
+        if self._unassigned_since is None or now - self._unassigned_since < self._unassigned_after:
+            return
+        known = consumer.partitions_for_topic(self.source)
+        LOGGER.warning(
+            "oncely broker=kafka topic=%s group=%s this member has had no partition for %.0fs "
+            "and reads nothing: the group has more members than the topic's %s partitions, or "
+            "its rebalance has not settled (members stopping, a broker holding the join)",
+            self.source,
+            self.group,
+            now - self._unassigned_since,
+            len(known) if known else "unknown number of",
+        )
+        self._unassigned_since = None
 
     async def _poll(
         self, consumer: AIOKafkaConsumer, timeout_ms: int
