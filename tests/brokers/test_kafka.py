@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import subprocess
 from collections import Counter
@@ -30,8 +31,11 @@ from oncely.brokers import (
     open_transport,
 )
 from oncely.brokers.kafka import Kafka, KafkaProducer
+from oncely.brokers.kafka._producer import topic_id
+from oncely.brokers.kafka._records import Cluster
 from oncely.brokers.kafka._transport import _DONE as DONE
 from oncely.brokers.kafka._transport import _RUNNING as RUNNING
+from oncely.brokers.kafka._transport import RETIRED_OFFSET
 from tests.brokers.common import Proxy, free_port, running, unique, wait_until
 from tests.brokers.kafka_broker import (
     create_topic,
@@ -404,6 +408,14 @@ class TestKafka(BrokerSuite):
             settings=self.settings(**settings),
         )
 
+    async def _stored(self, store: oncely.AsyncPostgresStore, topic: str) -> dict[int, int]:
+        """The offsets ``store`` keeps for the suite's group on ``topic`` as it is now (under
+        its name and id, as the transport keeps them)."""
+        cluster, _ = Cluster.from_url(self.url)
+        found = await asyncio.to_thread(topic_id, cluster, topic, timedelta(seconds=10))
+        assert found is not None  # Tansu gives topics ids
+        return await store.offsets(self.group, f"{topic}@{found}")
+
     async def _kept_through(self, inbox: oncely.AsyncInbox, prefix: str, n: int) -> list[str]:
         """``n`` records published and applied by a consumer of the suite's group that keeps
         its offsets in the database; their keys."""
@@ -431,7 +443,7 @@ class TestKafka(BrokerSuite):
         ends: Counter[int] = Counter()
         for record in await self._read_all(self.source):
             ends[record.partition] = max(ends[record.partition], record.offset + 1)
-        assert await store.offsets(self.group, self.source) == dict(ends)
+        assert await self._stored(store, self.source) == dict(ends)
         for key in first:  # the markers are gone: only the stored offsets remember
             assert await inbox.forget(key)
 
@@ -470,12 +482,12 @@ class TestKafka(BrokerSuite):
             await self.publish(key)
 
         class SlowDatabase(Kafka):
-            def start_from(self, read: Any) -> None:
+            def start_from(self, read: Any, save: Any = None) -> None:
                 async def slowly(topic: str) -> Any:
                     await asyncio.sleep(2.0)
                     return await read(topic)
 
-                super().start_from(slowly)
+                super().start_from(slowly, save)
 
         transport = SlowDatabase(
             self.url, self.source, group=unique("lost"), session_timeout=SESSION
@@ -533,19 +545,19 @@ class TestKafka(BrokerSuite):
         try:
             async with running(worker):
                 await wait_until(lambda: worker.counts["rejected"] == 1, what="r1 refused")
-                assert await store.offsets(self.group, name) == {0: 1}
+                assert await self._stored(store, name) == {0: 1}
                 copying.set()
                 await wait_until(lambda: worker.counts["processed"] == 2, what="r2")
 
                 async def past_r2() -> bool:
-                    return await store.offsets(self.group, name) == {0: 3}
+                    return await self._stored(store, name) == {0: 3}
 
                 await wait_until(past_r2, what="the offset past r2 stored")
                 await producer.publish(body("r3"), message_id="r3")
                 await wait_until(lambda: worker.counts["processed"] == 3, what="r3")
         finally:
             copying.set()
-        assert await store.offsets(self.group, name) == {0: 4}
+        assert await self._stored(store, name) == {0: 4}
         assert await self._committed(name) == 4
         assert len(await self._read_all(f"{name}.dead")) == 1
 
@@ -604,17 +616,17 @@ class TestKafka(BrokerSuite):
         assert len(await self._read_all(f"{name}.dead")) == 3
         assert calls == {"pay": 1, "bad": 1, "always": 3, "later": 1}
         assert self.ledger.counts() == {"pay": 1, "later": 1}
-        assert await store.offsets(self.group, name) == {0: 5}  # past the later record too
+        assert await self._stored(store, name) == {0: 5}  # past the later record too
 
-    async def test_r13_a_stored_offset_past_the_end_of_a_recreated_topic_is_not_used(
+    async def test_r13_the_offsets_of_a_deleted_topic_are_never_used_for_its_recreation(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
         """The topic is deleted and created again between two runs (Tansu loses its topics
-        on a restart; an operator may do it on Kafka). The offset stored for the old log (6)
-        is past the new log's end (3), so it cannot be of this log: the consumer warns,
-        naming the partition, the stored offset and the end, and starts from the group's
-        commit, here none (as after a restart), so from the topic's start: every record of
-        the new log is processed, none skipped."""
+        on a restart; an operator may do it on Kafka), and the new log grows past the offset
+        stored for the old one (6) before the consumer starts. Before, the stored offsets
+        were kept under the topic's name: the new log's first six records were skipped,
+        never processed. Now they are kept under the topic's name and id, a new id for the
+        new topic: every record of the new log is processed, none skipped."""
         name = unique("kt1")
         create_topic(name, 1)
         self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
@@ -632,29 +644,62 @@ class TestKafka(BrokerSuite):
         first = keeping(self.group)
         async with running(first):
             await wait_until(lambda: first.counts["processed"] == 6, what="the old log")
-        assert await store.offsets(self.group, name) == {0: 6}
+        assert await self._stored(store, name) == {0: 6}
 
         await asyncio.to_thread(delete_topics, name)
         await asyncio.to_thread(create_topic, name, 1)
-        for n in range(3):
+        for n in range(9):
             await producer.publish(body(f"b{n}"), message_id=f"b{n}")
         second = keeping(unique("after-recreate"))
-        with caplog.at_level(logging.WARNING, logger="oncely.broker.kafka"):
-            async with running(second):
-                await wait_until(lambda: second.counts["processed"] == 3, what="the new log")
-        assert second.counts == Counter({"processed": 3})
+        async with running(second):
+            await wait_until(lambda: second.counts["processed"] == 9, what="the new log")
+        assert second.counts == Counter({"processed": 9})
         assert self.ledger.counts() == {
             **{f"a{n}": 1 for n in range(6)},
-            **{f"b{n}": 1 for n in range(3)},
+            **{f"b{n}": 1 for n in range(9)},
         }
-        warned = [
-            r.getMessage()
-            for r in caplog.records
-            if r.levelno == logging.WARNING and "past the partition's end" in r.getMessage()
-        ]
-        assert len(warned) == 1, warned
-        said = f"topic={name} partition=0: the stored offset 6 is past the partition's end 3"
-        assert said in warned[0]
+        assert await self._stored(store, name) == {0: 9}
+
+    async def test_r13_offsets_kept_under_the_topics_name_are_taken_over_once(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Rows an earlier oncely kept under the topic's name alone: one of a log that is
+        still there (partition 0 at 2) is taken over under the topic's id, the partition
+        starts from it, and the row is retired; one past its partition's end (partition 1
+        at 50: a deleted topic's) is not used, with a WARNING naming it, rather than skip
+        the new log's records."""
+        name = unique("kt2")
+        create_topic(name, 2)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        for n in range(12):  # each its own record key: spread over both partitions
+            await producer.publish(body(f"c{n}"), message_id=f"c{n}")
+        by_part: dict[int, list[str]] = {0: [], 1: []}
+        for record in await self._read_all(name):
+            by_part[record.partition].append(json.loads(record.value)["k"])
+        assert len(by_part[0]) >= 2 and by_part[1], by_part
+        expected = len(by_part[0]) - 2 + len(by_part[1])
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+        await store.prepare_offsets()
+        async with store.transaction() as tx:
+            await store.save_offset_in(tx, self.group, name, 0, 2)
+            await store.save_offset_in(tx, self.group, name, 1, 50)
+        worker = self._keeping(inbox, self.group, topic=name)
+        with caplog.at_level(logging.WARNING, logger="oncely.broker.kafka"):
+            async with running(worker):
+                await wait_until(
+                    lambda: worker.counts["processed"] == expected, what="the records"
+                )
+                await asyncio.sleep(1)  # nothing more comes
+        assert worker.counts == Counter({"processed": expected})
+        assert self.ledger.counts() == dict.fromkeys(by_part[0][2:] + by_part[1], 1)
+        warned = [m for r in caplog.records if "past the partition's end" in (m := r.getMessage())]
+        assert len(warned) == 1 and "partition=1: the stored offset 50" in warned[0]
+        assert await self._stored(store, name) == {0: len(by_part[0]), 1: len(by_part[1])}
+        assert await store.offsets(self.group, name) == {0: RETIRED_OFFSET, 1: RETIRED_OFFSET}
 
     def test_store_offsets_is_refused_where_it_cannot_hold(self) -> None:
         (inbox,) = self.inboxes("transactional", 1)

@@ -394,7 +394,9 @@ class BrokerConsumer:
                     "store_offsets needs a transport that reads a partitioned stream from a "
                     f"given offset (Kafka); {transport.name} has none"
                 )
-            start_from(functools.partial(made.offsets.offsets, made.consumer))
+            start_from(
+                functools.partial(made.offsets.offsets, made.consumer), save=made.save_position
+            )
             self._positions = made
         self.transport = transport
         self.settings = settings if settings is not None else ConsumerSettings()

@@ -102,12 +102,15 @@ of its own, once the broker has confirmed its copy, never before: the partition'
 moves past it and past the records finished after it in its batch, so a group that lost its
 commits dead-letters nothing twice. When the stored offsets cannot be read at assignment (the
 database is down) the committed ones are used, with a warning, and what was finished since
-meets the inbox's markers. A stored offset past the partition's end (its high watermark) cannot
-be of this log (the topic was deleted and created again, as Tansu's topics are on a restart):
-it is not used, with a warning naming the partition, the offset and the end, and the partition
-starts from the group's commit (the topic's start when there is none). A recreated topic that
-has already grown past the stored offset cannot be told apart this way (Kafka's topic id would
-tell it; it is not stored).
+meets the inbox's markers. The offsets are kept under the topic's name and the id the cluster
+gave the topic at its creation (``Kafka.offsets_stream``, ``TOPIC@ID``, read with
+confluent-kafka's admin client at each assignment), so a topic deleted and created again under
+its name (as Tansu's topics are on a restart) starts afresh: it never takes the old log's
+offsets, however far the new log has grown. Offsets an earlier oncely kept under the name alone
+are taken over once and their rows retired. A stored offset past the partition's end (its high
+watermark) is never used either, with a warning naming the partition, the offset and the end:
+the partition starts from the group's commit (the topic's start when there is none). A cluster
+without topic ids (before Kafka 2.8) keeps the offsets under the topic's name.
 
 The source topic and the dead-letter topic are created when missing (``partitions``, 1 by
 default); a topic's retention is its own (``retention.ms``): a consumer group reset to an

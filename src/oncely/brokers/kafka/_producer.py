@@ -10,13 +10,17 @@ duplicate to consumers (R2).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import confluent_kafka
+from confluent_kafka import TopicCollection
+from confluent_kafka.admin import AdminClient
 
+from oncely._core.said import said
 from oncely.brokers._common import require_message_id
 from oncely.brokers.kafka._records import (
     LIBRDKAFKA_LOGGER,
@@ -35,6 +39,28 @@ _PRODUCER_URL_OPTIONS = (
     "linger",
     *SHARED_URL_OPTIONS,
 )
+
+
+_NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
+"""The id a cluster without topic ids (before Kafka 2.8) gives every topic."""
+
+
+def topic_id(cluster: Cluster, topic: str, timeout: timedelta) -> str | None:
+    """The id the cluster gave ``topic`` when it was created (a new one each time a topic of
+    that name is created), or ``None`` when the cluster gives topics none. Blocking: run it
+    in a thread. Raises :class:`~oncely.BrokerUnavailable` when the cluster does not answer."""
+    settings = {**cluster.librdkafka(), "logger": LIBRDKAFKA_LOGGER}
+    seconds = timeout.total_seconds()
+    try:
+        admin = AdminClient(settings)
+        asked = admin.describe_topics(TopicCollection([topic]), request_timeout=seconds)
+        found = asked[topic].result(timeout=seconds + 1)
+    except (confluent_kafka.KafkaException, concurrent.futures.TimeoutError) as exc:
+        raise BrokerUnavailable(
+            f"kafka {cluster.shown}: could not read the id of the topic {topic!r}: {said(exc)}"
+        ) from None
+    given = str(found.topic_id) if getattr(found, "topic_id", None) is not None else ""
+    return given if given and given != _NO_TOPIC_ID else None
 
 
 class KafkaProducer:

@@ -29,7 +29,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from oncely._core.said import said
 from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
-from oncely.brokers.kafka._producer import KafkaProducer
+from oncely.brokers.kafka._producer import KafkaProducer, topic_id
 from oncely.brokers.kafka._records import (
     LOGGER,
     SHARED_URL_OPTIONS,
@@ -40,6 +40,7 @@ from oncely.brokers.kafka._records import (
 )
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from oncely.keys import Envelope
+from oncely.stores._offsets import MAX_STREAM_CHARS
 
 _TRANSPORT_OPTIONS = (
     "session_timeout",
@@ -54,6 +55,10 @@ _POLL_SLACK = 0.1
 """Seconds a poll may take past its own wait before it is cut (see ``Kafka._poll``)."""
 _UNASSIGNED_AFTER = 60.0
 """Seconds a member may go without a partition before it says so (once per such stretch)."""
+RETIRED_OFFSET = 2**63 - 1
+"""Written over a row an earlier oncely kept under the topic's name once its offsets are
+taken over under the topic's id: never used again (an earlier oncely finds it past the
+partition's end and leaves it)."""
 _CLOSE_CANCELS = 4
 """How many times a close step past its timeout is cancelled before it is left behind."""
 _CLOSE_CANCEL_WAIT = 0.5
@@ -211,6 +216,8 @@ class Kafka:
         self._stopped = False
         self._prefetch = 1
         self._start_from: Callable[[str], Awaitable[Mapping[int, int]]] | None = None
+        self._save: Callable[[tuple[str, int, int]], Awaitable[None]] | None = None
+        self._stream = self.source
         self._unassigned_after = max(_UNASSIGNED_AFTER, 3 * session_timeout.total_seconds())
         self._unassigned_since: float | None = None
         """Since when this member has owned no partition (``None``: it owns some, or it
@@ -264,11 +271,41 @@ class Kafka:
             source="the group's session timeout and the revoke grace",
         )
 
-    def start_from(self, read: Callable[[str], Awaitable[Mapping[int, int]]]) -> None:
-        """Start each assigned partition from the offset ``read(topic)`` gives for it (the
+    def start_from(
+        self,
+        read: Callable[[str], Awaitable[Mapping[int, int]]],
+        save: Callable[[tuple[str, int, int]], Awaitable[None]] | None = None,
+    ) -> None:
+        """Start each assigned partition from the offset ``read(stream)`` gives for it (the
         offsets a transactional consumer keeps in its database), where that is ahead of the
-        group's committed offset; the commit then catches up with it."""
+        group's committed offset; the commit then catches up with it.
+
+        The stream is :attr:`offsets_stream`: the topic's name and the id the cluster gave
+        the topic when it was created, so the offsets of a topic deleted and created again
+        under its name are never taken for the new one's. With ``save`` (a position's
+        writer), offsets an earlier oncely kept under the topic's name alone are taken over
+        once, under the id, and their rows retired."""
         self._start_from = read
+        self._save = save
+
+    @property
+    def offsets_stream(self) -> str:
+        """The stream name this member's stored offsets are kept under once open:
+        ``TOPIC@TOPIC_ID`` (the topic's name cut short where both would pass 255
+        characters), or the topic's name on a cluster that gives topics no id (before
+        Kafka 2.8)."""
+        return self._stream
+
+    async def _read_topic_id(self) -> None:
+        """Read the topic's id for :attr:`offsets_stream` (only when offsets are stored)."""
+        if self._start_from is None:
+            return
+        found = await asyncio.to_thread(topic_id, self.cluster, self.source, self.connect_timeout)
+        if found is None:
+            self._stream = self.source
+            return
+        room = MAX_STREAM_CHARS - len(found) - 1
+        self._stream = f"{self.source[:room]}@{found}"
 
     @property
     def assignment(self) -> frozenset[int]:
@@ -294,6 +331,7 @@ class Kafka:
         if self._consumer is not None:
             return
         await self._create_topics()
+        await self._read_topic_id()
         consumer = AIOKafkaConsumer(
             **self.cluster.aiokafka(),
             group_id=self.group,
@@ -741,6 +779,56 @@ class Kafka:
                 for tp in fresh:
                     self._started(consumer, tp, moved=tp in seeked)
 
+    async def _stored_offsets(
+        self, read: Callable[[str], Awaitable[Mapping[int, int]]], fresh: list[TopicPartition]
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """The offsets stored under :attr:`offsets_stream`, and of those, the ones of
+        ``fresh`` partitions that an earlier oncely kept under the topic's name alone (none
+        under the id yet): to be taken over once they pass the check against the end."""
+        stored = dict(await read(self._stream))
+        if self._stream == self.source or self._save is None:
+            return stored, {}
+        mine = {tp.partition for tp in fresh} - set(stored)
+        legacy = (
+            {
+                p: at
+                for p, at in (await read(self.source)).items()
+                if p in mine and at != RETIRED_OFFSET
+            }
+            if mine
+            else {}
+        )
+        return {**stored, **legacy}, legacy
+
+    async def _take_over(self, legacy: Mapping[int, int], refused: set[int]) -> None:
+        """Keep ``legacy`` offsets (those not ``refused``) under :attr:`offsets_stream` and
+        retire their rows under the topic's name: a row kept under the name alone cannot be
+        told from a deleted topic's once the topic is created again."""
+        if not legacy or self._save is None:
+            return
+        try:
+            for part, at in legacy.items():
+                if part not in refused:
+                    await self._save((self._stream, part, at))
+            for part in legacy:
+                await self._save((self.source, part, RETIRED_OFFSET))
+        except Exception as exc:
+            LOGGER.warning(
+                "oncely broker=kafka topic=%s could not move the offsets kept under the "
+                "topic's name to %s (%s); it is tried again at the next assignment",
+                self.source,
+                self._stream,
+                said(exc),
+            )
+            return
+        LOGGER.info(
+            "oncely broker=kafka topic=%s partitions %s: the offsets an earlier oncely kept "
+            "under the topic's name are now kept under %s",
+            self.source,
+            sorted(legacy),
+            self._stream,
+        )
+
     def _started(self, consumer: AIOKafkaConsumer, tp: TopicPartition, *, moved: bool) -> None:
         """``tp``'s start is known: what was read of it meanwhile is read again (unless it
         was moved to its stored offset), and it is read on."""
@@ -767,7 +855,8 @@ class Kafka:
         Returns the partitions moved to their stored offset."""
         assert self._start_from is not None
         try:
-            stored = await self._start_from(self.source)
+            await self._read_topic_id()  # the topic may have been created again meanwhile
+            stored, legacy = await self._stored_offsets(self._start_from, fresh)
             committed = {tp: await consumer.committed(tp) for tp in fresh if tp.partition in stored}
             ahead = [tp for tp, at in committed.items() if at is None or at < stored[tp.partition]]
             ends: Mapping[TopicPartition, int] = await consumer.end_offsets(ahead) if ahead else {}
@@ -782,9 +871,11 @@ class Kafka:
             )
             return set()
         moved = set()
+        refused = set()
         for tp in ahead:
             kept, at, end = stored[tp.partition], committed[tp], ends.get(tp)
             if end is not None and kept > end:
+                refused.add(tp.partition)
                 LOGGER.warning(
                     "oncely broker=kafka topic=%s partition=%d: the stored offset %d is past "
                     "the partition's end %d, so it belongs to another log (the topic was "
@@ -810,6 +901,7 @@ class Kafka:
                 kept,
                 at,
             )
+        await self._take_over(legacy, refused)
         return moved
 
 
@@ -861,10 +953,11 @@ class KafkaDelivery:
 
     @property
     def position(self) -> tuple[str, int, int]:
-        """Where the record sits: its topic, its partition, and the offset after it (the next
-        to read once it is finished)."""
+        """Where the record sits: its stream (:attr:`Kafka.offsets_stream`, the topic's name
+        and id), its partition, and the offset after it (the next to read once it is
+        finished)."""
         record = self._held.record
-        return (record.topic, int(record.partition), int(record.offset) + 1)
+        return (self._transport._stream, int(record.partition), int(record.offset) + 1)
 
     def describe(self) -> Mapping[str, object]:
         t = self._envelope.transport
