@@ -239,3 +239,43 @@ async def test_r10_the_async_inbox_resolves_and_reconciles(backend: Backend, sco
     still = await store.get("c", "live")
     assert still is not None and still.token == "live"
     await store.aclose()
+
+
+MONTH = 30 * 86_400_000
+
+
+def test_r13_a_resolution_never_cuts_a_record_short(store: oncely.Store) -> None:
+    """The consumer keeps its records 30 days; the operator's inbox (``oncely inbox resolve``
+    and ``oncely reconcile`` with --keep left at 7d, here one hour) must not shorten them: a
+    message resubmitted from the dead-letter queue after the shorter time would find no record
+    and run again."""
+    hour = timedelta(hours=1)
+    operator = _inbox(store, retention=oncely.Retention(keep=hour))
+    for key in ("done", "poison", "reconciled"):
+        claim = store.claim("c", key, fingerprint=oncely.fingerprint(PAYLOAD), token=key,
+                            lease_ms=LAPSE, keep_ms=MONTH, takeover=False)  # fmt: skip
+        assert claim.won
+    time.sleep(LAPSE * 2 / 1000)
+
+    def kept(record: oncely.Record | None) -> int:
+        assert record is not None
+        return record.expires_ms - record.updated_ms
+
+    done = operator.resolve("done", Resolution.completed({"charged": 7}))
+    assert done.after is not None and kept(done.after) >= MONTH
+    assert kept(store.get("c", "done")) >= MONTH
+    poison = operator.resolve("poison", Resolution.failed("refunded by hand"))
+    assert kept(poison.after) >= MONTH
+    fixed = operator.resolve("poison", Resolution.completed({"fixed": True}))  # failed -> done
+    assert kept(fixed.after) >= MONTH
+    reconciling = _inbox(store, retention=oncely.Retention(keep=hour),
+                         on_stale=lambda stale: Resolution.completed("found"))  # fmt: skip
+    (reconciled,) = reconciling.reconcile()
+    assert reconciled.action == "completed" and kept(reconciled.after) >= MONTH
+    # A record meant to live shorter than the operator's retention gets the operator's.
+    short = store.claim("c", "short", fingerprint=None, token="s", lease_ms=LAPSE,
+                        keep_ms=60_000, takeover=False)  # fmt: skip
+    assert short.won
+    time.sleep(LAPSE * 2 / 1000)
+    settled = operator.resolve("short", Resolution.completed(None))
+    assert settled.after is not None and kept(settled.after) == 3_600_000

@@ -21,7 +21,10 @@ from oncely.errors import ConfigurationError, ResolveRefused
 
 __all__ = ["reconcile", "resolve"]
 
-_KEEP_HELP = "How long the settled record is kept: give the consumer's own retention (R13)."
+_KEEP_HELP = (
+    "How long the settled record is kept at least (R13); a record is never kept for less "
+    "than its own retention, which the consumer set when it claimed it."
+)
 
 
 _LONGEST_KEY = 4096

@@ -100,6 +100,18 @@ _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the las
 _MAX_ROUNDS = 8
 
 
+def _kept(record: Record | None, keep_ms: int, keep_failed_ms: int) -> tuple[int, int]:
+    """How long a resolution keeps ``record`` (completed, failed): this inbox's retention,
+    and never less than the record's own, which its last write set (``expires_ms -
+    updated_ms``, the consumer's retention when it claimed). An operator's ``--keep`` left at
+    its default must not cut a record short: its message could come back (a resubmission
+    from the dead-letter queue) after the record is gone and run again (R13)."""
+    if record is None:
+        return keep_ms, keep_failed_ms
+    own = max(record.expires_ms - record.updated_ms, 0)
+    return max(keep_ms, own), max(keep_failed_ms, own)
+
+
 def _completions(
     finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
 ) -> list[Completion]:
@@ -612,9 +624,10 @@ class Inbox:
         next delivery runs the handler. Every write is fenced: an in-progress record is first
         taken over, which the store refuses while its lease is live, so a running worker is
         never overridden. ``note`` is kept on a completed record (default: that an operator
-        resolved it). Raises :class:`~oncely.ResolveRefused`, changing nothing, when a live
-        claim holds the record, the record is already settled that way (or completed: forget
-        it to run it again), or there is nothing to retry.
+        resolved it). The settled record is kept for this inbox's retention, never for less
+        than the record's own (R13). Raises :class:`~oncely.ResolveRefused`, changing
+        nothing, when a live claim holds the record, the record is already settled that way
+        (or completed: forget it to run it again), or there is nothing to retry.
         """
         return self._resolve(key, resolution, note, "an operator")
 
@@ -630,10 +643,11 @@ class Inbox:
             )
         data = self._rules.encode(resolution.result, strict=True)[0]
         before = self._store.get(self._consumer, checked)
+        keep_ms, keep_failed_ms = _kept(before, self._keep_ms, self._keep_failed_ms)
         record = before
         token: str | None = None
         for _ in range(_MAX_ROUNDS):
-            token, record = self._own(checked, record, action)
+            token, record = self._own(checked, record, action, keep_ms)
             if token is not None:
                 break
         if token is None:
@@ -651,7 +665,7 @@ class Inbox:
                     checked,
                     token=token,
                     result=data,
-                    keep_ms=self._keep_ms,
+                    keep_ms=keep_ms,
                     note=note or f"resolved as completed by {by}",
                 )
             else:
@@ -661,7 +675,7 @@ class Inbox:
                     checked,
                     token=token,
                     error=reason[: self._limits.max_error_chars],
-                    keep_ms=self._keep_failed_ms,
+                    keep_ms=keep_failed_ms,
                 )
         except LeaseLost as lost:  # our own fresh claim, taken over already: not ours to settle
             raise ResolveRefused(
@@ -671,11 +685,12 @@ class Inbox:
         return Resolved(checked, action, before, after, f"{action} by {by}")
 
     def _own(
-        self, key: str, record: Record | None, action: str
+        self, key: str, record: Record | None, action: str, keep_ms: int
     ) -> tuple[str | None, Record | None]:
-        """A token that owns ``key``'s record (taken over, or claimed afresh), or ``(None,
-        record now)`` to decide again. A failed record asked to retry is owned as it is
-        (``(token, record)``: it is deleted by an operator's decision)."""
+        """A token that owns ``key``'s record (taken over, or claimed afresh, kept
+        ``keep_ms``), or ``(None, record now)`` to decide again. A failed record asked to
+        retry is owned as it is (``(token, record)``: it is deleted by an operator's
+        decision)."""
         token = new_token()
         if record is None:
             if action == "retry":
@@ -690,7 +705,7 @@ class Inbox:
                 fingerprint=None,
                 token=token,
                 lease_ms=self._lease_ms,
-                keep_ms=self._keep_ms,
+                keep_ms=keep_ms,
                 takeover=False,
             )
             return (token, None) if claim.won else (None, claim.record)
@@ -702,7 +717,7 @@ class Inbox:
                 fingerprint=record.fingerprint,
                 token=token,
                 lease_ms=self._lease_ms,
-                keep_ms=self._keep_ms,
+                keep_ms=keep_ms,
             )
             if claim.won:
                 return token, None
