@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import click
 from rich.console import Console
@@ -16,6 +17,7 @@ from rich.table import Table
 
 import oncely
 from oncely import Record, Status, Store, StoreStats, format_duration
+from oncely._core.inbox_rules import new_token
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
 from oncely.cli._output import (
@@ -462,21 +464,84 @@ def _purge_service(service: oncely.PurgeService) -> None:
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def forget(store_url: str, consumer: str, key: str, yes: bool) -> None:
-    """Delete one record, whatever its state (an operator's decision).
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Delete even a live claim, whose worker may be running the handler right now.",
+)
+def forget(store_url: str, consumer: str, key: str, yes: bool, force: bool) -> None:
+    """Delete one record (an operator's decision).
 
     The next delivery of KEY to this consumer is processed again as new: do this only when
-    you know its effects did not happen (or must happen again). Exits 1 if there was no record.
+    you know its effects did not happen (or must happen again). A claim whose worker holds a
+    live lease is refused unless --force: its next delivery would run beside the worker. A
+    claim is deleted only while it is the one shown (a worker that took it over meanwhile
+    keeps it). Exits 1, deleting nothing, if there was no record or it was refused.
     """
     shown = f"consumer {consumer!r}, key {key!r}"
-    if not yes:
-        click.confirm(
-            f"Delete the record of {shown}? Its next delivery will be processed again",
-            abort=True,
-            err=True,
-        )
     with opened(store_url) as store:
-        existed = store.forget(consumer, key)
-    if not existed:
-        raise CliError(f"no record for {shown}", CHECK_FAILED)
+        record = store.get(consumer, key)
+        if record is None:
+            raise CliError(f"no record for {shown}", CHECK_FAILED)
+        live = record.status is Status.IN_PROGRESS and record.is_live(now_ms())
+        state = record.status.value
+        if record.status is Status.IN_PROGRESS:
+            state += f", lease {lease_state(record, now_ms())}"
+        if live and not force:
+            raise CliError(
+                f"not forgotten: {shown} is a live claim ({state}): a worker may be running "
+                "its handler, and its next delivery would run beside it; stop the worker or "
+                "let the lease lapse (`oncely inbox resolve --retry` then takes it over "
+                "safely), or give --force",
+                CHECK_FAILED,
+            )
+        if not yes:
+            click.confirm(
+                f"Delete the record of {shown} ({state})? Its next delivery will be "
+                "processed again",
+                abort=True,
+                err=True,
+            )
+        _delete(store, record, shown)
     click.echo(f"forgot the record of {shown}")
+
+
+def _delete(store: Store, record: Record, shown: str) -> None:
+    """Delete ``record`` as it was shown. A settled record goes outright (no worker writes it
+    again). A claim is deleted only while it is that claim: a stale one is taken over first,
+    which the store refuses if its worker came back (renewed) or another took it over; a live
+    one (--force) by its token."""
+    if record.status is not Status.IN_PROGRESS:
+        existed = store.forget(record.consumer, record.key)
+    else:
+        token = record.token
+        if record.is_stale(now_ms()):
+            token = new_token()
+            taken = store.takeover(
+                record.consumer, record.key, expected_token=record.token,
+                fingerprint=record.fingerprint, token=token, lease_ms=_HOLD_MS,
+                keep_ms=max(record.expires_ms - record.updated_ms, _HOLD_MS),
+            )  # fmt: skip
+            if not taken.won:
+                _changed(shown, taken.record)
+        try:
+            existed = store.release(record.consumer, record.key, token=token)
+        except oncely.LeaseLost as lost:
+            _changed(shown, lost.current)
+    if not existed:
+        raise CliError(f"no record for {shown} (it expired meanwhile)", CHECK_FAILED)
+
+
+_HOLD_MS = 60_000
+"""The lease of the claim ``forget`` takes over, only to delete it."""
+
+
+def _changed(shown: str, now: Record | None) -> NoReturn:
+    state = "absent" if now is None else f"{now.status.value}, attempt {now.attempt}"
+    if now is not None and now.status is Status.IN_PROGRESS:
+        state += f", lease {lease_state(now, now_ms())}"
+    raise CliError(
+        f"not forgotten: the record of {shown} changed meanwhile (now {state}); its worker "
+        "came back or another took it over: look again with `oncely inbox show`",
+        CHECK_FAILED,
+    )
