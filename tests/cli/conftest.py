@@ -3,12 +3,15 @@ records, made through the real :class:`oncely.Inbox` and store API."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 import oncely
+from tests.backends import BACKENDS, Scope
 from tests.cli.helpers import PAST, TOKEN, charge, refuse
 
 
@@ -54,3 +57,26 @@ def db(tmp_path: Path) -> Path:
         store.close()
         past.close()
     return path
+
+
+StoreUrl = tuple[oncely.Store, str, str]
+"""A migrated store, the --store URL that names it, and its kind (mysql, postgres, ...)."""
+
+
+@pytest.fixture(params=["mysql", "postgres", "redis", "sqlite"])
+def each_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreUrl]:
+    """A migrated store of each kind on the real servers, dropped afterwards."""
+    backend = BACKENDS[str(request.param)]
+    backend.require()
+    scope = Scope(tmp_path=tmp_path, unique=uuid.uuid4().hex[:12])
+    made = backend.make_sync(scope, None)
+    try:
+        made.migrate()
+        url = made.url
+        if request.param == "postgres":  # its url names the database, not the table
+            url += f"?table=oncely_t_{scope.unique}"
+        yield made, url, str(request.param)
+    finally:
+        made.close()
+        for finalizer in reversed(scope.finalizers):
+            finalizer()

@@ -7,39 +7,15 @@ from __future__ import annotations
 
 import io
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
-import pytest
+from collections.abc import Callable
 
 import oncely
 from oncely import Status
-from tests.backends import BACKENDS, Scope
+from tests.cli.conftest import StoreUrl
 from tests.cli.helpers import run
 
 LONG = 3_600_000
 LAPSE = 60  # ms: a lease that lapses before the test goes on
-STORES = ["mysql", "postgres", "redis", "sqlite"]
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[oncely.Store, str]]:
-    """A migrated store of each kind, and the --store URL that names it."""
-    backend = BACKENDS[str(request.param)]
-    backend.require()
-    scope = Scope(tmp_path=tmp_path, unique=uuid.uuid4().hex[:12])
-    made = backend.make_sync(scope, None)
-    try:
-        made.migrate()
-        url = made.url
-        if request.param == "postgres":  # its url names the database, not the table
-            url += f"?table=oncely_t_{scope.unique}"
-        yield made, url
-    finally:
-        made.close()
-        for finalizer in reversed(scope.finalizers):
-            finalizer()
 
 
 def _claim(store: oncely.Store, key: str, token: str, lease_ms: int) -> None:
@@ -75,8 +51,8 @@ class _Answer(io.BytesIO):
         return super().readline(size)
 
 
-def test_r10_forget_refuses_a_live_claim_unless_forced(store: tuple[oncely.Store, str]) -> None:
-    made, url = store
+def test_r10_forget_refuses_a_live_claim_unless_forced(each_store: StoreUrl) -> None:
+    made, url, _ = each_store
     _claim(made, "running", "worker", LONG)
     refused = run("inbox", "forget", "--store", url, "--consumer", "c", "running", "--yes")
     assert refused.exit_code == 1
@@ -90,9 +66,9 @@ def test_r10_forget_refuses_a_live_claim_unless_forced(store: tuple[oncely.Store
 
 
 def test_r10_forget_spares_a_worker_that_came_back_while_asked(
-    store: tuple[oncely.Store, str],
+    each_store: StoreUrl,
 ) -> None:
-    made, url = store
+    made, url, _ = each_store
     _claim(made, "slow", "worker", LAPSE)
 
     def renew() -> None:  # the worker was only slow: its heartbeat renews its claim
@@ -107,8 +83,8 @@ def test_r10_forget_spares_a_worker_that_came_back_while_asked(
     made.complete("c", "slow", token="worker", result=None, keep_ms=LONG)  # still the worker's
 
 
-def test_r10_forget_spares_a_claim_taken_over_while_asked(store: tuple[oncely.Store, str]) -> None:
-    made, url = store
+def test_r10_forget_spares_a_claim_taken_over_while_asked(each_store: StoreUrl) -> None:
+    made, url, _ = each_store
     _claim(made, "stuck", "dead", LAPSE)
 
     def take_over() -> None:  # a redelivery takes the stale claim over and runs the handler

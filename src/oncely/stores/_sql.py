@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 from oncely._core.records import Record, Status, StoreStats
-from oncely.errors import InvalidIdentifier
+from oncely.errors import InvalidIdentifier, SchemaError
 from oncely.stores._compact import unpack_fingerprint, unpack_token
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "parse_versions",
     "plan_rows",
     "purge_bucket",
+    "read_version",
     "scan_params",
     "status_shares",
 ]
@@ -62,13 +63,31 @@ crossed a minute, a row written by an older oncely with the column's default 0);
 finds such a row early, sees it is not expired, and moves its ``purge_ms`` forward."""
 
 
-def parse_versions(rows: Iterable[Sequence[Any]]) -> tuple[int | None, int]:
+def parse_versions(rows: Iterable[Sequence[Any]], place: str) -> tuple[int | None, int]:
     """The schema version (None: no tables) and revision (1 where none is written) from the
-    meta table's ``(name, value)`` rows."""
+    meta table's ``(name, value)`` rows of the inbox at ``place``; a value that is no version
+    (the meta table edited by hand, or by something else) is a :class:`~oncely.SchemaError`."""
     found = {str(name): value for name, value in rows}
     if "schema_version" not in found:
         return None, 1
-    return int(found["schema_version"]), int(found.get("revision", 1))
+    return (
+        read_version(found["schema_version"], "schema version", place),
+        read_version(found.get("revision", 1), "schema revision", place),
+    )
+
+
+def read_version(value: object, what: str, place: str) -> int:
+    """``value``, a version number read from a store, as an int; anything else (a meta row
+    edited by hand, or written by something other than oncely) is a
+    :class:`~oncely.SchemaError` that says what was found, where, and the way out."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    if text.strip().isdigit():
+        return int(text)
+    raise SchemaError(
+        f"the {what} of the {place} reads {text[:40]!r}, which is no oncely version: the "
+        "marker was edited by hand or written by something other than oncely; restore it, "
+        "or give oncely a table (on Redis, a database or key prefix) of its own"
+    )
 
 
 def purge_bucket(ms: int) -> int:

@@ -314,7 +314,7 @@ class MySQLStore(SQLStoreBase[str]):
     def _versions(self, conn: Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            return parse_versions(fetchall(conn, self._dialect.read_version))
+            return parse_versions(fetchall(conn, self._dialect.read_version), self._place)
         except DRIVER_ERRORS as exc:
             if code_of(exc) == NO_SUCH_TABLE:
                 return None, 1

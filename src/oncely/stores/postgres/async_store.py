@@ -432,7 +432,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         table, meta, _ = (await fetchall(conn, d.regclass, d.names))[0]
         if not (table and meta):
             return None, 1
-        return parse_versions(await fetchall(conn, d.read_version))
+        return parse_versions(await fetchall(conn, d.read_version), self._place)
 
     async def _version(self, conn: Connection) -> int | None:
         return (await self._versions(conn))[0]

@@ -434,7 +434,7 @@ class PostgresStore(SQLStoreBase[bytes]):
         table, meta, _ = (fetchall(conn, d.regclass, d.names))[0]
         if not (table and meta):
             return None, 1
-        return parse_versions(fetchall(conn, d.read_version))
+        return parse_versions(fetchall(conn, d.read_version), self._place)
 
     def _version(self, conn: Connection) -> int | None:
         return (self._versions(conn))[0]

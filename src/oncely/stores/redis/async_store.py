@@ -28,6 +28,7 @@ from oncely._core.table import lease_lost
 from oncely._twin import ASYNC
 from oncely._urls import redact
 from oncely.errors import ConfigurationError, LeaseLost, SchemaMissing, SchemaTooNew, StoreError
+from oncely.stores._sql import read_version
 from oncely.stores.redis.async_io import (
     SCAN_START,
     Client,
@@ -324,7 +325,11 @@ class AsyncRedisStore:
             value = await hget(self._client, self._keys.meta, _VERSION_FIELD)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "reading the schema version", self._where) from exc
-        return None if value is None else int(value)
+        return (
+            None
+            if value is None
+            else read_version(value, "schema version", f"store at {self._url}")
+        )
 
     async def _create(self) -> None:
         # HSETNX: several processes migrating at once write the marker once.

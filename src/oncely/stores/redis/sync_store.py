@@ -29,6 +29,7 @@ from oncely._core.state import Lost
 from oncely._core.table import lease_lost
 from oncely._urls import redact
 from oncely.errors import ConfigurationError, LeaseLost, SchemaMissing, SchemaTooNew, StoreError
+from oncely.stores._sql import read_version
 from oncely.stores.redis.dialect import (
     CLAIM,
     CLAIM_MANY,
@@ -325,7 +326,11 @@ class RedisStore:
             value = hget(self._client, self._keys.meta, _VERSION_FIELD)
         except DRIVER_ERRORS as exc:
             raise translate(exc, "reading the schema version", self._where) from exc
-        return None if value is None else int(value)
+        return (
+            None
+            if value is None
+            else read_version(value, "schema version", f"store at {self._url}")
+        )
 
     def _create(self) -> None:
         # HSETNX: several processes migrating at once write the marker once.

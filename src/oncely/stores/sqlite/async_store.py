@@ -295,7 +295,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     async def _versions(self, conn: aiosqlite.Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            return parse_versions(await fetchall(conn, self._dialect.read_version))
+            return parse_versions(await fetchall(conn, self._dialect.read_version), self._place)
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc).lower():
                 return None, 1

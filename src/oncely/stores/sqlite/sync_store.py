@@ -293,7 +293,7 @@ class SQLiteStore(SQLStoreBase[str]):
     def _versions(self, conn: sqlite3.Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written)."""
         try:
-            return parse_versions(fetchall(conn, self._dialect.read_version))
+            return parse_versions(fetchall(conn, self._dialect.read_version), self._place)
         except sqlite3.OperationalError as exc:
             if "no such table" in str(exc).lower():
                 return None, 1
