@@ -75,6 +75,10 @@ def test_resolve_usage_errors(db: Path) -> None:
     for constant in ("NaN", "[Infinity]", '{"a": -Infinity}'):
         refused = run(*base, "--completed", constant)
         assert refused.exit_code == 2 and "is not a JSON number" in refused.stderr, constant
+    # A number past a double's range is read as infinity, and was stored as Infinity.
+    for huge in ("1e999", '{"a": -1.5e400}'):
+        refused = run(*base, "--completed", huge)
+        assert refused.exit_code == 2 and "reads as infinity" in refused.stderr, huge
     # Before, it was written with an expiry past the year 9999, which `inbox show` then
     # could not read back.
     forever = run(*base, "--completed", "1", "--keep", "4000000d")

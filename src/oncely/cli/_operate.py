@@ -5,6 +5,7 @@ its stale in-progress records now. Both are fenced: a live claim is never overri
 from __future__ import annotations
 
 import json
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -76,6 +77,15 @@ def _finite(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number")
 
 
+def _finite_float(number: str) -> float:
+    """A JSON number as a float, refusing one too large for a double (``1e999``): Python
+    reads it as infinity, which would be stored, and answered, as ``Infinity``."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is too large for a JSON reader (it reads as infinity)")
+    return value
+
+
 @click.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
@@ -130,7 +140,8 @@ def resolve(
         raise click.UsageError("give exactly one of --completed JSON, --failed REASON, --retry")
     if completed is not None:
         try:
-            resolution = Resolution.completed(json.loads(completed, parse_constant=_finite))
+            value = json.loads(completed, parse_constant=_finite, parse_float=_finite_float)
+            resolution = Resolution.completed(value)
         except ValueError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="'--completed'") from None
     elif failed is not None:
