@@ -8,7 +8,9 @@ Inspection never writes: not a record, not even the database file.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
+import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -212,3 +214,35 @@ def test_show_missing_key_is_a_clear_error(db: Path) -> None:
     # An expired record is absent too, even before the purge.
     expired = run("inbox", "show", "--store", url_of(db), "--consumer", "old", "gone-0")
     assert expired.exit_code == 1
+
+
+def test_list_table_cursor_names_a_key_with_control_characters_exactly(tmp_path: Path) -> None:
+    """The table escapes control characters, so a cursor printed through it named another
+    key ("line\\nbreak" pasted back as a backslash and an n) and the next page skipped the
+    records in between. It is printed in bash's $'...' form, which the shell reads back as
+    the key itself."""
+    path = tmp_path / "keys.db"
+    keys = ["a", "line\nbreak", "line\u0085\tnel", "line1", "line\\n", "z'q"]
+    store = oncely.SQLiteStore(path)
+    try:
+        inbox = oncely.Inbox(store, consumer="c")
+        for key in keys:
+            inbox.handle(key, 1, lambda _p: None)
+    finally:
+        store.close()
+    seen: list[str] = []
+    after: list[str] = []
+    for _ in range(len(keys) + 1):
+        result = run("inbox", "list", "--store", url_of(path), "--limit", "1", *after)
+        assert result.exit_code == 0, result.stderr
+        page = run("inbox", "list", "--store", url_of(path), "--limit", "1", "--json", *after)
+        seen += [r["key"] for r in json.loads(page.stdout)["records"]]
+        found = re.search(r"next page: (.*)$", result.stdout, re.MULTILINE)
+        if found is None:
+            break
+        # What the operator pastes, read by the shell as it would read it.
+        words = subprocess.run(["bash", "-c", f"printf '%s\\0' {found.group(1)}"],
+                               env={"LC_ALL": "C.UTF-8"}, capture_output=True,
+                               check=True).stdout  # fmt: skip
+        after = [w.decode("utf-8") for w in words.split(b"\0")[:-1]]
+    assert seen == sorted(keys)

@@ -209,10 +209,31 @@ def _after(
     return after_consumer, after_key or ""
 
 
+def _quoted(value: str) -> str:
+    """``value`` as one shell word that is printable as shown: ``shlex.quote``, or for a value
+    with control characters (which the terminal output escapes, so a pasted cursor would name
+    another record and the next page would skip records) bash's ``$'...'`` with escapes."""
+    if value.isprintable():
+        return shlex.quote(value)
+    out: list[str] = []
+    for char in value:
+        if char in "\\'":
+            out.append("\\" + char)
+        elif char.isprintable():
+            out.append(char)
+        elif ord(char) < 0x80:  # bash's \xHH is a byte: only ASCII is one character
+            out.append(f"\\x{ord(char):02x}")
+        elif ord(char) < 0x10000:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(f"\\U{ord(char):08x}")
+    return "$'" + "".join(out) + "'"
+
+
 def _next_options(record: Record) -> str:
     if "/" not in record.consumer:
-        return "--after " + shlex.quote(f"{record.consumer}/{record.key}")
-    return f"--after-consumer {shlex.quote(record.consumer)} --after-key {shlex.quote(record.key)}"
+        return "--after " + _quoted(f"{record.consumer}/{record.key}")
+    return f"--after-consumer {_quoted(record.consumer)} --after-key {_quoted(record.key)}"
 
 
 @inbox.command(name="list")
