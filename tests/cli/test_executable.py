@@ -1,4 +1,5 @@
-"""The installed ``oncely`` executable and ``python -m oncely.cli``, run as real processes."""
+"""The installed ``oncely`` executable, ``python -m oncely`` and ``python -m oncely.cli``, run as
+real processes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import oncely
 from tests.cli.helpers import EXECUTABLE, rows, url_of
@@ -56,9 +59,11 @@ def test_installed_executable_exit_codes(tmp_path: Path) -> None:
     assert code("migrate", "--store", url_of(tmp_path)) == 3
 
 
-def test_python_dash_m() -> None:
+@pytest.mark.parametrize("module", ["oncely.cli", "oncely"])
+def test_python_dash_m(module: str) -> None:
+    # `python -m oncely` too: tried as a new user would, it said there was no __main__.
     done = subprocess.run(
-        [sys.executable, "-m", "oncely.cli", "--version"], capture_output=True, text=True,
+        [sys.executable, "-m", module, "--version"], capture_output=True, text=True,
         timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0
