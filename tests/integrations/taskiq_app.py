@@ -68,3 +68,14 @@ def notify(order: str) -> None:  # a sync task: taskiq runs it in its thread poo
 @broker.task
 async def plain(name: str) -> None:
     await REDIS.incr(f"{NS}:effects:plain:{name}")
+
+
+@broker.task(idempotency_key=lambda order, sleep: f"ship:{order}")
+def ship(order: str, sleep: float) -> str:  # sync: a timeout label cannot stop its thread
+    import time
+
+    import redis as sync_redis
+
+    time.sleep(sleep)
+    sync_redis.Redis.from_url(REDIS_URL).incr(f"{NS}:effects:ship:{order}")
+    return order

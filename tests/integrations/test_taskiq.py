@@ -175,6 +175,27 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
 
 
 @pytest.mark.timeout(120)
+def test_r1_a_sync_task_sent_with_a_timeout_runs_once(tmp_path: Path) -> None:
+    """taskiq cannot stop a sync task's thread at its timeout: the thread ran on while the
+    claim was given back, and each retry ran the task again beside it (three effects, and the
+    caller told it failed). The timeout label of a keyed sync task is now ignored."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        run.worker(workers=1)
+
+        async def scenario(app: ModuleType) -> Any:
+            sent = await app.ship.kicker().with_labels(timeout=0.3).kiq("s1", 1.5)
+            return await sent.wait_result(timeout=60)
+
+        result = run.drive(scenario)
+        assert not result.is_err and result.return_value == "s1", result
+        time.sleep(3.0)  # a retry beside it would have ended by now
+        assert run.effects("ship:s1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, each worker process started and sent every task again every 2 s until the
     # store answered. taskiq starts a stopped worker process again: --max-fails ends it.
@@ -286,6 +307,13 @@ async def test_the_middleware_and_the_receiver_check_their_settings() -> None:
     broker = InMemoryBroker().with_middlewares(Idempotency(inbox, dead_letter=None))
     with pytest.raises(ConfigurationError, match="dead_letter"):
         await broker.startup()
+    timed = InMemoryBroker().with_middlewares(Idempotency(inbox, dead_letter=lambda *_: None))
+
+    @timed.task(idempotency_key=lambda order: order, timeout=1)
+    def sync_with_timeout(order: str) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="timeout cannot go with idempotency_key"):
+        await timed.startup()
     from taskiq.acks import AcknowledgeType
 
     with pytest.raises(ConfigurationError, match="when_received"):

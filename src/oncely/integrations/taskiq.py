@@ -53,7 +53,12 @@ task this worker does not know         (taskiq alone acknowledges and drops it)
 
 Waits before a resend are spent in the worker, holding the message unacknowledged (taskiq's
 brokers differ in whether they can delay a message, and a delay the broker ignores would spin);
-keep ``retry_delay`` and ``retry_in_flight`` to seconds. Do not also add taskiq's
+keep ``retry_delay`` and ``retry_in_flight`` to seconds. A keyed task's ``timeout`` label
+works on an async task (the timeout cancels it; the claim is given back and the task retried)
+but not on a sync one: taskiq cannot stop its thread or process, which would go on running
+while a retry ran the task again beside it. So a keyed sync task declared with ``timeout`` is
+refused at start-up, and one sent with a ``timeout`` label runs to its end, the label
+ignored with a warning. Do not also add taskiq's
 ``SimpleRetryMiddleware``/``SmartRetryMiddleware`` for keyed tasks: failures are already
 retried here, and theirs would send a second copy.
 
@@ -70,6 +75,7 @@ at its start-up (it runs tasks itself, with no worker); give it ``dead_letter=``
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -213,12 +219,7 @@ class Idempotency(TaskiqMiddleware):
             )
 
         for task in self.broker.get_all_tasks().values():
-            ack = str(task.labels.get("ack_type", "")).lower()
-            if task.labels.get(KEY_OPTION) is not None and ack in ("when_received", "manual"):
-                raise ConfigurationError(
-                    f"task {task.task_name}: ack_type={ack} cannot go with idempotency_key "
-                    "(a message acknowledged before its task ended is lost in a crash)"
-                )
+            _check_task(task)
 
     def pre_send(self, message: TaskiqMessage) -> TaskiqMessage:
         if message.labels.get(KEY_OPTION) not in (None, SENT):
@@ -333,6 +334,7 @@ class Receiver(_TaskiqReceiver):
         if keyer is None:
             result: TaskiqResult[Any] = await super().run_task(target, message, *args, **kwargs)
             return result
+        message = _untimed(message, target)
         try:
             key = task_key(
                 keyer, message.labels.get(KEY_LABEL), tuple(message.args), message.kwargs
@@ -432,6 +434,48 @@ class Receiver(_TaskiqReceiver):
             "oncely taskiq %s[%s]: dead-lettered: %s", message.task_name, message.task_id, text
         )
         return _result(message, None, DeadLettered(text))
+
+
+def _check_task(task: Any) -> None:
+    """Refuse a keyed task's labels that would run it unprotected."""
+    if task.labels.get(KEY_OPTION) is None:
+        return
+    ack = str(task.labels.get("ack_type", "")).lower()
+    if ack in ("when_received", "manual"):
+        raise ConfigurationError(
+            f"task {task.task_name}: ack_type={ack} cannot go with idempotency_key "
+            "(a message acknowledged before its task ended is lost in a crash)"
+        )
+    if task.labels.get("timeout") is not None and not _is_async(task.original_func):
+        raise ConfigurationError(
+            f"task {task.task_name}: timeout cannot go with idempotency_key on a sync task: "
+            "taskiq cannot stop its thread (or process), so a task past its timeout goes on "
+            "running while its claim is given back and a retry runs it a second time; make "
+            "the task async (its timeout then cancels it) or remove the timeout"
+        )
+
+
+def _is_async(target: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(target)
+
+
+def _untimed(message: TaskiqMessage, target: Callable[..., Any]) -> TaskiqMessage:
+    """``message`` without a ``timeout`` label when ``target`` is sync: taskiq's timeout
+    cannot stop a sync task (its thread or process runs on), and its claim given back meanwhile
+    would let a retry run the task a second time beside it."""
+    if message.labels.get("timeout") is None or _is_async(target):
+        return message
+    LOGGER.warning(
+        "oncely taskiq %s[%s]: its timeout label is ignored: taskiq cannot stop a sync task, "
+        "so it runs to its end under its claim (a retry beside it would run it twice)",
+        message.task_name,
+        message.task_id,
+    )
+    untimed = message.model_copy(update={"labels": dict(message.labels)})
+    untimed.labels.pop("timeout", None)
+    if message.labels_types:
+        untimed.labels_types = {k: v for k, v in message.labels_types.items() if k != "timeout"}
+    return untimed
 
 
 def _wire_labels(sent: BrokerMessage) -> dict[str, Any]:
