@@ -13,6 +13,7 @@ import os
 from datetime import timedelta
 
 import redis.asyncio
+from taskiq import Context, TaskiqDepends
 from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
 from taskiq_redis import RedisAsyncResultBackend
 
@@ -78,4 +79,17 @@ def ship(order: str, sleep: float) -> str:  # sync: a timeout label cannot stop 
 
     time.sleep(sleep)
     sync_redis.Redis.from_url(REDIS_URL).incr(f"{NS}:effects:ship:{order}")
+    return order
+
+
+@broker.task(idempotency_key=lambda order: f"later:{order}")
+async def later(order: str, context: Context = TaskiqDepends()) -> str:  # noqa: B008
+    """Puts itself back on the queue (taskiq's ``Context.requeue``) the first time, or
+    rejects itself (``Context.reject``) for an order named ``bad``."""
+    await REDIS.incr(f"{NS}:started:{order}")
+    if order.startswith("bad"):
+        context.reject()
+    if await REDIS.incr(f"{NS}:attempts:{order}") == 1:
+        await context.requeue()
+    await REDIS.incr(f"{NS}:effects:{order}")
     return order

@@ -196,6 +196,33 @@ def test_r1_a_sync_task_sent_with_a_timeout_runs_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_r1_a_task_that_requeues_itself_runs_again_and_one_that_rejects_itself_is_not(
+    tmp_path: Path,
+) -> None:
+    """taskiq's ``Context.requeue()`` sends the task again and ends it with NoResultError:
+    the claim was completed as if the task were done, so the copy was answered as a
+    duplicate (``None``) and the task never ran (its work lost). ``Context.reject()`` was
+    retried as a failure; it is poison, dead-lettered at once."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        run.worker(workers=1)
+
+        async def scenario(app: ModuleType) -> list[Any]:
+            requeued = await app.later.kiq("r1")
+            rejected = await app.later.kiq("bad1")
+            return [await t.wait_result(timeout=60) for t in (requeued, rejected)]
+
+        requeued, rejected = run.drive(scenario)
+        assert not requeued.is_err and requeued.return_value == "r1", requeued
+        assert run.effects("r1") == 1 and run.started("r1") == 2
+        assert rejected.is_err and "rejected itself" in str(rejected.error), rejected
+        assert run.started("bad1") == 1 and run.effects("bad1") == 0
+        assert run.dead_letters() == [("later", "the task rejected itself")]
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, each worker process started and sent every task again every 2 s until the
     # store answered. taskiq starts a stopped worker process again: --max-fails ends it.

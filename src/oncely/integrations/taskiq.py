@@ -34,6 +34,8 @@ the first message with a key           the task runs; the claim completes when i
                                        message is sent again after ``retry_delay`` s up
                                        to ``max_retries`` times (a task label overrides
                                        it), then dead-lettered
+``Context.requeue()`` in the task      the claim is released, so the copy taskiq sent
+                                       runs the task (never answered as a duplicate)
 a duplicate (the key completed)        the first result is the task's result, the task
                                        not run
 a copy while the first still runs      sent again ``retry_in_flight`` s later (not one of
@@ -46,7 +48,8 @@ starts, or its tables cannot be used   (exit code 3, or 4 for the tables), the s
                                        named in the log; taskiq starts it again, so pass
                                        ``--max-fails`` to let the command stop
 the key with other arguments, no key,  dead-lettered with the reason, and the task's
-``oncely.Reject``                      result is the error :class:`DeadLettered`
+``oncely.Reject``, taskiq's            result is the error :class:`DeadLettered`
+``Context.reject()``                   (a rejection is never retried)
 a message taskiq cannot parse, or a    dead-lettered as it came, with the reason
 task this worker does not know         (taskiq alone acknowledges and drops it)
 =====================================  ================================================
@@ -85,7 +88,7 @@ try:
     from taskiq import AckableMessage, BrokerMessage, TaskiqMessage, TaskiqMiddleware, TaskiqResult
     from taskiq.acks import AcknowledgeType
     from taskiq.brokers.inmemory_broker import InMemoryBroker
-    from taskiq.exceptions import NoResultError
+    from taskiq.exceptions import NoResultError, TaskRejectedError
     from taskiq.labels import prepare_label
     from taskiq.middlewares import SimpleRetryMiddleware, SmartRetryMiddleware
     from taskiq.receiver import Receiver as _TaskiqReceiver
@@ -115,6 +118,8 @@ _RETRYING = (SimpleRetryMiddleware, SmartRetryMiddleware)
 LOGGER = logging.getLogger("oncely.taskiq")
 KEY_LABEL = "oncely_key"
 """The label :func:`send_with_key` sets: the producer's key."""
+REQUEUE_LABEL = "X-Taskiq-requeue"
+"""The label taskiq's ``Context.requeue()`` counts a task's requeues in."""
 RETRIES_LABEL = "oncely_retries"
 """The label a resent failure carries: how many times it failed before."""
 KEY_OPTION = "idempotency_key"
@@ -378,17 +383,23 @@ class Receiver(_TaskiqReceiver):
         *args: Any,
         **kwargs: Any,
     ) -> TaskiqResult[Any]:
+        requeues = message.labels.get(REQUEUE_LABEL)
         result: TaskiqResult[Any] = await super().run_task(target, message, *args, **kwargs)
         error = result.error
         if error is None:
             await claimed.complete(result.return_value)
             return result
         if isinstance(error, NoResultError):
-            await claimed.complete(None)
+            if message.labels.get(REQUEUE_LABEL) != requeues:
+                # Context.requeue() sent the task again: not done, so its copy runs it.
+                await claimed.release("the task requeued itself (Context.requeue)")
+            else:
+                await claimed.complete(None)
             return result
-        if isinstance(error, Reject):
-            await claimed.reject(error.reason)
-            return await self._dead_letter(message, Outcome.REJECTED, error.reason)
+        if isinstance(error, Reject | TaskRejectedError):
+            why = error.reason if isinstance(error, Reject) else "the task rejected itself"
+            await claimed.reject(why)
+            return await self._dead_letter(message, Outcome.REJECTED, why)
         await claimed.release(f"the task raised {type(error).__name__}: {error}")
         return await self._retry(message, error)
 
