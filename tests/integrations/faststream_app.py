@@ -33,7 +33,7 @@ inbox = oncely.AsyncInbox(
     lease=oncely.Lease(duration=LEASE),
 )
 idempotency = Idempotency(
-    {QUEUE: inbox},
+    {QUEUE: inbox, QUEUE + ".files": inbox},
     max_deliveries=3,
     backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
     requeue_delay=timedelta(seconds=0.5),
@@ -66,3 +66,12 @@ async def charge(charge: Charge) -> dict[str, object]:
 @broker.subscriber(QUEUE + ".plain")
 async def plain(order: str) -> None:  # not in the mapping: untouched by the middleware
     REDIS.incr(f"{NS}:effects:plain:{order}")
+
+
+@broker.subscriber(QUEUE + ".files")
+@broker.publisher(QUEUE + ".copies")
+async def render(order: str) -> bytes:  # bytes: published as they are, duplicates' too
+    REDIS.incr(f"{NS}:effects:file:{order}")
+    if order == "huge":  # over the inbox's max_result_bytes: not kept
+        return b"x" * (300 * 1024)
+    return b"\x00\x01 the file of " + order.encode()

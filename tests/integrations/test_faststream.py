@@ -33,12 +33,13 @@ class Run(WorkerRun):
 
     framework = "faststream"
     app_module = "tests.integrations.faststream_app"
-    queue_suffixes = ("", ".plain", ".receipts", ".dead")
+    queue_suffixes = ("", ".plain", ".receipts", ".files", ".copies", ".dead")
 
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
         with self.channel() as channel:  # the queues exist before the first publish
-            for name in (self.queue, f"{self.queue}.plain", f"{self.queue}.receipts"):
+            for suffix in self.queue_suffixes[:-1]:
+                name = self.queue + suffix
                 channel.queue_declare(name, durable=True)
 
     def app(self) -> ModuleType:
@@ -168,6 +169,37 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         o1 = [p.message_id for p, body in receipts if json.loads(body)["order"] == "o1"]
         assert len(o1) == 3 and len(set(o1)) == 1 and o1[0]
         assert {json.loads(body)["order"] for _, body in receipts} == {"o1", "o2", "o3"}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r1_a_duplicate_publishes_the_first_result_as_the_handler_returned_it(
+    tmp_path: Path,
+) -> None:
+    """A handler that returns ``bytes``: its duplicate published the stored form (the bytes in
+    base64, as text) instead of the bytes; and a duplicate whose first result was not kept
+    (over ``max_result_bytes``) published an empty message under the first result's id."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        files = f"{run.queue}.files"
+        run.worker()
+        for order in ("f1", "f1", "huge", "huge"):  # each one, and its duplicate
+            run.publish(json.dumps(order).encode(), f"m-{order}", queue=files,
+                        content_type="application/json")  # fmt: skip
+        copies: list[tuple[Any, bytes]] = []
+
+        def published() -> bool:
+            copies.extend(run.taken(".copies"))
+            return len(copies) >= 3
+
+        _until(published, run=run)
+        time.sleep(2.0)  # a copy that would still come (the huge one's duplicate)
+        copies.extend(run.taken(".copies"))
+        bodies = sorted(body[:40] for _, body in copies)
+        assert bodies == [b"\x00\x01 the file of f1"] * 2 + [b"x" * 40], bodies
+        assert run.effects("file:f1") == 1 and run.effects("file:huge") == 1
+        assert run.taken(".dead") == [] and run.taken(".files") == []  # each one acknowledged
     finally:
         run.close()
 

@@ -25,8 +25,11 @@ The key is the producer's id, read from the raw broker message (or ``key=``: any
 the first delivery of a key            the handler runs; its result is stored and
                                        published (reply, ``@publisher``) as usual
 a duplicate (the key completed)        acknowledged, the handler not run; the stored
-                                       result is published again, so a reply lost to a
-                                       crash after the claim completed is not lost
+                                       result is published again (rebuilt as the
+                                       handler's return annotation), so a reply lost to
+                                       a crash after the claim completed is not lost; a
+                                       first result that was not kept is published as
+                                       nothing (a warning says why)
 a copy while the first still runs      given back ``requeue_delay`` later
 the handler raised                     retried after ``backoff``, dead-lettered with the
                                        last error after ``max_deliveries``
@@ -46,7 +49,11 @@ the dead-letter copy cannot be sent    given back, never acknowledged without it
 
 Dead letters go to the subscriber's queue, subject or stream plus ``.dead``, with the same
 ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries``
-headers as :mod:`oncely.brokers`; every byte of the body and every header kept. Results the
+headers as :mod:`oncely.brokers`; every byte of the body and every header kept. The result
+is stored in its JSON form (``bytes`` as base64, a ``datetime`` as ISO text): a duplicate
+rebuilds it as the handler's return annotation (``-> bytes``, ``-> datetime``, a model...)
+before FastStream publishes it, so it is published as the first one was; annotate a handler
+whose result is not JSON already, or its duplicates publish the stored form. Results the
 handler publishes get a message id derived from the consumer, the key and the destination,
 unless the handler set one: a republished result (a duplicate's) has the same id as the
 first, so a downstream oncely consumer drops it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -26,8 +27,9 @@ from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
 from oncely.brokers._shape import Backoff, DeadLetter
-from oncely.errors import ConfigurationError, MissingKey, Reject
+from oncely.errors import ConfigurationError, MissingKey, Reject, ResultUnavailable
 from oncely.inbox.async_inbox import AsyncInbox
+from oncely.integrations._task_keys import first_result
 from oncely.integrations.faststream._adapter import (
     ADAPTED,
     DEAD_LETTER_SUFFIX,
@@ -202,11 +204,7 @@ class Idempotency:
             # Results published from here on carry an id derived from the key.
             scope.result_key = (inbox.consumer, handled.key or "")
             if handled.outcome is Outcome.DUPLICATE:
-                LOGGER.info(
-                    "oncely faststream source=%s key=%s: a duplicate, not run",
-                    source,
-                    printable(handled.key or ""),
-                )
+                return _first_result(handled, call_next, source)
             return handled.value
         await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
@@ -375,6 +373,42 @@ class _Scope(BaseMiddleware):
             derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
             self.adapter.stamp(cmd, derived)
         return await call_next(cmd)
+
+
+def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
+    """What a duplicate publishes: the first result, rebuilt as the handler's return
+    annotation (``bytes``, a ``datetime``, a model...), as FastStream published it the first
+    time; the stored (JSON) form where there is none. A first result that was not kept is
+    published as nothing (``AckMessage``: acknowledged), never as an empty message."""
+    key = printable(handled.key or "")
+    try:
+        value = first_result(handled, _handler_of(call_next), source)
+    except ResultUnavailable:
+        LOGGER.warning(
+            "oncely faststream source=%s key=%s: a duplicate, not run; its first result is not "
+            "there to publish again (%s): nothing is published",
+            source,
+            key,
+            handled.reason,
+        )
+        raise AckMessage() from None
+    LOGGER.info("oncely faststream source=%s key=%s: a duplicate, not run", source, key)
+    return value
+
+
+def _unannotated(*args: Any) -> Any:  # a duplicate's result stays in its stored form
+    return None
+
+
+def _handler_of(call_next: Any) -> Callable[..., Any]:
+    """The user's handler under ``call_next`` (the inner middlewares' ``consume_scope``
+    partials around FastStream's ``call_wrapped`` of the handler that matched), for its
+    return annotation; :func:`_unannotated` where it cannot be found."""
+    call = call_next
+    while isinstance(call, functools.partial) and call.args:
+        call = call.args[0]
+    handler = getattr(getattr(call, "__self__", None), "_original_call", None)
+    return handler if callable(handler) else _unannotated
 
 
 def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str) -> Adapter:
