@@ -4,7 +4,8 @@ on RabbitMQ (``taskiq-aio-pika``) and oncely's receiver: tasks behind
 (``INCR``) so every worker process counts in one place. Configured by the environment:
 ``ONCELY_TEST_TASKIQ_QUEUE``, ``ONCELY_TEST_TASKIQ_STORE`` (the inbox's store URL),
 ``ONCELY_TEST_TASKIQ_NS`` (the Redis key prefix of the effects and results),
-``ONCELY_TEST_TASKIQ_LEASE`` (seconds)."""
+``ONCELY_TEST_TASKIQ_LEASE`` (seconds), ``ONCELY_TEST_TASKIQ_LETTERS`` (a dead-letter queue of
+the middleware's own, when set)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,15 @@ broker = (
         dead_letter_queue=Queue(name=f"{QUEUE}.dead", type=QueueType.CLASSIC),
     )
     .with_result_backend(RedisAsyncResultBackend(REDIS_URL, prefix_str=f"{NS}:results"))
-    .with_middlewares(Idempotency(inbox, max_retries=2, retry_delay=0.2, retry_in_flight=1.0))
+    .with_middlewares(
+        Idempotency(
+            inbox,
+            max_retries=2,
+            retry_delay=0.2,
+            retry_in_flight=1.0,
+            dead_letter_queue=os.environ.get("ONCELY_TEST_TASKIQ_LETTERS") or None,
+        )
+    )
 )
 
 

@@ -32,7 +32,7 @@ RECEIVER = "oncely.integrations.taskiq:Receiver"
 class Run(WorkerRun):
     framework = "taskiq"
     app_module = "tests.integrations.taskiq_app"
-    queue_suffixes = ("", ".dead")
+    queue_suffixes = ("", ".dead", ".letters")
 
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
@@ -218,6 +218,37 @@ def test_r1_a_task_that_requeues_itself_runs_again_and_one_that_rejects_itself_i
         assert rejected.is_err and "rejected itself" in str(rejected.error), rejected
         assert run.started("bad1") == 1 and run.effects("bad1") == 0
         assert run.dead_letters() == [("later", "the task rejected itself")]
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r20_dead_letters_reach_a_dead_letter_queue_named_on_the_middleware(
+    tmp_path: Path,
+) -> None:
+    """``Idempotency(dead_letter_queue=...)`` names a queue nothing declared: RabbitMQ dropped
+    every dead letter sent there (the log said it was in that queue). It is declared before
+    the first one."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    run.env["ONCELY_TEST_TASKIQ_LETTERS"] = f"{run.queue}.letters"
+    try:
+        run.worker(workers=1)
+
+        async def scenario(app: ModuleType) -> Any:
+            return await (await app.notify.kiq("o9")).wait_result(timeout=60)  # no key
+
+        keyless = run.drive(scenario)
+        assert keyless.is_err and f"{run.queue}.letters" in str(keyless.error), keyless
+        letters: list[tuple[Any, bytes]] = []
+
+        def arrived() -> bool:
+            letters.extend(run.taken(".letters"))
+            return len(letters) >= 1
+
+        until(arrived, client=run.redis, ns=run.ns)
+        headers = letters[0][0].headers
+        assert "no idempotency key" in headers["x-oncely-reason"], headers
+        assert run.taken(".dead") == [] and run.effects("mail:o9") == 0
     finally:
         run.close()
 

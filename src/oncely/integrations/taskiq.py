@@ -66,7 +66,9 @@ ignored with a warning. Do not also add taskiq's
 retried here, and theirs would send a second copy.
 
 Dead letters: on ``taskiq-aio-pika``'s ``AioPikaBroker`` they go to the broker's own
-dead-letter queue (``taskiq.dead_letter`` unless ``dead_letter_queue`` says otherwise), as the
+dead-letter queue (``taskiq.dead_letter`` unless the broker's ``dead_letter_queue`` says
+otherwise), or to ``Idempotency(dead_letter_queue=...)``, declared durable before the first
+dead letter when it does not exist (RabbitMQ would drop what is sent to it), as the
 task message with the ``x-oncely-outcome/reason/consumer/deliveries`` headers of
 :mod:`oncely.brokers`; any other broker needs ``dead_letter=``, an async function given the
 message's bytes and those headers (tested only on RabbitMQ).
@@ -172,6 +174,7 @@ class Idempotency(TaskiqMiddleware):
         self.retry_delay = retry_delay
         self.retry_in_flight = retry_in_flight
         self._dead_letter_queue = dead_letter_queue
+        self._dead_letter_queue_declared = False
         self.dead_letter = dead_letter
         self.receiver: Receiver | None = None
 
@@ -242,6 +245,27 @@ class Idempotency(TaskiqMiddleware):
         own = getattr(getattr(self.broker, "_dead_letter_queue", None), "name", None)
         return own if isinstance(own, str) and own else "taskiq.dead_letter"
 
+    async def _declare_dead_letter_queue(self) -> None:
+        """Make sure a ``dead_letter_queue`` given here exists before the first dead letter
+        is sent to it: RabbitMQ drops a message sent to a queue that does not exist, so the
+        dead letters vanished while the log said where they were. (The broker's own
+        dead-letter queue is declared by the broker.)"""
+        import aiormq  # noqa: PLC0415 - aio-pika's protocol library, present with it
+
+        own = getattr(getattr(self.broker, "_dead_letter_queue", None), "name", None)
+        name = self.dead_letter_queue
+        if self._dead_letter_queue and name != own:
+            connection: Any = getattr(self.broker, "write_conn", None)
+            channel = await connection.channel()
+            try:
+                await channel.declare_queue(name, durable=True)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                pass  # it exists, declared with other arguments: it takes the letters
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
+        self._dead_letter_queue_declared = True
+
     def keyer(self, task_name: str) -> Keyer | str | None:
         task = self.broker.find_task(task_name)
         return None if task is None else task.labels.get(KEY_OPTION)
@@ -252,6 +276,8 @@ class Idempotency(TaskiqMiddleware):
             return
         import aio_pika  # noqa: PLC0415 - AioPikaBroker's own client, present with it
 
+        if not self._dead_letter_queue_declared:
+            await self._declare_dead_letter_queue()
         channel: Any = getattr(self.broker, "write_channel", None)
         await channel.default_exchange.publish(
             aio_pika.Message(
