@@ -442,6 +442,51 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         run.close()
 
 
+@pytest.mark.timeout(120)
+def test_r1_a_result_that_could_not_be_published_is_published_by_the_redelivery(
+    tmp_path: Path,
+) -> None:
+    """The handler ran and its claim completed, then FastStream could not publish its result
+    (the results' stream was gone): the error reached FastStream, whose default for a
+    JetStream subscriber (``REJECT_ON_ERROR``) terminated the message, so the result was never
+    published. The message is now given back, and once the stream is there again its
+    redelivery, a duplicate, publishes the stored result: once, the handler not run again."""
+    require("NATS", NATS_URL, 4222)
+    run = NatsRun(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        from oncely.brokers.nats import stream_name_for
+
+        receipts = run.queue + ".receipts"
+        run.charge("m-r1", "r1")  # creates the streams
+        run.worker()
+        run.until(lambda: run.effects("r1") == 1)
+
+        async def streams(change: str) -> None:
+            client = await nats.connect(NATS_URL)
+            try:
+                js = client.jetstream()
+                if change == "delete":  # then the next message (run.charge makes it again)
+                    await js.delete_stream(stream_name_for(receipts))
+                    body = json.dumps({"order": "r2", "amount": 10}).encode()
+                    headers = {"content-type": "application/json", "message_id": "m-r2"}
+                    await js.publish(run.queue, body, headers=headers)
+                else:
+                    await js.add_stream(name=stream_name_for(receipts), subjects=[receipts])
+            finally:
+                await client.close()
+
+        asyncio.run(streams("delete"))
+        run.until(lambda: run.effects("r2") == 1)
+        time.sleep(1.0)  # its result's publish fails meanwhile
+        asyncio.run(streams("add"))
+        run.until(lambda: [order for _, order in run.receipts()] == ["r2"], seconds=30)
+        time.sleep(1.0)
+        assert [order for _, order in run.receipts()] == ["r2"]
+        assert run.effects("r2") == 1 and run.started("r2") == 1 and run.dead() == []
+    finally:
+        run.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(

@@ -41,6 +41,9 @@ the handler raised :class:`oncely.Reject`  dead-lettered with its reason
 or FastStream's ``RejectMessage``
 the handler raised ``AckMessage``      the key completes (nothing is published)
 the handler raised ``NackMessage``     a failure: retried as above
+the result cannot be published         given back (FastStream's default would reject
+(a reply or ``@publisher``)            it, the result never sent); its redelivery, a
+                                       duplicate, publishes the stored result
 the store cannot answer                given back, never run unprotected
 the store is down at start             the app does not start, with
                                        ``on_startup=[idempotency.prepare]``

@@ -160,7 +160,8 @@ class Idempotency:
             )
             await self._give_back(adapter, held, self.backoff.delay(None))
             raise AckMessage() from None
-        scope.adapter = adapter
+        scope.adapter, scope.held = adapter, held
+        scope.deliveries = delivery.envelope.delivery_count
         every = adapter.extend_every(held)
 
         async def run(_body: object) -> Any:
@@ -349,6 +350,8 @@ class _Scope(BaseMiddleware):
         self.owner = owner
         self.result_key: tuple[str, str] | None = None
         self.adapter: Adapter | None = None
+        self.held: Settling | None = None
+        self.deliveries: int | None = None
         self.reached = False
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
@@ -367,12 +370,29 @@ class _Scope(BaseMiddleware):
         return await self.owner._unread(self, exc_val)
 
     async def publish_scope(self, call_next: Callable[[Any], Awaitable[Any]], cmd: Any) -> Any:
-        if self.result_key is not None and self.adapter is not None:
-            consumer, key = self.result_key
-            where = f"{getattr(cmd, 'exchange', '')}\n{getattr(cmd, 'destination', '')}"
-            derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
-            self.adapter.stamp(cmd, derived)
-        return await call_next(cmd)
+        if self.result_key is None or self.adapter is None or self.held is None:
+            return await call_next(cmd)
+        consumer, key = self.result_key
+        where = f"{getattr(cmd, 'exchange', '')}\n{getattr(cmd, 'destination', '')}"
+        derived = str(uuid.uuid5(_RESULT_IDS, f"{consumer}\n{key}\n{where}"))
+        self.adapter.stamp(cmd, derived)
+        try:
+            return await call_next(cmd)
+        except Exception as exc:
+            # The claim is complete and its result stored: given back, the message comes
+            # again as a duplicate, which publishes the result again. Left to FastStream, the
+            # error rejected it (the default ack policy), and the result was never published.
+            LOGGER.error(
+                "oncely faststream source=%s key=%s could not publish its result (%s: %s); the "
+                "message is given back, and its redelivery publishes the stored result",
+                self.held.source,
+                printable(key),
+                type(exc).__name__,
+                exc,
+            )
+            delay = self.owner.backoff.delay(self.deliveries)
+            await self.owner._give_back(self.adapter, self.held, delay)
+            raise AckMessage() from None
 
 
 def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
