@@ -4,7 +4,8 @@ run`` worker command on RabbitMQ: a subscriber behind
 every worker process counts in one place, its results published to ``<queue>.receipts``.
 Configured by the environment: ``ONCELY_TEST_FASTSTREAM_QUEUE`` (the queue),
 ``ONCELY_TEST_FASTSTREAM_STORE`` (the inbox's store URL), ``ONCELY_TEST_FASTSTREAM_NS`` (the
-Redis key prefix of the effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds)."""
+Redis key prefix of the effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds),
+``ONCELY_TEST_FASTSTREAM_ACK_FIRST`` (when set, a subscriber the middleware refuses)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 from datetime import timedelta
 
 import redis
-from faststream import FastStream
+from faststream import AckPolicy, FastStream
 from faststream.rabbit import RabbitBroker
 from pydantic import BaseModel
 
@@ -33,7 +34,7 @@ inbox = oncely.AsyncInbox(
     lease=oncely.Lease(duration=LEASE),
 )
 idempotency = Idempotency(
-    {QUEUE: inbox, QUEUE + ".files": inbox},
+    {QUEUE: inbox, QUEUE + ".files": inbox, QUEUE + ".first": inbox},
     max_deliveries=3,
     backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
     requeue_delay=timedelta(seconds=0.5),
@@ -75,3 +76,10 @@ async def render(order: str) -> bytes:  # bytes: published as they are, duplicat
     if order == "huge":  # over the inbox's max_result_bytes: not kept
         return b"x" * (300 * 1024)
     return b"\x00\x01 the file of " + order.encode()
+
+
+if os.environ.get("ONCELY_TEST_FASTSTREAM_ACK_FIRST"):  # a subscriber oncely cannot protect
+
+    @broker.subscriber(QUEUE + ".first", ack_policy=AckPolicy.ACK_FIRST)
+    async def acked_first(order: str) -> None:
+        REDIS.incr(f"{NS}:effects:first:{order}")

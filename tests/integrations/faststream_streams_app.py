@@ -144,4 +144,4 @@ elif BROKER == "kafka":
 else:  # pragma: no cover - a test configured it
     raise SystemExit(f"ONCELY_TEST_FASTSTREAM_BROKER={BROKER!r}: nats, nats-push, redis or kafka")
 
-app = FastStream(broker)
+app = FastStream(broker, on_startup=[idempotency.prepare])

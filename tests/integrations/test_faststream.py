@@ -33,7 +33,7 @@ class Run(WorkerRun):
 
     framework = "faststream"
     app_module = "tests.integrations.faststream_app"
-    queue_suffixes = ("", ".plain", ".receipts", ".files", ".copies", ".dead")
+    queue_suffixes = ("", ".plain", ".receipts", ".files", ".copies", ".first", ".dead")
 
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
@@ -103,6 +103,25 @@ def test_an_app_whose_store_is_down_does_not_start(tmp_path: Path) -> None:
         oncely_line=False,
     )
     assert "StoreUnavailable" in said and "started successfully" not in said, said
+
+
+@pytest.mark.timeout(120)
+def test_an_app_with_a_subscriber_oncely_cannot_protect_does_not_start(tmp_path: Path) -> None:
+    """An ``AckPolicy.ACK_FIRST`` subscriber behind the middleware: the app started, and each
+    message was acknowledged by FastStream, refused by oncely and so dropped, never run."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    run.env["ONCELY_TEST_FASTSTREAM_ACK_FIRST"] = "1"
+    try:
+        run.publish(b'"a1"', "m-a1", queue=f"{run.queue}.first", content_type="application/json")
+        log = tmp_path / "worker.log"
+        assert run.worker(log=log).wait(60) != 0
+        said = log.read_text(errors="replace")
+        assert "ConfigurationError" in said and "ACK_FIRST" in said, said
+        assert "started successfully" not in said, said
+        assert run.effects("first:a1") == 0
+        assert len(run.taken(".first")) == 1  # still there, for the app once it is fixed
+    finally:
+        run.close()
 
 
 @pytest.mark.timeout(180)

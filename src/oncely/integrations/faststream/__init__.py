@@ -61,8 +61,10 @@ handler publishes get a message id derived from the consumer, the key and the de
 unless the handler set one: a republished result (a duplicate's) has the same id as the
 first, so a downstream oncely consumer drops it.
 
-A subscriber the middleware cannot protect is refused: its messages raise
-:class:`~oncely.ConfigurationError` and the handler never runs. That is any subscriber whose
+A subscriber the middleware cannot protect is refused: the app does not start, with
+:class:`~oncely.ConfigurationError`, when ``idempotency.prepare`` is its start-up hook;
+without the hook its messages raise that error and the handler never runs, but FastStream
+has taken each one off the broker by then, so it is lost. That is any subscriber whose
 ``ack_policy`` is ``ACK_FIRST`` or ``MANUAL`` (FastStream would acknowledge whatever
 happens, or never), and per broker the kinds listed below. With a mapping ``{queue, subject
 or stream name: inbox}``, only the listed subscribers take part; a subscriber of a ``*.dead``

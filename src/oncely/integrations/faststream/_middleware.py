@@ -15,7 +15,7 @@ from typing import Any
 
 try:
     from fast_depends.exceptions import ValidationError as BindingError
-    from faststream import BaseMiddleware
+    from faststream import BaseMiddleware, Context
     from faststream.exceptions import AckMessage, RejectMessage
     from faststream.middlewares import AckPolicy
 except ImportError as exc:  # pragma: no cover - the extra is missing
@@ -100,18 +100,45 @@ class Idempotency:
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
         return _Scope(self, msg, context=context)
 
-    async def prepare(self) -> None:
+    async def prepare(self, app: Any = Context("app", default=None)) -> None:  # noqa: B008
         """Connect every inbox's store and check its schema now, not at the first message.
         FastStream gives a broker middleware no start-up of its own: give this to the app,
         ``FastStream(broker, on_startup=[idempotency.prepare])``, and an app whose store is
         down does not start, with :class:`~oncely.StoreUnavailable` naming the store (or
         :class:`~oncely.SchemaError` for tables this oncely cannot use). Without it, such an
-        app starts and gives every message back to the broker until the store answers."""
+        app starts and gives every message back to the broker until the store answers.
+
+        As the app's hook it is given the app (``app``), and an app with a subscriber behind
+        this middleware that it cannot protect (``AckPolicy.ACK_FIRST``, Kafka's default,
+        and the kinds the module docstring lists) does not start either, with
+        :class:`~oncely.ConfigurationError` saying what to change: it would take each message
+        off the broker and drop it unprocessed."""
+        self._check_subscribers(app)
         seen: set[int] = set()
         for inbox in self._inboxes.values():
             if id(inbox.store) not in seen:
                 seen.add(id(inbox.store))
                 await inbox.prepare()
+
+    def _check_subscribers(self, app: Any) -> None:
+        refused = []
+        for broker in getattr(app, "brokers", None) or ():
+            for subscriber in getattr(broker, "subscribers", ()):
+                if self not in getattr(subscriber, "_broker_middlewares", ()):
+                    continue
+                adapter = self._adapter(subscriber)
+                source = None if adapter is None else adapter.source_of(subscriber)
+                if self._inbox_for(source) is None or _dead_letters(source):
+                    continue
+                shown = source if source is not None else f"<a {type(subscriber).__name__}>"
+                why = _refusal(adapter, subscriber, shown)
+                if why is not None:
+                    refused.append(why)
+        if refused:
+            raise ConfigurationError(
+                "the app does not start: " + "; ".join(refused) + " (its messages would be "
+                "taken off the broker and dropped unprocessed)"
+            )
 
     def _inbox_for(self, queue: str | None) -> AsyncInbox | None:
         if self._every is not None:
@@ -437,24 +464,43 @@ def _protectable(adapter: Adapter | None, subscriber: Any, raw: Any, source: str
     that says it protects it)."""
     if adapter is None:
         raise _not_adapted(subscriber, raw)
-    refused = adapter.unprotectable(subscriber)
-    if refused is not None:
-        raise ConfigurationError(
-            f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: "
-            f"{refused}; the message was not processed"
-        )
-    if not adapter.is_delivery(raw):
+    why = _unprotectable(adapter, subscriber, source)
+    if why is None and not adapter.is_delivery(raw):
         raise _not_adapted(subscriber, raw)
+    why = why or _acks_alone(subscriber, source)
+    if why is not None:
+        raise ConfigurationError(f"{why}: the message was not processed")
+    return adapter
+
+
+def _refusal(adapter: Adapter | None, subscriber: Any, source: str) -> str | None:
+    """Why the middleware cannot protect ``subscriber`` (``None``: it can), before any
+    message: what :func:`_protectable` refuses a message of ``subscriber`` for."""
+    if adapter is None:
+        return (
+            f"oncely.integrations.faststream adapts FastStream's {ADAPTED}, not the "
+            f"{type(subscriber).__module__} subscriber of {source!r}"
+        )
+    return _unprotectable(adapter, subscriber, source) or _acks_alone(subscriber, source)
+
+
+def _unprotectable(adapter: Adapter, subscriber: Any, source: str) -> str | None:
+    refused = adapter.unprotectable(subscriber)
+    if refused is None:
+        return None
+    return f"oncely cannot protect the {adapter.broker_name} subscriber of {source!r}: {refused}"
+
+
+def _acks_alone(subscriber: Any, source: str) -> str | None:
     policy = getattr(subscriber, "ack_policy", None)
     if policy in (AckPolicy.ACK_FIRST, AckPolicy.MANUAL):
-        raise ConfigurationError(
+        return (
             f"oncely cannot protect the subscriber of {source!r}: its ack_policy is "
             f"{policy.name}, so FastStream acknowledges (or commits) the message whatever its "
             "outcome, or never does; give it ack_policy=AckPolicy.ACK (the default of "
-            "RabbitMQ, NATS and Redis subscribers is fine; Kafka's commits automatically): "
-            "the message was not processed"
+            "RabbitMQ, NATS and Redis subscribers is fine; Kafka's commits automatically)"
         )
-    return adapter
+    return None
 
 
 @contextlib.asynccontextmanager
