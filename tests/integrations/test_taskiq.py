@@ -254,6 +254,38 @@ def test_r20_dead_letters_reach_a_dead_letter_queue_named_on_the_middleware(
 
 
 @pytest.mark.timeout(120)
+def test_r2_a_key_sent_with_send_with_key_that_oncely_refuses_answers_its_caller(
+    tmp_path: Path,
+) -> None:
+    """``send_with_key`` with a key over the inbox's limit: the message was dead-lettered, but
+    no result was ever stored for it (its task id comes from the key, and a refusal under
+    such an id was taken for a copy of a first message whose result stands), so the caller
+    waited for one until its timeout."""
+    from taskiq.exceptions import TaskiqResultTimeoutError
+
+    from oncely.integrations.taskiq import send_with_key
+
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        run.worker(workers=1)
+
+        async def scenario(app: ModuleType) -> Any:
+            sent = await send_with_key(app.notify, "mail:" + "x" * 600, "o1")
+            try:
+                return await sent.wait_result(timeout=20)
+            except TaskiqResultTimeoutError:
+                return None
+
+        result = run.drive(scenario)
+        assert result is not None, "the caller got no answer"
+        assert result.is_err and "over the limit" in str(result.error), result
+        assert run.effects("mail:o1") == 0
+        assert [name for name, _ in run.dead_letters()] == ["notify"]
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_whose_store_is_down_stops_before_taking_a_message(tmp_path: Path) -> None:
     # Before, each worker process started and sent every task again every 2 s until the
     # store answered. taskiq starts a stopped worker process again: --max-fails ends it.

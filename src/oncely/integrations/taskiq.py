@@ -99,7 +99,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.taskiq needs taskiq: pip install 'oncely[taskiq]'"
     ) from exc
 
-from oncely._core.outcomes import Outcome
+from oncely._core.outcomes import Handled, Outcome
 from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
@@ -395,11 +395,25 @@ class Receiver(_TaskiqReceiver):
         if handled.outcome is Outcome.IN_FLIGHT:
             return await self._later(message, f"key {key} is being processed elsewhere")
         refused = await self._dead_letter(message, handled.outcome, handled.reason or "refused")
-        if message.task_id == stable_task_id(message.task_name, key):
+        if message.task_id == stable_task_id(message.task_name, key) and await self._answered(
+            message, handled
+        ):
             # send_with_key's task id comes from the key: this refused copy shares its result
             # with the first message, whose result stands (the refusal is in the dead letter).
             return _result(message, None, NoResultError())
         return refused
+
+    async def _answered(self, message: TaskiqMessage, handled: Handled[Any]) -> bool:
+        """Whether the task id of ``message``, refused with ``handled``, already has its
+        answer (a first message's result) that this copy must not write over. Not a key
+        refused on its own (too long: no message had it before), nor an escalated stale
+        claim (its worker died before answering)."""
+        try:
+            return bool(await self.broker.result_backend.is_result_ready(message.task_id))
+        except Exception:  # the backend cannot say: what the outcome says
+            return handled.outcome is Outcome.KEY_CONFLICT or (
+                handled.outcome is Outcome.REJECTED and handled.record is not None
+            )
 
     async def _run(
         self,
