@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import redis
 from faststream import AckPolicy, FastStream
-from faststream.rabbit import RabbitBroker
+from faststream.rabbit import QueueType, RabbitBroker, RabbitQueue
 from pydantic import BaseModel
 
 import oncely
@@ -34,7 +34,7 @@ inbox = oncely.AsyncInbox(
     lease=oncely.Lease(duration=LEASE),
 )
 idempotency = Idempotency(
-    {QUEUE: inbox, QUEUE + ".files": inbox, QUEUE + ".first": inbox},
+    {QUEUE: inbox, QUEUE + ".files": inbox, QUEUE + ".first": inbox, QUEUE + ".quorum": inbox},
     max_deliveries=3,
     backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
     requeue_delay=timedelta(seconds=0.5),
@@ -83,3 +83,19 @@ if os.environ.get("ONCELY_TEST_FASTSTREAM_ACK_FIRST"):  # a subscriber oncely ca
     @broker.subscriber(QUEUE + ".first", ack_policy=AckPolicy.ACK_FIRST)
     async def acked_first(order: str) -> None:
         REDIS.incr(f"{NS}:effects:first:{order}")
+
+
+# A quorum queue that RabbitMQ lets deliver a message 3 times at most (then drops it).
+QUORUM = RabbitQueue(
+    QUEUE + ".quorum",
+    durable=True,
+    queue_type=QueueType.QUORUM,
+    arguments={"x-delivery-limit": 3},
+)
+
+
+@broker.subscriber(QUORUM)
+async def charge_quorum(charge: Charge) -> None:
+    REDIS.incr(f"{NS}:started:{charge.order}")
+    await asyncio.sleep(charge.sleep)
+    REDIS.incr(f"{NS}:effects:{charge.order}")

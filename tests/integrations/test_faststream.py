@@ -8,6 +8,7 @@ worker ``SIGKILL``ed mid-handler (R1, R2, R4, R10, R13, R16); then FastStream's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -33,12 +34,14 @@ class Run(WorkerRun):
 
     framework = "faststream"
     app_module = "tests.integrations.faststream_app"
-    queue_suffixes = ("", ".plain", ".receipts", ".files", ".copies", ".first", ".dead")
+    queue_suffixes = (
+        "", ".plain", ".receipts", ".files", ".copies", ".first", ".quorum", ".dead"
+    )  # fmt: skip
 
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
         with self.channel() as channel:  # the queues exist before the first publish
-            for suffix in self.queue_suffixes[:-1]:
+            for suffix in self.queue_suffixes[:-2]:  # the app declares its quorum queue
                 name = self.queue + suffix
                 channel.queue_declare(name, durable=True)
 
@@ -188,6 +191,40 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         o1 = [p.message_id for p, body in receipts if json.loads(body)["order"] == "o1"]
         assert len(o1) == 3 and len(set(o1)) == 1 and o1[0]
         assert {json.loads(body)["order"] for _, body in receipts} == {"o1", "o2", "o3"}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r10_on_a_quorum_queue_a_message_given_back_is_not_spent_against_its_delivery_limit(
+    tmp_path: Path,
+) -> None:
+    """A worker is killed mid-handler on a quorum queue with ``x-delivery-limit: 3``. The
+    redelivered message meets the dead worker's live lease and is given back until it lapses:
+    each give-back was a requeue that RabbitMQ counted, so it dropped the message after three
+    and the effect never happened. A give-back on a quorum queue is now a copy at the tail
+    (with the count it had), and the original is acknowledged."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", lease=4.0)
+    try:
+        first = run.worker()
+
+        def declared() -> bool:  # the app declares its quorum queue
+            with run.channel() as channel, contextlib.suppress(pika.exceptions.ChannelClosed):
+                channel.queue_declare(f"{run.queue}.quorum", passive=True)
+                return True
+            return False
+
+        _until(declared, run=run)
+        body = json.dumps({"order": "q1", "amount": 10, "sleep": 3.0}).encode()
+        run.publish(body, "m-q1", queue=f"{run.queue}.quorum", content_type="application/json")
+        _until(lambda: run.started("q1") == 1, run=run)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+        run.worker()
+        _until(lambda: run.effects("q1") == 1, seconds=60, run=run)
+        time.sleep(1.0)
+        assert run.effects("q1") == 1 and run.started("q1") == 2
+        assert run.taken(".dead") == []
     finally:
         run.close()
 

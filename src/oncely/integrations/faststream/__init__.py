@@ -78,7 +78,11 @@ RabbitMQ (``RabbitBroker``)
     always pass. The delivery count is a quorum queue's ``x-delivery-count``, or the
     ``x-oncely-delivered`` header of a retry's copy. RabbitMQ has no delayed requeue: a
     message given back is held unacknowledged for the delay, then requeued; a retry is a
-    copy at the queue's tail with its count, then the original is acknowledged. Dead letters
+    copy at the queue's tail with its count, then the original is acknowledged. On a quorum
+    queue a message given back is such a copy too, carrying the count it had: a requeue
+    would count against the queue's ``x-delivery-limit`` (RabbitMQ 4 sets one by default),
+    past which RabbitMQ drops the message, so waiting out a dead worker's lease would spend
+    it. Dead letters
     go to ``<queue>.dead`` (declared durable).
 
 NATS (``NatsBroker``, JetStream subscribers)

@@ -73,6 +73,14 @@ class RabbitAdapter:
         # RabbitMQ has no delayed requeue: the message is held unacknowledged meanwhile
         # (locked, so FastStream leaves it alone).
         held.raw.lock()
+        if _counts_requeues(held):
+            # A quorum queue counts every requeue against its x-delivery-limit (RabbitMQ 4
+            # sets one by default) and drops or dead-letters the message past it: a message
+            # given back unrun (a running copy, a dead worker's live lease) would be spent.
+            # A copy at the tail keeps the count this delivery had instead.
+            count = _count(held.raw.headers or {}, bool(held.raw.redelivered)) or 1
+            held.later(_retry_later(held.broker, held.raw, held.source, delay, count - 1))
+            return
         held.later(_requeue_later(held.raw, delay))
 
     async def retry(self, held: Settling, delay: timedelta, count: int) -> None:
@@ -140,6 +148,15 @@ def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
         },
     )
     return Delivery(envelope, refusal)
+
+
+def _counts_requeues(held: Settling) -> bool:
+    """Whether the queue of ``held`` counts deliveries (a quorum queue: declared so, or its
+    message carries ``x-delivery-count``)."""
+    if DELIVERY_COUNT_HEADER in (held.raw.headers or {}):
+        return True
+    arguments = getattr(getattr(held.subscriber, "queue", None), "arguments", None) or {}
+    return arguments.get("x-queue-type") == "quorum"
 
 
 def _count(headers: Mapping[str, object], redelivered: bool) -> int | None:
