@@ -798,6 +798,46 @@ class TestKafka(BrokerSuite):
         (said,) = warned()
         assert f"topic={topic}" in said and "topic's 1 partitions" in said
 
+    async def test_a_slow_handler_in_a_batch_holds_up_only_its_own_partition(self) -> None:
+        """Batch mode (the default): one record's handler blocks. Before, the batch it came
+        in was settled only once every handler ended, and the next batch was read only
+        then: every partition stalled behind the one slow record. Now each partition's run
+        is settled as it ends and the next batch is read meanwhile: records published while
+        the slow one runs are processed, except those behind it in its own partition, which
+        wait for it (order kept)."""
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            if payload["k"] == "slow":
+                started.set()
+                await release.wait()
+            await self.apply(payload)
+
+        producer = self.producer()
+        assert isinstance(producer, KafkaProducer)
+        await producer.publish(body("slow"), message_id="slow")
+        worker = self.consumer(handler)
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 60)
+            later = [f"l{n}" for n in range(12)]
+            for key in later:
+                await producer.publish(body(key), message_id=key)
+            where = {
+                json.loads(r.value)["k"]: r.partition for r in await self._read_all(self.source)
+            }
+            free = {k for k in later if where[k] != where["slow"]}
+            assert free, where  # twelve keys spread over four partitions
+            await wait_until(
+                lambda: free <= set(self.ledger.counts()),
+                what="the records of the other partitions, while the slow one runs",
+            )
+            assert not set(later) - free & set(self.ledger.counts())  # behind it: waiting
+            release.set()
+            await wait_until(
+                lambda: set(self.ledger.counts()) == {"slow", *later}, what="all of them"
+            )
+        assert set(self.ledger.counts().values()) == {1}
+
     async def test_open_transport_reads_kafka_urls(self) -> None:
         made = open_transport(f"{self.url}?session_timeout=6&partitions=2", self.source, group="g")
         assert isinstance(made, Kafka)

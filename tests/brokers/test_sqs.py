@@ -402,6 +402,46 @@ class TestSQS(BrokerSuite):
         with pytest.raises(BrokerError, match="a producer never creates one"):
             await producer.publish(b"{}", message_id="m")
 
+    async def test_a_slow_handler_in_a_batch_holds_up_no_other_message(self) -> None:
+        """Batch mode (the default, ten per receive): one message's handler blocks. Before,
+        the next receive waited until every handler of the batch had ended, so messages sent
+        meanwhile waited for the slow one. Now they are received and processed while it
+        runs, and the handlers of all batches together stay within ``concurrency``."""
+        started, release = asyncio.Event(), asyncio.Event()
+        running_now: list[str] = []
+        most = 0
+
+        async def handler(payload: dict[str, Any]) -> None:
+            nonlocal most
+            running_now.append(payload["k"])
+            most = max(most, len(running_now))
+            try:
+                if payload["k"] == "slow":
+                    started.set()
+                    await release.wait()
+                else:
+                    await asyncio.sleep(0.05)
+                await self.apply(payload)
+            finally:
+                running_now.remove(payload["k"])
+
+        await self.publish("slow")
+        worker = self.consumer(handler, concurrency=3)
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 60)
+            later = [f"l{n}" for n in range(15)]
+            for key in later:
+                await self.publish(key)
+            await wait_until(
+                lambda: set(later) <= set(self.ledger.counts()),
+                what="the later messages, while the slow one runs",
+            )
+            release.set()
+            await wait_until(lambda: "slow" in self.ledger.counts(), what="the slow one")
+        assert set(self.ledger.counts().values()) == {1}
+        assert most <= 3
+        await self.assert_settled()
+
     async def test_a_body_that_is_not_utf8_travels_as_base64_and_comes_back_as_it_was(
         self,
     ) -> None:

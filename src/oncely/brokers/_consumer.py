@@ -26,7 +26,7 @@ from oncely._core.clock import to_ms
 from oncely._core.records import Status
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
-from oncely.inbox.async_inbox import AsyncInbox
+from oncely.inbox.async_inbox import AsyncInbox, Early
 from oncely.inbox.heartbeats import AsyncHeartbeats
 from oncely.inbox.sync_inbox import Inbox
 from oncely.keys import Envelope, KeySource, MessageIdKey
@@ -222,15 +222,20 @@ class InboxProcessor:
         concurrency: int,
         stop: Callable[[Hashable], bool],
         positions: Sequence[Position | None] | None = None,
+        *,
+        settled: Early[Any] | None = None,
+        slots: asyncio.Semaphore | None = None,
     ) -> list[Handled[Any]]:
         """The outcomes of a batch of messages (bodies decoded), in order: one claim and one
         completion for all of them in the two-phase mode; in the transactional mode, each
         message's own transaction, the messages of one group in order. Once ``stop(group)`` is
         true, the group's messages not started yet are not started (``in_flight``).
         ``positions`` (with ``store_offsets``): each message's position, or None where it must
-        not be written."""
+        not be written. ``settled`` (two-phase mode): told the outcomes of groups that end
+        while others still run (:meth:`AsyncInbox.handle_messages`); ``slots``: a semaphore
+        bounding the groups of several batches together, in place of ``concurrency``."""
         if self._transactional or self._payload is not None:
-            return await _each(self, envelopes, groups, concurrency, stop, positions)
+            return await _each(self, envelopes, groups, concurrency, stop, positions, slots)
         return await self.inbox.handle_messages(
             envelopes,
             self._handler,
@@ -238,6 +243,8 @@ class InboxProcessor:
             groups=groups,
             concurrency=concurrency,
             stop=stop,
+            settled=settled,
+            slots=slots,
         )
 
     def refuse(
@@ -273,6 +280,7 @@ async def _each(
     concurrency: int,
     stop: Callable[[Hashable], bool],
     positions: Sequence[Position | None] | None = None,
+    shared: asyncio.Semaphore | None = None,
 ) -> list[Handled[Any]]:
     """A batch as one :meth:`Processor.process` per message: the messages of one group in
     order, up to ``concurrency`` groups at once. Once a message of a group fails, the later
@@ -286,7 +294,7 @@ async def _each(
     runs: dict[Hashable, list[int]] = {}
     for i, group in enumerate(groups):
         runs.setdefault(group, []).append(i)
-    slots = asyncio.Semaphore(concurrency)
+    slots = shared if shared is not None else asyncio.Semaphore(concurrency)
 
     async def run(group: Hashable, members: list[int]) -> None:
         async with slots:
@@ -406,6 +414,12 @@ class BrokerConsumer:
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
+        """Handlers running at once (one message at a time), or groups (batches, all of
+        them together)."""
+        self._unsettled = 0
+        """Deliveries of batches read and not settled yet (at most ``batch``)."""
+        self._room = asyncio.Event()
+        """Set when a batch's delivery is settled: the next batch may be read."""
         self._heartbeats = AsyncHeartbeats()
 
     # ------------------------------------------------------------------ running
@@ -614,27 +628,39 @@ class BrokerConsumer:
         return acquiring.done() and not acquiring.cancelled()
 
     async def _read_batches(self) -> None:
-        """One batch at a time: read up to ``batch`` deliveries, run them through the inbox
-        together, settle each, read the next."""
+        """Read up to ``batch`` deliveries, run them through the inbox together, settle each
+        as its group ends. The next batch is read as soon as deliveries are settled, up to
+        ``batch`` unsettled in all: a slow handler holds up its own group (a Kafka partition,
+        an SQS message), not the messages behind the others. The groups of every batch share
+        ``concurrency``."""
         failures = 0
         settings = self.settings
         fetch = getattr(self.transport, "fetch_batch", None) or self.transport.fetch
+        # A Processor of your own may not bound its batches together: one at a time.
+        overlap = isinstance(self.processor, InboxProcessor)
         while not self.stopping:
+            room = self.batch - self._unsettled
+            if room < 1 or (self._unsettled and not overlap):
+                self._room.clear()
+                await self._unless_stopped(self._room.wait())  # a stop: _drain waits for them
+                continue
             try:
-                deliveries: list[Delivery] = await fetch(self.batch, settings.poll)
+                deliveries: list[Delivery] = await fetch(room, settings.poll)
                 failures = 0
             except BrokerUnavailable as exc:
                 failures += 1
                 await self._pause(settings.reconnect.delay(failures), exc)
                 continue
             if deliveries:
+                self._unsettled += len(deliveries)
                 task = asyncio.create_task(self._many(deliveries))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-                stopping = asyncio.ensure_future(self._stopping.wait())
-                # On a stop, _drain gives the batch its shutdown grace.
-                await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
-                stopping.cancel()
+
+    def _done_with(self, count: int) -> None:
+        """``count`` deliveries of a batch are settled (or given back): room for more."""
+        self._unsettled -= count
+        self._room.set()
 
     async def _pause(self, delay: timedelta, exc: BaseException) -> None:
         self._log.warning(
@@ -675,6 +701,15 @@ class BrokerConsumer:
     # ------------------------------------------------------------------ a batch
 
     async def _many(self, deliveries: list[Delivery]) -> None:
+        left = dict(enumerate(deliveries))
+        """The batch's deliveries not settled yet (groups that ended early are settled as
+        they end)."""
+        try:
+            await self._run_many(deliveries, left)
+        finally:
+            self._done_with(len(left))
+
+    async def _run_many(self, deliveries: list[Delivery], left: dict[int, Delivery]) -> None:
         tickets = []
         every = self.transport.extend_every
         if every is not None:
@@ -682,24 +717,38 @@ class BrokerConsumer:
                 self._heartbeats.start(functools.partial(self._extend, d), every.total_seconds())
                 for d in deliveries
             ]
+
+        async def early(indexes: list[int], outcomes: list[Handled[Any]]) -> None:
+            mine = [(left.pop(i), handled) for i, handled in zip(indexes, outcomes, strict=True)]
+            if tickets:
+                for i in indexes:
+                    await tickets[i].stop()
+            try:
+                await self._settle_all(mine)
+            finally:
+                self._done_with(len(mine))
+
         try:
             try:
-                outcomes = await self._process_many(deliveries)
+                outcomes = await self._process_many(deliveries, early)
             finally:
                 for ticket in tickets:
                     await ticket.stop()
         except asyncio.CancelledError:
             await asyncio.gather(
-                *(self._settle_quietly(_give_back(d, timedelta(0)), d, "retry") for d in deliveries)
+                *(
+                    self._settle_quietly(_give_back(d, timedelta(0)), d, "retry")
+                    for d in left.values()
+                )
             )
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
-            self.counts["store_unavailable"] += len(deliveries)
+            self.counts["store_unavailable"] += len(left)
             self._log.error(
                 "oncely broker=%s could not process a batch of %d messages (%s: %s); they are "
                 "given back and will be redelivered",
                 self.transport.name,
-                len(deliveries),
+                len(left),
                 type(exc).__name__,
                 exc,
             )
@@ -707,20 +756,24 @@ class BrokerConsumer:
             await asyncio.gather(
                 *(
                     self._settle_quietly(_give_back(d, backoff.delay(d.delivery_count)), d, "retry")
-                    for d in deliveries
+                    for d in left.values()
                 )
             )
             return
+        rest = [(d, outcomes[i]) for i, d in left.items()]
+        finished = await self._settle_all(rest)
+        if len(rest) == len(deliveries):  # nothing settled early (the stored offsets' case)
+            await self._store_past_dead_letters(deliveries, outcomes, finished)
+
+    async def _settle_all(self, settled: list[tuple[Delivery, Handled[Any]]]) -> list[bool]:
+        """Carry out each delivery's outcome; the acks in one call where the transport takes
+        them so (SQS). Whether each is finished."""
         ack_many = getattr(self.transport, "ack_many", None)
         together = ack_many is not None
         finished = await asyncio.gather(
-            *(
-                self._settle(d, handled, ack=not together)
-                for d, handled in zip(deliveries, outcomes, strict=True)
-            )
+            *(self._settle(d, handled, ack=not together) for d, handled in settled)
         )
-        await self._store_past_dead_letters(deliveries, outcomes, finished)
-        acks = [d for d, h in zip(deliveries, outcomes, strict=True) if h.action is Action.ACK]
+        acks = [d for d, h in settled if h.action is Action.ACK]
         if ack_many is not None and acks:  # one call for the batch's acks (SQS)
             try:
                 await ack_many(acks)
@@ -732,10 +785,15 @@ class BrokerConsumer:
                     len(acks),
                     exc,
                 )
+        return list(finished)
 
-    async def _process_many(self, deliveries: list[Delivery]) -> list[Handled[Any]]:
+    async def _process_many(
+        self, deliveries: list[Delivery], early: Early[Any] | None = None
+    ) -> list[Handled[Any]]:
         """Each delivery's outcome: refused ones at once, the rest as one batch of the
-        processor (or one message after the other, for a processor without batches)."""
+        processor (or one message after the other, for a processor without batches). The
+        two-phase processor tells ``early`` (indexes into ``deliveries``) the outcomes of
+        groups that end while others still run."""
         outcomes: list[Handled[Any] | None] = [None] * len(deliveries)
         ready: list[int] = []
         envelopes: list[Envelope] = []
@@ -756,6 +814,7 @@ class BrokerConsumer:
             def stop(group: Hashable) -> bool:
                 return self._stopping.is_set() or _revoked(by_group[group])
 
+            slots = self._slots  # shared by the batches running at once
             if self._positions is not None:
                 positions = _positions(deliveries, every, outcomes)
                 done: list[Handled[Any]] = await _each(
@@ -765,11 +824,24 @@ class BrokerConsumer:
                     concurrency,
                     stop,
                     [positions[i] for i in ready],
+                    slots,
                 )
-            elif many is not None:
+            elif isinstance(self.processor, InboxProcessor):
+                settled = None
+                if early is not None:
+
+                    async def settled(indexes: list[int], ended: list[Handled[Any]]) -> None:
+                        await early([ready[j] for j in indexes], ended)
+
+                done = await self.processor.process_batch(
+                    envelopes, groups, concurrency, stop, settled=settled, slots=slots
+                )
+            elif many is not None:  # a Processor of your own (its batches one at a time)
                 done = await many(envelopes, groups, concurrency, stop)
             else:
-                done = await _each(self.processor, envelopes, groups, concurrency, stop)
+                done = await _each(
+                    self.processor, envelopes, groups, concurrency, stop, None, slots
+                )
             for i, handled in zip(ready, done, strict=True):
                 outcomes[i] = handled
         return [handled for handled in outcomes if handled is not None]

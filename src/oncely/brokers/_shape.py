@@ -217,11 +217,14 @@ class ConsumerSettings:
     (:class:`~oncely.AsyncPurgeService`): across a fleet, one consumer per table leads it.
 
     ``batch`` is how many deliveries are read and run through the inbox together: one
-    ``claim_many`` and one ``complete_many`` per batch instead of a claim and a completion per
-    message (R1), the messages of one ordering group (a Kafka partition, an SQS FIFO message
-    group) one after the other and up to ``concurrency`` groups at once. ``None`` takes the
-    transport's choice (``batch_default``: 500 on Kafka, 10 on SQS, one message at a time on
-    the others); ``1`` runs each message on its own as it arrives.
+    ``claim_many`` per batch instead of a claim per message (R1), the messages of one ordering
+    group (a Kafka partition, an SQS FIFO message group) one after the other and up to
+    ``concurrency`` groups at once. Each group is completed and settled as it ends (the groups
+    that end within a few milliseconds of each other in one ``complete_many``), and more is
+    read meanwhile, up to ``batch`` deliveries unsettled in all, so a slow handler holds up
+    its own group only; the groups of all the batches running share ``concurrency``. ``None``
+    takes the transport's choice (``batch_default``: 500 on Kafka, 10 on SQS, one message at
+    a time on the others); ``1`` runs each message on its own as it arrives.
 
     The redelivery horizon (R13) is derived from these settings and what the broker says
     (:meth:`horizon`), and a consumer whose inbox keeps records for less refuses to start.

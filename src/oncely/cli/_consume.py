@@ -229,8 +229,7 @@ broker_options = _options(
         default=16,
         show_default=True,
         help="Messages handled at once (on Kafka, partitions handled at once; the records of "
-        "one partition stay in order). In batch mode, within a batch: the next batch is read "
-        "once the slowest handler of this one ends.",
+        "one partition stay in order), in batch mode across the batches running together.",
     ),
     click.option("--group", help="Consumer group / durable name (default: the consumer name)."),
     click.option(

@@ -28,6 +28,7 @@ if ASYNC:
 
     from oncely._core.handlers import refuse_generator, refuse_unrun
 else:
+    from threading import Semaphore
     from time import sleep
 
     from oncely._core.handlers import refuse_async, sync_result
@@ -41,7 +42,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from time import perf_counter, time
-from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, cast
+from typing import Any, Generic, Literal, ParamSpec, Self, TypeAlias, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.context import _CURRENT
@@ -89,6 +90,7 @@ from oncely.errors import (
     TransactionEnded,
     TransactionsUnsupported,
 )
+from oncely.inbox._gather import Gather
 from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
 from oncely.inbox.heartbeats import AsyncHeartbeats, AsyncTicket
 from oncely.stores.async_protocols import (
@@ -106,6 +108,8 @@ P = TypeVar("P")
 R = TypeVar("R")
 Tx = TypeVar("Tx")
 PS = ParamSpec("PS")
+Early: TypeAlias = Callable[[list[int], list[Handled[R]]], Awaitable[None]]
+"""Told the outcomes of a batch's groups that ended early: their indexes and outcomes."""
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
 _MAX_ROUNDS = 8
@@ -342,15 +346,26 @@ class AsyncInbox:
         groups: Sequence[Hashable] | None = None,
         concurrency: int = 1,
         stop: Callable[[Hashable], bool] | None = None,
+        settled: Early[R] | None = None,
+        slots: Semaphore | None = None,
     ) -> list[Handled[R]]:
         """:meth:`handle_batch` for broker messages: each key comes from ``key`` (default: the
         producer's message id) and each message keeps its correlation id. A message without a
-        usable key is ``rejected`` with the reason, never processed unprotected (R2-R4)."""
+        usable key is ``rejected`` with the reason, never processed unprotected (R2-R4).
+
+        For a consumer that settles messages as they end (asyncio only): ``settled(indexes,
+        outcomes)`` is called with the outcomes of the groups that ended while others still
+        run, their completions gathered over a short wait into one ``complete_many`` (so a
+        slow handler holds up its own group, not the others'); they are in the list returned
+        too. ``slots``, a semaphore shared by several batches, bounds their groups together
+        in place of ``concurrency``."""
         started = perf_counter()
         entries: list[tuple[str | Handled[R], object, str | None]] = [
             (self._rules.message_key(e, key, started), e.body, e.correlation_id) for e in envelopes
         ]
-        return await self._batch(entries, handler, groups, concurrency, stop, started)
+        return await self._batch(
+            entries, handler, groups, concurrency, stop, started, settled=settled, slots=slots
+        )
 
     async def _batch(
         self,
@@ -360,6 +375,9 @@ class AsyncInbox:
         concurrency: int,
         stop: Callable[[Hashable], bool] | None,
         started: float,
+        *,
+        settled: Early[R] | None = None,
+        slots: Semaphore | None = None,
     ) -> list[Handled[R]]:
         self._refuse_async(handler)
         if concurrency < 1:
@@ -370,65 +388,25 @@ class AsyncInbox:
             )
         results: list[Handled[R] | None] = [None] * len(entries)
         runs, copies = await self._claim_batch(entries, groups, results, started)
-        finished: list[tuple[int, Claim, R | None, bytes | None, str | None]] = []
-        completed: dict[int, Claim] = {}
         # Every claim the batch holds, renewed until it is completed or released: one that
         # waits behind its group, or whose handler returned while others still run, would
         # otherwise lapse in a batch that outlasts the lease, and another worker's copy would
         # take it over and run it again.
         held, beat = self._renewing(runs)
-
-        async def run(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
-            held_back: str | None = None
-            for i, claim, step in members:
-                _key, payload, correlation_id = entries[i]
-                record = claim.record
-                if held_back is None and stop is not None and stop(group):
-                    held_back = "not started: the consumer is stopping or gave up its group"
-                if held_back is not None:
-                    held.pop(i, None)
-                    await self._release_quietly(record.key, record.token)
-                    results[i] = self._rules.done(
-                        Outcome.IN_FLIGHT,
-                        record.key,
-                        started,
-                        reason=held_back,
-                        attempt=record.attempt,
-                        correlation_id=correlation_id,
-                    )
-                    continue
-                if step is Step.STALE:  # rare: the one-message path has the reconciler logic
-                    results[i] = await self.handle(
-                        record.key, payload, handler, correlation_id=correlation_id
-                    )
-                else:
-                    result, error = await self._invoke(claim, payload, handler, correlation_id)
-                    if error is None:
-                        data, note = (
-                            (None, None)
-                            if result is None
-                            else self._rules.encode(result, strict=False)
-                        )
-                        finished.append((i, claim, result, data, note))
-                        continue
-                    held.pop(i, None)
-                    results[i] = await self._raised(record, error, correlation_id, started)
-                outcome = results[i]
-                if outcome is not None and outcome.outcome is Outcome.FAILED:
-                    held_back = (
-                        f"held back: the earlier message with key {printable(record.key)} of its "
-                        "group failed, and the group's order is kept"
-                    )
-
+        batch = _BatchRun(self, entries, handler, stop, started, results, held, len(runs))
+        if ASYNC:  # noqa: SIM102 - the sync twin keeps no early reports
+            if settled is not None and len(runs) > 1:
+                batch.early = Gather(functools.partial(batch.report, settled))
         try:
-            await self._run_groups(runs, run, concurrency, finished)
-            if finished:
-                answers = await self._complete_many(_completions(finished))
-                for (i, claim, result, _data, note), done in zip(finished, answers, strict=True):
-                    results[i] = self._outcome(claim, result, note, done, entries[i][2], started)
-                    if isinstance(done, Record):
-                        completed[i] = Claim(ClaimStatus.EXISTING, done, claim.now_ms)
+            await self._run_groups(runs, batch.run, concurrency, batch.finished, slots)
+            if ASYNC:  # noqa: SIM102 - the sync twin keeps no early reports
+                if batch.early is not None:
+                    await batch.early.settle()
+            await batch.complete(list(batch.finished))
         finally:
+            if ASYNC:  # noqa: SIM102 - the sync twin keeps no early reports
+                if batch.early is not None:
+                    await batch.early.close()
             held.clear()
             if beat is not None:
                 await beat.stop()
@@ -436,7 +414,7 @@ class AsyncInbox:
             # A copy of a message earlier in this batch (a producer's retry in the same poll):
             # once that one completed, the copy is its duplicate now, rather than in_flight
             # and given back to stall its partition or queue until a redelivery says so.
-            found = completed.get(first)
+            found = batch.completed.get(first)
             step = Step.DUPLICATE if found is not None else Step.IN_FLIGHT
             decided = found if found is not None else claim
             results[i] = self._rules.settle(step, decided, entries[i][2], started)
@@ -448,10 +426,11 @@ class AsyncInbox:
         run: Callable[[Hashable, list[tuple[int, Claim, Step]]], Awaitable[None]],
         concurrency: int,
         finished: list[tuple[int, Claim, Any, bytes | None, str | None]],
+        shared: Semaphore | None = None,
     ) -> None:
-        """Run a batch's groups, up to ``concurrency`` at once."""
+        """Run a batch's groups, up to ``concurrency`` at once (or as ``shared`` allows)."""
         if ASYNC:
-            slots = Semaphore(concurrency)
+            slots = shared if shared is not None else Semaphore(concurrency)
 
             async def bounded(group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
                 async with slots:
@@ -1399,6 +1378,115 @@ class AsyncInbox:
                 initial=Status.FAILED,
                 error=reason[: self._limits.max_error_chars],
             )
+
+
+class _BatchRun(Generic[R]):
+    """One batch's run: its groups' handlers, and its completions, gathered (one round trip
+    for what finished) at the end, or earlier for groups that end while others still run
+    (``early``, for a consumer that settles messages as they end)."""
+
+    def __init__(
+        self,
+        inbox: AsyncInbox,
+        entries: Sequence[tuple[str | Handled[R], Any, str | None]],
+        handler: AsyncHandler[Any, R],
+        stop: Callable[[Hashable], bool] | None,
+        started: float,
+        results: list[Handled[R] | None],
+        held: dict[int, Record],
+        groups: int,
+    ) -> None:
+        self.inbox = inbox
+        self.entries = entries
+        self.handler = handler
+        self.stop = stop
+        self.started = started
+        self.results = results
+        self.held = held
+        self.finished: list[tuple[int, Claim, R | None, bytes | None, str | None]] = []
+        self.completed: dict[int, Claim] = {}
+        self.waiting = groups
+        """Groups not ended yet."""
+        self.ended: list[int] = []
+        """Indexes of groups that ended, not reported early yet."""
+        self.early: Gather | None = None
+
+    async def run(self, group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
+        await self._run_group(group, members)
+        self.waiting -= 1
+        if self.early is not None and self.waiting > 0:
+            self.ended.extend(i for i, _claim, _step in members)
+            self.early.soon()
+
+    async def report(self, settled: Early[R]) -> None:
+        """Complete what the ended groups finished, in one round trip, and tell ``settled``
+        their outcomes."""
+        now = set(self.ended)
+        self.ended.clear()
+        ready = [f for f in self.finished if f[0] in now]
+        self.finished[:] = [f for f in self.finished if f[0] not in now]
+        await self.complete(ready)
+        order = sorted(i for i in now if self.results[i] is not None)
+        await settled(order, [cast(Handled[R], self.results[i]) for i in order])
+
+    async def complete(
+        self, ready: list[tuple[int, Claim, R | None, bytes | None, str | None]]
+    ) -> None:
+        """Complete ``ready`` (handlers that returned) in one round trip: their outcomes."""
+        if not ready:
+            return
+        inbox = self.inbox
+        answers = await inbox._complete_many(_completions(ready))
+        for (i, claim, result, _data, note), done in zip(ready, answers, strict=True):
+            self.held.pop(i, None)
+            self.results[i] = inbox._outcome(
+                claim, result, note, done, self.entries[i][2], self.started
+            )
+            if isinstance(done, Record):
+                self.completed[i] = Claim(ClaimStatus.EXISTING, done, claim.now_ms)
+
+    async def _run_group(self, group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
+        inbox, results, started = self.inbox, self.results, self.started
+        held_back: str | None = None
+        for i, claim, step in members:
+            _key, payload, correlation_id = self.entries[i]
+            record = claim.record
+            if held_back is None and self.stop is not None and self.stop(group):
+                held_back = "not started: the consumer is stopping or gave up its group"
+            if held_back is not None:
+                self.held.pop(i, None)
+                await inbox._release_quietly(record.key, record.token)
+                results[i] = inbox._rules.done(
+                    Outcome.IN_FLIGHT,
+                    record.key,
+                    started,
+                    reason=held_back,
+                    attempt=record.attempt,
+                    correlation_id=correlation_id,
+                )
+                continue
+            if step is Step.STALE:  # rare: the one-message path has the reconciler logic
+                results[i] = await inbox.handle(
+                    record.key, payload, self.handler, correlation_id=correlation_id
+                )
+            else:
+                result, error = await inbox._invoke(claim, payload, self.handler, correlation_id)
+                if error is None:
+                    data, note = (
+                        (None, None)
+                        if result is None
+                        else inbox._rules.encode(result, strict=False)
+                    )
+                    self.finished.append((i, claim, result, data, note))
+                    continue
+                self.held.pop(i, None)
+                results[i] = await inbox._raised(record, error, correlation_id, started)
+            outcome = results[i]
+            if outcome is not None and outcome.outcome is Outcome.FAILED:
+                held_back = (
+                    f"held back: the earlier message with key {printable(record.key)} of its "
+                    "group failed, and the group's order is kept"
+                )
 
 
 class AsyncClaimed(Generic[R]):
