@@ -215,6 +215,11 @@ class BrokerSuite:
         """Once the test's consumers are gone: nothing unacknowledged, nothing unread."""
         return await self.unsettled() == 0
 
+    async def delete_source(self) -> None:
+        """Delete the source from the broker as an operator would (the queue, the stream
+        key, the stream), and with it what a consumer had set up there."""
+        pytest.skip(f"{type(self).__name__} does not delete its source mid-run")
+
     async def remove(self) -> None:
         """Delete what the test made on the broker."""
         await remove_destinations(self.url, self.source)
@@ -390,6 +395,30 @@ class BrokerSuite:
                 what="every message published at once to be processed",
             )
         assert self.ledger.counts() == dict.fromkeys(keys, 1)
+        await self.assert_settled()
+
+    async def test_a_source_deleted_mid_run_is_made_again_and_read(self) -> None:
+        """An operator deletes the queue or stream a consumer is reading (a reset): the
+        consumer notices (RabbitMQ cancels it and leaves its channel open; a JetStream pull
+        on a deleted consumer looks like an empty one; Redis ends a blocked read with an
+        error), sets up what it reads again and reads what is published there next. It
+        neither stops nor waits for good, looking healthy, while messages pile up."""
+        await self.publish("before")
+        worker = self.consumer(self.apply)
+        async with running(worker) as task:
+            await wait_until(lambda: worker.counts["processed"] == 1, what="the first message")
+            await self.delete_source()
+            await wait_until(
+                lambda: task.done() or self._reading(1),
+                timeout=timedelta(seconds=30),
+                what="the consumer to read the source again",
+            )
+            assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+            await self.producer().publish(body("after"), message_id="after")
+            await wait_until(
+                lambda: worker.counts["processed"] == 2, what="the message published after"
+            )
+        assert self.ledger.counts() == {"before": 1, "after": 1}
         await self.assert_settled()
 
     # ------------------------------------------------------------------ d. dead letters

@@ -140,6 +140,13 @@ class TestJetStream(BrokerSuite):
         # oncely creates has no max_age.
         return BrokerLimits(ack_wait=timedelta(seconds=5), max_deliveries=20)
 
+    async def delete_source(self) -> None:
+        nc = await nats.connect(self.url)
+        try:
+            await nc.jetstream().delete_stream(self.stream)  # its consumer goes with it
+        finally:
+            await nc.close()
+
     # ------------------------------------------------------------------ JetStream's own state
 
     @pytest.fixture

@@ -108,6 +108,11 @@ class TestRabbitMQ(BrokerSuite):
         # RabbitMQ's default consumer_timeout (a client cannot read it) and the queue's limit.
         return BrokerLimits(ack_wait=timedelta(minutes=30), max_deliveries=DEFAULT_DELIVERY_LIMIT)
 
+    async def delete_source(self) -> None:
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            await (await connection.channel()).queue_delete(self.source)
+
     # ------------------------------------------------------------------ RabbitMQ's own state
 
     @property

@@ -86,6 +86,9 @@ class TestRedisStreams(BrokerSuite):
     async def publish_raw_without_id(self, payload: bytes) -> None:
         xadd_raw(self.source, [stream_fields(payload, content_type=b"application/json")])
 
+    async def delete_source(self) -> None:
+        self.admin.delete(self.source)  # its consumer group goes with it
+
     async def dead_letters(self) -> list[DeadCopy]:
         copies = []
         for _id, raw in self.admin.xrange(f"{self.source}.dead"):

@@ -3,6 +3,7 @@ what it fetched."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 from collections import deque
@@ -38,6 +39,10 @@ from oncely.brokers.nats._settings import (
 from oncely.brokers.nats._topology import Topology
 from oncely.errors import BrokerError, BrokerUnavailable
 from oncely.wire import escaped, raw_bytes
+
+_CHECK_EVERY = timedelta(seconds=5)
+"""How often, at most, an idle transport checks that its durable consumer still exists."""
+_CHECK_FAILURES: tuple[type[Exception], ...] = (*UNAVAILABLE, nats.js.errors.APIError)
 
 
 class JetStream:
@@ -101,6 +106,7 @@ class JetStream:
         self._stopped = False
         self._prefetch = 1
         self._held: deque[Msg] = deque()
+        self._next_check = 0.0
 
     @classmethod
     def from_url(
@@ -218,6 +224,7 @@ class JetStream:
             except TimeoutError as exc:
                 if not self._link.connected:
                     raise unavailable("fetch", exc) from None
+                await self._check_consumer()
                 return []  # no message within the timeout
             except nats.js.errors.APIError as exc:
                 self._link.declared = False  # the consumer may be gone: declare it again
@@ -234,6 +241,33 @@ class JetStream:
             except nats.errors.NotJSMessageError:
                 LOGGER.warning("oncely broker=nats skipped a message that is not from JetStream")
         return taken
+
+    async def _check_consumer(self) -> None:
+        """After an empty fetch (at most every :data:`_CHECK_EVERY`): raise
+        :class:`~oncely.BrokerUnavailable` when the durable consumer is gone, deleted on
+        its own or with its stream, so the next fetch declares them again. nats-py answers
+        a pull on a consumer that no longer exists as it answers an empty one (a timeout):
+        without this check the transport would wait on it for good, looking healthy, while a
+        stream made again by a producer fills up."""
+        loop = asyncio.get_running_loop()
+        js, stream = self._link.js, self.stream
+        if loop.time() < self._next_check or js is None or stream is None:
+            return
+        self._next_check = loop.time() + _CHECK_EVERY.total_seconds()
+        try:
+            await js.consumer_info(stream, self.group)
+        except nats.js.errors.NotFoundError as exc:
+            self._link.declared = False
+            sub, self._sub = self._sub, None
+            if sub is not None:
+                with contextlib.suppress(ValueError, *UNAVAILABLE):
+                    await sub.unsubscribe()
+            raise BrokerUnavailable(
+                f"the JetStream consumer {self.group!r} of stream {stream!r} is gone (deleted, "
+                f"or its stream was: {exc.description}); it is declared again"
+            ) from None
+        except _CHECK_FAILURES:
+            return  # the next fetch finds out
 
     async def _reply(self, msg: Msg, payload: bytes, what: str) -> None:
         """Send an acknowledgement ``payload`` for ``msg`` and wait for the server's answer."""

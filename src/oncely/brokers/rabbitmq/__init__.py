@@ -79,7 +79,13 @@ first handler still runs and ``duplicate`` after it finished (R8).
 Connection loss. The transport reconnects on the next :meth:`RabbitMQ.fetch` after a lost
 connection (the consumer loop backs off between attempts). Deliveries from the lost channel
 can no longer be settled (their delivery tags belong to the old channel): settling them raises
-:class:`~oncely.BrokerUnavailable` and the broker redelivers them.
+:class:`~oncely.BrokerUnavailable` and the broker redelivers them. A consumer RabbitMQ
+cancels (its queue was deleted) is over too, though its channel stays open: the transport
+connects and consumes again, declaring the queue where it declares. An idle transport also
+checks (a passive declare, every few seconds) that the queue still exists and counts a
+consumer. A queue deleted and declared again by a producer within moments can still leave a
+consumer that RabbitMQ neither cancels nor serves (seen on 3.10): restart the consumers after
+deleting a queue they read.
 
 URL options: ``delivery_limit`` (whole number, 0 for none), ``declare`` (true/false),
 ``heartbeat``, ``connect_timeout`` and ``confirm_timeout`` (seconds).

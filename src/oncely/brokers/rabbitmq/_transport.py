@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from datetime import timedelta
 
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from oncely._urls import redact
@@ -23,6 +24,9 @@ from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
 DEFAULT_CONSUMER_TIMEOUT = timedelta(minutes=30)
 """RabbitMQ's own default ``consumer_timeout`` (since 3.8.15)."""
+
+CHECK_EVERY = timedelta(seconds=5)
+"""How often, at most, an idle transport checks that the queue still counts its consumer."""
 
 
 class Session:
@@ -45,6 +49,34 @@ class Session:
         if self.lost is None:
             self.lost = exc if exc is not None else ConnectionError("closed")
             self.messages.put_nowait(None)
+
+    def on_cancel(self, frame: object) -> None:
+        """The broker cancelled a consumer of the channel (``basic.cancel``); this session's
+        ends the session, as a lost connection would."""
+        if getattr(frame, "consumer_tag", None) == self.consumer_tag:
+            self.on_close(None, ConsumerGone())
+
+    def why(self) -> str:
+        if isinstance(self.lost, ConsumerGone):
+            return (
+                f"{self.lost}; the transport connects and consumes again, and the broker "
+                "redelivers what was not acknowledged"
+            )
+        return (
+            f"the connection to RabbitMQ was lost ({self.lost}); the broker redelivers what "
+            "was not acknowledged"
+        )
+
+
+class ConsumerGone(ConnectionError):
+    """The queue no longer serves this consumer, though its channel is open: RabbitMQ
+    cancelled it, or the queue was deleted (and maybe declared again) under it."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the queue no longer serves this consumer (it was deleted, maybe declared again, "
+            "or RabbitMQ cancelled the consumer): no message would come on its channel"
+        )
 
 
 class RabbitMQ:
@@ -98,6 +130,7 @@ class RabbitMQ:
         """Whether the broker has let this transport in once (a refusal is final only before)."""
         self._stopped = False
         self._held: set[asyncio.Task[None]] = set()
+        self._next_check = 0.0
 
     @classmethod
     def from_url(
@@ -197,6 +230,11 @@ class RabbitMQ:
                 session.messages.put_nowait(message)
 
             session.consumer_tag = await queue.consume(received, no_ack=False)
+            # A consumer the broker cancels is over (its channel stays open): be told.
+            underlay = await channel.get_underlay_channel()
+            cancels = getattr(underlay, "on_consumer_cancel_callbacks", None)
+            if cancels is not None:
+                cancels.add(session.on_cancel)
         except FAILURES as exc:
             raise_translated(exc, f"declare and consume the queue {self.queue!r}")
         return session
@@ -205,10 +243,7 @@ class RabbitMQ:
         session = self._session
         if session is not None and session.lost is not None and not session.reported:
             session.reported = True  # say it once (the loop logs it), reconnect next time
-            raise BrokerUnavailable(
-                f"the connection to RabbitMQ was lost ({session.lost}); the broker redelivers "
-                "what was not acknowledged"
-            )
+            raise BrokerUnavailable(session.why())
         if session is None or session.lost is not None:
             if self._stopped:
                 return []
@@ -218,17 +253,40 @@ class RabbitMQ:
         try:
             first = await asyncio.wait_for(session.messages.get(), timeout.total_seconds())
         except TimeoutError:
+            if await self._consumer_gone(session):
+                session.reported = True
+                raise BrokerUnavailable(session.why()) from None
             return []
         batch = [first]
         while len(batch) < max(1, limit) and not session.messages.empty():
             batch.append(session.messages.get_nowait())
         if session.lost is not None or None in batch:
             session.reported = True
-            raise BrokerUnavailable(
-                f"the connection to RabbitMQ was lost ({session.lost}); the broker redelivers "
-                "what was not acknowledged"
-            )
+            raise BrokerUnavailable(session.why())
         return [RabbitMQDelivery(m, session, self) for m in batch if m is not None]
+
+    async def _consumer_gone(self, session: Session) -> bool:
+        """After an empty fetch (at most every :data:`CHECK_EVERY`): whether the queue still
+        counts a consumer, by a passive declare on the session's channel. A queue deleted
+        under its consumers cancels them (:meth:`Session.on_cancel`), but one declared again
+        at once (a producer declares a missing queue) can leave a consumer neither cancelled
+        nor served: no message would come, and the transport would look healthy while the
+        queue fills. A queue missing, or counting no consumer, ends the session; the next
+        fetch connects and consumes again."""
+        loop = asyncio.get_running_loop()
+        if self._stopped or session.lost is not None or loop.time() < self._next_check:
+            return session.lost is not None and not self._stopped
+        self._next_check = loop.time() + CHECK_EVERY.total_seconds()
+        try:
+            queue = await session.channel.declare_queue(self.queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            session.on_close(None, ConsumerGone())  # the broker closed the channel too
+        except FAILURES:
+            pass  # the connection's own callbacks say what happened
+        else:
+            if not queue.declaration_result.consumer_count:
+                session.on_close(None, ConsumerGone())
+        return session.lost is not None
 
     def _hold(self, delivery: RabbitMQDelivery, seconds: float) -> None:
         task = asyncio.create_task(delivery._requeue_later(seconds))

@@ -213,6 +213,15 @@ class Translated:
                     f"{self.where}: could not {doing}: the stream or its group is gone "
                     f"(a restart without persistence?); it is created again ({text})"
                 ) from exc
+            if text.startswith("UNBLOCKED"):
+                # Redis 7 ends a blocked XREADGROUP with this when the stream key is deleted
+                # meanwhile (its group went with it): like NOGROUP, make them again.
+                if on_missing is not None:
+                    on_missing()
+                raise BrokerUnavailable(
+                    f"{self.where}: could not {doing}: the stream was deleted while this "
+                    f"consumer waited on it; it is created again ({text})"
+                ) from exc
             if text.startswith(_TRANSIENT_CODES):
                 raise BrokerUnavailable(f"{self.where}: could not {doing}: {text}") from exc
             raise BrokerError(f"{self.where}: could not {doing}: {text}") from exc
