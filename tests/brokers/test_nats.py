@@ -185,6 +185,42 @@ class TestJetStream(BrokerSuite):
     def jetstream_producer(self, **options: Any) -> JetStreamProducer:
         return cast(JetStreamProducer, self.producer(**options))
 
+    # ------------------------------------------------------------------ dead letters
+
+    async def test_a_dead_letter_copy_near_max_payload_is_written_with_its_reason_cut(
+        self,
+    ) -> None:
+        """A message refused as it came whose body is close to the server's ``max_payload``:
+        its copy (the body, the original headers and the ``x-oncely-*`` ones) would be
+        larger than the server takes, and the server closes a connection that publishes
+        such a message, so the copy is never written, every redelivery closes the
+        connection again, and after ``max_deliver`` deliveries JetStream drops the message
+        unwritten. The reason is cut instead: the copy lands, body whole, connection kept."""
+        nc = await nats.connect(self.url)
+        max_payload = nc.max_payload
+        await nc.close()
+        big = b'"' + b"x" * (max_payload - 352) + b'"'  # with its headers, it fits
+        await self.producer().publish(big, message_id="big")
+        await self.publish("small")
+        worker = self.consumer(self.apply, max_body_bytes=1000)
+        async with running(worker):
+            await wait_until(
+                lambda: bool(worker.counts["rejected"] and worker.counts["processed"]),
+                what="the big message refused and the small one processed",
+            )
+
+            async def copied() -> bool:
+                return bool(await self.dead_letters())
+
+            await wait_until(copied, timeout=timedelta(seconds=20), what="the dead-letter copy")
+        [copy] = await self.dead_letters()
+        assert (copy.message_id, copy.body, copy.outcome) == ("big", big, "rejected")
+        assert copy.reason.startswith(f"the body is {len(big)} bytes, over the limit of 1000")
+        assert "dead_letter_failed" not in worker.counts
+        assert "settle_failed" not in worker.counts
+        assert self.ledger.counts() == {"small": 1}
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ configuration
 
     async def test_existing_stream_capturing_the_dead_letter_subject_is_refused(self) -> None:

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
 from oncely._urls import UrlOptions, redact
-from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
+from oncely.brokers._shape import REASON_HEADER, BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.nats._connection import Link
 from oncely.brokers.nats._delivery import JetStreamDelivery
 from oncely.brokers.nats._settings import (
@@ -285,12 +285,17 @@ class JetStream:
     async def _publish_dead_letter(self, msg: Msg, why: DeadLetter) -> None:
         """Publish a copy of ``msg`` with ``why`` to the dead-letter subject and wait for the
         dead-letter stream's acknowledgement."""
-        js = self._link.js
-        if js is None or not self._link.connected:
+        js, client = self._link.js, self._link.client
+        if js is None or client is None or not self._link.connected:
             raise BrokerUnavailable("cannot dead-letter a message: the NATS connection is down")
         try:
             await publish_dead_letter(
-                js, self.dead_letter, msg, why, self._link.timeout.total_seconds()
+                js,
+                self.dead_letter,
+                msg,
+                why,
+                self._link.timeout.total_seconds(),
+                max_payload=client.max_payload,
             )
         except nats.js.errors.NoStreamResponseError as exc:
             self._link.declared = False
@@ -329,19 +334,64 @@ class JetStream:
 
 
 async def publish_dead_letter(
-    js: JetStreamContext, subject: str, msg: Msg, why: DeadLetter, timeout: float
+    js: JetStreamContext,
+    subject: str,
+    msg: Msg,
+    why: DeadLetter,
+    timeout: float,
+    *,
+    max_payload: int | None = None,
 ) -> None:
     """Publish a copy of ``msg`` (its body and every header) with ``why`` to ``subject`` and
     wait for the stream's acknowledgement. When the stream's duplicate window already holds
     a copy with this ``Nats-Msg-Id``, maybe of another message, this one is published again
-    with the id in ``x-oncely-message-id`` instead, so it is never dropped. Raises nats-py's
-    errors."""
+    with the id in ``x-oncely-message-id`` instead, so it is never dropped. With
+    ``max_payload`` (the server's), the reason is cut where the whole copy would be larger:
+    the server would refuse it and close the connection, and the message, given back each
+    time, would be dropped by JetStream after ``max_deliver`` deliveries, never
+    dead-lettered. Raises nats-py's errors, and :class:`~oncely.BrokerError` for a copy that
+    cannot fit even so."""
     headers = sendable_headers(msg.headers or {})
     headers.update(why.headers())
+    if max_payload is not None:
+        _fit(headers, len(msg.data), max_payload)
     ack = await js.publish(subject, msg.data, timeout=timeout, headers=dict(headers))
     if ack.duplicate:
         headers[MESSAGE_ID_COPY_HEADER] = headers.pop(MSG_ID_HEADER, "")
         await js.publish(subject, msg.data, timeout=timeout, headers=dict(headers))
+
+
+_CUT = " ... [cut to fit the server's max_payload]"
+
+
+def _fit(headers: dict[str, str], body: int, max_payload: int) -> None:
+    """Cut ``x-oncely-reason`` in ``headers`` so that the message they head, with a body of
+    ``body`` bytes, is at most ``max_payload`` bytes on the wire; raise
+    :class:`~oncely.BrokerError` when even no reason at all is too much."""
+    over = _header_bytes(headers) + body - max_payload
+    if over <= 0:
+        return
+    reason = headers[REASON_HEADER].encode()
+    room = len(reason) - over
+    if room < 0:
+        raise BrokerError(
+            f"the dead-letter copy would be {-room} bytes over the server's max_payload of "
+            f"{max_payload} even without its reason (a body of {body} bytes); not published"
+        )
+    cut = _CUT.encode()
+    kept = reason[: room - len(cut)] + cut if room > 2 * len(cut) else reason[:room]
+    headers[REASON_HEADER] = kept.decode("utf-8", "ignore")
+
+
+def _header_bytes(headers: Mapping[str, str]) -> int:
+    """The size of ``headers`` as nats-py writes them (``NATS/1.0``, then ``name: value``
+    lines, each stripped, then a blank line)."""
+    lines = (
+        len(name.strip().encode()) + len(value.strip().encode()) + 4
+        for name, value in headers.items()
+        if name.strip()
+    )
+    return len(b"NATS/1.0\r\n\r\n") + sum(lines)
 
 
 def sendable_headers(headers: Mapping[str, str]) -> dict[str, str]:
