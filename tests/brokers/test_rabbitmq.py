@@ -26,7 +26,7 @@ from oncely.brokers.rabbitmq import DEFAULT_DELIVERY_LIMIT, RabbitMQ, RabbitMQPr
 from oncely.errors import BrokerError, BrokerUnavailable
 from tests.brokers.common import remove_destinations, running, unique, wait_until
 from tests.brokers.foreign import publish_amqp
-from tests.brokers.suite import BrokerSuite, DeadCopy, body, fetch_one
+from tests.brokers.suite import BrokerSuite, DeadCopy, Watched, body, fetch_one
 from tests.services import RABBITMQ_URL, disruptive, require
 
 pytestmark = pytest.mark.services
@@ -194,6 +194,45 @@ class TestRabbitMQ(BrokerSuite):
         other = self.transport(delivery_limit=7)
         with pytest.raises(oncely.ConfigurationError, match="other arguments"):
             await other.open(1)
+
+    async def test_r13_a_classic_queue_that_counts_no_deliveries_still_dead_letters_failures(
+        self,
+    ) -> None:
+        """A classic queue declared by someone else (read with ``declare=False``) marks a
+        message redelivered but sets no ``x-delivery-count``: the transport counts the
+        redeliveries itself, so a handler that always fails is run ``max_deliveries`` times
+        and the message dead-lettered, not given back for good."""
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            exchange = await channel.declare_exchange(
+                self.dead, aio_pika.ExchangeType.FANOUT, durable=True
+            )
+            await (await channel.declare_queue(self.dead, durable=True)).bind(exchange)
+            await channel.declare_queue(self.source, durable=True)  # a classic queue
+        attempts = 0
+
+        async def handler(payload: dict[str, Any]) -> None:
+            nonlocal attempts
+            attempts += 1
+            raise RuntimeError(f"boom {attempts}")
+
+        await self.publish("always")
+        await self.publish("other")
+        watched = Watched(self.transport(declare=False))
+        worker = self.consumer(handler, transport=watched, max_deliveries=3)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["dead_lettered_after_retries"] == 2,
+                timeout=timedelta(seconds=20),
+                what="both failing messages dead-lettered",
+            )
+        assert attempts == 6
+        assert watched.counts("always") == watched.counts("other") == [1, 2, 3]
+        copies = await self.dead_letters()
+        assert sorted(c.message_id or "" for c in copies) == ["always", "other"]
+        assert all("failed on all 3 deliveries" in c.reason for c in copies)
+        await self.assert_settled()
 
     async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
         producer = self.producer(declare=False)

@@ -46,8 +46,11 @@ broker requeues the message by itself, which is the same result.
 
 Delivery counts and the delivery limit. Quorum queues count deliveries and put the count of
 earlier deliveries in the ``x-delivery-count`` header of a redelivered message; the transport
-reports ``delivery_count = x-delivery-count + 1`` (1 for a first delivery; unknown when a
-message is marked redelivered without the header, as on a classic queue). Every requeue counts:
+reports ``delivery_count = x-delivery-count + 1`` (1 for a first delivery). A queue that marks
+a message redelivered without the header (a classic queue, read with ``declare=false``) has
+its redeliveries counted by the transport itself, per consumer process (by message id and
+body): a message that fails everywhere is dead-lettered after at most ``max_deliveries``
+deliveries to each process, rather than given back for good. Every requeue counts:
 a failed attempt, an ``in_flight`` requeue, a consumer crash or a lost connection. When a
 message has been delivered more than ``x-delivery-limit`` times the broker dead-letters it by
 itself, which is at-most-once by default and carries no ``x-oncely-*`` reason. That is only a

@@ -4,6 +4,7 @@ carried out on the channel it came on."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -75,6 +76,14 @@ def _header_text(value: object) -> str | None:
     return None
 
 
+def _identity(message: AbstractIncomingMessage) -> bytes:
+    """What tells the copies of one message apart from other messages, for counting the
+    deliveries a queue does not count: its id and a hash of its body."""
+    digest = hashlib.sha256(message.body)
+    digest.update(b"\0" + (message.message_id or "").encode("utf-8", "surrogatepass"))
+    return digest.digest()
+
+
 def _delivery_count(headers: Mapping[str, object], redelivered: bool) -> int | None:
     earlier = headers.get(DELIVERY_COUNT_HEADER)
     if isinstance(earlier, int) and not isinstance(earlier, bool) and earlier >= 0:
@@ -85,7 +94,15 @@ def _delivery_count(headers: Mapping[str, object], redelivered: bool) -> int | N
 class RabbitMQDelivery:
     """One message delivered on one channel, unacknowledged until it is settled."""
 
-    __slots__ = ("_envelope", "_fields", "_message", "_refusal", "_session", "_transport")
+    __slots__ = (
+        "_envelope",
+        "_fields",
+        "_identity",
+        "_message",
+        "_refusal",
+        "_session",
+        "_transport",
+    )
 
     def __init__(
         self, message: AbstractIncomingMessage, session: Session, transport: RabbitMQ
@@ -100,6 +117,10 @@ class RabbitMQDelivery:
             if name != DELIVERY_COUNT_HEADER and (text := _header_text(value)) is not None
         }
         count = _delivery_count(raw, bool(message.redelivered))
+        self._identity: bytes | None = None
+        if count is None:  # redelivered, and the queue does not count (a classic queue)
+            self._identity = _identity(message)
+            count = transport._count_redelivery(self._identity)
         self._fields: dict[str, object] = {
             "delivery_tag": message.delivery_tag,
             "redelivered": bool(message.redelivered),
@@ -149,6 +170,8 @@ class RabbitMQDelivery:
             await self._message.ack()
         except FAILURES as exc:
             raise_translated(exc, "acknowledge a message")
+        if self._identity is not None:
+            self._transport._forget_redeliveries(self._identity)
 
     async def _requeue(self) -> None:
         try:

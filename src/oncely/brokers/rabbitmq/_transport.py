@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from datetime import timedelta
 
 import aiormq
@@ -24,6 +25,10 @@ from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
 DEFAULT_CONSUMER_TIMEOUT = timedelta(minutes=30)
 """RabbitMQ's own default ``consumer_timeout`` (since 3.8.15)."""
+
+REDELIVERIES_KEPT = 10_000
+"""How many messages a transport counts the deliveries of itself, at most (the least recently
+delivered are forgotten first): those of a queue that does not count them."""
 
 CHECK_EVERY = timedelta(seconds=5)
 """How often, at most, an idle transport checks that the queue still counts its consumer."""
@@ -131,6 +136,7 @@ class RabbitMQ:
         self._stopped = False
         self._held: set[asyncio.Task[None]] = set()
         self._next_check = 0.0
+        self._redeliveries: OrderedDict[bytes, int] = OrderedDict()
 
     @classmethod
     def from_url(
@@ -287,6 +293,22 @@ class RabbitMQ:
             if not queue.declaration_result.consumer_count:
                 session.on_close(None, ConsumerGone())
         return session.lost is not None
+
+    def _count_redelivery(self, identity: bytes) -> int:
+        """The delivery count of a redelivered message the queue does not count (a classic
+        queue sets no ``x-delivery-count``), as this transport counts: 2 the first time it
+        sees the message, one more each time after. Without it a failing message would be
+        given back for good, never dead-lettered. Each consumer process counts its own, so a
+        message that fails everywhere is dead-lettered after at most ``max_deliveries``
+        deliveries to each."""
+        count = self._redeliveries.pop(identity, 1) + 1
+        self._redeliveries[identity] = count
+        while len(self._redeliveries) > REDELIVERIES_KEPT:
+            self._redeliveries.popitem(last=False)
+        return count
+
+    def _forget_redeliveries(self, identity: bytes) -> None:
+        self._redeliveries.pop(identity, None)
 
     def _hold(self, delivery: RabbitMQDelivery, seconds: float) -> None:
         task = asyncio.create_task(delivery._requeue_later(seconds))
