@@ -221,6 +221,26 @@ class TestJetStream(BrokerSuite):
         assert self.ledger.counts() == {"small": 1}
         await self.assert_settled()
 
+    async def test_r2_an_id_or_header_nats_would_alter_is_refused_by_the_producer(self) -> None:
+        """nats-py strips the white space around a header value and turns line breaks into
+        spaces: ``order-7 `` and ``order-7`` (or ``a\nb`` and ``a b``) would reach the
+        consumer as one key, the second message acknowledged as a duplicate of the first
+        when their bodies match. The producer refuses such a value instead of sending
+        another one."""
+        producer = self.jetstream_producer()
+        for message_id in ("order-7 ", " order-7", "order\n7", "order\r7"):
+            with pytest.raises(oncely.ConfigurationError, match="NATS headers cannot carry"):
+                await producer.publish(body("x"), message_id=message_id)
+        with pytest.raises(oncely.ConfigurationError, match="Correlation-Id header"):
+            await producer.publish(body("x"), message_id="m", correlation_id="c\n")
+        with pytest.raises(oncely.ConfigurationError, match="ce-id header"):
+            await producer.publish(body("x"), message_id="m", headers={"ce-id": "e-1 "})
+        await producer.publish(body("kept"), message_id="order 7")  # inner spaces are fine
+        worker = self.consumer(self.apply)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 1, what="the one message")
+        assert self.ledger.counts() == {"kept": 1}
+
     # ------------------------------------------------------------------ configuration
 
     async def test_existing_stream_capturing_the_dead_letter_subject_is_refused(self) -> None:

@@ -42,6 +42,19 @@ def window_id(message_id: str, body: bytes) -> str:
     return f"{message_id}|sha256:{hashlib.sha256(body).hexdigest()[:32]}"
 
 
+def _check_header_value(name: str, value: str) -> None:
+    """Refuse a header value that NATS would not carry as it is: nats-py strips the white
+    space around a value and turns CR and LF into spaces, so ``order-7 `` would reach the
+    consumer as ``order-7``, and ``a\nb`` as ``a b``: two message ids merged into one key,
+    and the second message acknowledged as a duplicate of the first when their bodies match."""
+    if value != value.strip() or "\r" in value or "\n" in value:
+        raise ConfigurationError(
+            f"the {name} header {value!r} has white space around it or a line break, which "
+            "NATS headers cannot carry (the client strips or replaces them, so the consumer "
+            "would read another value); remove it"
+        )
+
+
 # A stream that cannot be declared: the server unreachable, or JetStream refusing.
 _DECLARE_FAILURES: tuple[type[Exception], ...] = (*UNAVAILABLE, nats.js.errors.APIError)
 
@@ -130,10 +143,12 @@ class JetStreamProducer:
         """:meth:`publish`, returning JetStream's acknowledgement (``seq``, ``duplicate``)."""
         fields = {str(k): str(v) for k, v in (headers or {}).items()}
         fields[ONCELY_ID_HEADER] = require_message_id(message_id)
-        fields[MSG_ID_HEADER] = window_id(message_id, body)
-        fields[CONTENT_TYPE_HEADER] = content_type
         if correlation_id is not None:
             fields[CORRELATION_HEADER] = correlation_id
+        for name, value in fields.items():
+            _check_header_value(name, value)
+        fields[MSG_ID_HEADER] = window_id(message_id, body)
+        fields[CONTENT_TYPE_HEADER] = content_type
         js = await self._ready()
         try:
             return await js.publish(
