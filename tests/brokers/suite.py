@@ -598,6 +598,37 @@ class BrokerSuite:
         )
         await self.assert_settled()
 
+    async def check_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
+        """A handler that raises CancelledError itself (a cancellation of its own tasks or
+        timeouts that escaped it), while nobody cancelled the consumer: a failure, retried
+        up to ``max_deliveries`` and dead-lettered with the reason, never given back at once
+        and uncounted, round after round, as a shutdown's message is. (Called by the
+        brokers whose consumers read one message at a time by default.)"""
+        runs = Counter[str]()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            runs[payload["k"]] += 1
+            if payload["k"] == "cancels":
+                raise asyncio.CancelledError
+            await self.apply(payload)
+
+        await self.publish("cancels")
+        await self.publish("fine")
+        worker = self.consumer(handler, max_deliveries=3)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["dead_lettered_after_retries"] == 1,
+                timeout=timedelta(seconds=20),
+                what="the message whose handler raises CancelledError to be dead-lettered",
+            )
+        assert runs == {"cancels": 3, "fine": 1}
+        assert self.ledger.counts() == {"fine": 1}
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "cancels"
+        assert "failed on all 3 deliveries" in copy.reason
+        assert "raised CancelledError" in copy.reason
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ g. in_flight
 
     async def test_r8_r10_in_flight_copy_is_requeued_not_acked_while_another_holds_the_claim(

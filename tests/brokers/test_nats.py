@@ -241,6 +241,9 @@ class TestJetStream(BrokerSuite):
             await wait_until(lambda: worker.counts["processed"] == 1, what="the one message")
         assert self.ledger.counts() == {"kept": 1}
 
+    async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
+        await self.check_a_handler_raising_cancelled_error_is_a_failure()
+
     # ------------------------------------------------------------------ configuration
 
     async def test_existing_stream_capturing_the_dead_letter_subject_is_refused(self) -> None:

@@ -234,6 +234,9 @@ class TestRabbitMQ(BrokerSuite):
         assert all("failed on all 3 deliveries" in c.reason for c in copies)
         await self.assert_settled()
 
+    async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
+        await self.check_a_handler_raising_cancelled_error_is_a_failure()
+
     async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
         producer = self.producer(declare=False)
         with pytest.raises(oncely.BrokerError, match="no queue"):

@@ -86,6 +86,9 @@ class TestRedisStreams(BrokerSuite):
     async def publish_raw_without_id(self, payload: bytes) -> None:
         xadd_raw(self.source, [stream_fields(payload, content_type=b"application/json")])
 
+    async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
+        await self.check_a_handler_raising_cancelled_error_is_a_failure()
+
     async def delete_source(self) -> None:
         self.admin.delete(self.source)  # its consumer group goes with it
 

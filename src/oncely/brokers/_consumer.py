@@ -735,13 +735,16 @@ class BrokerConsumer:
                 for ticket in tickets:
                     await ticket.stop()
         except asyncio.CancelledError:
-            await asyncio.gather(
-                *(
-                    self._settle_quietly(_give_back(d, timedelta(0)), d, "retry")
-                    for d in left.values()
+            if not _cancelled():
+                outcomes = [self._not_cancelled(d) for d in deliveries]
+            else:
+                await asyncio.gather(
+                    *(
+                        self._settle_quietly(_give_back(d, timedelta(0)), d, "retry")
+                        for d in left.values()
+                    )
                 )
-            )
-            raise
+                raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += len(left)
             self._log.error(
@@ -873,6 +876,8 @@ class BrokerConsumer:
                 if ticket is not None:
                     await ticket.stop()
         except asyncio.CancelledError:
+            if not _cancelled():
+                return self._not_cancelled(delivery)
             # Shutdown past the grace period: the inbox released the claim; give it back.
             await self._settle_quietly(_give_back(delivery, timedelta(0)), delivery, "retry")
             raise
@@ -892,6 +897,24 @@ class BrokerConsumer:
                 "retry",
             )
             return None
+
+    def _not_cancelled(self, delivery: Delivery) -> Handled[Any]:
+        """The ``failed`` outcome of a delivery whose handler raised CancelledError while
+        nobody cancelled the consumer (a cancellation that escaped a task or timeout of the
+        handler's own). The inbox released its claim; given back as a shutdown's message is
+        (at once, uncounted), it would come again and again without end, never reaching
+        ``max_deliveries`` nor a log line. As a failure it is retried after the backoff and
+        dead-lettered once its deliveries are spent."""
+        envelope = delivery.envelope
+        message_id = envelope.message_id
+        return Handled(
+            Outcome.FAILED,
+            self.processor.consumer,
+            message_id if message_id and not escaped(message_id) else None,
+            reason="the handler raised CancelledError, but the consumer was not cancelled (a "
+            "cancellation of the handler's own escaped it)",
+            correlation_id=envelope.correlation_id,
+        )
 
     async def _extend(self, delivery: Delivery) -> None:
         try:
@@ -1120,6 +1143,13 @@ def _positions(
             stopped.add(group)
         out.append(None if group in stopped else _position(delivery))
     return out
+
+
+def _cancelled() -> bool:
+    """Whether the running task was cancelled (a CancelledError that is not the handler's
+    own)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _revoked(delivery: Delivery) -> bool:
