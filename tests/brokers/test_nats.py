@@ -244,6 +244,28 @@ class TestJetStream(BrokerSuite):
     async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         await self.check_a_handler_raising_cancelled_error_is_a_failure()
 
+    async def test_a_message_over_max_payload_is_refused_as_an_error_not_an_outage(
+        self,
+    ) -> None:
+        """A body over the server's ``max_payload``, or one that its headers take over it:
+        nats-py checks the body alone and the server closes the connection on the rest, so
+        both came back as BrokerUnavailable, which a caller retries (the same id is safe to
+        retry) for good. Both are a BrokerError, unsent, and the producer goes on."""
+        producer = self.jetstream_producer()
+        await producer.publish(body("first"), message_id="first")  # connected
+        nc = await nats.connect(self.url)
+        max_payload = nc.max_payload
+        await nc.close()
+        for size in (max_payload + 1, max_payload - 20):
+            with pytest.raises(oncely.BrokerError, match="max_payload") as refused:
+                await producer.publish(b"x" * size, message_id=f"big-{size}")
+            assert not isinstance(refused.value, oncely.BrokerUnavailable)
+        await producer.publish(body("after"), message_id="after")
+        worker = self.consumer(self.apply)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 2, what="the two messages")
+        assert self.ledger.counts() == {"first": 1, "after": 1}
+
     # ------------------------------------------------------------------ configuration
 
     async def test_existing_stream_capturing_the_dead_letter_subject_is_refused(self) -> None:

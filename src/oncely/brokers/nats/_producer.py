@@ -31,6 +31,7 @@ from oncely.brokers.nats._settings import (
     unavailable,
 )
 from oncely.brokers.nats._topology import ensure_stream
+from oncely.brokers.nats._transport import header_bytes
 from oncely.errors import BrokerError, ConfigurationError
 
 
@@ -150,6 +151,7 @@ class JetStreamProducer:
         fields[MSG_ID_HEADER] = window_id(message_id, body)
         fields[CONTENT_TYPE_HEADER] = content_type
         js = await self._ready()
+        self._check_size(body, fields)
         try:
             return await js.publish(
                 self.destination, body, timeout=self._link.timeout.total_seconds(), headers=fields
@@ -162,6 +164,20 @@ class JetStreamProducer:
         except UNAVAILABLE as exc:
             raise unavailable("publish", exc) from None
 
+    def _check_size(self, body: bytes, headers: Mapping[str, str]) -> None:
+        """Refuse a message larger than the server's ``max_payload`` (its body and headers):
+        the server would close the connection on it (nats-py checks the body alone), and a
+        caller told the broker is unavailable would retry it for good."""
+        client = self._link.client
+        if client is None:
+            return
+        size = len(body) + header_bytes(headers)
+        if size > client.max_payload:
+            raise BrokerError(
+                f"the message is {size} bytes with its headers, over the NATS server's "
+                f"max_payload of {client.max_payload}; it was not sent (retrying cannot help)"
+            )
+
     async def publish(
         self,
         body: bytes,
@@ -173,7 +189,8 @@ class JetStreamProducer:
     ) -> None:
         """Publish ``body`` and return once the stream has stored it (or dropped it as a
         duplicate within its window). Raises :class:`~oncely.BrokerUnavailable`; retrying
-        with the same ``message_id`` is then safe."""
+        with the same ``message_id`` is then safe. A message larger than the server's
+        ``max_payload`` (body and headers) raises :class:`~oncely.BrokerError` unsent."""
         await self.send(
             body,
             message_id=message_id,

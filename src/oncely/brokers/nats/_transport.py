@@ -368,7 +368,7 @@ def _fit(headers: dict[str, str], body: int, max_payload: int) -> None:
     """Cut ``x-oncely-reason`` in ``headers`` so that the message they head, with a body of
     ``body`` bytes, is at most ``max_payload`` bytes on the wire; raise
     :class:`~oncely.BrokerError` when even no reason at all is too much."""
-    over = _header_bytes(headers) + body - max_payload
+    over = header_bytes(headers) + body - max_payload
     if over <= 0:
         return
     reason = headers[REASON_HEADER].encode()
@@ -383,7 +383,7 @@ def _fit(headers: dict[str, str], body: int, max_payload: int) -> None:
     headers[REASON_HEADER] = kept.decode("utf-8", "ignore")
 
 
-def _header_bytes(headers: Mapping[str, str]) -> int:
+def header_bytes(headers: Mapping[str, str]) -> int:
     """The size of ``headers`` as nats-py writes them (``NATS/1.0``, then ``name: value``
     lines, each stripped, then a blank line)."""
     lines = (
