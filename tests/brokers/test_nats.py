@@ -244,6 +244,42 @@ class TestJetStream(BrokerSuite):
     async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         await self.check_a_handler_raising_cancelled_error_is_a_failure()
 
+    async def test_a_message_with_jetstream_publish_headers_is_dead_lettered(self) -> None:
+        """A producer that publishes with JetStream's expectations (``Nats-Expected-Stream``,
+        ``Nats-Expected-Last-Sequence``): the dead-letter copy carried them as they were, so
+        the dead-letter stream refused it ('expected stream does not match'), every attempt,
+        and after ``max_deliver`` deliveries JetStream dropped the message, never
+        dead-lettered. The copy now carries them renamed, every byte kept."""
+        await self.transport().open(1)  # makes the stream, and the consumer
+        nc = await nats.connect(self.url)
+        try:
+            js = nc.jetstream()
+            await js.publish(
+                self.source,
+                b"not json",
+                headers={
+                    "Nats-Msg-Id": "e-1",
+                    "Nats-Expected-Stream": self.stream,
+                    "Nats-Expected-Last-Sequence": "0",
+                },
+            )
+        finally:
+            await nc.close()
+        worker = self.consumer(self.apply, transport=self.transport(max_deliver=3))
+        async with running(worker):
+
+            async def copied() -> bool:
+                return bool(await self.dead_letters())
+
+            await wait_until(copied, timeout=timedelta(seconds=20), what="the dead-letter copy")
+        [copy] = await self.dead_letters()
+        assert (copy.body, copy.outcome) == (b"not json", "rejected")
+        assert copy.headers["x-oncely-original-Nats-Expected-Stream"] == self.stream
+        assert copy.headers["x-oncely-original-Nats-Expected-Last-Sequence"] == "0"
+        assert not any(name.startswith("Nats-Expected") for name in copy.headers)
+        assert "dead_letter_failed" not in worker.counts
+        await self.assert_settled()
+
     async def test_a_message_over_max_payload_is_refused_as_an_error_not_an_outage(
         self,
     ) -> None:

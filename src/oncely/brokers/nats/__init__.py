@@ -34,7 +34,10 @@ What each outcome does
     ``-NAK`` and the backoff delay. ``key_conflict``, ``rejected`` and ``escalated`` are
     published to the dead-letter subject (same body, the original headers including
     ``Nats-Msg-Id``, plus ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer``,
-    ``x-oncely-deliveries``); once the dead-letter stream acknowledged the copy, the original
+    ``x-oncely-deliveries``; JetStream's own publish headers, such as
+    ``Nats-Expected-Stream`` or ``Nats-Rollup``, renamed ``x-oncely-original-<name>``, as
+    the dead-letter stream would refuse the copy or act on them); once the dead-letter
+    stream acknowledged the copy, the original
     is terminated (``+TERM``, never redelivered). A crash in between dead-letters it twice,
     never zero times. When the dead-letter stream's duplicate window already holds a copy with
     that id (a stream created elsewhere with a long window), the copy is published again

@@ -23,6 +23,10 @@ id with other content (that reaches the consumer, as a ``key_conflict``)."""
 CONTENT_TYPE_HEADER = "Content-Type"
 CORRELATION_HEADER = "Correlation-Id"
 MESSAGE_ID_COPY_HEADER = "x-oncely-message-id"
+ORIGINAL_HEADER_PREFIX = "x-oncely-original-"
+"""On a dead-letter copy: the original's JetStream publish headers (``Nats-Expected-Stream``,
+``Nats-Expected-Last-Sequence``, ``Nats-Rollup``, ``Nats-TTL``...) under this prefix, so the
+dead-letter stream neither refuses nor acts on them."""
 RAW_HEADERS_HEADER = "x-oncely-raw-headers"
 """On a dead-letter copy: the original's header lines that are not UTF-8, base64-encoded."""
 

@@ -29,6 +29,7 @@ from oncely.brokers.nats._settings import (
     LOGGER,
     MESSAGE_ID_COPY_HEADER,
     MSG_ID_HEADER,
+    ORIGINAL_HEADER_PREFIX,
     RAW_HEADERS_HEADER,
     TRANSPORT_OPTIONS,
     UNAVAILABLE,
@@ -352,6 +353,11 @@ async def publish_dead_letter(
     dead-lettered. Raises nats-py's errors, and :class:`~oncely.BrokerError` for a copy that
     cannot fit even so."""
     headers = sendable_headers(msg.headers or {})
+    for name in [n for n in headers if n.lower().startswith("nats-") and n != MSG_ID_HEADER]:
+        # A JetStream publish header (an expected stream or last sequence, a rollup, a TTL)
+        # is an instruction to the stream that stores the copy: the dead-letter stream would
+        # refuse the copy (and JetStream drop the message after max_deliver) or act on it.
+        headers[ORIGINAL_HEADER_PREFIX + name] = headers.pop(name)
     headers.update(why.headers())
     if max_payload is not None:
         _fit(headers, len(msg.data), max_payload)
