@@ -175,6 +175,31 @@ class TestRedisStreams(BrokerSuite):
 
     # ------------------------------------------------------------------ XAUTOCLAIM
 
+    async def test_start_new_reads_a_stream_deleted_and_written_again_from_its_start(
+        self,
+    ) -> None:
+        """With ``start="new"`` a group is made at the end of the stream. The stream deleted
+        under a running consumer and written again by a producer before the consumer made
+        its group again: the group, made at the end, skipped what the producer had written,
+        lost without a word. A stream whose every entry is newer than what the consumer read
+        is read from its start."""
+        worker = self.consumer(self.apply, transport=self.transport(start="new"))
+        producer = self.producer()
+        async with running(worker) as task:
+            await wait_until(lambda: self._reading(1), what="the group made")
+            await producer.publish(body("before"), message_id="before")
+            await wait_until(lambda: worker.counts["processed"] == 1, what="the first message")
+            self.admin.delete(self.source)
+            await producer.publish(body("after"), message_id="after")  # before the group
+            await wait_until(
+                lambda: task.done() or worker.counts["processed"] == 2,
+                timeout=timedelta(seconds=20),
+                what="the message written after the stream was deleted",
+            )
+            assert not task.done()
+        assert self.ledger.counts() == {"before": 1, "after": 1}
+        await self.assert_settled()
+
     async def test_r10_an_entry_taken_over_is_settled_by_its_new_owner_only(self) -> None:
         """A consumer that lost an entry to XAUTOCLAIM cannot retry or dead-letter it any more;
         the delivery count rises with the takeover; the delivery limit dead-letters it."""

@@ -53,6 +53,12 @@ _URL_OPTIONS = (
 )
 
 
+def _entry_order(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id (``1718000000000-0``) as a pair that sorts as Redis orders ids."""
+    ms_part, _, seq = entry_id.partition(b"-")
+    return int(ms_part), int(seq or b"0")
+
+
 def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -127,6 +133,9 @@ class RedisStreams:
         self.delivery_limit = delivery_limit
         self.prune_idle_consumers = prune_idle_consumers
         self._start = "0" if start == "all" else "$"
+        self._last_read: tuple[int, int] | None = None
+        """The newest entry id this transport read (XREADGROUP), to tell a stream deleted
+        and written again from the one it read (see :meth:`_restart_from`)."""
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._layout = EntryLayout(body_field, message_id_field)
@@ -253,6 +262,7 @@ class RedisStreams:
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     out.append(self._deliver(entry_id, list(fields.items()), 1))
+                    self._read_up_to(entry_id)
         return out
 
     async def stop(self) -> None:
@@ -291,7 +301,9 @@ class RedisStreams:
         if not self._declared:
             with self._errors("create the consumer group"):
                 try:
-                    await client.xgroup_create(self.stream, self.group, self._start, mkstream=True)
+                    await client.xgroup_create(
+                        self.stream, self.group, await self._restart_from(client), mkstream=True
+                    )
                 except ResponseError as exc:
                     if not str(exc).startswith("BUSYGROUP"):
                         raise
@@ -341,6 +353,24 @@ class RedisStreams:
 
     def _forget_group(self) -> None:
         self._declared = False
+
+    def _read_up_to(self, entry_id: bytes) -> None:
+        read = _entry_order(entry_id)
+        if self._last_read is None or read > self._last_read:
+            self._last_read = read
+
+    async def _restart_from(self, client: redis.asyncio.Redis) -> str:
+        """Where to create the group: ``start``; but with ``start="new"``, once this
+        transport has read the stream, ``0`` when every entry now in it is newer than the
+        last one it read (the stream was deleted and a producer wrote it again). ``$`` then
+        would skip what the producer wrote before the group was made again: lost without
+        a word."""
+        if self._start == "0" or self._last_read is None:
+            return self._start
+        first: Any = await client.xrange(self.stream, count=1)
+        if first and _entry_order(first[0][0]) <= self._last_read:
+            return self._start  # the stream it read: its group alone was lost
+        return "0"
 
     def _deliver(
         self, entry_id: bytes, fields: Sequence[tuple[bytes, bytes]], count: int
