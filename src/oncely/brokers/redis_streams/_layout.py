@@ -206,21 +206,18 @@ class Translated:
             raise BrokerUnavailable(f"{self.where}: could not {doing}: {exc}") from exc
         except ResponseError as exc:
             text = str(exc)
-            if text.startswith("NOGROUP"):
+            if text.startswith(("NOGROUP", "UNBLOCKED")):
+                # UNBLOCKED: Redis 7 ends a blocked XREADGROUP with it when the stream key is
+                # deleted meanwhile (its group went with it): like NOGROUP, make them again.
                 if on_missing is not None:
                     on_missing()
+                gone = (
+                    "the stream or its group is gone (a restart without persistence?)"
+                    if text.startswith("NOGROUP")
+                    else "the stream was deleted while this consumer waited on it"
+                )
                 raise BrokerUnavailable(
-                    f"{self.where}: could not {doing}: the stream or its group is gone "
-                    f"(a restart without persistence?); it is created again ({text})"
-                ) from exc
-            if text.startswith("UNBLOCKED"):
-                # Redis 7 ends a blocked XREADGROUP with this when the stream key is deleted
-                # meanwhile (its group went with it): like NOGROUP, make them again.
-                if on_missing is not None:
-                    on_missing()
-                raise BrokerUnavailable(
-                    f"{self.where}: could not {doing}: the stream was deleted while this "
-                    f"consumer waited on it; it is created again ({text})"
+                    f"{self.where}: could not {doing}: {gone}; it is created again ({text})"
                 ) from exc
             if text.startswith(_TRANSIENT_CODES):
                 raise BrokerUnavailable(f"{self.where}: could not {doing}: {text}") from exc
