@@ -237,6 +237,16 @@ class TestRabbitMQ(BrokerSuite):
     async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         await self.check_a_handler_raising_cancelled_error_is_a_failure()
 
+    async def test_producer_refuses_an_id_amqp_cannot_carry_naming_it(self) -> None:
+        # Tried as a new user would: pamqp failed while encoding, with a TypeError that
+        # named no field.
+        producer = self.producer()
+        with pytest.raises(oncely.ConfigurationError, match="255 bytes in a message's message_id"):
+            await producer.publish(b"{}", message_id="m" * 256)
+        with pytest.raises(oncely.ConfigurationError, match="correlation_id; this one has 300"):
+            await producer.publish(b"{}", message_id="m", correlation_id="c" * 300)
+        await producer.publish(b"{}", message_id="é" * 127)  # 254 bytes: carried
+
     async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
         producer = self.producer(declare=False)
         with pytest.raises(oncely.BrokerError, match="no queue"):

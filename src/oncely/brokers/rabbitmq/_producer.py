@@ -21,7 +21,10 @@ from oncely.brokers.rabbitmq._topology import (
     parse_url,
     raise_translated,
 )
-from oncely.errors import BrokerError
+from oncely.errors import BrokerError, ConfigurationError
+
+_SHORTSTR = 255
+"""The longest AMQP short string, in bytes: a message's id, correlation id and content type."""
 
 
 class RabbitMQProducer:
@@ -96,6 +99,19 @@ class RabbitMQProducer:
         content_type: str = "application/json",
         correlation_id: str | None = None,
     ) -> None:
+        for name, value in (
+            ("message_id", message_id),
+            ("correlation_id", correlation_id),
+            ("content_type", content_type),
+        ):
+            size = len(value.encode("utf-8", "surrogatepass")) if value else 0
+            if size > _SHORTSTR:
+                # pamqp would fail while encoding, with a TypeError that names no field.
+                raise ConfigurationError(
+                    f"AMQP carries at most {_SHORTSTR} bytes in a message's {name}; this one "
+                    f"has {size} (a longer id can travel in a header the consumers' key "
+                    "source reads)"
+                )
         message = aio_pika.Message(
             body,
             headers=dict(headers) if headers else None,
