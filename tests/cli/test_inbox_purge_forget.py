@@ -34,6 +34,14 @@ def test_purge_in_bounded_batches(db: Path) -> None:
     assert count(db, "old") == 1
 
 
+def test_purge_refuses_max_batches_for_a_service(db: Path) -> None:
+    # Before, --every ran the service and ignored --max-batches without a word.
+    result = run("inbox", "purge", "--store", url_of(db), "--every", "1m", "--max-batches", "1")
+    assert result.exit_code == 2
+    assert "--max-batches is for a one-off purge" in result.stderr
+    assert count(db, "old") == 3
+
+
 def test_purge_takes_a_pause_between_batches(db: Path) -> None:
     result = run("inbox", "purge", "--store", url_of(db), "--batch-size", "1",
                  "--pause", "0.5")  # fmt: skip

@@ -412,6 +412,9 @@ def purge(
     Safe to run at any time (from cron, or as a service with --every): expired records
     already count as absent. On a terminal a one-off purge shows its progress.
     """
+    if every is not None and max_batches is not None:
+        # A service purges until none are left at each run; a cap would be ignored silently.
+        raise click.UsageError("--max-batches is for a one-off purge; --every runs a service")
     with opened(store_url) as store:
         if every is not None:
             _purge_service(
