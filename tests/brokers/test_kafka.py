@@ -690,9 +690,7 @@ class TestKafka(BrokerSuite):
         worker = self._keeping(inbox, self.group, topic=name)
         with caplog.at_level(logging.WARNING, logger="oncely.broker.kafka"):
             async with running(worker):
-                await wait_until(
-                    lambda: worker.counts["processed"] == expected, what="the records"
-                )
+                await wait_until(lambda: worker.counts["processed"] == expected, what="the records")
                 await asyncio.sleep(1)  # nothing more comes
         assert worker.counts == Counter({"processed": expected})
         assert self.ledger.counts() == dict.fromkeys(by_part[0][2:] + by_part[1], 1)
@@ -953,6 +951,65 @@ class TestKafka(BrokerSuite):
         (copy,) = await self.dead_letters()
         assert copy.message_id == "A"
         await self.assert_settled()
+
+    async def test_r13_a_failing_record_keeps_its_count_through_a_rebalance(self) -> None:
+        """One partition, one record that always fails, ``max_deliveries=3``. After its first
+        run another member joins the group and leaves again: the rebalances take the
+        partition away and give it back. Before, the member forgot the record's runs with
+        the partition and counted from 1 again: four runs or more before the dead letter
+        (a group rebalancing faster than the backoff never dead-lettered it, and its
+        partition stalled for good). Now it goes on counting: three runs in all."""
+        topic = unique("kt1")
+        create_topic(topic, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, topic, f"{topic}.dead"))
+        runs: list[str] = []
+        assigned = 0
+
+        class Counted(Kafka):
+            async def _assigned(self, consumer: Any, tps: set[TopicPartition]) -> None:
+                nonlocal assigned
+                assigned += 1
+                await super()._assigned(consumer, tps)
+
+        async def handler(payload: dict[str, Any]) -> None:
+            runs.append(payload["k"])
+            raise RuntimeError(f"boom {len(runs)}")
+
+        made = self.closed_after(
+            Counted(self.url, topic, group=self.group, session_timeout=SESSION, revoke_grace=GRACE)
+        )
+        producer = self.closed_after(KafkaProducer(self.url, topic))
+        await producer.publish(body("F"), message_id="F")
+        wait = timedelta(seconds=6)  # the rebalances end before the third run
+        worker = self.consumer(
+            handler,
+            transport=made,
+            max_deliveries=3,
+            backoff=oncely.brokers.Backoff(first=wait, factor=1.0, most=wait),
+        )
+        async with running(worker):
+            await wait_until(lambda: len(runs) == 1, what="the first run")
+            other = AIOKafkaConsumer(
+                topic,
+                bootstrap_servers=self._servers,
+                group_id=self.group,
+                enable_auto_commit=False,
+                session_timeout_ms=int(SESSION.total_seconds() * 1000),
+            )
+            await other.start()
+            try:
+                await wait_until(
+                    lambda: bool(other.assignment()) or assigned > 1,
+                    what="a rebalance with the second member in the group",
+                )
+            finally:
+                await other.stop()
+            await wait_until(
+                lambda: worker.counts["dead_lettered_after_retries"] == 1, what="the dead letter"
+            )
+        assert runs == ["F"] * 3
+        (dead,) = await self._read_all(f"{topic}.dead")
+        assert dict(dead.headers)["x-oncely-deliveries"] == b"3"
 
     async def test_a_rebalance_with_three_members_joining_and_leaving_loses_and_repeats_nothing(
         self,

@@ -63,8 +63,10 @@ in_flight, failed    retry: the record is handed out again after the delay, and 
                      waits for it (order is kept). Kafka counts no deliveries, so the
                      consumer counts them itself for ``max_deliveries``: a record that keeps
                      failing is dead-lettered after that many and its partition moves on. The
-                     count is the process's own: a record that fails in one process and then
-                     in another (a restart, a rebalance) starts counting again there.
+                     count is the process's own: it goes on through a rebalance that gives
+                     the partition back to the same member, but a record that fails in one
+                     process and then in another (a restart, a partition moved to another
+                     member) starts counting again there.
 key_conflict,        dead-letter: the record is copied to ``<topic>.dead`` (or ``dead_letter``)
 rejected,            with its headers plus ``x-oncely-outcome``, ``x-oncely-reason``,
 escalated            ``x-oncely-consumer``, ``x-oncely-deliveries``, ``x-oncely-topic``,

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from time import monotonic
@@ -66,6 +66,10 @@ _CLOSE_CANCEL_WAIT = 0.5
 _LEFT_BEHIND: set[asyncio.Task[None]] = set()
 """Close steps that outlived their cancels: kept referenced so they are not collected
 mid-run."""
+
+_REMEMBERED = 10_000
+"""How many records' run counts a member keeps for partitions it gave up (the oldest are
+forgotten first): enough for every partition's blocked head, bounded whatever happens."""
 
 _FENCED = (CommitFailedError, IllegalStateError, IllegalGenerationError, UnknownMemberIdError)
 
@@ -222,6 +226,10 @@ class Kafka:
         self._unassigned_since: float | None = None
         """Since when this member has owned no partition (``None``: it owns some, or it
         said so already)."""
+        self._runs: dict[tuple[TopicPartition, int], tuple[int, float]] = {}
+        """The attempt and the earliest next run of the records left unfinished in
+        partitions this member gave up, by partition and offset: a partition the group
+        gives back to it resumes their counts (and backoffs) instead of starting again."""
 
     @classmethod
     def from_url(
@@ -568,7 +576,11 @@ class Kafka:
             if first is not None and (part.set_aside is None or first < part.set_aside):
                 part.set_aside = first
             return
-        part.waiting.extend(_Held(r) for r in records)
+        runs = self._runs
+        if runs:
+            part.waiting.extend(_Held(r, *runs.pop((tp, r.offset), (1, 0.0))) for r in records)
+        else:
+            part.waiting.extend(_Held(r) for r in records)
         if len(part.waiting) >= self.max_buffered and not part.paused:
             consumer.pause(tp)
             part.paused = True
@@ -644,6 +656,7 @@ class Kafka:
         part.idle.set()
         self._wake.set()
         if not part.owned:
+            self._remember(part, [h for h in run if h.state == _BACK], ran=True)
             if any(h.state == _DONE for h in run):
                 LOGGER.info(
                     "oncely broker=kafka records of %s/%d finished after the partition moved "
@@ -721,13 +734,34 @@ class Kafka:
                     why,
                 )
             part.owned = False
+            self._remember(part, part.waiting)
             part.waiting.clear()
+
+    def _remember(self, part: _Partition, left: Iterable[_Held], *, ran: bool = False) -> None:
+        """Keep the counts of ``part``'s records that ran and are not finished, as it is
+        given up: the group may give the partition back to this member, which then goes on
+        counting (a record failing between rebalances is still dead-lettered after
+        ``max_deliveries`` runs). ``ran``: ``left`` were given back just now, their run not
+        counted yet."""
+        runs = self._runs
+        now = monotonic()
+        for held in left:
+            if held.state == _DONE:
+                continue
+            attempt, not_before = held.attempt, held.not_before
+            if ran:
+                attempt, not_before = attempt + held.counted, now + held.delay
+            if attempt > 1:
+                runs[(part.tp, held.record.offset)] = (attempt, not_before)
+        while len(runs) > _REMEMBERED:
+            del runs[next(iter(runs))]
 
     # ------------------------------------------------------------------ rebalances
 
     async def _revoked(self, revoked: set[TopicPartition]) -> None:
         parts = [p for tp, p in self._owned.items() if tp in revoked]
         for part in parts:  # hand out nothing more of them, start nothing more of a batch
+            self._remember(part, part.waiting)
             part.waiting.clear()
             part.revoking = True
         busy = [p.idle.wait() for p in parts if not p.idle.is_set()]
