@@ -54,6 +54,7 @@ RENAMES = {
     "AsyncStore": "Store",
     "AsyncTransactionalStore": "TransactionalStore",
     "AsyncCompletesMany": "CompletesMany",
+    "AsyncForgetsByToken": "ForgetsByToken",
     "AsyncKeepsOffsets": "KeepsOffsets",
     "AsyncPrepares": "Prepares",
     "AsyncMemoryStore": "MemoryStore",

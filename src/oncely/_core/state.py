@@ -32,6 +32,9 @@ A record is *live* when in progress with ``lease_until > now``, *stale* when in 
     renew(t)       Lost            token == t: lease_until = now+lease  Lost
                                    else Lost
     release(t)     False           token == t: delete, True; else Lost  Lost
+    forget(t)      False           Lost               token == t: delete,  token == t:
+                                                      True; else Lost      delete, True;
+                                                                           else Lost
 
 Fencing is by token, not by time: the owner of a lapsed lease that nobody has taken over can still
 complete, fail, renew or release it. Only a takeover (which changes the token) ends its rights.
@@ -69,6 +72,7 @@ __all__ = [
     "apply_claim",
     "apply_complete",
     "apply_fail",
+    "apply_forget",
     "apply_release",
     "apply_renew",
     "apply_takeover",
@@ -337,5 +341,19 @@ def apply_release(
     if rec is None:
         return UNCHANGED, False
     if rec.token != ev.token or rec.status is not Status.IN_PROGRESS:
+        return UNCHANGED, Lost(rec)
+    return DELETE, True
+
+
+def apply_forget(
+    current: Record | None, ev: ReleaseEvent, now: int
+) -> tuple[NewState, bool | Lost]:
+    """An operator's fenced delete: the record goes only while it carries ``ev.token`` (the
+    one the operator read) and is no live claim; a record that changed hands, or a claim that
+    is live again, is Lost."""
+    rec = _live(current, now)
+    if rec is None:
+        return UNCHANGED, False
+    if rec.token != ev.token or (rec.status is Status.IN_PROGRESS and not rec.is_stale(now)):
         return UNCHANGED, Lost(rec)
     return DELETE, True

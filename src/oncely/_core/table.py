@@ -21,6 +21,7 @@ from oncely._core.state import (
     apply_claim,
     apply_complete,
     apply_fail,
+    apply_forget,
     apply_release,
     apply_renew,
     apply_takeover,
@@ -113,6 +114,13 @@ class RecordTable:
         new, reply = apply_release(self.records.get((consumer, key)), ev, now)
         if isinstance(reply, Lost):
             raise lease_lost("release", consumer, key, reply)
+        self._write((consumer, key), new)
+        return reply
+
+    def forget_by_token(self, consumer: str, key: str, ev: ReleaseEvent, now: int) -> bool:
+        new, reply = apply_forget(self.records.get((consumer, key)), ev, now)
+        if isinstance(reply, Lost):
+            raise lease_lost("forget", consumer, key, reply)
         self._write((consumer, key), new)
         return reply
 

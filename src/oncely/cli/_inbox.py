@@ -34,6 +34,7 @@ from oncely.cli._output import (
 )
 from oncely.cli._stores import opened, store_option
 from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, purge_options
+from oncely.stores.sync_protocols import ForgetsByToken
 
 __all__ = ["inbox"]
 
@@ -531,12 +532,19 @@ def forget(store_url: str, consumer: str, key: str, yes: bool, force: bool) -> N
 
 
 def _delete(store: Store, record: Record, shown: str) -> None:
-    """Delete ``record`` as it was shown. A settled record goes outright (no worker writes it
-    again). A claim is deleted only while it is that claim: a stale one is taken over first,
-    which the store refuses if its worker came back (renewed) or another took it over; a live
-    one (--force) by its token."""
+    """Delete ``record`` as it was shown. A settled record goes by its token (no worker writes
+    it again, but it may have expired or been forgotten and claimed afresh by a delivery
+    meanwhile: that claim is kept). A claim is deleted only while it is that claim: a stale
+    one is taken over first, which the store refuses if its worker came back (renewed) or
+    another took it over; a live one (--force) by its token."""
     if record.status is not Status.IN_PROGRESS:
-        existed = store.forget(record.consumer, record.key)
+        if not isinstance(store, ForgetsByToken):  # a plugin's store: unfenced
+            existed = store.forget(record.consumer, record.key)
+        else:
+            try:
+                existed = store.forget_by_token(record.consumer, record.key, token=record.token)
+            except oncely.LeaseLost as lost:
+                _changed(shown, lost.current)
     else:
         token = record.token
         if record.is_stale(now_ms()):

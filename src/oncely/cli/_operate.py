@@ -129,9 +129,10 @@ def resolve(
     runs the handler. An in-progress record is taken over first, which the store refuses
     while a worker holds a live lease: a running worker is never overridden.
 
-    Exits 1, changing nothing, when a live claim holds the record, it is already settled that
-    way (a completed record: `oncely inbox forget` it to run it again), there is nothing to
-    retry, or KEY has no record and --create was not given (a mistyped key would otherwise
+    Exits 1, changing nothing, when a live claim holds the record (or took it meanwhile: a
+    record is deleted only while it is the one read), it is already settled that way (a
+    completed record: `oncely inbox forget` it to run it again), there is nothing to retry,
+    or KEY has no record and --create was not given (a mistyped key would otherwise
     become a completed record, and the real message a duplicate that never runs).
     """
     chosen = [name for name, given in (("--completed", completed is not None),

@@ -95,6 +95,7 @@ from oncely.inbox.async_types import AsyncFunction, AsyncHandler, AsyncTxHandler
 from oncely.inbox.heartbeats import AsyncHeartbeats, AsyncTicket
 from oncely.stores.async_protocols import (
     AsyncCompletesMany,
+    AsyncForgetsByToken,
     AsyncPrepares,
     AsyncStore,
     AsyncTransactionalStore,
@@ -657,11 +658,13 @@ class AsyncInbox:
         message (its deliveries are rejected); ``Resolution.retry()`` deletes the record so the
         next delivery runs the handler. Every write is fenced: an in-progress record is first
         taken over, which the store refuses while its lease is live, so a running worker is
-        never overridden. ``note`` is kept on a completed record (default: that an operator
-        resolved it). The settled record is kept for this inbox's retention, never for less
-        than the record's own (R13). Raises :class:`~oncely.ResolveRefused`, changing
-        nothing, when a live claim holds the record, the record is already settled that way
-        (or completed: forget it to run it again), or there is nothing to retry.
+        never overridden; a settled record is deleted only while it is the one read, by its
+        token (a store without ``forget_by_token``, a plugin's, deletes it unfenced). ``note``
+        is kept on a completed record (default: that an operator resolved it). The settled
+        record is kept for this inbox's retention, never for less than the record's own
+        (R13). Raises :class:`~oncely.ResolveRefused`, changing nothing, when a live claim
+        holds the record (or took it meanwhile), the record is already settled that way (or
+        completed: forget it to run it again), or there is nothing to retry.
         """
         return await self._resolve(key, resolution, note, "an operator")
 
@@ -691,7 +694,7 @@ class AsyncInbox:
         try:
             if action == "retry":
                 if record is not None:  # a failed record, deleted as an operator's decision
-                    await self._store.forget(self._consumer, checked)
+                    await self._forget_seen(checked, record)
                 else:
                     await self._store.release(self._consumer, checked, token=token)
                 return Resolved(checked, action, before, None, "deleted: the next delivery runs")
@@ -778,8 +781,33 @@ class AsyncInbox:
         # claim the key afresh; a delivery that claims it first in between wins.
         if action == "retry":
             return token, record
-        await self._store.forget(self._consumer, key)
+        try:
+            await self._forget_seen(key, record)
+        except ResolveRefused as refused:  # claimed afresh meanwhile: decide on what it is now
+            return None, refused.current
         return None, None
+
+    async def _forget_seen(self, key: str, seen: Record) -> None:
+        """Delete ``seen`` (a settled record read before) only while it is that record: it
+        may have expired, or been forgotten, and been claimed afresh by a delivery whose
+        worker runs the handler now. :class:`~oncely.ResolveRefused` when it changed. A
+        store without :class:`AsyncForgetsByToken` (a plugin's) deletes it unfenced."""
+        store = self._store
+        if not isinstance(store, AsyncForgetsByToken):
+            await store.forget(self._consumer, key)
+            return
+        try:
+            await store.forget_by_token(self._consumer, key, token=seen.token)
+        except LeaseLost as lost:
+            now = lost.current
+            state = "absent" if now is None else f"{now.status}, attempt {now.attempt}"
+            if now is not None and now.status is Status.IN_PROGRESS:
+                state += ", a live claim: a worker may be running its handler"
+            raise ResolveRefused(
+                f"{key!r} changed while it was being resolved (now {state}); nothing was "
+                "deleted: look at it again",
+                now,
+            ) from None
 
     async def stale_claims(self, *, limit: int | None = None, page: int = 100) -> list[Record]:
         """This consumer's in-progress records whose lease has lapsed by this process's clock

@@ -84,6 +84,7 @@ from oncely.inbox.heartbeats import Heartbeats, Ticket
 from oncely.inbox.sync_types import Function, Handler, TxHandler
 from oncely.stores.sync_protocols import (
     CompletesMany,
+    ForgetsByToken,
     Prepares,
     Store,
     TransactionalStore,
@@ -593,11 +594,13 @@ class Inbox:
         message (its deliveries are rejected); ``Resolution.retry()`` deletes the record so the
         next delivery runs the handler. Every write is fenced: an in-progress record is first
         taken over, which the store refuses while its lease is live, so a running worker is
-        never overridden. ``note`` is kept on a completed record (default: that an operator
-        resolved it). The settled record is kept for this inbox's retention, never for less
-        than the record's own (R13). Raises :class:`~oncely.ResolveRefused`, changing
-        nothing, when a live claim holds the record, the record is already settled that way
-        (or completed: forget it to run it again), or there is nothing to retry.
+        never overridden; a settled record is deleted only while it is the one read, by its
+        token (a store without ``forget_by_token``, a plugin's, deletes it unfenced). ``note``
+        is kept on a completed record (default: that an operator resolved it). The settled
+        record is kept for this inbox's retention, never for less than the record's own
+        (R13). Raises :class:`~oncely.ResolveRefused`, changing nothing, when a live claim
+        holds the record (or took it meanwhile), the record is already settled that way (or
+        completed: forget it to run it again), or there is nothing to retry.
         """
         return self._resolve(key, resolution, note, "an operator")
 
@@ -625,7 +628,7 @@ class Inbox:
         try:
             if action == "retry":
                 if record is not None:  # a failed record, deleted as an operator's decision
-                    self._store.forget(self._consumer, checked)
+                    self._forget_seen(checked, record)
                 else:
                     self._store.release(self._consumer, checked, token=token)
                 return Resolved(checked, action, before, None, "deleted: the next delivery runs")
@@ -712,8 +715,33 @@ class Inbox:
         # claim the key afresh; a delivery that claims it first in between wins.
         if action == "retry":
             return token, record
-        self._store.forget(self._consumer, key)
+        try:
+            self._forget_seen(key, record)
+        except ResolveRefused as refused:  # claimed afresh meanwhile: decide on what it is now
+            return None, refused.current
         return None, None
+
+    def _forget_seen(self, key: str, seen: Record) -> None:
+        """Delete ``seen`` (a settled record read before) only while it is that record: it
+        may have expired, or been forgotten, and been claimed afresh by a delivery whose
+        worker runs the handler now. :class:`~oncely.ResolveRefused` when it changed. A
+        store without :class:`ForgetsByToken` (a plugin's) deletes it unfenced."""
+        store = self._store
+        if not isinstance(store, ForgetsByToken):
+            store.forget(self._consumer, key)
+            return
+        try:
+            store.forget_by_token(self._consumer, key, token=seen.token)
+        except LeaseLost as lost:
+            now = lost.current
+            state = "absent" if now is None else f"{now.status}, attempt {now.attempt}"
+            if now is not None and now.status is Status.IN_PROGRESS:
+                state += ", a live claim: a worker may be running its handler"
+            raise ResolveRefused(
+                f"{key!r} changed while it was being resolved (now {state}); nothing was "
+                "deleted: look at it again",
+                now,
+            ) from None
 
     def stale_claims(self, *, limit: int | None = None, page: int = 100) -> list[Record]:
         """This consumer's in-progress records whose lease has lapsed by this process's clock

@@ -21,6 +21,7 @@ from oncely.errors import LeaseLost
 
 __all__ = [
     "AsyncCompletesMany",
+    "AsyncForgetsByToken",
     "AsyncKeepsOffsets",
     "AsyncPrepares",
     "AsyncStore",
@@ -168,6 +169,22 @@ class AsyncCompletesMany(Protocol):
         the completed record or the :class:`~oncely.LeaseLost` that a lone ``complete`` would
         have raised (returned, not raised, so the rest of the batch still lands). A store
         error raises for the whole batch; completing again with the same tokens is safe."""
+        ...
+
+
+@runtime_checkable
+class AsyncForgetsByToken(Protocol):
+    """A store that deletes a record only while it is the one an operator read (every
+    built-in store). :meth:`~AsyncStore.forget` deletes whatever is there: between reading a
+    record and deleting it, it may have expired or been forgotten and claimed afresh by a
+    delivery whose worker runs the handler right now. A store without it is forgotten
+    unfenced."""
+
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        """Delete the record only while it carries ``token`` and is no live claim (a settled
+        record, or a claim whose lease lapsed). False if there was none (gone or expired);
+        :class:`~oncely.LeaseLost`, changing nothing, carrying the record, when it is
+        another's or a live claim."""
         ...
 
 

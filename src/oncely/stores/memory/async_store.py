@@ -172,6 +172,12 @@ class AsyncMemoryStore:
         with self._lock:
             return self._table.forget(consumer, key)
 
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        with self._lock:
+            return self._table.forget_by_token(
+                consumer, key, ReleaseEvent(token), self._clock.now_ms()
+            )
+
     async def migrate(self) -> int:
         return 1
 

@@ -170,6 +170,12 @@ class MemoryStore:
         with self._lock:
             return self._table.forget(consumer, key)
 
+    def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        with self._lock:
+            return self._table.forget_by_token(
+                consumer, key, ReleaseEvent(token), self._clock.now_ms()
+            )
+
     def migrate(self) -> int:
         return 1
 

@@ -57,6 +57,7 @@ from oncely._core.state import (
     apply_claim,
     apply_complete,
     apply_fail,
+    apply_forget,
     apply_release,
     apply_renew,
     apply_takeover,
@@ -721,6 +722,13 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         return await self._run(
             "release",
             lambda conn: self._fenced(conn, "release", consumer, key, apply_release, event),
+        )
+
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        event = ReleaseEvent(token)
+        return await self._run(
+            "forget",
+            lambda conn: self._fenced(conn, "forget", consumer, key, apply_forget, event),
         )
 
     # ------------------------------------------------------------ transactional mode (R7)

@@ -159,6 +159,7 @@ class PostgresDialect(PlainRows[bytes]):
         "estimate_table",
         "fail",
         "forget",
+        "forget_by_token",
         "get",
         "lock_key",
         "meta_table",
@@ -378,6 +379,12 @@ class PostgresDialect(PlainRows[bytes]):
         self.forget = _b(
             f"DELETE FROM {t} WHERE consumer = %(consumer)s::text AND key = %(key)s::text "
             "RETURNING 1"
+        )
+        self.forget_by_token = _b(
+            f"""DELETE FROM {t} AS t USING {_NOW}
+            WHERE {mine} AND {live}
+                AND NOT (t.status = 'in_progress' AND t.lease_until_ms > n.now)
+            RETURNING 1"""
         )
         # Purging walks the purge_ms index from its start: the rows of minutes that ended
         # (all expired, or behind their expiry and moved forward), then those of the current

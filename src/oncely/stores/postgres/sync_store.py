@@ -862,6 +862,20 @@ class PostgresStore(SQLStoreBase[bytes]):
             return False
         raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
+    def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        params = {"now": self._now(), "consumer": consumer, "key": key, "token": token}
+        with self._connection("forget") as conn:
+            try:
+                if fetchall(conn, self._dialect.forget_by_token, params):
+                    return True
+                params["now"] = self._now()
+                rows = fetchall(conn, self._dialect.get, params)
+            except psycopg.Error as exc:
+                raise self._error(exc, "forget") from exc
+        if not rows:
+            return False
+        raise lease_lost("forget", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+
     # ------------------------------------------------------------ transactional mode (R7)
 
     def transaction(self, *, claim_first: bool = False) -> _Transaction:

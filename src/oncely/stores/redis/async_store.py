@@ -51,6 +51,7 @@ from oncely.stores.redis.dialect import (
     CLAIM_MANY,
     COMPLETE,
     FAIL,
+    FORGET,
     GET,
     PURGE,
     READ,
@@ -569,6 +570,17 @@ class AsyncRedisStore:
         if code == b"false":
             return False
         raise lease_lost("release", consumer, key, Lost(record))
+
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        reply = await self._run(
+            FORGET, self._keys.record(consumer, key), (self._now(), token.encode()), "forget"
+        )
+        code, _now, record = parse_reply(consumer, key, reply)
+        if code == b"true":
+            return True
+        if code == b"false":
+            return False
+        raise lease_lost("forget", consumer, key, Lost(record))
 
     # ------------------------------------------------------------ reads and maintenance
 

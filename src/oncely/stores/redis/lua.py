@@ -34,6 +34,7 @@ __all__ = [
     "CLAIM_MANY",
     "COMPLETE",
     "FAIL",
+    "FORGET",
     "GET",
     "PURGE",
     "READ",
@@ -352,6 +353,20 @@ redis.call('DEL', KEYS[1])
 return reply('true', nil)
 """
 
+_FORGET = """
+-- ARGV: now, token. An operator's fenced delete: 'true' deleted the record, 'false' found
+-- nothing live, 'lost' it is another's or a live claim.
+local v = live(KEYS[1])
+if not v then
+  return reply('false', nil)
+end
+if v[3] ~= ARGV[2] or (v[1] == 'in_progress' and tonumber(v[7]) > now) then
+  return reply('lost', v)
+end
+redis.call('DEL', KEYS[1])
+return reply('true', nil)
+"""
+
 _GET = """
 -- ARGV: now. The live record ('ok') or nothing ('none').
 local v = live(KEYS[1])
@@ -386,6 +401,7 @@ COMPLETE: Final = Script("complete", _PRELUDE + _SETTLE + _COMPLETE)
 FAIL: Final = Script("fail", _PRELUDE + _SETTLE + _FAIL)
 RENEW: Final = Script("renew", _PRELUDE + _RENEW)
 RELEASE: Final = Script("release", _PRELUDE + _RELEASE)
+FORGET: Final = Script("forget", _PRELUDE + _FORGET)
 GET: Final = Script("get", _PRELUDE + _GET)
 PURGE: Final = Script("purge", _PRELUDE + _PURGE)
 READ: Final = Script("read", _READ)

@@ -783,6 +783,20 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             return False
         raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        now = self._now()
+        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
+        async with self._connection() as conn:
+            try:
+                if await self._pool.fetchall(conn, self._dialect.forget_by_token, params):
+                    return True
+                rows = await self._pool.fetchall(conn, self._dialect.get, params)
+            except sqlite3.Error as exc:
+                raise translate(exc, "forget") from exc
+        if not rows:
+            return False
+        raise lease_lost("forget", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+
     # ------------------------------------------------------------ transactional mode (R7)
 
     def transaction(self, *, claim_first: bool = False) -> _Transaction:

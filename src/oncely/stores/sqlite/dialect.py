@@ -81,6 +81,7 @@ class SQLiteDialect(PlainRows[str]):
         "first_consumer",
         "fix_purge",
         "forget",
+        "forget_by_token",
         "get",
         "insert",
         "meta_table",
@@ -221,6 +222,10 @@ class SQLiteDialect(PlainRows[str]):
             f"SELECT {_COLUMNS} FROM {t} WHERE consumer = :consumer AND key = :key AND {live}"
         )
         self.forget = f"DELETE FROM {t} WHERE consumer = :consumer AND key = :key RETURNING 1"
+        self.forget_by_token = f"""DELETE FROM {t}
+            WHERE {mine} AND {live}
+                AND NOT (status = 'in_progress' AND lease_until_ms > :now)
+            RETURNING 1"""
         # Purging walks the purge_ms index from its start: the rows of minutes that ended
         # (expired, or behind their expiry: moved forward), then the current minute's expired
         # ones. Candidates are read without the write lock (WAL readers never block writers),

@@ -1,5 +1,6 @@
 """Contract, fenced writes (R10, R20): complete, fail, renew and release carry the claim's token
-and raise :class:`~oncely.LeaseLost` once another worker has taken the record over."""
+and raise :class:`~oncely.LeaseLost` once another worker has taken the record over; an
+operator's ``forget_by_token`` deletes only the record it read, never a live claim."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import pytest
 from oncely._core.clock import FakeClock
 from oncely._core.records import ClaimStatus, Completion, Record, Status
 from oncely.errors import LeaseLost
-from oncely.stores.async_protocols import AsyncCompletesMany, AsyncStore, complete_each
+from oncely.stores.async_protocols import (
+    AsyncCompletesMany,
+    AsyncForgetsByToken,
+    AsyncStore,
+    complete_each,
+)
 from oncely.testing.contract.async_base import KEEP_MS, LEASE_MS, ContractBase
 
 __all__ = ["FencingContract"]
@@ -139,3 +145,31 @@ class FencingContract(ContractBase):
             await store.complete("billing", "k", token="t1", result=None, keep_ms=KEEP_MS)
         seen = await self._claim(store, token="t2")
         assert seen.status is ClaimStatus.EXISTING and seen.record.status is Status.FAILED
+
+    async def test_r10_forget_by_token_deletes_only_the_record_read_and_no_live_claim(
+        self, store: AsyncStore, clock: FakeClock
+    ) -> None:
+        if not isinstance(store, AsyncForgetsByToken):
+            pytest.skip("this store forgets unfenced only")
+        await self._claim(store, token="t1")
+        await store.fail("billing", "k", token="t1", error="poison", keep_ms=KEEP_MS)
+        with pytest.raises(LeaseLost):  # not the record read
+            await store.forget_by_token("billing", "k", token="t9")
+        assert (await store.get("billing", "k")).status is Status.FAILED  # type: ignore[union-attr]
+        # Forgotten by another meanwhile, and claimed afresh by a delivery: that claim stays.
+        await store.forget("billing", "k")
+        await self._claim(store, token="t2")
+        with pytest.raises(LeaseLost) as lost:
+            await store.forget_by_token("billing", "k", token="t1")
+        assert lost.value.current is not None and lost.value.current.token == "t2"
+        with pytest.raises(LeaseLost):  # a live claim, even by its own token
+            await store.forget_by_token("billing", "k", token="t2")
+        assert (await store.get("billing", "k")).token == "t2"  # type: ignore[union-attr]
+        clock.advance(timedelta(milliseconds=LEASE_MS + 1))  # its lease lapsed: stale
+        assert await store.forget_by_token("billing", "k", token="t2") is True
+        assert await store.get("billing", "k") is None
+        assert await store.forget_by_token("billing", "k", token="t2") is False
+        await self._claim(store, "done", token="t3")
+        await store.complete("billing", "done", token="t3", result=b"r", keep_ms=KEEP_MS)
+        assert await store.forget_by_token("billing", "done", token="t3") is True
+        assert await store.get("billing", "done") is None
