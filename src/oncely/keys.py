@@ -4,7 +4,8 @@ The same names as on :mod:`oncely` for the key sources, plus what a broker adapt
 line needs: :func:`key_source` (``"message-id"``, ``"cloudevents"``, ``"header:NAME"``,
 ``"body:FIELD"``, comma-separated for the first found), :func:`is_transport_field` and
 :data:`TRANSPORT_FIELDS` (per-delivery fields never accepted as keys, R4) and
-:func:`validate_key`. Bytes read off the wire are kept lossless by :mod:`oncely.wire`.
+:func:`validate_key`, and :func:`hashed_key`, the form a key over the limit is stored in with
+``Limits(hash_long_keys=True)``. Bytes read off the wire are kept lossless by :mod:`oncely.wire`.
 """
 
 from oncely._core.keys import (
@@ -18,6 +19,7 @@ from oncely._core.keys import (
     KeySource,
     KeyWarning,
     MessageIdKey,
+    hashed_key,
     is_transport_field,
     key_source,
     validate_key,
@@ -34,6 +36,7 @@ __all__ = [
     "KeySource",
     "KeyWarning",
     "MessageIdKey",
+    "hashed_key",
     "is_transport_field",
     "key_source",
     "validate_key",

@@ -35,6 +35,7 @@ __all__ = [
     "KeySource",
     "KeyWarning",
     "MessageIdKey",
+    "hashed_key",
     "is_transport_field",
     "key_source",
     "validate_consumer",
@@ -217,6 +218,12 @@ def validate_consumer(consumer: object) -> str:
     return consumer
 
 
+def hashed_key(key: str) -> str:
+    """The form a key over ``Limits.max_key_bytes`` is stored in with ``hash_long_keys``:
+    ``sha256:`` and the hex SHA-256 of its UTF-8 bytes (71 characters, under every limit)."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
 def validate_key(key: object, limits: Limits) -> str:
     """Check a dedup key and return it (hashed if too long and ``limits.hash_long_keys``).
 
@@ -244,7 +251,7 @@ def validate_key(key: object, limits: Limits) -> str:
             raise InvalidKey(undecodable_reason("dedup key", key)) from None
     if size > limits.max_key_bytes:
         if limits.hash_long_keys:
-            return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+            return hashed_key(key)
         raise KeyTooLong(
             f"the dedup key is {size} bytes, over the limit of {limits.max_key_bytes}; use a "
             "shorter key or Limits(hash_long_keys=True) (oncely consume --hash-long-keys)"

@@ -20,6 +20,7 @@ from oncely import Record, Status, Store, StoreStats, format_duration
 from oncely._core.inbox_rules import new_token
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
+from oncely.cli._keys import key_form_option, locate, shown_key
 from oncely.cli._output import (
     console,
     echo_json,
@@ -316,37 +317,42 @@ def list_records(
 # ------------------------------------------------------------------------------- show
 
 
-def _get(store: Store, consumer: str, key: str) -> Record:
-    record = store.get(consumer, key)
-    if record is None:
-        raise CliError(
-            f"no live record for consumer {consumer!r} and key {key!r} "
-            "(never processed, forgotten, or expired)",
-            CHECK_FAILED,
-        )
-    return record
-
-
 @inbox.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
 @click.argument("key")
+@key_form_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def show(store_url: str, consumer: str, key: str, as_json: bool) -> None:
+def show(store_url: str, consumer: str, key: str, hashed: bool | None, as_json: bool) -> None:
     """Show one record in full: status, attempt, times, lease, expiry, fingerprint, error and
     a safe preview of the stored result (binary is shown as hex, never raw).
 
-    Exits 1 when the consumer has no live record for KEY.
+    KEY is the key as the message carries it, or as `inbox list` prints it; a record its
+    consumer stored hashed (--hash-long-keys) is found by the original key too, and shown as
+    such. Exits 1 when the consumer has no live record for KEY.
     """
     with opened(store_url) as store:
-        record = _get(store, consumer, key)
+        found = locate(store, consumer, key, hashed)
+    record = found.record
+    if record is None:
+        raise CliError(
+            f"no live record for consumer {consumer!r} and key {shown_key(found)} "
+            "(never processed, forgotten, or expired)",
+            CHECK_FAILED,
+        )
     now = now_ms()
     if as_json:
-        echo_json(record_dict(record, full=True, now=now))
+        echo_json(record_dict(record, full=True, now=now) | {"key_hashed": found.hashed})
         return
+    stored = record.key
+    if found.hashed:
+        stored += (
+            f" (stored hashed: the SHA-256 of the {len(key.encode())}-byte key given, which "
+            "is over its consumer's --max-key-bytes)"
+        )
     rows: list[tuple[str, str]] = [
         ("consumer", record.consumer),
-        ("key", record.key),
+        ("key", stored),
         ("status", record.status.value),
         ("attempt", str(record.attempt)),
         ("created", iso(record.created_ms)),
@@ -488,13 +494,16 @@ def _purge_service(service: oncely.PurgeService) -> None:
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
 @click.argument("key")
+@key_form_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
     "--force",
     is_flag=True,
     help="Delete even a live claim, whose worker may be running the handler right now.",
 )
-def forget(store_url: str, consumer: str, key: str, yes: bool, force: bool) -> None:
+def forget(
+    store_url: str, consumer: str, key: str, hashed: bool | None, yes: bool, force: bool
+) -> None:
     """Delete one record (an operator's decision).
 
     The next delivery of KEY to this consumer is processed again as new: do this only when
@@ -503,9 +512,10 @@ def forget(store_url: str, consumer: str, key: str, yes: bool, force: bool) -> N
     claim is deleted only while it is the one shown (a worker that took it over meanwhile
     keeps it). Exits 1, deleting nothing, if there was no record or it was refused.
     """
-    shown = f"consumer {consumer!r}, key {key!r}"
     with opened(store_url) as store:
-        record = store.get(consumer, key)
+        found = locate(store, consumer, key, hashed)
+        shown = f"consumer {consumer!r}, key {shown_key(found)}"
+        record = found.record
         if record is None:
             raise CliError(f"no record for {shown}", CHECK_FAILED)
         live = record.status is Status.IN_PROGRESS and record.is_live(now_ms())

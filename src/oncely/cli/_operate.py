@@ -15,6 +15,14 @@ import oncely
 from oncely import Resolution, Resolved, Status
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, USAGE, CliError
+from oncely.cli._keys import (
+    DEFAULT_LIMIT,
+    LONGEST_KEY,
+    ambiguous,
+    key_form_option,
+    locate,
+    shown_key,
+)
 from oncely.cli._loading import load_reconciler
 from oncely.cli._output import echo_json, lease_state, now_ms, record_dict, safe
 from oncely.cli._stores import opened, store_option
@@ -28,10 +36,6 @@ _KEEP_HELP = (
 )
 
 
-_LONGEST_KEY = 4096
-"""The largest ``max_key_bytes`` a consumer can have: the operator commands take any key."""
-
-
 def _inbox(
     store: oncely.Store, consumer: str, keep: timedelta, on_stale: Any = "retry"
 ) -> oncely.Inbox:
@@ -43,7 +47,7 @@ def _inbox(
             on_stale=on_stale,
             # An operator names records as stored: a consumer may have taken keys up to the
             # largest limit (oncely consume --max-key-bytes), and none is refused here.
-            limits=oncely.Limits(max_key_bytes=_LONGEST_KEY),
+            limits=oncely.Limits(max_key_bytes=LONGEST_KEY),
         )
     except ConfigurationError as exc:
         raise CliError(str(exc), USAGE) from None
@@ -107,12 +111,14 @@ def _finite_float(number: str) -> float:
     help="With --completed or --failed: write the record when KEY has none (a message not "
     "delivered yet, settled ahead of it).",
 )
+@key_form_option
 @click.option("--keep", type=Duration(), default="7d", show_default=True, help=_KEEP_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def resolve(
     store_url: str,
     consumer: str,
     key: str,
+    hashed: bool | None,
     completed: str | None,
     failed: str | None,
     retry: bool,
@@ -153,21 +159,29 @@ def resolve(
         resolution = Resolution.retry()
     with opened(store_url) as store:
         inbox = _inbox(store, consumer, keep)
-        if not retry and not create and inbox.get(key) is None:
-            raise CliError(
-                f"not resolved: consumer {consumer!r} has no record for key {key!r} "
-                "(check the key with `oncely inbox list`; --create writes one for a message "
-                "not delivered yet)",
-                CHECK_FAILED,
-            )
+        found = locate(store, consumer, key, hashed)
+        if found.record is None and not retry:
+            if not create:
+                raise CliError(
+                    f"not resolved: consumer {consumer!r} has no record for key "
+                    f"{shown_key(found)} (check the key with `oncely inbox list`; --create "
+                    "writes one for a message not delivered yet)",
+                    CHECK_FAILED,
+                )
+            if ambiguous(key, hashed):
+                raise click.UsageError(
+                    f"KEY is {len(key.encode())} bytes, over the default --max-key-bytes of "
+                    f"{DEFAULT_LIMIT}: its consumer stores it as given, or hashed if it runs "
+                    "with --hash-long-keys; say which with --as-given or --hashed"
+                )
         try:
-            done = inbox.resolve(key, resolution, note=note)
+            done = inbox.resolve(found.stored, resolution, note=note)
         except ResolveRefused as refused:
             raise CliError(f"not resolved: {refused}", CHECK_FAILED) from None
     if as_json:
-        echo_json(_resolved_dict(done))
+        echo_json(_resolved_dict(done) | {"key_hashed": found.hashed})
         return
-    shown = f"consumer {consumer!r}, key {key!r}"
+    shown = f"consumer {consumer!r}, key {shown_key(found)}"
     click.echo(f"resolved {shown}: {_state(done.before)} -> {_state(done.after)}")
     if done.action == "retry":
         click.echo("its next delivery runs the handler")
