@@ -63,3 +63,49 @@ def test_an_unreadable_revision_is_a_schema_error(each_store: StoreUrl) -> None:
     result = run("inbox", "stats", "--store", url)
     assert result.exit_code == 4, result.stderr
     assert "schema revision" in result.stderr and "'three'" in result.stderr
+
+
+def _unmark(url: str, kind: str, drop: bool) -> None:
+    """Delete the store's schema_version row by hand (or, ``drop``, its whole meta table)."""
+    table = parse_qs(urlsplit(url).query).get("table", ["oncely_inbox"])[0]
+    statement = (
+        f"DROP TABLE {table}_meta" if drop
+        else f"DELETE FROM {table}_meta WHERE name = 'schema_version'"
+    )  # fmt: skip
+    if kind == "sqlite":
+        with sqlite3.connect(urlsplit(url).path) as conn:
+            conn.execute(statement)
+    elif kind == "postgres":
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+            conn.execute(statement)  # type: ignore[call-overload]
+    else:
+        sql(statement)
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["row-deleted", "meta-table-dropped"])
+def test_a_table_whose_schema_marker_is_missing_is_a_schema_error_not_a_missing_table(
+    each_store: StoreUrl, drop: bool
+) -> None:
+    """Before, the CLI said there was no oncely table (and `oncely migrate` answered "schema
+    version N ready", writing this oncely's version over a table whose own nobody knew)."""
+    made, url, kind = each_store
+    if kind == "redis":
+        pytest.skip("a SQL store's marker")
+    assert oncely.Inbox(made, consumer="c").handle("k", 1, lambda p: p).outcome is (
+        oncely.Outcome.PROCESSED
+    )
+    _unmark(url, kind, drop)
+    opened = oncely.open(url)
+    try:
+        with pytest.raises(oncely.SchemaError, match="schema marker is missing"):
+            opened.get("c", "k")
+    finally:
+        opened.close()
+    for command in (["inbox", "stats"], ["inbox", "show", "--consumer", "c", "k"], ["migrate"]):
+        result = run(*command, "--store", url)
+        assert result.exit_code == 4, (command, result.stdout, result.stderr)
+        assert "exists, but its schema marker is missing" in result.stderr
+        assert "no oncely table" not in result.stderr
+        assert "'schema_version'" in result.stderr and "oncely migrate" in result.stderr
+    again = run("migrate", "--store", url)  # nothing was written: still refused
+    assert again.exit_code == 4 and "ready" not in again.stdout

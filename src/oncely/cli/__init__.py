@@ -22,8 +22,8 @@ Exit codes:
    record asked for does not exist
 2  usage error: a bad option, duration or store URL
 3  the store is unavailable (cannot be opened or stayed locked); retrying later is safe
-4  schema problem: the tables are missing (run ``oncely migrate``) or were written by a
-   newer oncely (upgrade oncely)
+4  schema problem: the tables are missing (run ``oncely migrate``), were written by a
+   newer oncely (upgrade oncely), or a table's schema marker was deleted (restore it)
 5  any other oncely or store error
 6  the broker refused the consumer (``oncely consume``: wrong credentials, no such vhost)
 == =====================================================================================

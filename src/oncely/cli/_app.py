@@ -23,7 +23,8 @@ Exit codes:
   1  a check failed (demo self-check, retention too short, no such record)
   2  usage error (bad option, duration or store URL)
   3  store unavailable (cannot open it, or it stayed locked): retry later
-  4  schema problem: tables missing (run `oncely migrate`) or too new (upgrade oncely)
+  4  schema problem: tables missing (run `oncely migrate`), too new (upgrade oncely),
+     or a table's schema marker missing (the error says how to restore it)
   5  any other oncely or store error
   6  the broker refused the consumer (oncely consume: wrong credentials, no such vhost)
 

@@ -27,7 +27,8 @@ def migrate(store_url: str) -> None:
     Safe to run repeatedly and while consumers are running; an upgrade to a new schema
     version (SQLite and MariaDB/MySQL: 1 to 2) needs the workers of the older oncely stopped
     first, which refuse the upgraded tables. A schema written by a newer oncely is left alone
-    and reported (exit 4): upgrade oncely instead.
+    and reported (exit 4): upgrade oncely instead. So is a table whose schema marker (the
+    schema_version row of its _meta table) was deleted: the error says how to restore it.
     """
     with opened(store_url, create=True) as store:
         shown = oncely.redact(store_url)

@@ -33,6 +33,7 @@ __all__ = [
     "apportion",
     "bucket_sql",
     "check_identifier",
+    "marker_missing",
     "parse_record",
     "parse_scanned",
     "parse_stats",
@@ -73,6 +74,21 @@ def parse_versions(rows: Iterable[Sequence[Any]], place: str) -> tuple[int | Non
     return (
         read_version(found["schema_version"], "schema version", place),
         read_version(found.get("revision", 1), "schema revision", place),
+    )
+
+
+def marker_missing(place: str, meta: str, version: int, note: str = "") -> SchemaError:
+    """The :class:`~oncely.SchemaError` for an inbox table at ``place`` whose schema marker
+    (the ``schema_version`` row of ``meta``) is missing: deleted by hand, or by something
+    other than oncely. Not "no table": creating it would write this oncely's version over a
+    table whose own nobody knows."""
+    return SchemaError(
+        f"the {place} exists, but its schema marker is missing: {meta} has no "
+        "'schema_version' row (deleted by hand, or by something other than oncely), and "
+        "oncely does not guess the schema of an existing table. Restore the row with the "
+        "version the table was created at (this oncely creates version "
+        f"{version}: INSERT INTO {meta} (name, value) VALUES ('schema_version', '{version}')), "
+        "or move the table aside and run `oncely migrate` to create a new one" + note
     )
 
 

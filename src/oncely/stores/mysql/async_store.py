@@ -67,7 +67,7 @@ from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import MAX_CONSUMERS, Estimate, parse_versions
+from oncely.stores._sql import MAX_CONSUMERS, Estimate, marker_missing, parse_versions
 from oncely.stores.async_protocols import complete_each
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.mysql.async_io import (
@@ -298,20 +298,52 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     async def _setup(self, *, migrating: bool) -> None:
         conn = await self._pool.acquire()
         try:
-            version, revision = await self._versions(conn)
-            # migrate runs the CREATE ... IF NOT EXISTS again whatever the version: the
-            # version row says nothing of the inbox table itself.
-            if (
-                self._tables_needed(version, migrating=migrating)
-                or migrating
-                or self._upgrade_needed(revision, migrating=migrating)
-            ):
-                await self._create(conn)
+            version, revision = await self._read_versions(conn)
+            if version is None:  # a first creation: one process at a time (see _creating)
+                async with self._creating(conn):
+                    await self._setup_with(conn, *await self._versions(conn), migrating)
+            else:
+                await self._setup_with(conn, version, revision, migrating)
         finally:
             await self._release(conn)
 
-    async def _versions(self, conn: Connection) -> tuple[int | None, int]:
-        """The schema version (None: no tables) and revision (1 where none is written)."""
+    async def _setup_with(
+        self, conn: Connection, version: int | None, revision: int, migrating: bool
+    ) -> None:
+        # migrate runs the CREATE ... IF NOT EXISTS again whatever the version: the
+        # version row says nothing of the inbox table itself.
+        if (
+            self._tables_needed(version, migrating=migrating)
+            or migrating
+            or self._upgrade_needed(revision, migrating=migrating)
+        ):
+            await self._create(conn)
+
+    @asynccontextmanager
+    async def _creating(self, conn: Connection) -> AsyncIterator[None]:
+        """A named lock (GET_LOCK) held while the tables are created for the first time.
+        Each CREATE TABLE commits at once, so another process's creation shows its inbox
+        table before the version row: read in this lock, the row of a creation is there
+        (and a table without one was left so)."""
+        table = f"{self._settings.database}.{self._dialect.table}".encode()
+        name = {"name": "oncely-schema-" + hashlib.sha256(table).hexdigest()[:40]}
+        try:
+            (held,) = (await fetchall(conn, "SELECT GET_LOCK(%(name)s, 60)", name))[0]
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "creating the tables") from exc
+        if held != 1:
+            raise StoreUnavailable(
+                f"another process has been creating the {self._place} for a minute; retry"
+            )
+        try:
+            yield
+        finally:
+            with suppress(*DRIVER_ERRORS):
+                await fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+
+    async def _read_versions(self, conn: Connection) -> tuple[int | None, int]:
+        """The schema version (None: no tables) and revision (1 where none is written), the
+        table's marker missing or not: no error for that yet."""
         try:
             return parse_versions(await fetchall(conn, self._dialect.read_version), self._place)
         except DRIVER_ERRORS as exc:
@@ -319,8 +351,31 @@ class AsyncMySQLStore(SQLStoreBase[str]):
                 return None, 1
             raise translate(exc, "reading the schema version") from exc
 
+    async def _versions(self, conn: Connection) -> tuple[int | None, int]:
+        """:meth:`_read_versions`; an inbox table without its version row is a
+        :class:`~oncely.SchemaError`. Called in :meth:`_creating` where a creation may be
+        under way."""
+        versions = await self._read_versions(conn)
+        if versions[0] is not None:
+            return versions
+        try:
+            exists = bool(await fetchall(conn, self._dialect.table_exists))
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "reading the schema version") from exc
+        if exists:
+            raise marker_missing(
+                self._place, self._dialect.meta_table, self._SCHEMA_VERSION,
+                "; a table left empty by a first `oncely migrate` that was interrupted (its "
+                "CREATE TABLE commits at once) can simply be dropped",
+            )  # fmt: skip
+        return versions
+
     async def _version(self, conn: Connection) -> int | None:
-        return (await self._versions(conn))[0]
+        version = (await self._read_versions(conn))[0]
+        if version is not None:
+            return version
+        async with self._creating(conn):
+            return (await self._versions(conn))[0]
 
     async def _create(self, conn: Connection) -> None:
         # CREATE TABLE IF NOT EXISTS and the upsert of the version row are safe when several

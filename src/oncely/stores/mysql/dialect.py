@@ -283,6 +283,7 @@ class MySQLDialect:
         "set_version",
         "stats",
         "table",
+        "table_exists",
         "write",
     )
 
@@ -320,6 +321,10 @@ class MySQLDialect:
         bucket = bucket_sql("expires_ms", "DIV")
         self.read_version = (
             f"SELECT name, value FROM `{m}` WHERE name IN ('schema_version', 'revision')"
+        )
+        self.table_exists = (
+            "SELECT 1 FROM information_schema.tables "
+            f"WHERE table_schema = DATABASE() AND table_name = '{t}'"
         )
         # Revision 2, online: ADD COLUMN ... INSTANT only edits the data dictionary (MariaDB
         # 10.3+, MySQL 8.0.12+), and the index is built INPLACE with LOCK=NONE (claims go on

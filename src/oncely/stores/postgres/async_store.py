@@ -58,7 +58,15 @@ from oncely.errors import (
     TransactionRequired,
 )
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import SMALL, STATUS, Estimate, parse_versions, plan_rows, status_shares
+from oncely.stores._sql import (
+    SMALL,
+    STATUS,
+    Estimate,
+    marker_missing,
+    parse_versions,
+    plan_rows,
+    status_shares,
+)
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.postgres.async_io import (
     Connection,
@@ -427,12 +435,20 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             raise self._error(exc, "migrate" if migrating else "opening the store") from exc
 
     async def _versions(self, conn: Connection) -> tuple[int | None, int]:
-        """The schema version (None: no tables) and revision (1 where none is written)."""
+        """The schema version (None: no tables) and revision (1 where none is written); an
+        inbox table without its version row is a :class:`~oncely.SchemaError` (the tables are
+        created in one transaction, with the row)."""
         d = self._dialect
         table, meta, _ = (await fetchall(conn, d.regclass, d.names))[0]
-        if not (table and meta):
+        if not table:
             return None, 1
-        return parse_versions(await fetchall(conn, d.read_version), self._place)
+        versions = (
+            parse_versions(await fetchall(conn, d.read_version), self._place) if meta else (None, 1)
+        )
+        if versions[0] is None:
+            meta_name = f"{d.schema}.{d.meta_table}"
+            raise marker_missing(self._place, meta_name, self._SCHEMA_VERSION)
+        return versions
 
     async def _version(self, conn: Connection) -> int | None:
         return (await self._versions(conn))[0]

@@ -60,7 +60,15 @@ from oncely.errors import (
     TransactionRequired,
 )
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import SMALL, STATUS, Estimate, parse_versions, plan_rows, status_shares
+from oncely.stores._sql import (
+    SMALL,
+    STATUS,
+    Estimate,
+    marker_missing,
+    parse_versions,
+    plan_rows,
+    status_shares,
+)
 from oncely.stores.postgres.dialect import (
     SCHEMA_REVISION,
     SCHEMA_VERSION,
@@ -429,12 +437,20 @@ class PostgresStore(SQLStoreBase[bytes]):
             raise self._error(exc, "migrate" if migrating else "opening the store") from exc
 
     def _versions(self, conn: Connection) -> tuple[int | None, int]:
-        """The schema version (None: no tables) and revision (1 where none is written)."""
+        """The schema version (None: no tables) and revision (1 where none is written); an
+        inbox table without its version row is a :class:`~oncely.SchemaError` (the tables are
+        created in one transaction, with the row)."""
         d = self._dialect
         table, meta, _ = (fetchall(conn, d.regclass, d.names))[0]
-        if not (table and meta):
+        if not table:
             return None, 1
-        return parse_versions(fetchall(conn, d.read_version), self._place)
+        versions = (
+            parse_versions(fetchall(conn, d.read_version), self._place) if meta else (None, 1)
+        )
+        if versions[0] is None:
+            meta_name = f"{d.schema}.{d.meta_table}"
+            raise marker_missing(self._place, meta_name, self._SCHEMA_VERSION)
+        return versions
 
     def _version(self, conn: Connection) -> int | None:
         return (self._versions(conn))[0]

@@ -65,7 +65,14 @@ from oncely._core.table import lease_lost, unfenced
 from oncely.errors import SchemaMissing, SchemaOutdated, StoreUnavailable, TransactionRequired
 from oncely.stores._compact import pack_fingerprint, pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
+from oncely.stores._sql import (
+    MAX_CONSUMERS,
+    SMALL,
+    Estimate,
+    marker_missing,
+    parse_versions,
+    purge_bucket,
+)
 from oncely.stores.async_sql import Position, SQLStoreBase
 from oncely.stores.sqlite.async_io import AsyncPool, Params, close, connect, fetchall
 from oncely.stores.sqlite.async_tx import _Transaction
@@ -293,13 +300,22 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         await fetchall(conn, "PRAGMA journal_mode = WAL")
 
     async def _versions(self, conn: aiosqlite.Connection) -> tuple[int | None, int]:
-        """The schema version (None: no tables) and revision (1 where none is written)."""
+        """The schema version (None: no tables) and revision (1 where none is written); an
+        inbox table without its version row is a :class:`~oncely.SchemaError`. The table is
+        looked for first: a creator commits it with its version row, so once it is seen, the
+        row is there unless it was deleted."""
+        d = self._dialect
+        if not await fetchall(conn, d.table_sql):
+            return None, 1
         try:
-            return parse_versions(await fetchall(conn, self._dialect.read_version), self._place)
+            versions = parse_versions(await fetchall(conn, d.read_version), self._place)
         except sqlite3.OperationalError as exc:
-            if "no such table" in str(exc).lower():
-                return None, 1
-            raise
+            if "no such table" not in str(exc).lower():
+                raise
+            versions = None, 1
+        if versions[0] is None:
+            raise marker_missing(self._place, d.meta_table, self._SCHEMA_VERSION)
+        return versions
 
     async def _version(self, conn: aiosqlite.Connection) -> int | None:
         return (await self._versions(conn))[0]

@@ -62,7 +62,14 @@ from oncely.errors import (
 )
 from oncely.stores._compact import pack_fingerprint, pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import MAX_CONSUMERS, SMALL, Estimate, parse_versions, purge_bucket
+from oncely.stores._sql import (
+    MAX_CONSUMERS,
+    SMALL,
+    Estimate,
+    marker_missing,
+    parse_versions,
+    purge_bucket,
+)
 from oncely.stores.sqlite.dialect import (
     ENDED_COUNTED,
     OLD_STATUS_CHECK,
@@ -291,13 +298,22 @@ class SQLiteStore(SQLStoreBase[str]):
         fetchall(conn, "PRAGMA journal_mode = WAL")
 
     def _versions(self, conn: sqlite3.Connection) -> tuple[int | None, int]:
-        """The schema version (None: no tables) and revision (1 where none is written)."""
+        """The schema version (None: no tables) and revision (1 where none is written); an
+        inbox table without its version row is a :class:`~oncely.SchemaError`. The table is
+        looked for first: a creator commits it with its version row, so once it is seen, the
+        row is there unless it was deleted."""
+        d = self._dialect
+        if not fetchall(conn, d.table_sql):
+            return None, 1
         try:
-            return parse_versions(fetchall(conn, self._dialect.read_version), self._place)
+            versions = parse_versions(fetchall(conn, d.read_version), self._place)
         except sqlite3.OperationalError as exc:
-            if "no such table" in str(exc).lower():
-                return None, 1
-            raise
+            if "no such table" not in str(exc).lower():
+                raise
+            versions = None, 1
+        if versions[0] is None:
+            raise marker_missing(self._place, d.meta_table, self._SCHEMA_VERSION)
+        return versions
 
     def _version(self, conn: sqlite3.Connection) -> int | None:
         return (self._versions(conn))[0]
