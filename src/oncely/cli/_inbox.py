@@ -20,12 +20,13 @@ from oncely import Record, Status, Store, StoreStats, format_duration
 from oncely._core.inbox_rules import new_token
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
-from oncely.cli._keys import key_form_option, locate, shown_key
+from oncely.cli._keys import absent_why, key_form_option, locate, shown_key
 from oncely.cli._output import (
     console,
     echo_json,
     iso,
     lease_state,
+    lease_word,
     now_ms,
     preview,
     record_dict,
@@ -46,8 +47,11 @@ _STATUSES = tuple(s.value for s in Status)
 def inbox() -> None:
     """Inspect and maintain the dedup records (the inbox) of a store.
 
-    Records are keyed by consumer and message key (R5). Expired records count as absent
+    Records are keyed by consumer and message key. Expired records count as absent
     everywhere; `purge` deletes them. Nothing here creates tables: run `oncely migrate` first.
+
+    Every command reads the store from --store URL, else $ONCELY_STORE; with neither it
+    opens sqlite:///oncely.db in the current directory, which is rarely the consumer's.
     """
 
 
@@ -269,8 +273,10 @@ def list_records(
 ) -> None:
     """List live records in (consumer, key) order, one page at a time.
 
-    When more records follow, the page ends with the cursor for the next one, e.g.
-    `--after billing/order-41`.
+    The lease column tells in-progress records apart: live (a worker holds the claim and may
+    be running the handler right now) or stale (its lease lapsed: the worker died or
+    stalled; see `oncely reconcile --dry-run`). When more records follow, the page ends with
+    the cursor for the next one, e.g. `--after billing/order-41`.
     """
     start = _after(after, after_consumer, after_key)
     with opened(store_url) as store:
@@ -298,12 +304,13 @@ def list_records(
     if not page:
         out.print(text("no records"))
         return
-    table = Table("consumer", "key", "status", "attempt", "updated", "expires", "result")
+    table = Table("consumer", "key", "status", "lease", "attempt", "updated", "expires", "result")
     for record in page:
         table.add_row(
             text(record.consumer),
             text(record.key, "bold"),
             text(record.status.value),
+            lease_word(record, now),
             str(record.attempt),
             iso(record.updated_ms),
             relative(record.expires_ms, now),
@@ -333,13 +340,13 @@ def show(store_url: str, consumer: str, key: str, hashed: bool | None, as_json: 
     """
     with opened(store_url) as store:
         found = locate(store, consumer, key, hashed)
-    record = found.record
-    if record is None:
-        raise CliError(
-            f"no live record for consumer {consumer!r} and key {shown_key(found)} "
-            "(never processed, forgotten, or expired)",
-            CHECK_FAILED,
-        )
+        record = found.record
+        if record is None:
+            raise CliError(
+                f"no live record for consumer {consumer!r} and key {shown_key(found)} "
+                f"({absent_why(store, consumer)})",
+                CHECK_FAILED,
+            )
     now = now_ms()
     if as_json:
         echo_json(record_dict(record, full=True, now=now) | {"key_hashed": found.hashed})
@@ -517,7 +524,7 @@ def forget(
         shown = f"consumer {consumer!r}, key {shown_key(found)}"
         record = found.record
         if record is None:
-            raise CliError(f"no record for {shown}", CHECK_FAILED)
+            raise CliError(f"no record for {shown} ({absent_why(store, consumer)})", CHECK_FAILED)
         live = record.status is Status.IN_PROGRESS and record.is_live(now_ms())
         state = record.status.value
         if record.status is Status.IN_PROGRESS:

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_LIMIT",
     "LONGEST_KEY",
     "Located",
+    "absent_why",
     "ambiguous",
     "key_form_option",
     "locate",
@@ -111,3 +112,15 @@ def shown_key(found: Located) -> str:
     if found.hashed:
         return f"{found.stored!r} (the SHA-256 of the {_size(found.key)}-byte key given)"
     return repr(found.key)
+
+
+def absent_why(store: Store, consumer: str) -> str:
+    """Why a record may be absent, for the message that says so: a consumer with no live
+    record at all is more likely a misspelt name (or the wrong --store) than a key never
+    processed."""
+    if store.scan(consumer=consumer, limit=1):
+        return "never processed, forgotten, or expired"
+    return (
+        f"consumer {consumer!r} has no live record at all in this store: check its name with "
+        "`oncely inbox stats`, and the --store"
+    )

@@ -18,6 +18,7 @@ from oncely.cli._errors import CHECK_FAILED, USAGE, CliError
 from oncely.cli._keys import (
     DEFAULT_LIMIT,
     LONGEST_KEY,
+    absent_why,
     ambiguous,
     key_form_option,
     locate,
@@ -164,8 +165,8 @@ def resolve(
             if not create:
                 raise CliError(
                     f"not resolved: consumer {consumer!r} has no record for key "
-                    f"{shown_key(found)} (check the key with `oncely inbox list`; --create "
-                    "writes one for a message not delivered yet)",
+                    f"{shown_key(found)} ({absent_why(store, consumer)}; check the key with "
+                    "`oncely inbox list`; --create writes one for a message not delivered yet)",
                     CHECK_FAILED,
                 )
             if ambiguous(key, hashed):

@@ -109,6 +109,15 @@ def lease_state(record: Record, now: int) -> str:
     )
 
 
+def lease_word(record: Record, now: int) -> str:
+    """The lease in one word, for a table: ``live`` (a worker holds it: may be running the
+    handler), ``stale`` (lapsed: its worker died or stalled; escalated or awaiting a
+    redelivery or ``oncely reconcile``), ``-`` (not in progress)."""
+    if record.status is not Status.IN_PROGRESS:
+        return "-"
+    return "live" if record.is_live(now) else "stale"
+
+
 def record_dict(record: Record, *, full: bool, now: int) -> dict[str, Any]:
     """A record as JSON-ready values: times in ISO 8601, the result as size and preview."""
     found: dict[str, Any] = {
@@ -123,11 +132,11 @@ def record_dict(record: Record, *, full: bool, now: int) -> dict[str, Any]:
         "fingerprint": record.fingerprint,
         "error": record.error,
         "result_size": len(record.result) if record.result is not None else None,
+        "live": record.is_live(now),
+        "stale": record.is_stale(now),
     }
     if full:
         found["lease"] = lease_state(record, now)
-        found["live"] = record.is_live(now)
-        found["stale"] = record.is_stale(now)
         found["token"] = record.token
         if record.result is None:
             found["result_encoding"] = None

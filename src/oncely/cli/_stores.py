@@ -67,6 +67,15 @@ def _without_auto_migrate(url: str) -> str:
     return url + ("&" if "?" in url else "?") + "migrate=false"
 
 
+def _defaulted() -> bool:
+    """Whether the running command's store URL is the default: neither --store nor
+    $ONCELY_STORE gave one."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or "store_url" not in ctx.params:
+        return False
+    return ctx.get_parameter_source("store_url") is click.core.ParameterSource.DEFAULT
+
+
 def _as_typed(message: str, target: str, url: str) -> str:
     """``message`` naming ``url`` as the user typed it where it names the ``target`` opened
     (``url`` with ``migrate=false`` added): the user did not write that query."""
@@ -104,6 +113,15 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
                 STORE_UNAVAILABLE,
             )
         if not create and path is not None and not os.path.exists(path):
+            if _defaulted():
+                # An operator who forgot --store: creating this file would not help them.
+                raise CliError(
+                    f"no --store given and ${ENV_STORE} is not set, so the default "
+                    f"{DEFAULT_STORE} was used, and there is no {path} in "
+                    f"{os.getcwd()}: give the consumer's store with --store URL (or "
+                    f"${ENV_STORE})",
+                    SCHEMA,
+                )
             raise CliError(
                 f"no SQLite database at {path}; create it with "
                 f"`oncely migrate --store {oncely.redact(url)}`",
