@@ -4,21 +4,26 @@ takes over once the lease lapses."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import psycopg
 import pytest
 
 import oncely
 from oncely.jobs import Every, run_once, slot
+from tests.brokers.common import Proxy
+from tests.services import POSTGRES_DSN, require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -246,3 +251,55 @@ def test_r19_a_monthly_job_fired_daily_runs_once_a_month_with_a_month_of_retenti
         short = oncely.Retention(keep=timedelta(days=32), keep_failed=timedelta(days=1))
         run_once(oncely.Inbox(store, consumer="jobs", retention=short), "x", list, every="month")
     inbox.close()
+
+
+@pytest.mark.slow
+async def test_r10_r19_a_job_whose_store_goes_silent_as_it_ends_is_told_within_a_timeout() -> None:
+    """The store (PostgreSQL, reached through a relay) stops answering as the job returns: its
+    open connections are cut and new ones are held without an answer, so each try to complete
+    the slot waits the store's ``connect_timeout`` (2 s here). The completion is retried for
+    about a second, not four tries: ``run_once`` says ``StoreUnavailable`` while the store is
+    still away (before, it tried four times, about 9 s, and came back only once the store
+    had). The slot stays claimed, so no other run repeats the job before its lease lapses."""
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    table = f"jobs_silent_{uuid.uuid4().hex[:10]}"
+    away_for = 6.0  # seconds: more than one try's timeout (2 s) and a second, less than four
+    try:
+        async with Proxy(f"{POSTGRES_DSN}?table={table}&connect_timeout=2") as proxy:
+            store = oncely.open(proxy.url)
+            inbox = oncely.Inbox(store, consumer="jobs")
+            loop = asyncio.get_running_loop()
+            ran: list[str] = []
+
+            async def go_silent() -> None:
+                proxy.cut()
+                proxy.silent = True
+                await asyncio.sleep(away_for)
+                proxy.silent = False
+
+            def job() -> str:
+                ran.append("report")
+                # On the relay's own loop: its transports are not for another thread to abort.
+                loop.call_soon_threadsafe(lambda: outage.append(loop.create_task(go_silent())))
+                while not proxy.silent:
+                    time.sleep(0.01)
+                return "sent"
+
+            outage: list[asyncio.Task[None]] = []
+            at = datetime(2026, 12, 1, 9, tzinfo=UTC)
+            try:
+                with pytest.raises(oncely.StoreUnavailable):
+                    await asyncio.to_thread(run_once, inbox, "report", job, every="day", at=at)
+                assert proxy.silent, "the completion waited for the store to come back"
+                await outage[0]
+                again = await asyncio.to_thread(run_once, inbox, "report", job, every="day", at=at)
+                assert again.outcome is oncely.Outcome.IN_FLIGHT  # held until its lease lapses
+                assert ran == ["report"]
+            finally:
+                for task in outage:
+                    task.cancel()
+                inbox.close()
+                store.close()
+    finally:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_meta"'.encode())

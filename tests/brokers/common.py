@@ -200,14 +200,17 @@ async def publish_until_confirmed(
 
 class Proxy:
     """A TCP relay on loopback in front of a broker, so a test can cut its own clients'
-    connections (:meth:`cut`) and refuse new ones (``refusing``) without touching the server
-    other tests share. Point a client at :meth:`url`."""
+    connections (:meth:`cut`) and refuse new ones (``refusing``), or go silent (``silent``:
+    connections, new and open, are held but nothing is relayed either way, as a host that
+    stopped answering behind a dead route would), without touching the server other tests
+    share. Point a client at :meth:`url`."""
 
     def __init__(self, url: str, *, port: int = 0) -> None:
         self._parts = urlsplit(url)
         self._port = port
         self.accepted = 0
         self.refusing = False
+        self.silent = False
         self._open: set[asyncio.StreamWriter] = set()
         self._server: asyncio.Server | None = None
 
@@ -240,6 +243,14 @@ class Proxy:
         if self.refusing:
             writer.transport.abort()
             return
+        if self.silent:
+            self._open.add(writer)
+            with contextlib.suppress(OSError):
+                while await reader.read(65536):
+                    pass  # swallowed: the client waits for an answer that never comes
+            self._open.discard(writer)
+            writer.transport.abort()
+            return
         try:
             upstream_reader, upstream = await asyncio.open_connection(
                 self._parts.hostname or "127.0.0.1", self._parts.port
@@ -253,6 +264,8 @@ class Proxy:
         async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
                 while data := await source.read(65536):
+                    if self.silent:
+                        continue  # swallowed, as a dead route would
                     sink.write(data)
                     await sink.drain()
             sink.transport.abort()  # either side gone: the other goes too

@@ -102,6 +102,19 @@ Early: TypeAlias = Callable[[list[int], list[Handled[R]]], None]
 """Told the outcomes of a batch's groups that ended early: their indexes and outcomes."""
 
 _COMPLETE_PAUSES = (0.05, 0.2, 0.8, None)  # pauses between tries; None: the last try
+_COMPLETE_WITHIN = sum(p for p in _COMPLETE_PAUSES if p is not None)
+"""Seconds after its first try that a completion may start another: the tries ride out an
+outage of about a second. A try that waits on the store's own timeouts (PostgreSQL's
+``connect_timeout``, 10 s, while the server does not answer) counts against it, so a store
+that stays away costs about a second plus one try's timeout, never four tries' timeouts."""
+
+
+def _retry_complete(first: float, pause: float | None) -> bool:
+    """Whether a completion whose first try started at ``first`` (``perf_counter``) tries
+    again after ``pause``."""
+    return pause is not None and perf_counter() - first + pause <= _COMPLETE_WITHIN
+
+
 _MAX_ROUNDS = 8
 
 
@@ -477,14 +490,16 @@ class Inbox:
     def _complete_many(self, completions: list[Completion]) -> list[Record | LeaseLost]:
         # As _complete: the effects are done, so a short outage is ridden out.
         store = self._store
+        first = perf_counter()
         for pause in _COMPLETE_PAUSES:
             try:
                 if isinstance(store, CompletesMany):
                     return store.complete_many(self._consumer, completions, keep_ms=self._keep_ms)
                 return complete_each(store, self._consumer, completions, keep_ms=self._keep_ms)
             except StoreUnavailable:
-                if pause is None:
+                if not _retry_complete(first, pause):
                     raise
+                assert pause is not None
                 sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -1047,15 +1062,18 @@ class Inbox:
 
     def _complete(self, key: str, token: str, data: bytes | None, note: str | None) -> Record:
         # The effects are done: losing the completion would let a redelivery repeat them, so
-        # a short outage is ridden out (complete is idempotent for the same token).
+        # a short outage is ridden out (complete is idempotent for the same token), for about
+        # a second (_COMPLETE_WITHIN) however long each try waits on the store's timeouts.
+        first = perf_counter()
         for pause in _COMPLETE_PAUSES:
             try:
                 return self._store.complete(
                     self._consumer, key, token=token, result=data, keep_ms=self._keep_ms, note=note
                 )
             except StoreUnavailable:
-                if pause is None:
+                if not _retry_complete(first, pause):
                     raise
+                assert pause is not None
                 sleep(pause)
         raise AssertionError("unreachable")  # pragma: no cover
 
