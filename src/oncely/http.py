@@ -39,8 +39,11 @@ response over ``max_stored_bytes`` is sent to the client but not kept: a repeat 
 The middleware runs the app under :meth:`AsyncInbox.claim <oncely.AsyncInbox.claim>` (the
 two-phase mode: the lease is renewed while the request runs); an app that raises releases the
 claim. The claim is completed before the end of the response is sent; a store that cannot be
-reached then is retried for a few seconds, and the response goes out either way (a record
-left uncompleted is logged at ERROR: a repeat may run again once the lease lapses).
+reached then is retried for up to 5 s (a third of the lease at most), and the response goes
+out either way (a record left uncompleted is logged at ERROR: a repeat may run again once the
+lease lapses). The ASGI middleware cuts a try that waits on the store's own timeouts short at
+that bound (psycopg first cancels a PostgreSQL statement under way: up to 10 s more); the
+WSGI one waits for the try under way, up to the store's own timeout (``connect_timeout``).
 
 With ``transactional=True`` (a SQL store: PostgreSQL, MariaDB/MySQL, SQLite) the app runs
 inside one database transaction on the store's database instead, which :func:`transaction`
@@ -324,7 +327,8 @@ _COMPLETE_WITHIN = 5.0
 """Seconds the middlewares keep starting new tries to complete the claim of a request whose
 response is ready while the store cannot be reached (at most a third of the lease: the last
 renewal left two thirds of it at least), before they send the response anyway. A try itself
-lasts as long as the store's own timeouts and the inbox's own quick retries let it."""
+lasts as long as the store's own timeouts and the inbox's own quick retries let it: the
+ASGI middleware cuts it short at the bound, the WSGI one cannot."""
 _FIRST_PAUSE = 0.1
 _LAST_PAUSE = 1.0
 """The pauses between those tries: doubling from the first to the last."""
@@ -747,27 +751,43 @@ class IdempotencyMiddleware(_Policy):
         if isinstance(decided, str):
             await claimed.release(decided)
             return
-        deadline = time.monotonic() + self._complete_within
+        # The whole of it, tries, pauses and renewals, within _complete_within: a try that
+        # waits on the store's own timeouts (a PostgreSQL pool waits connect_timeout, 10 s,
+        # for a server that does not answer; a statement sent to one that went silent waits
+        # on TCP) is cut short rather than hold the response for as long as they last.
+        within = self._complete_within
+        deadline = time.monotonic() + within
         pause = _FIRST_PAUSE
-        while True:
-            try:
-                await claimed.complete(decided)
-                return
-            except StoreUnavailable as exc:
-                error: StoreError = exc
-                if time.monotonic() + pause > deadline:
-                    break
-            except StoreError as exc:  # not a passing outage: retrying will not help
-                error = exc
-                break
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, _LAST_PAUSE)
-            if self._renews:
-                # complete() stopped the claim's heartbeat: renew in its place meanwhile.
-                # (It fails while the store is away, or once the key is another's: the
-                # next complete() says which.)
-                with contextlib.suppress(StoreError, LeaseLost):
-                    await claimed.renew()
+        error: StoreError | None = None
+        try:
+            async with asyncio.timeout(within) as bound:
+                while True:
+                    try:
+                        await claimed.complete(decided)
+                        return
+                    except StoreUnavailable as exc:
+                        error = exc
+                        if time.monotonic() + pause > deadline:
+                            break
+                    except StoreError as exc:  # not a passing outage: retrying will not help
+                        error = exc
+                        break
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, _LAST_PAUSE)
+                    if self._renews:
+                        # complete() stopped the claim's heartbeat: renew in its place
+                        # meanwhile. (It fails while the store is away, or once the key is
+                        # another's: the next complete() says which.)
+                        with contextlib.suppress(StoreError, LeaseLost):
+                            await claimed.renew()
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            error = StoreUnavailable(
+                f"the store did not answer within {within:g}s"
+                + (f" (before that: {said(error)})" if error is not None else "")
+            )
+        assert error is not None
         self._not_completed(claimed.key, error)
 
     async def _answer(self, send: Send, handled: Handled[Any]) -> None:

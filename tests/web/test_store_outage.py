@@ -216,3 +216,61 @@ def _says_not_completed(caplog: pytest.LogCaptureFixture) -> None:
     said = errors[0].getMessage()
     assert "response is sent" in said and "could not be completed" in said
     assert "may then run the request again" in said and errors[0].exc_info is None
+
+
+SILENT_FOR = {"cut": 9.0, "silent": 25.0}
+"""Seconds the store stays silent: longer than the middleware holds a response (5 s; on
+PostgreSQL up to 10 s more when psycopg first cancels a statement the server stopped answering,
+the ``silent`` case), shorter than what it held before: past the bound, the try under way
+(a pool waiting ``connect_timeout``, 10 s, for a new connection: about 11 s in all), or, on a
+connection gone silent, until TCP itself gave up."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["cut", "silent"])
+async def test_r19_asgi_a_store_gone_silent_at_completion_holds_the_response_a_bounded_time(
+    how: str,
+) -> None:
+    """PostgreSQL with its default ``connect_timeout`` (10 s), reached through a relay that
+    goes silent while the request runs: its connections held, nothing relayed (``cut``: the
+    open ones reset first, so each try waits for a new connection). The response reaches the
+    client while the store is still silent, and a repeat gets ``409`` (the record is held,
+    not run again)."""
+    with _store("postgres") as quick:
+        url = quick.replace("&connect_timeout=1", "")  # the default: 10 s
+        async with Proxy(url) as proxy, httpx.AsyncClient(timeout=60) as client:
+            with serving(proxy.url, "starlette") as base:
+                warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}
+                headers = {"Idempotency-Key": key()}
+                assert (
+                    await client.post(f"{base}/orders", json=warm, headers=headers)
+                ).status_code == 201
+
+                async def go_silent() -> None:
+                    await asyncio.sleep(0.3)  # the handler runs (one second)
+                    if how == "cut":
+                        proxy.cut()
+                    proxy.silent = True
+                    await asyncio.sleep(SILENT_FOR[how])
+                    proxy.silent = False
+                    proxy.cut()  # what was swallowed is lost: the held connections go
+
+                order = f"silent-{uuid.uuid4().hex[:8]}"
+                body = {"id": order, "sleep": 1.0}
+                headers = {"Idempotency-Key": key()}
+                outage = asyncio.create_task(go_silent())
+                try:
+                    first = await client.post(f"{base}/orders", json=body, headers=headers)
+                    assert proxy.silent, "the response waited for the store to come back"
+                    assert first.status_code == 201 and first.json()["run"] == 1
+                finally:
+                    await outage
+                # The store is back; a request that meets one of its reset connections gets
+                # 503 (nothing run): the client retries, as its Retry-After says.
+                for _ in range(50):
+                    again = await client.post(f"{base}/orders", json=body, headers=headers)
+                    if again.status_code != 503:
+                        break
+                    await asyncio.sleep(0.2)
+                assert again.status_code == 409  # held until its lease lapses: not run again
+                assert (await client.get(f"{base}/effects")).json()[order] == 1
