@@ -41,6 +41,34 @@ def test_the_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
         os.chdir(here)
 
 
+SECTIONS = ("HTTP endpoints", "Scheduled jobs", "ETL")
+"""Sections a reader comes to straight from the contents, not through the tour: each one's
+blocks run on their own, from their own imports."""
+
+
+@pytest.mark.parametrize("title", SECTIONS)
+def test_r19_a_readme_section_runs_on_its_own_as_written(tmp_path: Path, title: str) -> None:
+    """Before, the HTTP, jobs and ETL sections used ``oncely``, ``asyncio`` and ``sqlite3``
+    that only the tour at the top imports: copied on their own, they raised ``NameError``."""
+    start = README.index(f"### {title}")
+    after = re.search(r"^#{2,3} ", README[start + 4 :], re.M)
+    end = start + 4 + after.start() if after else len(README)
+    found = re.findall(r"```(\w+)\n(.*?)```", README[start:end], re.S)
+    run = [code for lang, code in found if lang == "python" and not code.startswith("# from ")]
+    assert run, title
+    namespace: dict[str, object] = {"__name__": "readme"}
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        for number, code in enumerate(run, 1):
+            try:
+                exec(compile(code, f"{title} block {number}", "exec"), namespace)
+            except Exception as exc:
+                pytest.fail(f"{title}: block {number} fails on its own: {exc!r}\n{code}")
+    finally:
+        os.chdir(here)
+
+
 def test_the_readme_excerpts_are_in_the_examples_the_tests_run() -> None:
     excerpts = [code for code in _python_blocks() if code.startswith("# from examples/")]
     assert excerpts
