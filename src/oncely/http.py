@@ -329,6 +329,11 @@ response is ready while the store cannot be reached (at most a third of the leas
 renewal left two thirds of it at least), before they send the response anyway. A try itself
 lasts as long as the store's own timeouts and the inbox's own quick retries let it: the
 ASGI middleware cuts it short at the bound, the WSGI one cannot."""
+_CLAIM_WITHIN = 5.0
+"""Seconds the ASGI middleware waits for the store to answer a claim (beyond ``wait=``) before
+it answers ``503``: a store gone silent (a dead route: no reset, no refusal) would otherwise
+hold the request for as long as TCP takes to give up. A claim the store took after all holds
+the key for its lease (a retry gets ``409``, then runs)."""
 _FIRST_PAUSE = 0.1
 _LAST_PAUSE = 1.0
 """The pauses between those tries: doubling from the first to the last."""
@@ -397,6 +402,8 @@ class _Policy:
         self._lease_s = lease.duration.total_seconds()
         self._renews = lease.heartbeat
         self._complete_within = min(_COMPLETE_WITHIN, self._lease_s / 3)
+        waits = self._wait.total_seconds() if self._wait is not None else 0.0
+        self._claim_within = _CLAIM_WITHIN + waits
         protocol = AsyncTransactionalStore if isinstance(inbox, AsyncInbox) else TransactionalStore
         if self._transactional and not isinstance(inbox.store, protocol):
             raise ConfigurationError(
@@ -617,11 +624,18 @@ class IdempotencyMiddleware(_Policy):
             return
         client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
-            claimed: AsyncClaimed[Any] = await self.inbox.claim(
-                scoped, fingerprint, wait=self._wait
-            )
+            async with asyncio.timeout(self._claim_within) as bound:
+                claimed: AsyncClaimed[Any] = await self.inbox.claim(
+                    scoped, fingerprint, wait=self._wait
+                )
         except StoreUnavailable as exc:
             await _send(send, _store_down(scoped, exc))
+            return
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            silent = StoreUnavailable(f"the store did not answer within {self._claim_within:g}s")
+            await _send(send, _store_down(scoped, silent))
             return
         finally:
             CLIENT_KEYS.reset(client)

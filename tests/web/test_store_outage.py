@@ -274,3 +274,47 @@ async def test_r19_asgi_a_store_gone_silent_at_completion_holds_the_response_a_b
                     await asyncio.sleep(0.2)
                 assert again.status_code == 409  # held until its lease lapses: not run again
                 assert (await client.get(f"{base}/effects")).json()[order] == 1
+
+
+@pytest.mark.slow
+async def test_r19_asgi_a_store_gone_silent_before_the_claim_answers_503_and_runs_nothing() -> None:
+    """PostgreSQL reached through a relay that has gone silent (its connections held, nothing
+    relayed) when a request with a key arrives: the client gets ``503`` with ``Retry-After``
+    while the store is still silent (before, the claim waited on the silent connection for as
+    long as TCP takes to give up: the request hung), nothing runs, and once the store is back
+    the retry runs the request once."""
+    with _store("postgres") as quick:
+        url = quick.replace("&connect_timeout=1", "")  # the default: 10 s
+        async with Proxy(url) as proxy, httpx.AsyncClient(timeout=60) as client:
+            with serving(proxy.url, "starlette") as base:
+                warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}
+                headers = {"Idempotency-Key": key()}
+                assert (
+                    await client.post(f"{base}/orders", json=warm, headers=headers)
+                ).status_code == 201
+                proxy.silent = True
+
+                async def back_later() -> None:
+                    await asyncio.sleep(SILENT_FOR["silent"])
+                    proxy.silent = False
+                    proxy.cut()  # what was swallowed is lost: the held connections go
+
+                order = f"claim-{uuid.uuid4().hex[:8]}"
+                body = {"id": order}
+                headers = {"Idempotency-Key": key()}
+                outage = asyncio.create_task(back_later())
+                try:
+                    first = await client.post(f"{base}/orders", json=body, headers=headers)
+                    assert proxy.silent, "the request waited for the store to come back"
+                    assert first.status_code == 503, first.text
+                    assert first.headers["content-type"] == "application/problem+json"
+                    assert "retry-after" in first.headers
+                finally:
+                    await outage
+                for _ in range(50):  # the store's pool comes back on its own
+                    again = await client.post(f"{base}/orders", json=body, headers=headers)
+                    if again.status_code != 503:
+                        break
+                    await asyncio.sleep(0.2)
+                assert again.status_code == 201, again.text
+                assert (await client.get(f"{base}/effects")).json()[order] == 1
