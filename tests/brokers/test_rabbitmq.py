@@ -21,7 +21,14 @@ import aiormq
 import pytest
 
 import oncely
-from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
+from oncely.brokers import (
+    BrokerLimits,
+    DeadLetter,
+    Delivery,
+    Transport,
+    open_producer,
+    open_transport,
+)
 from oncely.brokers.rabbitmq import DEFAULT_DELIVERY_LIMIT, RabbitMQ, RabbitMQProducer
 from oncely.errors import BrokerError, BrokerUnavailable
 from tests.brokers.common import remove_destinations, running, unique, wait_until
@@ -236,6 +243,35 @@ class TestRabbitMQ(BrokerSuite):
 
     async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         await self.check_a_handler_raising_cancelled_error_is_a_failure()
+
+    async def test_dead_letter_copy_keeps_header_names_over_128_bytes_whole(self) -> None:
+        """AMQP header names are short strings of up to 255 bytes, and RabbitMQ passes them
+        on; pamqp's encoder cut each at 128 bytes, so in the dead-letter copy two names that
+        share their first 128 bytes became one header (one value lost) and a long name
+        arrived cut, nested tables' names too. Sent here by pika, which sends them whole."""
+        prefix = "x-" + "p" * 126  # 128 bytes
+        headers: dict[str, Any] = {
+            prefix + "-first": "1",
+            prefix + "-second": "2",
+            "é" * 127 + "z": "255 bytes",  # AMQP's longest name
+            "nested": {"n" * 200: "deep", "list": [{"m" * 150: 7}]},
+            "short": "s",
+        }
+        made = self.transport()
+        await made.open(1)
+        await publish_amqp(
+            self.source, [(body("long"), {"message_id": "long", "headers": headers})]
+        )
+        delivery = await fetch_one(made)
+        assert delivery.envelope.headers[prefix + "-second"] == "2"  # read whole
+        await delivery.dead_letter(
+            DeadLetter(outcome="rejected", reason="test", consumer=self.group, deliveries=1)
+        )
+        (copy,) = await self.dead_letters()
+        kept = {k: v for k, v in copy.headers.items() if not k.startswith("x-oncely-")}
+        kept.pop("x-delivery-count", None)  # the dead-letter quorum queue's own
+        assert kept == headers
+        assert copy.consumer == self.group and copy.outcome == "rejected"
 
     async def test_producer_refuses_an_id_amqp_cannot_carry_naming_it(self) -> None:
         # Tried as a new user would: pamqp failed while encoding, with a TypeError that

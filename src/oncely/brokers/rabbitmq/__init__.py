@@ -35,8 +35,10 @@ failed               held for the backoff delay, then ``basic.nack`` with requeu
                      dead-lettered instead, with the last error as the reason
 key_conflict,        published to the dead-letter exchange with ``x-oncely-outcome``,
 rejected, escalated  ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries``
-                     headers (same body, message id, correlation id and original headers),
-                     confirmed by the broker (publisher confirms), *then* the original is acked
+                     headers (same body, message id, correlation id and original headers,
+                     each header name whole up to AMQP's 255 bytes, where aio-pika's encoder
+                     alone would cut it at 128), confirmed by the broker (publisher
+                     confirms), *then* the original is acked
 ===================  ==========================================================================
 
 RabbitMQ has no delayed negative acknowledgement, so a retry keeps the message unacknowledged

@@ -10,12 +10,12 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import DeadLetter
+from oncely.brokers.rabbitmq._frames import WholeHeaderNames
 from oncely.brokers.rabbitmq._topology import (
     DELIVERY_COUNT_HEADER,
     FAILURES,
@@ -212,7 +212,7 @@ class RabbitMQDelivery:
             # not the producer's, so nobody replaying the dead letters takes it for one.
             headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
         headers.update(why.headers())
-        copy = aio_pika.Message(
+        copy = WholeHeaderNames(
             message.body,
             headers=headers,
             delivery_mode=DeliveryMode.PERSISTENT,

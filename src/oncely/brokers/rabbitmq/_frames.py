@@ -14,6 +14,11 @@ happens only on connections oncely opened (:func:`lossless_frames` marks them th
 variable that aiormq's reader task inherits); on any other connection in the process the frame
 fails exactly as before. The delivery then reaches oncely, which dead-letters it as ``rejected``
 with a reason naming the field (see :mod:`._delivery`).
+
+Writing, pamqp cuts a header name (a field-table key, an AMQP short string of up to 255 bytes)
+at 128 bytes, with only a log line: two names that share their first 128 bytes became one
+header, and a name was sent cut. :class:`WholeHeaderNames` is a message whose header table
+is encoded here instead, every name whole (and nested tables' too), the values by pamqp.
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import aio_pika
+import aiormq
 import pamqp.frame
-from pamqp import commands, constants, decode, header
+from pamqp import commands, constants, decode, encode, header
 from pamqp.exceptions import UnmarshalingException
 
 from oncely.wire import wire_text
 
-__all__ = ["install", "lossless_frames"]
+__all__ = ["WholeHeaderNames", "install", "lossless_frames"]
 
 _ON_OWN_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "oncely_amqp_lossless_frames", default=False
@@ -153,3 +160,43 @@ def _value(data: bytes) -> tuple[int, Any]:
             items.append(item)
         return offset, items
     return decode.embedded_value(data)
+
+
+class _WholeNamesProperties(aiormq.spec.Basic.Properties):
+    """Basic properties whose header table keeps every name whole (see the module docs)."""
+
+    def encode_property(self, name: str, value: Any) -> bytes:
+        if name == "headers" and isinstance(value, dict):
+            return _encode_table(value)
+        return super().encode_property(name, value)
+
+
+class WholeHeaderNames(aio_pika.Message):
+    """An ``aio_pika.Message`` whose header names are sent whole, up to AMQP's 255 bytes
+    (pamqp's own encoder cuts them at 128). A longer name is refused with ``TypeError``."""
+
+    @property
+    def properties(self) -> aiormq.spec.Basic.Properties:
+        made = _WholeNamesProperties()
+        plain = super().properties
+        for name in plain.__slots__:
+            setattr(made, name, getattr(plain, name))
+        return made
+
+
+def _encode_table(table: Mapping[str, Any]) -> bytes:
+    parts: list[bytes] = []
+    for name, value in table.items():
+        parts.append(encode.short_string(name))  # TypeError past 255 bytes, as pamqp's
+        parts.append(_encode_value(value))
+    data = b"".join(parts)
+    return struct.pack(">I", len(data)) + data
+
+
+def _encode_value(value: Any) -> bytes:
+    if isinstance(value, dict):
+        return b"F" + _encode_table(value)
+    if isinstance(value, list):
+        items = b"".join(_encode_value(item) for item in value)
+        return b"A" + struct.pack(">I", len(items)) + items
+    return encode.encode_table_value(value)
