@@ -173,6 +173,36 @@ class TestRedisStreams(BrokerSuite):
         await self.assert_settled()
         assert self.consumers() == {}  # close left the group: it held nothing
 
+    async def test_a_dead_letter_copy_keeps_repeated_fields_in_order(self) -> None:
+        """A stream entry may repeat a field name (``XADD s * a 1 a 2``). redis-py reads a new
+        entry (``XREADGROUP``) into a dict, so its dead-letter copy kept one of the repeated
+        fields and lost the others; every field now travels, in order, whichever way the
+        entry came (read new, or taken over after a retry)."""
+        fields = [
+            b"body", b"{not json", b"message_id", b"rep-1", b"tag", b"a",
+            b"x", b"1", b"tag", b"b", b"tag", b"c", b"x", b"2",
+        ]  # fmt: skip
+        again = [*fields[:3], b"rep-2", *fields[4:]]
+        made = self.transport(ack_wait=timedelta(seconds=1))
+        await made.open(2)
+        for entry in (fields, again):
+            self.admin.execute_command("XADD", self.source, "*", *entry)
+        first, retried = await made.fetch(2, timedelta(seconds=1))  # both read new
+        why = DeadLetter(outcome="rejected", reason="test", consumer=self.group, deliveries=1)
+        await first.dead_letter(why)
+        await retried.retry(timedelta(0))
+        taken_over = await fetch_one(made)  # XAUTOCLAIM
+        assert taken_over.delivery_count == 2
+        await taken_over.dead_letter(why)
+        reasons = [k.encode() for k in why.headers()]
+        copies = self.admin.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1,
+                                 f"{self.source}.dead")  # fmt: skip
+        assert len(copies) == 2
+        for (_id, copy), sent in zip(copies, (fields, again), strict=True):
+            assert copy[: len(sent)] == sent
+            assert copy[len(sent) :: 2] == reasons
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ XAUTOCLAIM
 
     async def test_start_new_reads_a_stream_deleted_and_written_again_from_its_start(

@@ -64,7 +64,8 @@ in_flight, failed    retry: Redis has no negative acknowledgement, so the entry 
                      longer than ``ack_wait`` waits ``ack_wait``.
 key_conflict,        dead-letter: one Lua script (atomic, like ``MULTI``/``EXEC``) copies the
 rejected,            entry to ``<stream>.dead`` (or ``dead_letter``) with every original field
-escalated            plus ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` and
+escalated            in order (a field name the entry repeats, every time), plus
+                     ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` and
                      ``x-oncely-deliveries``, and acknowledges the original. Both happen or
                      neither does.
 ===================  ==========================================================================

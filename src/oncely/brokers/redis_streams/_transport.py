@@ -59,6 +59,22 @@ def _entry_order(entry_id: bytes) -> tuple[int, int]:
     return int(ms_part), int(seq or b"0")
 
 
+def _as_sent(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def _entries(reply: Any) -> list[tuple[bytes, Sequence[bytes]]]:
+    """The ``(entry id, flat field list)`` of each entry of an ``XREADGROUP`` reply as Redis
+    sent it: a list of ``[stream, entries]`` (RESP2) or a map of stream to entries (RESP3)."""
+    streams = reply.items() if isinstance(reply, dict) else (reply or ())
+    return [(entry[0], entry[1] or ()) for _stream, entries in streams for entry in entries]
+
+
+def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    """A stream entry's fields, every one in order (a name may repeat)."""
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
 def _default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -259,10 +275,9 @@ class RedisStreams:
                     count=limit - len(out),
                     block=block,
                 )
-            for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    out.append(self._deliver(entry_id, list(fields.items()), 1))
-                    self._read_up_to(entry_id)
+            for entry_id, flat in _entries(reply):
+                out.append(self._deliver(entry_id, _pairs(flat), 1))
+                self._read_up_to(entry_id)
         return out
 
     async def stop(self) -> None:
@@ -322,6 +337,9 @@ class RedisStreams:
                 "leave": client.register_script(_scripts.LEAVE),
                 "prune": client.register_script(_scripts.PRUNE),
             }
+            # The reply as Redis sent it: redis-py makes each entry's fields a dict, which
+            # keeps one of the fields an entry repeats (XADD s * a 1 a 2) and drops the rest.
+            client.set_response_callback("XREADGROUP", _as_sent)
             self._client = client
         return self._client
 
@@ -399,8 +417,7 @@ class RedisStreams:
             )
         out: list[Delivery] = []
         for (entry_id, flat), count in zip(entries, counts, strict=True):
-            fields = list(zip(flat[::2], flat[1::2], strict=True))
-            delivery = self._deliver(entry_id, fields, int(count))
+            delivery = self._deliver(entry_id, _pairs(flat), int(count))
             if self.delivery_limit is not None and delivery.delivery_count > self.delivery_limit:
                 why = DeadLetter(
                     outcome="rejected",
