@@ -311,6 +311,12 @@ class BrokerSuite:
             self.after(inbox.aclose)
         return made
 
+    def inbox_named(self, consumer: str) -> oncely.AsyncInbox:
+        """An in-memory inbox whose consumer name is not the transport's group: what the
+        dead-letter copies' ``x-oncely-consumer`` must say, wherever the copy is written."""
+        assert consumer != self.group
+        return oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer=consumer)
+
     def consumer(
         self,
         handler: Callable[..., Awaitable[Any]],

@@ -399,19 +399,25 @@ class TestJetStream(BrokerSuite):
 
     async def test_e_r13_broker_max_deliver_below_the_loop_limit_dead_letters(self) -> None:
         """The consumer's max_deliver (2) is below ConsumerSettings.max_deliveries (5): on the
-        broker's last delivery a give-back dead-letters instead of stranding the message."""
+        broker's last delivery a give-back dead-letters instead of stranding the message. The
+        copy names the inbox's consumer, as every other dead letter does: it named the
+        JetStream consumer (the group), another name whenever the two differ."""
         await self.publish("stuck")
 
         async def handler(payload: dict[str, Any]) -> None:
             raise RuntimeError("always")
 
-        worker = self.consumer(handler, transport=self.transport(max_deliver=2), max_deliveries=5)
+        inbox = self.inbox_named("ledger-writer")
+        worker = self.consumer(
+            handler, transport=self.transport(max_deliver=2), inbox=inbox, max_deliveries=5
+        )
         async with running(worker):
             await wait_until(lambda: worker.counts["failed"] == 2, what="two failures")
             await wait_until(self.settled, what="nothing pending")
         (copy,) = await self.dead_letters()
         assert "max_deliver" in copy.reason
         assert copy.deliveries == "2"
+        assert copy.consumer == "ledger-writer"
         assert self.ledger.counts() == {}
         await self.assert_settled()
 

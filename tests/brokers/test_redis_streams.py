@@ -265,9 +265,35 @@ class TestRedisStreams(BrokerSuite):
         assert copy.outcome == "rejected"
         assert "over the delivery limit of 2" in copy.reason
         assert copy.deliveries == "3"
-        assert copy.consumer == "limited"
+        assert copy.consumer == self.group  # no BrokerConsumer named its inbox: the group
         for each in (slow, other, limited):
             await each.close()
+        await self.assert_settled()
+
+    async def test_the_delivery_limit_dead_letter_names_the_inbox_consumer(self) -> None:
+        """An entry taken over more often than ``delivery_limit`` is dead-lettered by the
+        transport while it reads, before any handler. Its copy said ``x-oncely-consumer`` =
+        the Redis consumer name of the process (``host-pid-xxxxxx`` by default), where every
+        other dead letter names the inbox's consumer; it names the inbox's consumer now."""
+        await self.publish("m-1")
+
+        async def failing(payload: dict[str, Any]) -> None:
+            raise RuntimeError("always")
+
+        transport = self.transport(ack_wait=200 * MS, consumer="host-7", delivery_limit=2)
+        worker = self.consumer(
+            failing, transport=transport, inbox=self.inbox_named("ledger-writer"),
+            max_deliveries=5,
+        )  # fmt: skip
+        async with running(worker):
+            await wait_until(
+                lambda: self.admin.xlen(f"{self.source}.dead") == 1,
+                what="the delivery limit to dead-letter the entry",
+            )
+        assert worker.counts["failed"] == 2
+        (copy,) = await self.dead_letters()
+        assert "over the delivery limit of 2" in copy.reason
+        assert copy.consumer == "ledger-writer"
         await self.assert_settled()
 
     async def test_consumers_killed_with_sigkill_are_pruned_once_idle_and_empty(self) -> None:

@@ -336,9 +336,9 @@ class TestSQS(BrokerSuite):
         self.after(lambda: delete_queues(self.url, redrive))
         async with await self._admin() as client:
             target = await self._queue_url(client, redrive)
-            arn = (
-                await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"])
-            )["Attributes"]["QueueArn"]
+            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
+                "Attributes"
+            ]["QueueArn"]
             await client.set_queue_attributes(
                 QueueUrl=await self._queue_url(client, self.source),
                 Attributes={
@@ -351,7 +351,10 @@ class TestSQS(BrokerSuite):
             raise RuntimeError("the ledger refuses it")
 
         worker = self.consumer(
-            failing, max_deliveries=5, backoff=Backoff(first=100 * MS, most=100 * MS)
+            failing,
+            inbox=self.inbox_named("ledger-writer"),
+            max_deliveries=5,
+            backoff=Backoff(first=100 * MS, most=100 * MS),
         )
         with caplog.at_level(logging.WARNING, logger="oncely"):
             async with running(worker):
@@ -362,6 +365,8 @@ class TestSQS(BrokerSuite):
         (copy,) = await self.dead_letters()
         assert copy.message_id == "poison" and copy.outcome == "rejected"
         assert "maxReceiveCount" in (copy.reason or "") and copy.deliveries == "2"
+        # The inbox's consumer, as on every other dead letter (it was the transport's group).
+        assert copy.consumer == "ledger-writer"
         assert await queue_depth(self.url, redrive) == 0
 
     async def test_a_packed_dead_letter_keeps_binary_and_number_attributes(self) -> None:

@@ -407,6 +407,10 @@ class BrokerConsumer:
             )
             self._positions = made
         self.transport = transport
+        set_inbox_consumer = getattr(transport, "set_inbox_consumer", None)
+        if set_inbox_consumer is not None:
+            # The dead letters a transport writes by itself name the inbox's consumer too.
+            set_inbox_consumer(self.processor.consumer)
         self.settings = settings if settings is not None else ConsumerSettings()
         self.counts: Counter[str] = Counter()
         self._decode = decode

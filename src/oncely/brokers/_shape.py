@@ -144,7 +144,12 @@ class BrokerLimits:
 
 @runtime_checkable
 class Transport(Protocol):
-    """A broker connection that reads deliveries with manual acknowledgement."""
+    """A broker connection that reads deliveries with manual acknowledgement.
+
+    A transport that writes dead letters by itself (on the broker's last delivery, past its
+    own delivery limit) may offer ``set_inbox_consumer(consumer: str) -> None``:
+    :class:`~oncely.brokers.BrokerConsumer` calls it with its inbox's consumer name, which
+    those dead letters record in ``x-oncely-consumer`` like every other one."""
 
     @property
     def name(self) -> str:

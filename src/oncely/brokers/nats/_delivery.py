@@ -74,7 +74,7 @@ class JetStreamDelivery:
                         "the broker would not deliver it again (raise max_deliver above "
                         "ConsumerSettings.max_deliveries)"
                     ),
-                    consumer=self._transport.group,
+                    consumer=self._transport.inbox_consumer,
                     deliveries=self._count,
                 )
             )

@@ -96,6 +96,8 @@ class JetStream:
         )
         self.source = topology.source
         self.group = topology.group
+        self.inbox_consumer = topology.group
+        """What this transport's own dead letters record in ``x-oncely-consumer``."""
         self.dead_letter = topology.dead_letter
         self.ack_wait = topology.ack_wait
         self.stream: str | None = None
@@ -153,6 +155,13 @@ class JetStream:
             f"{type(self).__name__}({redact(self._link.server)!r}, {self.source!r}, "
             f"group={self.group!r})"
         )
+
+    def set_inbox_consumer(self, consumer: str) -> None:
+        """The inbox consumer name that the dead letters this transport writes by itself
+        (on the broker's last delivery) record in ``x-oncely-consumer``, as every other
+        dead letter does; :class:`~oncely.brokers.BrokerConsumer` gives it. Until then, the
+        group's name."""
+        self.inbox_consumer = consumer
 
     @property
     def name(self) -> str:

@@ -124,6 +124,8 @@ class RedisStreams:
         plain_url(url)
         self.stream = check_name("stream", stream)
         self.group = check_name("group", group)
+        self.inbox_consumer = self.group
+        """What this transport's own dead letters record in ``x-oncely-consumer``."""
         self.consumer = check_name(
             "consumer", consumer if consumer is not None else _default_consumer()
         )
@@ -167,6 +169,14 @@ class RedisStreams:
         self._next_claim = 0.0
         self._next_prune = 0.0
         self._held: dict[bytes, RedisStreamsDelivery] = {}
+
+    def set_inbox_consumer(self, consumer: str) -> None:
+        """The inbox consumer name that the dead letters this transport writes by itself
+        (an entry taken over more often than ``delivery_limit``) record in
+        ``x-oncely-consumer``, as every other dead letter does;
+        :class:`~oncely.brokers.BrokerConsumer` gives it. Until then, the group's name (never
+        this process's Redis consumer name)."""
+        self.inbox_consumer = consumer
 
     @classmethod
     def from_url(
@@ -426,7 +436,7 @@ class RedisStreams:
                         f"of {self.delivery_limit}, without being settled (its consumers "
                         "stopped or crashed while handling it)"
                     ),
-                    consumer=self.consumer,
+                    consumer=self.inbox_consumer,
                     deliveries=delivery.delivery_count,
                 )
                 LOGGER.error(

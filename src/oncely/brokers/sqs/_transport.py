@@ -89,6 +89,8 @@ class SQS:
         self.endpoint = endpoint
         self.source = check_queue("queue", source)
         self.group = group or source
+        self.inbox_consumer = self.group
+        """What this transport's own dead letters record in ``x-oncely-consumer``."""
         self.dead_letter = check_queue(
             "dead-letter queue",
             dead_letter if dead_letter is not None else dead_letter_name(source),
@@ -108,6 +110,13 @@ class SQS:
         self._dead_url: str | None = None
         self._attributes: dict[str, str] = {}
         self._stopped = False
+
+    def set_inbox_consumer(self, consumer: str) -> None:
+        """The inbox consumer name that the dead letters this transport writes by itself
+        (on the last receive the queue's redrive policy allows) record in
+        ``x-oncely-consumer``, as every other dead letter does;
+        :class:`~oncely.brokers.BrokerConsumer` gives it. Until then, the group's name."""
+        self.inbox_consumer = consumer
 
     @classmethod
     def from_url(
@@ -428,7 +437,7 @@ class SQSDelivery:
                         "SQS would move it to the redrive queue with no reason (raise "
                         "maxReceiveCount above ConsumerSettings.max_deliveries)"
                     ),
-                    consumer=self._transport.group,
+                    consumer=self._transport.inbox_consumer,
                     deliveries=self._count,
                 )
             )
