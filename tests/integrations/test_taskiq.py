@@ -37,6 +37,8 @@ class Run(WorkerRun):
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
         self.app: ModuleType = self.load_app()
+        self.consumers: list[object] = []
+        """The ``x-oncely-consumer`` of each dead letter :meth:`dead_letters` took."""
 
     def worker(
         self, workers: int = 2, receiver: str = RECEIVER, *more: str, log: Path | None = None
@@ -54,6 +56,7 @@ class Run(WorkerRun):
         for properties, body in self.taken(".dead"):
             headers = properties.headers or {}
             name = headers.get("task_name") or body.decode(errors="replace")
+            self.consumers.append(headers.get("x-oncely-consumer"))
             found.append((str(name).rsplit(":", 1)[-1], str(headers.get("x-oncely-reason"))))
         return sorted(found)
 
@@ -141,6 +144,9 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         reasons = dict(letters)
         assert "could not parse" in reasons[bad]
         assert "no task 'billing:gone'" in reasons["gone"]
+        # Every dead letter names the inbox's consumer, the two no inbox saw included (they
+        # named none: an empty x-oncely-consumer).
+        assert run.consumers == ["billing"] * 6
     finally:
         run.close()
 

@@ -70,7 +70,8 @@ dead-letter queue (``taskiq.dead_letter`` unless the broker's ``dead_letter_queu
 otherwise), or to ``Idempotency(dead_letter_queue=...)``, declared durable before the first
 dead letter when it does not exist (RabbitMQ would drop what is sent to it), as the
 task message with the ``x-oncely-outcome/reason/consumer/deliveries`` headers of
-:mod:`oncely.brokers`; any other broker needs ``dead_letter=``, an async function given the
+:mod:`oncely.brokers` (``x-oncely-consumer``: the middleware's inbox's consumer name, on a
+message no inbox saw too); any other broker needs ``dead_letter=``, an async function given the
 message's bytes and those headers (tested only on RabbitMQ).
 
 taskiq's ``InMemoryBroker``, for users' unit tests, gets oncely's receiver from the middleware
@@ -345,7 +346,14 @@ class Receiver(_TaskiqReceiver):
         why: str,
         named: Mapping[str, str] | None = None,
     ) -> None:
-        letter = DeadLetter(outcome=Outcome.REJECTED.value, reason=why, consumer="", deliveries=1)
+        # No inbox saw it, but the one this worker's keyed tasks run through is the consumer
+        # it came to, named on the letter as on every other one.
+        letter = DeadLetter(
+            outcome=Outcome.REJECTED.value,
+            reason=why,
+            consumer=self.idempotency.inbox.consumer,
+            deliveries=1,
+        )
         try:
             await self.idempotency.send_dead_letter(data, {**(named or {}), **letter.headers()})
         except Exception:
