@@ -38,6 +38,8 @@ class Run(WorkerRun):
         else:
             os.environ.pop("ONCELY_TEST_CELERY_BROKER", None)
         self.app = self.load_app()
+        self.consumers: list[object] = []
+        """The ``x-oncely-consumer`` of each dead letter :meth:`dead_letters` took."""
 
     def worker(self, concurrency: int = 2, log: Path | None = None) -> subprocess.Popen[bytes]:
         return self.spawn(
@@ -53,6 +55,7 @@ class Run(WorkerRun):
         for properties, body in self.taken(".dead"):
             headers = properties.headers or {}
             name = headers.get("task") or body.decode(errors="replace")
+            self.consumers.append(headers.get("x-oncely-consumer"))
             found.append((str(name).rsplit(".", 1)[-1], str(headers.get("x-oncely-reason"))))
         return sorted(found)
 
@@ -143,6 +146,9 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered(store: str) 
         reasons = dict(letters)
         assert "could not decode" in reasons["\ufffd{ not JSON"]
         assert "no task 'billing.gone'" in reasons["gone"]
+        # Every dead letter names the inbox's consumer, the two Celery could not read
+        # included (they named none: an empty x-oncely-consumer).
+        assert run.consumers == ["billing"] * 6
     finally:
         run.close()
 

@@ -45,7 +45,11 @@ the key with other arguments, no key,  dead-lettered to ``<queue>.dead`` (a Cele
 ``Reject(requeue=False)``              recorded as failed with :class:`DeadLettered`
 a message Celery cannot read (an       copied as it came to ``<queue>.dead`` with the
 undecodable body, not a task, a task   reason, then acknowledged (:class:`KeepUnreadable`:
-the worker does not know)              Celery alone would ack or reject it away)
+the worker does not know)              Celery alone would ack or reject it away); its
+                                       ``x-oncely-consumer`` is the inbox's consumer
+                                       name, as on every dead letter (empty only when
+                                       the worker's tasks use several and the message
+                                       names none of their tasks)
 =====================================  ================================================
 
 Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
@@ -387,7 +391,12 @@ def _keep(consumer: Any, message: Any, reason: str) -> None:
     app = consumer.app
     info = message.delivery_info or {}
     queue = f"{info.get('routing_key') or app.conf.task_default_queue}.dead"
-    letter = DeadLetter(outcome=Outcome.REJECTED.value, reason=reason, consumer="", deliveries=1)
+    letter = DeadLetter(
+        outcome=Outcome.REJECTED.value,
+        reason=reason,
+        consumer=_inbox_consumer(app, message),
+        deliveries=1,
+    )
     headers = {**(message.headers or {}), **letter.headers()}
     text = f"{Outcome.REJECTED.value}: {reason}; the message is in {queue}"
     try:
@@ -413,6 +422,23 @@ def _keep(consumer: Any, message: Any, reason: str) -> None:
     if isinstance(task_id, str):
         with contextlib.suppress(Exception):  # the letter is kept; the result is a courtesy
             app.backend.mark_as_failure(task_id, DeadLettered(text))
+
+
+def _inbox_consumer(app: Any, message: Any) -> str:
+    """The inbox consumer name a message Celery cannot read came to, for its dead letter:
+    its task's, where it names an :class:`IdempotentTask`; else the one consumer name the
+    inboxes of the worker's idempotent tasks share. Empty only when they have several
+    and the message names none of their tasks."""
+    named = (message.headers or {}).get("task")
+    task = app.tasks.get(named) if isinstance(named, str) else None
+    if isinstance(task, IdempotentTask) and isinstance(task.inbox, Inbox):
+        return task.inbox.consumer
+    names = {
+        each.inbox.consumer
+        for each in app.tasks.values()
+        if isinstance(each, IdempotentTask) and isinstance(each.inbox, Inbox)
+    }
+    return names.pop() if len(names) == 1 else ""
 
 
 def _given_key(request: Any) -> Any:
