@@ -48,11 +48,12 @@ class Run(WorkerRun):
     def dead_letters(self) -> list[dict[str, Any]]:
         """The dead-letter queue's messages (taken off it), decoded where they decode."""
         found: list[dict[str, Any]] = []
-        for _, body in self.taken(".XQ"):
+        for properties, body in self.taken(".XQ"):
             try:
                 found.append(json.loads(body))
             except ValueError:
                 found.append({"undecodable": body})
+            found[-1]["amqp_headers"] = dict(properties.headers or {})
         return found
 
     def dead_lettered(self, count: int) -> list[dict[str, Any]]:
@@ -185,6 +186,15 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         assert "no idempotency key" in str(reasons[("notify", ("o9",))])
         assert "not billable" in str(reasons[("charge", ("o5", 10))])
         assert ("charge", ("o4", 10)) in reasons  # retries exhausted: Dramatiq's own dead letter
+        # oncely's own copies carry the x-oncely-* headers of every oncely dead letter, the
+        # inbox's consumer named (they carried none).
+        ours = [m for m in found if m.get("options", {}).get("oncely_reason")]
+        assert len(ours) == 3
+        for letter in ours:
+            headers = letter["amqp_headers"]
+            assert headers["x-oncely-consumer"] == "billing", headers
+            assert headers["x-oncely-reason"] == letter["options"]["oncely_reason"]
+            assert headers["x-oncely-outcome"] in ("key_conflict", "rejected")
         assert sum("undecodable" in m for m in found) == 1
         assert len(found) == 5, found
         assert run.started("o3") == 3  # two failures and the success, no more

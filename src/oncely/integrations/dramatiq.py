@@ -51,7 +51,9 @@ before it (the error is logged): every failure here is turned into a resend, or 
 :class:`TryLater` (a ``MiddlewareError`` and a ``Retry``) when the resend itself fails.
 
 Dead letters go to the queue's own dead-letter queue (``<queue>.XQ``). On RabbitMQ the
-dead-lettered copy carries the reason in its options (``oncely_reason``); other brokers
+dead-lettered copy carries the reason in its options (``oncely_reason``) and the
+``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer`` (the inbox's consumer name)
+and ``x-oncely-deliveries`` headers of every oncely dead letter; other brokers
 get Dramatiq's own ``fail()`` and the reason is logged (``oncely.dramatiq``). When the
 Results middleware stores the actor's results, a dead letter's result is the failure
 :class:`DeadLettered` (its text: the outcome, the reason, the queue), so the caller's
@@ -85,6 +87,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from oncely._core.inbox_rules import result_lost
 from oncely._core.outcomes import Handled, Outcome
 from oncely._core.typed import ANNOTATED, result_type, reviver
+from oncely.brokers._shape import DeadLetter
 from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
@@ -285,11 +288,17 @@ class Idempotency(Middleware):
             import pika  # noqa: PLC0415 - with the RabbitMQ broker only
 
             copy = message.copy(options={REASON_OPTION: reason})
+            letter = DeadLetter(
+                outcome=outcome.value,
+                reason=reason,
+                consumer=self.inbox.consumer,
+                deliveries=int(message.options.get("retries") or 0) + 1,
+            )
             channel.basic_publish(
                 exchange="",
                 routing_key=queue,
                 body=copy.encode(),
-                properties=pika.BasicProperties(delivery_mode=2),
+                properties=pika.BasicProperties(delivery_mode=2, headers=letter.headers()),
             )  # and the original is acknowledged after the skip
         failure = DeadLettered(f"{outcome.value}: {reason}; the message is in {queue}")
         self._store_failure(broker, message, failure)
