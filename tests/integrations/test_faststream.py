@@ -51,17 +51,33 @@ class Run(WorkerRun):
     def worker(self, log: Path | None = None) -> subprocess.Popen[bytes]:
         return self.spawn("faststream", "run", f"{self.app_module}:app", log=log)
 
-    def charge(self, message_id: str | None, order: str, amount: int = 10, **more: Any) -> None:
+    def charge(
+        self,
+        message_id: str | None,
+        order: str,
+        amount: int = 10,
+        headers: dict[str, Any] | None = None,
+        **more: Any,
+    ) -> None:
         body = json.dumps({"order": order, "amount": amount, **more}).encode()
-        self.publish(body, message_id, content_type="application/json")
+        self.publish(body, message_id, content_type="application/json", headers=headers)
 
     def publish(
-        self, body: bytes, message_id: str | None, *, queue: str = "", content_type: str = ""
+        self,
+        body: bytes,
+        message_id: str | None,
+        *,
+        queue: str = "",
+        content_type: str = "",
+        headers: dict[str, Any] | None = None,
     ) -> None:
         """A producer on another client (pika), which sends what it is given: no id is made
-        up for a message without one."""
+        up for a message without one, a header name is sent whole (up to 255 bytes)."""
         properties = pika.BasicProperties(
-            message_id=message_id, content_type=content_type or None, delivery_mode=2
+            message_id=message_id,
+            content_type=content_type or None,
+            delivery_mode=2,
+            headers=headers,
         )
         with self.channel() as channel:
             channel.basic_publish("", queue or self.queue, body, properties)
@@ -146,7 +162,11 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         run.charge("m-o2", "o2", amount=99)  # the key again, with another body
         run.charge(None, "o6")  # no id: the producer gave none
         run.publish_with_aio_pika(b'{"order": "o7", "amount": 1}')  # the client's made-up id
-        run.charge("m-o4", "o4", fail_times=99)  # never succeeds
+        # Never succeeds; two header names AMQP carries whole (up to 255 bytes) that share
+        # their first 128 bytes, where the client library cut them: one was lost from each
+        # copy sent again and from the dead letter.
+        long = {"x-" + "p" * 126 + "-first": "1", "x-" + "p" * 126 + "-second": "2"}
+        run.charge("m-o4", "o4", headers=long, fail_times=99)
         run.charge("m-o5", "o5", reject=True)  # the handler refuses it
         run.publish(b"\xff not json", "m-bad1", content_type="application/json")
         run.publish(b"\xff not a charge", "m-bad2")  # no content type: bytes, not a Charge
@@ -173,6 +193,7 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         assert json.loads(body)["amount"] == 99  # the copy is the message, byte for byte
         assert "failed on all 3 deliveries" in _reason(by_id["m-o4"][0])
         assert "the ledger is down" in _reason(by_id["m-o4"][0])
+        assert long.items() <= by_id["m-o4"][0].headers.items()  # after two copies sent again
         assert "not billable" in _reason(by_id["m-o5"][0])
         assert "undecodable body" in _reason(by_id["m-bad1"][0])
         assert by_id["m-bad1"][1] == b"\xff not json"

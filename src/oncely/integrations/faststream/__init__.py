@@ -83,7 +83,10 @@ RabbitMQ (``RabbitBroker``)
     would count against the queue's ``x-delivery-limit`` (RabbitMQ 4 sets one by default),
     past which RabbitMQ drops the message, so waiting out a dead worker's lease would spend
     it. Dead letters
-    go to ``<queue>.dead`` (declared durable).
+    go to ``<queue>.dead`` (declared durable). A copy (a retry's, a dead letter) keeps the
+    original's timestamp, its correlation id or none, and its header names whole, up to
+    AMQP's 255 bytes (FastStream's client alone cuts them at 128 bytes, merging two that
+    share their start, and makes up a correlation id).
 
 NATS (``NatsBroker``, JetStream subscribers)
     The key is the ``Oncely-Message-Id`` header (oncely's producer), else ``Nats-Msg-Id``,

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 from faststream.rabbit import RabbitQueue
 
 from oncely.brokers._common import not_utf8
@@ -20,6 +20,7 @@ from oncely.brokers.rabbitmq._delivery import (
     _header_text,
     _sendable_headers,
 )
+from oncely.brokers.rabbitmq._frames import WholeHeaderNames
 from oncely.brokers.rabbitmq._topology import DELIVERY_COUNT_HEADER
 from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery, Settling
 from oncely.keys import Envelope
@@ -210,14 +211,17 @@ async def _dead_letter(
 async def _copy(
     broker: Any, raw: AbstractIncomingMessage, queue: str, headers: dict[str, Any]
 ) -> None:
-    await broker.publish(
+    # A message FastStream publishes as it is: its header names go whole (up to AMQP's 255
+    # bytes), where the client library cuts them at 128 and merges two that share their start.
+    copy = WholeHeaderNames(
         raw.body,
-        queue=queue,
         headers=headers,
         message_id=raw.message_id,
         correlation_id=raw.correlation_id,
         content_type=raw.content_type,
         content_encoding=raw.content_encoding,
-        message_type=raw.type,
-        persist=True,
+        type=raw.type,
+        timestamp=raw.timestamp,
+        delivery_mode=DeliveryMode.PERSISTENT,
     )
+    await broker.publish(copy, queue=queue)
