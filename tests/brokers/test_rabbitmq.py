@@ -283,6 +283,22 @@ class TestRabbitMQ(BrokerSuite):
             await producer.publish(b"{}", message_id="m", correlation_id="c" * 300)
         await producer.publish(b"{}", message_id="é" * 127)  # 254 bytes: carried
 
+    async def test_producer_sends_header_names_over_128_bytes_whole(self) -> None:
+        """The client library cut every header name at 128 bytes with a log line only: two
+        names sharing their first 128 bytes arrived as one header, a value lost. AMQP
+        carries up to 255 bytes; a longer name is refused naming the limit."""
+        prefix = "x-" + "p" * 126
+        sent = {prefix + "-first": "1", prefix + "-second": "2", "é" * 127 + "z": "3"}
+        producer = self.producer()
+        with pytest.raises(oncely.ConfigurationError, match="255 bytes in a header name"):
+            await producer.publish(body("m"), message_id="m", headers={"n" * 256: "x"})
+        await producer.publish(body("m"), message_id="m", headers=sent)
+        made = self.transport()
+        await made.open(1)
+        delivery = await fetch_one(made)
+        assert delivery.envelope.headers == sent
+        await delivery.ack()
+
     async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
         producer = self.producer(declare=False)
         with pytest.raises(oncely.BrokerError, match="no queue"):

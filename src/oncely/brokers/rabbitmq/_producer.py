@@ -7,12 +7,12 @@ import contextlib
 from collections.abc import Mapping
 from datetime import timedelta
 
-import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
 
 from oncely._urls import redact
 from oncely.brokers._common import require_message_id
+from oncely.brokers.rabbitmq._frames import WholeHeaderNames
 from oncely.brokers.rabbitmq._topology import (
     DEFAULT_DELIVERY_LIMIT,
     FAILURES,
@@ -31,7 +31,9 @@ class RabbitMQProducer:
     """Publishes to a queue (through the default exchange) with publisher confirms: a call
     returns once the broker has the message. A message no queue takes is an error, never
     dropped silently. On first use it declares the queue as :class:`RabbitMQ` does, unless
-    the queue exists already (then it is used as it is) or ``declare=False``."""
+    the queue exists already (then it is used as it is) or ``declare=False``. Header names
+    are sent whole up to AMQP's 255 bytes (aio-pika alone cuts them at 128); a longer one is
+    refused with :class:`~oncely.ConfigurationError`."""
 
     def __init__(
         self,
@@ -112,7 +114,15 @@ class RabbitMQProducer:
                     f"has {size} (a longer id can travel in a header the consumers' key "
                     "source reads)"
                 )
-        message = aio_pika.Message(
+        for name in headers or ():
+            size = len(name.encode("utf-8", "surrogatepass"))
+            if size > _SHORTSTR:
+                raise ConfigurationError(
+                    f"AMQP carries at most {_SHORTSTR} bytes in a header name; {name[:40]!r}... "
+                    f"has {size}"
+                )
+        # Header names go whole, up to 255 bytes: the client library cuts them at 128.
+        message = WholeHeaderNames(
             body,
             headers=dict(headers) if headers else None,
             content_type=content_type,
