@@ -10,6 +10,7 @@ nats-server of the test's own: a port and store directory per test, never the sh
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -28,7 +29,14 @@ import nats.js.errors
 import pytest
 
 import oncely
-from oncely.brokers import BrokerLimits, Delivery, Transport, open_producer, open_transport
+from oncely.brokers import (
+    BrokerLimits,
+    DeadLetter,
+    Delivery,
+    Transport,
+    open_producer,
+    open_transport,
+)
 from oncely.brokers.nats import JetStream, JetStreamProducer
 from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
 from tests.brokers.foreign import header_lines, publish_nats, read_nats_stream
@@ -394,6 +402,30 @@ class TestJetStream(BrokerSuite):
         assert copy.outcome == "key_conflict"
         assert copy.message_id == "order-9" and json.loads(copy.body)["total"] in (10, 999)
         await self.assert_settled()
+
+    async def test_a_dead_letter_copy_keeps_repeated_header_lines(self) -> None:
+        """A NATS header name may repeat (``X-Tag: a``, ``X-Tag: b``). nats-py reads the
+        headers into a dict, so the dead-letter copy kept the last line of a repeated name and
+        lost the others. The lines of a repeated name now travel exact and in order in
+        ``x-oncely-raw-headers``; the envelope still reads the last one."""
+        made = self.transport()
+        await made.open(1)
+        sent = [
+            (b"Nats-Msg-Id", b"rep-1"), (b"X-Tag", b"a"), (b"X-One", b"1"), (b"X-Tag", b"b"),
+            (b"X-Tag", b"c"),
+        ]  # fmt: skip
+        await publish_nats(self.source, [(sent, b"{not json")])
+        delivery = await fetch_one(made)
+        assert delivery.envelope.headers["X-Tag"] == "c"
+        why = DeadLetter(outcome="rejected", reason="test", consumer=self.group, deliveries=1)
+        await delivery.dead_letter(why)
+        ((block, data),) = await read_nats_stream(f"{self.source}.dead")
+        lines = header_lines(block)
+        assert (b"X-One", b"1") in lines and (b"Nats-Msg-Id", b"rep-1") in lines
+        assert b"X-Tag" not in dict(lines)
+        raw = dict(lines)[b"x-oncely-raw-headers"]
+        assert header_lines(base64.b64decode(raw)) == [(b"X-Tag", v) for v in (b"a", b"b", b"c")]
+        assert data == b"{not json"
 
     # ------------------------------------------------------------------ max_deliver
 

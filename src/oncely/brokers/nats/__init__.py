@@ -36,7 +36,9 @@ What each outcome does
     ``Nats-Msg-Id``, plus ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer``,
     ``x-oncely-deliveries``; JetStream's own publish headers, such as
     ``Nats-Expected-Stream`` or ``Nats-Rollup``, renamed ``x-oncely-original-<name>``, as
-    the dead-letter stream would refuse the copy or act on them); once the dead-letter
+    the dead-letter stream would refuse the copy or act on them; every line of a header name
+    the message repeats, which nats-py can send only once, exact and in order in
+    ``x-oncely-raw-headers``, base64-encoded); once the dead-letter
     stream acknowledged the copy, the original
     is terminated (``+TERM``, never redelivered). A crash in between dead-letters it twice,
     never zero times. When the dead-letter stream's duplicate window already holds a copy with

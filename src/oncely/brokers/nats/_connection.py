@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -18,6 +19,14 @@ from oncely.brokers._common import positive, server_url
 from oncely.brokers.nats._settings import LOGGER, SCHEMES, UNAVAILABLE
 from oncely.errors import BrokerUnavailable
 from oncely.wire import wire_text
+
+
+class Headers(dict[str, str]):
+    """A message's headers as nats-py hands them on, one value a name (the last line's),
+    plus ``repeated``: each line of a name the message repeats, exact and in order (a dict
+    keeps one of them, and a dead-letter copy must keep them all)."""
+
+    repeated: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class LosslessClient(Client):
@@ -36,12 +45,17 @@ class LosslessClient(Client):
         raw = headers[_HEADER_LINE_SIZE:]
         if raw[:1] == b" " or getattr(nats.aio.client, "parse_email", None) is not None:
             return await super()._process_headers(headers)
-        found: dict[str, str] = {}
+        found = Headers()
+        lines: list[tuple[bytes, bytes]] = []
         for line in raw[2:].split(b"\r\n"):
             name, colon, value = line.partition(b":")
             key = wire_text(name.strip())
             if colon and key and not any(ch.isspace() for ch in key):
                 found[key] = wire_text(value.strip())
+                lines.append((name.strip(), value.strip()))
+        if len(lines) > len(found):
+            names = Counter(name for name, _ in lines)
+            found.repeated = tuple(line for line in lines if names[line[0]] > 1)
         return found or None
 
 

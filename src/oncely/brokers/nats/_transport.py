@@ -39,7 +39,7 @@ from oncely.brokers.nats._settings import (
 )
 from oncely.brokers.nats._topology import Topology
 from oncely.errors import BrokerError, BrokerUnavailable
-from oncely.wire import escaped, raw_bytes
+from oncely.wire import escaped, raw_bytes, wire_text
 
 _CHECK_EVERY = timedelta(seconds=5)
 """How often, at most, an idle transport checks that its durable consumer still exists."""
@@ -410,13 +410,19 @@ def header_bytes(headers: Mapping[str, str]) -> int:
 
 
 def sendable_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """``headers`` as nats-py can publish them again (it sends UTF-8 only), every byte kept:
-    the headers whose name or value is not UTF-8 are taken out and sent together, as the
-    exact header lines base64-encoded, in ``x-oncely-raw-headers``."""
+    """``headers`` as nats-py can publish them again (it sends UTF-8 only, one line a name),
+    every byte kept: the headers whose name or value is not UTF-8, and every line of a name
+    the message repeated (:class:`~._connection.Headers`), are taken out and sent together,
+    as the exact header lines base64-encoded, in ``x-oncely-raw-headers``."""
     sendable: dict[str, str] = {}
     raw: list[bytes] = []
+    repeated: dict[str, list[tuple[bytes, bytes]]] = {}
+    for line in getattr(headers, "repeated", ()):
+        repeated.setdefault(wire_text(line[0]), []).append(line)
     for name, value in headers.items():
-        if escaped(name) or escaped(value):
+        if name in repeated:
+            raw.extend(n + b": " + v + b"\r\n" for n, v in repeated[name])
+        elif escaped(name) or escaped(value):
             raw.append(raw_bytes(name) + b": " + raw_bytes(value) + b"\r\n")
         else:
             sendable[name] = value
