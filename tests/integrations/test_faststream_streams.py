@@ -487,6 +487,49 @@ def test_r1_a_result_that_could_not_be_published_is_published_by_the_redelivery(
         run.close()
 
 
+@pytest.mark.timeout(120)
+def test_redis_copies_keep_the_fields_an_entry_repeats_in_order() -> None:
+    """A stream entry may repeat a field name (``XADD s * a 1 a 2``). The copies oncely
+    writes (a retry's at the stream's tail, a dead letter) were built from FastStream's
+    reading of the entry, a dict, so they kept one of the repeated fields and lost the
+    others. Here an entry FastStream's producer would write, with repeated fields of another
+    producer's beside ``__data__``, fails on all three deliveries (two retry copies, then
+    the dead letter), which holds every field of the entry, in order."""
+    from faststream.redis.parser.binary import BinaryMessageFormatV1
+
+    require("Redis", REDIS_URL, 6379)
+    unique = f"oncely_fsr_{uuid.uuid4().hex[:8]}"
+    run = RedisRun(f"{REDIS_URL}?prefix={unique}")
+    try:
+        run.send([])  # the groups
+        body = json.dumps({"order": "o8", "amount": 1, "fail_times": 99}).encode()
+        headers = {"content-type": "application/json", "message_id": "m-o8"}
+        data = asyncio.run(
+            BinaryMessageFormatV1.encode(
+                message=body, reply_to=None, headers=headers, correlation_id="c-o8"
+            )
+        )
+        extra = [b"tag", b"a", b"x", b"1", b"tag", b"b", b"tag", b"c"]
+        run.redis.execute_command("XADD", run.queue, "*", b"__data__", data, *extra)
+        run.worker()
+        run.until(lambda: run.redis.xlen(run.queue + ".dead") == 1)
+        ((_id, copy),) = run.redis.eval(
+            "return redis.call('XRANGE', KEYS[1], '-', '+')", 1, run.queue + ".dead"
+        )
+        assert copy[0] == b"__data__"  # its headers gain the reasons, its body kept
+        assert BinaryMessageFormatV1.parse(copy[1])[0] == body
+        assert copy[2 : 2 + len(extra)] == extra, copy
+        why = dict(zip(copy[2 + len(extra) :: 2], copy[3 + len(extra) :: 2], strict=True))
+        assert why[b"x-oncely-outcome"] == b"rejected" and why[b"x-oncely-deliveries"] == b"3", why
+        assert run.started("o8") == 3
+    finally:
+        run.close()
+        client = redis.Redis.from_url(REDIS_URL)
+        for name in client.scan_iter(match=f"{unique}*"):
+            client.delete(name)
+        client.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(

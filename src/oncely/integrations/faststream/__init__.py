@@ -117,7 +117,8 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     ``correlation_id`` for every message, never read as a key. The delivery count is Redis's
     own (``XPENDING``) plus the ``x-oncely-delivered`` field of a retry's copy. Redis has no
     negative acknowledgement: a message given back or retried stays pending for the delay,
-    then a copy of the entry (every field, with its count) is added at the stream's tail and
+    then a copy of the entry (every field in order, a repeated name each time, read from
+    Redis by the entry's id; with its count) is added at the stream's tail and
     the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
     the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
     headers of FastStream's message format (``message.headers`` of a FastStream subscriber

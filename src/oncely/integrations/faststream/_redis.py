@@ -165,8 +165,8 @@ class RedisAdapter:
 
     async def _copy_later(self, held: Settling, delay: timedelta, count: int) -> None:
         await asyncio.sleep(delay.total_seconds())
-        fields = _fields(held, {DELIVERIES_FIELD: str(count)})
         try:
+            fields = await _fields(held, {DELIVERIES_FIELD: str(count)})
             await self._write(held, held.source, fields)
         except Exception as exc:  # the entry stays pending; a takeover subscriber claims it
             LOGGER.error(
@@ -178,15 +178,15 @@ class RedisAdapter:
             )
 
     async def dead_letter(self, held: Settling, why: DeadLetter) -> None:
-        fields = _fields(held, why.headers())
-        data = fields.get(_DATA)
-        if isinstance(data, bytes):
-            # The reason also goes into the headers of FastStream's message format, where a
-            # FastStream subscriber of the dead-letter stream reads them (message.headers).
-            fields[_DATA] = await _with_headers(held, data, why.headers())
+        fields = await _fields(held, why.headers())
+        for i, (name, data) in enumerate(fields):
+            if name == _DATA and isinstance(data, bytes):
+                # The reason also goes into the headers of FastStream's message format, where
+                # a FastStream subscriber of the dead-letter stream reads them (headers).
+                fields[i] = (name, await _with_headers(held, data, why.headers()))
         await self._write(held, held.source + DEAD_LETTER_SUFFIX, fields)
 
-    async def _write(self, held: Settling, target: str, fields: dict[bytes, bytes | str]) -> None:
+    async def _write(self, held: Settling, target: str, fields: _Fields) -> None:
         """Add ``fields`` to the stream ``target`` and acknowledge the original entry, in one
         script, while this subscriber's consumer still owns it; in FastStream's
         ``TestRedisBroker``, publish them to ``target`` through the broker instead."""
@@ -196,7 +196,7 @@ class RedisAdapter:
             headers = dict(held.message.headers or {})
             headers.pop(DELIVERIES_FIELD, None)
             headers.update({k.decode(): as_text(v) if isinstance(v, bytes) else v
-                            for k, v in fields.items() if k != _DATA})  # fmt: skip
+                            for k, v in fields if k != _DATA})  # fmt: skip
             correlation_id = headers.pop("correlation_id", None)
             await held.broker.publish(
                 held.message.body, stream=target, headers=headers, correlation_id=correlation_id
@@ -208,7 +208,7 @@ class RedisAdapter:
             script = self._scripts[id(client)] = client.register_script(DEAD_LETTER)
         stream = held.subscriber.stream_sub
         args: list[bytes | str] = [stream.group, stream.consumer, entry_ids[0]]
-        for name, value in fields.items():
+        for name, value in fields:
             args += [name, value]
         if await script(keys=[raw["channel"], target], args=args, client=client) is None:
             LOGGER.info(
@@ -237,16 +237,28 @@ class RedisAdapter:
 ADAPTER = RedisAdapter
 
 
-def _fields(held: Settling, extra: dict[str, str]) -> dict[bytes, bytes | str]:
-    """The original entry's fields (FastStream's ``__data__`` and any other), without an
-    earlier copy's oncely fields, plus ``extra``."""
-    fields: dict[bytes, bytes | str] = {
-        name: value
-        for name, value in held.message.raw_message["data"].items()
-        if name != _DELIVERIES and name not in _WHY
-    }
-    for name, value in extra.items():
-        fields[name.encode()] = value
+_Fields = list[tuple[bytes, bytes | str]]
+
+_ENTRY = "return redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])"
+"""The fields of one entry as Redis keeps them (a list: a name may repeat)."""
+
+
+async def _fields(held: Settling, extra: dict[str, str]) -> _Fields:
+    """The original entry's fields (FastStream's ``__data__`` and any other), every one in
+    order, without an earlier copy's oncely fields, plus ``extra``. Read from Redis by the
+    entry's id: FastStream's reading is a dict, which keeps one of the fields an entry
+    repeats (``XADD s * a 1 a 2``); that reading only without an entry (TestRedisBroker)
+    or once the entry is gone."""
+    raw = held.message.raw_message
+    entry_ids: list[bytes] = raw.get("message_ids") or []
+    pairs: list[tuple[bytes, bytes]] = list(raw["data"].items())
+    if entry_ids:
+        found = await held.message.consumer.eval(_ENTRY, 1, raw["channel"], entry_ids[0])
+        if found and found[0][1]:
+            flat = found[0][1]
+            pairs = list(zip(flat[::2], flat[1::2], strict=True))
+    fields: _Fields = [(n, v) for n, v in pairs if n != _DELIVERIES and n not in _WHY]
+    fields += [(name.encode(), value) for name, value in extra.items()]
     return fields
 
 
