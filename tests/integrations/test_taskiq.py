@@ -229,6 +229,35 @@ def test_r1_a_task_that_requeues_itself_runs_again_and_one_that_rejects_itself_i
 
 
 @pytest.mark.timeout(120)
+def test_a_dead_letter_keeps_label_names_over_128_bytes_whole(tmp_path: Path) -> None:
+    """A dead letter carries the task's labels as AMQP headers. aio-pika's encoder cut every
+    header name at 128 bytes: two labels whose names share their first 128 bytes became one
+    header of the dead letter, a value lost. AMQP carries names of up to 255 bytes whole."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    labels = {"l" * 128 + "_first": "1", "l" * 128 + "_second": "2"}
+    try:
+        run.worker(workers=1)
+
+        async def scenario(app: ModuleType) -> Any:
+            sent = await app.notify.kicker().with_labels(**labels).kiq("o9")  # no key
+            return await sent.wait_result(timeout=60)
+
+        assert run.drive(scenario).is_err
+        letters: list[tuple[Any, bytes]] = []
+
+        def arrived() -> bool:
+            letters.extend(run.taken(".dead"))
+            return len(letters) >= 1
+
+        until(arrived, client=run.redis, ns=run.ns)
+        headers = letters[0][0].headers
+        assert "no idempotency key" in headers["x-oncely-reason"], headers
+        assert labels.items() <= headers.items(), headers
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_r20_dead_letters_reach_a_dead_letter_queue_named_on_the_middleware(
     tmp_path: Path,
 ) -> None:

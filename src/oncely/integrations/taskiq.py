@@ -71,7 +71,8 @@ otherwise), or to ``Idempotency(dead_letter_queue=...)``, declared durable befor
 dead letter when it does not exist (RabbitMQ would drop what is sent to it), as the
 task message with the ``x-oncely-outcome/reason/consumer/deliveries`` headers of
 :mod:`oncely.brokers` (``x-oncely-consumer``: the middleware's inbox's consumer name, on a
-message no inbox saw too); any other broker needs ``dead_letter=``, an async function given the
+message no inbox saw too; the task's labels as headers, their names whole up to AMQP's 255
+bytes); any other broker needs ``dead_letter=``, an async function given the
 message's bytes and those headers (tested only on RabbitMQ).
 
 taskiq's ``InMemoryBroker``, for users' unit tests, gets oncely's receiver from the middleware
@@ -277,11 +278,15 @@ class Idempotency(TaskiqMiddleware):
             return
         import aio_pika  # noqa: PLC0415 - AioPikaBroker's own client, present with it
 
+        from oncely.brokers.rabbitmq._frames import WholeHeaderNames  # noqa: PLC0415 - same
+
         if not self._dead_letter_queue_declared:
             await self._declare_dead_letter_queue()
         channel: Any = getattr(self.broker, "write_channel", None)
         await channel.default_exchange.publish(
-            aio_pika.Message(
+            # Header names (the task's labels) whole, up to AMQP's 255 bytes: aio-pika's
+            # encoder cuts them at 128, merging two labels that share their start.
+            WholeHeaderNames(
                 body, headers=dict(headers), delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             ),
             routing_key=self.dead_letter_queue,
