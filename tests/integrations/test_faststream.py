@@ -111,17 +111,18 @@ def _reason(properties: Any) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_app_whose_store_is_down_does_not_start(tmp_path: Path) -> None:
-    # With on_startup=[idempotency.prepare]; before, the app started and gave every message
-    # back to RabbitMQ until the store answered.
+    """``faststream run`` with ``on_startup=[idempotency.prepare]`` and a store where nothing
+    answers: one line naming the store (its password hidden) and exit status 3, as ``oncely
+    consume``; the message waits, never run. Before, FastStream printed the error's
+    traceback and exited with 1 (before the hook, the app started and gave every message
+    back to RabbitMQ until the store answered)."""
     said = stopped_at_start(
         Run,
         lambda run: run.charge("m-u1", "u1"),
         lambda run, log: run.worker(log=log),
         tmp_path / "worker.log",
-        code=None,
-        oncely_line=False,
     )
-    assert "StoreUnavailable" in said and "started successfully" not in said, said
+    assert "started successfully" not in said, said
 
 
 @pytest.mark.timeout(120)
@@ -133,9 +134,10 @@ def test_an_app_with_a_subscriber_oncely_cannot_protect_does_not_start(tmp_path:
     try:
         run.publish(b'"a1"', "m-a1", queue=f"{run.queue}.first", content_type="application/json")
         log = tmp_path / "worker.log"
-        assert run.worker(log=log).wait(60) != 0
+        assert run.worker(log=log).wait(60) == 2  # a usage error, as the oncely command's
         said = log.read_text(errors="replace")
-        assert "ConfigurationError" in said and "ACK_FIRST" in said, said
+        assert "the worker stops before taking a message" in said and "ACK_FIRST" in said, said
+        assert "Traceback" not in said and "[exit 2]" in said, said
         assert "started successfully" not in said, said
         assert run.effects("first:a1") == 0
         assert len(run.taken(".first")) == 1  # still there, for the app once it is fixed
@@ -349,6 +351,28 @@ async def test_r1_r2_with_faststreams_test_broker_for_users_unit_tests() -> None
     assert "message id" in rejected["x-oncely-reason"]
 
 
+async def test_prepare_outside_faststream_run_raises_instead_of_ending_the_process() -> None:
+    """FastStream's ``TestApp`` runs the start-up hooks too, but not as ``faststream run``:
+    a store that does not answer is an error the test sees, not the end of its process."""
+    from faststream import FastStream, TestApp
+    from faststream.rabbit import RabbitBroker, TestRabbitBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.integrations.workers import down_store
+
+    inbox = oncely.AsyncInbox(oncely.open_async(down_store()[0]), consumer="shop")
+    idempotency = Idempotency(inbox)
+    broker = RabbitBroker(middlewares=[idempotency])
+    app = FastStream(broker, on_startup=[idempotency.prepare])
+    async with TestRabbitBroker(broker):
+        with pytest.raises(oncely.StoreUnavailable):
+            async with TestApp(app):
+                pass
+    with pytest.raises(oncely.StoreUnavailable):
+        await idempotency.prepare()
+
+
 async def test_r2_a_broker_not_adapted_yet_is_refused_never_run_unprotected() -> None:
     from faststream.confluent import KafkaBroker, TestKafkaBroker
 
@@ -412,3 +436,4 @@ async def test_r16_the_handlers_own_ack_and_reject_keep_their_meaning() -> None:
     assert ran == [1, 2]
     assert [h["x-oncely-outcome"] for h in dead] == ["rejected", "rejected"]
     assert all("RejectMessage" in h["x-oncely-reason"] for h in dead)
+

@@ -1,5 +1,5 @@
 """A worker's check of its inboxes' stores before it takes a message (Celery, Dramatiq,
-taskiq).
+taskiq, FastStream).
 
 Without it a worker whose store is down, or whose tables were never made, starts, looks
 healthy, and hands every message back to the broker (each time a delivery closer to the
@@ -25,6 +25,7 @@ __all__ = [
     "EXIT_USAGE",
     "check_stores",
     "check_stores_async",
+    "stopping",
 ]
 
 LOGGER = logging.getLogger("oncely.worker")
@@ -66,6 +67,12 @@ def _distinct(inboxes: Iterable[_I]) -> list[_I]:
 
 
 def _stop(framework: str, consumer: str, exc: StoreError) -> NoReturn:
+    raise SystemExit(stopping(framework, consumer, exc)) from exc
+
+
+def stopping(framework: str, consumer: str, exc: StoreError) -> int:
+    """Log the one line that says why the worker stops (the store of ``consumer`` failed
+    with ``exc``), and return the exit code for it."""
     code = EXIT_SCHEMA if isinstance(exc, SchemaError) else EXIT_STORE_UNAVAILABLE
     what = "its tables cannot be used" if code == EXIT_SCHEMA else "it cannot be reached"
     LOGGER.error(
@@ -77,4 +84,4 @@ def _stop(framework: str, consumer: str, exc: StoreError) -> NoReturn:
         re.sub(r"\s*\n\s*", " ", str(exc)).strip(),
         code,
     )
-    raise SystemExit(code) from exc
+    return code

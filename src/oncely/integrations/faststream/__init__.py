@@ -46,7 +46,9 @@ the result cannot be published         given back (FastStream's default would re
                                        duplicate, publishes the stored result
 the store cannot answer                given back, never run unprotected
 the store is down at start             the app does not start, with
-                                       ``on_startup=[idempotency.prepare]``
+                                       ``on_startup=[idempotency.prepare]``: one line,
+                                       exit status 3 under ``faststream run`` (see
+                                       :meth:`Idempotency.prepare`)
 the dead-letter copy cannot be sent    given back, never acknowledged without its copy
 =====================================  ================================================
 
@@ -61,8 +63,9 @@ handler publishes get a message id derived from the consumer, the key and the de
 unless the handler set one: a republished result (a duplicate's) has the same id as the
 first, so a downstream oncely consumer drops it.
 
-A subscriber the middleware cannot protect is refused: the app does not start, with
-:class:`~oncely.ConfigurationError`, when ``idempotency.prepare`` is its start-up hook;
+A subscriber the middleware cannot protect is refused: the app does not start (one line,
+exit status 2, under ``faststream run``; :class:`~oncely.ConfigurationError` elsewhere), when
+``idempotency.prepare`` is its start-up hook;
 without the hook its messages raise that error and the handler never runs, but FastStream
 has taken each one off the broker by then, so it is lost. That is any subscriber whose
 ``ack_policy`` is ``ACK_FIRST`` or ``MANUAL`` (FastStream would acknowledge whatever

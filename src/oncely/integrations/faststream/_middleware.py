@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mappi
 from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 try:
     from fast_depends.exceptions import ValidationError as BindingError
@@ -27,8 +27,17 @@ from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
 from oncely.brokers._shape import Backoff, DeadLetter
-from oncely.errors import ConfigurationError, MissingKey, Reject, ResultUnavailable
+from oncely.errors import (
+    ConfigurationError,
+    MissingKey,
+    Reject,
+    ResultUnavailable,
+    SchemaError,
+    StoreUnavailable,
+)
 from oncely.inbox.async_inbox import AsyncInbox
+from oncely.integrations._startup import EXIT_USAGE, stopping
+from oncely.integrations._startup import LOGGER as STARTUP_LOGGER
 from oncely.integrations._task_keys import first_result
 from oncely.integrations.faststream._adapter import (
     ADAPTED,
@@ -45,6 +54,8 @@ __all__ = ["DEAD_LETTER_SUFFIX", "Idempotency"]
 LOGGER = logging.getLogger("oncely.faststream")
 _DEAD_LETTER_RETRY = timedelta(seconds=5)
 _RESULT_IDS = uuid.UUID("6f6e6365-6c79-4e00-8000-666173747374")
+_NOT_RUN = "oncely: not run by faststream run"
+"""``worker_id`` of :meth:`Idempotency.prepare` when FastStream's runner did not call it."""
 
 
 class Idempotency:
@@ -100,25 +111,49 @@ class Idempotency:
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
         return _Scope(self, msg, context=context)
 
-    async def prepare(self, app: Any = Context("app", default=None)) -> None:  # noqa: B008
+    async def prepare(
+        self,
+        app: Any = Context("app", default=None),  # noqa: B008
+        worker_id: Any = _NOT_RUN,
+    ) -> None:
         """Connect every inbox's store and check its schema now, not at the first message.
         FastStream gives a broker middleware no start-up of its own: give this to the app,
-        ``FastStream(broker, on_startup=[idempotency.prepare])``, and an app whose store is
-        down does not start, with :class:`~oncely.StoreUnavailable` naming the store (or
-        :class:`~oncely.SchemaError` for tables this oncely cannot use). Without it, such an
-        app starts and gives every message back to the broker until the store answers.
+        ``FastStream(broker, on_startup=[idempotency.prepare])``. Without it, an app whose
+        store is down starts and gives every message back to the broker until the store
+        answers.
 
-        As the app's hook it is given the app (``app``), and an app with a subscriber behind
-        this middleware that it cannot protect (``AckPolicy.ACK_FIRST``, Kafka's default,
-        and the kinds the module docstring lists) does not start either, with
-        :class:`~oncely.ConfigurationError` saying what to change: it would take each message
-        off the broker and drop it unprocessed."""
-        self._check_subscribers(app)
-        seen: set[int] = set()
-        for inbox in self._inboxes.values():
-            if id(inbox.store) not in seen:
-                seen.add(id(inbox.store))
-                await inbox.prepare()
+        Run so by ``faststream run`` (which gives start-up hooks ``worker_id``), an app whose
+        store is down does not start: one line on stderr names the store and the process
+        exits with the status ``oncely consume`` uses, 3 (4 for tables this oncely cannot
+        use). As the app's hook it is also given the app (``app``), and an app with a
+        subscriber behind this middleware that it cannot protect (``AckPolicy.ACK_FIRST``,
+        Kafka's default, and the kinds the module docstring lists) does not start either,
+        with one line saying what to change and status 2: it would take each message off
+        the broker and drop it unprocessed. Awaited in any other way (FastStream's
+        ``TestApp``, a direct call), it raises instead: :class:`~oncely.StoreUnavailable`,
+        :class:`~oncely.SchemaError`, :class:`~oncely.ConfigurationError`."""
+        consumer = ""
+        try:
+            self._check_subscribers(app)
+            seen: set[int] = set()
+            for inbox in self._inboxes.values():
+                if id(inbox.store) not in seen:
+                    seen.add(id(inbox.store))
+                    consumer = inbox.consumer
+                    await inbox.prepare()
+        except (StoreUnavailable, SchemaError) as exc:
+            if worker_id == _NOT_RUN:
+                raise
+            await _exit(stopping("faststream", consumer, exc))
+        except ConfigurationError as exc:
+            if worker_id == _NOT_RUN:
+                raise
+            STARTUP_LOGGER.error(
+                "oncely faststream: the worker stops before taking a message: %s [exit %d]",
+                exc,
+                EXIT_USAGE,
+            )
+            await _exit(EXIT_USAGE)
 
     def _check_subscribers(self, app: Any) -> None:
         refused = []
@@ -420,6 +455,22 @@ class _Scope(BaseMiddleware):
             delay = self.owner.backoff.delay(self.deliveries)
             await self.owner._give_back(self.adapter, self.held, delay)
             raise AckMessage() from None
+
+
+async def _exit(code: int) -> NoReturn:
+    """End the process with ``code`` from inside FastStream's event loop, without a
+    traceback. ``SystemExit`` raised in the start-up hook would fail FastStream's task group,
+    which asyncio then reports (a traceback) as it shuts the loop down; raised by a callback
+    of the loop itself it stops the loop at once, the tasks (this hook's included) are
+    cancelled, and ``faststream run`` exits with ``code``."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(_raise_exit, code)
+    await loop.create_future()  # never done: the loop stops first
+    raise SystemExit(code)  # pragma: no cover - not reached
+
+
+def _raise_exit(code: int) -> NoReturn:
+    raise SystemExit(code)
 
 
 def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
