@@ -55,6 +55,7 @@ class Charge(BaseModel):
 @broker.publisher(QUEUE + ".receipts")
 async def charge(charge: Charge) -> dict[str, object]:
     REDIS.incr(f"{NS}:started:{charge.order}")
+    REDIS.sadd(f"{NS}:pids", os.getpid())  # which worker process ran it
     await asyncio.sleep(charge.sleep)
     if charge.reject:
         raise oncely.Reject(f"order {charge.order} is not billable")

@@ -126,6 +126,28 @@ def test_an_app_whose_store_is_down_does_not_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_several_workers_whose_store_is_down_stop_instead_of_restarting_forever(
+    tmp_path: Path,
+) -> None:
+    """``faststream run --workers 2`` on a store where nothing answers. FastStream's
+    supervisor starts a worker again whatever its exit status, so each worker stopped at
+    start, was started again and stopped again, without end. Now the first worker to stop
+    asks the supervisor to stop: it stops its workers and ends, the message untouched."""
+    said = stopped_at_start(
+        Run,
+        lambda run: run.charge("m-u1", "u1"),
+        lambda run, log: run.spawn(
+            "faststream", "run", f"{run.app_module}:app", "--workers", "2", log=log
+        ),
+        tmp_path / "workers.log",
+        code=0,  # the supervisor's own status: FastStream's, whatever its workers'
+    )
+    assert "stops, and with it FastStream's supervisor" in said, said
+    assert "Stopping parent process" in said and "started successfully" not in said, said
+    assert said.count("Started child process") <= 3, said  # 2, and one it had restarted
+
+
+@pytest.mark.timeout(120)
 def test_an_app_with_a_subscriber_oncely_cannot_protect_does_not_start(tmp_path: Path) -> None:
     """An ``AckPolicy.ACK_FIRST`` subscriber behind the middleware: the app started, and each
     message was acknowledged by FastStream, refused by oncely and so dropped, never run."""
@@ -437,3 +459,39 @@ async def test_r16_the_handlers_own_ack_and_reject_keep_their_meaning() -> None:
     assert [h["x-oncely-outcome"] for h in dead] == ["rejected", "rejected"]
     assert all("RejectMessage" in h["x-oncely-reason"] for h in dead)
 
+
+@pytest.mark.timeout(180)
+def test_r1_r4_several_worker_processes_share_the_queue_each_message_once(
+    store: str, tmp_path: Path
+) -> None:
+    """``faststream run --workers 2``: FastStream's supervisor spawns two worker processes,
+    each importing the app; both start, neither is restarted, they share the queue's
+    messages, and every message (each sent twice, a producer's retry) has one effect."""
+    run = Run(store)
+    log = tmp_path / "workers.log"
+    try:
+        # The app's quorum queue exists first: RabbitMQ 3.10 can fail two connections that
+        # declare one new quorum queue at the same moment (INTERNAL_ERROR), which is no
+        # concern of this test's.
+        with run.channel() as channel:
+            channel.queue_declare(
+                f"{run.queue}.quorum",
+                durable=True,
+                arguments={"x-queue-type": "quorum", "x-delivery-limit": 3},
+            )
+        run.spawn("faststream", "run", f"{run.app_module}:app", "--workers", "2", log=log)
+        ready = "`Charge` waiting for messages"  # in each worker's log
+        _until(lambda: log.read_text(errors="replace").count(ready) >= 2, run=run)
+        orders = [f"w{n}" for n in range(20)]
+        for _ in range(2):  # every message, then each again (a producer's retry)
+            for order in orders:
+                run.charge(f"m-{order}", order, sleep=0.2)
+        _until(lambda: all(run.effects(order) == 1 for order in orders), run=run)
+        time.sleep(1.0)
+        said = log.read_text(errors="replace")
+        assert "exited with code" not in said and "Traceback" not in said, said
+        assert all(run.effects(order) == 1 for order in orders)
+        assert sum(run.started(order) for order in orders) == len(orders)
+        assert len(run.redis.smembers(f"{run.ns}:pids")) == 2  # both processes ran some
+    finally:
+        run.close()

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import multiprocessing
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
@@ -144,7 +147,7 @@ class Idempotency:
         except (StoreUnavailable, SchemaError) as exc:
             if worker_id == _NOT_RUN:
                 raise
-            await _exit(stopping("faststream", consumer, exc))
+            await _exit(stopping("faststream", consumer, exc), worker_id)
         except ConfigurationError as exc:
             if worker_id == _NOT_RUN:
                 raise
@@ -153,7 +156,7 @@ class Idempotency:
                 exc,
                 EXIT_USAGE,
             )
-            await _exit(EXIT_USAGE)
+            await _exit(EXIT_USAGE, worker_id)
 
     def _check_subscribers(self, app: Any) -> None:
         refused = []
@@ -457,12 +460,27 @@ class _Scope(BaseMiddleware):
             raise AckMessage() from None
 
 
-async def _exit(code: int) -> NoReturn:
+async def _exit(code: int, worker_id: Any) -> NoReturn:
     """End the process with ``code`` from inside FastStream's event loop, without a
     traceback. ``SystemExit`` raised in the start-up hook would fail FastStream's task group,
     which asyncio then reports (a traceback) as it shuts the loop down; raised by a callback
     of the loop itself it stops the loop at once, the tasks (this hook's included) are
-    cancelled, and ``faststream run`` exits with ``code``."""
+    cancelled, and ``faststream run`` exits with ``code``.
+
+    A worker of ``faststream run --workers N`` (``worker_id`` a number) first asks FastStream's
+    supervisor, its parent, to stop (``SIGTERM``, as a person's Ctrl+C): the supervisor starts
+    a worker again whatever its exit status, so without this every worker would stop, be
+    started again and stop again, without end."""
+    parent = multiprocessing.parent_process()
+    if isinstance(worker_id, int) and parent is not None and parent.pid is not None:
+        STARTUP_LOGGER.error(
+            "oncely faststream: worker %d stops, and with it FastStream's supervisor "
+            "(pid %d) and its other workers",
+            worker_id,
+            parent.pid,
+        )
+        with contextlib.suppress(OSError):
+            os.kill(parent.pid, signal.SIGTERM)
     loop = asyncio.get_running_loop()
     loop.call_soon(_raise_exit, code)
     await loop.create_future()  # never done: the loop stops first
