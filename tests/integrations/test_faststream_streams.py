@@ -32,6 +32,7 @@ from tests.integrations.workers import WorkerRun
 from tests.services import NATS_URL, REDIS_URL, require
 
 ORDERS = ("o1", "o2", "o3")
+CUT = " ... [cut to fit the server's max_payload]"
 
 
 class StreamRun(WorkerRun):
@@ -483,6 +484,47 @@ def test_r1_a_result_that_could_not_be_published_is_published_by_the_redelivery(
         time.sleep(1.0)
         assert [order for _, order in run.receipts()] == ["r2"]
         assert run.effects("r2") == 1 and run.started("r2") == 1 and run.dead() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r16_a_dead_letter_near_nats_max_payload_is_written_with_its_reason_cut(
+    tmp_path: Path,
+) -> None:
+    """A message the handler refuses whose body is close to the server's ``max_payload``
+    (1 MiB by default): its dead-letter copy (the body, its headers and the ``x-oncely-*``
+    ones) was larger than the server takes, so the server closed the connection at each
+    try, the message was given back again and again, and the copy was never written. The
+    reason is cut to fit, as the NATS transport of :mod:`oncely.brokers` does: the copy
+    lands, its body whole (R16: a dead letter keeps every byte of the message)."""
+    require("NATS", NATS_URL, 4222)
+
+    async def server_max_payload() -> int:
+        client = await nats.connect(NATS_URL)
+        try:
+            return int(client.max_payload)
+        finally:
+            await client.close()
+
+    max_payload = asyncio.run(server_max_payload())
+    run = NatsRun(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        order = "big-" + "b" * 600  # the reason names it: long enough to cut
+        charge = {"order": order, "amount": 1, "reject": True, "pad": ""}
+        room = max_payload - len(json.dumps(charge)) - 400  # the message's own headers fit
+        big = json.dumps({**charge, "pad": "x" * room}).encode()
+        run.send([(big, "m-big", "application/json", "")])
+        run.worker()
+        run.until(lambda: run.started(order) >= 1)
+        run.until(lambda: len(run.dead()) >= 1, seconds=30)
+        [(headers, body)] = run.dead()
+        assert body == big  # every byte of the message
+        assert headers["message_id"] == "m-big" and headers["x-oncely-outcome"] == "rejected"
+        whole = f"handler rejected the message: order {order} is not billable"
+        reason = _reason(headers)
+        assert whole.startswith(reason.removesuffix(CUT)) and len(reason) < len(whole), reason
+        assert run.started(order) == 1  # refused once, not given back to be run again
     finally:
         run.close()
 

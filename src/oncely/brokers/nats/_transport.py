@@ -305,7 +305,6 @@ class JetStream:
                 msg,
                 why,
                 self._link.timeout.total_seconds(),
-                max_payload=client.max_payload,
             )
         except nats.js.errors.NoStreamResponseError as exc:
             self._link.declared = False
@@ -349,18 +348,19 @@ async def publish_dead_letter(
     msg: Msg,
     why: DeadLetter,
     timeout: float,
-    *,
-    max_payload: int | None = None,
 ) -> None:
     """Publish a copy of ``msg`` (its body and every header) with ``why`` to ``subject`` and
     wait for the stream's acknowledgement. When the stream's duplicate window already holds
     a copy with this ``Nats-Msg-Id``, maybe of another message, this one is published again
-    with the id in ``x-oncely-message-id`` instead, so it is never dropped. With
-    ``max_payload`` (the server's), the reason is cut where the whole copy would be larger:
-    the server would refuse it and close the connection, and the message, given back each
-    time, would be dropped by JetStream after ``max_deliver`` deliveries, never
-    dead-lettered. Raises nats-py's errors, and :class:`~oncely.BrokerError` for a copy that
-    cannot fit even so."""
+    with the id in ``x-oncely-message-id`` instead, so it is never dropped. The reason is cut
+    where the whole copy would be larger than the server's ``max_payload`` (read from the
+    connection under ``js``): the server would refuse it and close the connection, and the
+    message, given back each time, would be dropped by JetStream after ``max_deliver``
+    deliveries, never dead-lettered. Raises nats-py's errors, and
+    :class:`~oncely.BrokerError` for a copy that cannot fit even so.
+
+    The one dead-letter publish of every NATS consumer oncely has: its transport's and
+    FastStream's (:mod:`oncely.integrations.faststream`)."""
     headers = sendable_headers(msg.headers or {})
     for name in [n for n in headers if n.lower().startswith("nats-") and n != MSG_ID_HEADER]:
         # A JetStream publish header (an expected stream or last sequence, a rollup, a TTL)
@@ -368,6 +368,7 @@ async def publish_dead_letter(
         # refuse the copy (and JetStream drop the message after max_deliver) or act on it.
         headers[ORIGINAL_HEADER_PREFIX + name] = headers.pop(name)
     headers.update(why.headers())
+    max_payload = _max_payload(js)
     if max_payload is not None:
         _fit(headers, len(msg.data), max_payload)
     ack = await js.publish(subject, msg.data, timeout=timeout, headers=dict(headers))
@@ -377,6 +378,14 @@ async def publish_dead_letter(
 
 
 _CUT = " ... [cut to fit the server's max_payload]"
+
+
+def _max_payload(js: JetStreamContext) -> int | None:
+    """The ``max_payload`` the server of ``js``'s connection announced (``None`` before it
+    announced one). nats-py keeps the connection as ``_nc``: taking it from there, rather
+    than from each caller, leaves no caller that can forget it."""
+    limit = getattr(getattr(js, "_nc", None), "max_payload", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def _fit(headers: dict[str, str], body: int, max_payload: int) -> None:

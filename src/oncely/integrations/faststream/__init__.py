@@ -98,7 +98,9 @@ NATS (``NatsBroker``, JetStream subscribers)
     ``-NAK`` and a delay. Dead letters are published to ``<subject>.dead`` and confirmed by
     the stream that captures it (created when none does, with the server's smallest
     duplicate window, so it keeps every copy; a copy the window would drop is published
-    again with its id in ``x-oncely-message-id``), then the original is terminated
+    again with its id in ``x-oncely-message-id``; one its reason would make larger than the
+    server's ``max_payload`` has the reason cut to fit, as :mod:`oncely.brokers.nats` does),
+    then the original is terminated
     (``+TERM``). Refused: core NATS subscriptions (never redelivered), JetStream consumers
     that are not durable (give ``durable=`` to a pull subscriber, or ``queue=`` to a push
     one), batch subscribers, key-value and object-store watches. Give a push consumer read by
