@@ -463,6 +463,13 @@ class _Policy:
         if isinstance(decided, str):
             claimed.release(decided)
             return
+        self._complete_kept(claimed, decided)
+
+    def _complete_kept(self, claimed: Claimed[Any], decided: dict[str, Any]) -> None:
+        """Complete the claim with the response ``decided`` to keep, riding out a store that
+        cannot be reached for ``_complete_within`` (a third of the lease at most, the claim
+        renewed meanwhile); then the record left uncompleted is logged at ERROR. A store error
+        other than an outage is logged at once; anything else is raised."""
         # The work is done: a short outage of the store is ridden out here (complete with the
         # same token is safe to repeat) rather than lose the response and, once the lease
         # lapses, run the request again.

@@ -39,7 +39,8 @@ so a ``process_template_response`` hook that changes it afterwards does not chan
 streaming response is sent but not kept (the claim is released, so a repeat runs again);
 cookies are never kept. When the response cannot be rendered or kept, the claim is released.
 When the store cannot be reached to complete the claim after the view ran, the completion is
-retried for a few seconds; if it still fails the view's response is sent all the same and an
+retried as the WSGI middleware retries it (up to 5 s, at most a third of the lease, the
+claim renewed meanwhile); if it still fails the view's response is sent all the same and an
 ERROR is logged (the record is not completed: a repeat gets 409 until the claim's lease
 lapses, then runs the view again).
 
@@ -52,7 +53,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,11 +86,6 @@ __all__ = ["IdempotencyMiddleware", "default_principal", "idempotent"]
 LOGGER = logging.getLogger("oncely.http")
 
 View = Callable[..., HttpResponseBase]
-
-_COMPLETE_FOR = 5.0
-"""Seconds the completion of a claim whose view has run is retried while the store cannot be
-reached (on top of the inbox's own short retries): a blip is ridden out, well inside the
-lease (30 s by default), without holding the client for long."""
 
 _AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
 
@@ -229,8 +224,22 @@ class _Guard(_Policy):
             return response
         if isinstance(decided, str):
             claimed.release(decided)
-        else:
-            _complete(claimed, decided)
+            return response
+        try:
+            # A store away is ridden out for a third of the lease at most, the claim renewed
+            # meanwhile (as the WSGI and ASGI layers do): past the lease a repeat would run.
+            self._complete_kept(claimed, decided)
+        except Exception as exc:
+            if claimed.won:
+                claimed.release(f"the record could not be completed: {said(exc)}")
+            LOGGER.error(
+                "oncely http key=%s: the view ran and its response is sent, but oncely could "
+                "not complete its record (%s); the claim was released, so a repeat runs the "
+                "view again",
+                claimed.key,
+                said(exc),
+                exc_info=True,
+            )
         return response
 
 
@@ -253,58 +262,6 @@ def _rendered(response: HttpResponseBase) -> HttpResponseBase:
         if isinstance(rendered, HttpResponseBase):
             return rendered
     return response
-
-
-def _complete(claimed: Claimed[Any], decided: dict[str, Any]) -> None:
-    """Complete the claim with the response to keep, retrying for up to ``_COMPLETE_FOR``
-    seconds while the store cannot be reached (``complete`` with the same token is safe to
-    repeat); any other failure gives the claim back."""
-    started = time.monotonic()
-    pause = 0.1
-    while True:
-        try:
-            claimed.complete(decided)
-            return
-        except StoreUnavailable as exc:
-            waited = time.monotonic() - started
-            if waited + pause < _COMPLETE_FOR:
-                LOGGER.warning(
-                    "oncely http key=%s: the store cannot be reached to complete the record "
-                    "(%s); retrying in %.1f s",
-                    claimed.key,
-                    exc,
-                    pause,
-                )
-                time.sleep(pause)
-                pause = min(pause * 2, 1.0)
-                continue
-            # Still not completed, and the view has run: its effects happened and its
-            # response is what the client asked for, so it is sent. A 500 would tell the
-            # client the request failed when it did not, and its retry would find the claim
-            # just as it is left now. The claim is not released: the store would not take the
-            # release either, and a released key would run the view again at the next retry
-            # instead of after the lease. Until the lease lapses a retry is answered 409.
-            LOGGER.error(
-                "oncely http key=%s: the view ran and its response is sent, but oncely could "
-                "not complete its record (the store was unreachable for %.1f s: %s); a repeat "
-                "is answered 409 until the claim's lease lapses, and then runs the view again",
-                claimed.key,
-                waited,
-                exc,
-            )
-            return
-        except Exception as exc:
-            if claimed.won:
-                claimed.release(f"the record could not be completed: {said(exc)}")
-            LOGGER.error(
-                "oncely http key=%s: the view ran and its response is sent, but oncely could "
-                "not complete its record (%s); the claim was released, so a repeat runs the "
-                "view again",
-                claimed.key,
-                said(exc),
-                exc_info=True,
-            )
-            return
 
 
 def _refuse_without_user() -> None:
