@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -201,6 +202,32 @@ class TestRedisStreams(BrokerSuite):
         for (_id, copy), sent in zip(copies, (fields, again), strict=True):
             assert copy[: len(sent)] == sent
             assert copy[len(sent) :: 2] == reasons
+        await self.assert_settled()
+
+    async def test_r4_an_entry_repeating_its_id_with_other_values_is_refused_not_keyed_on_one(
+        self,
+    ) -> None:
+        """``XADD s * body {} message_id a message_id b``: which id is the message's cannot be
+        told. Before, the entry was keyed on the last (``b``), silently: another copy keyed
+        on ``a`` ran again, or two messages merged into one key. Now it is dead-lettered
+        with the reason (R4, R16), and an entry that repeats a field with one value is read."""
+        self.admin.execute_command(
+            "XADD", self.source, "*",
+            "body", json.dumps({"k": "twice"}), "message_id", "a", "message_id", "b",
+        )  # fmt: skip
+        self.admin.execute_command(
+            "XADD", self.source, "*",
+            "body", json.dumps({"k": "same"}), "message_id", "s", "message_id", "s",
+        )  # fmt: skip
+        worker = self.consumer(self.apply)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] == 1 and sum(worker.counts.values()) >= 2,
+                what="both entries settled",
+            )
+        assert self.ledger.counts() == {"same": 1}
+        (copy,) = await self.dead_letters()
+        assert "'message_id' more than once" in copy.reason
         await self.assert_settled()
 
     # ------------------------------------------------------------------ XAUTOCLAIM

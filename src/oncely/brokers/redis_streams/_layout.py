@@ -131,12 +131,29 @@ class EntryLayout:
                 (f"correlation id (field {CORRELATION_ID_FIELD!r})", envelope.correlation_id),
             )
         )
+        if refusal is None and len(values) < len(fields):
+            refusal = self._ambiguous(fields)
         if refusal is None and self.body not in values:
             refusal = (
                 f"the entry has no {self.body.decode()!r} field, which holds the message body "
                 "(the producer wrote another layout; set body_field= to read it)"
             )
         return envelope, refusal
+
+    def _ambiguous(self, fields: Sequence[tuple[bytes, bytes]]) -> str | None:
+        """Why an entry that repeats a field oncely reads (the id, the body, the correlation
+        id, the content type) with different values cannot be read: which one is the
+        message's is anyone's guess, and taking the last would key (or run) it on one the
+        producer may not have meant (``None``: no such field)."""
+        read = (self.message_id, self.body, _CORRELATION_ID, _CONTENT_TYPE)
+        seen: dict[bytes, bytes] = {}
+        for name, value in fields:
+            if name in read and seen.setdefault(name, value) != value:
+                return (
+                    f"the entry holds the field {as_text(name)!r} more than once, with "
+                    "different values: which is the message's cannot be told"
+                )
+        return None
 
 
 class SharedOptions(TypedDict):
