@@ -149,3 +149,21 @@ def audit(self: IdempotentTask, order: str, sleep: float = 0, fail_times: int = 
     if REDIS.incr(f"{NS}:attempts:audit:{order}") <= fail_times:
         raise RuntimeError(f"the audit log is down (order {order})")
     return order
+
+
+@app.task(
+    base=IdempotentTask,
+    inbox=inbox,
+    time_limit=2,
+    max_retries=1,
+    default_retry_delay=0.2,
+    retry_in_flight=0.5,
+    idempotency_key=lambda order, **options: f"limited:{order}",
+)
+def limited(order: str, slow_runs: int = 0) -> str:
+    """Its first ``slow_runs`` runs outlive the hard time limit (2 s): Celery kills the pool
+    process running it."""
+    if REDIS.incr(f"{NS}:started:limited:{order}") <= slow_runs:
+        time.sleep(30)
+    REDIS.incr(f"{NS}:effects:limited:{order}")
+    return order

@@ -182,6 +182,33 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(
 
 
 @pytest.mark.timeout(180)
+def test_r10_a_task_its_hard_time_limit_stopped_is_retried_then_dead_lettered(store: str) -> None:
+    """``time_limit=2``: Celery kills the pool process and records ``TimeLimitExceeded``.
+    Before, it also acknowledged the message: the task was never run again nor dead-lettered,
+    its key left in progress, and the caller got ``TimeLimitExceeded`` for work that a retry
+    would have done. Now the stopped run is one of its deliveries: sent again as a retry
+    (which takes the killed run's claim over once its 2 s lease lapses), and dead-lettered
+    with the reason once ``max_retries`` (1) is spent."""
+    from oncely.integrations.celery import DeadLettered
+
+    run = Run(store, lease=2.0)
+    try:
+        app = run.app
+        run.worker()
+        once = app.limited.delay("t1", slow_runs=1)
+        never = app.limited.delay("t2", slow_runs=99)
+        assert once.get(timeout=90) == "t1"
+        with pytest.raises(DeadLettered, match=r"failed on all 2 deliveries; last: the hard"):
+            never.get(timeout=90)
+        assert run.effects("limited:t1") == 1 and run.started("limited:t1") == 2
+        assert run.effects("limited:t2") == 0 and run.started("limited:t2") == 2
+        [(name, reason)] = run.dead_letters()
+        assert name == "limited" and "time limit (2" in reason
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice(
     store: str,
 ) -> None:

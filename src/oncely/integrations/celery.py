@@ -32,6 +32,11 @@ a task that ends with                  the claim completes without a result: Cel
                                        raises :class:`~oncely.ResultUnavailable` naming
                                        that id; one under the same id (``send_with_key``,
                                        a redelivery) is ignored, the id left to ``sig``
+a run its hard ``time_limit`` stopped  sent again as one of its retries (Celery kills the
+                                       pool process and would acknowledge the message);
+                                       the copy takes the killed run's claim over once
+                                       its lease lapses; dead-lettered once
+                                       ``max_retries`` is spent
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
 killed mid-task)                       taken over once a dead worker's lease lapses
@@ -70,10 +75,12 @@ from collections.abc import Mapping
 from typing import Any
 
 try:
-    from celery import Task, bootsteps
-    from celery.exceptions import Ignore, Retry
+    from celery import Task, bootsteps, signals
+    from celery.exceptions import Ignore, Retry, TimeLimitExceeded
     from celery.exceptions import Reject as CeleryReject
     from celery.utils.time import get_exponential_backoff_interval
+    from celery.worker import state as worker_state
+    from celery.worker.request import Request
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
         "oncely.integrations.celery needs Celery: pip install 'oncely[celery]'"
@@ -94,6 +101,7 @@ __all__ = [
     "DeadLettered",
     "IdempotentTask",
     "KeepUnreadable",
+    "TimedOutRequest",
     "send_with_key",
 ]
 
@@ -136,6 +144,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     abstract = True
     acks_late = True
     reject_on_worker_lost = True
+    Request = "oncely.integrations.celery:TimedOutRequest"
     inbox: Inbox | None = None
     idempotency_key: Keyer | str | None = None
     retry_in_flight: float = 2.0
@@ -247,44 +256,56 @@ class IdempotentTask(Task):  # type: ignore[misc]
             f"task id {task_id}: AsyncResult({task_id!r})"
         )
 
-    def _headers(self, key: str) -> dict[str, Any]:
+    def _headers(self, key: str | None, request: Any = None) -> dict[str, Any]:
         """The headers of a copy this task sends again (a retry, a later try): the message's
         own, as Celery itself would pass them on (the producer's custom headers kept,
         RabbitMQ's ``x-death`` left out), with the key the producer named. Giving Celery
         ``headers=`` replaces the message's headers, so handing it the key alone dropped every
         other header from the copy."""
-        request = self.request
+        request = self.request if request is None else request
         headers = dict(request.as_execution_options().get("headers") or {})
-        if _given_key(request) is not None:
-            headers[KEY_HEADER] = key
+        given = _given_key(request)
+        if given is not None:
+            headers[KEY_HEADER] = given if key is None else key
         return headers
 
-    def _retry(self, key: str, exc: Exception) -> Any:
-        retries = self.request.retries
-        limit = self.max_retries
+    def _limit(self, exc: BaseException | None) -> int | None:
+        """The number of retries Celery allows after ``exc``."""
+        limit: int | None = self.max_retries
         # Celery's autoretry_for with retry_kwargs={"max_retries": n}: once Celery gives up
         # it raises the error here, after n retries; the task's own limit is not the one.
         given = getattr(self, "retry_kwargs", None) or {}
         automatic = tuple(getattr(self, "autoretry_for", ()) or ())
         if "max_retries" in given and automatic and isinstance(exc, automatic):
             limit = given["max_retries"]
+        return limit
+
+    def _countdown(self, retries: int) -> float:
+        """How long Celery's own ``retry`` would wait before the retry ``retries + 1``."""
+        backoff = getattr(self, "retry_backoff", False)  # set only with autoretry options
+        if backoff:
+            return float(
+                get_exponential_backoff_interval(
+                    factor=int(backoff),
+                    retries=retries,
+                    maximum=getattr(self, "retry_backoff_max", 600),
+                    full_jitter=getattr(self, "retry_jitter", True),
+                )
+            )
+        return float(self.default_retry_delay)
+
+    def _retry(self, key: str, exc: Exception) -> Any:
+        retries = self.request.retries
+        limit = self._limit(exc)
         if limit is not None and retries >= limit:
             return self._dead_letter(
                 Outcome.FAILED,
                 f"failed on all {retries + 1} deliveries; last: {said(exc)}",
             )
-        backoff = getattr(self, "retry_backoff", False)  # set only with autoretry options
-        if backoff:
-            countdown = get_exponential_backoff_interval(
-                factor=int(backoff),
-                retries=retries,
-                maximum=getattr(self, "retry_backoff_max", 600),
-                full_jitter=getattr(self, "retry_jitter", True),
-            )
-        else:
-            countdown = self.default_retry_delay
         try:
-            raise self.retry(exc=exc, countdown=countdown, headers=self._headers(key))
+            raise self.retry(
+                exc=exc, countdown=self._countdown(retries), headers=self._headers(key)
+            )
         except CeleryReject as refused:  # the broker refused the retry: keep the message
             raise CeleryReject(refused.reason, requeue=True) from exc
 
@@ -301,6 +322,30 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise CeleryReject(f"{why}; the resend failed: {exc!r}", requeue=True) from exc
         LOGGER.info("oncely celery %s[%s]: %s; sent again", self.name, request.id, why)
         raise Ignore(why)
+
+    def _after_timeout(self, request: Any, why: str) -> str | None:
+        """In the worker's main process, for a run its hard time limit stopped: send the
+        message again as one of its retries, or, once they are spent, to the dead-letter
+        queue (the text returned says so). Raises when the copy could not be sent."""
+        retries = int(request.retries or 0)
+        limit = self._limit(None)
+        headers = self._headers(None, request)
+        if limit is not None and retries >= limit:
+            reason = f"failed on all {retries + 1} deliveries; last: {why}"
+            queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
+            consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
+            letter = DeadLetter(
+                outcome=Outcome.FAILED.value, reason=reason, consumer=consumer,
+                deliveries=retries + 1,
+            )  # fmt: skip
+            self.signature_from_request(
+                request, queue=queue, headers={**headers, **letter.headers()}
+            ).apply_async()
+            return f"{Outcome.FAILED.value}: {reason}; the message is in {queue}"
+        self.signature_from_request(
+            request, countdown=self._countdown(retries), retries=retries + 1, headers=headers
+        ).apply_async()
+        return None
 
     def _dead_letter(self, outcome: Outcome, reason: str) -> Any:
         request = self.request
@@ -323,6 +368,64 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ) from exc
         LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", self.name, request.id, text)
         raise DeadLettered(text)
+
+
+class TimedOutRequest(Request):  # type: ignore[misc]
+    """The worker's request of every :class:`IdempotentTask`: what its hard ``time_limit``
+    does to the message. Celery kills the pool process, records ``TimeLimitExceeded`` and
+    acknowledges the message, so the task was neither retried nor dead-lettered, and its key
+    stayed in progress: the work was lost without a trace in ``<queue>.dead``. Here, in the
+    worker's main process, the message is sent again as one of its retries (after the task's
+    ``default_retry_delay`` or ``retry_backoff``; that copy takes the killed run's claim over
+    once its lease lapses), or to ``<queue>.dead`` once ``max_retries`` is spent, and only
+    then acknowledged. If neither copy can be sent, the message is given back to the broker."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
+        if (
+            isinstance(exc, TimeLimitExceeded)
+            and isinstance(self.task, IdempotentTask)
+            and not worker_state.should_terminate
+        ):
+            return None  # billiard calls on_timeout next: it acknowledges, once it is sent on
+        return super().on_failure(exc_info, send_failed_event, return_ok)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        task = self.task
+        if soft or worker_state.should_terminate or not isinstance(task, IdempotentTask):
+            super().on_timeout(soft, timeout)
+            return
+        worker_state.task_ready(self)
+        request = self._context
+        why = f"the hard time limit ({timeout} s) stopped it"
+        try:
+            text = task._after_timeout(request, why)
+        except Exception as exc:
+            LOGGER.error(
+                "oncely celery %s[%s]: %s, and it could not be sent again (%r): requeued",
+                task.name, self.id, why, exc,
+            )  # fmt: skip
+            self.reject(requeue=True)
+            return
+        if text is None:
+            if self.store_errors:
+                with contextlib.suppress(Exception):  # the copy is sent; this is a courtesy
+                    task.backend.mark_as_retry(self.id, TimeoutError(why), request=request)
+            LOGGER.warning("oncely celery %s[%s]: %s; retried", task.name, self.id, why)
+        else:
+            failure = DeadLettered(text)
+            with contextlib.suppress(Exception):  # the letter is kept; this is a courtesy
+                task.backend.mark_as_failure(
+                    self.id, failure, request=request, store_result=self.store_errors
+                )
+                signals.task_failure.send(
+                    sender=task, task_id=self.id, exception=failure, args=self.args,
+                    kwargs=self.kwargs, traceback=None, einfo=None,
+                )  # fmt: skip
+            LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", task.name, self.id, text)
+        self.acknowledge()
 
 
 class KeepUnreadable(bootsteps.StartStopStep):  # type: ignore[misc]
