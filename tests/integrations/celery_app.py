@@ -167,3 +167,19 @@ def limited(order: str, slow_runs: int = 0) -> str:
         time.sleep(30)
     REDIS.incr(f"{NS}:effects:limited:{order}")
     return order
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    inbox=inbox,
+    max_retries=3,
+    idempotency_key=lambda order: f"capped:{order}",
+)
+def capped(self: IdempotentTask, order: str) -> None:
+    """Retries itself with a limit of its own for this call (1), lower than the task's (3)."""
+    REDIS.incr(f"{NS}:started:capped:{order}")
+    try:
+        raise RuntimeError(f"the ledger is down (order {order})")
+    except RuntimeError as exc:
+        raise self.retry(exc=exc, max_retries=1, countdown=0.2) from exc

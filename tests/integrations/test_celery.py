@@ -209,6 +209,26 @@ def test_r10_a_task_its_hard_time_limit_stopped_is_retried_then_dead_lettered(st
 
 
 @pytest.mark.timeout(180)
+def test_a_retry_limit_given_to_self_retry_is_the_one_kept(store: str) -> None:
+    """``self.retry(exc=exc, max_retries=1)`` in a task whose own ``max_retries`` is 3:
+    Celery gives up after one retry and raises ``exc``. Before, oncely took that for a
+    failure of its own and retried it up to the task's limit: four runs where the task
+    asked for two. Now the delivery Celery gave up on is dead-lettered."""
+    from oncely.integrations.celery import DeadLettered
+
+    run = Run(store)
+    try:
+        run.worker()
+        with pytest.raises(DeadLettered, match="failed on all 2 deliveries"):
+            run.app.capped.delay("c1").get(timeout=60)
+        time.sleep(1.0)  # a retry sent after the dead letter would have started by now
+        assert run.started("capped:c1") == 2
+        assert [name for name, _ in run.dead_letters()] == ["capped"]
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice(
     store: str,
 ) -> None:

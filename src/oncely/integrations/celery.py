@@ -24,7 +24,9 @@ the first message with a key           the task runs; the claim completes when i
                                        returns, is released when it raises, and
                                        Celery's own ``retry`` sends it again with the
                                        task's ``default_retry_delay`` / ``retry_backoff``
-                                       until ``max_retries``, then it is dead-lettered
+                                       until ``max_retries`` (or the limit a
+                                       ``self.retry(max_retries=n)`` call gave), then it
+                                       is dead-lettered
 a duplicate (the key completed)        the first result is returned, the task not run
 a task that ends with                  the claim completes without a result: Celery
 ``self.replace(sig)``                  sent ``sig`` under the task's id, which answers
@@ -108,6 +110,7 @@ __all__ = [
 LOGGER = logging.getLogger("oncely.celery")
 KEY_HEADER = "oncely_key"
 _REPLACED = "oncely_replaced"  # on a request whose task called self.replace()
+_GAVE_UP = "oncely_gave_up"  # on a request: the error Celery's retry raised as it gave up
 _NAMESPACE = uuid.UUID("6f1c2a3e-9b7d-4c1e-8a55-0e7f1d2c3b4a")
 
 
@@ -294,10 +297,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
             )
         return float(self.default_retry_delay)
 
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``. When it gives up (its ``max_retries`` spent, the task's or the
+        one this call gave) the error it raises is noted, so that this delivery is the last
+        one: it is dead-lettered instead of retried up to the task's own ``max_retries``."""
+        try:
+            return super().retry(*args, **kwargs)
+        except (Retry, CeleryReject):
+            raise
+        except Exception as exc:
+            self.request.update({_GAVE_UP: exc})
+            raise
+
     def _retry(self, key: str, exc: Exception) -> Any:
         retries = self.request.retries
         limit = self._limit(exc)
-        if limit is not None and retries >= limit:
+        if self.request.get(_GAVE_UP) is exc or (limit is not None and retries >= limit):
             return self._dead_letter(
                 Outcome.FAILED,
                 f"failed on all {retries + 1} deliveries; last: {said(exc)}",
