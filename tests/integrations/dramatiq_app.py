@@ -10,6 +10,8 @@ that dead-letters with Dramatiq's own ``fail()``)."""
 from __future__ import annotations
 
 import os
+import sqlite3
+import threading
 import time
 from datetime import timedelta
 
@@ -106,3 +108,37 @@ def bulky(order: str) -> str:
     """A result over the inbox's ``max_result_bytes`` (256 KiB): not kept for duplicates."""
     REDIS.incr(f"{NS}:effects:bulky:{order}")
     return "x" * (300 * 1024)
+
+
+def _hold_the_inbox(seconds: float) -> None:
+    """Another writer holds the SQLite inbox's write lock for ``seconds`` (from now)."""
+    path = os.environ["ONCELY_TEST_DRAMATIQ_STORE"].removeprefix("sqlite:///").split("?")[0]
+    held = threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+        conn.close()
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+
+
+@dramatiq.actor(
+    queue_name=QUEUE,
+    time_limit=1_000,
+    max_retries=2,
+    min_backoff=100,
+    max_backoff=200,
+    idempotency_key=lambda order: f"overtime:{order}",
+)
+def overtime(order: str) -> None:
+    """Returns within its time limit (1 s), its effect done, while another writer holds the
+    inbox's lock for 2.5 s: the claim completes after the limit has passed."""
+    REDIS.incr(f"{NS}:started:overtime:{order}")
+    REDIS.incr(f"{NS}:effects:overtime:{order}")
+    if int(REDIS.get(f"{NS}:started:overtime:{order}") or 0) == 1:
+        _hold_the_inbox(2.5)

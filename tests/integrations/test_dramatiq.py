@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("dramatiq")
 
 from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
+from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
 class Run(WorkerRun):
@@ -220,6 +221,30 @@ def test_r10_a_worker_killed_mid_task_is_redelivered_and_applied_once(store: str
         assert run.effects("k1") == 1
         assert run.started("k1") == 2  # the killed run and the one that took over
         assert run.dead_letters() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r10_an_actor_that_returned_in_time_is_never_stopped_while_its_claim_completes(
+    tmp_path: Path,
+) -> None:
+    """``overtime`` (``time_limit=1000``) does its effect and returns in time, but another
+    writer holds the SQLite inbox for 2.5 s, so the claim completes after the limit passed.
+    Before, Dramatiq's TimeLimit (still armed while the middlewares after the actor run)
+    raised ``TimeLimitExceeded`` into the completion: the claim was left in progress, the
+    Retries middleware sent the message again, and that copy took the lapsed claim over and
+    ran the actor a second time. Now the time limit ends with the actor: one run, one
+    effect."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("Redis", REDIS_URL, 6379)
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", lease=2.0)
+    try:
+        run.app.overtime.send("t1")
+        run.worker(processes=1, threads=1)
+        _until(lambda: run.started("overtime:t1") == 1, run=run)
+        time.sleep(9.0)  # lock, time limit, lapsed lease, retries: all would be over by now
+        assert run.effects("overtime:t1") == 1 and run.started("overtime:t1") == 1
     finally:
         run.close()
 

@@ -46,6 +46,11 @@ the actor raises :class:`oncely.Reject`  the key is marked rejected; the retry D
                                        sends meets the mark and is dead-lettered
 =====================================  ================================================
 
+Once the actor has returned or raised, the thread's ``TimeLimit`` (and its
+``ShutdownNotifications``) are ended before the claim is: an actor that returned just in time
+is never stopped while its claim completes (which left the claim in progress, and the retry
+that followed ran the actor again).
+
 Dramatiq runs the actor when a middleware raises anything but its own ``MiddlewareError``
 before it (the error is logged): every failure here is turned into a resend, or into
 :class:`TryLater` (a ``MiddlewareError`` and a ``Retry``) when the resend itself fails.
@@ -77,7 +82,7 @@ try:
     from dramatiq import Middleware
     from dramatiq.common import xq_name
     from dramatiq.errors import Retry
-    from dramatiq.middleware import MiddlewareError, SkipMessage
+    from dramatiq.middleware import MiddlewareError, ShutdownNotifications, SkipMessage, TimeLimit
     from dramatiq.results import Results
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
@@ -353,6 +358,7 @@ class Idempotency(Middleware):
             claimed = self._claims.pop(id(message), None)
         if claimed is None:
             return
+        self._disarm(broker, message)
         if exception is None:
             claimed.complete(result)
         elif isinstance(exception, Reject):
@@ -367,7 +373,23 @@ class Idempotency(Middleware):
         with self._lock:
             claimed = self._claims.pop(id(message), None)
         if claimed is not None:  # another middleware skipped it after the claim
+            self._disarm(broker, message)
             claimed.release("the message was skipped")
+
+    def _disarm(self, broker: Any, message: Any) -> None:
+        """End, before the claim is ended, what Dramatiq would otherwise end only after it:
+        the ``TimeLimit`` and ``ShutdownNotifications`` of this thread, which raise into it
+        whatever code it runs. Their own ``after_*`` hooks come after this middleware's (the
+        hooks after a message run in reverse order), so an actor that returned just before
+        its time limit had ``TimeLimitExceeded`` raised into the completion of its claim: the
+        claim was left in progress, the Retries middleware sent the message again, and the
+        copy took the lapsed claim over and ran the actor a second time."""
+        for middleware in broker.middleware:
+            if middleware is self:
+                return
+            if isinstance(middleware, TimeLimit | ShutdownNotifications):
+                ended: Any = middleware.after_process_message  # Dramatiq's: untyped
+                ended(broker, message)
 
 
 def _is_rabbitmq(broker: Any) -> bool:
