@@ -183,3 +183,19 @@ def capped(self: IdempotentTask, order: str) -> None:
         raise RuntimeError(f"the ledger is down (order {order})")
     except RuntimeError as exc:
         raise self.retry(exc=exc, max_retries=1, countdown=0.2) from exc
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    inbox=inbox,
+    max_retries=3,
+    idempotency_key=lambda order: f"hiccup:{order}",
+)
+def hiccup(self: IdempotentTask, order: str) -> str:
+    """Retries itself after its first run; that retry cannot be sent (its ``priority`` is
+    not one a message can carry, as a broker that refuses a publish fails it)."""
+    if REDIS.incr(f"{NS}:started:hiccup:{order}") == 1:
+        raise self.retry(countdown=0.2, priority="urgent")
+    REDIS.incr(f"{NS}:effects:hiccup:{order}")
+    return order

@@ -229,6 +229,25 @@ def test_a_retry_limit_given_to_self_retry_is_the_one_kept(store: str) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_r10_a_retry_that_cannot_be_sent_keeps_the_message_and_never_poisons_its_key(
+    store: str,
+) -> None:
+    """A task's own ``self.retry()`` whose copy cannot be sent: Celery turns that into
+    ``Reject(requeue=False)``. Before, oncely took it for the task rejecting its message:
+    the key was marked rejected for good and the message dead-lettered, so the retry and
+    every later copy of the order were refused. Now the message is given back to the broker
+    and the key released: the redelivery runs it."""
+    run = Run(store)
+    try:
+        run.worker()
+        assert run.app.hiccup.delay("h1").get(timeout=60) == "h1"
+        assert run.effects("hiccup:h1") == 1 and run.started("hiccup:h1") == 2
+        assert run.dead_letters() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice(
     store: str,
 ) -> None:

@@ -62,8 +62,8 @@ the worker does not know)              Celery alone would ack or reject it away)
 Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
 acknowledged before its task ended). A copy oncely sends again (a retry, a later try) keeps
 the message's headers, the producer's own included. A resend or retry the broker refuses
-becomes ``Reject(requeue=True)``: the broker keeps the message (Celery's own ``retry`` would
-drop it).
+(oncely's, or the task's own ``self.retry()``) becomes ``Reject(requeue=True)``: the claim is
+released and the broker keeps the message (Celery's own ``retry`` would drop it).
 Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
 claim, and raise oncely's typed errors instead of dead-lettering.
 """
@@ -222,7 +222,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise
         except CeleryReject as exc:
             if exc.requeue:
-                claimed.release("the task rejected it with requeue")
+                claimed.release(f"given back to the broker: {exc.reason!r}")
                 raise
             claimed.reject(f"the task rejected it: {exc.reason!r}")
             return self._dead_letter(Outcome.REJECTED, f"the task rejected it: {exc.reason!r}")
@@ -300,11 +300,19 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``. When it gives up (its ``max_retries`` spent, the task's or the
         one this call gave) the error it raises is noted, so that this delivery is the last
-        one: it is dead-lettered instead of retried up to the task's own ``max_retries``."""
+        one: it is dead-lettered instead of retried up to the task's own ``max_retries``.
+        When the copy it sends cannot be sent, Celery raises ``Reject(requeue=False)``, which
+        would drop the message (and which oncely would take for the task rejecting it: its
+        key marked rejected for good); it becomes ``Reject(requeue=True)``, the claim
+        released and the message given back to the broker."""
         try:
             return super().retry(*args, **kwargs)
-        except (Retry, CeleryReject):
+        except Retry:
             raise
+        except CeleryReject as refused:
+            if refused.requeue:
+                raise
+            raise CeleryReject(refused.reason, requeue=True) from refused
         except Exception as exc:
             self.request.update({_GAVE_UP: exc})
             raise
