@@ -248,6 +248,29 @@ def test_r10_a_retry_that_cannot_be_sent_keeps_the_message_and_never_poisons_its
 
 
 @pytest.mark.timeout(180)
+def test_r10_a_task_that_kills_its_pool_process_every_time_is_dead_lettered(store: str) -> None:
+    """``doomed`` kills the pool process running it on every run. Before, the worker gave
+    the message back to RabbitMQ each time (``reject_on_worker_lost``), the copy took the
+    dead run's claim over once its lease lapsed and killed the next process: a loop that
+    never ended, never reached ``max_retries`` nor ``<queue>.dead``. Now a lost run is one
+    of the task's deliveries: sent again as a retry, then dead-lettered once ``max_retries``
+    (1) is spent, with the reason."""
+    from oncely.integrations.celery import DeadLettered
+
+    run = Run(store, lease=2.0)
+    try:
+        run.worker()
+        with pytest.raises(DeadLettered, match="failed on all 2 deliveries; last: the pool"):
+            run.app.doomed.delay("d1").get(timeout=60)
+        time.sleep(3.0)  # past the last run's lease: a copy given back would run by now
+        assert run.started("doomed:d1") == 2
+        [(name, reason)] = run.dead_letters()
+        assert name == "doomed" and "was lost" in reason
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice(
     store: str,
 ) -> None:

@@ -34,11 +34,12 @@ a task that ends with                  the claim completes without a result: Cel
                                        raises :class:`~oncely.ResultUnavailable` naming
                                        that id; one under the same id (``send_with_key``,
                                        a redelivery) is ignored, the id left to ``sig``
-a run its hard ``time_limit`` stopped  sent again as one of its retries (Celery kills the
-                                       pool process and would acknowledge the message);
-                                       the copy takes the killed run's claim over once
-                                       its lease lapses; dead-lettered once
-                                       ``max_retries`` is spent
+a run its hard ``time_limit`` stopped, sent again as one of its retries (Celery would
+or whose pool process died (killed,    acknowledge the first, and give the second back
+out of memory)                         to the broker as often as it happens); the copy
+                                       takes the lost run's claim over once its lease
+                                       lapses; dead-lettered once ``max_retries`` is
+                                       spent
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
 killed mid-task)                       taken over once a dead worker's lease lapses
@@ -60,10 +61,12 @@ the worker does not know)              Celery alone would ack or reject it away)
 =====================================  ================================================
 
 Defaults: ``acks_late = True`` and ``reject_on_worker_lost = True`` (a message is never
-acknowledged before its task ended). A copy oncely sends again (a retry, a later try) keeps
-the message's headers, the producer's own included. A resend or retry the broker refuses
-(oncely's, or the task's own ``self.retry()``) becomes ``Reject(requeue=True)``: the claim is
-released and the broker keeps the message (Celery's own ``retry`` would drop it).
+acknowledged before its task ended; a run whose pool process died is one of its retries, as
+above, and a worker whose main process died leaves its messages to the broker). A copy
+oncely sends again (a retry, a later try) keeps the message's headers, the producer's own
+included. A resend or retry the broker refuses (oncely's, or the task's own ``self.retry()``)
+becomes ``Reject(requeue=True)``: the claim is released and the broker keeps the message
+(Celery's own ``retry`` would drop it).
 Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
 claim, and raise oncely's typed errors instead of dead-lettering.
 """
@@ -78,7 +81,7 @@ from typing import Any
 
 try:
     from celery import Task, bootsteps, signals
-    from celery.exceptions import Ignore, Retry, TimeLimitExceeded
+    from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
     from celery.exceptions import Reject as CeleryReject
     from celery.utils.time import get_exponential_backoff_interval
     from celery.worker import state as worker_state
@@ -103,7 +106,7 @@ __all__ = [
     "DeadLettered",
     "IdempotentTask",
     "KeepUnreadable",
-    "TimedOutRequest",
+    "LostRunRequest",
     "send_with_key",
 ]
 
@@ -147,7 +150,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     abstract = True
     acks_late = True
     reject_on_worker_lost = True
-    Request = "oncely.integrations.celery:TimedOutRequest"
+    Request = "oncely.integrations.celery:LostRunRequest"
     inbox: Inbox | None = None
     idempotency_key: Keyer | str | None = None
     retry_in_flight: float = 2.0
@@ -346,10 +349,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         LOGGER.info("oncely celery %s[%s]: %s; sent again", self.name, request.id, why)
         raise Ignore(why)
 
-    def _after_timeout(self, request: Any, why: str) -> str | None:
-        """In the worker's main process, for a run its hard time limit stopped: send the
-        message again as one of its retries, or, once they are spent, to the dead-letter
-        queue (the text returned says so). Raises when the copy could not be sent."""
+    def _after_lost_run(self, request: Any, why: str) -> str | None:
+        """In the worker's main process, for a run the worker lost (its hard time limit
+        stopped it, its pool process died): send the message again as one of its retries,
+        or, once they are spent, to the dead-letter queue (the text returned says so).
+        Raises when the copy could not be sent."""
         retries = int(request.retries or 0)
         limit = self._limit(None)
         headers = self._headers(None, request)
@@ -393,38 +397,43 @@ class IdempotentTask(Task):  # type: ignore[misc]
         raise DeadLettered(text)
 
 
-class TimedOutRequest(Request):  # type: ignore[misc]
-    """The worker's request of every :class:`IdempotentTask`: what its hard ``time_limit``
-    does to the message. Celery kills the pool process, records ``TimeLimitExceeded`` and
-    acknowledges the message, so the task was neither retried nor dead-lettered, and its key
-    stayed in progress: the work was lost without a trace in ``<queue>.dead``. Here, in the
-    worker's main process, the message is sent again as one of its retries (after the task's
-    ``default_retry_delay`` or ``retry_backoff``; that copy takes the killed run's claim over
-    once its lease lapses), or to ``<queue>.dead`` once ``max_retries`` is spent, and only
-    then acknowledged. If neither copy can be sent, the message is given back to the broker."""
+class LostRunRequest(Request):  # type: ignore[misc]
+    """The worker's request of every :class:`IdempotentTask`: what becomes of a message
+    whose run the worker lost, because its hard ``time_limit`` stopped it or its pool
+    process died (killed, out of memory). Celery alone acknowledges the first (recording
+    ``TimeLimitExceeded``: never run again nor dead-lettered, the key left in progress) and
+    gives the second back to the broker (``reject_on_worker_lost``) as often as it happens:
+    a task that kills its process loops for ever. Here, in the worker's main process, the
+    message is sent again as one of its retries (after the task's ``default_retry_delay`` or
+    ``retry_backoff``; that copy takes the lost run's claim over once its lease lapses), or
+    to ``<queue>.dead`` once ``max_retries`` is spent, and only then acknowledged. If neither
+    copy can be sent, the message is given back to the broker."""
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> Any:
         exc = getattr(exc_info.exception, "exc", exc_info.exception)  # ExceptionWithTraceback
-        if (
-            isinstance(exc, TimeLimitExceeded)
-            and isinstance(self.task, IdempotentTask)
-            and not worker_state.should_terminate
-        ):
-            return None  # billiard calls on_timeout next: it acknowledges, once it is sent on
+        if isinstance(self.task, IdempotentTask) and not worker_state.should_terminate:
+            if isinstance(exc, TimeLimitExceeded):
+                return None  # billiard calls on_timeout next: it acknowledges, once sent on
+            if isinstance(exc, WorkerLostError):
+                worker_state.task_ready(self)
+                self._send_on(f"the pool process running it was lost ({exc})")
+                return None
         return super().on_failure(exc_info, send_failed_event, return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        task = self.task
-        if soft or worker_state.should_terminate or not isinstance(task, IdempotentTask):
+        if soft or worker_state.should_terminate or not isinstance(self.task, IdempotentTask):
             super().on_timeout(soft, timeout)
             return
         worker_state.task_ready(self)
+        self._send_on(f"the hard time limit ({timeout} s) stopped it")
+
+    def _send_on(self, why: str) -> None:
+        task = self.task
         request = self._context
-        why = f"the hard time limit ({timeout} s) stopped it"
         try:
-            text = task._after_timeout(request, why)
+            text = task._after_lost_run(request, why)
         except Exception as exc:
             LOGGER.error(
                 "oncely celery %s[%s]: %s, and it could not be sent again (%r): requeued",
@@ -435,7 +444,7 @@ class TimedOutRequest(Request):  # type: ignore[misc]
         if text is None:
             if self.store_errors:
                 with contextlib.suppress(Exception):  # the copy is sent; this is a courtesy
-                    task.backend.mark_as_retry(self.id, TimeoutError(why), request=request)
+                    task.backend.mark_as_retry(self.id, RuntimeError(why), request=request)
             LOGGER.warning("oncely celery %s[%s]: %s; retried", task.name, self.id, why)
         else:
             failure = DeadLettered(text)
