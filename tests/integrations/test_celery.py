@@ -129,6 +129,8 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered(store: str) 
             reasons.append(str(caught.value))
         assert "key_conflict" in reasons[0] and "no idempotency key" in reasons[1]
         assert "failed on all 3 deliveries" in reasons[2] and "not billable" in reasons[3]
+        # After its retries a message is dead-lettered as rejected, as every consumer says it.
+        assert reasons[2].startswith("rejected: failed on all"), reasons[2]
         run.publish_raw(b"\xff{ not JSON")  # Celery alone acks it: gone without a trace
         lost = str(uuid.uuid4())
         run.publish_raw(b"[[], {}, {}]", headers={"task": "billing.gone", "id": lost})

@@ -121,6 +121,8 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         errors = run.drive(scenario)
         assert "key_conflict" in errors[0] and "no idempotency key" in errors[1]
         assert "failed on all 3 deliveries" in errors[2] and "not billable" in errors[3]
+        # After its retries a message is dead-lettered as rejected, as every consumer says it.
+        assert "rejected: failed on all" in errors[2], errors[2]
         run.publish_raw(b"\xff{ not a taskiq message")  # taskiq alone acks it: gone
         gone = {"task_id": "t-gone", "task_name": "billing:gone", "labels": {}, "args": [],
                 "kwargs": {}}  # fmt: skip

@@ -325,7 +325,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         limit = self._limit(exc)
         if self.request.get(_GAVE_UP) is exc or (limit is not None and retries >= limit):
             return self._dead_letter(
-                Outcome.FAILED,
+                Outcome.REJECTED,
                 f"failed on all {retries + 1} deliveries; last: {said(exc)}",
             )
         try:
@@ -362,13 +362,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
             queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
             consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
             letter = DeadLetter(
-                outcome=Outcome.FAILED.value, reason=reason, consumer=consumer,
+                outcome=Outcome.REJECTED.value, reason=reason, consumer=consumer,
                 deliveries=retries + 1,
             )  # fmt: skip
             self.signature_from_request(
                 request, queue=queue, headers={**headers, **letter.headers()}
             ).apply_async()
-            return f"{Outcome.FAILED.value}: {reason}; the message is in {queue}"
+            return f"{Outcome.REJECTED.value}: {reason}; the message is in {queue}"
         self.signature_from_request(
             request, countdown=self._countdown(retries), retries=retries + 1, headers=headers
         ).apply_async()

@@ -463,7 +463,7 @@ class Receiver(_TaskiqReceiver):
         if retries >= limit:
             return await self._dead_letter(
                 message,
-                Outcome.FAILED,
+                Outcome.REJECTED,
                 f"failed on all {retries + 1} deliveries; last: {type(error).__name__}: {error}",
             )
         await asyncio.sleep(mw.retry_delay)
