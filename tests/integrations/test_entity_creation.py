@@ -9,6 +9,7 @@ MariaDB tests skip without the server (fail under ONCELY_REQUIRE_SERVICES=1). Th
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from decimal import Decimal
@@ -80,12 +81,17 @@ def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fingerprint(db: 
     assert db.count(db.orders) == 1
 
 
-def test_r20_reused_order_id_with_other_content_is_key_conflict_naming_the_fields(db: Db) -> None:
+def test_r20_reused_order_id_with_other_content_is_key_conflict_naming_the_fields(
+    db: Db, caplog: pytest.LogCaptureFixture
+) -> None:
     with db.engine.begin() as conn:
         assert _by_fields(conn, db).outcome is CREATED
-    with db.engine.begin() as conn:
+    with db.engine.begin() as conn, caplog.at_level(logging.ERROR, logger="oncely"):
         result = _by_fields(conn, db, amount=Decimal("99.99"), customer_id="c-2")
     assert result.outcome is KEY_CONFLICT
+    # Logged at ERROR as the inbox logs it (R20 step 6: alert), whatever the caller does.
+    (logged,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "key_conflict" in logged and "customer_id, amount" in logged
     assert result.differing == ("customer_id", "amount")
     assert result.reason is not None
     assert "customer_id, amount" in result.reason

@@ -27,7 +27,8 @@ types.
 **Steps** (R20): (2) try to *create* the row; the create is the check and the write in one
 statement, so of two concurrent copies exactly one creates (R21); (4) on a conflict on the key,
 read the stored row; (5) equal stored fingerprint / immutable fields: ``duplicate``; (6)
-different: ``key_conflict``, which the caller dead-letters and alerts on, never drops.
+different: ``key_conflict``, which the caller dead-letters and alerts on, never drops (it is
+also logged at ERROR on the ``oncely.entity`` logger, as the inbox logs its own).
 
 **Why no exception escapes on a conflict, and why the caller's transaction survives it.**
 PostgreSQL aborts a whole transaction on a unique violation, so the insert must not raise there:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import logging
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from sqlalchemy.sql import Executable
 from oncely._core.fingerprint import Fingerprinter
 from oncely.errors import ConfigurationError, InvalidKey, StoreUnavailable
 from oncely.integrations.entity._result import EntityOutcome, EntityResult
+
+LOGGER = logging.getLogger("oncely.entity")
 
 __all__ = [
     "MISSING",
@@ -266,6 +269,9 @@ class Plan:
             f"{', '.join(differing)}: the key was reused for other content, or the content "
             "changed after the first processing (R20 step 6); dead-letter and alert"
         )
+        # As the inbox logs its key_conflict: a person must look, whatever the caller does
+        # with the result (a caller that acks whatever was not created would drop it).
+        LOGGER.error("oncely key_conflict entity: %s", reason)
         return EntityResult(EntityOutcome.KEY_CONFLICT, dict(self.key), stored, differing, reason)
 
 
