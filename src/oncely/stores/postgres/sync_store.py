@@ -865,32 +865,27 @@ class PostgresStore(SQLStoreBase[bytes]):
         return self._fenced("renew", self._dialect.renew, None, consumer, key, token, values)
 
     def release(self, consumer: str, key: str, *, token: str) -> bool:
-        params = {"now": self._now(), "consumer": consumer, "key": key, "token": token}
-        with self._connection("release") as conn:
-            try:
-                if fetchall(conn, self._dialect.release, params):
-                    return True
-                params["now"] = self._now()
-                rows = fetchall(conn, self._dialect.get, params)
-            except psycopg.Error as exc:
-                raise self._error(exc, "release") from exc
-        if not rows:
-            return False
-        raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+        return self._delete("release", self._dialect.release, consumer, key, token)
 
     def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        return self._delete("forget", self._dialect.forget_by_token, consumer, key, token)
+
+    def _delete(self, what: str, statement: bytes, consumer: str, key: str, token: str) -> bool:
+        """Run a fenced delete (``release`` or ``forget_by_token``): True when it deleted,
+        False when there was no record, :class:`~oncely.LeaseLost` with the record that
+        stays otherwise."""
         params = {"now": self._now(), "consumer": consumer, "key": key, "token": token}
-        with self._connection("forget") as conn:
+        with self._connection(what) as conn:
             try:
-                if fetchall(conn, self._dialect.forget_by_token, params):
+                if fetchall(conn, statement, params):
                     return True
                 params["now"] = self._now()
                 rows = fetchall(conn, self._dialect.get, params)
             except psycopg.Error as exc:
-                raise self._error(exc, "forget") from exc
+                raise self._error(exc, what) from exc
         if not rows:
             return False
-        raise lease_lost("forget", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+        raise lease_lost(what, consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
     # ------------------------------------------------------------ transactional mode (R7)
 

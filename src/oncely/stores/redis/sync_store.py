@@ -558,26 +558,24 @@ class RedisStore:
         )
 
     def release(self, consumer: str, key: str, *, token: str) -> bool:
-        reply = self._run(
-            RELEASE, self._keys.record(consumer, key), (self._now(), token.encode()), "release"
-        )
-        code, _now, record = parse_reply(consumer, key, reply)
-        if code == b"true":
-            return True
-        if code == b"false":
-            return False
-        raise lease_lost("release", consumer, key, Lost(record))
+        return self._delete("release", RELEASE, consumer, key, token)
 
     def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        return self._delete("forget", FORGET, consumer, key, token)
+
+    def _delete(self, what: str, script: Script, consumer: str, key: str, token: str) -> bool:
+        """Run a fenced delete (``release`` or ``forget_by_token``): True when it deleted,
+        False when there was no record, :class:`~oncely.LeaseLost` with the record that
+        stays otherwise."""
         reply = self._run(
-            FORGET, self._keys.record(consumer, key), (self._now(), token.encode()), "forget"
+            script, self._keys.record(consumer, key), (self._now(), token.encode()), what
         )
         code, _now, record = parse_reply(consumer, key, reply)
         if code == b"true":
             return True
         if code == b"false":
             return False
-        raise lease_lost("forget", consumer, key, Lost(record))
+        raise lease_lost(what, consumer, key, Lost(record))
 
     # ------------------------------------------------------------ reads and maintenance
 

@@ -786,32 +786,27 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         )  # fmt: skip
 
     async def release(self, consumer: str, key: str, *, token: str) -> bool:
-        now = self._now()
-        params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
-        async with self._connection() as conn:
-            try:
-                if await self._pool.fetchall(conn, self._dialect.release, params):
-                    return True
-                rows = await self._pool.fetchall(conn, self._dialect.get, params)
-            except sqlite3.Error as exc:
-                raise translate(exc, "release") from exc
-        if not rows:
-            return False
-        raise lease_lost("release", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+        return await self._delete("release", self._dialect.release, consumer, key, token)
 
     async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        return await self._delete("forget", self._dialect.forget_by_token, consumer, key, token)
+
+    async def _delete(self, what: str, statement: str, consumer: str, key: str, token: str) -> bool:
+        """Run a fenced delete (``release`` or ``forget_by_token``): True when it deleted,
+        False when there was no record, :class:`~oncely.LeaseLost` with the record that
+        stays otherwise."""
         now = self._now()
         params = {"consumer": consumer, "key": key, "token": pack_token(token), "now": now}
         async with self._connection() as conn:
             try:
-                if await self._pool.fetchall(conn, self._dialect.forget_by_token, params):
+                if await self._pool.fetchall(conn, statement, params):
                     return True
                 rows = await self._pool.fetchall(conn, self._dialect.get, params)
             except sqlite3.Error as exc:
-                raise translate(exc, "forget") from exc
+                raise translate(exc, what) from exc
         if not rows:
             return False
-        raise lease_lost("forget", consumer, key, Lost(parse_record(consumer, key, rows[0])))
+        raise lease_lost(what, consumer, key, Lost(parse_record(consumer, key, rows[0])))
 
     # ------------------------------------------------------------ transactional mode (R7)
 
