@@ -69,3 +69,31 @@ def test_manage_py_oncely_is_the_oncely_command_on_the_projects_database(tmp_pat
     assert "Applying oncely.0001_initial... OK" in manage("migrate", "--noinput")
     stats = manage("oncely", "inbox", "stats", "--json")
     assert str(tmp_path / "shop.db") in stats and '"total": 0' in stats.replace(": ", ": ")
+
+
+def test_manage_py_oncely_reads_the_database_the_routers_give_oncely(tmp_path: Path) -> None:
+    """A project whose database router keeps oncely's records in a database of their own
+    (``ledger``): ``migrate --database ledger`` makes the table there, and
+    ``manage.py oncely inbox stats`` reads it there. Before, the command read ``default``,
+    where there is no oncely table, and told the operator to run ``oncely migrate``."""
+    ledger = tmp_path / "ledger.db"
+    env = {
+        **os.environ,
+        "ONCELY_TEST_DJANGO_DB": _database("sqlite", tmp_path),
+        "ONCELY_TEST_DJANGO_LEDGER": str(ledger),
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(PROJECT)]),
+        "DJANGO_SETTINGS_MODULE": "site_config.settings",
+    }
+
+    def manage(*argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *argv],
+            cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    manage("migrate", "--noinput")
+    assert "Applying oncely.0001_initial... OK" in manage("migrate", "--database", "ledger")
+    stats = manage("oncely", "inbox", "stats", "--json")
+    assert str(ledger) in stats and '"total": 0' in stats

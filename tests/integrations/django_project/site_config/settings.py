@@ -42,6 +42,12 @@ else:
             "CONN_MAX_AGE": None,
         }
     }
+if os.environ.get("ONCELY_TEST_DJANGO_LEDGER"):  # oncely's records in a database of their own
+    DATABASES["ledger"] = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ["ONCELY_TEST_DJANGO_LEDGER"],
+    }
+    DATABASE_ROUTERS = ["site_config.routers.OncelyToLedger"]
 LOGGING = {
     "version": 1,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
