@@ -7,6 +7,7 @@ graceful. The real brokers run the same loop in test_rabbitmq/test_redis_streams
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
@@ -404,12 +405,14 @@ async def test_the_store_schema_is_made_at_start_not_at_the_first_message(tmp_pa
     consumer = BrokerConsumer(broker, inbox, Effects().apply, settings=FAST)
     running = asyncio.create_task(consumer.run())
     try:
-        for _ in range(200):
+        tables: set[str] = set()
+        for _ in range(500):  # the file is made first, its tables a moment later
             if path.exists():
-                break
+                with contextlib.closing(sqlite3.connect(path)) as conn:
+                    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+                if "oncely_inbox" in tables:
+                    break
             await asyncio.sleep(0.01)
-        with sqlite3.connect(path) as conn:
-            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
         assert "oncely_inbox" in tables, tables  # with no message read yet
     finally:
         consumer.stop()
