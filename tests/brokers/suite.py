@@ -113,21 +113,33 @@ class DeadCopy:
 
 
 class Watched:
-    """A transport that notes every delivery it hands out: (message id, delivery count)."""
+    """A transport that notes every delivery it hands out: (message id, delivery count), and
+    every error a fetch raised."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.seen: list[tuple[str | None, int | None]] = []
+        self.failures: list[Exception] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def fetch(self, limit: int, timeout: timedelta) -> list[Delivery]:
-        return self._saw(await self.inner.fetch(limit, timeout))
+        return await self._fetched(self.inner.fetch, limit, timeout)
 
     async def fetch_batch(self, limit: int, timeout: timedelta) -> list[Delivery]:
-        fetch = getattr(self.inner, "fetch_batch", self.inner.fetch)
-        return self._saw(await fetch(limit, timeout))
+        return await self._fetched(
+            getattr(self.inner, "fetch_batch", self.inner.fetch), limit, timeout
+        )
+
+    async def _fetched(
+        self, fetch: Callable[[int, timedelta], Awaitable[list[Delivery]]], *args: Any
+    ) -> list[Delivery]:
+        try:
+            return self._saw(await fetch(*args))
+        except Exception as exc:
+            self.failures.append(exc)
+            raise
 
     def _saw(self, found: list[Delivery]) -> list[Delivery]:
         self.seen.extend((d.envelope.message_id, d.delivery_count) for d in found)
@@ -162,6 +174,11 @@ class BrokerSuite:
     producer_class: ClassVar[Callable[..., Producer]]
     group: ClassVar[str] = "billing"
     """The consumer group and inbox consumer name (recorded on dead-letter copies)."""
+    consumer_makes_its_source_again: ClassVar[bool] = True
+    """False where a consumer waits for its deleted source to be created again rather than
+    create it itself (SQS: a queue made by the consumer would lack the operator's
+    attributes); the source deleted mid-run is then made again by the test, as an operator
+    would, once the consumer has met its absence."""
     retries_reach_the_consumer: ClassVar[bool] = True
     """False where the broker itself drops a producer retry (JetStream's duplicate window)."""
     redelivers_on_connection_loss: ClassVar[bool] = False
@@ -219,6 +236,20 @@ class BrokerSuite:
         """Delete the source from the broker as an operator would (the queue, the stream
         key, the stream), and with it what a consumer had set up there."""
         pytest.skip(f"{type(self).__name__} does not delete its source mid-run")
+
+    async def make_source_again(self) -> None:
+        """Create the deleted source again, as an operator would (where the consumer does
+        not: ``consumer_makes_its_source_again``)."""
+        raise NotImplementedError
+
+    async def source_gone_noticed(self, watched: Watched) -> bool:
+        """Whether the consumer reading through ``watched`` has met its deleted source (where
+        it waits for it: ``consumer_makes_its_source_again``); by default, two fetches failed."""
+        return len(watched.failures) >= 2
+
+    async def reading_again(self) -> bool:
+        """Whether the consumer reads the source again after it was deleted."""
+        return await self._reading(1)
 
     async def remove(self) -> None:
         """Delete what the test made on the broker."""
@@ -408,14 +439,26 @@ class BrokerSuite:
         consumer notices (RabbitMQ cancels it and leaves its channel open; a JetStream pull
         on a deleted consumer looks like an empty one; Redis ends a blocked read with an
         error), sets up what it reads again and reads what is published there next. It
-        neither stops nor waits for good, looking healthy, while messages pile up."""
+        neither stops nor waits for good, looking healthy, while messages pile up. Where the
+        consumer does not make its source itself it meets the deletion (SQS: as an outage,
+        BrokerUnavailable from its fetch; Kafka: the topic's id missing), rides it out and
+        reads the source once an operator has made it again."""
         await self.publish("before")
-        worker = self.consumer(self.apply)
+        watched = Watched(self.transport())
+        worker = self.consumer(self.apply, transport=watched)
         async with running(worker) as task:
             await wait_until(lambda: worker.counts["processed"] == 1, what="the first message")
             await self.delete_source()
+            if not self.consumer_makes_its_source_again:
+                await wait_until(
+                    lambda: task.done() or self.source_gone_noticed(watched),
+                    what="the consumer to meet the deleted source",
+                )
+                assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+                assert all(isinstance(e, oncely.BrokerUnavailable) for e in watched.failures)
+                await self.make_source_again()
             await wait_until(
-                lambda: task.done() or self._reading(1),
+                lambda: task.done() or self.reading_again(),
                 timeout=timedelta(seconds=30),
                 what="the consumer to read the source again",
             )

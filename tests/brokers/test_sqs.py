@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 from collections import Counter
 from datetime import timedelta
 from typing import Any
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.services
 
 class TestSQS(BrokerSuite):
     producer_class = SQSProducer
+    consumer_makes_its_source_again = False  # a queue it made would lack the operator's attributes
 
     @property  # type: ignore[override]
     def url(self) -> str:  # started on first use
@@ -139,6 +141,16 @@ class TestSQS(BrokerSuite):
         # SQS's own MessageId is the same for a copy received again (it is per send).
         assert again.describe()["sqs_message_id"] == first.describe()["sqs_message_id"]
         assert again.describe()["queue"] == self.source
+
+    async def delete_source(self) -> None:
+        await delete_queues(self.url, self.source)
+
+    async def make_source_again(self) -> None:
+        await asyncio.to_thread(create_queue, self.source)
+
+    async def reading_again(self) -> bool:
+        async with await self._admin() as client:  # no consumer registry: the queue is there
+            return await self._queue_url(client, self.source) is not None
 
     async def remove(self) -> None:
         async with await self._admin() as client:
@@ -484,6 +496,48 @@ class TestSQS(BrokerSuite):
         assert source == [logging.WARNING] and "create=false" in " ".join(created)
         assert dead == [logging.INFO]
         await remove_destinations(self.url, name)
+
+    async def test_a_queue_deleted_mid_run_is_waited_for_with_backoff_never_made_again(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The queue is deleted under a running consumer. Before, the next receive raised
+        BrokerError (NonExistentQueue) and the consumer stopped. Now it logs one ERROR naming
+        the queue and what to do, then each receive that finds it still missing is an outage
+        the consumer waits out with its reconnect backoff (a WARNING each, longer and longer:
+        no busy loop); it never creates the queue itself, even with create=true, which would
+        drop the operator's attributes (redrive policy, retention, encryption). Once the
+        queue is created again it says so and reads what is sent there."""
+        await self.publish("before")
+        watched = Watched(self.transport())
+        worker = self.consumer(self.apply, transport=watched)
+        with caplog.at_level(logging.INFO, logger="oncely"):
+            async with running(worker) as task:
+                await wait_until(lambda: worker.counts["processed"] == 1, what="the first")
+                await self.delete_source()
+                await wait_until(
+                    lambda: task.done() or len(watched.failures) >= 5, what="five failed tries"
+                )
+                assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+                async with await self._admin() as client:
+                    assert await self._queue_url(client, self.source) is None  # not made
+                await asyncio.to_thread(create_queue, self.source)
+                await self.producer().publish(body("after"), message_id="after")
+                await wait_until(lambda: worker.counts["processed"] == 2, what="the one after")
+        assert self.ledger.counts() == {"before": 1, "after": 1}
+        said = [(r.levelno, r.getMessage()) for r in caplog.records]
+        errors = [text for level, text in said if level >= logging.ERROR]
+        assert len(errors) == 1, errors
+        assert f"queue {self.source} does not exist any more" in errors[0]
+        assert "create it as it was" in errors[0]
+        pauses = [
+            float(found.group(1))
+            for _, text in said
+            if self.source in text and (found := re.search(r"trying again in ([\d.]+)s", text))
+        ]
+        assert len(pauses) == len(watched.failures)  # each failed try waited before the next
+        assert pauses == sorted(pauses) and pauses[-1] > pauses[0]  # backing off
+        assert any(f"queue {self.source} exists again" in text for _, text in said)
+        await self.assert_settled()
 
     async def test_open_transport_reads_sqs_urls(self) -> None:
         made = open_transport(f"{self.url}?visibility_timeout=7", self.source, group="g")

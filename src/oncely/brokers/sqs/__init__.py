@@ -67,8 +67,13 @@ queue with a redrive policy moves a message to its own dead-letter queue after
 counts as receives too. The consumer reads it from the queue for its horizon, with the
 queue's ``MessageRetentionPeriod``, and warns at start when it is not above
 ``max_deliveries``; a message it would give back on its last receive is dead-lettered to
-``<queue>-dead`` instead, with the reason. Missing queues are created by the consumer
-(``create=false`` refuses instead), never by a producer, which needs its queue to exist; a
+``<queue>-dead`` instead, with the reason. Missing queues are created by the consumer when it
+starts (``create=false`` refuses instead), never by a producer, which needs its queue to
+exist. A queue deleted while the consumer runs is not created again (it would lack the
+attributes it was given: redrive policy, retention, encryption, access policy): the consumer
+logs one ERROR naming it, takes each receive that finds it missing as an outage waited out
+with ``ConsumerSettings.reconnect`` (a WARNING each), and reads it again, saying so, once it
+exists again (its URL looked up anew, its attributes read again); a
 FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``), and a message
 given back holds up its group until it is settled.
 """

@@ -135,3 +135,10 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, ClientError):
         return str(exc.response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def queue_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQS saying the queue does not exist (``QueueDoesNotExist``, or
+    ``AWS.SimpleQueueService.NonExistentQueue`` in the query protocol)."""
+    code = error_code(exc)
+    return "NonExistentQueue" in code or "QueueDoesNotExist" in code

@@ -18,7 +18,7 @@ from oncely.brokers.sqs._endpoint import (
     SHARED_URL_OPTIONS,
     Endpoint,
     check_queue,
-    error_code,
+    queue_missing,
 )
 from oncely.errors import BrokerError, ConfigurationError
 
@@ -99,7 +99,7 @@ class SQSProducer:
                 try:
                     found = await self._client.get_queue_url(QueueName=self.queue)
                 except Exception as exc:
-                    if "NonExistentQueue" not in error_code(exc):
+                    if not queue_missing(exc):
                         raise
                     raise BrokerError(
                         f"sqs {self.endpoint.shown}: no queue {self.queue!r} to send to: a "

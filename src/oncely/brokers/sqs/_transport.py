@@ -9,7 +9,7 @@ import binascii
 import contextlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Self
 
@@ -25,10 +25,10 @@ from oncely.brokers.sqs._endpoint import (
     SHARED_URL_OPTIONS,
     Endpoint,
     check_queue,
-    error_code,
+    queue_missing,
 )
 from oncely.brokers.sqs._producer import SQSProducer, text_attributes
-from oncely.errors import BrokerError, ConfigurationError
+from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from oncely.keys import Envelope
 from oncely.wire import wire_text
 
@@ -110,6 +110,9 @@ class SQS:
         self._dead_url: str | None = None
         self._attributes: dict[str, str] = {}
         self._stopped = False
+        self._gone = False
+        """The queue was found deleted while read: found again by name before each receive,
+        never created again, until a receive succeeds."""
 
     def set_inbox_consumer(self, consumer: str) -> None:
         """The inbox consumer name that the dead letters this transport writes by itself
@@ -186,7 +189,7 @@ class SQS:
             try:
                 return str((await client.get_queue_url(QueueName=name))["QueueUrl"])
             except Exception as exc:
-                if "NonExistentQueue" not in error_code(exc):
+                if not queue_missing(exc):
                     raise
                 if not self.create:
                     raise BrokerError(
@@ -209,6 +212,54 @@ class SQS:
             LOGGER.info("oncely broker=sqs created queue %s", name)
         return str(made["QueueUrl"])
 
+    @contextlib.contextmanager
+    def _on_source(self, what: str) -> Iterator[None]:
+        """:meth:`Endpoint.errors`, where the queue found missing (deleted while read) is
+        :class:`~oncely.BrokerUnavailable`: the consumer rides it out with its reconnect
+        backoff, logging each try, rather than stopping."""
+        with self.endpoint.errors(what):
+            try:
+                yield
+            except Exception as exc:
+                if not queue_missing(exc):
+                    raise
+                raise self._lost() from None
+
+    def _lost(self) -> BrokerUnavailable:
+        if not self._gone:
+            self._gone = True
+            LOGGER.error(
+                "oncely broker=sqs queue %s does not exist any more (deleted while this consumer "
+                "read it): nothing is read until it exists again. The consumer never creates it "
+                "again while it runs (a queue it made would lack the attributes it was given: "
+                "redrive policy, retention, encryption, access policy); create it as it was, "
+                "and the consumer reads it again",
+                self.source,
+            )
+        return BrokerUnavailable(
+            f"sqs {self.endpoint.shown}: the queue {self.source!r} does not exist (deleted "
+            "while read); waiting for it to be created again"
+        )
+
+    async def _find_again(self, client: Any) -> None:
+        """While the queue is gone: its URL by name (the same once it is created again, on
+        AWS and emulators alike), or :class:`~oncely.BrokerUnavailable` while it is still
+        missing."""
+        with self._on_source(f"find the queue {self.source!r}"):
+            found = await client.get_queue_url(QueueName=self.source)
+        self._queue_url = self._producer._queue_url = str(found["QueueUrl"])
+
+    async def _found_again(self, client: Any) -> None:
+        """The queue answered a receive again: its attributes read anew (a queue created again
+        may carry another redrive policy or retention), and said."""
+        self._gone = False
+        with contextlib.suppress(BrokerError), self.endpoint.errors("read the attributes"):
+            found = await client.get_queue_attributes(
+                QueueUrl=self._queue_url, AttributeNames=["All"]
+            )
+            self._attributes = dict(found.get("Attributes", {}))
+        LOGGER.warning("oncely broker=sqs queue %s exists again; reading it", self.source)
+
     async def stop(self) -> None:
         self._stopped = True
 
@@ -225,8 +276,10 @@ class SQS:
         if self._queue_url is None:
             await self.open(limit)
         client = await self._client()
+        if self._gone:
+            await self._find_again(client)
         wait = min(20, int(timeout.total_seconds()))
-        with self.endpoint.errors(f"receive from {self.source!r}"):
+        with self._on_source(f"receive from {self.source!r}"):
             got = await client.receive_message(
                 QueueUrl=self._queue_url,
                 MaxNumberOfMessages=min(10, limit),
@@ -235,6 +288,8 @@ class SQS:
                 MessageAttributeNames=["All"],
                 MessageSystemAttributeNames=["All"],
             )
+        if self._gone:
+            await self._found_again(client)
         messages = got.get("Messages", [])
         if not messages and wait < timeout.total_seconds():
             await asyncio.sleep(timeout.total_seconds() - wait)
@@ -244,14 +299,14 @@ class SQS:
 
     async def _change(self, receipt: str, seconds: int, what: str) -> None:
         client = await self._client()
-        with self.endpoint.errors(what):
+        with self._on_source(what):
             await client.change_message_visibility(
                 QueueUrl=self._queue_url, ReceiptHandle=receipt, VisibilityTimeout=seconds
             )
 
     async def _delete(self, receipt: str) -> None:
         client = await self._client()
-        with self.endpoint.errors("delete a message"):
+        with self._on_source("delete a message"):
             await client.delete_message(QueueUrl=self._queue_url, ReceiptHandle=receipt)
 
     async def ack_many(self, deliveries: Sequence[Delivery]) -> None:
@@ -263,7 +318,7 @@ class SQS:
         for start in range(0, len(mine), 10):
             chunk = mine[start : start + 10]
             entries = [{"Id": str(i), "ReceiptHandle": d._receipt} for i, d in enumerate(chunk)]
-            with self.endpoint.errors("delete messages"):
+            with self._on_source("delete messages"):
                 answer = await client.delete_message_batch(
                     QueueUrl=self._queue_url, Entries=entries
                 )
