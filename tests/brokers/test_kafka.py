@@ -67,6 +67,7 @@ RECORDS = 400
 
 class TestKafka(BrokerSuite):
     producer_class = KafkaProducer
+    consumer_makes_its_source_again = False  # its partitions and settings are the operator's
 
     @property  # type: ignore[override]
     def url(self) -> str:  # started on first use; a test's own broker while it has one
@@ -197,6 +198,15 @@ class TestKafka(BrokerSuite):
     async def remove(self) -> None:
         with contextlib.suppress(Exception):
             delete_topics(self.source, f"{self.source}.dead")
+
+    async def delete_source(self) -> None:
+        await asyncio.to_thread(delete_topics, self.source)
+
+    async def make_source_again(self) -> None:
+        await asyncio.to_thread(create_topic, self.source, PARTITIONS, self.url)
+
+    async def source_gone_noticed(self, watched: Watched) -> bool:
+        return any(made._topic_gone for made in self._made)
 
     # ------------------------------------------------------------------ connection cuts
 
@@ -659,6 +669,43 @@ class TestKafka(BrokerSuite):
             **{f"b{n}": 1 for n in range(9)},
         }
         assert await self._stored(store, name) == {0: 9}
+
+    async def test_a_topic_deleted_and_created_again_under_a_member_is_read_from_its_start(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The topic is deleted and at once created again (four partitions again) under a
+        running member, and twelve records are written to it. Before, the member kept the
+        old log's positions (Tansu, like Kafka, drops the group's commits with the topic, but
+        a running member never reads them again): the new log's records below them were
+        skipped, never processed, without a word. Now the member looks at the topic's id,
+        finds a new one, says so, and reads each partition from the new log's start: every
+        record of the new log is applied (one a partition may have run before the look is
+        read again and answered as a duplicate)."""
+        watched = Watched(self.transport())
+        watched.inner.topic_check_every = SECOND  # type: ignore[attr-defined]
+        worker = self.consumer(self.apply, transport=watched)
+        old = [f"a{n}" for n in range(12)]
+        new = [f"b{n}" for n in range(12)]
+        with caplog.at_level(logging.WARNING, logger="oncely.broker.kafka"):
+            async with running(worker) as task:
+                for key in old:
+                    await self.publish(key)
+                await wait_until(lambda: len(self.ledger.counts()) == 12, what="the old log")
+                await asyncio.to_thread(delete_topics, self.source)
+                await asyncio.to_thread(create_topic, self.source, PARTITIONS, self.url)
+                producer = self.producer()
+                for key in new:
+                    await producer.publish(body(key), message_id=key)
+                await wait_until(
+                    lambda: task.done() or set(new) <= set(self.ledger.counts()),
+                    what="every record of the new log",
+                )
+                assert not task.done(), f"the consumer stopped: {task.exception()!r}"
+                await wait_until(self.settled, what="the new log committed")
+        assert self.ledger.counts() == dict.fromkeys(old + new, 1)
+        assert set(worker.counts) <= {"processed", "duplicate"}
+        said = [r.getMessage() for r in caplog.records]
+        assert any("the topic was deleted and created again" in text for text in said), said
 
     async def test_r13_offsets_kept_under_the_topics_name_are_taken_over_once(
         self, caplog: pytest.LogCaptureFixture

@@ -115,7 +115,16 @@ the partition starts from the group's commit (the topic's start when there is no
 without topic ids (before Kafka 2.8) keeps the offsets under the topic's name.
 
 The source topic and the dead-letter topic are created when missing (``partitions``, 1 by
-default); a topic's retention is its own (``retention.ms``): a consumer group reset to an
+default), at start only. A running member reads its topic's id every ``topic_check_every`` (10
+s, with confluent-kafka's admin client in a thread; not on a cluster without topic ids): a
+topic deleted under it is said at ERROR, its partitions are paused and the old log's finished
+offsets are committed nowhere (a commit to a deleted topic, which the client retries until the
+timeout, is abandoned once the look finds it gone); it is not created again. Once a topic of
+its name exists again (a new id), each owned partition is read from the new log's start, with
+a WARNING: before, the member kept the old log's positions and skipped the new log's records
+below them without a word. Where the topic was created again between two looks, records of the
+new log read from the old positions meanwhile are read again, and answered as duplicates. A
+topic's retention is its own (``retention.ms``): a consumer group reset to an
 offset older than the inbox's retention would run those records again, so keep the inbox's
 retention above the topic's where a reset is possible (R13).
 

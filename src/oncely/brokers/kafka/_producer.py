@@ -43,12 +43,17 @@ _PRODUCER_URL_OPTIONS = (
 
 _NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
 """The id a cluster without topic ids (before Kafka 2.8) gives every topic."""
+TOPIC_MISSING = ""
+"""What :func:`topic_id` answers, with ``missing_ok``, for a topic the cluster does not have."""
 
 
-def topic_id(cluster: Cluster, topic: str, timeout: timedelta) -> str | None:
+def topic_id(
+    cluster: Cluster, topic: str, timeout: timedelta, *, missing_ok: bool = False
+) -> str | None:
     """The id the cluster gave ``topic`` when it was created (a new one each time a topic of
-    that name is created), or ``None`` when the cluster gives topics none. Blocking: run it
-    in a thread. Raises :class:`~oncely.BrokerUnavailable` when the cluster does not answer."""
+    that name is created), or ``None`` when the cluster gives topics none; with
+    ``missing_ok``, :data:`TOPIC_MISSING` when there is no such topic. Blocking: run it in a
+    thread. Raises :class:`~oncely.BrokerUnavailable` when the cluster does not answer."""
     settings = {**cluster.librdkafka(), "logger": LIBRDKAFKA_LOGGER}
     seconds = timeout.total_seconds()
     try:
@@ -56,6 +61,10 @@ def topic_id(cluster: Cluster, topic: str, timeout: timedelta) -> str | None:
         asked = admin.describe_topics(TopicCollection([topic]), request_timeout=seconds)
         found = asked[topic].result(timeout=seconds + 1)
     except (confluent_kafka.KafkaException, concurrent.futures.TimeoutError) as exc:
+        error = exc.args[0] if isinstance(exc, confluent_kafka.KafkaException) else None
+        unknown = confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART
+        if missing_ok and isinstance(error, confluent_kafka.KafkaError) and error.code() == unknown:
+            return TOPIC_MISSING
         raise BrokerUnavailable(
             f"kafka {cluster.shown}: could not read the id of the topic {topic!r}: {said(exc)}"
         ) from None

@@ -29,7 +29,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from oncely._core.said import said
 from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
-from oncely.brokers.kafka._producer import KafkaProducer, topic_id
+from oncely.brokers.kafka._producer import TOPIC_MISSING, KafkaProducer, topic_id
 from oncely.brokers.kafka._records import (
     LOGGER,
     SHARED_URL_OPTIONS,
@@ -141,6 +141,11 @@ class Kafka:
     partition in order, partitions side by side)."""
     local_delivery_counts = True
     """Delivery counts are this member's own; the consumer also counts the inbox's attempts."""
+    topic_check_every: timedelta = timedelta(seconds=10)
+    """How often a running member reads its topic's id: a topic deleted under it is said at
+    ERROR, and one deleted and created again under its name (a new id) is read from the new
+    log's start. Without the look, the member kept the old log's positions and silently
+    skipped the new log's records below them."""
     extend_every: timedelta | None = None
     """Kafka never gives a record a live member holds to another member; a rebalance moves
     whole partitions, and this member gives up what it holds first (``revoke_grace``)."""
@@ -222,6 +227,11 @@ class Kafka:
         self._start_from: Callable[[str], Awaitable[Mapping[int, int]]] | None = None
         self._save: Callable[[tuple[str, int, int]], Awaitable[None]] | None = None
         self._stream = self.source
+        self._topic_id: str | None = None
+        """The topic's id as this member last found it (``None``: not known yet)."""
+        self._topic_gone = False
+        self._looking: asyncio.Future[str | None] | None = None
+        self._look_at = 0.0
         self._unassigned_after = max(_UNASSIGNED_AFTER, 3 * session_timeout.total_seconds())
         self._unassigned_since: float | None = None
         """Since when this member has owned no partition (``None``: it owns some, or it
@@ -305,15 +315,124 @@ class Kafka:
         return self._stream
 
     async def _read_topic_id(self) -> None:
-        """Read the topic's id for :attr:`offsets_stream` (only when offsets are stored)."""
+        """Read the topic's id, for :attr:`offsets_stream` when offsets are stored (a
+        cluster that does not answer then raises), and for the look at the topic (which
+        reads it later when it cannot be read now)."""
+        try:
+            found = await asyncio.to_thread(
+                topic_id, self.cluster, self.source, self.connect_timeout
+            )
+        except BrokerUnavailable:
+            if self._start_from is not None:
+                raise
+            return
+        self._topic_id = found
+        self._stream_of(found)
+
+    def _stream_of(self, found: str | None) -> None:
         if self._start_from is None:
             return
-        found = await asyncio.to_thread(topic_id, self.cluster, self.source, self.connect_timeout)
         if found is None:
             self._stream = self.source
             return
         room = MAX_STREAM_CHARS - len(found) - 1
         self._stream = f"{self.source[:room]}@{found}"
+
+    async def _look_at_topic(self, consumer: AIOKafkaConsumer) -> None:
+        """Every ``topic_check_every``, the topic's id read in a thread (the answer taken at
+        a later fetch): a topic gone, or a new one under its name, is acted on."""
+        self._looked(consumer)
+        if monotonic() >= self._look_at:
+            self._look()
+
+    def _look(self) -> asyncio.Future[str | None] | None:
+        """A look at the topic's id started (unless one is under way, or looks are over)."""
+        if self._looking is None and not self._stopped and self._look_at != float("inf"):
+            every = self.topic_check_every.total_seconds()
+            self._look_at = monotonic() + (min(every, 1.0) if self._topic_gone else every)
+            self._looking = asyncio.ensure_future(
+                asyncio.to_thread(
+                    topic_id, self.cluster, self.source, self.connect_timeout, missing_ok=True
+                )
+            )
+        return self._looking
+
+    def _looked(self, consumer: AIOKafkaConsumer) -> bool:
+        """The answer of a look that has ended acted on: whether the log this member read is
+        gone (the topic deleted, or created again under its name)."""
+        looking = self._looking
+        if looking is None or not looking.done():
+            return False
+        self._looking = None
+        try:
+            return self._topic_is(consumer, looking.result())
+        except BrokerError:  # the cluster did not answer: looked at again next time
+            return False
+
+    def _topic_is(self, consumer: AIOKafkaConsumer, found: str | None) -> bool:
+        if found is None:  # the cluster gives topics no id (before Kafka 2.8): no look
+            self._look_at = float("inf")
+            return False
+        owned = [p for p in self._owned.values() if p.owned]
+        if found == TOPIC_MISSING:
+            if not self._topic_gone:
+                self._topic_gone = True
+                LOGGER.error(
+                    "oncely broker=kafka topic=%s group=%s the topic does not exist any more "
+                    "(deleted while read): nothing is read until it is created again, then "
+                    "from its start. The consumer does not create it again while it runs "
+                    "(its partitions, replication and settings are yours to give)",
+                    self.source,
+                    self.group,
+                )
+                # Nothing of a new log is read from the old one's positions meanwhile, and
+                # the old log's finished offsets are committed nowhere: a commit to a topic
+                # that is gone is retried by the client until it times out.
+                with contextlib.suppress(KafkaError, AssertionError):
+                    consumer.pause(*(p.tp for p in owned))
+                for part in owned:
+                    part.committed = part.finished
+            return True
+        known, self._topic_id = self._topic_id, found
+        if known is not None and known != found:
+            self._topic_gone = False
+            self._new_log(consumer, known, found)
+            return True
+        if self._topic_gone:  # only looked missing (a cluster's metadata lagging): read on
+            for part in owned:
+                if not part.paused and not part.starting:
+                    with contextlib.suppress(KafkaError, AssertionError):
+                        consumer.resume(part.tp)
+        self._topic_gone = False
+        return False
+
+    def _new_log(self, consumer: AIOKafkaConsumer, known: str, found: str) -> None:
+        """The topic was deleted and created again under its name: the positions and the
+        finished offsets this member holds are the old log's. Each owned partition starts
+        afresh from the new log's start (offset 0; past a trimmed start the client's reset
+        to the earliest takes over); the old log's records still out are settled nowhere."""
+        self._stream_of(found)
+        owned = [p for p in self._owned.values() if p.owned]
+        LOGGER.warning(
+            "oncely broker=kafka topic=%s group=%s the topic was deleted and created again "
+            "(its id %s is now %s): partitions %s are read from the new log's start; records "
+            "of the old log still running are not committed",
+            self.source,
+            self.group,
+            known,
+            found,
+            sorted(p.tp.partition for p in owned),
+        )
+        for old in owned:
+            old.owned = False  # nothing of it is committed or handed out again
+            old.waiting.clear()
+            self._owned[old.tp] = _Partition(old.tp)
+            with contextlib.suppress(KafkaError, AssertionError):  # not assigned any more
+                consumer.seek(old.tp, 0)
+                consumer.resume(old.tp)
+        # Its partition count may differ: new metadata lets the group rebalance if so.
+        with contextlib.suppress(Exception):
+            consumer._client.force_metadata_update()
 
     @property
     def assignment(self) -> frozenset[int]:
@@ -417,6 +536,10 @@ class Kafka:
         the task that closes propagates."""
         self._stopped = True
         consumer, self._consumer = self._consumer, None
+        looking, self._looking = self._looking, None
+        if looking is not None:  # its thread ends by itself; its answer is not wanted
+            looking.add_done_callback(lambda done: done.cancelled() or done.exception())
+            looking.cancel()
         try:
             if consumer is not None:
                 await self._quietly(
@@ -504,6 +627,7 @@ class Kafka:
             await self.open(self._prefetch)
             consumer = self._consumer
             assert consumer is not None
+        await self._look_at_topic(consumer)
         await self._commit(consumer, list(self._owned.values()))
         deadline = monotonic() + timeout.total_seconds()
         while True:
@@ -700,16 +824,18 @@ class Kafka:
             for p in parts
             if p.owned and p.finished is not None and p.finished != p.committed
         }
-        if not due:
+        if not due or self._topic_gone:
             return
         try:
-            await asyncio.wait_for(consumer.commit(due), self.timeout.total_seconds())
+            if not await self._committed_unless_gone(consumer, due):
+                return
         except RebalanceInProgressError:
             return  # the revocation commits what is finished; or the next fetch does
         except _FENCED as exc:
             self._lose(list(self._owned.values()), f"the group refused the commit: {exc}")
             return
         except TimeoutError:
+            self._look_at = 0.0  # the topic may be gone: looked at on the next fetch
             raise BrokerUnavailable(
                 f"kafka {self.cluster.shown}: a commit got no answer within "
                 f"{self.timeout.total_seconds():g}s"
@@ -722,6 +848,36 @@ class Kafka:
         for p in parts:
             if p.tp in due:
                 p.committed = due[p.tp].offset
+
+    async def _committed_unless_gone(
+        self, consumer: AIOKafkaConsumer, due: Mapping[TopicPartition, OffsetAndMetadata]
+    ) -> bool:
+        """Commit ``due`` within the timeout (else :class:`TimeoutError`); ``False`` when the
+        log it belongs to is found gone meanwhile (the client retries a commit to a deleted
+        topic until the timeout): the commit is abandoned. A commit without an answer for a
+        second has the topic looked at."""
+        commit = asyncio.ensure_future(consumer.commit(due))
+        started = monotonic()
+        deadline = started + self.timeout.total_seconds()
+        try:
+            while not commit.done():
+                left = deadline - monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                looking = self._look() if monotonic() - started >= 1.0 else self._looking
+                waits: set[asyncio.Future[Any]] = {commit}
+                if looking is not None:
+                    waits.add(looking)
+                await asyncio.wait(waits, timeout=min(left, 1.0), return_when="FIRST_COMPLETED")
+                if not commit.done() and self._looked(consumer):
+                    return False
+            commit.result()
+            return True
+        finally:
+            if not commit.done():
+                commit.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await commit
 
     def _lose(self, parts: list[_Partition], why: str) -> None:
         for part in parts:
