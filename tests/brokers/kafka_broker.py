@@ -99,9 +99,17 @@ def stop_tansu(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
+_TOPIC_EXISTS = 36
+"""Kafka's TOPIC_ALREADY_EXISTS error code."""
+
+
 def create_topic(name: str, partitions: int, url: str | None = None) -> None:
-    """Create ``name`` on the test broker, or the one at ``url`` (before any producer writes
-    to it)."""
+    """Create ``name`` with ``partitions`` partitions on the test broker, or the one at
+    ``url``. Tansu creates a topic a client merely asks about (an aiokafka member subscribed
+    to it, a producer's first send) with a count of its own; before, the answer "already
+    exists" was ignored, so a topic made again after a restart or a deletion, with a member
+    still subscribed, kept Tansu's count instead of the test's. Now a topic found with another
+    count is deleted and created again with ``partitions``; any other error raises."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     servers = (url or kafka_url()).removeprefix("kafka://")
@@ -110,7 +118,18 @@ def create_topic(name: str, partitions: int, url: str | None = None) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=servers)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(name, partitions, 1)])
+            for _try in range(10):
+                answer = await admin.create_topics([NewTopic(name, partitions, 1)])
+                ((_topic, code, *said),) = answer.topic_errors
+                if code == 0:
+                    return
+                if code != _TOPIC_EXISTS:
+                    raise RuntimeError(f"could not create the topic {name!r}: {code} {said}")
+                (found,) = await admin.describe_topics([name])
+                if len(found["partitions"]) == partitions:
+                    return
+                await admin.delete_topics([name])  # made by Tansu for a client: not ours
+            raise RuntimeError(f"the topic {name!r} kept another partition count than {partitions}")
         finally:
             await admin.close()
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 import oncely
 from oncely.brokers import (
@@ -706,6 +707,36 @@ class TestKafka(BrokerSuite):
         assert set(worker.counts) <= {"processed", "duplicate"}
         said = [r.getMessage() for r in caplog.records]
         assert any("the topic was deleted and created again" in text for text in said), said
+
+    async def _partitions(self, topic: str) -> int:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._servers)
+        await admin.start()
+        try:
+            (found,) = await admin.describe_topics([topic])
+            return len(found["partitions"])
+        finally:
+            await admin.close()
+
+    async def test_a_topic_made_by_the_tests_keeps_their_count_over_one_tansu_made(self) -> None:
+        """A client asks about a topic that does not exist (a member subscribed to it while
+        the topic is away: Tansu restarted with its in-memory topics gone, or the topic
+        deleted), and Tansu creates it with a partition count of its own. Before, the tests'
+        create_topic then ignored "already exists": the topic made again kept Tansu's count,
+        not the one it was made with. Now it has the count asked for."""
+        name = unique("kt3")
+        self.after(lambda: asyncio.to_thread(delete_topics, name))
+        asking = AIOKafkaConsumer(
+            bootstrap_servers=self._servers, group_id=unique("g"), enable_auto_commit=False
+        )
+        await asking.start()
+        try:
+            asking.subscribe([name])
+            await asking.getmany(timeout_ms=1000)
+        finally:
+            await asking.stop()
+        made = await self._partitions(name)  # Tansu's own count
+        await asyncio.to_thread(create_topic, name, made + 1)
+        assert await self._partitions(name) == made + 1
 
     async def test_r13_offsets_kept_under_the_topics_name_are_taken_over_once(
         self, caplog: pytest.LogCaptureFixture
