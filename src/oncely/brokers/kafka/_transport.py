@@ -107,6 +107,8 @@ class _Partition:
     """The offset to commit: one past the last record finished in order."""
     committed: int | None = None
     owned: bool = True
+    old_log: bool = False
+    """Its topic was deleted (and created again): nothing of it is remembered."""
     revoking: bool = False
     """The group is taking it away: what is running finishes, nothing more starts."""
     paused: bool = False
@@ -423,8 +425,10 @@ class Kafka:
             found,
             sorted(p.tp.partition for p in owned),
         )
+        self._runs.clear()  # the counts of the old log's records, none of the new one's
         for old in owned:
             old.owned = False  # nothing of it is committed or handed out again
+            old.old_log = True
             old.waiting.clear()
             self._owned[old.tp] = _Partition(old.tp)
             with contextlib.suppress(KafkaError, AssertionError):  # not assigned any more
@@ -899,6 +903,8 @@ class Kafka:
         counting (a record failing between rebalances is still dead-lettered after
         ``max_deliveries`` runs). ``ran``: ``left`` were given back just now, their run not
         counted yet."""
+        if part.old_log:
+            return
         runs = self._runs
         now = monotonic()
         for held in left:
