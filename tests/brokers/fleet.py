@@ -153,10 +153,18 @@ class FleetResult:
 
 
 async def publish_all(
-    url: str, destination: str, messages: int, duplicate_every: int, *, seed: int
+    url: str,
+    destination: str,
+    messages: int,
+    duplicate_every: int,
+    *,
+    seed: int,
+    ahead: Callable[[int], bool] | None = None,
 ) -> int:
     """Publish ``messages`` logical messages; every ``duplicate_every``-th one twice (a
-    producer retry with the same message id), in a shuffled order. Returns the copies sent."""
+    producer retry with the same message id), in a shuffled order. Returns the copies sent.
+    ``ahead(sent)``: whether the producer is too far ahead of the consumers to send more now
+    (it waits until it is not)."""
     rng = random.Random(seed)
     copies = list(range(messages))
     copies += list(range(0, messages, duplicate_every))
@@ -165,6 +173,8 @@ async def publish_all(
     try:
         window = 64
         for start in range(0, len(copies), window):
+            while ahead is not None and ahead(start):
+                await asyncio.sleep(0.2)
             await asyncio.gather(
                 *(
                     producer.publish(json.dumps({"n": n}).encode(), message_id=f"fleet-{n}")
@@ -205,10 +215,14 @@ def run_fleet(
     timeout_s: float = 600.0,
     settled: Callable[[], Awaitable[bool]] | None = None,
     seed: int = 7,
+    max_backlog: int | None = None,
 ) -> FleetResult:
     """Publish, consume with ``workers`` processes under random SIGKILLs until every message
     has its effect, then stop the fleet with SIGTERM and wait until ``settled`` (the broker
-    holds nothing unacknowledged). Returns the facts."""
+    holds nothing unacknowledged). Returns the facts. ``max_backlog``: the producer sends no
+    more while that many of the copies it sent have no effect yet (moto's server reads its
+    whole queue at each receive: a backlog of thousands makes a receive take seconds, the
+    consumers fall further behind, and the run never catches up)."""
     rng = random.Random(seed)
     ledger = Ledger(config.ledger)
     processes = Processes()
@@ -224,12 +238,20 @@ def run_fleet(
         sent: list[int] = []
         failed: list[BaseException] = []
 
+        def ahead(copies: int) -> bool:
+            return max_backlog is not None and copies - len(ledger.counts()) > max_backlog
+
         def produce() -> None:
             try:
                 sent.append(
                     asyncio.run(
                         publish_all(
-                            config.broker_url, config.source, messages, duplicate_every, seed=seed
+                            config.broker_url,
+                            config.source,
+                            messages,
+                            duplicate_every,
+                            seed=seed,
+                            ahead=ahead,
                         )
                     )
                 )
