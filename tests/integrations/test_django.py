@@ -32,17 +32,33 @@ def _database(kind: str, tmp_path: Path) -> str:
     return f"mysql:{MYSQL_URL.rsplit('/', 1)[0]}/{name}"
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
-def test_r7_djangos_test_runner_passes_the_atomic_tests(kind: str, tmp_path: Path) -> None:
-    env = {
+def _env(database: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``manage.py`` process of the test project on ``database``."""
+    return {
         **os.environ,
-        "ONCELY_TEST_DJANGO_DB": _database(kind, tmp_path),
+        "ONCELY_TEST_DJANGO_DB": database,
         "PYTHONPATH": os.pathsep.join([str(SRC), str(PROJECT)]),
         "DJANGO_SETTINGS_MODULE": "site_config.settings",
+        **extra,
     }
+
+
+def _manage(env: dict[str, str], *argv: str) -> str:
+    """``manage.py argv`` run in the test project; its output, once it has exited 0."""
+    done = subprocess.run(
+        [sys.executable, "manage.py", *argv],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+def test_r7_djangos_test_runner_passes_the_atomic_tests(kind: str, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "manage.py", "test", "shop", "--noinput", "-v", "2"],
-        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=PROJECT, env=_env(_database(kind, tmp_path)), capture_output=True, text=True,
+        timeout=300, check=False,
     )  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
@@ -51,23 +67,9 @@ def test_r7_djangos_test_runner_passes_the_atomic_tests(kind: str, tmp_path: Pat
 
 
 def test_manage_py_oncely_is_the_oncely_command_on_the_projects_database(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "ONCELY_TEST_DJANGO_DB": _database("sqlite", tmp_path),
-        "PYTHONPATH": os.pathsep.join([str(SRC), str(PROJECT)]),
-        "DJANGO_SETTINGS_MODULE": "site_config.settings",
-    }
-
-    def manage(*argv: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *argv],
-            cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
-
-    assert "Applying oncely.0001_initial... OK" in manage("migrate", "--noinput")
-    stats = manage("oncely", "inbox", "stats", "--json")
+    env = _env(_database("sqlite", tmp_path))
+    assert "Applying oncely.0001_initial... OK" in _manage(env, "migrate", "--noinput")
+    stats = _manage(env, "oncely", "inbox", "stats", "--json")
     assert str(tmp_path / "shop.db") in stats and '"total": 0' in stats.replace(": ", ": ")
 
 
@@ -77,23 +79,8 @@ def test_manage_py_oncely_reads_the_database_the_routers_give_oncely(tmp_path: P
     ``manage.py oncely inbox stats`` reads it there. Before, the command read ``default``,
     where there is no oncely table, and told the operator to run ``oncely migrate``."""
     ledger = tmp_path / "ledger.db"
-    env = {
-        **os.environ,
-        "ONCELY_TEST_DJANGO_DB": _database("sqlite", tmp_path),
-        "ONCELY_TEST_DJANGO_LEDGER": str(ledger),
-        "PYTHONPATH": os.pathsep.join([str(SRC), str(PROJECT)]),
-        "DJANGO_SETTINGS_MODULE": "site_config.settings",
-    }
-
-    def manage(*argv: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "manage.py", *argv],
-            cwd=PROJECT, env=env, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
-
-    manage("migrate", "--noinput")
-    assert "Applying oncely.0001_initial... OK" in manage("migrate", "--database", "ledger")
-    stats = manage("oncely", "inbox", "stats", "--json")
+    env = _env(_database("sqlite", tmp_path), ONCELY_TEST_DJANGO_LEDGER=str(ledger))
+    _manage(env, "migrate", "--noinput")
+    assert "Applying oncely.0001_initial... OK" in _manage(env, "migrate", "--database", "ledger")
+    stats = _manage(env, "oncely", "inbox", "stats", "--json")
     assert str(ledger) in stats and '"total": 0' in stats
