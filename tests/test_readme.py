@@ -28,15 +28,21 @@ def _python_blocks() -> list[str]:
 def test_the_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
     run = [code for code in _python_blocks() if not code.startswith("# from examples/")]
     assert len(run) >= 6
+    _run_in_order(run, "README python", tmp_path)
+
+
+def _run_in_order(blocks: list[str], label: str, where: Path) -> None:
+    """``blocks`` run one after the other in one namespace, in the folder ``where``; the
+    first that raises fails the test, named by ``label`` and its number."""
     namespace: dict[str, object] = {"__name__": "readme"}
     here = os.getcwd()
-    os.chdir(tmp_path)
+    os.chdir(where)
     try:
-        for number, code in enumerate(run, 1):
+        for number, code in enumerate(blocks, 1):
             try:
-                exec(compile(code, f"README python block {number}", "exec"), namespace)
+                exec(compile(code, f"{label} block {number}", "exec"), namespace)
             except Exception as exc:
-                pytest.fail(f"README python block {number} fails: {exc!r}\n{code}")
+                pytest.fail(f"{label} block {number} fails: {exc!r}\n{code}")
     finally:
         os.chdir(here)
 
@@ -56,17 +62,7 @@ def test_r19_a_readme_section_runs_on_its_own_as_written(tmp_path: Path, title: 
     found = re.findall(r"```(\w+)\n(.*?)```", README[start:end], re.S)
     run = [code for lang, code in found if lang == "python" and not code.startswith("# from ")]
     assert run, title
-    namespace: dict[str, object] = {"__name__": "readme"}
-    here = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        for number, code in enumerate(run, 1):
-            try:
-                exec(compile(code, f"{title} block {number}", "exec"), namespace)
-            except Exception as exc:
-                pytest.fail(f"{title}: block {number} fails on its own: {exc!r}\n{code}")
-    finally:
-        os.chdir(here)
+    _run_in_order(run, f"{title} (on its own):", tmp_path)
 
 
 def test_the_readme_excerpts_are_in_the_examples_the_tests_run() -> None:
