@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from tests import redis_cluster
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +22,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     started = sys.modules.get("tests.redis_cluster")
     if started is not None:
         started.shutdown()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[tuple[Any, str]]:
+    """A Redis of the test's own (its settings, such as its memory policy, are the test's to
+    change): a client and its URL. Skips without ``redis-server``."""
+    import redis
+
+    try:
+        with redis_cluster.private_server() as port:
+            client = redis.Redis(port=port)
+            try:
+                yield client, f"redis://127.0.0.1:{port}/0"
+            finally:
+                client.close()
+    except redis_cluster.ClusterUnavailable as exc:
+        pytest.skip(str(exc))

@@ -17,6 +17,7 @@ path (the claim, the fenced writes); reads and maintenance (``SCAN``-based, for 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -38,6 +39,7 @@ from oncely.stores.redis.async_io import (
     decodes_responses,
     describe,
     evalsha_many,
+    eviction_policies,
     hget,
     hsetnx,
     is_client,
@@ -72,6 +74,8 @@ from oncely.stores.redis.errors import DRIVER_ERRORS, RedisOptions, parse_url, s
 
 __all__ = ["AsyncRedisStore"]
 
+LOGGER = logging.getLogger("oncely.store")
+
 _VERSION_FIELD = b"schema_version"
 # Keys per script in a batch on a single Redis (a longer script blocks the server longer), and
 # keys per SCAN step for stats, scan and purge (memory stays bounded by this and ``limit``).
@@ -104,6 +108,14 @@ class AsyncRedisStore:
     reply confirmed (``everysec`` may lose the last second), and a failover may lose the
     writes the replica had not yet received (replication is asynchronous).
 
+    So is memory. A Redis that evicts keys when it reaches ``maxmemory`` (any
+    ``maxmemory-policy`` but ``noeviction``; the ``volatile-*`` ones too, as records expire)
+    drops records before their retention ends, and a redelivery of their messages runs them
+    again. The store reads the policy (``INFO memory``, of each primary of a cluster) when
+    it is first used and refuses such a server with :class:`~oncely.ConfigurationError`,
+    unless opened with ``allow_eviction=True``. Under ``noeviction`` a full Redis refuses new
+    claims with :class:`~oncely.StoreUnavailable`, which consumers retry.
+
     A schema marker (``<prefix>:meta``) is written on first use unless ``migrate=False``, in
     which case its absence raises :class:`~oncely.SchemaMissing`. The asyncio variant belongs
     to the event loop that first uses it (as its client does): open one store per loop. The
@@ -121,8 +133,9 @@ class AsyncRedisStore:
         prefix: str = "oncely",
         clock: Clock | None = None,
         migrate: bool = True,
+        allow_eviction: bool = False,
     ) -> None:
-        self._setup(prefix, clock, migrate)
+        self._setup(prefix, clock, migrate, allow_eviction)
         if not is_client(client):
             raise ConfigurationError(
                 f"{type(self).__name__} needs a redis-py client of its own kind (sync or "
@@ -143,10 +156,11 @@ class AsyncRedisStore:
         self._where = base  # the server, for messages (as PostgreSQL's name theirs)
         self._url = f"{base}{'&' if '?' in base else '?'}prefix={prefix}"
 
-    def _setup(self, prefix: str, clock: Clock | None, migrate: bool) -> None:
+    def _setup(self, prefix: str, clock: Clock | None, migrate: bool, allow_eviction: bool) -> None:
         self._keys = RedisKeys(prefix)
         self._clock = clock
         self._auto_migrate = migrate
+        self._allow_eviction = allow_eviction
         self._options: RedisOptions | None = None  # set when the store builds its own client
         self._has_client = False
         self._ready_lock = asyncio.Lock()
@@ -164,7 +178,8 @@ class AsyncRedisStore:
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
         """A store for a ``redis://`` or ``rediss://`` URL, with the options ``prefix``,
         ``cluster`` (true: a Redis Cluster, the host is any node), ``migrate``,
-        ``max_connections``, ``timeout``, ``connect_timeout`` and ``ssl_ca_certs``. The store
+        ``allow_eviction``, ``max_connections``, ``timeout``, ``connect_timeout`` and
+        ``ssl_ca_certs``. The store
         builds and owns its client, on first use: opening a store never waits for the
         server. ``timeout`` bounds every wait for the server; in the threaded store on Linux,
         for one server over ``redis://``, the kernel enforces it (``SO_RCVTIMEO`` and
@@ -172,7 +187,7 @@ class AsyncRedisStore:
         receive."""
         options = parse_url(url)
         store = cls.__new__(cls)
-        store._setup(options.prefix, clock, options.migrate)
+        store._setup(options.prefix, clock, options.migrate, options.allow_eviction)
         store._options = options
         store._cluster = options.cluster
         store._url = redact(url)
@@ -305,6 +320,7 @@ class AsyncRedisStore:
             if self._ready:
                 return
             self._connect()
+            await self._check_eviction()
             version = await self._version()
             if version is None:
                 if not self._auto_migrate:
@@ -320,6 +336,37 @@ class AsyncRedisStore:
                     f"understands up to {SCHEMA_VERSION}: upgrade oncely"
                 )
             self._ready = True
+
+    async def _check_eviction(self) -> None:
+        """Refuse a Redis that evicts keys when its memory is full: an evicted record is a
+        message processed again when it is redelivered, with nothing said. Every policy but
+        ``noeviction`` evicts the store's records (they expire, so the ``volatile-*``
+        policies take them too), once ``maxmemory`` is reached."""
+        if self._allow_eviction:
+            return
+        try:
+            found = await eviction_policies(self._client)
+        except DRIVER_ERRORS as exc:  # INFO refused (an ACL, a renamed command): unknown
+            LOGGER.warning(
+                "oncely store=%s could not read the server's maxmemory-policy (%s): make "
+                "sure it is noeviction, or records evicted under memory pressure are "
+                "messages processed again",
+                self._where,
+                exc,
+            )
+            return
+        evicting = sorted({(p, m) for p, m in found if p != "noeviction" and m > 0})
+        if evicting:
+            policy, limit = evicting[0]
+            raise ConfigurationError(
+                f"{self._where} evicts keys when its memory is full (maxmemory-policy "
+                f"{policy}, maxmemory {limit} bytes): an evicted oncely record is a message "
+                "processed again, silently. Set maxmemory-policy noeviction (`CONFIG SET "
+                "maxmemory-policy noeviction`, or the service's parameter group): a full "
+                "Redis then refuses new claims with StoreUnavailable, which consumers "
+                "retry. Give oncely a Redis of its own if other data there must be evicted; "
+                "allow_eviction=true accepts the risk"
+            )
 
     async def _version(self) -> int | None:
         try:
@@ -346,6 +393,7 @@ class AsyncRedisStore:
             raise StoreError(f"{self!r} is closed")
         async with self._ready_lock:
             self._connect()
+        await self._check_eviction()
         await self._create()
         version = await self._version()
         if version is not None and version > SCHEMA_VERSION:

@@ -172,6 +172,7 @@ class RedisOptions:
     prefix: str = "oncely"
     cluster: bool = False
     migrate: bool = True
+    allow_eviction: bool = False
     max_connections: int = 16
     timeout: timedelta = timedelta(seconds=5)
     connect_timeout: timedelta = timedelta(seconds=5)
@@ -182,6 +183,7 @@ _KNOWN = (
     "prefix",
     "cluster",
     "migrate",
+    "allow_eviction",
     "max_connections",
     "timeout",
     "connect_timeout",
@@ -192,7 +194,8 @@ _KNOWN = (
 def parse_url(url: str) -> RedisOptions:
     """``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS), with the options
     ``prefix`` (of every key, default ``oncely``), ``cluster`` (true: a Redis Cluster, the
-    host is any node), ``migrate``, ``max_connections`` (per server: the scripts of the
+    host is any node), ``migrate``, ``allow_eviction`` (true: accept a server whose
+    ``maxmemory-policy`` evicts keys), ``max_connections`` (per server: the scripts of the
     message path run on at most this many; the operator calls, such as ``stats``, ``scan``
     and ``purge_expired``, borrow from a pool of as many more), ``timeout`` and
     ``connect_timeout`` (seconds) and ``ssl_ca_certs`` (a CA bundle file, ``rediss://``
@@ -214,6 +217,7 @@ def parse_url(url: str) -> RedisOptions:
         prefix=prefix,
         cluster=options.boolean("cluster", False),
         migrate=options.boolean("migrate", True),
+        allow_eviction=options.boolean("allow_eviction", False),
         max_connections=options.integer("max_connections", 16),
         timeout=options.seconds("timeout", timedelta(seconds=5)),
         connect_timeout=options.seconds("connect_timeout", timedelta(seconds=5)),

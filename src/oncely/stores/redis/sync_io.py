@@ -43,6 +43,7 @@ __all__ = [
     "describe",
     "evalsha",
     "evalsha_many",
+    "eviction_policies",
     "hget",
     "hsetnx",
     "is_client",
@@ -387,6 +388,27 @@ def server_time_ms(client: Client) -> int:
 def hget(client: Client, name: bytes, field: bytes) -> bytes | None:
     value = client.hget(name, field)
     return None if value is None else _bytes(value)
+
+
+def eviction_policies(client: Client) -> list[tuple[str, int]]:
+    """Each server's ``maxmemory-policy`` and ``maxmemory`` (bytes, 0 for no limit), from
+    ``INFO memory`` (which managed services that disable ``CONFIG`` still answer): one pair
+    for a single Redis, one per primary of a cluster."""
+    if isinstance(client, RedisCluster):
+        found = client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        # One primary answers with its own reply; more, with a reply per node.
+        one = "maxmemory_policy" in found
+        infos = [found] if one else [i for i in found.values() if isinstance(i, dict)]
+    else:
+        infos = [client.info("memory")]
+    return [
+        (_text(info.get("maxmemory_policy", "")), int(info.get("maxmemory", 0) or 0))
+        for info in infos
+    ]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def hsetnx(client: Client, name: bytes, field: bytes, value: bytes) -> None:
