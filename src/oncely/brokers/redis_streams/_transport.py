@@ -36,6 +36,7 @@ from oncely.brokers.redis_streams._layout import (
     shared_options,
 )
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
+from oncely.stores.redis.async_io import eviction_policies
 
 DEFAULT_PRUNE_IDLE_CONSUMERS = timedelta(hours=1)
 """How long a consumer of the group may sit idle, holding no pending entries, before a
@@ -49,6 +50,7 @@ _URL_OPTIONS = (
     "start",
     "delivery_limit",
     "prune_idle_consumers",
+    "allow_eviction",
     *SHARED_URL_OPTIONS,
 )
 
@@ -100,6 +102,12 @@ class RedisStreams:
     consumer reads every few seconds and is never idle that long; should one be deleted all
     the same (say after a long outage), its next read registers it again. ``None`` keeps
     every consumer.
+
+    Memory: a Redis whose ``maxmemory-policy`` is ``allkeys-*`` evicts streams (keys without
+    an expiry) once ``maxmemory`` is reached, and their messages with them. The transport
+    reads the policy (``INFO memory``) when it opens and refuses such a server with
+    :class:`~oncely.ConfigurationError`, unless ``allow_eviction`` is true. The
+    ``volatile-*`` policies evict only keys with an expiry, which streams have not.
     """
 
     def __init__(
@@ -119,8 +127,10 @@ class RedisStreams:
         body_field: str = "body",
         message_id_field: str = "message_id",
         prune_idle_consumers: timedelta | None = DEFAULT_PRUNE_IDLE_CONSUMERS,
+        allow_eviction: bool = False,
     ) -> None:
         self._url = url
+        self._allow_eviction = allow_eviction
         plain_url(url)
         self.stream = check_name("stream", stream)
         self.group = check_name("group", group)
@@ -191,8 +201,8 @@ class RedisStreams:
         """The transport for ``redis://host:port/db?options`` reading the stream ``source``.
         Options: ``consumer``, ``ack_wait`` and ``claim_every`` (seconds), ``dead_letter``,
         ``start`` (all or new), ``delivery_limit``, ``prune_idle_consumers`` (seconds, 0 for
-        never), ``timeout`` and ``connect_timeout`` (seconds), ``body_field``,
-        ``message_id_field``. Keyword arguments win over options."""
+        never), ``allow_eviction`` (true or false), ``timeout`` and ``connect_timeout``
+        (seconds), ``body_field``, ``message_id_field``. Keyword arguments win over options."""
         options = UrlOptions(url)
         consumer = options.optional_text("consumer")
         wait = options.seconds("ack_wait", timedelta(seconds=30))
@@ -203,6 +213,7 @@ class RedisStreams:
         )
         limit = options.integer("delivery_limit", 0)
         prune = options.seconds("prune_idle_consumers", DEFAULT_PRUNE_IDLE_CONSUMERS)
+        allow_eviction = options.boolean("allow_eviction", False)
         shared = shared_options(options)
         options.done(_URL_OPTIONS)
         return cls(
@@ -216,6 +227,7 @@ class RedisStreams:
             start=start,
             delivery_limit=limit or None,
             prune_idle_consumers=prune if prune > timedelta(0) else None,
+            allow_eviction=allow_eviction,
             **shared,
         )
 
@@ -324,6 +336,7 @@ class RedisStreams:
     async def _ready(self) -> redis.asyncio.Redis:
         client = self._connection()
         if not self._declared:
+            await self._check_eviction(client)
             with self._errors("create the consumer group"):
                 try:
                     await client.xgroup_create(
@@ -336,6 +349,34 @@ class RedisStreams:
                 await client.xgroup_createconsumer(self.stream, self.group, self.consumer)
             self._declared = True
         return client
+
+    async def _check_eviction(self, client: redis.asyncio.Redis) -> None:
+        """Refuse a Redis that evicts keys without an expiry when its memory is full (an
+        ``allkeys-*`` policy): the stream, its group and its pending entries are such keys,
+        and an evicted stream is every message in it lost, with nothing said."""
+        if self._allow_eviction:
+            return
+        with self._errors("read the server's maxmemory-policy"):
+            try:
+                found = await eviction_policies(client)
+            except ResponseError as exc:  # INFO refused (an ACL, a renamed command)
+                LOGGER.warning(
+                    "oncely broker=redis-streams %s: could not read the server's "
+                    "maxmemory-policy (%s): make sure it is not allkeys-*, which evicts streams",
+                    self._where,
+                    exc,
+                )
+                return
+        for policy, limit in found:
+            if policy.startswith("allkeys-") and limit > 0:
+                raise ConfigurationError(
+                    f"{self._where}: the server evicts keys when its memory is full "
+                    f"(maxmemory-policy {policy}, maxmemory {limit} bytes), streams "
+                    "included: an evicted stream is its messages lost, silently. Set "
+                    "maxmemory-policy noeviction (a full Redis then refuses new entries, "
+                    "and the producer's caller retries), or give the streams a Redis of "
+                    "their own; allow_eviction=true accepts the risk"
+                )
 
     def _connection(self) -> redis.asyncio.Redis:
         if self._client is None:
