@@ -707,6 +707,9 @@ class TestKafka(BrokerSuite):
         assert set(worker.counts) <= {"processed", "duplicate"}
         said = [r.getMessage() for r in caplog.records]
         assert any("the topic was deleted and created again" in text for text in said), said
+        # Every look, one a second, went through one admin client (before, each look made
+        # one, with its threads and connection, and dropped it).
+        assert watched.inner._topic_ids.made == 1  # type: ignore[attr-defined]
 
     async def _partitions(self, topic: str) -> int:
         admin = AIOKafkaAdminClient(bootstrap_servers=self._servers)

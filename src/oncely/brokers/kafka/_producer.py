@@ -54,22 +54,53 @@ def topic_id(
     that name is created), or ``None`` when the cluster gives topics none; with
     ``missing_ok``, :data:`TOPIC_MISSING` when there is no such topic. Blocking: run it in a
     thread. Raises :class:`~oncely.BrokerUnavailable` when the cluster does not answer."""
-    settings = {**cluster.librdkafka(), "logger": LIBRDKAFKA_LOGGER}
-    seconds = timeout.total_seconds()
-    try:
-        admin = AdminClient(settings)
-        asked = admin.describe_topics(TopicCollection([topic]), request_timeout=seconds)
-        found = asked[topic].result(timeout=seconds + 1)
-    except (confluent_kafka.KafkaException, concurrent.futures.TimeoutError) as exc:
-        error = exc.args[0] if isinstance(exc, confluent_kafka.KafkaException) else None
-        unknown = confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART
-        if missing_ok and isinstance(error, confluent_kafka.KafkaError) and error.code() == unknown:
-            return TOPIC_MISSING
-        raise BrokerUnavailable(
-            f"kafka {cluster.shown}: could not read the id of the topic {topic!r}: {said(exc)}"
-        ) from None
-    given = str(found.topic_id) if getattr(found, "topic_id", None) is not None else ""
-    return given if given and given != _NO_TOPIC_ID else None
+    return TopicIds(cluster).read(topic, timeout, missing_ok=missing_ok)
+
+
+class TopicIds:
+    """Reads topics' ids (see :func:`topic_id`) through one admin client, made on first use
+    and kept: a consumer looking at its topic every few seconds holds one client, with its
+    threads and its connection, rather than making and dropping one at each look. Thread-safe
+    (librdkafka's admin client is)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._admin: AdminClient | None = None
+        self._lock = threading.Lock()
+        self.made = 0
+        """How many admin clients were made (one, unless the first could not be)."""
+
+    def _client(self) -> AdminClient:
+        with self._lock:
+            if self._admin is None:
+                settings: dict[str, Any] = {**self._cluster.librdkafka()}
+                settings["logger"] = LIBRDKAFKA_LOGGER
+                self._admin = AdminClient(settings)
+                self.made += 1
+            return self._admin
+
+    def read(self, topic: str, timeout: timedelta, *, missing_ok: bool = False) -> str | None:
+        cluster = self._cluster
+        seconds = timeout.total_seconds()
+        try:
+            asked = self._client().describe_topics(
+                TopicCollection([topic]), request_timeout=seconds
+            )
+            found = asked[topic].result(timeout=seconds + 1)
+        except (confluent_kafka.KafkaException, concurrent.futures.TimeoutError) as exc:
+            error = exc.args[0] if isinstance(exc, confluent_kafka.KafkaException) else None
+            unknown = confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART
+            if (
+                missing_ok
+                and isinstance(error, confluent_kafka.KafkaError)
+                and error.code() == unknown
+            ):
+                return TOPIC_MISSING
+            raise BrokerUnavailable(
+                f"kafka {cluster.shown}: could not read the id of the topic {topic!r}: {said(exc)}"
+            ) from None
+        given = str(found.topic_id) if getattr(found, "topic_id", None) is not None else ""
+        return given if given and given != _NO_TOPIC_ID else None
 
 
 class KafkaProducer:

@@ -29,7 +29,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from oncely._core.said import said
 from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
-from oncely.brokers.kafka._producer import TOPIC_MISSING, KafkaProducer, topic_id
+from oncely.brokers.kafka._producer import TOPIC_MISSING, KafkaProducer, TopicIds
 from oncely.brokers.kafka._records import (
     LOGGER,
     SHARED_URL_OPTIONS,
@@ -230,6 +230,7 @@ class Kafka:
         self._save: Callable[[tuple[str, int, int]], Awaitable[None]] | None = None
         self._stream = self.source
         self._topic_id: str | None = None
+        self._topic_ids = TopicIds(self.cluster)
         """The topic's id as this member last found it (``None``: not known yet)."""
         self._topic_gone = False
         self._looking: asyncio.Future[str | None] | None = None
@@ -321,9 +322,7 @@ class Kafka:
         cluster that does not answer then raises), and for the look at the topic (which
         reads it later when it cannot be read now)."""
         try:
-            found = await asyncio.to_thread(
-                topic_id, self.cluster, self.source, self.connect_timeout
-            )
+            found = await asyncio.to_thread(self._topic_ids.read, self.source, self.connect_timeout)
         except BrokerUnavailable:
             if self._start_from is not None:
                 raise
@@ -354,7 +353,7 @@ class Kafka:
             self._look_at = monotonic() + (min(every, 1.0) if self._topic_gone else every)
             self._looking = asyncio.ensure_future(
                 asyncio.to_thread(
-                    topic_id, self.cluster, self.source, self.connect_timeout, missing_ok=True
+                    self._topic_ids.read, self.source, self.connect_timeout, missing_ok=True
                 )
             )
         return self._looking
