@@ -13,6 +13,7 @@ of all three are parsed here. Names spliced into statements (tables, schemas) ar
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "apportion",
     "bucket_sql",
     "check_identifier",
+    "durability_warning",
     "marker_missing",
     "parse_record",
     "parse_scanned",
@@ -90,6 +92,38 @@ def marker_missing(place: str, meta: str, version: int, note: str = "") -> Schem
         f"{version}: INSERT INTO {meta} (name, value) VALUES ('schema_version', '{version}')), "
         "or move the table aside and run `oncely migrate` to create a new one" + note
     )
+
+
+LOGGER = logging.getLogger("oncely.store")
+
+_DURABLE: Final = {
+    "synchronous_commit": ("on", "remote_apply", "remote_write", "local"),
+    "fsync": ("on",),
+    "innodb_flush_log_at_trx_commit": ("1",),
+}
+"""The server settings under which a commit the server confirmed survives its crash."""
+
+
+def durability_warning(where: str, settings: Mapping[str, object]) -> None:
+    """Log once, at WARNING, the settings of ``settings`` (name: value read from the server)
+    under which a commit the server confirmed can be lost when it crashes: a record lost so
+    is a message processed again, and an effect outside the transaction repeated."""
+    lax = {
+        name: str(value).lower()
+        for name, value in settings.items()
+        if str(value).lower() not in _DURABLE[name]
+    }
+    if lax:
+        LOGGER.warning(
+            "oncely store=%s %s: a crash of the server can lose the last commits it "
+            "confirmed. A record lost so is its message processed again when redelivered: "
+            "a transactional handler's writes are lost with it (one effect still), but an "
+            "effect outside the transaction (a charge, an e-mail) is repeated. Make them "
+            "durable (%s) for effects that must never repeat",
+            where,
+            ", ".join(f"{name}={value}" for name, value in lax.items()),
+            ", ".join(f"{name}={_DURABLE[name][0]}" for name in lax),
+        )
 
 
 def read_version(value: object, what: str, place: str) -> int:

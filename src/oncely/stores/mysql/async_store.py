@@ -67,7 +67,13 @@ from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import MAX_CONSUMERS, Estimate, marker_missing, parse_versions
+from oncely.stores._sql import (
+    MAX_CONSUMERS,
+    Estimate,
+    durability_warning,
+    marker_missing,
+    parse_versions,
+)
 from oncely.stores.async_protocols import complete_each
 from oncely.stores.async_sql import Position, SQLStoreBase, server_time
 from oncely.stores.mysql.async_io import (
@@ -299,6 +305,8 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         conn = await self._pool.acquire()
         try:
             version, revision = await self._read_versions(conn)
+            found = (await fetchall(conn, "SELECT @@innodb_flush_log_at_trx_commit"))[0]
+            durability_warning(self.url, {"innodb_flush_log_at_trx_commit": found[0]})
             if version is None:  # a first creation: one process at a time (see _creating)
                 async with self._creating(conn):
                     await self._setup_with(conn, *await self._versions(conn), migrating)

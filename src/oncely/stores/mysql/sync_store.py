@@ -69,7 +69,13 @@ from oncely._core.table import lease_lost
 from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
-from oncely.stores._sql import MAX_CONSUMERS, Estimate, marker_missing, parse_versions
+from oncely.stores._sql import (
+    MAX_CONSUMERS,
+    Estimate,
+    durability_warning,
+    marker_missing,
+    parse_versions,
+)
 from oncely.stores.mysql.dialect import (
     MAX_CONSUMER_BYTES,
     REVISION_NOTE,
@@ -301,6 +307,8 @@ class MySQLStore(SQLStoreBase[str]):
         conn = self._pool.acquire()
         try:
             version, revision = self._read_versions(conn)
+            found = (fetchall(conn, "SELECT @@innodb_flush_log_at_trx_commit"))[0]
+            durability_warning(self.url, {"innodb_flush_log_at_trx_commit": found[0]})
             if version is None:  # a first creation: one process at a time (see _creating)
                 with self._creating(conn):
                     self._setup_with(conn, *self._versions(conn), migrating)

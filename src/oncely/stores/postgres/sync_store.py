@@ -64,6 +64,7 @@ from oncely.stores._sql import (
     SMALL,
     STATUS,
     Estimate,
+    durability_warning,
     marker_missing,
     parse_versions,
     plan_rows,
@@ -113,6 +114,11 @@ from oncely.stores.sync_sql import Position, SQLStoreBase, server_time
 __all__ = ["PostgresStore"]
 
 _TX = pq.TransactionStatus
+
+_DURABILITY = ("synchronous_commit", "fsync")
+_READ_DURABILITY = b"SELECT current_setting('synchronous_commit'), current_setting('fsync')"
+"""The settings that decide whether a commit the server confirmed survives its crash, read
+once when the store is set up (see :func:`~oncely.stores._sql.durability_warning`)."""
 
 # How long the store keeps connections out of its pool before it hands them back (_release).
 _KEEP_SECONDS = 60.0
@@ -429,6 +435,8 @@ class PostgresStore(SQLStoreBase[bytes]):
         try:
             with self._admin() as conn:
                 version, revision = self._versions(conn)
+                found = (fetchall(conn, _READ_DURABILITY))[0]
+                durability_warning(self._where, dict(zip(_DURABILITY, found, strict=True)))
                 if self._tables_needed(version, migrating=migrating):
                     self._create(conn)
                 elif self._upgrade_needed(revision, migrating=migrating):
