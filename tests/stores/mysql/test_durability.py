@@ -45,9 +45,7 @@ def test_r8_a_server_that_may_lose_confirmed_commits_is_named_at_warning(
     assert "innodb_flush_log_at_trx_commit=1" in said and "repeated" in said
 
 
-def test_r8_a_durable_server_is_not_mentioned(
-    table: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_r8_a_durable_server_is_not_mentioned(table: str, caplog: pytest.LogCaptureFixture) -> None:
     store = MySQLStore.from_url(url(table))
     try:
         with caplog.at_level(logging.WARNING, logger="oncely.store"):

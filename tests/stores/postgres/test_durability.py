@@ -58,9 +58,7 @@ async def test_r8_the_asyncio_store_says_it_too(
     assert "synchronous_commit=off" in said
 
 
-def test_r8_a_durable_server_is_not_mentioned(
-    table: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_r8_a_durable_server_is_not_mentioned(table: str, caplog: pytest.LogCaptureFixture) -> None:
     store = PostgresStore(POSTGRES_DSN, table=table)
     try:
         with caplog.at_level(logging.WARNING, logger="oncely.store"):
