@@ -8,6 +8,7 @@ server, naming the setting to change; ``allow_eviction=true`` accepts the risk k
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -130,3 +131,21 @@ def test_r8_a_cluster_primary_that_evicts_is_refused() -> None:
         node.config_set("maxmemory-policy", before["maxmemory-policy"])
         node.config_set("maxmemory", before["maxmemory"])
         node.close()
+
+
+def test_r8_a_user_not_allowed_info_is_warned_and_served(
+    private_redis: tuple[redis.Redis, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user whose ACL refuses ``INFO`` (as some managed services set theirs): the policy
+    cannot be read, so the store says what to check, at WARNING, and serves."""
+    server, url = private_redis
+    server.acl_setuser("app", enabled=True, passwords=["+pw"], keys=["*"],
+                       commands=["+@all", "-info"])  # fmt: skip
+    store = oncely.open(url.replace("redis://", "redis://app:pw@"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="oncely.store"):
+            assert _claim(store, "order-1")
+    finally:
+        store.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "oncely.store"]
+    assert len(said) == 1 and "could not read the server's maxmemory-policy" in said[0]
