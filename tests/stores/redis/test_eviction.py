@@ -8,8 +8,10 @@ server, naming the setting to change; ``allow_eviction=true`` accepts the risk k
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -113,24 +115,32 @@ def test_r8_no_memory_limit_or_noeviction_is_accepted(
         store.close()
 
 
-def test_r8_a_cluster_primary_that_evicts_is_refused() -> None:
-    """On a Redis Cluster every primary is read: one of the three evicting is enough."""
-    cluster = require_cluster()
-    node = redis.Redis(port=cluster.ports[-1])
+@contextlib.contextmanager
+def _evicting(port: int, policy: str) -> Iterator[None]:
+    """The cluster node on ``port`` evicting keys with ``policy`` (1 GB: nothing is evicted
+    in the test), then as it was."""
+    node = redis.Redis(port=port)
     before = node.config_get("maxmemory*")
     try:
         node.config_set("maxmemory", "1gb")
-        node.config_set("maxmemory-policy", "volatile-lfu")
+        node.config_set("maxmemory-policy", policy)
+        yield
+    finally:
+        node.config_set("maxmemory-policy", before["maxmemory-policy"])
+        node.config_set("maxmemory", before["maxmemory"])
+        node.close()
+
+
+def test_r8_a_cluster_primary_that_evicts_is_refused() -> None:
+    """On a Redis Cluster every primary is read: one of the three evicting is enough."""
+    cluster = require_cluster()
+    with _evicting(cluster.ports[-1], "volatile-lfu"):
         store = oncely.open(f"{cluster.url}&prefix=evict_{uuid.uuid4().hex[:8]}")
         try:
             with pytest.raises(ConfigurationError, match="maxmemory-policy volatile-lfu"):
                 _claim(store, "order-1")
         finally:
             store.close()
-    finally:
-        node.config_set("maxmemory-policy", before["maxmemory-policy"])
-        node.config_set("maxmemory", before["maxmemory"])
-        node.close()
 
 
 def test_r8_a_user_not_allowed_info_is_warned_and_served(
@@ -149,3 +159,14 @@ def test_r8_a_user_not_allowed_info_is_warned_and_served(
         store.close()
     said = [r.getMessage() for r in caplog.records if r.name == "oncely.store"]
     assert len(said) == 1 and "could not read the server's maxmemory-policy" in said[0]
+
+
+async def test_r8_the_asyncio_store_reads_every_cluster_primary_too() -> None:
+    cluster = require_cluster()
+    with _evicting(cluster.ports[1], "allkeys-lfu"):
+        store = AsyncRedisStore.from_url(f"{cluster.url}&prefix=evict_{uuid.uuid4().hex[:8]}")
+        try:
+            with pytest.raises(ConfigurationError, match="maxmemory-policy allkeys-lfu"):
+                await store.prepare()
+        finally:
+            await store.aclose()
