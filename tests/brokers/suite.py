@@ -647,6 +647,69 @@ class BrokerSuite:
         )
         await self.assert_settled()
 
+    async def test_r8_r13_give_backs_are_not_failures_max_deliveries_counts_failed_runs(
+        self,
+    ) -> None:
+        """A copy meets the key held by another worker (a live lease, renewed) and is given
+        back at least 4 times, each a delivery the broker counts; then that worker fails and
+        releases the key, and every run of the copy fails. ``max_deliveries`` (3) counts the
+        failed runs, not the give-backs: the copy runs 3 times, then it is dead-lettered with
+        the true number of failures (before, the broker's count, 5 or more at the first run,
+        dead-lettered it after a single failure, as "failed on all 5 deliveries")."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        release = asyncio.Event()
+        runs = 0
+
+        async def holder(payload: dict[str, Any]) -> None:
+            await release.wait()
+            raise RuntimeError("the holder failed")
+
+        async def handler(payload: dict[str, Any]) -> None:
+            nonlocal runs
+            runs += 1
+            raise RuntimeError(f"boom {runs}")
+
+        other = asyncio.create_task(inbox.handle("contended", {"k": "contended"}, holder))
+        watched = Watched(self.transport())
+        worker = self.consumer(handler, inbox=inbox, transport=watched, max_deliveries=3)
+        try:
+            await wait_until(lambda: _claimed(inbox, "contended"), what="the holder's claim")
+            await self.publish("contended")
+            async with running(worker):
+                await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
+                release.set()
+                assert (await other).outcome is oncely.Outcome.FAILED
+                await wait_until(
+                    lambda: worker.counts["dead_lettered_after_retries"] == 1,
+                    timeout=timedelta(seconds=30),
+                    what="the failing copy dead-lettered",
+                )
+        finally:
+            release.set()
+            with contextlib.suppress(Exception):
+                await other
+        given_back = worker.counts["in_flight"]
+        assert runs == 3
+        assert worker.counts == Counter(
+            {"in_flight": given_back, "failed": 3, "dead_lettered_after_retries": 1}
+        )
+        assert self.ledger.counts() == {}
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "contended"
+        assert copy.outcome == "rejected"
+        assert "boom 3" in copy.reason  # the last error
+        if getattr(watched.inner, "local_delivery_counts", False):
+            # A count of the consumer's own (Kafka) counts runs only.
+            assert "failed on all 3 deliveries" in copy.reason, copy.reason
+            assert copy.deliveries == "3"
+        else:  # the broker counted every delivery; the copy tells them apart
+            deliveries = given_back + 3
+            assert f"failed 3 times in {deliveries} deliveries ({given_back} given back unrun" in (
+                copy.reason
+            ), copy.reason
+            assert copy.deliveries == str(deliveries)
+        await self.assert_settled()
+
     async def check_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         """A handler that raises CancelledError itself (a cancellation of its own tasks or
         timeouts that escaped it), while nobody cancelled the consumer: a failure, retried

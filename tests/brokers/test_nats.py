@@ -453,6 +453,48 @@ class TestJetStream(BrokerSuite):
         assert self.ledger.counts() == {}
         await self.assert_settled()
 
+    async def test_e_r13_give_backs_and_failures_together_stop_at_max_deliver(self) -> None:
+        """``max_deliveries`` (5) counts failures, not the give-backs of a copy that met a
+        running one; the consumer's ``max_deliver`` (6) still counts both. A copy given back
+        at least 4 times while another worker holds its key, then failing each run, reaches
+        ``max_deliver`` before its 5th failure: the give-back asked for on that last delivery
+        dead-letters it with the broker limit's reason, never strands it unacknowledged."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        release = asyncio.Event()
+        runs = 0
+
+        async def holder(payload: dict[str, Any]) -> None:
+            await release.wait()
+            raise RuntimeError("the holder failed")
+
+        async def handler(payload: dict[str, Any]) -> None:
+            nonlocal runs
+            runs += 1
+            raise RuntimeError("always")
+
+        other = asyncio.create_task(inbox.handle("stuck", {"k": "stuck"}, holder))
+        worker = self.consumer(
+            handler, inbox=inbox, transport=self.transport(max_deliver=6), max_deliveries=5
+        )
+        try:
+            await wait_until(lambda: _held(inbox, "stuck"), what="the holder's claim")
+            await self.publish("stuck")
+            async with running(worker):
+                await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
+                release.set()
+                await wait_until(lambda: worker.counts["failed"] == 6 - worker.counts["in_flight"])
+                await wait_until(self.settled, what="nothing pending")
+        finally:
+            release.set()
+            with contextlib.suppress(Exception):
+                await other
+        assert runs == 6 - worker.counts["in_flight"] < 5
+        (copy,) = await self.dead_letters()
+        assert "max_deliver" in copy.reason, copy.reason
+        assert copy.deliveries == "6"
+        assert self.ledger.counts() == {}
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ graceful stop
 
     async def test_stop_gives_back_fetched_messages_no_handler_started(self) -> None:
@@ -556,6 +598,10 @@ class TestJetStream(BrokerSuite):
 
 
 # ---------------------------------------------------------------------- configuration
+
+
+async def _held(inbox: oncely.AsyncInbox, key: str) -> bool:
+    return await inbox.get(key) is not None
 
 
 def test_registry_opens_jetstream_for_nats_urls() -> None:

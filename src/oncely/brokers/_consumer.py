@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import signal
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -425,6 +426,11 @@ class BrokerConsumer:
         self._room = asyncio.Event()
         """Set when a batch's delivery is settled: the next batch may be read."""
         self._heartbeats = AsyncHeartbeats()
+        self._given_back: OrderedDict[Hashable, int] = OrderedDict()
+        """How many times this process gave each unfinished message back unrun (a copy
+        ``in_flight``, the store away, a shutdown), by its identity on the broker
+        (:func:`_identity`): deliveries the broker counts that were no failures. At most
+        :data:`_GIVE_BACKS_KEPT` messages, the least recently given back forgotten first."""
 
     # ------------------------------------------------------------------ running
 
@@ -744,7 +750,7 @@ class BrokerConsumer:
             else:
                 await asyncio.gather(
                     *(
-                        self._settle_quietly(_give_back(d, timedelta(0)), d, "retry")
+                        self._settle_quietly(self._give_back(d, timedelta(0)), d, "retry")
                         for d in left.values()
                     )
                 )
@@ -762,7 +768,9 @@ class BrokerConsumer:
             backoff = self.settings.backoff
             await asyncio.gather(
                 *(
-                    self._settle_quietly(_give_back(d, backoff.delay(d.delivery_count)), d, "retry")
+                    self._settle_quietly(
+                        self._give_back(d, backoff.delay(d.delivery_count)), d, "retry"
+                    )
                     for d in left.values()
                 )
             )
@@ -883,7 +891,7 @@ class BrokerConsumer:
             if not _cancelled():
                 return self._not_cancelled(delivery)
             # Shutdown past the grace period: the inbox released the claim; give it back.
-            await self._settle_quietly(_give_back(delivery, timedelta(0)), delivery, "retry")
+            await self._settle_quietly(self._give_back(delivery, timedelta(0)), delivery, "retry")
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += 1
@@ -896,7 +904,7 @@ class BrokerConsumer:
                 _fields(delivery.describe()),
             )
             await self._settle_quietly(
-                _give_back(delivery, self.settings.backoff.delay(delivery.delivery_count)),
+                self._give_back(delivery, self.settings.backoff.delay(delivery.delivery_count)),
                 delivery,
                 "retry",
             )
@@ -960,10 +968,41 @@ class BrokerConsumer:
             correlation_id=envelope.correlation_id,
         )
 
+    def _give_back(self, delivery: Delivery, delay: timedelta) -> Awaitable[None]:
+        """:func:`_give_back`, noted where the broker counts the delivery it makes: the
+        message's later failures are counted without it."""
+        if delivery.delivery_count is not None and getattr(delivery, "requeue", None) is None:
+            identity = _identity(delivery)
+            if identity is not None:
+                given = self._given_back
+                given[identity] = given.pop(identity, 0) + 1
+                if len(given) > _GIVE_BACKS_KEPT:
+                    given.popitem(last=False)
+        return _give_back(delivery, delay)
+
+    def _failures(self, delivery: Delivery, count: int) -> tuple[int, int]:
+        """How many of the message's ``count`` deliveries failed, this one included, and how
+        many this process gave back unrun (never more than ``count - 1``)."""
+        if not self._given_back:
+            return count, 0
+        given = max(0, min(self._given_back.get(_identity(delivery), 0), count - 1))
+        return count - given, given
+
+    def _finished(self, delivery: Delivery) -> None:
+        """The message is acknowledged or dead-lettered: its give-backs are forgotten."""
+        if self._given_back:
+            self._given_back.pop(_identity(delivery), None)
+
     async def _settle(self, delivery: Delivery, handled: Handled[Any], *, ack: bool = True) -> bool:
         """Count, log and carry out the outcome's broker action; with ``ack=False`` an ack is
         left to the caller (a batch's acks go in one call). Whether the delivery is finished:
-        acknowledged (or left to the caller to), or its dead-letter copy written."""
+        acknowledged (or left to the caller to), or its dead-letter copy written.
+
+        A failure is retried until the message has failed ``max_deliveries`` times: the
+        broker's delivery count less the give-backs this process made of it (deliveries that
+        ran no handler). A give-back made by another process, or before a restart, is not
+        known here and counts as a failure, as every delivery did before: a message is
+        dead-lettered early then, never retried beyond ``max_deliveries`` failures."""
         self.counts[handled.outcome.value] += 1
         settings = self.settings
         action = handled.action
@@ -973,23 +1012,33 @@ class BrokerConsumer:
             # process's own; the inbox's attempt count is higher when a claim was taken over
             # (a failure releases its claim, so failures are counted by the transport alone).
             count = max(count or 0, handled.attempt)
+        failures, given_back = (count, 0)
+        if action is Action.RETRY and count is not None:
+            failures, given_back = self._failures(delivery, count)
         step: Awaitable[None] | None
         after_retries = False
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
             step, how = (
-                _give_back(delivery, _in_flight_delay(handled, settings.requeue_delay)),
+                self._give_back(delivery, _in_flight_delay(handled, settings.requeue_delay)),
                 "requeue",
             )
-        elif action is Action.RETRY and (count is None or count < settings.max_deliveries):
-            step, how = delivery.retry(settings.backoff.delay(count)), "retry"
+        elif action is Action.RETRY and (failures is None or failures < settings.max_deliveries):
+            step, how = delivery.retry(settings.backoff.delay(failures)), "retry"
         else:
             reason = handled.reason or handled.outcome.value
             outcome = handled.outcome.value
             if action is Action.RETRY:
                 outcome = Outcome.REJECTED.value
-                reason = f"failed on all {count} deliveries; last: {reason}"
+                if given_back:
+                    reason = (
+                        f"failed {failures} times in {count} deliveries ({given_back} given "
+                        f"back unrun, no failures: a copy running elsewhere, the store away); "
+                        f"last: {reason}"
+                    )
+                else:
+                    reason = f"failed on all {count} deliveries; last: {reason}"
                 after_retries = True
             why = DeadLetter(
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
@@ -1020,6 +1069,8 @@ class BrokerConsumer:
                 },
             )
         done = step is None or await self._settle_quietly(step, delivery, how)
+        if done and how in ("ack", "dead_letter"):
+            self._finished(delivery)
         if how == "dead_letter":
             # Counted once the copy is written: a copy that failed gave the message back
             # (it is read again, and its outcome decided anew), it dead-lettered nothing.
@@ -1103,11 +1154,36 @@ _HOLD_AT_MOST = timedelta(minutes=5)
 close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min)."""
 
 
+_GIVE_BACKS_KEPT = 10_000
+"""The most unfinished messages whose give-backs a consumer remembers (a forgotten one has its
+later failures counted as before: every delivery of it a failure)."""
+
+
+def _identity(delivery: Delivery) -> Hashable | None:
+    """What tells the message apart from every other on its broker, the same on each of its
+    deliveries: the delivery's ``identity`` where the transport offers one (a JetStream
+    stream sequence, a Redis Streams entry id, an SQS ``MessageId``), else a digest of its
+    message id and body (two copies a producer sent with one id and body are taken for one
+    message). ``None`` for a body that is no bytes."""
+    identity = getattr(delivery, "identity", None)
+    if identity is not None:
+        return cast(Hashable, identity)
+    envelope = delivery.envelope
+    body = envelope.body
+    if not isinstance(body, bytes | bytearray | memoryview):
+        return None
+    digest = hashlib.blake2b(body, digest_size=16)
+    digest.update(b"\0" + (envelope.message_id or "").encode("utf-8", "surrogatepass"))
+    return digest.digest()
+
+
 def _give_back(delivery: Delivery, delay: timedelta) -> Awaitable[None]:
     """Give ``delivery`` back for a later delivery without counting one: its handler did not
     run to a failure (held back behind one, meeting a running copy, the store away, the
     shutdown). A transport that counts deliveries itself (Kafka) has ``requeue`` for it; a
-    broker's own count (RabbitMQ, SQS, NATS) moves anyway."""
+    broker's own count (RabbitMQ, SQS, NATS, Redis Streams) moves anyway, so the consumer
+    notes the give-back (:meth:`BrokerConsumer._give_back`) and takes it off that count
+    before comparing it with ``max_deliveries``."""
     requeue = getattr(delivery, "requeue", None)
     return requeue(delay) if requeue is not None else delivery.retry(delay)
 

@@ -13,8 +13,9 @@ processed/duplicate  ack                             acknowledge
 stale_reclaimed      ack                             acknowledge
 in_flight            requeue later                   give the message back once the holder's lease
                                                      has run out (at least ``requeue_delay``)
-failed               retry                           give it back after a backoff; past
-                                                     ``max_deliveries`` dead-letter it instead
+failed               retry                           give it back after a backoff; once it
+                                                     has failed ``max_deliveries`` times
+                                                     dead-letter it instead
 key_conflict         dead-letter                     copy it to the dead-letter destination with
 rejected                                             the outcome and reason, then remove it
 escalated            park                            the same, with outcome ``escalated``
@@ -75,6 +76,12 @@ class Delivery(Protocol):
     Exactly one of :meth:`ack`, :meth:`retry` and :meth:`dead_letter` is called per delivery.
     Each may raise :class:`~oncely.BrokerUnavailable` when the connection is gone; the broker
     then redelivers the message, which the inbox answers as ``duplicate`` if it was processed.
+
+    A delivery may offer ``identity``: a hashable value that tells its message apart from
+    every other on the broker and is the same on each of its deliveries (JetStream's stream
+    sequence, a Redis Streams entry id, SQS's ``MessageId``). The consumer keys the
+    give-backs it made of a message by it, to count the message's failures apart from them;
+    without it, a digest of the message id and the body.
     """
 
     @property
@@ -213,8 +220,14 @@ class ConsumerSettings:
     before it is given back; it waits for what is left of the lease the key is held under where
     that is longer (up to 5 minutes at a time), so a dead worker's claim does not spend the
     message's deliveries while it runs out. A ``failed`` message is retried after ``backoff``
-    until it has been delivered ``max_deliveries`` times, then dead-lettered with the last error
-    (R13: keep the broker's own limit at or above this one, or set it here to the broker's). On
+    until it has failed ``max_deliveries`` times, then dead-lettered with the last error and
+    the number of failures (R13: keep the broker's own limit at or above this one, or set it
+    here to the broker's). Failures are the broker's delivery count less the deliveries this
+    consumer process gave back unrun (an ``in_flight`` copy, the store away): a message given
+    back while another copy held its key still gets all its runs. Give-backs made by another
+    process, or before a restart, are not known to this one and count as failures (the
+    message is dead-lettered sooner, never later); the broker's own delivery limit still
+    bounds every message, given back or failing. On
     shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
     claims released and their messages given back. A body longer than ``max_body_bytes``
     (``None``: no limit) is dead-lettered as ``rejected`` without being decoded. With

@@ -50,13 +50,18 @@ What each outcome does
     A running handler's message is kept with ``+WPI`` (in progress) every ``ack_wait / 3``.
 
 Delivery limit
-    ``delivery_count`` is JetStream's ``num_delivered``. The consumer loop dead-letters a
-    message that failed on ``ConsumerSettings.max_deliveries`` deliveries. The stream
-    consumer's own ``max_deliver`` (default 20) is a safety net above that (R13): keep it
-    above ``max_deliveries`` with room for ``in_flight`` requeues, which count as deliveries
-    too. JetStream silently stops delivering a message at its ``max_deliver`` and leaves it
-    unacknowledged, so a give-back asked for on that last delivery dead-letters the message
-    instead (reason: the consumer's ``max_deliver`` was reached) rather than strand it.
+    ``delivery_count`` is JetStream's ``num_delivered``, which counts every delivery: the
+    failed runs, and the ``in_flight`` requeues of a copy that met a running one (or a dead
+    worker's live lease). The consumer loop dead-letters a message once it has failed
+    ``ConsumerSettings.max_deliveries`` times: ``num_delivered`` less the requeues this
+    process made of it (a requeue made by another process, or before a restart, is counted
+    as a failure: dead-lettered sooner, never later). The stream consumer's own
+    ``max_deliver`` (default 20) is a safety net above that (R13), for failures and requeues
+    together: keep it above ``max_deliveries`` with room for the requeues a copy can take
+    while another runs. JetStream silently stops delivering a message at its ``max_deliver``
+    and leaves it unacknowledged, so a give-back (a retry or a requeue) asked for on that
+    last delivery dead-letters the message instead (reason: the consumer's ``max_deliver``
+    was reached) rather than strand it.
 
 Keys
     The producer's id is the ``Nats-Msg-Id`` header (``Envelope.message_id``); CloudEvents

@@ -30,13 +30,23 @@ if TYPE_CHECKING:
 class JetStreamDelivery:
     """One JetStream message held unacknowledged by the durable pull consumer."""
 
-    __slots__ = ("_count", "_envelope", "_msg", "_refusal", "_settled", "_transport")
+    __slots__ = (
+        "_count",
+        "_envelope",
+        "_identity",
+        "_msg",
+        "_refusal",
+        "_settled",
+        "_transport",
+    )
 
     def __init__(self, transport: JetStream, msg: Msg) -> None:
         self._transport = transport
         self._msg = msg
         self._settled = False
-        self._count = msg.metadata.num_delivered
+        meta = msg.metadata
+        self._count = meta.num_delivered
+        self._identity = (meta.stream, meta.sequence.stream)
         self._envelope, self._refusal = read_message(msg)
 
     @property
@@ -50,6 +60,11 @@ class JetStreamDelivery:
     @property
     def refusal(self) -> str | None:
         return self._refusal
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        """The stream and the message's sequence in it: the same on each delivery."""
+        return self._identity
 
     def describe(self) -> Mapping[str, object]:
         return self._envelope.transport

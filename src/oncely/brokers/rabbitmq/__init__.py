@@ -30,8 +30,9 @@ What each outcome does here:
 processed/duplicate  ``basic.ack``
 stale_reclaimed      ``basic.ack``
 in_flight            held unacknowledged for ``requeue_delay``, then ``basic.nack`` with requeue
-failed               held for the backoff delay, then ``basic.nack`` with requeue; once the
-                     delivery count reaches ``ConsumerSettings.max_deliveries`` it is
+failed               held for the backoff delay, then ``basic.nack`` with requeue; once it
+                     has failed ``ConsumerSettings.max_deliveries`` times (the delivery count
+                     less the ``in_flight`` requeues this process made of it) it is
                      dead-lettered instead, with the last error as the reason
 key_conflict,        published to the dead-letter exchange with ``x-oncely-outcome``,
 rejected, escalated  ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-deliveries``
@@ -53,7 +54,11 @@ a message redelivered without the header (a classic queue, read with ``declare=f
 its redeliveries counted by the transport itself, per consumer process (by message id and
 body): a message that fails everywhere is dead-lettered after at most ``max_deliveries``
 deliveries to each process, rather than given back for good. Every requeue counts:
-a failed attempt, an ``in_flight`` requeue, a consumer crash or a lost connection. When a
+a failed attempt, an ``in_flight`` requeue, a consumer crash or a lost connection; the
+consumer takes the ``in_flight`` requeues it made itself off that count before it compares
+it with ``max_deliveries``, which counts failures (those made by another process, or before
+a restart, it cannot know: they count as failures, so the message is dead-lettered sooner,
+never later). When a
 message has been delivered more than ``x-delivery-limit`` times the broker dead-letters it by
 itself, which is at-most-once by default and carries no ``x-oncely-*`` reason. That is only a
 safety net: keep ``delivery_limit`` above ``ConsumerSettings.max_deliveries`` plus the

@@ -75,7 +75,11 @@ the same script): once another consumer has taken it over, the settlement is the
 message is never dead-lettered twice. Acknowledging is unconditional (the work is done).
 
 Delivery limit: ``ConsumerSettings.max_deliveries`` dead-letters a message that keeps failing.
-Redis has no limit of its own; ``delivery_limit`` adds one for messages whose consumer never
+The entry's delivery counter counts every delivery, the ``in_flight`` give-backs of a copy that
+met a running one too; the consumer takes the give-backs it made itself off it, so that
+``max_deliveries`` counts failed runs (a give-back made by another process, or before a
+restart, counts as a failure: dead-lettered sooner, never later). Redis has no limit of its
+own; ``delivery_limit`` adds one for messages whose consumer never
 settles them (a handler that crashes the process each time): an entry claimed with a higher
 count is dead-lettered as ``rejected`` instead of delivered. Keep it above ``max_deliveries``
 (R13).

@@ -67,6 +67,11 @@ class RedisStreamsDelivery:
         return as_text(self._id)
 
     @property
+    def identity(self) -> tuple[str, bytes]:
+        """The stream and the entry id: the same on each delivery of the entry."""
+        return (self._transport.stream, self._id)
+
+    @property
     def fields(self) -> Sequence[tuple[bytes, bytes]]:
         """The entry's fields as stored, in order."""
         return self._fields

@@ -64,7 +64,10 @@ message a live handler holds (R10); a crashed consumer's messages come back once
 queue with a redrive policy moves a message to its own dead-letter queue after
 ``maxReceiveCount`` receives, without a reason: keep that count above the consumer's
 ``max_deliveries`` (R13), with room for the give-backs of ``in_flight`` copies, which SQS
-counts as receives too. The consumer reads it from the queue for its horizon, with the
+counts as receives too (``max_deliveries`` itself counts failures: the consumer takes the
+give-backs it made of a message off its ``ApproximateReceiveCount``; one made by another
+process, or before a restart, counts as a failure, so the message is dead-lettered sooner,
+never later). The consumer reads it from the queue for its horizon, with the
 queue's ``MessageRetentionPeriod``, and warns at start when it is not above
 ``max_deliveries``; a message it would give back on its last receive is dead-lettered to
 ``<queue>-dead`` instead, with the reason. Missing queues are created by the consumer when it

@@ -455,6 +455,12 @@ class SQSDelivery:
         group = self._envelope.transport["message_group"]
         return str(group) if group is not None else None
 
+    @property
+    def identity(self) -> tuple[str, str] | None:
+        """The queue and SQS's own ``MessageId``: the same on each receive of the message."""
+        message_id = self._message.get("MessageId")
+        return (self._transport.source, str(message_id)) if message_id else None
+
     def describe(self) -> Mapping[str, object]:
         t = self._envelope.transport
         return {k: t[k] for k in ("queue", "sqs_message_id", "delivery_count")}
