@@ -366,7 +366,8 @@ class RedisStore:
                 "maxmemory-policy noeviction`, or the service's parameter group): a full "
                 "Redis then refuses new claims with StoreUnavailable, which consumers "
                 "retry. Give oncely a Redis of its own if other data there must be evicted; "
-                "allow_eviction=true accepts the risk"
+                "?allow_eviction=true in the URL (allow_eviction=True to the store) accepts the "
+                "risk, for a look with `oncely inbox` too"
             )
 
     def _version(self) -> int | None:
