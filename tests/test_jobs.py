@@ -303,3 +303,58 @@ async def test_r10_r19_a_job_whose_store_goes_silent_as_it_ends_is_told_within_a
     finally:
         with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_meta"'.encode())
+
+
+@pytest.mark.slow
+async def test_r19_a_job_whose_store_has_gone_silent_fails_clearly_and_does_not_run() -> None:
+    """The store (PostgreSQL, through a relay) has gone silent when the slot comes: its open
+    connections held, nothing relayed either way, no reset (a dead route). ``run_once`` raises
+    ``StoreUnavailable`` while the store is still silent, the claim's statement cut at the
+    store's ``read_timeout`` (2 s here; before, it waited on the connection until the store
+    came back: for ever behind a real dead route), and the job does not run; once the store is
+    back, the slot runs once."""
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    table = f"jobs_hush_{uuid.uuid4().hex[:10]}"
+    silent_for = 20.0  # seconds: far more than read_timeout
+    try:
+        async with Proxy(f"{POSTGRES_DSN}?table={table}&read_timeout=2") as proxy:
+            store = oncely.open(proxy.url)
+            inbox = oncely.Inbox(store, consumer="jobs")
+            ran: list[str] = []
+
+            def job() -> str:
+                ran.append("report")
+                return "sent"
+
+            async def silent_a_while() -> None:
+                proxy.silent = True
+                await asyncio.sleep(silent_for)
+                proxy.silent = False
+                proxy.cut()  # what was swallowed is lost: the held connections go
+
+            at = datetime(2026, 12, 1, 9, tzinfo=UTC)
+            try:
+                # A first slot opens the store's connections: the next one meets them silent.
+                await asyncio.to_thread(run_once, inbox, "warm", job, every="day", at=at)
+                outage = asyncio.create_task(silent_a_while())
+                await asyncio.sleep(0)  # silent from here on
+                with pytest.raises(oncely.StoreUnavailable, match="no answer"):
+                    await asyncio.to_thread(run_once, inbox, "report", job, every="day", at=at)
+                assert proxy.silent, "run_once waited for the store to come back"
+                await outage
+                for _ in range(50):  # the store's pool comes back on its own
+                    try:
+                        done = await asyncio.to_thread(
+                            run_once, inbox, "report", job, every="day", at=at
+                        )
+                        break
+                    except oncely.StoreUnavailable:
+                        await asyncio.sleep(0.2)
+                assert done.outcome is oncely.Outcome.PROCESSED
+                assert ran == ["report", "report"]  # the warm slot's, then this one's once
+            finally:
+                inbox.close()
+                store.close()
+    finally:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_meta"'.encode())

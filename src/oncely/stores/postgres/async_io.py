@@ -3,18 +3,30 @@
 psycopg's sync and asyncio APIs have the same method names, so the store itself is written once;
 only the class names, opening and closing a pool, and a background pool check differ. They are
 marked ``if ASYNC:`` in ``async_io.py``, from which ``sync_io.py`` is generated like the rest.
+
+A statement on a connection the store holds alone, outside a transaction, gets its answer
+within the store's ``read_timeout`` or its connection is cut (:class:`_Watchdog`): psycopg has
+no client-side timeout of its own, and a server gone silent behind a dead route (no reset, no
+refusal: the kernel's TCP timeouts take many minutes, or never come when something on the way
+still acknowledges) would hold the caller, a sync one above all, for as long.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
+import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
+from functools import cache
+from time import monotonic
 from typing import Any, TypeAlias
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import tuple_row
 
 from oncely._twin import ASYNC
@@ -27,8 +39,6 @@ if ASYNC:
     from psycopg import AsyncPipeline as _Pipeline
     from psycopg_pool import AsyncConnectionPool as _ConnectionPool
 else:
-    import threading
-
     from psycopg import Connection as _Connection
     from psycopg import Cursor as _Cursor
     from psycopg import Pipeline as _Pipeline
@@ -46,12 +56,14 @@ __all__ = [
     "fetchall",
     "fetchall_after",
     "fetchall_begun",
+    "fetchall_unbounded",
     "is_connection",
     "is_pool",
     "make_pool",
     "open_pool",
     "own",
     "recheck_soon",
+    "tcp_defaults",
 ]
 
 Connection: TypeAlias = _Connection[Any]
@@ -61,17 +73,23 @@ Params = Mapping[str, object] | None
 _PIPELINE = _Pipeline.is_supported()
 
 TupleCursor: TypeAlias = _Cursor[tuple[Any, ...]]
-_OWN: weakref.WeakKeyDictionary[Connection, TupleCursor] = weakref.WeakKeyDictionary()
-"""A cursor for each connection a store has checked out of its pool (:func:`own`), reused
-by every statement the store runs on it: creating a psycopg cursor (its adapters map
-included) costs about 8 µs of CPU, a sixth of a duplicate's claim. Only connections a store
-holds alone are here, never a caller's (``tx=``), which other threads may share: two
+_OWN: weakref.WeakKeyDictionary[Connection, tuple[TupleCursor, float | None]] = (
+    weakref.WeakKeyDictionary()
+)
+"""For each connection a store has checked out of its pool (:func:`own`), a cursor reused by
+every statement the store runs on it (creating a psycopg cursor, its adapters map included,
+costs about 8 µs of CPU, a sixth of a duplicate's claim), and the seconds its statements wait
+for an answer (the store's ``read_timeout``; None: as long as it takes). Only connections a
+store holds alone are here, never a caller's (``tx=``), which other threads may share: two
 statements on one cursor at once would read each other's rows."""
 
+_IDLE = pq.TransactionStatus.IDLE
 
-def own(conn: Connection) -> None:
-    """Give ``conn`` (just checked out by a store, used by it alone) a cursor to reuse."""
-    _OWN[conn] = conn.cursor(row_factory=tuple_row)
+
+def own(conn: Connection, read_timeout: float | None = None) -> None:
+    """Give ``conn`` (just checked out by a store, used by it alone) a cursor to reuse, and
+    the bound on the wait for its statements' answers (see :class:`_Watchdog`)."""
+    _OWN[conn] = (conn.cursor(row_factory=tuple_row), read_timeout)
 
 
 def disown(conn: Connection) -> None:
@@ -80,8 +98,167 @@ def disown(conn: Connection) -> None:
 
 
 def _cursor(conn: Connection) -> TupleCursor:
-    cursor = _OWN.get(conn)
-    return conn.cursor(row_factory=tuple_row) if cursor is None else cursor
+    owned = _OWN.get(conn)
+    return conn.cursor(row_factory=tuple_row) if owned is None else owned[0]
+
+
+class _Watchdog:
+    """Cuts the connection of a statement that outlived its deadline: one daemon thread per
+    process, shared by every store, that ``shutdown()``s the connection's socket. The wait in
+    psycopg then ends at once with an ``OperationalError`` (the server "closed the
+    connection"), the connection is broken, and the pool drops it.
+
+    A statement's watch is a clock read, a dict entry set and popped, and a comparison:
+    about 0.3 µs, nothing against a round trip; no thread starts, nothing is scheduled, no
+    lock is taken per statement. The thread sleeps until the soonest deadline it knows of,
+    and without statements until one comes: a statement wakes it only when its deadline is
+    sooner than that (the first after a quiet spell; with one ``read_timeout`` in the
+    process, no other). The entries are read and written without a lock (a dict's single
+    operations are atomic): the thread publishes the deadline it sleeps to only after it
+    has marked itself busy (``-inf``: no statement wakes it) and looked at the entries, then
+    looks again, so an entry set meanwhile is never missed."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # Also in a forked child: the parent's thread and its entries are not the child's.
+        self._lock = threading.Lock()  # starting the thread; the cuts
+        self._wake = threading.Event()
+        self._running: dict[Connection, float] = {}  # connection: its statement's deadline
+        self._cut: set[Connection] = set()  # cut, and not yet told to their statement
+        self._next = float("inf")  # when the thread wakes next on its own (-inf: it is awake)
+        self._thread: threading.Thread | None = None
+
+    def start(self, conn: Connection, seconds: float) -> None:
+        """Watch the statement ``conn`` is about to run: cut it ``seconds`` from now."""
+        deadline = monotonic() + seconds
+        self._running[conn] = deadline
+        if deadline < self._next:
+            self._sooner()
+
+    def _sooner(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="oncely-pg-watchdog", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def stop(self, conn: Connection) -> bool:
+        """Stop watching ``conn``'s statement; whether it was cut."""
+        self._running.pop(conn, None)
+        if not self._cut:
+            return False
+        with self._lock:
+            try:
+                self._cut.remove(conn)
+            except KeyError:
+                return False
+            return True
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._next = float("-inf")  # awake: a new entry is seen below, no need to wake
+            soonest = self._cut_due()
+            self._next = soonest
+            while (again := self._cut_due()) < soonest:  # set before _next was: look again
+                soonest = self._next = again
+            self._wake.wait(None if soonest == float("inf") else soonest - monotonic())
+
+    def _cut_due(self) -> float:
+        """Cut the statements past their deadline; the soonest deadline of the others."""
+        now = monotonic()
+        soonest = float("inf")
+        for conn, deadline in self._running.copy().items():  # a copy: taken at once
+            if deadline > now:
+                soonest = min(soonest, deadline)
+                continue
+            with self._lock:
+                if self._running.get(conn) != deadline:
+                    continue  # it ended just now (and its connection may run another)
+                self._running.pop(conn, None)
+                self._cut.add(conn)
+                _shutdown(conn)
+        return soonest
+
+
+def _shutdown(conn: Connection) -> None:
+    """Shut ``conn``'s socket down both ways (the connection's own file descriptor stays
+    open: psycopg closes it, as for any lost connection)."""
+    with contextlib.suppress(Exception):  # closed meanwhile: nothing left to cut
+        sock = socket.socket(fileno=conn.pgconn.socket)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()
+
+
+_WATCHDOG = _Watchdog()
+
+
+async def _execute(conn: Connection, sql: bytes, params: Params) -> TupleCursor:
+    """Run one statement on ``conn``; the cursor that holds its rows. On a connection the
+    store holds alone (:func:`own`) outside a transaction, the wait for the answer lasts at
+    most the store's ``read_timeout``: past it the connection is cut and the
+    ``OperationalError`` says so. Statements inside a transaction are not watched: one may
+    wait on another transaction's row lock for as long as that one runs (the transactional
+    mode's repeat waits so for the first request's commit)."""
+    owned = _OWN.get(conn)
+    if owned is None:
+        cursor = conn.cursor(row_factory=tuple_row)
+        await cursor.execute(sql, params)
+        return cursor
+    cursor, seconds = owned
+    if seconds is None or conn.pgconn.transaction_status != _IDLE:
+        await cursor.execute(sql, params)
+        return cursor
+    _WATCHDOG.start(conn, seconds)
+    try:
+        await cursor.execute(sql, params)
+    except BaseException as exc:
+        if _WATCHDOG.stop(conn) and isinstance(exc, psycopg.OperationalError):
+            raise psycopg.OperationalError(
+                f"no answer from the server within {seconds:g}s (read_timeout): the "
+                "connection was closed (the server or the network to it may be down)"
+            ) from exc
+        raise
+    _WATCHDOG.stop(conn)
+    return cursor
+
+
+_KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "15",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+"""libpq's TCP settings on the connections oncely opens itself, where the connection string
+does not say otherwise: a connection whose server is cut off by the network (a dead route: no
+reset) is found dead after about 30 s (a keepalive probe unanswered 15 s after the last
+traffic, then every 5 s; data unacknowledged for 30 s), instead of the operating system's
+defaults (two hours before the first probe, and about 15 minutes of retransmissions). libpq
+ignores them where the system lacks them, and on a Unix socket."""
+
+
+def tcp_defaults(conninfo: str) -> dict[str, Any]:
+    """The settings of :data:`_KEEPALIVES` that ``conninfo`` leaves unsaid (and this libpq
+    knows), as keyword arguments for psycopg's ``connect``."""
+    try:
+        given = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        return {}  # the connection attempt says what is wrong with it
+    known = _libpq_keywords()
+    return {k: v for k, v in _KEEPALIVES.items() if k not in given and k in known}
+
+
+@cache
+def _libpq_keywords() -> frozenset[str]:
+    return frozenset(opt.keyword.decode() for opt in pq.Conninfo.get_defaults())
 
 
 def make_pool(
@@ -90,13 +267,14 @@ def make_pool(
     """A closed pool of autocommit connections: each statement oncely runs outside a
     transaction of the caller's commits on its own (one round trip, no BEGIN/COMMIT)."""
     seconds = connect_timeout.total_seconds()
+    kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": max(1, round(seconds))}
     return _ConnectionPool(
         conninfo,
         min_size=min_size,
         max_size=max_size,
         timeout=seconds,
         open=False,
-        kwargs={"autocommit": True, "connect_timeout": max(1, round(seconds))},
+        kwargs={**tcp_defaults(conninfo), **kwargs},
         name="oncely",
     )
 
@@ -156,14 +334,14 @@ async def connect(conninfo: str, *, connect_timeout: timedelta) -> Connection:
         conninfo,
         autocommit=True,
         connect_timeout=max(1, round(connect_timeout.total_seconds())),
+        **tcp_defaults(conninfo),
     )
 
 
 async def fetchall(conn: Connection, sql: bytes, params: Params = None) -> list[tuple[Any, ...]]:
     """Run one statement and return its rows as tuples (whatever the connection's row
     factory: a caller's connection may have another)."""
-    cursor = _cursor(conn)
-    await cursor.execute(sql, params)
+    cursor = await _execute(conn, sql, params)
     return await cursor.fetchall()
 
 
@@ -183,6 +361,16 @@ async def _pipeline(conn: Connection) -> AsyncIterator[None]:
         ):
             raise cause from None
         raise
+
+
+async def fetchall_unbounded(
+    conn: Connection, sql: bytes, params: Params = None
+) -> list[tuple[Any, ...]]:
+    """:func:`fetchall` whose wait for the answer is never cut (a statement that may take
+    long by nature)."""
+    cursor = _cursor(conn)
+    await cursor.execute(sql, params)
+    return await cursor.fetchall()
 
 
 async def fetchall_after(
@@ -246,7 +434,7 @@ async def commit_after(conn: Connection, block: Any, sql: bytes, params: Params)
 
 async def execute(conn: Connection, sql: bytes, params: Params = None) -> None:
     """Run one statement (or, without parameters, several) whose rows do not matter."""
-    await _cursor(conn).execute(sql, params)
+    await _execute(conn, sql, params)
 
 
 def is_connection(obj: object) -> bool:

@@ -79,6 +79,7 @@ from oncely.stores.postgres.async_io import (
     fetchall,
     fetchall_after,
     fetchall_begun,
+    fetchall_unbounded,
     is_connection,
     is_pool,
     make_pool,
@@ -121,6 +122,9 @@ once when the store is set up (see :func:`~oncely.stores._sql.durability_warning
 # How long the store keeps connections out of its pool before it hands them back (_release).
 _KEEP_SECONDS = 60.0
 
+# The operations whose statements are not cut at read_timeout: they may take long by nature
+# (an exact count of the table, a page of a scan).
+_UNBOUNDED = frozenset({"stats", "scan"})
 # How often one claim looks again after a concurrent writer changed the record under it.
 _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
@@ -152,7 +156,19 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     :class:`~oncely.SchemaTooNew`. Connection loss, a server restart, timeouts, deadlocks and
     serialization failures raise :class:`~oncely.StoreUnavailable` (retry later); the pool
     replaces broken connections by itself. ``connect_timeout`` bounds both a connection
-    attempt and the wait for a free connection of the pool. With a pool of its own the store
+    attempt and the wait for a free connection of the pool. ``read_timeout`` (10 s; None:
+    no bound) bounds the wait for the answer to each statement the store runs on its own
+    connections outside a transaction (the message path: claims, completions, renewals,
+    releases, reads, the purge's batches; not ``stats()`` and ``scan()``, which may take long
+    by nature): past it the connection is closed and the call raises
+    :class:`~oncely.StoreUnavailable`, so a server gone silent (a dead route: no reset, no
+    refusal) never holds a caller, a thread above all, for longer than ``read_timeout`` per
+    statement plus ``connect_timeout`` per connection it waits for. Statements inside a
+    transaction (the transactional mode, ``tx=``) are not cut: one may wait on another
+    transaction's row lock for as long as that one runs. The connections the store opens
+    itself also have libpq's TCP keepalives and ``tcp_user_timeout`` set (a dead peer found
+    in about 30 s; see ``_KEEPALIVES`` in :mod:`oncely.stores.postgres.async_io`) where the
+    connection string does not set them. With a pool of its own the store
     keeps the connections it has finished with and reuses them (they count towards
     ``pool_max``), handing them back to the pool every minute, when an operation waits for
     one, on a disconnect and on close.
@@ -177,6 +193,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         pool_min: int = 1,
         pool_max: int = 10,
         connect_timeout: timedelta = timedelta(seconds=10),
+        read_timeout: timedelta | None = timedelta(seconds=10),
         clock: Clock | None = None,
         migrate: bool = True,
     ) -> None:
@@ -198,11 +215,14 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             )
         if pool_min < 0 or pool_max < 1 or pool_min > pool_max:
             raise ConfigurationError("need 0 <= pool_min <= pool_max and pool_max >= 1")
+        if read_timeout is not None and read_timeout <= timedelta(0):
+            raise ConfigurationError("read_timeout must be positive (None: no bound)")
         self._where = where or "PostgreSQL"
         self._url = where
         self._pool_min = pool_min
         self._pool_max = pool_max
         self._connect_timeout = connect_timeout
+        self._read_seconds = None if read_timeout is None else read_timeout.total_seconds()
         self._now = clock.now_ms if clock is not None else server_time
         self._pool: ConnPool | None = self._given_pool
         self._pid = os.getpid()
@@ -236,6 +256,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             pool_min=options.pool_min,
             pool_max=options.pool_max,
             connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
             clock=clock,
             migrate=options.migrate,
         )
@@ -374,7 +395,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
                 await pool.putconn(conn)
                 raise
             self._restore.add(id(conn))
-        own(conn)
+        own(conn, self._read_seconds)
         return conn
 
     async def _checkin(self, pool: ConnPool, conn: Connection) -> None:
@@ -396,9 +417,12 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             await self._release(conn)
 
     async def _rows(self, doing: str, sql: bytes, params: Mapping[str, object]) -> list[Any]:
-        """One statement on a pooled connection (one round trip)."""
+        """One statement on a pooled connection (one round trip); for ``stats`` and ``scan``,
+        which may take long by nature, as long as it takes (not cut at ``read_timeout``)."""
         async with self._connection(doing) as conn:
             try:
+                if doing in _UNBOUNDED:
+                    return await fetchall_unbounded(conn, sql, params)
                 return await fetchall(conn, sql, params)
             except psycopg.Error as exc:
                 raise self._error(exc, doing) from exc

@@ -126,16 +126,18 @@ class PostgresOptions:
     pool_min: int = 1
     pool_max: int = 10
     connect_timeout: timedelta = timedelta(seconds=10)
+    read_timeout: timedelta | None = timedelta(seconds=10)
     migrate: bool = True
 
 
-_KNOWN = ("schema", "table", "pool_min", "pool_max", "connect_timeout", "migrate")
+_KNOWN = ("schema", "table", "pool_min", "pool_max", "connect_timeout", "read_timeout", "migrate")
 
 
 def parse_url(url: str) -> PostgresOptions:
     """``postgresql://user:password@host:port/database`` (or ``postgres://``) with oncely's
-    options ``schema``, ``table``, ``pool_min``, ``pool_max``, ``connect_timeout`` (seconds)
-    and ``migrate`` in the query string. Other query parameters must be libpq's own
+    options ``schema``, ``table``, ``pool_min``, ``pool_max``, ``connect_timeout`` and
+    ``read_timeout`` (seconds; ``read_timeout=0``: no bound) and ``migrate`` in the query
+    string. Other query parameters must be libpq's own
     (``sslmode``, ``application_name``, ...): they are passed on; anything else is refused."""
     try:
         return _parse_url(url)
@@ -155,6 +157,7 @@ def _parse_url(url: str) -> PostgresOptions:
         pool_min=options.integer("pool_min", 1),
         pool_max=options.integer("pool_max", 10),
         connect_timeout=options.seconds("connect_timeout", timedelta(seconds=10)),
+        read_timeout=options.seconds("read_timeout", timedelta(seconds=10)) or None,
         migrate=options.boolean("migrate", True),
     )
     libpq: dict[str, str] = {}
@@ -169,4 +172,6 @@ def _parse_url(url: str) -> PostgresOptions:
         )
     if found.connect_timeout <= timedelta(0):
         raise ConfigurationError(f"{describe(url)}: connect_timeout must be positive")
+    if found.read_timeout is not None and found.read_timeout < timedelta(0):
+        raise ConfigurationError(f"{describe(url)}: read_timeout must be positive (0: no bound)")
     return replace(found, conninfo=parts._replace(query=urlencode(libpq), fragment="").geturl())
