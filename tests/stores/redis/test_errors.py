@@ -257,3 +257,30 @@ def test_the_store_waits_for_redis_in_the_kernel_with_its_timeout(
 def _ignore(call: Callable[[], object]) -> None:
     with contextlib.suppress(redis.RedisError):
         call()
+
+
+async def test_r19_a_silent_server_is_told_within_the_timeout(redis_url: str, prefix: str) -> None:
+    """The threaded store's server goes silent (a dead route: the connection held, nothing
+    answered, no reset; a relay swallows what it is sent): a call raises StoreUnavailable
+    while the server is still silent, at the store's ``timeout`` (kernel socket timeouts):
+    the Redis store was bounded already, with no watchdog of its own."""
+    from tests.brokers.common import Proxy
+
+    db11 = f"{redis_url.rsplit('/', 1)[0]}/11"
+    async with Proxy(f"{db11}?prefix={prefix}&timeout=1") as proxy:
+        store = oncely.open(proxy.url)
+        try:
+            assert await asyncio.to_thread(store.get, "c", "k") is None
+            proxy.silent = True
+            told = asyncio.create_task(asyncio.to_thread(store.get, "c", "k"))
+            done, _ = await asyncio.wait({told}, timeout=20)
+            assert done and proxy.silent, "the call waited past the store's timeout"
+            with pytest.raises(StoreUnavailable):
+                told.result()
+        finally:
+            proxy.silent = False
+            proxy.cut()
+            store.close()
+            client = redis.Redis.from_url(db11)
+            drop_prefix(client, prefix)
+            client.close()
