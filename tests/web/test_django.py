@@ -150,10 +150,12 @@ def test_django_a_template_that_fails_to_render_gives_the_claim_back(
 
 
 @contextlib.contextmanager
-def relayed(url: str) -> Iterator[tuple[str, Callable[[bool], None]]]:
+def relayed(url: str) -> Iterator[tuple[str, Callable[[bool], None], Callable[[bool], None]]]:
     """``url`` through a TCP relay (``tests.brokers.common.Proxy``, on a loop of its own
-    thread), and what turns the store away (``True``: every connection cut, new ones refused)
-    or back (``False``)."""
+    thread), what turns the store away (``True``: every connection cut, new ones refused)
+    or back (``False``), and what makes it silent (``True``: connections, open and new, held
+    but nothing relayed, as behind a dead route) or not (``False``: what was swallowed is
+    lost, the held connections are cut)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -167,9 +169,18 @@ def relayed(url: str) -> Iterator[tuple[str, Callable[[bool], None]]]:
         if down:
             proxy.cut()
 
+    async def hush(silent: bool) -> None:
+        proxy.silent = silent
+        if not silent:
+            proxy.cut()
+
     on_loop(proxy.__aenter__)
     try:
-        yield proxy.url, lambda down: on_loop(lambda: switch(down))
+        yield (
+            proxy.url,
+            lambda down: on_loop(lambda: switch(down)),
+            lambda silent: on_loop(lambda: hush(silent)),
+        )
     finally:
         on_loop(lambda: proxy.__aexit__(None, None, None))
         loop.call_soon_threadsafe(loop.stop)
@@ -190,7 +201,7 @@ def relayed_server(
     command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
     try:
         with (
-            relayed(url) as (through, store_down),
+            relayed(url) as (through, store_down, _silent),
             serving_command(
                 command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
             ) as base,
@@ -271,6 +282,102 @@ def test_django_a_store_down_past_the_retries_still_sends_the_response(
                 break
             time.sleep(0.2)
         assert retry.status_code == 409, retry.text
+        assert effects(client)[order] == 1
+    logged = log.read_text()
+    assert "ERROR oncely.http" in logged and "could not be completed" in logged, logged
+
+
+SILENT_FOR = 25.0
+"""Seconds a test keeps the store silent at most, waiting for the answer: longer than the
+middleware holds a request on a store gone silent (the store's ``read_timeout``, 10 s, per
+statement), where before the request waited until the store came back."""
+
+
+@pytest.fixture
+def silent_server(tmp_path: Path) -> Iterator[tuple[str, Callable[[bool], None], Path]]:
+    """The site on PostgreSQL with its defaults (``connect_timeout`` and ``read_timeout``,
+    10 s each) reached through a relay the test makes silent; the file oncely's log goes to."""
+    url, drop = _store("postgres", tmp_path)
+    log = tmp_path / "oncely.log"
+    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
+    try:
+        with (
+            relayed(url) as (through, _down, silent),
+            serving_command(
+                command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
+            ) as base,
+        ):
+            yield base, silent, log
+    finally:
+        drop()
+
+
+def _once_back(client: httpx.Client, body: dict[str, object], k: str) -> httpx.Response:
+    """The answer to ``body`` once the store answers again (503 meanwhile: its pool
+    reconnects after a backoff of its own)."""
+    deadline = time.monotonic() + 20
+    while True:
+        got = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        if got.status_code != 503 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_r19_django_a_store_gone_silent_before_the_claim_answers_503_and_runs_nothing(
+    silent_server: tuple[str, Callable[[bool], None], Path],
+) -> None:
+    """The store (PostgreSQL) goes silent, its connections held without an answer, before a
+    request arrives: the client gets ``503`` with ``Retry-After`` while the store is still
+    silent (before, the request hung until the store came back), nothing runs, and once the
+    store is back the retry runs the request once."""
+    base, silent, _log = silent_server
+    with httpx.Client(base_url=base, timeout=60) as client:
+        warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}  # opens the store's connections
+        assert client.post("/orders", json=warm, headers={"Idempotency-Key": key()}).is_success
+        k, order = key(), f"sc-{uuid.uuid4().hex[:8]}"
+        body = {"id": order}
+        silent(True)
+        try:
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            sent = pool.submit(client.post, "/orders", json=body, headers={"Idempotency-Key": k})
+            pool.shutdown(wait=False)
+            first = sent.result(SILENT_FOR)  # the store stays silent until then
+        finally:
+            silent(False)
+        assert first.status_code == 503, first.text
+        assert first.headers["content-type"] == "application/problem+json"
+        assert "retry-after" in first.headers
+        assert order not in effects(client)
+        again = _once_back(client, body, k)
+        assert again.status_code == 201, again.text
+        assert effects(client)[order] == 1
+
+
+@pytest.mark.slow
+def test_r19_django_a_store_gone_silent_at_completion_still_sends_the_response(
+    silent_server: tuple[str, Callable[[bool], None], Path], tmp_path: Path
+) -> None:
+    """The store goes silent while the view runs: the completion's statement is cut at the
+    store's ``read_timeout``, the client gets the view's ``201`` while the store is still
+    silent (before, the response waited until the store came back), an ERROR says the record
+    was not completed, and a repeat once the store is back gets ``409`` (not run again)."""
+    base, silent, log = silent_server
+    gate = tmp_path / "gate"
+    with httpx.Client(base_url=base, timeout=60) as client:
+        k, order = key(), f"sd-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "gate": str(gate)}
+        sent = _post_held_at_the_gate(client, "/orders", k, body)
+        silent(True)
+        try:
+            gate.touch()  # the view returns while the store is silent
+            first = sent.result(SILENT_FOR)  # the store stays silent until then
+        finally:
+            silent(False)
+        assert first.status_code == 201, first.text
+        assert first.json() == {"order": order, "run": 1}
+        again = _once_back(client, body, k)
+        assert again.status_code == 409, again.text  # held until its lease lapses
         assert effects(client)[order] == 1
     logged = log.read_text()
     assert "ERROR oncely.http" in logged and "could not be completed" in logged, logged

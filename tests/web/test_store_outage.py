@@ -13,7 +13,7 @@ import io
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -221,9 +221,21 @@ def _says_not_completed(caplog: pytest.LogCaptureFixture) -> None:
 SILENT_FOR = {"cut": 9.0, "silent": 25.0}
 """Seconds the store stays silent: longer than the middleware holds a response (5 s; on
 PostgreSQL up to 10 s more when psycopg first cancels a statement the server stopped answering,
-the ``silent`` case), shorter than what it held before: past the bound, the try under way
-(a pool waiting ``connect_timeout``, 10 s, for a new connection: about 11 s in all), or, on a
-connection gone silent, until TCP itself gave up."""
+the ``silent`` case; on the WSGI middleware, the store's ``read_timeout``, 10 s, after which the
+statement's connection is cut), shorter than what it held before: past the bound, the try under
+way (a pool waiting ``connect_timeout``, 10 s, for a new connection: about 11 s in all), or, on
+a connection gone silent, until TCP itself gave up (the WSGI middleware: until the store came
+back)."""
+
+
+def _asgi(store_url: str) -> contextlib.AbstractContextManager[str]:
+    return serving(store_url, "starlette")
+
+
+def _wsgi(store_url: str) -> contextlib.AbstractContextManager[str]:
+    """The Flask app behind the WSGI middleware (``tests/web/wsgi_app.py``) on ``store_url``."""
+    command = [sys.executable, "-m", "tests.web.wsgi_app", "{port}"]
+    return serving_command(command, ONCELY_TEST_HTTP_STORE=store_url)
 
 
 @pytest.mark.slow
@@ -236,10 +248,28 @@ async def test_r19_asgi_a_store_gone_silent_at_completion_holds_the_response_a_b
     open ones reset first, so each try waits for a new connection). The response reaches the
     client while the store is still silent, and a repeat gets ``409`` (the record is held,
     not run again)."""
+    await _silent_at_completion(_asgi, how)
+
+
+@pytest.mark.slow
+async def test_r19_wsgi_a_store_gone_silent_at_completion_holds_the_response_a_bounded_time() -> (
+    None
+):
+    """The same on the WSGI middleware (Flask, a threaded server), which cannot cut a call
+    short itself: the store's ``read_timeout`` (10 s by default) cuts the statement sent on the
+    connection gone silent, the completion fails, and the response goes out while the store is
+    still silent (before, it waited for as long as the store stayed silent). A repeat then gets
+    ``409``."""
+    await _silent_at_completion(_wsgi, "silent")
+
+
+async def _silent_at_completion(
+    serve: Callable[[str], contextlib.AbstractContextManager[str]], how: str
+) -> None:
     with _store("postgres") as quick:
         url = quick.replace("&connect_timeout=1", "")  # the default: 10 s
         async with Proxy(url) as proxy, httpx.AsyncClient(timeout=60) as client:
-            with serving(proxy.url, "starlette") as base:
+            with serve(proxy.url) as base:
                 warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}
                 headers = {"Idempotency-Key": key()}
                 assert (
@@ -283,10 +313,24 @@ async def test_r19_asgi_a_store_gone_silent_before_the_claim_answers_503_and_run
     while the store is still silent (before, the claim waited on the silent connection for as
     long as TCP takes to give up: the request hung), nothing runs, and once the store is back
     the retry runs the request once."""
+    await _silent_before_the_claim(_asgi)
+
+
+@pytest.mark.slow
+async def test_r19_wsgi_a_store_gone_silent_before_the_claim_answers_503_and_runs_nothing() -> None:
+    """The same on the WSGI middleware: the claim's statement is cut at the store's
+    ``read_timeout`` (10 s by default) and the client gets ``503`` while the store is still
+    silent (before, the request hung until the store came back)."""
+    await _silent_before_the_claim(_wsgi)
+
+
+async def _silent_before_the_claim(
+    serve: Callable[[str], contextlib.AbstractContextManager[str]],
+) -> None:
     with _store("postgres") as quick:
         url = quick.replace("&connect_timeout=1", "")  # the default: 10 s
         async with Proxy(url) as proxy, httpx.AsyncClient(timeout=60) as client:
-            with serving(proxy.url, "starlette") as base:
+            with serve(proxy.url) as base:
                 warm = {"id": f"warm-{uuid.uuid4().hex[:8]}"}
                 headers = {"Idempotency-Key": key()}
                 assert (
