@@ -16,7 +16,7 @@ import json
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
 from oncely._core.records import Status
+from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
 from oncely.inbox.async_inbox import AsyncInbox, Early
@@ -426,11 +427,10 @@ class BrokerConsumer:
         self._room = asyncio.Event()
         """Set when a batch's delivery is settled: the next batch may be read."""
         self._heartbeats = AsyncHeartbeats()
-        self._given_back: OrderedDict[Hashable, int] = OrderedDict()
+        self._given_back = GiveBacks()
         """How many times this process gave each unfinished message back unrun (a copy
         ``in_flight``, the store away, a shutdown), by its identity on the broker
-        (:func:`_identity`): deliveries the broker counts that were no failures. At most
-        :data:`_GIVE_BACKS_KEPT` messages, the least recently given back forgotten first."""
+        (:func:`_identity`): deliveries the broker counts that were no failures."""
 
     # ------------------------------------------------------------------ running
 
@@ -972,12 +972,7 @@ class BrokerConsumer:
         """:func:`_give_back`, noted where the broker counts the delivery it makes: the
         message's later failures are counted without it."""
         if delivery.delivery_count is not None and getattr(delivery, "requeue", None) is None:
-            identity = _identity(delivery)
-            if identity is not None:
-                given = self._given_back
-                given[identity] = given.pop(identity, 0) + 1
-                if len(given) > _GIVE_BACKS_KEPT:
-                    given.popitem(last=False)
+            self._given_back.note(_identity(delivery))
         return _give_back(delivery, delay)
 
     def _failures(self, delivery: Delivery, count: int) -> tuple[int, int]:
@@ -985,13 +980,12 @@ class BrokerConsumer:
         many this process gave back unrun (never more than ``count - 1``)."""
         if not self._given_back:
             return count, 0
-        given = max(0, min(self._given_back.get(_identity(delivery), 0), count - 1))
-        return count - given, given
+        return self._given_back.failures(_identity(delivery), count)
 
     def _finished(self, delivery: Delivery) -> None:
         """The message is acknowledged or dead-lettered: its give-backs are forgotten."""
         if self._given_back:
-            self._given_back.pop(_identity(delivery), None)
+            self._given_back.forget(_identity(delivery))
 
     async def _settle(self, delivery: Delivery, handled: Handled[Any], *, ack: bool = True) -> bool:
         """Count, log and carry out the outcome's broker action; with ``ack=False`` an ack is
@@ -1031,14 +1025,7 @@ class BrokerConsumer:
             outcome = handled.outcome.value
             if action is Action.RETRY:
                 outcome = Outcome.REJECTED.value
-                if given_back:
-                    reason = (
-                        f"failed {failures} times in {count} deliveries ({given_back} given "
-                        f"back unrun, no failures: a copy running elsewhere, the store away); "
-                        f"last: {reason}"
-                    )
-                else:
-                    reason = f"failed on all {count} deliveries; last: {reason}"
+                reason = failed_reason(failures or 0, count or 0, given_back, reason)
                 after_retries = True
             why = DeadLetter(
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
@@ -1152,11 +1139,6 @@ class BrokerConsumer:
 _HOLD_AT_MOST = timedelta(minutes=5)
 """The longest an in_flight copy waits for another worker's lease in one go (a broker may
 close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min)."""
-
-
-_GIVE_BACKS_KEPT = 10_000
-"""The most unfinished messages whose give-backs a consumer remembers (a forgotten one has its
-later failures counted as before: every delivery of it a failure)."""
 
 
 def _identity(delivery: Delivery) -> Hashable | None:
