@@ -10,6 +10,7 @@ Redis key prefix of the effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, s
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from datetime import timedelta
 
@@ -39,6 +40,20 @@ idempotency = Idempotency(
     backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
     requeue_delay=timedelta(seconds=0.5),
 )
+
+
+class _GivenBack(logging.Handler):
+    """Counts, per key, the middleware's give-backs of a copy that met a running claim of its
+    key (its log line: outcome ``in_flight``, action ``requeue``), so a test sees them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 3 and args[1:3] == ("in_flight", "requeue"):
+            REDIS.incr(f"{NS}:given_back:{args[3]}")
+
+
+logging.getLogger("oncely.faststream").addHandler(_GivenBack(logging.INFO))
+logging.getLogger("oncely.faststream").setLevel(logging.INFO)
 broker = RabbitBroker(RABBITMQ, middlewares=[idempotency])
 app = FastStream(broker, on_startup=[idempotency.prepare])
 
@@ -99,4 +114,6 @@ QUORUM = RabbitQueue(
 async def charge_quorum(charge: Charge) -> None:
     REDIS.incr(f"{NS}:started:{charge.order}")
     await asyncio.sleep(charge.sleep)
+    if REDIS.incr(f"{NS}:attempts:{charge.order}") <= charge.fail_times:
+        raise RuntimeError(f"the ledger is down (attempt for {charge.order})")
     REDIS.incr(f"{NS}:effects:{charge.order}")

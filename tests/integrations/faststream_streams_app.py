@@ -11,11 +11,14 @@ Configured by the environment: ``ONCELY_TEST_FASTSTREAM_BROKER`` (``nats`` for a
 (the inbox's store URL), ``ONCELY_TEST_FASTSTREAM_NS`` (the Redis key prefix of the
 effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, seconds) and
 ``ONCELY_TEST_FASTSTREAM_TAKEOVER`` (seconds: the JetStream consumer's ack wait, or the idle
-time after which the Redis takeover subscriber claims an entry a worker left pending)."""
+time after which the Redis takeover subscriber claims an entry a worker left pending) and
+``ONCELY_TEST_FASTSTREAM_MAX_DELIVER`` (the JetStream consumer's ``max_deliver``; default
+none)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -36,6 +39,7 @@ NATS_URL = os.environ.get("ONCELY_TEST_NATS_URL", "nats://127.0.0.1:4222")
 REDIS = redis.Redis.from_url(REDIS_URL)
 LEASE = timedelta(seconds=float(os.environ.get("ONCELY_TEST_FASTSTREAM_LEASE", "30")))
 TAKEOVER = float(os.environ.get("ONCELY_TEST_FASTSTREAM_TAKEOVER", "30"))
+MAX_DELIVER = int(os.environ.get("ONCELY_TEST_FASTSTREAM_MAX_DELIVER") or 0) or None
 
 inbox = oncely.AsyncInbox(
     oncely.open_async(os.environ["ONCELY_TEST_FASTSTREAM_STORE"]),
@@ -48,6 +52,20 @@ idempotency = Idempotency(
     backoff=Backoff(first=timedelta(seconds=0.1), most=timedelta(seconds=0.3)),
     requeue_delay=timedelta(seconds=0.5),
 )
+
+
+class _GivenBack(logging.Handler):
+    """Counts, per key, the middleware's give-backs of a copy that met a running claim of its
+    key (its log line: outcome ``in_flight``, action ``requeue``), so a test sees them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 3 and args[1:3] == ("in_flight", "requeue"):
+            REDIS.incr(f"{NS}:given_back:{args[3]}")
+
+
+logging.getLogger("oncely.faststream").addHandler(_GivenBack(logging.INFO))
+logging.getLogger("oncely.faststream").setLevel(logging.INFO)
 
 
 class Charge(BaseModel):
@@ -95,7 +113,9 @@ if BROKER in ("nats", "nats-push"):
         SOURCE,
         stream=JStream(stream_name_for(SOURCE), subjects=[SOURCE]),
         config=ConsumerConfig(
-            ack_wait=TAKEOVER, deliver_subject=f"deliver.{SOURCE}" if push else None
+            ack_wait=TAKEOVER,
+            deliver_subject=f"deliver.{SOURCE}" if push else None,
+            max_deliver=MAX_DELIVER,
         ),
         **reading,
     )(broker.publisher(f"{SOURCE}.receipts", stream=receipts)(charge))

@@ -25,7 +25,8 @@ pytest.importorskip("faststream")
 import aio_pika
 import pika
 
-from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
+import oncely
+from tests.integrations.workers import WorkerRun, holding, stopped_at_start, store_url, until
 from tests.services import RABBITMQ_URL
 
 
@@ -35,13 +36,14 @@ class Run(WorkerRun):
     framework = "faststream"
     app_module = "tests.integrations.faststream_app"
     queue_suffixes = (
-        "", ".plain", ".receipts", ".files", ".copies", ".first", ".quorum", ".dead"
+        "", ".plain", ".receipts", ".files", ".copies", ".first", ".quorum", ".quorum.dead",
+        ".dead",
     )  # fmt: skip
 
     def __init__(self, store: str, lease: float = 30.0) -> None:
         super().__init__(store, lease)
         with self.channel() as channel:  # the queues exist before the first publish
-            for suffix in self.queue_suffixes[:-2]:  # the app declares its quorum queue
+            for suffix in self.queue_suffixes[:-3]:  # the app declares its quorum queue
                 name = self.queue + suffix
                 channel.queue_declare(name, durable=True)
 
@@ -270,6 +272,54 @@ def test_r10_on_a_quorum_queue_a_message_given_back_is_not_spent_against_its_del
         time.sleep(1.0)
         assert run.effects("q1") == 1 and run.started("q1") == 2
         assert run.taken(".dead") == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("queue", ["", ".quorum"], ids=["classic", "quorum"])
+def test_r8_r13_give_backs_are_not_failures_max_deliveries_counts_failed_runs(
+    tmp_path: Path, queue: str
+) -> None:
+    """Another worker holds the message's key (a live lease, renewed) and the copy is given
+    back (``in_flight``) at least 4 times; then that worker fails and releases the key, and
+    every run of the copy fails. ``max_deliveries`` (3) counts the failed runs, not the
+    give-backs: the copy runs 3 times, and its dead letter says it failed on all 3 (a
+    classic queue's redelivery is counted by oncely's own header, which a give-back leaves
+    alone; on a quorum queue a give-back is a copy keeping the count it had, so neither
+    RabbitMQ's ``x-delivery-count`` nor ``x-delivery-limit`` sees it)."""
+    store = f"sqlite:///{tmp_path / 'inbox.db'}"
+    run = Run(store)
+    body = json.dumps({"order": "g1", "amount": 1, "fail_times": 99}).encode()
+    try:
+        run.worker()
+
+        def declared() -> bool:  # the app declares its quorum queue
+            with run.channel() as channel, contextlib.suppress(pika.exceptions.ChannelClosed):
+                channel.queue_declare(f"{run.queue}.quorum", passive=True)
+                return True
+            return False
+
+        _until(declared, run=run)
+        with holding(store, "m-g1", body) as fail:
+            run.publish(body, "m-g1", queue=run.queue + queue, content_type="application/json")
+            _until(lambda: int(run.redis.get(f"{run.ns}:given_back:m-g1") or 0) >= 4, run=run)
+            assert fail().outcome is oncely.Outcome.FAILED
+        dead: list[tuple[Any, bytes]] = []
+
+        def dead_lettered() -> bool:
+            dead.extend(run.taken(f"{queue}.dead"))
+            return bool(dead)
+
+        _until(dead_lettered, run=run)
+        time.sleep(1.0)  # a further run or dead letter would show here
+        dead.extend(run.taken(f"{queue}.dead"))
+        [(properties, _)] = dead
+        assert run.started("g1") == 3, _reason(properties)
+        assert "failed on all 3 deliveries" in _reason(properties), _reason(properties)
+        assert "the ledger is down" in _reason(properties)
+        assert properties.headers["x-oncely-deliveries"] == "3"
+        assert run.effects("g1") == 0
     finally:
         run.close()
 

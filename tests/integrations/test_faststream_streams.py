@@ -28,7 +28,8 @@ import nats
 import nats.js.errors
 import redis
 
-from tests.integrations.workers import WorkerRun
+import oncely
+from tests.integrations.workers import WorkerRun, holding
 from tests.services import NATS_URL, REDIS_URL, require
 
 ORDERS = ("o1", "o2", "o3")
@@ -598,6 +599,82 @@ def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(
         # The handler that took over ran longer than the ack wait: the message was kept with
         # +WPI (every third of it) meanwhile, not delivered a third time.
         assert run.deliveries() in (None, 2)
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r8_r13_give_backs_are_not_failures_max_deliveries_counts_failed_runs(
+    broker: str, store: str
+) -> None:
+    """Another worker holds the message's key (a live lease, renewed) and the copy is given
+    back (``in_flight``) at least 4 times; then that worker fails and releases the key, and
+    every run of the copy fails. ``max_deliveries`` (3) counts the failed runs, not the
+    give-backs: JetStream's ``num_delivered`` counts both, so the copy was dead-lettered
+    after a single failure, as "failed on all 5 deliveries". It now runs 3 times and its
+    dead letter states the true number of failures. On Redis a give-back is a copy that
+    keeps the count, and Kafka's a rewind that counts nothing: there every delivery the
+    dead letter counts is a failed run."""
+    run = RUNS[broker](store)
+    body = json.dumps({"order": "g1", "amount": 1, "fail_times": 99}).encode()
+    try:
+        run.send([])  # the streams, topics or groups
+        with holding(store, "m-g1", body) as fail:
+            run.send([(body, "m-g1", "application/json", "")])
+            run.worker()
+            run.until(lambda: int(run.redis.get(f"{run.ns}:given_back:m-g1") or 0) >= 4)
+            assert fail().outcome is oncely.Outcome.FAILED
+        run.until(lambda: len(run.dead()) >= 1, seconds=60)
+        time.sleep(1.0)  # a further run or dead letter would show here
+        given_back = int(run.redis.get(f"{run.ns}:given_back:m-g1") or 0)
+        [(headers, _)] = run.dead()
+        assert run.started("g1") == 3, _reason(headers)
+        assert "the ledger is down" in _reason(headers)
+        if broker.startswith("nats"):  # JetStream counted every delivery; the copy says which
+            deliveries = given_back + 3
+            assert f"failed 3 times in {deliveries} deliveries ({given_back} given back unrun" in (
+                _reason(headers)
+            ), _reason(headers)
+            assert headers["x-oncely-deliveries"] == str(deliveries)
+            assert run.deliveries() == deliveries
+        else:
+            assert "failed on all 3 deliveries" in _reason(headers), _reason(headers)
+            assert headers["x-oncely-deliveries"] == "3"
+        assert run.effects("g1") == 0
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r13_give_backs_and_failures_together_stop_at_the_consumers_max_deliver(
+    tmp_path: Path,
+) -> None:
+    """``max_deliveries`` (3) counts failures, not give-backs; the JetStream consumer's own
+    ``max_deliver`` (6) still counts both, the safety net. A copy given back at least 4
+    times while another worker holds its key, then failing each run, reaches
+    ``max_deliver`` before its 3rd failure: what it is given on that last delivery
+    dead-letters it with the broker limit's reason, never strands it unacknowledged."""
+    require("NATS", NATS_URL, 4222)
+    store = f"sqlite:///{tmp_path / 'inbox.db'}"
+    run = NatsRun(store)
+    run.env["ONCELY_TEST_FASTSTREAM_MAX_DELIVER"] = "6"
+    body = json.dumps({"order": "g2", "amount": 1, "fail_times": 99}).encode()
+    try:
+        run.send([])
+        with holding(store, "m-g2", body) as fail:
+            run.send([(body, "m-g2", "application/json", "")])
+            run.worker()
+            run.until(lambda: int(run.redis.get(f"{run.ns}:given_back:m-g2") or 0) >= 4)
+            fail()
+        run.until(lambda: len(run.dead()) >= 1, seconds=60)
+        time.sleep(1.0)
+        given_back = int(run.redis.get(f"{run.ns}:given_back:m-g2") or 0)
+        [(headers, _)] = run.dead()
+        reason = _reason(headers)
+        assert "delivered 6 times, the NATS subscriber's own delivery limit" in reason, reason
+        assert headers["x-oncely-deliveries"] == "6"
+        assert run.started("g2") == 6 - given_back < 3
+        assert run.deliveries() == 6
     finally:
         run.close()
 

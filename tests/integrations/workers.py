@@ -4,6 +4,7 @@ workers' effects in Redis, and the inbox's store as a fixture (SQLite and Redis)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import os
@@ -11,9 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
@@ -22,6 +25,7 @@ import pika
 import pytest
 import redis
 
+import oncely
 from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
@@ -53,6 +57,53 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> It
     for name in client.scan_iter(match=f"{unique}*"):
         client.delete(name)
     client.close()
+
+
+@contextlib.contextmanager
+def holding(store: str, key: str, body: bytes) -> Iterator[Callable[[], oncely.Handled[Any]]]:
+    """A live claim of ``key`` (consumer ``billing``, the test apps' inbox) on ``store``, held
+    from this process as another worker's running handler holds it: its lease short (1 s)
+    and renewed by its heartbeat, so a copy of the message meets it and is given back
+    (``in_flight``) for as long as it is held. Gives ``fail()``: that handler raises (the
+    claim is released, failed, as a failed run's is); returns the holder's outcome."""
+    started = threading.Event()
+    release = threading.Event()
+    outcome: list[oncely.Handled[Any]] = []
+
+    async def hold() -> None:
+        store_ = oncely.open_async(store)
+        inbox = oncely.AsyncInbox(
+            store_, consumer="billing", lease=oncely.Lease(duration=timedelta(seconds=1))
+        )
+
+        async def holder(_body: object) -> None:
+            started.set()
+            await asyncio.to_thread(release.wait)
+            raise RuntimeError("the holder failed")
+
+        try:
+            outcome.append(await inbox.handle(key, body, holder))
+        finally:
+            started.set()
+            await inbox.aclose()
+            await store_.aclose()
+
+    thread = threading.Thread(target=asyncio.run, args=(hold(),), daemon=True)
+    thread.start()
+
+    def fail() -> oncely.Handled[Any]:
+        release.set()
+        thread.join(30)
+        assert outcome, "the holder did not end"
+        return outcome[0]
+
+    try:
+        assert started.wait(30), "the holder did not claim the key"
+        assert thread.is_alive(), "the holder did not claim the key"
+        yield fail
+    finally:
+        release.set()
+        thread.join(30)
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,8 +31,10 @@ a duplicate (the key completed)        acknowledged, the handler not run; the st
                                        first result that was not kept is published as
                                        nothing (a warning says why)
 a copy while the first still runs      given back ``requeue_delay`` later
-the handler raised                     retried after ``backoff``, dead-lettered with the
-                                       last error after ``max_deliveries``
+the handler raised                     retried after ``backoff``; once it has failed
+                                       ``max_deliveries`` times (a give-back is no
+                                       failure), dead-lettered with the last error and
+                                       the number of failures
 the key with another body              dead-lettered (``key_conflict``)
 no key, or an id the client invented   dead-lettered (``rejected``) with the reason
 a body FastStream cannot decode        dead-lettered (``rejected``), never left
@@ -79,7 +81,8 @@ RabbitMQ (``RabbitBroker``)
     uuid4 hex id is refused as made up unless ``trust_hex_message_ids=True`` says the
     producers mint that shape; :func:`oncely.brokers.new_message_id` ids (dashed uuid4)
     always pass. The delivery count is a quorum queue's ``x-delivery-count``, or the
-    ``x-oncely-delivered`` header of a retry's copy. RabbitMQ has no delayed requeue: a
+    ``x-oncely-delivered`` header of a retry's copy; a message given back keeps the count it
+    had (see below), so it counts failed runs. RabbitMQ has no delayed requeue: a
     message given back is held unacknowledged for the delay, then requeued; a retry is a
     copy at the queue's tail with its count, then the original is acknowledged. On a quorum
     queue a message given back is such a copy too, carrying the count it had: a requeue
@@ -95,11 +98,16 @@ NATS (``NatsBroker``, JetStream subscribers)
     The key is the ``Oncely-Message-Id`` header (oncely's producer), else ``Nats-Msg-Id``,
     else ``message_id`` (FastStream's header name). The delivery count is JetStream's
     ``num_delivered``. A copy meeting a running first one, and a failure, are given back with
-    ``-NAK`` and a delay. Dead letters are published to ``<subject>.dead`` and confirmed by
-    the stream that captures it (created when none does, with the server's smallest
-    duplicate window, so it keeps every copy; a copy the window would drop is published
-    again with its id in ``x-oncely-message-id``; one its reason would make larger than the
-    server's ``max_payload`` has the reason cut to fit, as :mod:`oncely.brokers.nats` does),
+    ``-NAK`` and a delay; ``num_delivered`` counts both, so the middleware takes the
+    give-backs it made of a message (by its stream sequence) off it: ``max_deliveries``
+    counts failed runs, and the dead letter says how many failures among how many
+    deliveries. A give-back made by another worker, or before a restart, cannot be told
+    apart and counts as a failure (dead-lettered sooner, never later). Dead letters are
+    published to ``<subject>.dead`` and confirmed by the stream that captures it (created
+    when none does, with the server's smallest duplicate window, so it keeps every copy; a
+    copy the window would drop is published again with its id in ``x-oncely-message-id``;
+    one its reason would make larger than the server's ``max_payload`` has the reason cut to
+    fit, as :mod:`oncely.brokers.nats` does),
     then the original is terminated
     (``+TERM``). Refused: core NATS subscriptions (never redelivered), JetStream consumers
     that are not durable (give ``durable=`` to a pull subscriber, or ``queue=`` to a push
@@ -111,8 +119,10 @@ NATS (``NatsBroker``, JetStream subscribers)
     refused messages are given back with the error logged until the stream's subjects are
     narrowed. While a handler runs, its message is kept with ``+WPI`` every third of the
     consumer's ``ack_wait``, so it is not delivered again meanwhile. Keep the consumer's
-    ``max_deliver``, if set, above ``max_deliveries``: a message on its last delivery is
-    dead-lettered rather than given back into nothing. Results get the derived id as
+    ``max_deliver``, if set, above ``max_deliveries`` with room for the give-backs of a copy
+    meeting a running one: it counts failures and give-backs together (the safety net), and
+    a message on its last delivery is dead-lettered, with that reason, rather than given
+    back into nothing. Results get the derived id as
     ``Nats-Msg-Id``, so a stream's duplicate window drops a replay too.
 
 Redis (``RedisBroker``, stream subscribers of a consumer group)
@@ -123,7 +133,8 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     own (``XPENDING``) plus the ``x-oncely-delivered`` field of a retry's copy. Redis has no
     negative acknowledgement: a message given back or retried stays pending for the delay,
     then a copy of the entry (every field in order, a repeated name each time, read from
-    Redis by the entry's id; with its count) is added at the stream's tail and
+    Redis by the entry's id; with its count, which a give-back does not raise) is added at
+    the stream's tail and
     the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
     the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
     headers of FastStream's message format (``message.headers`` of a FastStream subscriber

@@ -5,7 +5,7 @@ action it is told."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib import import_module
@@ -71,6 +71,14 @@ class Adapter(Protocol):
     def delivery_limit(self, subscriber: Any) -> int | None:
         """The broker's own delivery limit for ``subscriber``'s messages, past which it
         would not deliver a message again (``None``: none)."""
+        ...
+
+    def counted_give_back(self, held: Settling) -> Hashable | None:
+        """The message's identity on its broker (the same on each of its deliveries) where
+        the broker counts a give-back of it as a delivery, so that the count the next
+        delivery reads includes it; ``None`` where a give-back keeps the count (a copy that
+        carries it, a rewind) or the broker counts no deliveries. The middleware takes the
+        give-backs it noted off that count: ``max_deliveries`` counts failures."""
         ...
 
     def extend_every(self, held: Settling) -> timedelta | None:

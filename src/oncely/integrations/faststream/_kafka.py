@@ -89,6 +89,10 @@ class KafkaAdapter:
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
 
+    def counted_give_back(self, held: Settling) -> None:
+        """None: Kafka counts no deliveries, and a give-back is a rewind to the record."""
+        return None
+
     def extend_every(self, held: Settling) -> timedelta | None:
         return None  # aiokafka's heartbeats keep the partition while the member lives
 

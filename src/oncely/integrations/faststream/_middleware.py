@@ -10,7 +10,7 @@ import multiprocessing
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
+from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import Backoff, DeadLetter
 from oncely.errors import (
     ConfigurationError,
@@ -69,9 +70,11 @@ class Idempotency:
     ``inbox``: one inbox for every subscriber, or ``{name: inbox}`` keyed by the queue
     (RabbitMQ), subject (NATS), stream (Redis) or topic (Kafka) a subscriber reads (the
     others pass through untouched). ``key``: the key source (default: the producer's message id). A
-    failed message is retried after ``backoff`` until it has been delivered
-    ``max_deliveries`` times, then dead-lettered; an ``in_flight`` copy is given back after
-    ``requeue_delay``."""
+    failed message is retried after ``backoff`` until it has failed ``max_deliveries``
+    times, then dead-lettered with the number of failures; an ``in_flight`` copy is given
+    back after ``requeue_delay``, which is no failure (where the broker counts it as a
+    delivery, JetStream, the give-backs this process made are taken off its count; one made
+    by another process, or before a restart, counts as a failure)."""
 
     def __init__(
         self,
@@ -110,6 +113,10 @@ class Idempotency:
         self.trust_hex_message_ids = trust_hex_message_ids
         self._adapters: dict[type, Adapter | None] = {}
         self._held: set[asyncio.Task[None]] = set()
+        self._given_back = GiveBacks()
+        """The give-backs this process made of each unfinished message where its broker
+        counts them as deliveries (JetStream): taken off the count, which then counts
+        failures, before it is compared with ``max_deliveries``."""
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
         return _Scope(self, msg, context=context)
@@ -267,8 +274,7 @@ class Idempotency:
             await self._give_back(adapter, held, self.backoff.delay(count))
             raise AckMessage() from None
         if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED, Outcome.DUPLICATE):
-            # Results published from here on carry an id derived from the key.
-            scope.result_key = (inbox.consumer, handled.key or "")
+            self._acknowledged(scope, adapter, held, (inbox.consumer, handled.key or ""))
             if handled.outcome is Outcome.DUPLICATE:
                 return _first_result(handled, call_next, source)
             return handled.value
@@ -323,15 +329,20 @@ class Idempotency:
         action = handled.action
         count = max(envelope.delivery_count or 0, handled.attempt) or None
         limit = adapter.delivery_limit(held.subscriber)
-        last = limit is not None and (count or 0) >= limit
+        last = limit is not None and (count or 0) >= limit  # give-backs and failures alike
+        failures, given_back = count or 0, 0
+        if action is Action.RETRY and count is not None and self._given_back:
+            failures, given_back = self._given_back.failures(
+                _counted_give_back(adapter, held), count
+            )
         why: DeadLetter | None = None
         if action is Action.REQUEUE_LATER and not last:
             how = "requeue"
             await self._give_back(adapter, held, self.requeue_delay)
-        elif action is Action.RETRY and (count or 0) < self.max_deliveries and not last:
+        elif action is Action.RETRY and failures < self.max_deliveries and not last:
             how = "retry"
             try:
-                await adapter.retry(held, self.backoff.delay(count), count or 1)
+                await adapter.retry(held, self.backoff.delay(failures or None), count or 1)
             except Exception as exc:
                 how = "retry failed (left to the broker)"
                 self._settlement_failed(adapter, held, "retry", exc)
@@ -341,9 +352,9 @@ class Idempotency:
             how = "dead_letter"
             reason = handled.reason or handled.outcome.value
             outcome = handled.outcome.value
-            if action is Action.RETRY and (count or 0) >= self.max_deliveries:
+            if action is Action.RETRY and failures >= self.max_deliveries:
                 outcome = Outcome.REJECTED.value
-                reason = f"failed on all {count} deliveries; last: {reason}"
+                reason = failed_reason(failures, count or 0, given_back, reason)
             elif action in (Action.RETRY, Action.REQUEUE_LATER):
                 outcome = Outcome.REJECTED.value
                 reason = (
@@ -354,6 +365,7 @@ class Idempotency:
             why = DeadLetter(outcome=outcome, reason=reason, consumer=consumer, deliveries=count)
             try:
                 await adapter.dead_letter(held, why)
+                self._finished(adapter, held)
             except Exception as exc:  # never acked without its copy: given back, later
                 how = "requeue (the dead-letter copy failed)"
                 LOGGER.error(
@@ -381,12 +393,30 @@ class Idempotency:
         )
 
     async def _give_back(self, adapter: Adapter, held: Settling, delay: timedelta) -> None:
+        """Give the message back unrun (never a failure: a copy that met a running one, the
+        store away, a result or dead letter that could not be sent), noted where the broker
+        counts it as a delivery, so that its later failures are counted without it."""
+        self._given_back.note(_counted_give_back(adapter, held))
         try:
             await adapter.give_back(held, delay)
         except Exception as exc:
             self._settlement_failed(adapter, held, "give back", exc)
         finally:
             adapter.settled(held)
+
+    def _acknowledged(
+        self, scope: _Scope, adapter: Adapter, held: Settling, result_key: tuple[str, str]
+    ) -> None:
+        """The message is done, FastStream acknowledges it: results published from here on
+        carry an id derived from ``result_key`` (the consumer and the key), and its
+        give-backs are forgotten."""
+        scope.result_key = result_key
+        self._finished(adapter, held)
+
+    def _finished(self, adapter: Adapter, held: Settling) -> None:
+        """The message is acknowledged or dead-lettered: its give-backs are forgotten."""
+        if self._given_back:
+            self._given_back.forget(_counted_give_back(adapter, held))
 
     @staticmethod
     def _settlement_failed(adapter: Adapter, held: Settling, what: str, exc: Exception) -> None:
@@ -510,6 +540,15 @@ def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
         raise AckMessage() from None
     LOGGER.info("oncely faststream source=%s key=%s: a duplicate, not run", source, key)
     return value
+
+
+def _counted_give_back(adapter: Adapter, held: Settling) -> Hashable | None:
+    """:meth:`Adapter.counted_give_back`; ``None`` where the message cannot say (a message
+    the adapter could not read: its give-back counts as a failure, as every delivery did)."""
+    try:
+        return adapter.counted_give_back(held)
+    except Exception:
+        return None
 
 
 def _unannotated(*args: Any) -> Any:  # a duplicate's result stays in its stored form

@@ -98,6 +98,15 @@ class NatsAdapter:
         limit = getattr(getattr(subscriber, "config", None), "max_deliver", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
+    def counted_give_back(self, held: Settling) -> tuple[str, int] | None:
+        """The stream and the message's sequence in it: JetStream's ``num_delivered``
+        counts a ``-NAK`` as a delivery (not FastStream's TestNatsBroker, which counts
+        none)."""
+        if not _from_jetstream(held.raw):
+            return None
+        meta = held.raw.metadata
+        return (meta.stream, meta.sequence.stream)
+
     def extend_every(self, held: Settling) -> timedelta | None:
         if not _from_jetstream(held.raw):
             return None

@@ -64,6 +64,12 @@ class RabbitAdapter:
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
 
+    def counted_give_back(self, held: Settling) -> None:
+        """None: on a quorum queue a give-back is a copy carrying the count this delivery
+        had; a classic queue counts no deliveries (a requeue leaves ``x-oncely-delivered``
+        as it was)."""
+        return None
+
     def extend_every(self, held: Settling) -> timedelta | None:
         return None  # an unacknowledged message stays with its consumer while it is connected
 

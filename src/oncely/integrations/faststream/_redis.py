@@ -125,6 +125,10 @@ class RedisAdapter:
     def delivery_limit(self, subscriber: Any) -> int | None:
         return None
 
+    def counted_give_back(self, held: Settling) -> None:
+        """None: a give-back is a copy of the entry carrying the count it had."""
+        return None
+
     def extend_every(self, held: Settling) -> timedelta | None:
         """A third of the shortest ``min_idle_time`` of the broker's subscribers that take
         over this stream's pending entries for this group (none: nobody takes them over)."""
