@@ -214,3 +214,20 @@ def doomed(order: str) -> None:
     """Kills the pool process that runs it, every time (as the kernel's OOM killer would)."""
     REDIS.incr(f"{NS}:started:doomed:{order}")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(
+    base=IdempotentTask,
+    inbox=inbox,
+    max_retries=2,
+    default_retry_delay=0.2,
+    retry_in_flight=0.5,
+    idempotency_key=lambda order, **options: f"fatal:{order}",
+)
+def fatal(order: str, deaths: int = 0) -> str:
+    """Its first ``deaths`` runs end the whole process at once (``os._exit``): with the solo
+    pool, the worker itself, as the OOM killer taking it would."""
+    if REDIS.incr(f"{NS}:started:fatal:{order}") <= deaths:
+        os._exit(1)
+    REDIS.incr(f"{NS}:effects:fatal:{order}")
+    return order

@@ -36,6 +36,8 @@ if os.environ.get("ONCELY_TEST_DRAMATIQ_BROKER", "rabbitmq") == "redis":
     broker = RedisBroker(url=REDIS_URL, namespace=f"{NS}:broker")  # removed with the effects
 else:
     broker = RabbitmqBroker(url=RABBITMQ)
+
+
 inbox = oncely.Inbox(
     oncely.open(os.environ["ONCELY_TEST_DRAMATIQ_STORE"]),
     consumer="billing",
@@ -142,3 +144,18 @@ def overtime(order: str) -> None:
     REDIS.incr(f"{NS}:effects:overtime:{order}")
     if int(REDIS.get(f"{NS}:started:overtime:{order}") or 0) == 1:
         _hold_the_inbox(2.5)
+
+
+@dramatiq.actor(
+    queue_name=QUEUE,
+    max_retries=2,
+    min_backoff=100,
+    max_backoff=200,
+    idempotency_key=lambda order, **options: f"fatal:{order}",
+)
+def fatal(order: str, deaths: int = 0) -> None:
+    """Its first ``deaths`` runs end the worker process at once (``os._exit``, as the OOM
+    killer would): the ``dramatiq`` command then stops."""
+    if REDIS.incr(f"{NS}:started:fatal:{order}") <= deaths:
+        os._exit(1)
+    REDIS.incr(f"{NS}:effects:fatal:{order}")

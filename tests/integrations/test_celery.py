@@ -22,7 +22,13 @@ pytest.importorskip("celery")
 import pika
 
 import oncely
-from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
+from tests.integrations.workers import (
+    Supervisor,
+    WorkerRun,
+    stopped_at_start,
+    store_url,
+    until,
+)
 from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
@@ -41,9 +47,14 @@ class Run(WorkerRun):
         self.consumers: list[object] = []
         """The ``x-oncely-consumer`` of each dead letter :meth:`dead_letters` took."""
 
-    def worker(self, concurrency: int = 2, log: Path | None = None) -> subprocess.Popen[bytes]:
+    def worker(
+        self,
+        concurrency: int = 2,
+        log: Path | None = None,
+        pool: str = "prefork",
+    ) -> subprocess.Popen[bytes]:
         return self.spawn(
-            "celery", "-A", self.app_module, "worker", "-P", "prefork", "-c", str(concurrency),
+            "celery", "-A", self.app_module, "worker", "-P", pool, "-c", str(concurrency),
             "-Q", self.queue, "--loglevel", "warning", "--without-mingle", "--without-gossip",
             log=log,
         )  # fmt: skip
@@ -412,5 +423,39 @@ def test_a_copy_oncely_sends_again_keeps_the_producers_custom_headers(store: str
             for order in orders
         }
         assert seen == {order: ["acme", "acme"] for order in orders}
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(300)
+def test_r10_a_task_that_kills_the_whole_worker_every_time_is_dead_lettered(store: str) -> None:
+    """``fatal`` ends the whole worker (the solo pool: ``os._exit``, as the OOM killer taking
+    the worker would) on every run, a supervisor starting the worker again each time. Celery
+    sees no failure: RabbitMQ gives the message to the next worker, which died again, for
+    ever. Now the runs are counted by the inbox (each copy takes the dead run's claim over
+    once its 2 s lease lapsed, one attempt higher): after ``max_retries`` + 1 (3) runs that
+    never finished, the message is dead-lettered with that reason instead of run again, and
+    the worker stays up. A task that dies once runs again and succeeds."""
+    from oncely.integrations.celery import DeadLettered
+
+    run = Run(store, lease=2.0)
+    try:
+        app = run.app
+        with Supervisor(lambda: run.worker(concurrency=1, pool="solo")) as supervisor:
+            doomed = app.fatal.delay("w1", deaths=99)
+            with pytest.raises(DeadLettered, match="failed on all 3 deliveries; last: none of"):
+                doomed.get(timeout=120)
+            assert run.started("fatal:w1") == 3 and run.effects("fatal:w1") == 0
+            survivor, starts = supervisor.current, supervisor.starts
+            assert app.charge.delay("w0", 10).get(timeout=60) == {"order": "w0", "amount": 10}
+            assert supervisor.current is survivor and supervisor.starts == starts
+            assert survivor is not None and survivor.poll() is None
+            [(name, reason)] = run.dead_letters()
+            assert name == "fatal" and "none of its 3 runs finished (the worker" in reason
+
+            assert app.fatal.delay("w2", deaths=1).get(timeout=120) == "w2"
+            assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
+            assert supervisor.starts == starts + 1
+        assert run.dead_letters() == []
     finally:
         run.close()

@@ -19,7 +19,13 @@ import pytest
 
 pytest.importorskip("dramatiq")
 
-from tests.integrations.workers import WorkerRun, stopped_at_start, store_url, until
+from tests.integrations.workers import (
+    Supervisor,
+    WorkerRun,
+    stopped_at_start,
+    store_url,
+    until,
+)
 from tests.services import RABBITMQ_URL, REDIS_URL, require
 
 
@@ -438,5 +444,41 @@ def test_a_dead_letter_on_a_broker_without_reason_options_answers_its_caller(sto
         assert str(_failure(run.send_rejected("r2"))) == str(first)
         assert run.effects("price:c2") == 1 and run.started("r2") == 1
         run.until(lambda: run.redis_dead_letters() == 3)
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(300)
+def test_r10_an_actor_that_kills_its_worker_every_time_is_dead_lettered(store: str) -> None:
+    """``fatal`` ends its worker process on every run (``os._exit``, as the OOM killer
+    would), and with it the ``dramatiq`` command; a supervisor starts it again each time.
+    Dramatiq sees no failure (its Retries middleware counts exceptions): RabbitMQ gives the
+    message to the next worker, which died again, for ever. Now the runs are counted by the
+    inbox (each copy takes the dead run's claim over once its 2 s lease lapsed, one attempt
+    higher): after ``max_retries`` + 1 (3) runs that never finished, the message is
+    dead-lettered with that reason instead of run again, and the worker stays up. An actor
+    that dies once runs again and succeeds."""
+    run = Run(store, lease=2.0)
+    try:
+        app = run.app
+        with Supervisor(lambda: run.worker(processes=1, threads=1)) as supervisor:
+            app.fatal.send("w1", deaths=99)
+            [letter] = run.dead_lettered(1)
+            reason = letter["amqp_headers"]["x-oncely-reason"]
+            assert reason.startswith("failed on all 3 deliveries; last: none of its 3 runs "
+                                     "finished (the worker"), reason  # fmt: skip
+            assert letter["amqp_headers"]["x-oncely-deliveries"] == "3", letter
+            assert run.started("fatal:w1") == 3 and run.effects("fatal:w1") == 0
+            survivor, starts = supervisor.current, supervisor.starts
+            app.charge.send("w0", 10)
+            run.until(lambda: run.effects("w0") == 1)
+            assert supervisor.current is survivor and supervisor.starts == starts
+            assert survivor is not None and survivor.poll() is None
+
+            app.fatal.send("w2", deaths=1)
+            run.until(lambda: run.effects("fatal:w2") == 1, seconds=120)
+            assert run.started("fatal:w2") == 2 and supervisor.starts == starts + 1
+        time.sleep(1.0)
+        assert run.dead_letters() == []
     finally:
         run.close()

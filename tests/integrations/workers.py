@@ -246,3 +246,33 @@ class WorkerRun:
         for name in self.redis.scan_iter(match=f"{self.ns}:*"):
             self.redis.delete(name)
         self.redis.close()
+
+
+class Supervisor:
+    """A worker started by ``start()`` and started again whenever it exits, as a process
+    supervisor (systemd, Kubernetes) would, until the ``with`` block ends: ``starts`` counts
+    the starts, ``current`` is the worker running now. Left before the run's ``close()``, so
+    nothing starts a worker after the run killed them."""
+
+    def __init__(self, start: Callable[[], subprocess.Popen[bytes]]) -> None:
+        self._start = start
+        self.starts = 0
+        self.current: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        self.current = self._start()
+        self.starts = 1
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.current is not None and self.current.poll() is not None:
+                self.current = self._start()
+                self.starts += 1

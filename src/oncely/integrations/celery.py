@@ -1,9 +1,10 @@
 """Celery tasks that apply each logical message once: a Task base class on a sync
 :class:`~oncely.Inbox` (the two-phase mode).
 
-Tested with the real ``celery worker`` (prefork) on RabbitMQ, a worker and a pool process
-``SIGKILL``ed mid-task included, and on the Redis broker with a visibility timeout shorter
-than the task (``tests/integrations/test_celery.py``).
+Tested with the real ``celery worker`` (prefork, and solo under a supervisor) on RabbitMQ, a
+worker and a pool process ``SIGKILL``ed mid-task included, a task that ends the whole worker on
+every run, and on the Redis broker with a visibility timeout shorter than the task
+(``tests/integrations/test_celery.py``).
 
 ::
 
@@ -40,6 +41,13 @@ out of memory)                         to the broker as often as it happens); th
                                        takes the lost run's claim over once its lease
                                        lapses; dead-lettered once ``max_retries`` is
                                        spent
+a run that took the whole worker with  Celery sees no failure: the broker gives the
+it (the solo or threads pool and       message to the next worker start, for ever. The
+``os._exit``, the OOM killer, the      next copy takes the dead run's claim over once its
+machine down)                          lease lapses, one attempt higher; when the runs in
+                                       a row that never finished are more than
+                                       ``max_retries``, it is dead-lettered ("none of its
+                                       N runs finished") instead of run again
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
 killed mid-task)                       taken over once a dead worker's lease lapses
@@ -99,6 +107,7 @@ from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import EXIT_USAGE, check_stores
 from oncely.integrations._task_keys import Keyer, first_result, task_key
+from oncely.integrations._task_runs import unfinished, unfinished_reason
 
 __all__ = [
     "KEY_HEADER",
@@ -186,6 +195,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except StoreError as exc:
             return self._later(key, f"oncely could not claim it: {exc!r}")
         if claimed.won:
+            runs = unfinished(claimed.attempt, self._limit(None))
+            if runs is not None:  # the worker died with each run: never run it again
+                return self._give_up(claimed, runs)
             return self._run(claimed, key, args, kwargs)
         handled = claimed.handled
         assert handled is not None
@@ -204,6 +216,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if handled.outcome is Outcome.IN_FLIGHT:
             return self._later(key, f"key {key} is being processed elsewhere")
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
+
+    def _give_up(self, claimed: Claimed[Any], runs: int) -> Any:
+        """Dead-letter a message whose last ``runs`` runs never finished (their worker died),
+        instead of running it again. The claim is released once the letter is sent (a copy
+        sent on purpose later runs afresh); if the letter cannot be sent, the key is marked
+        rejected, so the copy given back to the broker is dead-lettered, never run."""
+        reason = unfinished_reason(runs)
+        try:
+            return self._dead_letter(Outcome.REJECTED, reason, deliveries=runs)
+        except DeadLettered:
+            claimed.release(reason)
+            raise
+        except Exception:
+            with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
+                claimed.reject(reason)  # claim is one attempt higher, and gives up too
+            raise
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         keyer = type(self).idempotency_key  # the plain function, not bound to the task
@@ -374,15 +402,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ).apply_async()
         return None
 
-    def _dead_letter(self, outcome: Outcome, reason: str) -> Any:
+    def _dead_letter(self, outcome: Outcome, reason: str, deliveries: int | None = None) -> Any:
         request = self.request
         consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
         queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
         text = f"{outcome.value}: {reason}; the message is in {queue}"
         if request.is_eager:
             raise DeadLettered(text)
+        if deliveries is None:
+            deliveries = request.retries + 1
         letter = DeadLetter(
-            outcome=outcome.value, reason=reason, consumer=consumer, deliveries=request.retries + 1
+            outcome=outcome.value, reason=reason, consumer=consumer, deliveries=deliveries
         )
         signature = self.signature_from_request(
             request, queue=queue, headers={**(request.headers or {}), **letter.headers()}

@@ -35,6 +35,14 @@ a copy while the first still runs      sent again ``retry_in_flight_ms`` later (
                                        died is taken over once the dead worker's lease
                                        lapses, never dropped; the Results middleware
                                        stores nothing for the copy sent again
+a run that took its worker process     the Retries middleware sees no failure: the
+with it (``os._exit``, the OOM         message goes to the next worker start, for ever.
+killer)                                The next copy takes the dead run's claim over once
+                                       its lease lapses, one attempt higher; when the
+                                       runs in a row that never finished are more than
+                                       ``max_retries`` (the message's, the actor's, the
+                                       Retries middleware's), it is dead-lettered ("none
+                                       of its N runs finished") instead of run again
 the store cannot answer                sent again later the same way, never run
                                        unprotected
 the store is down when the worker      the worker process stops before taking a message
@@ -67,11 +75,13 @@ a None as if it had run. A message Dramatiq cannot decode never reaches a middle
 Dramatiq dead-letters it itself.
 
 Tested with the ``dramatiq`` worker command (processes and threads) on RabbitMQ, a worker
-``SIGKILL``ed mid-task included (``tests/integrations/test_dramatiq.py``).
+``SIGKILL``ed mid-task and an actor that ends its worker process on every run included
+(``tests/integrations/test_dramatiq.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -82,7 +92,13 @@ try:
     from dramatiq import Middleware
     from dramatiq.common import xq_name
     from dramatiq.errors import Retry
-    from dramatiq.middleware import MiddlewareError, ShutdownNotifications, SkipMessage, TimeLimit
+    from dramatiq.middleware import (
+        MiddlewareError,
+        Retries,
+        ShutdownNotifications,
+        SkipMessage,
+        TimeLimit,
+    )
     from dramatiq.results import Results
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError(
@@ -97,6 +113,7 @@ from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
+from oncely.integrations._task_runs import unfinished, unfinished_reason
 
 __all__ = [
     "KEY_OPTION",
@@ -249,6 +266,9 @@ class Idempotency(Middleware):
         payload = {"args": list(message.args), "kwargs": dict(message.kwargs)}
         claimed: Claimed[Any] = self.inbox.claim(key, payload)
         if claimed.won:
+            runs = unfinished(claimed.attempt, self._limit(broker, message))
+            if runs is not None:  # the worker died with each run: never run it again
+                self._give_up(broker, message, claimed, runs)
             with self._lock:
                 self._claims[id(message)] = claimed
             return
@@ -275,7 +295,39 @@ class Idempotency(Middleware):
             self._later(broker, message, f"key {key} is being processed elsewhere")
         self._dead_letter(broker, message, outcome, handled.reason or outcome.value)
 
-    def _dead_letter(self, broker: Any, message: Any, outcome: Outcome, reason: str) -> NoReturn:
+    def _give_up(self, broker: Any, message: Any, claimed: Claimed[Any], runs: int) -> NoReturn:
+        """Dead-letter a message whose last ``runs`` runs never finished (their worker
+        process died), instead of running it again. The claim is released once the letter is
+        sent (a copy sent on purpose later runs afresh); if the letter cannot be sent, the key
+        is marked rejected, so the copy sent again is dead-lettered, never run."""
+        reason = unfinished_reason(runs)
+        try:
+            self._dead_letter(broker, message, Outcome.REJECTED, reason, deliveries=runs)
+        except SkipMessage:
+            claimed.release(reason)
+            raise
+        except Exception:
+            with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
+                claimed.reject(reason)  # claim is one attempt higher, and gives up too
+            raise
+
+    def _limit(self, broker: Any, message: Any) -> int | None:
+        """The retries the Retries middleware allows ``message``: its ``max_retries`` option,
+        the actor's, the middleware's (0 without the middleware: a failure is not retried)."""
+        retries = next((m for m in broker.middleware if isinstance(m, Retries)), None)
+        actor = broker.get_actor(message.actor_name)
+        default = retries.max_retries if retries is not None else 0
+        limit = message.options.get("max_retries", actor.options.get("max_retries", default))
+        return limit if isinstance(limit, int) else None
+
+    def _dead_letter(
+        self,
+        broker: Any,
+        message: Any,
+        outcome: Outcome,
+        reason: str,
+        deliveries: int | None = None,
+    ) -> NoReturn:
         """Send ``message`` to its dead-letter queue with ``reason``, record the failure for
         a caller waiting on its result, and stop here (the actor never runs)."""
         LOGGER.warning(
@@ -297,7 +349,11 @@ class Idempotency(Middleware):
                 outcome=outcome.value,
                 reason=reason,
                 consumer=self.inbox.consumer,
-                deliveries=int(message.options.get("retries") or 0) + 1,
+                deliveries=(
+                    int(message.options.get("retries") or 0) + 1
+                    if deliveries is None
+                    else deliveries
+                ),
             )
             channel.basic_publish(
                 exchange="",
