@@ -38,6 +38,11 @@ else:
     broker = RabbitmqBroker(url=RABBITMQ)
 
 
+def counted(handled: oncely.Handled[object]) -> None:
+    """Every outcome, counted by key: what a test waits on when nothing else shows it."""
+    REDIS.incr(f"{NS}:outcomes:{handled.key}:{handled.outcome.value}")
+
+
 inbox = oncely.Inbox(
     oncely.open(os.environ["ONCELY_TEST_DRAMATIQ_STORE"]),
     consumer="billing",
@@ -45,6 +50,7 @@ inbox = oncely.Inbox(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_DRAMATIQ_LEASE", "30")))
     ),
     on_stale=oncely.OnStale(os.environ.get("ONCELY_TEST_DRAMATIQ_ON_STALE", "retry")),
+    hooks=[counted],
 )
 broker.add_middleware(Idempotency(inbox, retry_in_flight_ms=1_000))
 broker.add_middleware(Results(backend=RedisBackend(url=REDIS_URL, namespace=f"{NS}-results")))

@@ -52,10 +52,11 @@ class Run(WorkerRun):
         concurrency: int = 2,
         log: Path | None = None,
         pool: str = "prefork",
+        loglevel: str = "warning",
     ) -> subprocess.Popen[bytes]:
         return self.spawn(
             "celery", "-A", self.app_module, "worker", "-P", pool, "-c", str(concurrency),
-            "-Q", self.queue, "--loglevel", "warning", "--without-mingle", "--without-gossip",
+            "-Q", self.queue, "--loglevel", loglevel, "--without-mingle", "--without-gossip",
             log=log,
         )  # fmt: skip
 
@@ -457,5 +458,43 @@ def test_r10_a_task_that_kills_the_whole_worker_every_time_is_dead_lettered(stor
             assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
             assert supervisor.starts == starts + 1
         assert run.dead_letters() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
+    store: str, tmp_path: Path
+) -> None:
+    """A copy of ``charge`` (``retry_in_flight=1``) meets the first still running (12 s).
+    Before, it was sent again every second: a dozen resends here, 1,800 for an hour-long
+    task. Now each wait is twice the last (1, 2, 4, 8 s: four resends while the first ran),
+    up to what is left of the running claim's lease; the copy still ends as the duplicate
+    of the one run, with its result."""
+    run = Run(store)
+    log = tmp_path / "worker.log"
+    try:
+        app = run.app
+        run.worker(concurrency=2, log=log, loglevel="info")
+        first = app.charge.delay("s1", 10, sleep=12.0)
+        run.until(lambda: run.started("s1") == 1)
+        copy = app.charge.delay("s1", 10, sleep=12.0)
+        done = {"order": "s1", "amount": 10}
+        assert first.get(timeout=90) == done and copy.get(timeout=90) == done
+
+        def seen(outcome: str) -> int:
+            return int(run.redis.get(f"{run.ns}:outcomes:charge:s1:{outcome}") or 0)
+
+        run.until(lambda: seen("duplicate") == 1)
+        resends = seen("in_flight")
+        assert 1 <= resends <= 5, resends
+        delays = [
+            float(line.split("sent again in ", 1)[1].split(" s", 1)[0])
+            for line in log.read_text(errors="replace").splitlines()
+            if "charge:s1 is being processed elsewhere; sent again in" in line
+        ]
+        assert delays[:3] == [1.0, 2.0, 4.0], delays
+        assert delays == sorted(delays) and len(delays) == resends, delays
+        assert run.effects("s1") == 1 and run.started("s1") == 1
     finally:
         run.close()

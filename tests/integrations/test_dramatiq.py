@@ -482,3 +482,39 @@ def test_r10_an_actor_that_kills_its_worker_every_time_is_dead_lettered(store: s
         assert run.dead_letters() == []
     finally:
         run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
+    store: str, tmp_path: Path
+) -> None:
+    """A copy of ``charge`` (``retry_in_flight_ms=1000``) meets the first still running
+    (12 s). Before, it was sent again every second: a dozen resends here, 1,800 for an
+    hour-long actor. Now each wait is twice the last (1, 2, 4, 8 s: four resends while the
+    first ran), up to what is left of the running claim's lease; the copy still ends as the
+    duplicate of the one run."""
+    run = Run(store)
+    log = tmp_path / "worker.log"
+    try:
+        app = run.app
+        run.worker(processes=1, threads=2, log=log)
+        app.charge.send("s1", 10, sleep=12.0)
+        run.until(lambda: run.started("s1") == 1)
+        app.charge.send("s1", 10, sleep=12.0)
+
+        def seen(outcome: str) -> int:
+            return int(run.redis.get(f"{run.ns}:outcomes:charge:s1:{outcome}") or 0)
+
+        run.until(lambda: seen("duplicate") == 1, seconds=90)
+        resends = seen("in_flight")
+        assert 1 <= resends <= 5, resends
+        delays = [
+            int(line.split("sent again in ", 1)[1].split(" ms", 1)[0])
+            for line in log.read_text(errors="replace").splitlines()
+            if "charge:s1 is being processed elsewhere; sent again in" in line
+        ]
+        assert delays[:3] == [1000, 2000, 4000], delays
+        assert delays == sorted(delays) and len(delays) == resends, delays
+        assert run.effects("s1") == 1 and run.started("s1") == 1
+    finally:
+        run.close()

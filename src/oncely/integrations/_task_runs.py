@@ -1,5 +1,6 @@
-"""What the task integrations (Celery, Dramatiq) share about a message that should not run
-again: when runs that never finished have spent the message's retries.
+"""What the task integrations (Celery, Dramatiq) share about a message that cannot run now or
+should not run again: how long a copy that met a running one waits before it is sent again,
+and when runs that never finished have spent the message's retries.
 
 A run that dies with the whole worker (a solo or threads pool calling ``os._exit``, the OOM
 killer taking the worker) raises nothing the framework sees: the broker gives the message to
@@ -11,7 +12,53 @@ finished."""
 
 from __future__ import annotations
 
-__all__ = ["unfinished", "unfinished_reason"]
+import time
+from typing import Any
+
+from oncely._core.outcomes import Handled
+from oncely._core.records import Status
+
+__all__ = [
+    "IN_FLIGHT_RESENDS",
+    "in_flight_delay",
+    "resends_of",
+    "unfinished",
+    "unfinished_reason",
+]
+
+IN_FLIGHT_RESENDS = "oncely_in_flight"
+"""The header (Celery) or message option (Dramatiq) counting how often a message was sent
+again because its key was being processed elsewhere: the step of its backoff."""
+
+_STORE_AWAY_AT_MOST = 30.0
+"""The longest wait between two tries of a copy whose claim got no answer (the store away):
+the default lease, since no record says how long the key could be held."""
+_HOLD_AT_MOST = 300.0
+"""The longest wait in one go (a broker closes a consumer that holds a message unacknowledged
+for much longer: RabbitMQ after 30 min; Celery holds a countdown's message unacknowledged)."""
+
+
+def in_flight_delay(first: float, resends: int, handled: Handled[Any] | None) -> float:
+    """Seconds before a copy that met its key in progress (or a store that did not answer) is
+    tried again: ``first`` the first time, then twice as long each time (``resends``: how often
+    it was sent again before), up to what is left of the lease the key is held under (the
+    earliest moment the holder, if it died, can be taken over), never less than ``first``.
+    A fixed delay sent a copy of an hour-long task again 1,800 times in that hour."""
+    grown = first * 2.0 ** min(max(resends, 0), 32)
+    record = handled.record if handled is not None else None
+    if record is not None and record.status is Status.IN_PROGRESS:
+        cap = (record.lease_until_ms - time.time() * 1000 + 100) / 1000
+    else:
+        cap = _STORE_AWAY_AT_MOST
+    return max(first, min(grown, cap, _HOLD_AT_MOST))
+
+
+def resends_of(value: object) -> int:
+    """The in-flight resend count a message carries (0 when it carries none, or garbage)."""
+    try:
+        return max(int(value), 0) if value is not None else 0  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
 
 
 def unfinished(attempt: int, limit: int | None) -> int | None:

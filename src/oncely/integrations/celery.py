@@ -50,9 +50,11 @@ machine down)                          lease lapses, one attempt higher; when th
                                        N runs finished") instead of run again
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
-killed mid-task)                       taken over once a dead worker's lease lapses
-the store cannot answer                sent again later the same way, never run
-                                       unprotected
+killed mid-task)                       each time twice as long as the last, up to what is
+                                       left of the running claim's lease; taken over once
+                                       a dead worker's lease lapses
+the store cannot answer                sent again later the same way (up to 30 s apart),
+                                       never run unprotected
 the store is down when the worker      the worker stops before taking a message (exit
 starts, or its tables cannot be used   code 3, or 4 for the tables), the store named in
                                        the log
@@ -107,7 +109,13 @@ from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import EXIT_USAGE, check_stores
 from oncely.integrations._task_keys import Keyer, first_result, task_key
-from oncely.integrations._task_runs import unfinished, unfinished_reason
+from oncely.integrations._task_runs import (
+    IN_FLIGHT_RESENDS,
+    in_flight_delay,
+    resends_of,
+    unfinished,
+    unfinished_reason,
+)
 
 __all__ = [
     "KEY_HEADER",
@@ -163,6 +171,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     inbox: Inbox | None = None
     idempotency_key: Keyer | str | None = None
     retry_in_flight: float = 2.0
+    """Seconds before a copy that met its key running is sent again the first time; twice as
+    long each time after, up to what is left of the running claim's lease."""
     dead_letter_queue: str | None = None
 
     @classmethod
@@ -193,7 +203,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             claimed: Claimed[Any] = inbox.claim(key, payload)
         except StoreError as exc:
-            return self._later(key, f"oncely could not claim it: {exc!r}")
+            return self._later(key, f"oncely could not claim it: {exc!r}", None)
         if claimed.won:
             runs = unfinished(claimed.attempt, self._limit(None))
             if runs is not None:  # the worker died with each run: never run it again
@@ -214,7 +224,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise Ignore(f"key {key} was replaced by another task under this task id")
             return first_result(handled, self.run, self.name)
         if handled.outcome is Outcome.IN_FLIGHT:
-            return self._later(key, f"key {key} is being processed elsewhere")
+            return self._later(key, f"key {key} is being processed elsewhere", handled)
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
 
     def _give_up(self, claimed: Claimed[Any], runs: int) -> Any:
@@ -298,6 +308,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         other header from the copy."""
         request = self.request if request is None else request
         headers = dict(request.as_execution_options().get("headers") or {})
+        headers.pop(IN_FLIGHT_RESENDS, None)  # a retry's first wait for a running copy is short
         given = _given_key(request)
         if given is not None:
             headers[KEY_HEADER] = given if key is None else key
@@ -363,18 +374,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         except CeleryReject as refused:  # the broker refused the retry: keep the message
             raise CeleryReject(refused.reason, requeue=True) from exc
 
-    def _later(self, key: str, why: str) -> Any:
+    def _later(self, key: str, why: str, handled: Any) -> Any:
+        """Send the message again later, not as one of its retries, and acknowledge this copy:
+        ``retry_in_flight`` seconds the first time, twice as long each time after, up to what
+        is left of the lease the key is held under (``handled``: the in-flight outcome, or
+        None when the store did not answer)."""
         request = self.request
         if request.is_eager:
             raise StoreError(why)
-        signature = self.signature_from_request(
-            request, countdown=self.retry_in_flight, headers=self._headers(key)
-        )
+        resends = resends_of(_header(request, IN_FLIGHT_RESENDS))
+        delay = in_flight_delay(self.retry_in_flight, resends, handled)
+        headers = {**self._headers(key), IN_FLIGHT_RESENDS: resends + 1}
+        signature = self.signature_from_request(request, countdown=delay, headers=headers)
         try:
             signature.apply_async()
         except Exception as exc:
             raise CeleryReject(f"{why}; the resend failed: {exc!r}", requeue=True) from exc
-        LOGGER.info("oncely celery %s[%s]: %s; sent again", self.name, request.id, why)
+        LOGGER.info(
+            "oncely celery %s[%s]: %s; sent again in %.1f s (resend %d)",
+            self.name, request.id, why, delay, resends + 1,
+        )  # fmt: skip
         raise Ignore(why)
 
     def _after_lost_run(self, request: Any, why: str) -> str | None:
@@ -608,7 +627,13 @@ def _inbox_consumer(app: Any, message: Any) -> str:
 
 def _given_key(request: Any) -> Any:
     """The key :func:`send_with_key` put on the message, wherever Celery left it."""
-    return (request.headers or {}).get(KEY_HEADER) or getattr(request, KEY_HEADER, None)
+    return _header(request, KEY_HEADER)
+
+
+def _header(request: Any, name: str) -> Any:
+    """A header the message carries, wherever Celery left it (in the request's headers, or
+    as an attribute of the request)."""
+    return (request.headers or {}).get(name) or getattr(request, name, None)
 
 
 def _queue_of(request: Any) -> str:

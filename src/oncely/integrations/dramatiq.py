@@ -31,10 +31,12 @@ a duplicate (the key completed)        the actor not run: the first result stand
                                        and a pipeline goes on to its next stage; skipped
                                        when the first result was not kept
 a copy while the first still runs      sent again ``retry_in_flight_ms`` later (not one
-                                       of its retries), so a redelivery after a worker
-                                       died is taken over once the dead worker's lease
-                                       lapses, never dropped; the Results middleware
-                                       stores nothing for the copy sent again
+                                       of its retries), each time twice as long as the
+                                       last, up to what is left of the running claim's
+                                       lease, so a redelivery after a worker died is
+                                       taken over once the dead worker's lease lapses,
+                                       never dropped; the Results middleware stores
+                                       nothing for the copy sent again
 a run that took its worker process     the Retries middleware sees no failure: the
 with it (``os._exit``, the OOM         message goes to the next worker start, for ever.
 killer)                                The next copy takes the dead run's claim over once
@@ -43,8 +45,8 @@ killer)                                The next copy takes the dead run's claim 
                                        ``max_retries`` (the message's, the actor's, the
                                        Retries middleware's), it is dead-lettered ("none
                                        of its N runs finished") instead of run again
-the store cannot answer                sent again later the same way, never run
-                                       unprotected
+the store cannot answer                sent again later the same way (up to 30 s apart),
+                                       never run unprotected
 the store is down when the worker      the worker process stops before taking a message
 starts, or its tables cannot be used   (exit code 3, or 4 for the tables), the store
                                        named in the log
@@ -113,7 +115,13 @@ from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
-from oncely.integrations._task_runs import unfinished, unfinished_reason
+from oncely.integrations._task_runs import (
+    IN_FLIGHT_RESENDS,
+    in_flight_delay,
+    resends_of,
+    unfinished,
+    unfinished_reason,
+)
 
 __all__ = [
     "KEY_OPTION",
@@ -164,7 +172,7 @@ def send_with_key(
 class Idempotency(Middleware):
     """The middleware (see the module docstring). ``retry_in_flight_ms``: how long a copy that
     met a running first one (or a store that did not answer) waits before it is tried again
-    (default 2 s)."""
+    the first time (default 2 s; twice as long each time after)."""
 
     @property
     def actor_options(self) -> set[str]:
@@ -234,20 +242,28 @@ class Idempotency(Middleware):
                 message.actor_name,
                 exc,
             )
-            self._later(broker, message, f"oncely could not claim it: {exc!r}")
+            self._later(broker, message, f"oncely could not claim it: {exc!r}", None)
 
-    def _later(self, broker: Any, message: Any, why: str) -> None:
-        """Send ``message`` again in ``retry_in_flight_ms`` (not one of its retries) and
-        acknowledge this copy; if the broker refuses the resend, the Retries middleware
-        retries it (:class:`TryLater`). Never runs the actor."""
+    def _later(self, broker: Any, message: Any, why: str, handled: Handled[Any] | None) -> None:
+        """Send ``message`` again later (not one of its retries) and acknowledge this copy:
+        ``retry_in_flight_ms`` the first time, twice as long each time after, up to what is
+        left of the lease the key is held under (``handled``: the in-flight outcome, or None
+        when the store did not answer). If the broker refuses the resend, the Retries
+        middleware retries it (:class:`TryLater`). Never runs the actor."""
+        resends = resends_of(message.options.get(IN_FLIGHT_RESENDS))
+        delay = round(in_flight_delay(self._retry_ms / 1000, resends, handled) * 1000)
         try:
-            broker.enqueue(message.copy(), delay=self._retry_ms)
+            broker.enqueue(message.copy(options={IN_FLIGHT_RESENDS: resends + 1}), delay=delay)
         except Exception as exc:
-            raise TryLater(f"{why}; the resend failed: {exc!r}", delay=self._retry_ms) from exc
+            raise TryLater(f"{why}; the resend failed: {exc!r}", delay=delay) from exc
         # The copy sent again carries the message's id: the Results middleware must not
         # store a None under it for this skipped delivery (a caller would read it as done).
         message.options["store_results"] = False
-        raise SkipMessage(f"{why}: sent again in {self._retry_ms} ms")
+        LOGGER.info(
+            "oncely dramatiq message %s (%s): %s; sent again in %d ms (resend %d)",
+            message.message_id, message.actor_name, why, delay, resends + 1,
+        )  # fmt: skip
+        raise SkipMessage(f"{why}: sent again in {delay} ms")
 
     def _before(self, broker: Any, message: Any) -> None:
         keyer = broker.get_actor(message.actor_name).options.get("idempotency_key")
@@ -292,7 +308,7 @@ class Idempotency(Middleware):
             _REPLAY.value = handled.value  # the actor's stand-in returns it (this thread)
             return
         if outcome is Outcome.IN_FLIGHT:
-            self._later(broker, message, f"key {key} is being processed elsewhere")
+            self._later(broker, message, f"key {key} is being processed elsewhere", handled)
         self._dead_letter(broker, message, outcome, handled.reason or outcome.value)
 
     def _give_up(self, broker: Any, message: Any, claimed: Claimed[Any], runs: int) -> NoReturn:
@@ -414,6 +430,9 @@ class Idempotency(Middleware):
             claimed = self._claims.pop(id(message), None)
         if claimed is None:
             return
+        # It ran: a retry the Retries middleware sends waits for a running copy from the
+        # first, short step again.
+        message.options.pop(IN_FLIGHT_RESENDS, None)
         self._disarm(broker, message)
         if exception is None:
             claimed.complete(result)
