@@ -14,7 +14,7 @@ import os
 from datetime import timedelta
 
 import redis.asyncio
-from taskiq import Context, TaskiqDepends
+from taskiq import Context, TaskiqDepends, TaskiqEvents, TaskiqState
 from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
 from taskiq_redis import RedisAsyncResultBackend
 
@@ -101,4 +101,20 @@ async def later(order: str, context: Context = TaskiqDepends()) -> str:  # noqa:
     if await REDIS.incr(f"{NS}:attempts:{order}") == 1:
         await context.requeue()
     await REDIS.incr(f"{NS}:effects:{order}")
+    return order
+
+
+@broker.on_event(TaskiqEvents.WORKER_STARTUP)
+async def _count_start(state: TaskiqState) -> None:
+    """Each worker process that starts (taskiq starts a dead one again), counted."""
+    await REDIS.incr(f"{NS}:worker_starts")
+
+
+@broker.task(idempotency_key=lambda order, **options: f"fatal:{order}")
+async def fatal(order: str, deaths: int = 0) -> str:
+    """Its first ``deaths`` runs end the worker process at once (``os._exit``, as the OOM
+    killer would); taskiq's worker command starts the process again."""
+    if await REDIS.incr(f"{NS}:started:fatal:{order}") <= deaths:
+        os._exit(1)
+    await REDIS.incr(f"{NS}:effects:fatal:{order}")
     return order

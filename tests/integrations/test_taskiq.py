@@ -2,8 +2,8 @@
 command (worker processes) with oncely's receiver on the machine's RabbitMQ through
 ``taskiq-aio-pika``, the inbox on SQLite and Redis, results and effects in Redis. Duplicates,
 a reused key, keyless, unparseable and unknown-task messages, failures that recover and
-failures that do not, a rejection, and a worker ``SIGKILL``ed mid-task (R1, R2, R10, R13,
-R16)."""
+failures that do not, a rejection, a worker ``SIGKILL``ed mid-task, and a task that ends its worker
+process on every run (R1, R2, R10, R13, R16)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ class Run(WorkerRun):
             *(("--receiver", receiver) if receiver else ()), "--log-level", "WARNING", *more,
             log=log,
         )  # fmt: skip
+
+    def worker_starts(self) -> int:
+        """How many worker processes started (taskiq starts a dead one again)."""
+        return int(self.redis.get(f"{self.ns}:worker_starts") or 0)
 
     def dead_letters(self) -> list[tuple[str, str]]:
         """The dead-letter queue's messages (taken off it): the task name (or the body, for a
@@ -456,3 +460,51 @@ async def test_the_middleware_and_the_receiver_check_their_settings() -> None:
         broker = InMemoryBroker().with_middlewares(Idempotency(inbox, dead_letter=keep), retrying)
         with pytest.raises(ConfigurationError, match="NoResultError"):
             await broker.startup()
+
+
+@pytest.mark.timeout(300)
+def test_r10_a_task_that_kills_its_worker_process_every_time_is_dead_lettered(store: str) -> None:
+    """``fatal`` ends its worker process on every run (``os._exit``, as the OOM killer
+    would); the ``taskiq worker`` command starts the process again each time. taskiq sees no
+    failure: RabbitMQ gives the message to the next process, which died again, for ever, and
+    the caller never got an answer. Now the runs are counted by the inbox (each copy takes
+    the dead run's claim over once its 2 s lease lapsed, one attempt higher): after
+    ``max_retries`` + 1 (3) runs that never finished, the message is dead-lettered with that
+    reason instead of run again, the caller gets the error, and the worker stays up. A task
+    that dies once runs again and succeeds."""
+    run = Run(store, lease=2.0)
+    try:
+        worker = run.worker(workers=1)
+
+        async def doomed(app: ModuleType) -> Any:
+            return await (await app.fatal.kiq("w1", deaths=99)).wait_result(timeout=90)
+
+        result = run.drive(doomed)
+        assert result.is_err, result
+        assert "rejected: failed on all 3 deliveries; last: none of its 3 runs finished (the " \
+            "worker" in str(result.error), result  # fmt: skip
+        assert run.started("fatal:w1") == 3 and run.effects("fatal:w1") == 0
+        starts = run.worker_starts()
+        assert starts == 4, starts  # the first process and one after each death
+
+        async def charged(app: ModuleType) -> Any:
+            return await _value(await app.charge.kiq("w0", 10))
+
+        assert run.drive(charged) == {"order": "w0", "amount": 10}
+        assert run.worker_starts() == starts and worker.poll() is None
+        [(properties, _)] = run.taken(".dead")
+        headers = properties.headers
+        assert headers["task_name"].endswith(":fatal"), headers
+        assert "none of its 3 runs finished" in headers["x-oncely-reason"], headers
+        assert headers["x-oncely-outcome"] == "rejected", headers
+        assert str(headers["x-oncely-deliveries"]) == "3", headers
+
+        async def survivor(app: ModuleType) -> Any:
+            return await _value(await app.fatal.kiq("w2", deaths=1))
+
+        assert run.drive(survivor) == "w2"
+        assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
+        assert run.worker_starts() == starts + 1
+        assert run.dead_letters() == []
+    finally:
+        run.close()

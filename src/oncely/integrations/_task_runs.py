@@ -1,6 +1,6 @@
-"""What the task integrations (Celery, Dramatiq) share about a message that cannot run now or
-should not run again: how long a copy that met a running one waits before it is sent again,
-and when runs that never finished have spent the message's retries.
+"""What the task integrations (Celery, Dramatiq, taskiq) share about a message that cannot
+run now or should not run again: how long a copy that met a running one waits before it is
+sent again, and when runs that never finished have spent the message's retries.
 
 A run that dies with the whole worker (a solo or threads pool calling ``os._exit``, the OOM
 killer taking the worker) raises nothing the framework sees: the broker gives the message to

@@ -2,8 +2,8 @@
 receiver on an :class:`~oncely.AsyncInbox` (the two-phase mode).
 
 Tested with the real ``taskiq worker`` (worker processes) on RabbitMQ through
-``taskiq-aio-pika``, a worker ``SIGKILL``ed mid-task included
-(``tests/integrations/test_taskiq.py``).
+``taskiq-aio-pika``, a worker ``SIGKILL``ed mid-task and a task that ends its worker process on
+every run included (``tests/integrations/test_taskiq.py``).
 
 ::
 
@@ -41,6 +41,14 @@ a duplicate (the key completed)        the first result is the task's result, th
 a copy while the first still runs      sent again ``retry_in_flight`` s later (not one of
 (a worker killed mid-task)             its retries) and this copy acknowledged; taken
                                        over once a dead worker's lease lapses
+a run that took its worker process     taskiq sees no failure: the message goes to the
+with it (``os._exit``, the OOM         process taskiq starts again, for ever. The next
+killer)                                copy takes the dead run's claim over once its lease
+                                       lapses, one attempt higher; when the runs in a row
+                                       that never finished are more than ``max_retries``
+                                       (the task's label, else the middleware's), it is
+                                       dead-lettered ("none of its N runs finished")
+                                       instead of run again, its result that error
 the store cannot answer                sent again later the same way, never run
                                        unprotected
 the store is down when the worker      the worker process stops before taking a message
@@ -82,6 +90,7 @@ at its start-up (it runs tasks itself, with no worker); give it ``dead_letter=``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import uuid
@@ -107,6 +116,7 @@ from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavail
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.integrations._startup import check_stores_async
 from oncely.integrations._task_keys import SENT, Keyer, first_result, task_key
+from oncely.integrations._task_runs import unfinished, unfinished_reason
 
 __all__ = [
     "KEY_LABEL",
@@ -397,6 +407,9 @@ class Receiver(_TaskiqReceiver):
         except StoreError as exc:
             return await self._later(message, f"oncely could not claim it: {exc!r}")
         if claimed.won:
+            runs = unfinished(claimed.attempt, self._limit(message))
+            if runs is not None:  # its worker died with each run: never run it again
+                return await self._give_up(claimed, message, runs)
             return await self._run(claimed, target, message, *args, **kwargs)
         handled = claimed.handled
         assert handled is not None
@@ -456,11 +469,41 @@ class Receiver(_TaskiqReceiver):
         await claimed.release(f"the task raised {type(error).__name__}: {error}")
         return await self._retry(message, error)
 
+    async def _give_up(
+        self, claimed: AsyncClaimed[Any], message: TaskiqMessage, runs: int
+    ) -> TaskiqResult[Any]:
+        """Dead-letter a message whose last ``runs`` runs never finished (their worker process
+        died), instead of running it again. The claim is released once the letter is sent (a
+        copy sent on purpose later runs afresh); if the letter cannot be sent, the key is
+        marked rejected, so the copy the broker gives again is dead-lettered, never run."""
+        reason = unfinished_reason(runs)
+        try:
+            refused = await self._dead_letter(message, Outcome.REJECTED, reason, deliveries=runs)
+        except Exception:
+            with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
+                await claimed.reject(reason)  # claim is one attempt higher, and gives up too
+            raise
+        await claimed.release(reason)
+        return refused
+
+    def _limit(self, message: TaskiqMessage) -> int:
+        """The retries ``message`` is allowed: its ``max_retries`` label (the task's), else
+        the middleware's; a label that is no count reads as the middleware's."""
+        given = message.labels.get("max_retries")
+        try:
+            return max(int(given), 0) if given is not None else self.idempotency.max_retries
+        except (TypeError, ValueError):
+            LOGGER.warning(
+                "oncely taskiq %s[%s]: its max_retries label %r is no count: the middleware's "
+                "%d is used",
+                message.task_name, message.task_id, given, self.idempotency.max_retries,
+            )  # fmt: skip
+            return self.idempotency.max_retries
+
     async def _retry(self, message: TaskiqMessage, error: BaseException) -> TaskiqResult[Any]:
         mw = self.idempotency
         retries = int(message.labels.get(RETRIES_LABEL) or 0)
-        limit = int(message.labels.get("max_retries", mw.max_retries))
-        if retries >= limit:
+        if retries >= self._limit(message):
             return await self._dead_letter(
                 message,
                 Outcome.REJECTED,
@@ -477,14 +520,19 @@ class Receiver(_TaskiqReceiver):
         return _result(message, None, NoResultError())
 
     async def _dead_letter(
-        self, message: TaskiqMessage, outcome: Outcome, reason: str
+        self,
+        message: TaskiqMessage,
+        outcome: Outcome,
+        reason: str,
+        deliveries: int | None = None,
     ) -> TaskiqResult[Any]:
         mw = self.idempotency
         where = mw.dead_letter_queue if mw.dead_letter is None else "the dead-letter sink"
         text = f"{outcome.value}: {reason}; the message is in {where}"
-        retries = int(message.labels.get(RETRIES_LABEL) or 0)
+        if deliveries is None:
+            deliveries = int(message.labels.get(RETRIES_LABEL) or 0) + 1
         letter = DeadLetter(
-            outcome=outcome.value, reason=reason, consumer=mw.inbox.consumer, deliveries=retries + 1
+            outcome=outcome.value, reason=reason, consumer=mw.inbox.consumer, deliveries=deliveries
         )
         sent = self.broker.formatter.dumps(message)
         headers = {
