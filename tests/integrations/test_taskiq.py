@@ -2,8 +2,8 @@
 command (worker processes) with oncely's receiver on the machine's RabbitMQ through
 ``taskiq-aio-pika``, the inbox on SQLite and Redis, results and effects in Redis. Duplicates,
 a reused key, keyless, unparseable and unknown-task messages, failures that recover and
-failures that do not, a rejection, a worker ``SIGKILL``ed mid-task, and a task that ends its worker
-process on every run (R1, R2, R10, R13, R16)."""
+failures that do not, a rejection, a worker ``SIGKILL``ed mid-task, a task that ends its worker
+process on every run, and a copy that meets its key running (R1, R2, R8, R10, R13, R16)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,16 @@ class Run(WorkerRun):
         """The ``x-oncely-consumer`` of each dead letter :meth:`dead_letters` took."""
 
     def worker(
-        self, workers: int = 2, receiver: str = RECEIVER, *more: str, log: Path | None = None
+        self,
+        workers: int = 2,
+        receiver: str = RECEIVER,
+        *more: str,
+        log: Path | None = None,
+        loglevel: str = "WARNING",
     ) -> subprocess.Popen[bytes]:
         return self.spawn(
             "taskiq", "worker", f"{self.app_module}:broker", "--workers", str(workers),
-            *(("--receiver", receiver) if receiver else ()), "--log-level", "WARNING", *more,
+            *(("--receiver", receiver) if receiver else ()), "--log-level", loglevel, *more,
             log=log,
         )  # fmt: skip
 
@@ -506,5 +511,41 @@ def test_r10_a_task_that_kills_its_worker_process_every_time_is_dead_lettered(st
         assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
         assert run.worker_starts() == starts + 1
         assert run.dead_letters() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
+    tmp_path: Path,
+) -> None:
+    """A copy of ``charge`` (``retry_in_flight=1``) meets the first still running (12 s).
+    Before, it was sent again every second: a dozen resends here, 1,800 for an hour-long
+    task. Now each wait is twice the last (1, 2, 4, 8 s: four resends while the first ran),
+    up to what is left of the running claim's lease; the copy still ends as the duplicate
+    of the one run, with its result."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    log = tmp_path / "worker.log"
+    try:
+        run.worker(workers=1, log=log, loglevel="INFO")
+
+        async def scenario(app: ModuleType) -> list[Any]:
+            first = await app.charge.kiq("s1", 10, sleep=12.0)
+            while run.started("s1") < 1:
+                await asyncio.sleep(0.2)
+            copy = await app.charge.kiq("s1", 10, sleep=12.0)
+            return [(await t.wait_result(timeout=90)).return_value for t in (first, copy)]
+
+        assert run.drive(scenario) == [{"order": "s1", "amount": 10}] * 2
+        lines = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if "key charge:s1 is being processed elsewhere" in line
+        ]
+        assert 1 <= len(lines) <= 5, lines
+        delays = [float(line.split("sent again after ", 1)[1].split(" s", 1)[0]) for line in lines]
+        assert delays[:3] == [1.0, 2.0, 4.0], delays
+        assert delays == sorted(delays), delays
+        assert run.effects("s1") == 1 and run.started("s1") == 1
     finally:
         run.close()

@@ -27,15 +27,17 @@ __all__ = [
 ]
 
 IN_FLIGHT_RESENDS = "oncely_in_flight"
-"""The header (Celery) or message option (Dramatiq) counting how often a message was sent
-again because its key was being processed elsewhere: the step of its backoff."""
+"""The header (Celery), message option (Dramatiq) or label (taskiq) counting how often a
+message was sent again because its key was being processed elsewhere: the step of its
+backoff."""
 
 _STORE_AWAY_AT_MOST = 30.0
 """The longest wait between two tries of a copy whose claim got no answer (the store away):
 the default lease, since no record says how long the key could be held."""
 _HOLD_AT_MOST = 300.0
 """The longest wait in one go (a broker closes a consumer that holds a message unacknowledged
-for much longer: RabbitMQ after 30 min; Celery holds a countdown's message unacknowledged)."""
+for much longer: RabbitMQ after 30 min; Celery holds a countdown's message unacknowledged,
+and oncely's taskiq receiver holds the copy while it waits)."""
 
 
 def in_flight_delay(first: float, resends: int, handled: Handled[Any] | None) -> float:

@@ -39,8 +39,10 @@ the first message with a key           the task runs; the claim completes when i
 a duplicate (the key completed)        the first result is the task's result, the task
                                        not run
 a copy while the first still runs      sent again ``retry_in_flight`` s later (not one of
-(a worker killed mid-task)             its retries) and this copy acknowledged; taken
-                                       over once a dead worker's lease lapses
+(a worker killed mid-task)             its retries) and this copy acknowledged; each time
+                                       twice as long as the last, up to what is left of
+                                       the running claim's lease; taken over once a dead
+                                       worker's lease lapses
 a run that took its worker process     taskiq sees no failure: the message goes to the
 with it (``os._exit``, the OOM         process taskiq starts again, for ever. The next
 killer)                                copy takes the dead run's claim over once its lease
@@ -49,8 +51,8 @@ killer)                                copy takes the dead run's claim over once
                                        (the task's label, else the middleware's), it is
                                        dead-lettered ("none of its N runs finished")
                                        instead of run again, its result that error
-the store cannot answer                sent again later the same way, never run
-                                       unprotected
+the store cannot answer                sent again later the same way (up to 30 s apart),
+                                       never run unprotected
 the store is down when the worker      the worker process stops before taking a message
 starts, or its tables cannot be used   (exit code 3, or 4 for the tables), the store
                                        named in the log; taskiq starts it again, so pass
@@ -64,7 +66,8 @@ task this worker does not know         (taskiq alone acknowledges and drops it)
 
 Waits before a resend are spent in the worker, holding the message unacknowledged (taskiq's
 brokers differ in whether they can delay a message, and a delay the broker ignores would spin);
-keep ``retry_delay`` and ``retry_in_flight`` to seconds. A keyed task's ``timeout`` label
+keep ``retry_delay`` and ``retry_in_flight`` to seconds (a copy's growing wait for a running
+one is held to the running claim's lease, and to 5 minutes). A keyed task's ``timeout`` label
 works on an async task (the timeout cancels it; the claim is given back and the task retried)
 but not on a sync one: taskiq cannot stop its thread or process, which would go on running
 while a retry ran the task again beside it. So a keyed sync task declared with ``timeout`` is
@@ -116,7 +119,13 @@ from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavail
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.integrations._startup import check_stores_async
 from oncely.integrations._task_keys import SENT, Keyer, first_result, task_key
-from oncely.integrations._task_runs import unfinished, unfinished_reason
+from oncely.integrations._task_runs import (
+    IN_FLIGHT_RESENDS,
+    in_flight_delay,
+    resends_of,
+    unfinished,
+    unfinished_reason,
+)
 
 __all__ = [
     "KEY_LABEL",
@@ -164,7 +173,9 @@ async def send_with_key(task: Any, key: str, *args: Any, **kwargs: Any) -> Any:
 class Idempotency(TaskiqMiddleware):
     """The broker middleware (see the module docstring): holds the inbox and the settings,
     strips a key function from the labels a message is sent with, and refuses to start a
-    worker that does not run :class:`Receiver`."""
+    worker that does not run :class:`Receiver`. ``retry_in_flight``: seconds before a copy
+    that met its key running (or a store that did not answer) is sent again the first time
+    (default 2; twice as long each time after)."""
 
     def __init__(
         self,
@@ -405,8 +416,11 @@ class Receiver(_TaskiqReceiver):
         try:
             claimed: AsyncClaimed[Any] = await mw.inbox.claim(key, payload)
         except StoreError as exc:
-            return await self._later(message, f"oncely could not claim it: {exc!r}")
+            return await self._later(message, f"oncely could not claim it: {exc!r}", None)
         if claimed.won:
+            # It runs: a retry or a requeue of it waits for a running copy from the first,
+            # short step again.
+            message = _without(message, IN_FLIGHT_RESENDS)
             runs = unfinished(claimed.attempt, self._limit(message))
             if runs is not None:  # its worker died with each run: never run it again
                 return await self._give_up(claimed, message, runs)
@@ -419,7 +433,7 @@ class Receiver(_TaskiqReceiver):
             except ResultUnavailable as lost:  # the caller reads the error, not a None
                 return _result(message, None, lost)
         if handled.outcome is Outcome.IN_FLIGHT:
-            return await self._later(message, f"key {key} is being processed elsewhere")
+            return await self._later(message, f"key {key} is being processed elsewhere", handled)
         refused = await self._dead_letter(message, handled.outcome, handled.reason or "refused")
         if message.task_id == stable_task_id(message.task_name, key) and await self._answered(
             message, handled
@@ -513,10 +527,23 @@ class Receiver(_TaskiqReceiver):
         await mw.kick_again(message, **{RETRIES_LABEL: retries + 1})
         return _result(message, None, NoResultError())
 
-    async def _later(self, message: TaskiqMessage, why: str) -> TaskiqResult[Any]:
-        await asyncio.sleep(self.idempotency.retry_in_flight)
-        await self.idempotency.kick_again(message)
-        LOGGER.info("oncely taskiq %s[%s]: %s; sent again", message.task_name, message.task_id, why)
+    async def _later(
+        self, message: TaskiqMessage, why: str, handled: Handled[Any] | None
+    ) -> TaskiqResult[Any]:
+        """Send ``message`` again later (not one of its retries) and acknowledge this copy:
+        ``retry_in_flight`` seconds the first time, twice as long each time after, up to what
+        is left of the lease the key is held under (``handled``: the in-flight outcome, or
+        None when the store did not answer). The wait is spent here, the copy held
+        unacknowledged. Never runs the task."""
+        mw = self.idempotency
+        resends = resends_of(message.labels.get(IN_FLIGHT_RESENDS))
+        delay = in_flight_delay(mw.retry_in_flight, resends, handled)
+        await asyncio.sleep(delay)
+        await mw.kick_again(message, **{IN_FLIGHT_RESENDS: resends + 1})
+        LOGGER.info(
+            "oncely taskiq %s[%s]: %s; sent again after %.1f s (resend %d)",
+            message.task_name, message.task_id, why, delay, resends + 1,
+        )  # fmt: skip
         return _result(message, None, NoResultError())
 
     async def _dead_letter(
@@ -583,11 +610,18 @@ def _untimed(message: TaskiqMessage, target: Callable[..., Any]) -> TaskiqMessag
         message.task_name,
         message.task_id,
     )
-    untimed = message.model_copy(update={"labels": dict(message.labels)})
-    untimed.labels.pop("timeout", None)
+    return _without(message, "timeout")
+
+
+def _without(message: TaskiqMessage, label: str) -> TaskiqMessage:
+    """``message`` without ``label`` (itself when it has none)."""
+    if label not in message.labels:
+        return message
+    copy = message.model_copy(update={"labels": dict(message.labels)})
+    copy.labels.pop(label, None)
     if message.labels_types:
-        untimed.labels_types = {k: v for k, v in message.labels_types.items() if k != "timeout"}
-    return untimed
+        copy.labels_types = {k: v for k, v in message.labels_types.items() if k != label}
+    return copy
 
 
 def _wire_labels(sent: BrokerMessage) -> dict[str, Any]:
