@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,22 @@ def until(
             }  # fmt: skip
             pytest.fail(f"the workers did not get there in time: {seen}")
         time.sleep(0.2)
+
+
+def assert_resends_back_off(log: Path, key: str, resends: int | None = None) -> None:
+    """The copy of ``key`` that met its first copy running was sent again less and less
+    often: the waits the worker's log gives (``sent again in 2.0 s``, ``in 2000 ms``, ``after
+    2.0 s``) double from one second and never shrink, a handful of them while a 12 s run
+    lasts; ``resends``, where the test counted them otherwise, is their number."""
+    delays = []
+    for line in log.read_text(errors="replace").splitlines():
+        said = re.search(r"sent again (?:in|after) ([\d.]+) (ms|s)\b", line)
+        if f"{key} is being processed elsewhere" in line and said:
+            delays.append(float(said[1]) / (1000 if said[2] == "ms" else 1))
+    assert 1 <= len(delays) <= 5, delays
+    assert delays[:3] == [1.0, 2.0, 4.0], delays
+    assert delays == sorted(delays), delays
+    assert resends is None or len(delays) == resends, (resends, delays)
 
 
 def store_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iterator[str]:
