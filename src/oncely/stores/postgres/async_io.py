@@ -5,23 +5,20 @@ only the class names, opening and closing a pool, and a background pool check di
 marked ``if ASYNC:`` in ``async_io.py``, from which ``sync_io.py`` is generated like the rest.
 
 A statement on a connection the store holds alone, outside a transaction, gets its answer
-within the store's ``read_timeout`` or its connection is cut (:class:`_Watchdog`): psycopg has
-no client-side timeout of its own, and a server gone silent behind a dead route (no reset, no
-refusal: the kernel's TCP timeouts take many minutes, or never come when something on the way
-still acknowledges) would hold the caller, a sync one above all, for as long.
+within the store's ``read_timeout`` or its connection is cut (by the process's watchdog,
+:mod:`oncely.stores._watchdog`): psycopg has no client-side timeout of its own, and a server
+gone silent behind a dead route (no reset, no refusal: the kernel's TCP timeouts take many
+minutes, or never come when something on the way still acknowledges) would hold the caller, a
+sync one above all, for as long.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from functools import cache
-from time import monotonic
 from typing import Any, TypeAlias
 
 import psycopg
@@ -30,6 +27,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import tuple_row
 
 from oncely._twin import ASYNC
+from oncely.stores._watchdog import WATCHDOG, cuts
 
 if ASYNC:
     import asyncio
@@ -39,6 +37,8 @@ if ASYNC:
     from psycopg import AsyncPipeline as _Pipeline
     from psycopg_pool import AsyncConnectionPool as _ConnectionPool
 else:
+    import threading
+
     from psycopg import Connection as _Connection
     from psycopg import Cursor as _Cursor
     from psycopg import Pipeline as _Pipeline
@@ -88,7 +88,7 @@ _IDLE = pq.TransactionStatus.IDLE
 
 def own(conn: Connection, read_timeout: float | None = None) -> None:
     """Give ``conn`` (just checked out by a store, used by it alone) a cursor to reuse, and
-    the bound on the wait for its statements' answers (see :class:`_Watchdog`)."""
+    the bound on the wait for its statements' answers (see :mod:`oncely.stores._watchdog`)."""
     _OWN[conn] = (conn.cursor(row_factory=tuple_row), read_timeout)
 
 
@@ -102,102 +102,11 @@ def _cursor(conn: Connection) -> TupleCursor:
     return conn.cursor(row_factory=tuple_row) if owned is None else owned[0]
 
 
-class _Watchdog:
-    """Cuts the connection of a statement that outlived its deadline: one daemon thread per
-    process, shared by every store, that ``shutdown()``s the connection's socket. The wait in
-    psycopg then ends at once with an ``OperationalError`` (the server "closed the
-    connection"), the connection is broken, and the pool drops it.
-
-    A statement's watch is a clock read, a dict entry set and popped, and a comparison:
-    about 0.3 µs, nothing against a round trip; no thread starts, nothing is scheduled, no
-    lock is taken per statement. The thread sleeps until the soonest deadline it knows of,
-    and without statements until one comes: a statement wakes it only when its deadline is
-    sooner than that (the first after a quiet spell; with one ``read_timeout`` in the
-    process, no other). The entries are read and written without a lock (a dict's single
-    operations are atomic): the thread publishes the deadline it sleeps to only after it
-    has marked itself busy (``-inf``: no statement wakes it) and looked at the entries, then
-    looks again, so an entry set meanwhile is never missed."""
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        # Also in a forked child: the parent's thread and its entries are not the child's.
-        self._lock = threading.Lock()  # starting the thread; the cuts
-        self._wake = threading.Event()
-        self._running: dict[Connection, float] = {}  # connection: its statement's deadline
-        self._cut: set[Connection] = set()  # cut, and not yet told to their statement
-        self._next = float("inf")  # when the thread wakes next on its own (-inf: it is awake)
-        self._thread: threading.Thread | None = None
-
-    def start(self, conn: Connection, seconds: float) -> None:
-        """Watch the statement ``conn`` is about to run: cut it ``seconds`` from now."""
-        deadline = monotonic() + seconds
-        self._running[conn] = deadline
-        if deadline < self._next:
-            self._sooner()
-
-    def _sooner(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="oncely-pg-watchdog", daemon=True
-                )
-                self._thread.start()
-        self._wake.set()
-
-    def stop(self, conn: Connection) -> bool:
-        """Stop watching ``conn``'s statement; whether it was cut."""
-        self._running.pop(conn, None)
-        if not self._cut:
-            return False
-        with self._lock:
-            try:
-                self._cut.remove(conn)
-            except KeyError:
-                return False
-            return True
-
-    def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            self._next = float("-inf")  # awake: a new entry is seen below, no need to wake
-            soonest = self._cut_due()
-            self._next = soonest
-            while (again := self._cut_due()) < soonest:  # set before _next was: look again
-                soonest = self._next = again
-            self._wake.wait(None if soonest == float("inf") else soonest - monotonic())
-
-    def _cut_due(self) -> float:
-        """Cut the statements past their deadline; the soonest deadline of the others."""
-        now = monotonic()
-        soonest = float("inf")
-        for conn, deadline in self._running.copy().items():  # a copy: taken at once
-            if deadline > now:
-                soonest = min(soonest, deadline)
-                continue
-            with self._lock:
-                if self._running.get(conn) != deadline:
-                    continue  # it ended just now (and its connection may run another)
-                self._running.pop(conn, None)
-                self._cut.add(conn)
-                _shutdown(conn)
-        return soonest
+def _socket_of(conn: Connection) -> int:
+    return conn.pgconn.socket
 
 
-def _shutdown(conn: Connection) -> None:
-    """Shut ``conn``'s socket down both ways (the connection's own file descriptor stays
-    open: psycopg closes it, as for any lost connection)."""
-    with contextlib.suppress(Exception):  # closed meanwhile: nothing left to cut
-        sock = socket.socket(fileno=conn.pgconn.socket)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.detach()
-
-
-_WATCHDOG = _Watchdog()
+cuts(_Connection, _socket_of)
 
 
 async def _execute(conn: Connection, sql: bytes, params: Params) -> TupleCursor:
@@ -216,17 +125,17 @@ async def _execute(conn: Connection, sql: bytes, params: Params) -> TupleCursor:
     if seconds is None or conn.pgconn.transaction_status != _IDLE:
         await cursor.execute(sql, params)
         return cursor
-    _WATCHDOG.start(conn, seconds)
+    WATCHDOG.start(conn, seconds)
     try:
         await cursor.execute(sql, params)
     except BaseException as exc:
-        if _WATCHDOG.stop(conn) and isinstance(exc, psycopg.OperationalError):
+        if WATCHDOG.stop(conn) and isinstance(exc, psycopg.OperationalError):
             raise psycopg.OperationalError(
                 f"no answer from the server within {seconds:g}s (read_timeout): the "
                 "connection was closed (the server or the network to it may be down)"
             ) from exc
         raise
-    _WATCHDOG.stop(conn)
+    WATCHDOG.stop(conn)
     return cursor
 
 
