@@ -44,10 +44,10 @@ out either way (a record left uncompleted is logged at ERROR: a repeat may run a
 lease lapses). The ASGI middleware cuts a try that waits on the store's own timeouts short at
 that bound (psycopg first cancels a PostgreSQL statement under way: up to 10 s more); the
 WSGI one cannot cut a blocking call short and waits for the try under way, for as long as the
-store's own bounds let it: on PostgreSQL ``read_timeout`` for a statement's answer and
-``connect_timeout`` for a connection (10 s each by default: a server gone silent answers the
-claim ``503`` and sends the response after about that long), on MariaDB/MySQL
-``connect_timeout``, on Redis ``timeout`` (5 s).
+store's own bounds let it: on PostgreSQL and MariaDB/MySQL ``read_timeout`` for a
+statement's answer and ``connect_timeout`` for a connection (10 s each by default: a server
+gone silent answers the claim ``503`` and sends the response after about that long), on
+Redis ``timeout`` (5 s).
 
 With ``transactional=True`` (a SQL store: PostgreSQL, MariaDB/MySQL, SQLite) the app runs
 inside one database transaction on the store's database instead, which :func:`transaction`
@@ -334,8 +334,9 @@ renewal left two thirds of it at least), before they send the response anyway. A
 lasts as long as the store's own timeouts and the inbox's own quick retries let it: the
 ASGI middleware cuts it short at the bound; the WSGI (and Django) one cannot cut a blocking
 call, so a try under way at the bound lasts until the store's own bound ends it (the
-PostgreSQL store's ``read_timeout`` for a statement sent to a server gone silent and
-``connect_timeout`` for a connection, 10 s each by default; Redis' ``timeout``, 5 s), then
+PostgreSQL and MariaDB/MySQL stores' ``read_timeout`` for a statement sent to a server gone
+silent and ``connect_timeout`` for a connection, 10 s each by default; Redis' ``timeout``,
+5 s), then
 the response goes out."""
 _CLAIM_WITHIN = 5.0
 """Seconds the ASGI middleware waits for the store to answer a claim (beyond ``wait=``) before
@@ -343,7 +344,8 @@ it answers ``503``: a store gone silent (a dead route: no reset, no refusal) wou
 hold the request for as long as TCP takes to give up. A claim the store took after all holds
 the key for its lease (a retry gets ``409``, then runs). The WSGI (and Django) middleware
 answers ``503`` when the store's own bound ends the claim with
-:class:`~oncely.StoreUnavailable` (PostgreSQL: ``read_timeout``, 10 s by default)."""
+:class:`~oncely.StoreUnavailable` (PostgreSQL, MariaDB/MySQL: ``read_timeout``, 10 s by
+default)."""
 _FIRST_PAUSE = 0.1
 _LAST_PAUSE = 1.0
 """The pauses between those tries: doubling from the first to the last."""

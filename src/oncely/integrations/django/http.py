@@ -43,8 +43,8 @@ retried as the WSGI middleware retries it (up to 5 s, at most a third of the lea
 claim renewed meanwhile); if it still fails the view's response is sent all the same and an
 ERROR is logged (the record is not completed: a repeat gets 409 until the claim's lease
 lapses, then runs the view again). A call to a store gone silent (a dead route: no reset, no
-answer) lasts as long as the store's own bound (on PostgreSQL ``read_timeout``, 10 s by
-default): the claim then answers 503, a completion sends the response.
+answer) lasts as long as the store's own bound (on PostgreSQL and MariaDB/MySQL
+``read_timeout``, 10 s by default): the claim then answers 503, a completion sends the response.
 
 Tested with Django's WSGI handler served by a threaded ``wsgiref`` server, on SQLite,
 PostgreSQL and Redis stores (``tests/web/test_django.py``, ``tests/web/test_django_auth.py``).

@@ -8,6 +8,18 @@ end of file; threads: a zero-timeout poll of its socket, no round trip) and the 
 asyncio pool waits on a semaphore. The threaded pool's common path is one ``list.pop`` and one
 ``list.append`` (atomic under the GIL), plus that poll: a connection the server closed (a
 restart, a ``KILL``, ``wait_timeout``) is dropped there instead of failing the next call.
+
+A statement on a connection the store holds alone (:func:`own`), outside a transaction, gets
+its answer within the store's ``read_timeout``, and a connection attempt its server's within
+``connect_timeout``, or the connection is cut by the process's watchdog
+(:mod:`oncely.stores._watchdog`): aiomysql has no timeout on a read, nor on the handshake
+after the TCP connect, and PyMySQL's ``read_timeout`` is the socket's, for every read, so it
+would also cut a transaction's statement waiting on another transaction's row lock (up to
+``innodb_lock_wait_timeout``, legitimately). A server gone silent behind a dead route (no
+reset, no refusal) would otherwise hold the caller, a sync one above all, until the kernel's
+TCP timeouts give up (many minutes; never, when something on the way still acknowledges).
+The connections also get TCP keepalives (:data:`_KEEPALIVES`) for real partitions on the
+statements not watched.
 """
 
 from __future__ import annotations
@@ -15,11 +27,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
+
+import pymysql  # type: ignore[import-untyped]
 
 from oncely._twin import ASYNC
-from oncely.stores.mysql.errors import MySQLSettings
+from oncely.stores._watchdog import WATCHDOG, cuts
+from oncely.stores.mysql.errors import DRIVER_ERRORS, MySQLSettings, in_transaction
 
 if ASYNC:
     import aiomysql  # type: ignore[import-untyped]
@@ -29,21 +46,115 @@ else:
     import threading
     import time
 
-    import pymysql  # type: ignore[import-untyped]
-
-__all__ = ["Connection", "close", "connect", "execute", "fetchall", "sleep"]
+__all__ = [
+    "Connection",
+    "close",
+    "connect",
+    "disown",
+    "execute",
+    "fetchall",
+    "fetchall_unbounded",
+    "own",
+    "sleep",
+]
 __all__ += ["AsyncPool"]  # apart: sorted, AsyncPool and Pool take different places
 
 Connection: TypeAlias = Any
 """An ``aiomysql.Connection``; in the sync twin a ``pymysql.connections.Connection`` (neither
 library ships type information)."""
 
+Params: TypeAlias = Mapping[str, object] | None
+T = TypeVar("T")
+
+_BOUND: weakref.WeakKeyDictionary[Connection, float] = weakref.WeakKeyDictionary()
+"""The seconds a statement waits for its answer (the store's ``read_timeout``) on each
+connection a store has taken from its pool for itself (:func:`own`). Never a caller's
+connection (``tx=``), nor one a store uses for its schema or its purge's lead."""
+
+
+def own(conn: Connection, read_timeout: float | None) -> None:
+    """Bound the wait for the answers to the statements a store runs on ``conn`` (just taken
+    from its pool, used by it alone) outside a transaction: ``read_timeout`` seconds (None:
+    as long as it takes)."""
+    if read_timeout is not None:
+        _BOUND[conn] = read_timeout
+
+
+def disown(conn: Connection) -> None:
+    """Stop bounding ``conn``'s statements (it goes back to the pool)."""
+    _BOUND.pop(conn, None)
+
+
+if ASYNC:
+
+    def _socket(conn: Connection) -> Any:
+        return conn._writer.transport.get_extra_info("socket")
+
+    cuts(aiomysql.Connection, lambda conn: _socket(conn).fileno())
+else:
+
+    def _socket(conn: Connection) -> Any:
+        return conn._sock
+
+    cuts(pymysql.connections.Connection, lambda conn: _socket(conn).fileno())
+
+
+_KEEPALIVES = tuple(
+    (getattr(socket, name), value)
+    for name, value in (
+        ("TCP_KEEPIDLE", 15),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", 30_000),
+    )
+    if hasattr(socket, name)
+)
+"""The TCP settings of the connections oncely opens (both drivers turn ``SO_KEEPALIVE`` on):
+a connection whose server is cut off by the network (a dead route: no reset) is found dead
+after about 30 s (a keepalive probe unanswered 15 s after the last traffic, then every 5 s;
+data unacknowledged for 30 s) instead of the operating system's defaults (two hours before
+the first probe, and about 15 minutes of retransmissions), also where no watch bounds the wait
+(a transaction's statements, ``stats()``, ``scan()``). As the PostgreSQL store's. Left out
+where the system lacks them; not on a Unix socket."""
+
 
 async def connect(settings: MySQLSettings) -> Connection:
+    """A new connection, its handshake included within ``connect_timeout`` (both drivers
+    bound only the TCP connect by it; the handshake's reads are not bounded at all)."""
+    seconds = settings.connect_timeout.total_seconds()
     if ASYNC:
-        return await aiomysql.connect(db=settings.database, **settings.connect_kwargs())
+        conn = aiomysql.Connection(db=settings.database, **settings.connect_kwargs())
     else:
-        return pymysql.connect(database=settings.database, **settings.connect_kwargs())
+        conn = pymysql.connect(
+            database=settings.database, defer_connect=True, **settings.connect_kwargs()
+        )
+    WATCHDOG.start(conn, seconds)
+    try:
+        if ASYNC:
+            await conn._connect()  # what aiomysql.connect() awaits
+        else:
+            conn.connect()
+    except BaseException as exc:
+        if ASYNC:
+            conn.close()  # aiomysql leaves the transport open when the attempt is cancelled
+        if WATCHDOG.stop(conn) and isinstance(exc, DRIVER_ERRORS):
+            raise pymysql.OperationalError(
+                2013,
+                f"no answer from the server within {seconds:g}s (connect_timeout): the "
+                "connection attempt was cut (the server or the network to it may be down)",
+            ) from exc
+        raise
+    WATCHDOG.stop(conn)
+    if settings.unix_socket is None:
+        _keepalive(conn)
+    return conn
+
+
+def _keepalive(conn: Connection) -> None:
+    with contextlib.suppress(Exception):  # a system that refuses one: its default stays
+        sock = _socket(conn)
+        for option, value in _KEEPALIVES:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 if ASYNC:
@@ -57,7 +168,7 @@ if ASYNC:
         async def _show_warnings(self, conn: Connection) -> None:
             return None
 
-    def _query(conn: Connection, sql: str, params: Mapping[str, object] | None) -> str:
+    def _query(conn: Connection, sql: str, params: Params) -> str:
         # aiomysql 0.3 escapes bytes with a PyMySQL helper that PyMySQL 1.2 replaced by a
         # placeholder string ("TypeError: 'str' object is not callable"), so the statement is
         # formatted here, bytes as PyMySQL 1.2 writes them (_binary X'..'), anything else by the
@@ -70,11 +181,57 @@ if ASYNC:
         }
 
 
-async def execute(
-    conn: Connection, sql: str, params: Mapping[str, object] | None = None
-) -> tuple[int, int]:
+async def execute(conn: Connection, sql: str, params: Params = None) -> tuple[int, int]:
     """Run one statement; its affected (with ``CLIENT_FOUND_ROWS``: matched) row count and
-    the insert id of its OK packet."""
+    the insert id of its OK packet. On a connection the store holds alone (:func:`own`),
+    outside a transaction, the wait for the answer lasts at most the store's
+    ``read_timeout``: past it the connection is cut and the error (2013) says so."""
+    seconds = _BOUND.get(conn)
+    if seconds is None or in_transaction(conn):
+        return await _execute(conn, sql, params)
+    return await _watched(conn, seconds, _execute, sql, params)
+
+
+async def fetchall(conn: Connection, sql: str, params: Params = None) -> list[Any]:
+    """Run one statement and return its rows; bounded as :func:`execute`."""
+    seconds = _BOUND.get(conn)
+    if seconds is None or in_transaction(conn):
+        return await _fetchall(conn, sql, params)
+    return await _watched(conn, seconds, _fetchall, sql, params)
+
+
+async def fetchall_unbounded(conn: Connection, sql: str, params: Params = None) -> list[Any]:
+    """:func:`fetchall` whose wait for the answer is never cut (a statement that may take
+    long by nature)."""
+    return await _fetchall(conn, sql, params)
+
+
+async def _watched(
+    conn: Connection,
+    seconds: float,
+    run: Callable[[Connection, str, Params], Awaitable[T]],
+    sql: str,
+    params: Params,
+) -> T:
+    # Statements inside a transaction are not watched (the callers see to it): one may wait
+    # on another transaction's row lock for as long as innodb_lock_wait_timeout (a repeat
+    # in the transactional mode waits so for the first claimer's commit).
+    WATCHDOG.start(conn, seconds)
+    try:
+        done = await run(conn, sql, params)
+    except BaseException as exc:
+        if WATCHDOG.stop(conn) and isinstance(exc, DRIVER_ERRORS):
+            raise pymysql.OperationalError(
+                2013,
+                f"no answer from the server within {seconds:g}s (read_timeout): the "
+                "connection was closed (the server or the network to it may be down)",
+            ) from exc
+        raise
+    WATCHDOG.stop(conn)
+    return done
+
+
+async def _execute(conn: Connection, sql: str, params: Params) -> tuple[int, int]:
     if ASYNC:
         cursor = await conn.cursor(_Cursor)
         try:
@@ -88,10 +245,7 @@ async def execute(
             return int(affected), int(cursor.lastrowid or 0)
 
 
-async def fetchall(
-    conn: Connection, sql: str, params: Mapping[str, object] | None = None
-) -> list[Any]:
-    """Run one statement and return its rows."""
+async def _fetchall(conn: Connection, sql: str, params: Params) -> list[Any]:
     if ASYNC:
         cursor = await conn.cursor(_Cursor)
         try:

@@ -258,16 +258,26 @@ class MySQLOptions:
     settings: MySQLSettings
     table: str = "oncely_inbox"
     pool_size: int = 4
+    read_timeout: timedelta | None = timedelta(seconds=10)
     migrate: bool = True
 
 
-_KNOWN = ("table", "pool_size", "connect_timeout", "lock_timeout", "migrate", "unix_socket")
+_KNOWN = (
+    "table",
+    "pool_size",
+    "connect_timeout",
+    "lock_timeout",
+    "read_timeout",
+    "migrate",
+    "unix_socket",
+)
 
 
 def parse_url(url: str) -> MySQLOptions:
     """``mysql://user:password@host:3306/database`` (or ``mariadb://``), with the options
-    ``table``, ``pool_size``, ``connect_timeout`` and ``lock_timeout`` (seconds), ``migrate``
-    and ``unix_socket`` in the query string. Unknown options are refused."""
+    ``table``, ``pool_size``, ``connect_timeout``, ``lock_timeout`` and ``read_timeout``
+    (seconds; ``read_timeout=0``: no bound), ``migrate`` and ``unix_socket`` in the query
+    string. Unknown options are refused."""
     parts = split(url)
     database = path_of(parts)
     if not database or "/" in database:
@@ -276,6 +286,7 @@ def parse_url(url: str) -> MySQLOptions:
         )
     options = UrlOptions(url)
     lock = options.seconds("lock_timeout", timedelta(0))
+    read = options.seconds("read_timeout", timedelta(seconds=10))
     found = MySQLOptions(
         settings=MySQLSettings(
             database=database,
@@ -289,9 +300,12 @@ def parse_url(url: str) -> MySQLOptions:
         ),
         table=options.text("table", "oncely_inbox"),
         pool_size=options.integer("pool_size", 4),
+        read_timeout=read or None,
         migrate=options.boolean("migrate", True),
     )
     options.done(_KNOWN)
     if found.pool_size < 1:
         raise ConfigurationError(f"{redact(url)}: pool_size must be at least 1")
+    if read < timedelta(0):
+        raise ConfigurationError(f"{redact(url)}: read_timeout must be positive (0: no bound)")
     return found

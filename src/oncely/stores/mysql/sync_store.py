@@ -66,7 +66,7 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely._core.table import lease_lost
-from oncely.errors import LeaseLost, StoreUnavailable, TransactionRequired
+from oncely.errors import ConfigurationError, LeaseLost, StoreUnavailable, TransactionRequired
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import (
@@ -108,8 +108,11 @@ from oncely.stores.mysql.sync_io import (
     Pool,
     close,
     connect,
+    disown,
     execute,
     fetchall,
+    fetchall_unbounded,
+    own,
     sleep,
 )
 from oncely.stores.mysql.sync_tx import _Transaction
@@ -134,6 +137,9 @@ _BACKOFF_S = 0.005  # doubled per retry of a deadlock victim, jittered
 _STORES = itertools.count(1)
 _ROUNDS = 8  # reads and compare-and-set writes before a key that keeps changing gives up
 _BATCH = 500  # keys per multi-row statement of claim_many
+# The operations whose statements are not cut at read_timeout: they may take long by nature
+# (counts of the table, a page of a scan).
+_UNBOUNDED = frozenset({"stats", "scan"})
 
 
 class MySQLStore(SQLStoreBase[str]):
@@ -149,6 +155,19 @@ class MySQLStore(SQLStoreBase[str]):
     own autocommit statements are retried a few times before
     :class:`~oncely.StoreUnavailable`; inside a transaction they are reported at once (InnoDB
     rolled the transaction, or the statement, back).
+
+    ``connect_timeout`` bounds a connection attempt, its handshake included. ``read_timeout``
+    (10 s; None: no bound) bounds the wait for the answer to each statement the store runs on
+    its own connections outside a transaction (the message path: claims, completions,
+    renewals, releases, reads, the purge's batches; not ``stats()`` and ``scan()``, which may
+    take long by nature): past it the connection is closed and the call raises
+    :class:`~oncely.StoreUnavailable`, so a server gone silent (a dead route: no reset, no
+    refusal) never holds a caller, a thread above all, for longer than ``read_timeout`` per
+    statement plus ``connect_timeout`` per connection it opens. Statements inside a
+    transaction (the transactional mode, ``tx=``) are not cut: one may wait on another
+    transaction's row lock up to ``innodb_lock_wait_timeout`` (``lock_timeout``). The store's
+    TCP connections also get keepalives (a dead peer found in about 30 s, not the system's
+    two hours; see ``_KEEPALIVES`` in :mod:`oncely.stores.mysql.sync_io`).
 
     Transactional mode: :meth:`transaction` yields one of the store's connections (PyMySQL /
     aiomysql) after ``BEGIN``; the session stays in autocommit mode, so the same pooled
@@ -183,12 +202,16 @@ class MySQLStore(SQLStoreBase[str]):
         pool_size: int = 4,
         connect_timeout: timedelta = timedelta(seconds=10),
         lock_timeout: timedelta | None = None,
+        read_timeout: timedelta | None = timedelta(seconds=10),
         clock: Clock | None = None,
         migrate: bool = True,
     ) -> None:
         super().__init__(migrate=migrate)
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
+        if read_timeout is not None and read_timeout <= timedelta(0):
+            raise ConfigurationError("read_timeout must be positive (None: no bound)")
+        self._read_seconds = None if read_timeout is None else read_timeout.total_seconds()
         self._settings = MySQLSettings(
             database=database,
             host=host,
@@ -224,6 +247,7 @@ class MySQLStore(SQLStoreBase[str]):
             pool_size=options.pool_size,
             connect_timeout=s.connect_timeout,
             lock_timeout=s.lock_timeout,
+            read_timeout=options.read_timeout,
             clock=clock,
             migrate=options.migrate,
         )
@@ -254,12 +278,15 @@ class MySQLStore(SQLStoreBase[str]):
             raise self._closed_error()
         if not self._ready:
             self._prepare()
-        return self._pool.acquire()
+        conn = self._pool.acquire()
+        own(conn, self._read_seconds)
+        return conn
 
     def _release(self, conn: Connection, *, discard: bool = False) -> None:
         """Return a connection, rolling back anything an interrupted operation left open. One
         a handler turned autocommit off on is dropped: oncely's own writes on it would wait
         for a COMMIT that never comes."""
+        disown(conn)
         if not autocommits(conn):
             discard = True
         if not discard and in_transaction(conn):
@@ -291,7 +318,10 @@ class MySQLStore(SQLStoreBase[str]):
             self._release(conn, discard=discard)
 
     def _rows(self, op: str, sql: str, params: Mapping[str, object]) -> list[Any]:
-        return self._run(op, lambda conn: fetchall(conn, sql, params))
+        """One statement on a pooled connection; for ``stats`` and ``scan``, which may take
+        long by nature, as long as it takes (not cut at ``read_timeout``)."""
+        run = fetchall_unbounded if op in _UNBOUNDED else fetchall
+        return self._run(op, lambda conn: run(conn, sql, params))
 
     def _create_offsets(self) -> None:
         create = self._offset_sql.create
@@ -506,16 +536,16 @@ class MySQLStore(SQLStoreBase[str]):
         """``"sweep"`` when the minutes up to now hold more than a share of the table's rows
         that makes one sequential walk cheaper than a random read per expired row: 3% when
         the table is larger than the buffer pool (measured at 10^6 rows, 128 MB pool: a walk
-        4.4 us per row, a random read 134 us), 10% when it fits (45 us); else ``"index"``."""
+        4.4 us per row, a random read 134 us), 10% when it fits (45 us); else ``"index"``.
+        Its counts may take long on a large table: they are not cut at ``read_timeout``."""
         d = self._dialect
-        info = fetchall(conn, d.purge_share, {"now": self._now(), "table": d.table,
-                                                    "cap": 0})  # fmt: skip
+        share = partial(fetchall_unbounded, conn, d.purge_share)
+        info = share({"now": self._now(), "table": d.table, "cap": 0})
         if not info or info[0][0] is None or int(info[0][0]) < SWEEP_FROM_ROWS:
             return "index"
         rows, size, pool = int(info[0][0]), int(info[0][1] or 0), int(info[0][2] or 0)
         cap = int(rows * (SWEEP_SHARE_COLD if size > pool else SWEEP_SHARE_WARM)) + 1
-        counted = fetchall(conn, d.purge_share, {"now": self._now(), "table": d.table,
-                                                       "cap": cap})  # fmt: skip
+        counted = share({"now": self._now(), "table": d.table, "cap": cap})
         return "sweep" if counted and int(counted[0][3]) >= cap else "index"
 
     def _estimate(self) -> StoreStats:
