@@ -1,9 +1,9 @@
 """The HTTP middlewares when the store goes away while a request runs: the app's work is done,
 so its response must still reach the client, and the record be completed once the store is
-back, so a retry is replayed rather than run again (R19). The store (Redis, PostgreSQL) is
-reached through a relay the test cuts during the handler and restores a few seconds later;
-the apps are served by uvicorn (ASGI) and a threaded wsgiref server (WSGI, Flask) in
-processes of their own."""
+back, so a retry is replayed rather than run again (R19). The store (Redis, PostgreSQL, and
+MariaDB for a claim on a store gone silent) is reached through a relay the test cuts during
+the handler and restores a few seconds later; the apps are served by uvicorn (ASGI) and a
+threaded wsgiref server (WSGI, Flask) in processes of their own."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ import redis
 
 import oncely
 from oncely.http import IdempotencyMiddleware, Receive, Scope, Send, WSGIIdempotencyMiddleware
+from tests.backends.mysql import drop_tables
+from tests.backends.mysql import url as mysql_url
 from tests.brokers.common import Proxy
-from tests.services import POSTGRES_DSN, REDIS_URL, require
+from tests.services import MYSQL_URL, POSTGRES_DSN, REDIS_URL, require
 from tests.web.test_asgi import key, serving, serving_command
 
 OUTAGE = {"redis": 3.0, "postgres": 3.0}
@@ -38,9 +40,16 @@ between its attempts to reconnect (1 s, 2 s, ...), to connect again."""
 
 @contextlib.contextmanager
 def _store(kind: str) -> Iterator[str]:
-    """A store URL of ``kind`` (Redis or PostgreSQL) under a name of the test's own; dropped
-    after."""
+    """A store URL of ``kind`` (Redis, PostgreSQL or MariaDB) under a name of the test's own;
+    dropped after."""
     name = f"http_out_{uuid.uuid4().hex[:10]}"
+    if kind == "mysql":
+        require("MariaDB", MYSQL_URL, 3306)
+        try:
+            yield mysql_url(name, connect_timeout=1)
+        finally:
+            drop_tables(name)
+        return
     if kind == "postgres":
         require("PostgreSQL", POSTGRES_DSN, 5432)
         try:
@@ -317,17 +326,20 @@ async def test_r19_asgi_a_store_gone_silent_before_the_claim_answers_503_and_run
 
 
 @pytest.mark.slow
-async def test_r19_wsgi_a_store_gone_silent_before_the_claim_answers_503_and_runs_nothing() -> None:
-    """The same on the WSGI middleware: the claim's statement is cut at the store's
-    ``read_timeout`` (10 s by default) and the client gets ``503`` while the store is still
-    silent (before, the request hung until the store came back)."""
-    await _silent_before_the_claim(_wsgi)
+@pytest.mark.parametrize("kind", ["postgres", "mysql"])
+async def test_r19_wsgi_a_store_gone_silent_before_the_claim_answers_503_and_runs_nothing(
+    kind: str,
+) -> None:
+    """The same on the WSGI middleware, on PostgreSQL and on MariaDB: the claim's statement is
+    cut at the store's ``read_timeout`` (10 s by default) and the client gets ``503`` while
+    the store is still silent (before, the request hung until the store came back)."""
+    await _silent_before_the_claim(_wsgi, kind)
 
 
 async def _silent_before_the_claim(
-    serve: Callable[[str], contextlib.AbstractContextManager[str]],
+    serve: Callable[[str], contextlib.AbstractContextManager[str]], kind: str = "postgres"
 ) -> None:
-    with _store("postgres") as quick:
+    with _store(kind) as quick:
         url = quick.replace("&connect_timeout=1", "")  # the default: 10 s
         async with Proxy(url) as proxy, httpx.AsyncClient(timeout=60) as client:
             with serve(proxy.url) as base:
