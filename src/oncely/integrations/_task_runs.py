@@ -12,14 +12,18 @@ finished."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from oncely._core.outcomes import Handled
 from oncely._core.records import Status
+from oncely.inbox.sync_inbox import Claimed
 
 __all__ = [
     "IN_FLIGHT_RESENDS",
+    "give_up",
     "in_flight_delay",
     "resends_of",
     "unfinished",
@@ -79,3 +83,23 @@ def unfinished_reason(runs: int) -> str:
         "running it died: killed, out of memory, os._exit; or it lost its claim mid-run), "
         "so it is not run again"
     )
+
+
+def give_up(
+    claimed: Claimed[Any], runs: int, send: Callable[[str], Any], sent: type[BaseException]
+) -> Any:
+    """Dead-letter, with ``send(reason)``, a message whose last ``runs`` runs never finished,
+    instead of running it again (Celery, Dramatiq; ``send`` raises ``sent`` once the letter
+    is out). The claim is released once the letter is sent (a copy sent on purpose later runs
+    afresh); if the letter cannot be sent, the key is marked rejected, so the copy the broker
+    gives again is dead-lettered, never run."""
+    reason = unfinished_reason(runs)
+    try:
+        return send(reason)
+    except sent:
+        claimed.release(reason)
+        raise
+    except Exception:
+        with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
+            claimed.reject(reason)  # claim is one attempt higher, and gives up too
+        raise

@@ -111,10 +111,10 @@ from oncely.integrations._startup import EXIT_USAGE, check_stores
 from oncely.integrations._task_keys import Keyer, first_result, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
+    give_up,
     in_flight_delay,
     resends_of,
     unfinished,
-    unfinished_reason,
 )
 
 __all__ = [
@@ -229,19 +229,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _give_up(self, claimed: Claimed[Any], runs: int) -> Any:
         """Dead-letter a message whose last ``runs`` runs never finished (their worker died),
-        instead of running it again. The claim is released once the letter is sent (a copy
-        sent on purpose later runs afresh); if the letter cannot be sent, the key is marked
-        rejected, so the copy given back to the broker is dead-lettered, never run."""
-        reason = unfinished_reason(runs)
-        try:
-            return self._dead_letter(Outcome.REJECTED, reason, deliveries=runs)
-        except DeadLettered:
-            claimed.release(reason)
-            raise
-        except Exception:
-            with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
-                claimed.reject(reason)  # claim is one attempt higher, and gives up too
-            raise
+        instead of running it again (:func:`~oncely.integrations._task_runs.give_up`)."""
+        return give_up(
+            claimed,
+            runs,
+            lambda reason: self._dead_letter(Outcome.REJECTED, reason, deliveries=runs),
+            DeadLettered,
+        )
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         keyer = type(self).idempotency_key  # the plain function, not bound to the task

@@ -83,7 +83,6 @@ Tested with the ``dramatiq`` worker command (processes and threads) on RabbitMQ,
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -117,10 +116,10 @@ from oncely.integrations._startup import check_stores
 from oncely.integrations._task_keys import task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
+    give_up,
     in_flight_delay,
     resends_of,
     unfinished,
-    unfinished_reason,
 )
 
 __all__ = [
@@ -313,19 +312,14 @@ class Idempotency(Middleware):
 
     def _give_up(self, broker: Any, message: Any, claimed: Claimed[Any], runs: int) -> NoReturn:
         """Dead-letter a message whose last ``runs`` runs never finished (their worker
-        process died), instead of running it again. The claim is released once the letter is
-        sent (a copy sent on purpose later runs afresh); if the letter cannot be sent, the key
-        is marked rejected, so the copy sent again is dead-lettered, never run."""
-        reason = unfinished_reason(runs)
-        try:
+        process died), instead of running it again
+        (:func:`~oncely.integrations._task_runs.give_up`)."""
+
+        def send(reason: str) -> NoReturn:
             self._dead_letter(broker, message, Outcome.REJECTED, reason, deliveries=runs)
-        except SkipMessage:
-            claimed.release(reason)
-            raise
-        except Exception:
-            with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
-                claimed.reject(reason)  # claim is one attempt higher, and gives up too
-            raise
+
+        give_up(claimed, runs, send, SkipMessage)
+        raise AssertionError("unreachable: the letter raises SkipMessage")  # pragma: no cover
 
     def _limit(self, broker: Any, message: Any) -> int | None:
         """The retries the Retries middleware allows ``message``: its ``max_retries`` option,
