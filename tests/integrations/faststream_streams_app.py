@@ -73,6 +73,7 @@ class Charge(BaseModel):
     amount: int
     sleep: float = 0
     fail_times: int = 0
+    exit_times: int = 0
     reject: bool = False
 
 
@@ -83,6 +84,8 @@ async def charge(charge: Charge) -> dict[str, object]:
         raise oncely.Reject(f"order {charge.order} is not billable")
     if REDIS.incr(f"{NS}:attempts:{charge.order}") <= charge.fail_times:
         raise RuntimeError(f"the ledger is down (attempt for {charge.order})")
+    if REDIS.incr(f"{NS}:exits:{charge.order}") <= charge.exit_times:
+        os._exit(70)  # the whole worker dies mid-run, as killed by the OOM killer
     REDIS.incr(f"{NS}:effects:{charge.order}")
     return {"order": charge.order, "charged": charge.amount}
 

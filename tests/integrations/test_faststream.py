@@ -324,6 +324,39 @@ def test_r8_r13_give_backs_are_not_failures_max_deliveries_counts_failed_runs(
         run.close()
 
 
+@pytest.mark.timeout(180)
+def test_r10_r13_a_message_that_kills_its_worker_every_run_is_dead_lettered_after_3_runs(
+    tmp_path: Path,
+) -> None:
+    """The handler ends the whole worker process (``os._exit``, as the OOM killer would) on
+    every run; a supervisor starts the worker again each time. RabbitMQ delivers the message
+    again at once, it meets the dead run's live claim and is given back until a delivery
+    takes the claim over; no run settled, so nothing counted it and it ran for ever. It runs
+    ``max_deliveries`` (3) times, then is dead-lettered unrun, saying its earlier runs never
+    finished."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", lease=5.0)
+    try:
+        run.charge("m-x1", "x1", exit_times=99)
+        dead: list[tuple[Any, bytes]] = []
+
+        def dead_lettered() -> bool:
+            dead.extend(run.taken(".dead"))
+            return bool(dead) or run.started("x1") > 4
+
+        run.supervised(dead_lettered, seconds=150)
+        calm = time.monotonic() + 3.0  # a further run or dead letter would show here
+        run.supervised(lambda: time.monotonic() > calm)
+        dead.extend(run.taken(".dead"))
+        assert run.started("x1") == 3, dead
+        [(properties, _)] = dead
+        reason = _reason(properties)
+        assert "not run again: its 3 earlier runs never finished" in reason, reason
+        assert properties.headers["x-oncely-outcome"] == "rejected"
+        assert run.effects("x1") == 0
+    finally:
+        run.close()
+
+
 @pytest.mark.timeout(120)
 def test_r1_a_duplicate_publishes_the_first_result_as_the_handler_returned_it(
     tmp_path: Path,

@@ -604,6 +604,56 @@ def test_r10_a_worker_killed_mid_handler_is_redelivered_and_applied_once(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("broker", ["redis", "nats"], indirect=True)
+def test_r10_r13_a_message_that_kills_its_worker_every_run_is_dead_lettered_after_3_runs(
+    broker: str, store: str
+) -> None:
+    """The handler ends the whole worker process (``os._exit``, as the OOM killer would) on
+    every run; a supervisor starts the worker again each time. The broker delivers the
+    message again (Redis: the takeover subscriber's ``XAUTOCLAIM``; JetStream: after the ack
+    wait) sooner than the dead run's inbox lease lapses, so it meets that live claim and is
+    given back before a later delivery takes the claim over. No run ever settled, so nothing
+    counted it: the message ran for ever (on Redis each give-back's copy also carried the
+    count its entry was written with, losing the takeover Redis had counted). It runs
+    ``max_deliveries`` (3) times, and is then dead-lettered, unrun, saying its earlier runs
+    never finished."""
+    run = RUNS[broker](store, lease=5.0, takeover=1.0)
+    try:
+        run.send([])
+        run.charge("m-x1", "x1", exit_times=99)
+        run.supervised(lambda: len(run.dead()) >= 1 or run.started("x1") > 4, seconds=150)
+        calm = time.monotonic() + 3.0  # a further run or dead letter would show here
+        run.supervised(lambda: time.monotonic() > calm)
+        assert run.started("x1") == 3, run.dead()
+        [(headers, _)] = run.dead()
+        reason = _reason(headers)
+        assert "not run again: its 3 earlier runs never finished" in reason, reason
+        assert headers["x-oncely-outcome"] == "rejected"
+        assert run.effects("x1") == 0
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("broker", ["redis", "nats"], indirect=True)
+def test_r10_a_message_that_killed_its_worker_once_then_succeeds(broker: str, store: str) -> None:
+    """A run that killed its worker once is no reason to give up: the next run, after the
+    takeover, applies the message once, and nothing is dead-lettered."""
+    run = RUNS[broker](store, lease=5.0, takeover=1.0)
+    try:
+        run.send([])
+        run.charge("m-x3", "x3", exit_times=1)
+        run.supervised(lambda: run.effects("x3") >= 1, seconds=120)
+        calm = time.monotonic() + 3.0  # a further run or dead letter would show here
+        run.supervised(lambda: time.monotonic() > calm)
+        assert run.effects("x3") == 1
+        assert run.started("x3") == 2
+        assert run.dead() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 def test_r8_r13_give_backs_are_not_failures_max_deliveries_counts_failed_runs(
     broker: str, store: str
 ) -> None:

@@ -252,6 +252,21 @@ class WorkerRun:
     def until(self, check: Callable[[], bool], seconds: float = 60) -> None:
         until(check, seconds, self.redis, self.ns)
 
+    def worker(self) -> subprocess.Popen[bytes]:
+        """Start one worker process of the test app."""
+        raise NotImplementedError
+
+    def supervised(self, check: Callable[[], bool], seconds: float = 60) -> None:
+        """Wait for ``check`` while a worker runs, started again each time the last one
+        dies, as a process supervisor (systemd, Kubernetes) would."""
+
+        def step() -> bool:
+            if not self.workers or self.workers[-1].poll() is not None:
+                self.worker()
+            return check()
+
+        self.until(step, seconds)
+
     def close(self) -> None:
         for process in self.workers:
             with contextlib.suppress(ProcessLookupError):

@@ -35,6 +35,14 @@ the handler raised                     retried after ``backoff``; once it has fa
                                        ``max_deliveries`` times (a give-back is no
                                        failure), dead-lettered with the last error and
                                        the number of failures
+the worker died running it             delivered again once the broker notices (a crash,
+                                       ``os._exit``, the OOM killer) and, the dead run's
+                                       lease lapsed, run again; after ``max_deliveries``
+                                       runs of which the last never finished,
+                                       dead-lettered unrun (``rejected``), the reason
+                                       saying the earlier runs never finished, so a
+                                       message that kills its worker every time does
+                                       not run for ever
 the key with another body              dead-lettered (``key_conflict``)
 no key, or an id the client invented   dead-lettered (``rejected``) with the reason
 a body FastStream cannot decode        dead-lettered (``rejected``), never left

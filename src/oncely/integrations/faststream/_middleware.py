@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "oncely.integrations.faststream needs FastStream: pip install 'oncely[faststream]'"
     ) from exc
 
+from oncely._core.context import current
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
@@ -74,7 +75,9 @@ class Idempotency:
     times, then dead-lettered with the number of failures; an ``in_flight`` copy is given
     back after ``requeue_delay``, which is no failure (where the broker counts it as a
     delivery, JetStream, the give-backs this process made are taken off its count; one made
-    by another process, or before a restart, counts as a failure)."""
+    by another process, or before a restart, counts as a failure). A run that never finished
+    (its worker died) is one of those runs too: once ``max_deliveries`` runs have begun, the
+    last of them never finishing, the message is dead-lettered instead of run again."""
 
     def __init__(
         self,
@@ -261,7 +264,11 @@ class Idempotency:
                     delivery.refusal, correlation_id=delivery.envelope.correlation_id
                 )
             else:
-                handled = await inbox.handle_message(delivery.envelope, run, key=self._read_key)
+                handled = await inbox.handle_message(
+                    delivery.envelope,
+                    self._unless_unfinished(run, adapter, held, delivery.envelope),
+                    key=self._read_key,
+                )
         except Exception as exc:  # the store failed: given back, never run unprotected
             count = delivery.envelope.delivery_count
             LOGGER.error(
@@ -280,6 +287,54 @@ class Idempotency:
             return handled.value
         await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
+
+    def _unless_unfinished(
+        self,
+        run: Callable[[object], Awaitable[Any]],
+        adapter: Adapter,
+        held: Settling,
+        envelope: Envelope,
+    ) -> Callable[[object], Awaitable[Any]]:
+        """``run``, unless :meth:`_unfinished` says the message is not run again."""
+
+        async def checked(body: object) -> Any:
+            unfinished = self._unfinished(adapter, held, envelope.delivery_count)
+            if unfinished is not None:
+                raise unfinished
+            return await run(body)
+
+        return checked
+
+    def _unfinished(
+        self, adapter: Adapter, held: Settling, count: int | None
+    ) -> _NeverFinished | None:
+        """Why the message is not run again (called under its claim, before the handler):
+        ``max_deliveries`` runs of it began and none succeeded, the last of them never
+        finished. The handler never returned, so no failure was counted: the worker running
+        it died (a crash, ``os._exit``, the OOM killer) or hung past the lease, and a message
+        that kills its worker every time would otherwise run for ever. The claim's attempt
+        says how many runs in a row never finished (each such claim was taken over); the
+        broker's count, where a give-back is not in it, adds the failures before them.
+        ``None``: run it."""
+        now = current()
+        if now is None or now.attempt < 2:
+            return None  # the key's last run ended (released by a failure), or none began
+        unfinished = now.attempt - 1
+        runs = unfinished
+        if count is not None and _counted_give_back(adapter, held) is None:
+            runs = max(runs, count - 1)
+        if runs < self.max_deliveries:
+            return None
+        why = (
+            f"the worker running it died, as on a crash, os._exit or the OOM killer, or hung "
+            f"past the inbox's lease; max_deliveries is {self.max_deliveries}"
+        )
+        if runs == unfinished:
+            return _NeverFinished(f"not run again: its {runs} earlier runs never finished ({why})")
+        return _NeverFinished(
+            f"not run again: its {runs} earlier runs failed or never finished (the last "
+            f"{unfinished} never finished: {why})"
+        )
 
     async def _unread(self, scope: _Scope, exc: Exception) -> bool:
         """A message of a protected subscriber that FastStream failed to parse (so no handler
@@ -336,10 +391,11 @@ class Idempotency:
                 _counted_give_back(adapter, held), count
             )
         why: DeadLetter | None = None
+        unfinished = isinstance(handled.error, _NeverFinished)
         if action is Action.REQUEUE_LATER and not last:
             how = "requeue"
             await self._give_back(adapter, held, self.requeue_delay)
-        elif action is Action.RETRY and failures < self.max_deliveries and not last:
+        elif action is Action.RETRY and failures < self.max_deliveries and not (last or unfinished):
             how = "retry"
             try:
                 await adapter.retry(held, self.backoff.delay(failures or None), count or 1)
@@ -352,7 +408,9 @@ class Idempotency:
             how = "dead_letter"
             reason = handled.reason or handled.outcome.value
             outcome = handled.outcome.value
-            if action is Action.RETRY and failures >= self.max_deliveries:
+            if unfinished:
+                outcome, reason = Outcome.REJECTED.value, str(handled.error)
+            elif action is Action.RETRY and failures >= self.max_deliveries:
                 outcome = Outcome.REJECTED.value
                 reason = failed_reason(failures, count or 0, given_back, reason)
             elif action in (Action.RETRY, Action.REQUEUE_LATER):
@@ -540,6 +598,12 @@ def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
         raise AckMessage() from None
     LOGGER.info("oncely faststream source=%s key=%s: a duplicate, not run", source, key)
     return value
+
+
+class _NeverFinished(Exception):
+    """Raised under a message's claim instead of running it again: its earlier runs never
+    finished (see :meth:`Idempotency._unfinished`). Released as a failure is, so a copy
+    resubmitted from the dead letters runs again; dead-lettered with this reason."""
 
 
 def _counted_give_back(adapter: Adapter, held: Settling) -> Hashable | None:
