@@ -635,6 +635,31 @@ def test_r10_r13_a_message_that_kills_its_worker_every_run_is_dead_lettered_afte
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_r10_r13_runs_that_never_finished_and_failures_count_together_on_redis(
+    broker: str, store: str
+) -> None:
+    """The first run fails (its retry's copy carries the count), and every later run kills
+    the worker. A give-back's copy carries the count Redis had for its delivery, takeovers
+    included: the dead runs and the failure count together, three runs in all, not a fourth
+    that the inbox's own count (of the dead runs in a row) would have allowed."""
+    run = RUNS[broker](store, lease=5.0, takeover=1.0)
+    try:
+        run.send([])
+        run.charge("m-x2", "x2", fail_times=1, exit_times=99)
+        run.supervised(lambda: len(run.dead()) >= 1 or run.started("x2") > 4, seconds=150)
+        calm = time.monotonic() + 3.0  # a further run or dead letter would show here
+        run.supervised(lambda: time.monotonic() > calm)
+        assert run.started("x2") == 3, run.dead()
+        [(headers, _)] = run.dead()
+        reason = _reason(headers)
+        assert "its 3 earlier runs failed or never finished (the last 2" in reason, reason
+        assert run.effects("x2") == 0
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("broker", ["redis", "nats"], indirect=True)
 def test_r10_a_message_that_killed_its_worker_once_then_succeeds(broker: str, store: str) -> None:
     """A run that killed its worker once is no reason to give up: the next run, after the

@@ -138,12 +138,19 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
     (``broker.publish(..., headers={"message_id": ...})``), or the ``message_id`` field of an
     entry in :mod:`oncely.brokers.redis_streams`' layout; FastStream invents a
     ``correlation_id`` for every message, never read as a key. The delivery count is Redis's
-    own (``XPENDING``) plus the ``x-oncely-delivered`` field of a retry's copy. Redis has no
+    own (``XPENDING``) plus the ``x-oncely-delivered`` field of a copy. Redis has no
     negative acknowledgement: a message given back or retried stays pending for the delay,
     then a copy of the entry (every field in order, a repeated name each time, read from
-    Redis by the entry's id; with its count, which a give-back does not raise) is added at
-    the stream's tail and
-    the original acknowledged, in one script; dead letters are copied to ``<stream>.dead``
+    Redis by the entry's id) is added at the stream's tail and the original acknowledged, in
+    one script. A retry's copy carries the count of its delivery; a give-back's the
+    deliveries before it (this one ran nothing), read from ``XPENDING`` when the copy is
+    written, so it keeps the takeovers Redis counted: an entry claimed by a
+    ``min_idle_time`` subscriber after its worker died (mid-run, most often) and given back
+    because the dead run's lease is still live keeps that run in its count. The dead runs
+    and the failures count together towards ``max_deliveries``; a takeover of an entry that
+    was only waiting out a give-back's delay counts too (dead-lettered sooner, never later:
+    keep ``min_idle_time`` above ``requeue_delay``). Dead letters are copied
+    to ``<stream>.dead``
     the same way, with the ``x-oncely-*`` reasons both as fields of the entry and in the
     headers of FastStream's message format (``message.headers`` of a FastStream subscriber
     of the dead-letter stream). Both happen only while the subscriber's consumer still owns

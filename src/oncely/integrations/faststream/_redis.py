@@ -27,8 +27,9 @@ ID_HEADER = "message_id"
 """The header of FastStream's Redis message format that holds the producer's id
 (``broker.publish(..., headers={"message_id": ...})``)."""
 DELIVERIES_FIELD = "x-oncely-delivered"
-"""On a copy written back to the stream for a retry (a field of the entry, beside FastStream's
-``__data__``): how many times the message was delivered before."""
+"""On a copy written back to the stream (a field of the entry, beside FastStream's
+``__data__``): how many times the message was delivered before, a delivery given back unrun
+not counted."""
 _DATA = b"__data__"
 _DELIVERIES = DELIVERIES_FIELD.encode()
 _WHY = frozenset(
@@ -126,7 +127,7 @@ class RedisAdapter:
         return None
 
     def counted_give_back(self, held: Settling) -> None:
-        """None: a give-back is a copy of the entry carrying the count it had."""
+        """None: a give-back is a copy of the entry carrying the deliveries before it."""
         return None
 
     def extend_every(self, held: Settling) -> timedelta | None:
@@ -160,16 +161,23 @@ class RedisAdapter:
 
     async def give_back(self, held: Settling, delay: timedelta) -> None:
         # Redis has no negative acknowledgement: a copy goes to the stream's tail after the
-        # delay, with the original's XACK, and the entry stays pending meanwhile.
-        count = held.message.raw_message["data"].get(_DELIVERIES)
-        held.later(self._copy_later(held, delay, _whole(count) or 0))
+        # delay, with the original's XACK, and the entry stays pending meanwhile. The copy
+        # carries the deliveries before this one, which ran nothing: read then from Redis
+        # (XPENDING), takeovers of the entry included. A takeover is a worker that died
+        # holding it, most often mid-run; the count the entry was written with would lose
+        # it, and a message that kills its worker on every run would run for ever.
+        held.later(self._copy_later(held, delay, None))
 
     async def retry(self, held: Settling, delay: timedelta, count: int) -> None:
         held.later(self._copy_later(held, delay, count))
 
-    async def _copy_later(self, held: Settling, delay: timedelta, count: int) -> None:
+    async def _copy_later(self, held: Settling, delay: timedelta, count: int | None) -> None:
+        """After ``delay``, the entry's copy at the stream's tail carrying ``count`` (``None``:
+        a give-back, its deliveries before this one), and the original's ``XACK``."""
         await asyncio.sleep(delay.total_seconds())
         try:
+            if count is None:
+                count = await _delivered_before(held)
             fields = await _fields(held, {DELIVERIES_FIELD: str(count)})
             await self._write(held, held.source, fields)
         except Exception as exc:  # the entry stays pending; a takeover subscriber claims it
@@ -264,6 +272,19 @@ async def _fields(held: Settling, extra: dict[str, str]) -> _Fields:
     fields: _Fields = [(n, v) for n, v in pairs if n != _DELIVERIES and n not in _WHY]
     fields += [(name.encode(), value) for name, value in extra.items()]
     return fields
+
+
+async def _delivered_before(held: Settling) -> int:
+    """How many times the message was delivered before the delivery ``held``: the count an
+    earlier copy carried, plus what Redis counts of this entry now (``XPENDING``: its
+    takeovers), less this delivery."""
+    message = held.message
+    raw: dict[str, Any] = message.raw_message
+    earlier = _whole(raw["data"].get(_DELIVERIES)) or _whole(
+        (message.headers or {}).get(DELIVERIES_FIELD)
+    )
+    times = await _times_delivered(message, raw, raw.get("message_ids") or [])
+    return (earlier or 0) + (times or 1) - 1
 
 
 async def _times_delivered(message: Any, raw: dict[str, Any], entry_ids: list[bytes]) -> int | None:
