@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.context import current
-from oncely._core.outcomes import Action, Handled, Outcome
+from oncely._core.outcomes import Action, Handled, Outcome, Released
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
 from oncely.brokers._give_backs import GiveBacks, failed_reason
@@ -600,10 +600,12 @@ def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
     return value
 
 
-class _NeverFinished(Exception):
+class _NeverFinished(Released):
     """Raised under a message's claim instead of running it again: its earlier runs never
     finished (see :meth:`Idempotency._unfinished`). Released as a failure is, so a copy
-    resubmitted from the dead letters runs again; dead-lettered with this reason."""
+    resubmitted from the dead letters runs again; dead-lettered with this reason. A
+    :class:`~oncely._core.outcomes.Released`: the inbox logs the reason (``released: not run
+    again: ...``), not a handler that raised, since none ran."""
 
 
 def _counted_give_back(adapter: Adapter, held: Settling) -> Hashable | None:
