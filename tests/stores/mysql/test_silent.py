@@ -22,55 +22,19 @@ from oncely.stores.mysql.async_store import AsyncMySQLStore
 from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import admin, url
 from tests.brokers.common import Proxy
-
-SILENT_FOR = 20.0
-"""Seconds the relay stays silent at most: far more than the short ``read_timeout`` (1 s),
-less than the long one (60 s), which only the relay's cut at the end ends."""
+from tests.stores.silent import (
+    assert_a_sooner_read_timeout_is_kept_while_a_later_one_waits,
+    assert_cut_while_silent,
+)
 
 
 async def test_r19_a_statement_on_a_silent_connection_is_cut_at_the_read_timeout(
     table: str,
 ) -> None:
-    """Two threaded stores on one silent server: one waits (``read_timeout=60``) when the
-    other, whose bound is far sooner (1 s), sends its statement; the second still raises
-    ``StoreUnavailable`` (saying so) while the server is silent: the watchdog, asleep until
-    the first's deadline, was woken for the sooner one. Once the server is back both stores
-    work again. (Before, both waited until the relay cut their connections.)"""
-    async with Proxy(url(table)) as proxy:
-        patient = oncely.open(f"{proxy.url}&read_timeout=60")
-        quick = oncely.open(f"{proxy.url}&read_timeout=1")
-        assert isinstance(patient, MySQLStore) and isinstance(quick, MySQLStore)
-        try:
-            for store in (patient, quick):  # their connections open, and are kept
-                assert await asyncio.to_thread(store.get, "c", "k") is None
-            proxy.silent = True
-            waiting = asyncio.create_task(asyncio.to_thread(patient.get, "c", "k"))
-            await asyncio.sleep(0.2)  # the patient one's statement is sent first
-            told = asyncio.create_task(asyncio.to_thread(quick.get, "c", "k"))
-            done, _ = await asyncio.wait({told}, timeout=SILENT_FOR)
-            assert done, "the statement waited past its read_timeout"
-            assert proxy.silent
-            with pytest.raises(oncely.StoreUnavailable, match=r"no answer .* within 1s"):
-                told.result()
-            assert not waiting.done()  # its own bound is a minute
-            proxy.silent = False
-            proxy.cut()
-            with pytest.raises(oncely.StoreUnavailable):
-                await waiting
-            for store in (patient, quick):  # the pool replaces the cut connections
-                assert await _eventually(store) is None
-        finally:
-            patient.close()
-            quick.close()
-
-
-async def _eventually(store: MySQLStore) -> object:
-    for _ in range(100):
-        try:
-            return await asyncio.to_thread(store.get, "c", "k")
-        except oncely.StoreUnavailable:
-            await asyncio.sleep(0.2)
-    return await asyncio.to_thread(store.get, "c", "k")
+    """A store whose ``read_timeout`` is sooner than another's, waiting, is cut at its own,
+    while the server is silent (the check is the PostgreSQL store's too). Before, both
+    waited until the relay cut their connections."""
+    await assert_a_sooner_read_timeout_is_kept_while_a_later_one_waits(url(table), MySQLStore)
 
 
 async def test_r19_the_asyncio_store_is_cut_at_its_read_timeout_too(table: str) -> None:
@@ -89,11 +53,7 @@ async def test_r19_the_asyncio_store_is_cut_at_its_read_timeout_too(table: str) 
                     takeover=False,
                 )
             )  # fmt: skip
-            done, _ = await asyncio.wait({told}, timeout=SILENT_FOR)
-            assert done, "the statement waited past its read_timeout"
-            assert proxy.silent
-            with pytest.raises(oncely.StoreUnavailable, match=r"no answer .*read_timeout"):
-                told.result()
+            await assert_cut_while_silent(proxy, told, r"no answer .*read_timeout")
             proxy.silent = False
             proxy.cut()
             for _ in range(50):  # the pool opens a new connection
@@ -126,11 +86,12 @@ async def test_r19_a_connection_attempt_to_a_silent_server_is_cut_at_the_connect
             astore = oncely.open_async(proxy.url)
             attempt = asyncio.create_task(astore.get("c", "k"))
         try:
-            done, _ = await asyncio.wait({attempt}, timeout=SILENT_FOR)
-            assert done, "the connection attempt waited past its connect_timeout"
-            assert proxy.silent
-            with pytest.raises(oncely.StoreUnavailable, match=r"no answer .*connect_timeout"):
-                attempt.result()
+            await assert_cut_while_silent(
+                proxy,
+                attempt,
+                r"no answer .*connect_timeout",
+                what="the connection attempt waited past its connect_timeout",
+            )
         finally:
             proxy.silent = False
             proxy.cut()
