@@ -188,27 +188,38 @@ def relayed(url: str) -> Iterator[tuple[str, Callable[[bool], None], Callable[[b
         loop.close()
 
 
+@contextlib.contextmanager
+def _relayed_site(
+    kind: str, tmp_path: Path, query: str = ""
+) -> Iterator[tuple[str, Callable[[bool], None], Callable[[bool], None], Path]]:
+    """The site on a store of ``kind`` (``query`` added to its URL) reached through
+    :func:`relayed`: the site's base URL, what turns the store away, what makes it silent,
+    and the file oncely's log goes to."""
+    url, drop = _store(kind, tmp_path)
+    log = tmp_path / "oncely.log"
+    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
+    try:
+        with (
+            relayed(url + query) as (through, down, silent),
+            serving_command(
+                command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
+            ) as base,
+        ):
+            yield base, down, silent, log
+    finally:
+        drop()
+
+
 @pytest.fixture(params=["postgres", "redis"])
 def relayed_server(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[tuple[str, Callable[[bool], None], Path]]:
     """The site on a PostgreSQL or Redis store reached through a relay the test turns off
     and on; the file oncely's log goes to."""
-    url, drop = _store(request.param, tmp_path)
-    if request.param == "postgres":  # a connection is waited for 0.5 s, not 10: quick tries
-        url += "&connect_timeout=0.5"
-    log = tmp_path / "oncely.log"
-    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
-    try:
-        with (
-            relayed(url) as (through, store_down, _silent),
-            serving_command(
-                command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
-            ) as base,
-        ):
-            yield base, store_down, log
-    finally:
-        drop()
+    # On PostgreSQL a connection is waited for 0.5 s, not 10: quick tries.
+    query = "&connect_timeout=0.5" if request.param == "postgres" else ""
+    with _relayed_site(request.param, tmp_path, query) as (base, store_down, _silent, log):
+        yield base, store_down, log
 
 
 def _post_held_at_the_gate(
@@ -224,6 +235,17 @@ def _post_held_at_the_gate(
         assert time.monotonic() < deadline and not sent.done(), "the view did not start"
         time.sleep(0.02)
     return sent
+
+
+def _once_back(client: httpx.Client, body: dict[str, object], k: str) -> httpx.Response:
+    """The answer to ``body`` once the store answers again (503 meanwhile: its pool
+    reconnects after a backoff of its own)."""
+    deadline = time.monotonic() + 20
+    while True:
+        got = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        if got.status_code != 503 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("relayed_server", ["redis"], indirect=True)
@@ -275,12 +297,7 @@ def test_django_a_store_down_past_the_retries_still_sends_the_response(
         assert first.json() == {"order": order, "run": 1}
         # Not released: within the lease a retry is told the request is in progress (once the
         # store answers again: PostgreSQL's pool reconnects after a backoff, 503 until then).
-        deadline = time.monotonic() + 20
-        while True:
-            retry = client.post("/orders", json=body, headers={"Idempotency-Key": k})
-            if retry.status_code != 503 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        retry = _once_back(client, body, k)
         assert retry.status_code == 409, retry.text
         assert effects(client)[order] == 1
     logged = log.read_text()
@@ -297,30 +314,8 @@ statement), where before the request waited until the store came back."""
 def silent_server(tmp_path: Path) -> Iterator[tuple[str, Callable[[bool], None], Path]]:
     """The site on PostgreSQL with its defaults (``connect_timeout`` and ``read_timeout``,
     10 s each) reached through a relay the test makes silent; the file oncely's log goes to."""
-    url, drop = _store("postgres", tmp_path)
-    log = tmp_path / "oncely.log"
-    command = [sys.executable, "-m", "tests.web.django_site", "{port}"]
-    try:
-        with (
-            relayed(url) as (through, _down, silent),
-            serving_command(
-                command, ONCELY_TEST_HTTP_STORE=through, ONCELY_TEST_LOG=str(log)
-            ) as base,
-        ):
-            yield base, silent, log
-    finally:
-        drop()
-
-
-def _once_back(client: httpx.Client, body: dict[str, object], k: str) -> httpx.Response:
-    """The answer to ``body`` once the store answers again (503 meanwhile: its pool
-    reconnects after a backoff of its own)."""
-    deadline = time.monotonic() + 20
-    while True:
-        got = client.post("/orders", json=body, headers={"Idempotency-Key": k})
-        if got.status_code != 503 or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
+    with _relayed_site("postgres", tmp_path) as (base, _down, silent, log):
+        yield base, silent, log
 
 
 @pytest.mark.slow
