@@ -13,6 +13,7 @@ import contextlib
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
@@ -125,6 +126,52 @@ async def wait_until(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+@dataclass
+class Holder:
+    """Another worker running a key's message, its handler waiting until :meth:`release`."""
+
+    task: asyncio.Task[oncely.Handled[Any]]
+    """The holder's ``handle``: its outcome once released."""
+    _go: asyncio.Event
+
+    def release(self) -> None:
+        """Let the holder's handler go on to what it does then (and end its run)."""
+        self._go.set()
+
+
+@contextlib.asynccontextmanager
+async def key_held(
+    inbox: oncely.AsyncInbox, key: str, then: Callable[[dict[str, Any]], Awaitable[None]]
+) -> AsyncIterator[Holder]:
+    """Another worker holding ``key``'s claim on ``inbox`` (a live lease, renewed) for the
+    block, which starts once the claim is taken: its handler (given ``{"k": key}``) waits
+    until :meth:`Holder.release`, then runs ``then``. At the block's end the holder is
+    released and awaited, whatever it raised."""
+    go = asyncio.Event()
+
+    async def holder(payload: dict[str, Any]) -> None:
+        await go.wait()
+        await then(payload)
+
+    task = asyncio.create_task(inbox.handle(key, {"k": key}, holder))
+    try:
+        await wait_until(lambda: _claimed(inbox, key), what="the holder's claim")
+        yield Holder(task, go)
+    finally:
+        go.set()
+        with contextlib.suppress(Exception):
+            await task
+
+
+async def holder_fails(payload: dict[str, Any]) -> None:
+    """What a :func:`key_held` holder may do once released: fail (its claim released)."""
+    raise RuntimeError("the holder failed")
+
+
+async def _claimed(inbox: oncely.AsyncInbox, key: str) -> bool:
+    return await inbox.get(key) is not None
 
 
 async def remove_destinations(url: str, source: str) -> None:

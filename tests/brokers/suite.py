@@ -45,6 +45,8 @@ from tests.brokers.common import (
     Proxy,
     drop_store_table,
     free_port,
+    holder_fails,
+    key_held,
     pg_store,
     remove_destinations,
     running,
@@ -657,37 +659,26 @@ class BrokerSuite:
         the true number of failures (before, the broker's count, 5 or more at the first run,
         dead-lettered it after a single failure, as "failed on all 5 deliveries")."""
         (inbox,) = self.inboxes("two_phase", 1)
-        release = asyncio.Event()
         runs = 0
-
-        async def holder(payload: dict[str, Any]) -> None:
-            await release.wait()
-            raise RuntimeError("the holder failed")
 
         async def handler(payload: dict[str, Any]) -> None:
             nonlocal runs
             runs += 1
             raise RuntimeError(f"boom {runs}")
 
-        other = asyncio.create_task(inbox.handle("contended", {"k": "contended"}, holder))
         watched = Watched(self.transport())
         worker = self.consumer(handler, inbox=inbox, transport=watched, max_deliveries=3)
-        try:
-            await wait_until(lambda: _claimed(inbox, "contended"), what="the holder's claim")
+        async with key_held(inbox, "contended", then=holder_fails) as holder:
             await self.publish("contended")
             async with running(worker):
                 await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
-                release.set()
-                assert (await other).outcome is oncely.Outcome.FAILED
+                holder.release()
+                assert (await holder.task).outcome is oncely.Outcome.FAILED
                 await wait_until(
                     lambda: worker.counts["dead_lettered_after_retries"] == 1,
                     timeout=timedelta(seconds=30),
                     what="the failing copy dead-lettered",
                 )
-        finally:
-            release.set()
-            with contextlib.suppress(Exception):
-                await other
         given_back = worker.counts["in_flight"]
         assert runs == 3
         assert worker.counts == Counter(
@@ -752,29 +743,17 @@ class BrokerSuite:
         count rising each time; Kafka's, the consumer's own, counting runs only); once the
         holder has finished it is a ``duplicate`` and acknowledged."""
         (inbox,) = self.inboxes("two_phase", 1)
-        release = asyncio.Event()
-
-        async def holder(payload: dict[str, Any]) -> None:
-            await release.wait()
-            await self.apply(payload)
-
-        other = asyncio.create_task(inbox.handle("held", {"k": "held"}, holder))
         watched = Watched(self.transport())
         worker = self.consumer(self.apply, inbox=inbox, transport=watched)
-        try:
-            await wait_until(lambda: _claimed(inbox, "held"), what="the other worker's claim")
+        async with key_held(inbox, "held", then=self.apply) as holder:
             await self.publish("held")
             async with running(worker):
                 await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
                 await self.assert_unsettled(1)  # still on the broker, unacknowledged
                 assert self.ledger.counts() == {}
-                release.set()
-                assert (await other).outcome is oncely.Outcome.PROCESSED
+                holder.release()
+                assert (await holder.task).outcome is oncely.Outcome.PROCESSED
                 await wait_until(lambda: worker.counts["duplicate"] == 1, what="the duplicate")
-        finally:
-            release.set()
-            with contextlib.suppress(Exception):
-                await other
         in_flight = worker.counts["in_flight"]
         if getattr(watched.inner, "local_delivery_counts", False):
             # A count of the consumer's own (Kafka) counts runs: a copy given back unrun is
@@ -1104,10 +1083,6 @@ def _key_of(payload: bytes) -> str:
         return str(json.loads(payload)["k"])
     except ValueError:
         return "garbled"
-
-
-async def _claimed(inbox: oncely.AsyncInbox, key: str) -> bool:
-    return await inbox.get(key) is not None
 
 
 async def _drop_redis_prefix(prefix: str) -> None:

@@ -38,7 +38,15 @@ from oncely.brokers import (
     open_transport,
 )
 from oncely.brokers.nats import JetStream, JetStreamProducer
-from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
+from tests.brokers.common import (
+    free_port,
+    holder_fails,
+    key_held,
+    publish_until_confirmed,
+    running,
+    unique,
+    wait_until,
+)
 from tests.brokers.foreign import header_lines, publish_nats, read_nats_stream
 from tests.brokers.suite import BrokerSuite, DeadCopy, body, fetch_one
 from tests.services import NATS_URL, REQUIRED, require
@@ -460,34 +468,23 @@ class TestJetStream(BrokerSuite):
         ``max_deliver`` before its 5th failure: the give-back asked for on that last delivery
         dead-letters it with the broker limit's reason, never strands it unacknowledged."""
         (inbox,) = self.inboxes("two_phase", 1)
-        release = asyncio.Event()
         runs = 0
-
-        async def holder(payload: dict[str, Any]) -> None:
-            await release.wait()
-            raise RuntimeError("the holder failed")
 
         async def handler(payload: dict[str, Any]) -> None:
             nonlocal runs
             runs += 1
             raise RuntimeError("always")
 
-        other = asyncio.create_task(inbox.handle("stuck", {"k": "stuck"}, holder))
         worker = self.consumer(
             handler, inbox=inbox, transport=self.transport(max_deliver=6), max_deliveries=5
         )
-        try:
-            await wait_until(lambda: _held(inbox, "stuck"), what="the holder's claim")
+        async with key_held(inbox, "stuck", then=holder_fails) as holder:
             await self.publish("stuck")
             async with running(worker):
                 await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
-                release.set()
+                holder.release()
                 await wait_until(lambda: worker.counts["failed"] == 6 - worker.counts["in_flight"])
                 await wait_until(self.settled, what="nothing pending")
-        finally:
-            release.set()
-            with contextlib.suppress(Exception):
-                await other
         assert runs == 6 - worker.counts["in_flight"] < 5
         (copy,) = await self.dead_letters()
         assert "max_deliver" in copy.reason, copy.reason
@@ -598,10 +595,6 @@ class TestJetStream(BrokerSuite):
 
 
 # ---------------------------------------------------------------------- configuration
-
-
-async def _held(inbox: oncely.AsyncInbox, key: str) -> bool:
-    return await inbox.get(key) is not None
 
 
 def test_registry_opens_jetstream_for_nats_urls() -> None:
