@@ -378,7 +378,7 @@ def test_r1_a_duplicate_of_a_task_that_replaced_itself_never_answers_none(store:
         order = f"r2-{run.ns}"
 
         def seen(outcome: str) -> int:
-            return int(run.redis.get(f"{run.ns}:outcomes:reorder:{order}:{outcome}") or 0)
+            return run.outcomes(f"reorder:{order}", outcome)
 
         def send() -> Any:
             key = f"reorder:{order}"
@@ -482,12 +482,8 @@ def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
         copy = app.charge.delay("s1", 10, sleep=12.0)
         done = {"order": "s1", "amount": 10}
         assert first.get(timeout=90) == done and copy.get(timeout=90) == done
-
-        def seen(outcome: str) -> int:
-            return int(run.redis.get(f"{run.ns}:outcomes:charge:s1:{outcome}") or 0)
-
-        run.until(lambda: seen("duplicate") == 1)
-        assert_resends_back_off(log, "charge:s1", seen("in_flight"))
+        run.until(lambda: run.outcomes("charge:s1", "duplicate") == 1)
+        assert_resends_back_off(log, "charge:s1", run.outcomes("charge:s1", "in_flight"))
         assert run.effects("s1") == 1 and run.started("s1") == 1
     finally:
         run.close()

@@ -502,12 +502,8 @@ def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
         app.charge.send("s1", 10, sleep=12.0)
         run.until(lambda: run.started("s1") == 1)
         app.charge.send("s1", 10, sleep=12.0)
-
-        def seen(outcome: str) -> int:
-            return int(run.redis.get(f"{run.ns}:outcomes:charge:s1:{outcome}") or 0)
-
-        run.until(lambda: seen("duplicate") == 1, seconds=90)
-        assert_resends_back_off(log, "charge:s1", seen("in_flight"))
+        run.until(lambda: run.outcomes("charge:s1", "duplicate") == 1, seconds=90)
+        assert_resends_back_off(log, "charge:s1", run.outcomes("charge:s1", "in_flight"))
         assert run.effects("s1") == 1 and run.started("s1") == 1
     finally:
         run.close()

@@ -238,6 +238,11 @@ class WorkerRun:
     def started(self, name: str) -> int:
         return int(self.redis.get(f"{self.ns}:started:{name}") or 0)
 
+    def outcomes(self, key: str, outcome: str) -> int:
+        """How many times the inbox's handling of ``key`` ended as ``outcome`` (``duplicate``,
+        ``in_flight``...): the test apps' ``counted`` hook keeps the count."""
+        return int(self.redis.get(f"{self.ns}:outcomes:{key}:{outcome}") or 0)
+
     def taken(self, suffix: str) -> list[tuple[Any, bytes]]:
         """The messages of ``<queue><suffix>`` on RabbitMQ (taken off it): (properties, body)."""
         found: list[tuple[Any, bytes]] = []
