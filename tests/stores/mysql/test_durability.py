@@ -14,13 +14,8 @@ import pytest
 
 from oncely.stores.mysql.sync_store import MySQLStore
 from tests.backends.mysql import url
+from tests.stores.durability import claim, said, said_while_set_up
 from tests.stores.mysql.helpers import PrivateServer
-
-LONG = 3_600_000
-
-
-def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "oncely.store"]
 
 
 @pytest.mark.slow
@@ -35,21 +30,13 @@ def test_r8_a_server_that_may_lose_confirmed_commits_is_named_at_warning(
     store = MySQLStore.from_url(private_server.url)
     try:
         with caplog.at_level(logging.WARNING, logger="oncely.store"):
-            claim = store.claim("c", "order-1", fingerprint=None, token="t", lease_ms=LONG,
-                                keep_ms=LONG, takeover=False)  # fmt: skip
-            assert claim.won
+            assert claim(store, "order-1").won
     finally:
         store.close()
-    (said,) = _said(caplog)
-    assert "innodb_flush_log_at_trx_commit=2" in said
-    assert "innodb_flush_log_at_trx_commit=1" in said and "repeated" in said
+    (warning,) = said(caplog)
+    assert "innodb_flush_log_at_trx_commit=2" in warning
+    assert "innodb_flush_log_at_trx_commit=1" in warning and "repeated" in warning
 
 
 def test_r8_a_durable_server_is_not_mentioned(table: str, caplog: pytest.LogCaptureFixture) -> None:
-    store = MySQLStore.from_url(url(table))
-    try:
-        with caplog.at_level(logging.WARNING, logger="oncely.store"):
-            store.prepare()  # type: ignore[attr-defined]
-    finally:
-        store.close()
-    assert _said(caplog) == []
+    assert said_while_set_up(MySQLStore.from_url(url(table)), caplog) == []

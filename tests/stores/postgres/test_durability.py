@@ -13,8 +13,7 @@ import pytest
 from oncely.stores.postgres.async_store import AsyncPostgresStore
 from oncely.stores.postgres.sync_store import PostgresStore
 from tests.services import POSTGRES_DSN
-
-LONG = 3_600_000
+from tests.stores.durability import claim, said, said_while_set_up
 
 
 def _lax(dsn: str) -> str:
@@ -23,26 +22,19 @@ def _lax(dsn: str) -> str:
     return f"{dsn}{'&' if '?' in dsn else '?'}options=-c%20synchronous_commit%3Doff"
 
 
-def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "oncely.store"]
-
-
 def test_r8_a_server_that_may_lose_confirmed_commits_is_named_at_warning(
     table: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = PostgresStore(_lax(POSTGRES_DSN), table=table)
     try:
         with caplog.at_level(logging.WARNING, logger="oncely.store"):
-            claim = store.claim("c", "order-1", fingerprint=None, token="t", lease_ms=LONG,
-                                keep_ms=LONG, takeover=False)  # fmt: skip
-            assert claim.won
-            store.claim("c", "order-2", fingerprint=None, token="t", lease_ms=LONG,
-                        keep_ms=LONG, takeover=False)  # fmt: skip
+            assert claim(store, "order-1").won
+            claim(store, "order-2")
     finally:
         store.close()
-    (said,) = _said(caplog)  # once, when the store is set up
-    assert "synchronous_commit=off" in said and "synchronous_commit=on" in said
-    assert "repeated" in said
+    (warning,) = said(caplog)  # once, when the store is set up
+    assert "synchronous_commit=off" in warning and "synchronous_commit=on" in warning
+    assert "repeated" in warning
 
 
 async def test_r8_the_asyncio_store_says_it_too(
@@ -54,15 +46,9 @@ async def test_r8_the_asyncio_store_says_it_too(
             await store.prepare()
     finally:
         await store.aclose()
-    (said,) = _said(caplog)
-    assert "synchronous_commit=off" in said
+    (warning,) = said(caplog)
+    assert "synchronous_commit=off" in warning
 
 
 def test_r8_a_durable_server_is_not_mentioned(table: str, caplog: pytest.LogCaptureFixture) -> None:
-    store = PostgresStore(POSTGRES_DSN, table=table)
-    try:
-        with caplog.at_level(logging.WARNING, logger="oncely.store"):
-            store.prepare()  # type: ignore[attr-defined]
-    finally:
-        store.close()
-    assert _said(caplog) == []
+    assert said_while_set_up(PostgresStore(POSTGRES_DSN, table=table), caplog) == []
