@@ -10,7 +10,6 @@ Redis key prefix of the effects), ``ONCELY_TEST_FASTSTREAM_LEASE`` (the lease, s
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ from pydantic import BaseModel
 import oncely
 from oncely.brokers import Backoff
 from oncely.integrations.faststream import Idempotency
+from tests.integrations.faststream_logs import count_give_backs
 
 QUEUE = os.environ["ONCELY_TEST_FASTSTREAM_QUEUE"]
 NS = os.environ["ONCELY_TEST_FASTSTREAM_NS"]
@@ -42,18 +42,7 @@ idempotency = Idempotency(
 )
 
 
-class _GivenBack(logging.Handler):
-    """Counts, per key, the middleware's give-backs of a copy that met a running claim of its
-    key (its log line: outcome ``in_flight``, action ``requeue``), so a test sees them."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args
-        if isinstance(args, tuple) and len(args) > 3 and args[1:3] == ("in_flight", "requeue"):
-            REDIS.incr(f"{NS}:given_back:{args[3]}")
-
-
-logging.getLogger("oncely.faststream").addHandler(_GivenBack(logging.INFO))
-logging.getLogger("oncely.faststream").setLevel(logging.INFO)
+count_give_backs(REDIS, NS)
 broker = RabbitBroker(RABBITMQ, middlewares=[idempotency])
 app = FastStream(broker, on_startup=[idempotency.prepare])
 

@@ -18,7 +18,6 @@ none)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -30,6 +29,7 @@ from pydantic import BaseModel
 import oncely
 from oncely.brokers import Backoff
 from oncely.integrations.faststream import Idempotency
+from tests.integrations.faststream_logs import count_give_backs
 
 BROKER = os.environ["ONCELY_TEST_FASTSTREAM_BROKER"]
 SOURCE = os.environ["ONCELY_TEST_FASTSTREAM_QUEUE"]
@@ -54,18 +54,7 @@ idempotency = Idempotency(
 )
 
 
-class _GivenBack(logging.Handler):
-    """Counts, per key, the middleware's give-backs of a copy that met a running claim of its
-    key (its log line: outcome ``in_flight``, action ``requeue``), so a test sees them."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args
-        if isinstance(args, tuple) and len(args) > 3 and args[1:3] == ("in_flight", "requeue"):
-            REDIS.incr(f"{NS}:given_back:{args[3]}")
-
-
-logging.getLogger("oncely.faststream").addHandler(_GivenBack(logging.INFO))
-logging.getLogger("oncely.faststream").setLevel(logging.INFO)
+count_give_backs(REDIS, NS)
 
 
 class Charge(BaseModel):
