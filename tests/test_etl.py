@@ -246,6 +246,51 @@ def test_r19_a_failed_or_rejected_range_leaves_the_mark_and_is_fed_again(
     store.close()
 
 
+@pytest.mark.parametrize(
+    ("stream", "why"),
+    [
+        ("", "1 to 255 characters"),
+        ("s" * 256, "1 to 255 characters"),
+        ("\u00e9" * 255, "over the limit of 512"),  # 255 characters, but 510 bytes
+        ("clicks\x00.log", "NUL"),
+        ("clicks-\udcff.log", "not UTF-8"),  # a file name that was not UTF-8
+    ],
+)
+def test_r2_r19_a_stream_a_checkpoint_cannot_keep_is_refused_when_it_is_made(
+    where: tuple[str, str], stream: str, why: str
+) -> None:
+    """Before, such a checkpoint was made, then each store told of it in its own way at the
+    first apply: a driver's UnicodeEncodeError, a StoreError on PostgreSQL but a ``rejected``
+    unit on SQLite for a NUL, and every unit ``rejected`` (the mark never moving) for a key
+    the inbox refuses."""
+    name, table = where
+    store = open_store(name, table)
+    inbox = oncely.Inbox(store, consumer="loader")
+    with pytest.raises(oncely.ConfigurationError, match=why):
+        Checkpoint(inbox, stream)
+    assert _rows(where) == []
+    inbox.close()
+    store.close()
+
+
+def test_r19_a_range_past_the_largest_offset_kept_is_refused_before_anything_runs(
+    where: tuple[str, str],
+) -> None:
+    """Before, the handler ran and the mark's write then failed: ``failed``, with a reason
+    blaming the handler (an OverflowError on SQLite, a StoreError elsewhere)."""
+    name, table = where
+    store = open_store(name, table)
+    mark = Checkpoint(oncely.Inbox(store, consumer="loader"), "log")
+    written = row_writer(name, table)
+    with pytest.raises(oncely.ConfigurationError, match="largest offset"):
+        mark.apply(0, 2**63, [0], written)
+    assert mark.position() == 0 and _rows(where) == []
+    assert mark.apply(0, 2**63 - 1, [0], written).outcome is oncely.Outcome.PROCESSED
+    assert mark.position() == 2**63 - 1
+    mark.inbox.close()
+    store.close()
+
+
 def _apply(where: tuple[str, str], first: int, last: int, start_at: float, hold: float):  # type: ignore[no-untyped-def]
     name, table = where
     return subprocess.Popen(

@@ -45,9 +45,11 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, TypeVar
 
+from oncely._core.keys import validate_key
 from oncely._core.outcomes import Handled, Outcome
-from oncely.errors import ConfigurationError, OncelyError, StoreError
+from oncely.errors import ConfigurationError, InvalidKey, OncelyError, StoreError
 from oncely.inbox.sync_inbox import Inbox
+from oncely.stores._offsets import check_position
 from oncely.stores.sync_protocols import KeepsOffsets, TransactionalStore
 from oncely.stores.sync_sql import SQLStoreBase
 
@@ -62,6 +64,8 @@ __all__ = [
 
 R = TypeVar("R")
 _CHUNK = 1 << 20
+_LARGEST_OFFSET = 2**63 - 1
+"""The largest mark the offsets table keeps (a signed 64-bit integer, as Kafka's offsets)."""
 
 
 class FileChanged(OncelyError):
@@ -143,9 +147,29 @@ class CheckpointMismatch(ConfigurationError):
         self.last = last
 
 
+def _check_stream(inbox: Inbox, stream: str) -> None:
+    """Refuse a stream whose mark the offsets table cannot keep, or whose units' keys the
+    inbox would reject (too long for its limits, a NUL, text that is not UTF-8): each
+    :meth:`Checkpoint.apply` would otherwise fail, or be ``rejected`` with the mark never
+    moving."""
+    check_position(stream, 0, 0)
+    try:
+        validate_key(range_unit(stream, _LARGEST_OFFSET - 1, _LARGEST_OFFSET), inbox.limits)
+    except InvalidKey as exc:
+        raise ConfigurationError(
+            f"the stream {stream!r} cannot be a checkpoint's: the key of its units ({exc})"
+        ) from None
+
+
 class Checkpoint:
     """The high-water mark of ``stream`` for ``inbox``'s consumer, kept with each unit's
-    writes (a SQL store: the offsets table beside the inbox)."""
+    writes (a SQL store: the offsets table beside the inbox).
+
+    A stream it cannot keep is refused here (:class:`~oncely.ConfigurationError`): a name
+    empty or over 255 characters, or one that makes its units' keys unusable to the inbox
+    (over its ``Limits.max_key_bytes``, a NUL, text that is not UTF-8). A unit ending past
+    the largest offset kept (``2**63 - 1``) is refused by :meth:`apply` before anything
+    runs."""
 
     def __init__(self, inbox: Inbox, stream: str) -> None:
         store = inbox.store
@@ -158,6 +182,7 @@ class Checkpoint:
                 f"{type(store).__name__} keeps no checkpoints: use a SQL store (PostgreSQL, "
                 "MariaDB/MySQL, SQLite)"
             )
+        _check_stream(inbox, stream)
         self.inbox = inbox
         self.stream = stream
         self._store: Any = store
@@ -197,6 +222,12 @@ class Checkpoint:
         store = self._store
         consumer, stream = inbox.consumer, self.stream
         key = range_unit(stream, first, last)
+        if last > _LARGEST_OFFSET:
+            raise ConfigurationError(
+                f"the range [{first}, {last}) of {stream!r} ends past the largest offset a "
+                f"checkpoint keeps ({_LARGEST_OFFSET}, a signed 64-bit integer); nothing was "
+                "written"
+            )
 
         def run(tx: Any, data: Any) -> R:
             store.save_offset_in(tx, consumer, stream, 0, last)
