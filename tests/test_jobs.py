@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 import oncely
-from oncely.jobs import Every, run_once, slot
+from oncely.jobs import Every, run_once, run_once_async, slot
 from tests.brokers.common import Proxy
 from tests.services import POSTGRES_DSN, require
 
@@ -68,6 +68,59 @@ def test_r19_in_process_a_finished_slot_is_a_duplicate_and_a_failed_one_runs_aga
     assert tomorrow.outcome is oncely.Outcome.PROCESSED
     assert len(runs) == 3
     inbox.close()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_r2_r19_a_job_name_whose_slot_key_the_inbox_refuses_is_refused_before_it_runs(
+    tmp_path: Path, store: str
+) -> None:
+    """A job name is configuration, refused as an empty one or one holding ``:`` is. Before,
+    a name too long for the inbox's key limit (or not UTF-8, or with a NUL) came back as a
+    ``rejected`` outcome that nothing recorded, on every run: the job never ran, and a
+    runner that does not read the outcome never heard of it."""
+    if store == "postgres":
+        require("PostgreSQL", POSTGRES_DSN, 5432)
+        table = f"jobs_name_{uuid.uuid4().hex[:10]}"
+        opened = oncely.open(f"{POSTGRES_DSN}?table={table}")
+    else:
+        opened = oncely.SQLiteStore(tmp_path / "jobs.db")
+    inbox = oncely.Inbox(opened, consumer="jobs")
+    ran: list[str] = []
+    try:
+        for name, why in [("r" * 600, "over the limit of 512"), ("report\x00", "NUL")]:
+            with pytest.raises(oncely.ConfigurationError, match=why):
+                run_once(inbox, name, lambda: ran.append("report"), every="day")
+        hashed = oncely.Inbox(opened, consumer="jobs", limits=oncely.Limits(hash_long_keys=True))
+        assert run_once(hashed, "r" * 600, lambda: ran.append("hashed"), every="day").ok
+        assert ran == ["hashed"]
+        hashed.close()
+
+        async def job() -> None:
+            ran.append("async")
+
+        async def run_async() -> None:
+            async_store = oncely.open_async(
+                f"{POSTGRES_DSN}?table={table}"
+                if store == "postgres"
+                else f"sqlite:///{tmp_path / 'jobs.db'}"
+            )
+            async_inbox = oncely.AsyncInbox(async_store, consumer="jobs")
+            try:
+                with pytest.raises(oncely.ConfigurationError, match="over the limit of 512"):
+                    await run_once_async(async_inbox, "r" * 600, job, every="day")
+            finally:
+                await async_inbox.aclose()
+                await async_store.aclose()
+
+        asyncio.run(run_async())
+        assert ran == ["hashed"]
+    finally:
+        inbox.close()
+        opened.close()
+        if store == "postgres":
+            from tests.backends.postgres import drop_tables
+
+            drop_tables(table)
 
 
 def _runner(db: Path, effects: Path, sleep: float, lease: float, start_at: float, who: str):  # type: ignore[no-untyped-def]

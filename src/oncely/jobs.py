@@ -41,10 +41,11 @@ from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo
 
+from oncely._core.keys import validate_key
 from oncely._core.outcomes import Handled, Outcome
-from oncely._core.policy import Retention, format_duration
+from oncely._core.policy import Limits, Retention, format_duration
 from oncely._core.typed import ANNOTATED, result_type, revive
-from oncely.errors import ConfigurationError
+from oncely.errors import ConfigurationError, InvalidKey
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.sync_inbox import Inbox
 
@@ -165,6 +166,16 @@ def _check_retention(retention: Retention, name: str, every: Every) -> None:
             )
 
 
+def _check_key(key: str, limits: Limits) -> None:
+    """Refuse a job whose slot key the inbox would reject (too long for ``limits``, a NUL,
+    text that is not UTF-8): a job name is configuration, so it is told at once rather than
+    answered ``rejected``, unrecorded, on every run while the job never runs."""
+    try:
+        validate_key(key, limits)
+    except InvalidKey as exc:
+        raise ConfigurationError(f"the job's slot key cannot be used: {exc}") from None
+
+
 def _typed(handled: Handled[R], job: Callable[..., Any], returns: Any) -> Handled[R]:
     """``handled`` with a duplicate's stored result brought back to the job's return type
     (its annotation, or ``returns``)."""
@@ -187,9 +198,12 @@ def run_once(
     """Run ``job()`` unless this slot's run of ``name`` ran, or runs now (see the module). A
     later run's ``value`` is the first run's result as the job's return type (its annotation,
     or ``returns=``; ``None``: as stored). Refuses an inbox whose retention is shorter
-    than the slot (:class:`~oncely.ConfigurationError`)."""
+    than the slot, and a name whose slot key the inbox would reject (over its
+    ``Limits.max_key_bytes``, a NUL, text that is not UTF-8), with
+    :class:`~oncely.ConfigurationError` before the job runs."""
     key = slot(name, every, at=at, tz=tz)
     _check_retention(inbox.retention, name, every)
+    _check_key(key, inbox.limits)
     return _typed(inbox.handle(key, {"job": name}, lambda _payload: job(), wait=wait), job, returns)
 
 
@@ -207,6 +221,7 @@ async def run_once_async(
     """:func:`run_once` for an ``async def`` job on an :class:`~oncely.AsyncInbox`."""
     key = slot(name, every, at=at, tz=tz)
     _check_retention(inbox.retention, name, every)
+    _check_key(key, inbox.limits)
 
     async def run(_payload: object) -> R:
         return await job()
