@@ -242,6 +242,18 @@ def test_r19_a_failed_or_rejected_range_leaves_the_mark_and_is_fed_again(
     assert mark.apply(10, 20, list(range(10, 20)), poison).outcome is oncely.Outcome.REJECTED
     assert mark.apply(10, 20, list(range(10, 20)), written).outcome is oncely.Outcome.REJECTED
     assert mark.position() == 10 and _rows(where) == list(range(10))
+    # The two ways on the README gives: rows set aside in a range of other bounds (here
+    # 10 alone, written to the rejects: not loaded)...
+    aside: list[int] = []
+    set_aside = mark.apply(10, 11, [10], lambda _tx, rows: aside.extend(rows))
+    assert set_aside.outcome is oncely.Outcome.PROCESSED and mark.position() == 11
+    # ... or the rejected unit forgotten, once what the handler refused is fixed: its range
+    # runs again.
+    assert mark.apply(11, 20, list(range(11, 20)), poison).outcome is oncely.Outcome.REJECTED
+    assert store.forget("loader", range_unit("log", 11, 20))
+    assert mark.apply(11, 20, list(range(11, 20)), written).outcome is oncely.Outcome.PROCESSED
+    assert mark.position() == 20 and aside == [10]
+    assert _rows(where) == [*range(10), *range(11, 20)]
     mark.inbox.close()
     store.close()
 
@@ -371,3 +383,13 @@ def test_r19_a_file_still_being_written_is_refused_rather_than_keyed(tmp_path: P
         done.set()
         thread.join(5)
     assert file_unit(path).startswith("file:growing.csv:sha256:")  # complete: keyed
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 1), (0, 1.5), (False, True), ("0", "1")])
+def test_r2_a_range_of_bounds_that_are_not_whole_offsets_is_refused(
+    bounds: tuple[object, object],
+) -> None:
+    """``1.5`` and ``True`` compare as offsets, but they key the range otherwise
+    (``range:s:0-1.5``, ``range:s:False-True``): the same rows would be two units."""
+    with pytest.raises(oncely.ConfigurationError, match="whole offsets"):
+        range_unit("s", *bounds)  # type: ignore[arg-type]

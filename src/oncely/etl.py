@@ -119,6 +119,12 @@ def _read(
 
 def range_unit(stream: str, first: int, last: int) -> str:
     """The key of the offsets ``first`` (included) to ``last`` (excluded) of ``stream``."""
+    for bound in (first, last):
+        if not isinstance(bound, int) or isinstance(bound, bool):
+            raise ConfigurationError(
+                f"a range unit's bounds are whole offsets (int), not {bound!r}: "
+                f"{type(bound).__name__} bounds would key one range two ways"
+            )
     if first < 0 or last <= first:
         raise ConfigurationError("a range unit is first < last, both not negative")
     return f"range:{stream}:{first}-{last}"
