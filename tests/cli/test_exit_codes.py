@@ -112,6 +112,19 @@ def test_a_redis_that_is_down_is_named(unused_port: int) -> None:
     assert "Connection refused" in result.stderr and "migrate" not in result.stderr
 
 
+def test_a_redis_that_is_down_is_not_blamed_on_its_eviction_policy(
+    unused_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that cannot be reached is store unavailable, said once: not first a warning
+    that its maxmemory-policy could not be read (as for a server that refused INFO), which
+    sends the operator to check a setting of a server that is not even up."""
+    url = f"redis://127.0.0.1:{unused_port}/0?connect_timeout=2"
+    result = run("inbox", "stats", "--store", url)
+    assert result.exit_code == 3, result.stderr
+    assert "Connection refused" in result.stderr
+    assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+
 def test_a_redis_without_the_marker_is_named_as_typed() -> None:
     require("Redis", REDIS_URL, 6379)
     url = f"{REDIS_URL}?prefix=oncely_cli_{uuid.uuid4().hex[:10]}"

@@ -41,6 +41,7 @@ __all__ = [
     "RedisOptions",
     "pack_evalsha",
     "parse_url",
+    "refused_command",
     "slot_of",
     "translate",
 ]
@@ -142,6 +143,15 @@ def _kernel_timed_out(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def refused_command(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's answer refusing a command (an ACL's NOPERM, a renamed
+    or unknown command), rather than no answer (the server down, unreachable, timed out,
+    loading, or the credentials refused)."""
+    return isinstance(exc, ResponseError) and not isinstance(
+        translate(exc, "", ""), StoreUnavailable
+    )
 
 
 def translate(exc: BaseException, doing: str, where: str) -> StoreError:

@@ -53,7 +53,14 @@ from oncely.stores.redis.dialect import (
     parse_written,
     stored_status,
 )
-from oncely.stores.redis.errors import DRIVER_ERRORS, RedisOptions, parse_url, slot_of, translate
+from oncely.stores.redis.errors import (
+    DRIVER_ERRORS,
+    RedisOptions,
+    parse_url,
+    refused_command,
+    slot_of,
+    translate,
+)
 from oncely.stores.redis.sync_io import (
     SCAN_START,
     Client,
@@ -347,7 +354,10 @@ class RedisStore:
             return
         try:
             found = eviction_policies(self._client)
-        except DRIVER_ERRORS as exc:  # INFO refused (an ACL, a renamed command): unknown
+        except DRIVER_ERRORS as exc:
+            if not refused_command(exc):  # no answer at all: say that, not a policy warning
+                raise translate(exc, "reading the maxmemory-policy", self._where) from exc
+            # INFO refused (an ACL, a renamed command): the policy is unknown.
             LOGGER.warning(
                 "oncely store=%s could not read the server's maxmemory-policy (%s): make "
                 "sure it is noeviction, or records evicted under memory pressure are "
