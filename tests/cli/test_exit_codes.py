@@ -184,3 +184,23 @@ def test_a_password_in_the_url_is_never_printed(url: str) -> None:
     from_env = run("inbox", "stats", env={"ONCELY_STORE": url})
     assert from_env.exit_code in (2, 3)
     assert SECRET not in from_env.stdout + from_env.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("inbox", "show", "--consumer", "billing", ""),
+        ("inbox", "forget", "--consumer", "billing", "", "--yes"),
+        ("inbox", "resolve", "--consumer", "billing", "", "--completed", "1", "--create"),
+        ("inbox", "resolve", "--consumer", "billing", "", "--retry"),
+    ],
+)
+def test_an_empty_key_is_a_usage_error(db: Path, args: tuple[str, ...]) -> None:
+    """An empty KEY (a shell variable that was not set) is the operator's slip: exit 2,
+    naming the argument. Before, show and forget said the key had no record (exit 1) and
+    resolve --create stopped with "the dedup key is empty" as a store error (exit 5)."""
+    before = rows(db, "SELECT consumer, key, status FROM oncely_inbox ORDER BY 1, 2")
+    result = run(*args, "--store", url_of(db))
+    assert result.exit_code == 2, result.stderr
+    assert "KEY" in result.stderr and "empty" in result.stderr, result.stderr
+    assert rows(db, "SELECT consumer, key, status FROM oncely_inbox ORDER BY 1, 2") == before

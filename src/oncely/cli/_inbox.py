@@ -20,7 +20,7 @@ from oncely import Record, Status, Store, StoreStats, format_duration
 from oncely._core.inbox_rules import new_token
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
-from oncely.cli._keys import absent_why, key_form_option, locate, shown_key
+from oncely.cli._keys import absent_why, key_argument, key_form_option, locate, shown_key
 from oncely.cli._output import (
     console,
     echo_json,
@@ -327,7 +327,7 @@ def list_records(
 @inbox.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
-@click.argument("key")
+@key_argument
 @key_form_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def show(store_url: str, consumer: str, key: str, hashed: bool | None, as_json: bool) -> None:
@@ -500,7 +500,7 @@ def _purge_service(service: oncely.PurgeService) -> None:
 @inbox.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
-@click.argument("key")
+@key_argument
 @key_form_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option(

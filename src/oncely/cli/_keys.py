@@ -26,6 +26,7 @@ __all__ = [
     "Located",
     "absent_why",
     "ambiguous",
+    "key_argument",
     "key_form_option",
     "locate",
     "shown_key",
@@ -37,10 +38,23 @@ LONGEST_KEY: Final = 4096
 SMALLEST_LIMIT: Final = 16
 """The smallest ``max_key_bytes``: no key this short is ever stored hashed."""
 
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _non_empty(_ctx: click.Context, _param: click.Parameter, key: str) -> str:
+    if not key:
+        # A shell variable that was not set: no message carries an empty key (R2).
+        raise click.BadParameter("is empty; give the key as the message carries it")
+    return key
+
+
+def key_argument(fn: F) -> F:
+    """The KEY argument of the commands that name one record: never empty."""
+    return click.argument("key", callback=_non_empty)(fn)
+
+
 DEFAULT_LIMIT: Final = 512
 """A consumer's ``max_key_bytes`` unless it set one (``oncely consume --max-key-bytes``)."""
-
-F = TypeVar("F", bound=Callable[..., object])
 
 
 def key_form_option(fn: F) -> F:

@@ -20,6 +20,7 @@ from oncely.cli._keys import (
     LONGEST_KEY,
     absent_why,
     ambiguous,
+    key_argument,
     key_form_option,
     locate,
     shown_key,
@@ -94,7 +95,7 @@ def _finite_float(number: str) -> float:
 @click.command()
 @store_option
 @click.option("--consumer", required=True, help="The consumer the record belongs to.")
-@click.argument("key")
+@key_argument
 @click.option(
     "--completed",
     "completed",
