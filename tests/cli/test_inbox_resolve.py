@@ -194,3 +194,36 @@ def test_resolve_refuses_a_key_with_no_record_unless_asked_to_create_one(db: Pat
     assert ahead.stdout.rstrip().endswith("absent -> completed")
     record = _get(db, "billing", "order-99")
     assert record is not None and record.status is Status.COMPLETED
+
+
+def test_r10_reconcile_given_both_a_reconciler_and_on_stale_says_not_both(db: Path) -> None:
+    """Before, it answered "give --reconciler ... or --on-stale ..." to an operator who had
+    given both, as though neither had been read."""
+    result = run("reconcile", "--store", url_of(db), "--consumer", "email", "--on-stale",
+                 "retry", "--reconciler", "tests.cli.helpers:reconcile_sent")  # fmt: skip
+    assert result.exit_code == 2
+    assert "not both" in result.stderr, result.stderr
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.token == TOKEN
+
+
+def test_r10_reconcile_and_retry_of_a_misspelt_consumer_say_it_has_no_record_at_all(
+    db: Path,
+) -> None:
+    """A consumer name with a typo has no stale claims, nor any record: reconcile said only
+    "0 stale claim(s)" (exit 0, as though all were settled, while the real consumer's stuck
+    claims stay stuck), and resolve --retry only "nothing to retry"."""
+    store = url_of(db)
+    typo = run("reconcile", "--store", store, "--consumer", "emial", "--on-stale", "retry")
+    assert typo.exit_code == 0, typo.stderr
+    assert "0 stale claim(s) of consumer 'emial'" in typo.stdout
+    assert "consumer 'emial' has no live record at all in this store" in typo.stdout
+    retry = run("inbox", "resolve", "--store", store, "--consumer", "emial", "msg-stale",
+                "--retry")  # fmt: skip
+    assert retry.exit_code == 1
+    assert "consumer 'emial' has no live record at all in this store" in retry.stderr
+    # A real consumer with nothing stale is not told its name may be wrong.
+    fine = run("reconcile", "--store", store, "--consumer", "billing", "--on-stale", "retry")
+    assert fine.exit_code == 0 and "no live record at all" not in fine.stdout
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.token == TOKEN

@@ -162,7 +162,14 @@ def resolve(
     with opened(store_url) as store:
         inbox = _inbox(store, consumer, keep)
         found = locate(store, consumer, key, hashed)
-        if found.record is None and not retry:
+        if found.record is None and retry:
+            raise CliError(
+                f"not resolved: consumer {consumer!r} has no record for key "
+                f"{shown_key(found)}: there is nothing to retry, its next delivery runs the "
+                f"handler ({absent_why(store, consumer)})",
+                CHECK_FAILED,
+            )
+        if found.record is None:
             if not create:
                 raise CliError(
                     f"not resolved: consumer {consumer!r} has no record for key "
@@ -232,7 +239,9 @@ def reconcile(
     Exits 1 when a stale claim was escalated or the reconciler raised for it (a person must
     look); 0 when every one was settled or its worker came back.
     """
-    if (reconciler_spec is None) == (on_stale is None) and not dry_run:
+    if reconciler_spec is not None and on_stale is not None:
+        raise click.UsageError("give --reconciler or --on-stale, not both")
+    if reconciler_spec is None and on_stale is None and not dry_run:
         raise click.UsageError("give --reconciler MODULE:FUNCTION or --on-stale retry|escalate")
     reconciler = load_reconciler(reconciler_spec)
     policy: Any = reconciler.sync() if reconciler is not None else (on_stale or "escalate")
@@ -243,6 +252,10 @@ def reconcile(
             done = [Resolved(r.key, "stale", r, r, "dry run: nothing changed") for r in found]
         else:
             done = inbox.reconcile(limit=limit)
+        # None stale and no record at all: more likely a misspelt name than all settled.
+        unknown = (
+            "" if done or store.scan(consumer=consumer, limit=1) else absent_why(store, consumer)
+        )
     unsettled = [d for d in done if d.action in ("escalate", "error")]
     if as_json:
         echo_json({"consumer": consumer, "stale": len(done), "results": [
@@ -257,6 +270,8 @@ def reconcile(
                 f"{_state(each.after)}) {safe(each.detail)}"
             )
         tail = " (dry run: nothing changed)" if dry_run else ""
+        if unknown:
+            tail += f" ({unknown})"
         click.echo(f"{len(done)} stale claim(s) of consumer {consumer!r}{tail}")
     if unsettled and not dry_run:
         raise CliError(f"{len(unsettled)} stale claim(s) left for a person", CHECK_FAILED)
