@@ -183,6 +183,8 @@ def test_r10_show_tells_a_live_lease_from_a_stale_one(db: Path) -> None:
     assert live_record["lease"].startswith("held until")
     assert (stale_record["live"], stale_record["stale"]) == (False, True)
     assert "stale" in stale_record["lease"]
+    # An escalated claim looks the same in the store: the operator is told how to settle it.
+    assert "oncely inbox resolve" in stale_record["lease"], stale_record["lease"]
     assert stale_record["lease_until"].startswith("2020-01-01T00:00:01")
 
 

@@ -105,7 +105,9 @@ def lease_state(record: Record, now: int) -> str:
         return f"held until {iso(record.lease_until_ms)} ({relative(record.lease_until_ms, now)})"
     return (
         f"lapsed at {iso(record.lease_until_ms)} ({relative(record.lease_until_ms, now)}): "
-        "stale; the next delivery goes through the consumer's on_stale policy"
+        "stale: its worker died or stalled. The next delivery goes through the consumer's "
+        "on_stale policy; if that escalated it (its message then went to the dead letters, "
+        "and no delivery may come), settle it with `oncely inbox resolve` or `oncely reconcile`"
     )
 
 
