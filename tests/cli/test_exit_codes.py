@@ -6,6 +6,7 @@ is never printed.
 
 from __future__ import annotations
 
+import logging
 import socket
 import sqlite3
 import uuid
@@ -204,3 +205,17 @@ def test_an_empty_key_is_a_usage_error(db: Path, args: tuple[str, ...]) -> None:
     assert result.exit_code == 2, result.stderr
     assert "KEY" in result.stderr and "empty" in result.stderr, result.stderr
     assert rows(db, "SELECT consumer, key, status FROM oncely_inbox ORDER BY 1, 2") == before
+
+
+def test_a_redis_database_out_of_range_is_a_store_error_not_an_eviction_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``/99`` on a server with 16 databases: the server refuses the database, which is the
+    error to show (exit 5), not a warning to check its eviction policy first."""
+    require("Redis", REDIS_URL, 6379)
+    server = REDIS_URL.rsplit("/", 1)[0]
+    with caplog.at_level(logging.WARNING, logger="oncely.store"):
+        result = run("inbox", "stats", "--store", f"{server}/99")
+    assert result.exit_code == 5, result.stderr
+    assert "DB index is out of range" in result.stderr
+    assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]

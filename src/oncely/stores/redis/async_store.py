@@ -355,7 +355,9 @@ class AsyncRedisStore:
             found = await eviction_policies(self._client)
         except DRIVER_ERRORS as exc:
             if not refused_command(exc):  # no answer at all: say that, not a policy warning
-                raise translate(exc, "reading the maxmemory-policy", self._where) from exc
+                raise translate(
+                    exc, "opening the store (its server's maxmemory-policy)", self._where
+                ) from exc
             # INFO refused (an ACL, a renamed command): the policy is unknown.
             LOGGER.warning(
                 "oncely store=%s could not read the server's maxmemory-policy (%s): make "

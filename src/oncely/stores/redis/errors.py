@@ -148,9 +148,12 @@ def _kernel_timed_out(exc: BaseException) -> bool:
 def refused_command(exc: BaseException) -> bool:
     """Whether ``exc`` is the server's answer refusing a command (an ACL's NOPERM, a renamed
     or unknown command), rather than no answer (the server down, unreachable, timed out,
-    loading, or the credentials refused)."""
-    return isinstance(exc, ResponseError) and not isinstance(
-        translate(exc, "", ""), StoreUnavailable
+    loading, or the credentials refused) or another refusal (a database out of range)."""
+    if isinstance(exc, NoPermissionError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, ResponseError) and (
+        "unknown command" in text or "noperm" in text or "no permissions" in text
     )
 
 
