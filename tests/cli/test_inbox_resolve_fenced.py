@@ -11,6 +11,7 @@ real server) right before the command's delete.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,8 @@ def test_r10_resolve_retry_refuses_a_record_a_live_owner_holds(each_store: Store
     result = run("inbox", "resolve", "--store", url, "--consumer", "c", "running", "--retry")
     assert result.exit_code == 1
     assert "held by a live claim" in result.stderr
+    # Its lease's end as show prints it (milliseconds), not with microseconds.
+    assert re.search(r"lease until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00\)", result.stderr)
     kept = made.get("c", "running")
     assert kept is not None and kept.token == "worker"
     # With nothing in its way, the poison message is deleted as asked.

@@ -779,8 +779,8 @@ class AsyncInbox:
             if current.status is Status.IN_PROGRESS and current.token == record.token:
                 raise ResolveRefused(
                     f"{key!r} is held by a live claim (attempt {current.attempt}, lease until "
-                    f"{current.lease_until.isoformat()}); resolve never overrides a running "
-                    "worker: let its lease lapse (stop it) and resolve again",
+                    f"{current.lease_until.isoformat(timespec='milliseconds')}); resolve never "
+                    "overrides a running worker: let its lease lapse (stop it) and resolve again",
                     current,
                 )
             return None, current  # settled or taken over meanwhile: decide on what it is now
