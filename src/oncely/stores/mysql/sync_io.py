@@ -106,6 +106,16 @@ the first probe, and about 15 minutes of retransmissions), also where no watch b
 where the system lacks them; not on a Unix socket."""
 
 
+def _cut(seconds: float, bound: str, what: str) -> pymysql.OperationalError:
+    """The error of a wait the watchdog cut at ``bound`` (2013, lost connection: the store
+    says StoreUnavailable, and the pool drops the connection)."""
+    return pymysql.OperationalError(
+        2013,
+        f"no answer from the server within {seconds:g}s ({bound}): the {what} (the server or "
+        "the network to it may be down)",
+    )
+
+
 def connect(settings: MySQLSettings) -> Connection:
     """A new connection, its handshake included within ``connect_timeout`` (both drivers
     bound only the TCP connect by it; the handshake's reads are not bounded at all)."""
@@ -118,11 +128,7 @@ def connect(settings: MySQLSettings) -> Connection:
         conn.connect()
     except BaseException as exc:
         if WATCHDOG.stop(conn) and isinstance(exc, DRIVER_ERRORS):
-            raise pymysql.OperationalError(
-                2013,
-                f"no answer from the server within {seconds:g}s (connect_timeout): the "
-                "connection attempt was cut (the server or the network to it may be down)",
-            ) from exc
+            raise _cut(seconds, "connect_timeout", "connection attempt was cut") from exc
         raise
     WATCHDOG.stop(conn)
     if settings.unix_socket is None:
@@ -177,11 +183,7 @@ def _watched(
         done = run(conn, sql, params)
     except BaseException as exc:
         if WATCHDOG.stop(conn) and isinstance(exc, DRIVER_ERRORS):
-            raise pymysql.OperationalError(
-                2013,
-                f"no answer from the server within {seconds:g}s (read_timeout): the "
-                "connection was closed (the server or the network to it may be down)",
-            ) from exc
+            raise _cut(seconds, "read_timeout", "connection was closed") from exc
         raise
     WATCHDOG.stop(conn)
     return done
