@@ -245,3 +245,25 @@ def test_r13_async_estimates(backend: Backend, scope: Scope, clock: FakeClock) -
             await store.aclose()
 
     asyncio.run(run())
+
+
+def test_r13_a_large_consumer_whose_records_all_expired_is_estimated_at_none(
+    backend: Backend, scope: Scope, clock: FakeClock
+) -> None:
+    # More records than are counted outright, every one expired (a consumer retired, or a
+    # quiet week): the estimate is no live record, not the one PostgreSQL's planner gives
+    # as its least estimate.
+    store: Any = backend.make_sync(scope, clock)
+    _estimating(backend, store)
+    try:
+        store.migrate()
+        for start in range(0, 1500, 500):
+            old = [ClaimRequest(f"old{i}", None, f"o{i}") for i in range(start, start + 500)]
+            store.claim_many("gone", old, lease_ms=1000, keep_ms=1000, takeover=False)
+        clock.advance(timedelta(minutes=3))
+        _analyze(backend, store)
+        estimate = store.stats(exact=False)
+    finally:
+        store.close()
+    assert estimate.per_consumer == {} and estimate.total == 0, estimate
+    assert abs(estimate.expired - 1500) <= _tolerance(backend, store, 1500), estimate

@@ -335,7 +335,11 @@ class Estimate:
                 if live:
                     consumers[consumer] = live
             else:  # more rows than read: at least the live ones read, whatever the estimate
-                consumers[consumer] = max(self.big.get(consumer, 0), live, 1)
+                # (PostgreSQL's planner never estimates under one row: that one, with none
+                # live among the rows read, is no record)
+                big = self.big.get(consumer, 0)
+                if max(big if big > 1 else 0, live):
+                    consumers[consumer] = max(big, live)
         total = sum(consumers.values())
         statuses = None
         if self.shares:
