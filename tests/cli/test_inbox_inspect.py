@@ -161,9 +161,10 @@ def test_show_json_has_the_full_record(db: Path) -> None:
     assert record["fingerprint"]
     assert record["result_encoding"] == "utf-8"
     assert json.loads(record["result_preview"]) == {"charged": 3}
-    for field in ("created_at", "updated_at", "lease_until", "expires_at"):
+    for field in ("created_at", "updated_at", "expires_at"):
         assert datetime.fromisoformat(record[field]).tzinfo is not None
     assert record["lease"] == "none (not in progress)"
+    assert record["lease_until"] is None  # a settled record holds no lease
 
 
 def test_show_text(db: Path) -> None:

@@ -121,7 +121,8 @@ def lease_word(record: Record, now: int) -> str:
 
 
 def record_dict(record: Record, *, full: bool, now: int) -> dict[str, Any]:
-    """A record as JSON-ready values: times in ISO 8601, the result as size and preview."""
+    """A record as JSON-ready values: times in ISO 8601 (``lease_until`` only while in
+    progress), the result as size and preview."""
     found: dict[str, Any] = {
         "consumer": record.consumer,
         "key": record.key,
@@ -129,7 +130,11 @@ def record_dict(record: Record, *, full: bool, now: int) -> dict[str, Any]:
         "attempt": record.attempt,
         "created_at": iso(record.created_ms),
         "updated_at": iso(record.updated_ms),
-        "lease_until": iso(record.lease_until_ms),
+        # A settled record holds no lease: the one its last claim had means nothing now
+        # (a handler quicker than its lease leaves it in the future).
+        "lease_until": (
+            iso(record.lease_until_ms) if record.status is Status.IN_PROGRESS else None
+        ),
         "expires_at": iso(record.expires_ms),
         "fingerprint": record.fingerprint,
         "error": record.error,
