@@ -495,8 +495,12 @@ def test_r10_a_task_that_kills_its_worker_process_every_time_is_dead_lettered(st
         assert "rejected: failed on all 3 deliveries; last: none of its 3 runs finished (the " \
             "worker" in str(result.error), result  # fmt: skip
         assert run.started("fatal:w1") == 3 and run.effects("fatal:w1") == 0
+        # The first process and one after each death, at least: taskiq's process manager
+        # may start one again more than once for a death (its queue of restarts is read
+        # behind a feeder thread, and a late second restart terminates the new process), so
+        # the runs and effects above are what is counted exactly.
         starts = run.worker_starts()
-        assert starts == 4, starts  # the first process and one after each death
+        assert starts >= 4, starts
 
         async def charged(app: ModuleType) -> Any:
             return await _value(await app.charge.kiq("w0", 10))
@@ -515,7 +519,7 @@ def test_r10_a_task_that_kills_its_worker_process_every_time_is_dead_lettered(st
 
         assert run.drive(survivor) == "w2"
         assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
-        assert run.worker_starts() == starts + 1
+        assert run.worker_starts() >= starts + 1
         assert run.dead_letters() == []
     finally:
         run.close()
