@@ -194,3 +194,36 @@ def test_complete_refuses_a_coroutine_or_a_generator_and_keeps_the_claim(
     assert inbox.get("o-1") is not None and inbox.get("o-1").status.value == "in_progress"  # type: ignore[union-attr]
     assert claimed.complete("charged").outcome is oncely.Outcome.PROCESSED
     assert inbox.handle("o-1", {"amount": 1}, lambda p: "again").value == "charged"
+
+
+# ------------------------------------------------------------- a store of the other kind
+
+
+@pytest.mark.parametrize("url", ["memory://", "sqlite:///{dir}/inbox.db"])
+def test_an_inbox_refuses_a_store_of_the_other_kind_when_made(tmp_path: Path, url: str) -> None:
+    # Before, each was made: the sync inbox got coroutines back from the asyncio store's calls
+    # (an AttributeError on the first message, "coroutine never awaited"), and the asyncio
+    # inbox awaited a sync store's records (a TypeError inside the consumer loop).
+    url = url.format(dir=tmp_path)
+    sync_store, async_store = oncely.open(url), oncely.open_async(url)
+    sync_name, async_name = type(sync_store).__name__, type(async_store).__name__
+    try:
+        with pytest.raises(oncely.ConfigurationError, match=rf"use {async_name} \("):
+            oncely.AsyncInbox(sync_store, consumer="billing")  # type: ignore[arg-type]
+        with pytest.raises(oncely.ConfigurationError, match=rf"use {sync_name} \("):
+            oncely.Inbox(async_store, consumer="billing")  # type: ignore[arg-type]
+        oncely.Inbox(sync_store, consumer="billing")
+        oncely.AsyncInbox(async_store, consumer="billing")
+    finally:
+        sync_store.close()
+        asyncio.run(async_store.aclose())
+
+
+def test_a_broker_consumer_refuses_a_sync_inbox() -> None:
+    # Before: "a Processor runs its own handler", as if a sync Inbox were a Processor.
+    from oncely.brokers import BrokerConsumer
+    from oncely.testing import MemoryBroker, MemoryStore
+
+    inbox = oncely.Inbox(MemoryStore(), consumer="billing")
+    with pytest.raises(oncely.ConfigurationError, match="give it an AsyncInbox"):
+        BrokerConsumer(MemoryBroker(), inbox, lambda body: None)  # type: ignore[arg-type]

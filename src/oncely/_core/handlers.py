@@ -13,9 +13,16 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from oncely.errors import AsyncHandlerRefused, HandlerRefused
+from oncely.errors import AsyncHandlerRefused, ConfigurationError, HandlerRefused
 
-__all__ = ["refuse_async", "refuse_generator", "refuse_result", "refuse_unrun", "sync_result"]
+__all__ = [
+    "refuse_async",
+    "refuse_generator",
+    "refuse_result",
+    "refuse_store_kind",
+    "refuse_unrun",
+    "sync_result",
+]
 
 
 _ASYNC_CODE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -58,6 +65,30 @@ def refuse_async(handler: object) -> None:
     if inspect.isasyncgenfunction(handler):
         raise AsyncHandlerRefused(_said(handler))
     refuse_generator(handler)
+
+
+def refuse_store_kind(store: object, *, asynchronous: bool) -> None:
+    """Raise :class:`~oncely.ConfigurationError` for a store of the other kind than its
+    inbox, when the inbox is made: a sync inbox would get coroutines back from an asyncio
+    store's calls (never run, read as records), and an asyncio inbox would await a sync
+    store's records. A store is asyncio when its ``claim`` is an ``async def``."""
+    claim = getattr(store, "claim", None)
+    if claim is None or inspect.iscoroutinefunction(claim) == asynchronous:
+        return
+    name = type(store).__name__
+    if asynchronous:
+        other = f"Async{name}" if not name.startswith("Async") else "its asyncio twin"
+        raise ConfigurationError(
+            f"AsyncInbox needs an asyncio store, and {name} is a sync one (its claim is not "
+            f"an async def): use {other} (oncely.open_async(url) opens one from a "
+            "URL), or the sync oncely.Inbox"
+        )
+    other = name.removeprefix("Async") if name.startswith("Async") else "its sync twin"
+    raise ConfigurationError(
+        f"Inbox needs a sync store, and {name} is an asyncio one (its claim is an async "
+        f"def): use {other} (oncely.open(url) opens one from a URL), or "
+        "oncely.AsyncInbox"
+    )
 
 
 def refuse_unrun(returned: Any, handler: object) -> None:

@@ -385,9 +385,18 @@ class BrokerConsumer:
             self.processor: Processor = InboxProcessor(
                 inbox, handler, mode=mode, key=key, store_offsets=store_offsets
             )
+        elif isinstance(inbox, Inbox):
+            raise ConfigurationError(
+                "BrokerConsumer runs on asyncio: give it an AsyncInbox (over an asyncio store: "
+                "oncely.open_async(url)), not the sync oncely.Inbox; the handler may "
+                "still be a plain function"
+            )
         else:
             if handler is not None:
-                raise ConfigurationError("a Processor runs its own handler; pass no handler")
+                raise ConfigurationError(
+                    "a Processor runs its own handler; pass no handler (or give an AsyncInbox "
+                    "and a handler)"
+                )
             if store_offsets:
                 raise ConfigurationError(
                     "with a Processor, give store_offsets to it (InboxProcessor(..., "

@@ -49,7 +49,7 @@ from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
-from oncely._core.handlers import refuse_result
+from oncely._core.handlers import refuse_result, refuse_store_kind
 from oncely._core.inbox_rules import (
     InboxRules,
     lost_reason,
@@ -243,6 +243,10 @@ class AsyncInbox:
         logger: logging.Logger | None = None,
         log_keys: Literal["plain", "hash"] = "plain",
     ) -> None:
+        if ASYNC:
+            refuse_store_kind(store, asynchronous=True)
+        else:
+            refuse_store_kind(store, asynchronous=False)
         self._store = store
         # Checked once: a runtime Protocol check costs tens of microseconds per call.
         self._tx_store: AsyncTransactionalStore[Any] | None = (

@@ -38,7 +38,7 @@ from oncely._core.context import _CURRENT
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
-from oncely._core.handlers import refuse_async, refuse_result, sync_result
+from oncely._core.handlers import refuse_async, refuse_result, refuse_store_kind, sync_result
 from oncely._core.inbox_rules import (
     InboxRules,
     lost_reason,
@@ -225,6 +225,7 @@ class Inbox:
         logger: logging.Logger | None = None,
         log_keys: Literal["plain", "hash"] = "plain",
     ) -> None:
+        refuse_store_kind(store, asynchronous=False)
         self._store = store
         # Checked once: a runtime Protocol check costs tens of microseconds per call.
         self._tx_store: TransactionalStore[Any] | None = (
