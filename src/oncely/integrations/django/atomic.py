@@ -54,7 +54,7 @@ _FIX = {
     "be joined yet)",
     "sqlite": "use Django's sqlite3 backend",
 }
-_IDENTITY = "_oncely_database"  # (DB-API connection's id, its Identity) on Django's wrapper
+_IDENTITY = "_oncely_database"  # (DB-API connection, its Identity) on Django's wrapper
 
 
 def handle_in_atomic(
@@ -203,13 +203,15 @@ def _check_driver(kind: Kind, driver: object, vendor: str, alias: str) -> None:
 
 def _on_database(expected: Identity, connection: Any, driver: object) -> bool:
     """Whether Django's connection is on the store's database (its side read once per DB-API
-    connection, kept on Django's connection wrapper)."""
-    seen: tuple[int, Identity] | None = getattr(connection, _IDENTITY, None)
-    if seen is None or seen[0] != id(driver):
+    connection, kept on Django's connection wrapper). The DB-API connection itself is kept
+    with its answer, not its ``id()``: one opened after it was closed (on another database,
+    say) may be at its freed address, and would be taken for it."""
+    seen: tuple[object, Identity] | None = getattr(connection, _IDENTITY, None)
+    if seen is None or seen[0] is not driver:
         family = str(expected[0])
         with connection.cursor() as cursor:
             cursor.execute(SQL[family])
             rows = [tuple(row) for row in cursor.fetchall()]
-        seen = (id(driver), identity_of(family, rows))
+        seen = (driver, identity_of(family, rows))
         setattr(connection, _IDENTITY, seen)
     return same_database(expected, seen[1])

@@ -5,6 +5,8 @@ the test database and applies oncely's migration to it (R7, R3, R9, R11)."""
 
 from __future__ import annotations
 
+import gc
+import tempfile
 import threading
 import uuid
 from typing import Any
@@ -16,6 +18,8 @@ from shop.models import Charge
 import oncely
 from oncely.integrations.django import get_inbox, get_store, handle_in_atomic, store_url
 from oncely.integrations.django.models import InboxRecord
+
+ROUNDS = 40
 
 
 def key() -> str:
@@ -141,3 +145,31 @@ class AtomicTests(TransactionTestCase):
             said = str(refused.exception)
             self.assertIn("Django's connection 'default'", said)
             self.assertIn("get_inbox(consumer, using='default')", said)
+
+    def test_a_connection_reopened_on_another_database_is_refused(self) -> None:
+        """Which database Django's connection is on is read once per DB-API connection. A
+        connection closed and opened again on another database is read anew, even when the
+        new DB-API connection is at the freed one's address (CPython reuses it): before, its
+        ``id()`` matched, the first database's answer was taken for it, and the marker went
+        into a database the store does not read. Each round gives the address a chance to
+        be reused (it was, in a few rounds, on SQLite and PostgreSQL)."""
+        settings = connection.settings_dict
+        name = settings["NAME"]
+        elsewhere = {
+            "sqlite": f"{tempfile.mkdtemp()}/elsewhere.db",
+            "postgresql": "postgres",
+            "mysql": "mysql",
+        }[connection.vendor]
+        try:
+            for _ in range(ROUNDS):
+                handle_in_atomic(self.inbox, key(), self.order, book)  # read on this one
+                connection.close()
+                gc.collect()  # the DB-API connection is freed: its address may be reused
+                settings["NAME"] = elsewhere
+                with self.assertRaises(oncely.ConfigurationError):
+                    handle_in_atomic(self.inbox, key(), self.order, book)
+                connection.close()
+                settings["NAME"] = name
+        finally:
+            connection.close()
+            settings["NAME"] = name
