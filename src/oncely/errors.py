@@ -57,6 +57,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "ClaimEnded",
+    "CommitRefused",
     "ConfigurationError",
     "Escalated",
     "HandlerRefused",
@@ -211,6 +212,14 @@ class TransactionEnded(TransactionRequired):
     """A transactional handler committed or rolled back the transaction it was given: its
     writes and the key's marker no longer commit together (what it committed stays; the rest
     is rolled back, the result not stored). A handler writes; oncely or its caller commits."""
+
+
+class CommitRefused(StoreError):
+    """The COMMIT of oncely's own transaction refused what the block wrote: a constraint
+    checked only at commit (PostgreSQL's ``DEFERRABLE INITIALLY DEFERRED``, SQLite's
+    deferred foreign keys) that a handler's write broke. Nothing committed. In
+    :meth:`Inbox.handle_in_transaction <oncely.Inbox.handle_in_transaction>` it is the
+    handler's failure: the outcome is ``failed``, not this error."""
 
 
 class TransactionsUnsupported(StoreError):

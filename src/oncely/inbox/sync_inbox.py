@@ -66,6 +66,7 @@ from oncely._core.said import said
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import (
     ClaimEnded,
+    CommitRefused,
     ConfigurationError,
     HandlerRefused,
     InvalidKey,
@@ -1217,8 +1218,10 @@ class Inbox:
         roll back, as a ``with`` block does.
 
         Outcomes are those of :meth:`handle`; ``failed`` means the handler raised and its
-        writes were rolled back with the marker, so a redelivery retries. A result that cannot
-        be stored also fails the transaction (nothing happened, so nothing is lost).
+        writes were rolled back with the marker, so a redelivery retries; in oncely's own
+        transaction, so does a COMMIT that a constraint checked at commit refused
+        (:class:`~oncely.CommitRefused`). A result that cannot be stored also fails the
+        transaction (nothing happened, so nothing is lost).
         """
         self._refuse(handler)
         started = perf_counter()
@@ -1275,8 +1278,11 @@ class Inbox:
                     if data is not None:
                         store.set_result_in(conn, consumer, checked, token=token, result=data)
                         record = with_result(record, data)
-        except _HandlerError as failure:
-            error = failure.error
+        except (_HandlerError, CommitRefused) as failure:
+            # CommitRefused: oncely's own COMMIT refused the handler's writes (a deferred
+            # constraint they broke), so nothing committed, the marker neither. That is the
+            # handler's failure, retried and dead-lettered as one, not a store outage.
+            error = failure.error if isinstance(failure, _HandlerError) else failure
             if tx is not None and not savepoint:
                 raise error from None  # the caller's transaction rolls back
             if isinstance(error, Reject):

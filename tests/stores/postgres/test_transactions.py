@@ -530,3 +530,69 @@ async def test_r7_async_a_statement_failing_with_the_commit_always_raises_its_ow
             await conn.rollback()
         cursor = await conn.execute("SELECT count(*) FROM small")
         assert await cursor.fetchone() == (0,)
+
+
+@pytest.mark.parametrize("result", [None, "kept"])
+def test_r7_writes_a_deferred_constraint_refuses_at_commit_are_the_handlers_failure(
+    table: str, result: str | None
+) -> None:
+    """A handler's write that breaks a DEFERRABLE INITIALLY DEFERRED constraint is refused
+    only by the COMMIT of oncely's own transaction. Nothing committed, the marker neither:
+    that is the handler's failure (``failed``: retried, dead-lettered once its deliveries
+    are spent), as the same write under an immediate constraint is. Before, it raised
+    StoreError, which a consumer takes for a store outage and gives back without end."""
+    store = PostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    child = f"{table}_ledger"
+    parent = f"{table}_parent"
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: psycopg.Connection[Any], payload: int) -> str | None:
+        tx.execute(f"INSERT INTO {child} (key, parent) VALUES ('k', %s)".encode(), (payload,))
+        return result
+
+    try:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as admin:
+            admin.execute(f"CREATE TABLE {parent} (id INT PRIMARY KEY)".encode())
+            admin.execute(f"INSERT INTO {parent} VALUES (1)".encode())
+            admin.execute(
+                f"CREATE TABLE {child} (key TEXT, parent INT REFERENCES {parent} (id) "
+                "DEFERRABLE INITIALLY DEFERRED)".encode()
+            )
+        refused = inbox.handle_in_transaction("k", 2, book)
+        assert refused.outcome is Outcome.FAILED
+        assert refused.action is oncely.Action.RETRY
+        assert refused.reason is not None and "foreign key" in refused.reason
+        assert store.get("c", "k") is None
+        (conn,) = store._idle
+        assert conn.info.transaction_status == pq.TransactionStatus.IDLE
+        assert inbox.handle_in_transaction("k", 1, book).outcome is Outcome.PROCESSED
+        assert _ledger_counts(child) == Counter({"k": 1})
+    finally:
+        store.close()
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as admin:
+            admin.execute(f"DROP TABLE IF EXISTS {child}, {parent}".encode())
+
+
+async def test_r7_async_a_deferred_constraint_refusing_the_commit_is_a_failure(table: str) -> None:
+    """The asyncio store's own transaction answers the same: ``failed``, nothing kept."""
+    store = AsyncPostgresStore(POSTGRES_DSN, table=table, pool_max=1)
+    child = f"{table}_ledger"
+    inbox = oncely.AsyncInbox(store, consumer="c")
+
+    async def book(tx: psycopg.AsyncConnection[Any], payload: int) -> None:
+        await tx.execute(f"INSERT INTO {child} (key, parent) VALUES ('k', %s)".encode(), (payload,))
+
+    try:
+        with psycopg.connect(POSTGRES_DSN, autocommit=True) as admin:
+            admin.execute(
+                f"CREATE TABLE {child} (key TEXT, parent INT, CONSTRAINT positive "
+                "EXCLUDE USING btree (parent WITH =) DEFERRABLE INITIALLY DEFERRED)".encode()
+            )
+            admin.execute(f"INSERT INTO {child} VALUES ('other', 2)".encode())
+        refused = await inbox.handle_in_transaction("k", 2, book)
+        assert refused.outcome is Outcome.FAILED
+        assert await store.get("c", "k") is None
+        assert (await inbox.handle_in_transaction("k", 1, book)).outcome is Outcome.PROCESSED
+    finally:
+        await store.aclose()
+    assert _ledger_counts(child) == Counter({"other": 1, "k": 1})

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import pq
 
+from oncely.errors import CommitRefused
 from oncely.stores.postgres.sync_io import Connection, commit_after
 
 if TYPE_CHECKING:
@@ -109,11 +110,20 @@ class _Transaction:
                 if conn.info.transaction_status == _TX.INERROR:
                     _rollback_quietly(conn)  # the UPDATE failed: COMMIT never ran
                 if exc is None:
-                    raise self._store._error(error, "commit") from error
+                    store = self._store
+                    if _refused_at_commit(error, store._dialect.table):
+                        raise CommitRefused(str(store._error(error, "commit"))) from error
+                    raise store._error(error, "commit") from error
                 return None  # the block's own error wins; the pool drops a broken connection
             return suppressed
         finally:
             self._store._release(conn)
+
+
+def _refused_at_commit(error: psycopg.Error, table: str) -> bool:
+    """Whether ``error`` is a constraint (SQLSTATE class 23) on another table than the
+    store's: a write of the block that a constraint checked at COMMIT refused."""
+    return (error.sqlstate or "")[:2] == "23" and error.diag.table_name != table
 
 
 def _rollback_quietly(conn: Connection) -> None:
