@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 
 from oncely._core.keys import Envelope, KeySource
 from oncely._core.outcomes import Handled
@@ -126,12 +126,14 @@ def _joined(
             failures.append(exc)
             raise
 
+    done: Handled[R] | None = None
     try:
         if own:
             # The block is oncely's: a failing handler rolls all of it back, so the claim
             # needs no savepoint of its own (two round trips fewer per message).
             with transaction.atomic(using=alias):
-                return through(run, _driver(inbox, connection, alias), False)
+                done = through(run, _driver(inbox, connection, alias), False)
+            return done
         # The caller's block: Django's savepoint around the claim and the handler, so a
         # failure rolls back only them and the block stays usable.
         driver = _driver(inbox, connection, alias)
@@ -140,7 +142,11 @@ def _joined(
     except StoreError:
         raise
     except Exception as exc:
-        if not handler_failed(exc, failures):
+        # An IntegrityError out of the block's end, once the handler returned: its COMMIT
+        # refused a row the handler wrote (a foreign key, which Django defers to COMMIT on
+        # PostgreSQL and SQLite). Nothing committed: the handler's failure, not the store's.
+        refused = done is not None and isinstance(exc, IntegrityError)
+        if not (refused or handler_failed(exc, failures)):
             raise
         error = exc
 

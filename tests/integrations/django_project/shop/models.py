@@ -6,3 +6,9 @@ class Charge(models.Model):
 
     order = models.CharField(max_length=64)
     amount = models.IntegerField()
+
+
+class Refund(models.Model):
+    """A row whose foreign key Django checks only at COMMIT on PostgreSQL and SQLite."""
+
+    charge = models.ForeignKey(Charge, on_delete=models.CASCADE)

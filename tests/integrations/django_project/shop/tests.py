@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db import connection, connections, transaction
 from django.test import TransactionTestCase
-from shop.models import Charge
+from shop.models import Charge, Refund
 
 import oncely
 from oncely.integrations.django import get_inbox, get_store, handle_in_atomic, store_url
@@ -145,6 +145,27 @@ class AtomicTests(TransactionTestCase):
             said = str(refused.exception)
             self.assertIn("Django's connection 'default'", said)
             self.assertIn("get_inbox(consumer, using='default')", said)
+
+    def test_r7_a_write_refused_at_commit_is_a_failure_of_the_handler(self) -> None:
+        """Django checks a foreign key at COMMIT on PostgreSQL and SQLite (at the statement
+        on MariaDB). A handler whose row points nowhere is ``failed`` in every case, as a
+        handler that raises is: nothing committed, and the consumer retries it, then
+        dead-letters it. Before, the IntegrityError of oncely's own block's COMMIT escaped,
+        which ``manage.py oncely consume`` gives back without end as a store failure."""
+        k = key()
+
+        def refund(order: dict[str, Any]) -> int:
+            return Refund.objects.create(charge_id=order["charge"]).pk
+
+        refused = handle_in_atomic(self.inbox, k, {"charge": 10**9}, refund)
+        self.assertEqual(refused.outcome, oncely.Outcome.FAILED)
+        self.assertEqual(refused.action, oncely.Action.RETRY)
+        self.assertIsNone(self.inbox.store.get("billing", k))
+        self.assertEqual(Refund.objects.count(), 0)
+        charge = Charge.objects.create(order=self.order["id"], amount=1)
+        done = handle_in_atomic(self.inbox, k, {"charge": charge.pk}, refund)
+        self.assertEqual(done.outcome, oncely.Outcome.PROCESSED)  # nothing kept of the first
+        self.assertEqual(Refund.objects.count(), 1)
 
     def test_a_connection_reopened_on_another_database_is_refused(self) -> None:
         """Which database Django's connection is on is read once per DB-API connection. A
