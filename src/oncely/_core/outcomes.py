@@ -102,9 +102,10 @@ class Handled(Generic[R]):
     the first time (``duplicate``), as its codec decodes it: with the default JSON codec a
     ``Decimal`` comes back as its string, ``bytes`` as base64 text, a tuple as a list.
     ``idempotent``, ``run_once`` and the task and FastStream integrations rebuild it as the
-    function's return annotation; ``Inbox.handle`` gives it as decoded. ``reason`` explains every outcome other than processed and
-    duplicate; ``error`` is the handler's exception for ``failed``. ``key`` is ``None`` only when
-    the message was rejected for having no usable key. ``attempt`` is the claim's attempt number
+    function's return annotation; ``Inbox.handle`` gives it as decoded. ``reason`` explains
+    every outcome other than processed and duplicate; ``error`` is the handler's exception for
+    ``failed``. ``key`` is ``None`` only when the message was rejected for having no usable
+    key. ``attempt`` is the claim's attempt number
     (1 for the first claim of the key; 0 when no claim was made); ``record`` is the record as the
     store holds it now, which after a lost lease belongs to the new owner.
 

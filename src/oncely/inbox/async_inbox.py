@@ -174,6 +174,17 @@ async def _called(handler: Callable[..., Any], *args: Any) -> Any:
         return sync_result(handler(*args), handler)
 
 
+async def _joinable(store: AsyncTransactionalStore[Tx], tx: Tx) -> None:
+    """Raise unless ``tx``, a caller's connection, can take the marker: an open transaction
+    (:class:`~oncely.TransactionRequired`), on the store's database (a marker committed in
+    another would never be read: :class:`~oncely.ConfigurationError`; oncely's SQL stores
+    check, a store of another kind may not)."""
+    store.check_transaction(tx)
+    on_database = getattr(store, "check_database", None)
+    if on_database is not None:
+        await on_database(tx)
+
+
 async def _called_in(store: object, handler: Callable[..., Any], conn: Any, payload: Any) -> Any:
     """``handler(conn, payload)`` in the transaction the claim opened, which must still be
     open when it returns: a handler that committed or rolled back ended it (the claim with
@@ -1325,7 +1336,7 @@ class AsyncInbox:
         if tx is None:
             block = store.transaction(claim_first=True)  # the claim is the first statement
         else:
-            store.check_transaction(tx)
+            await _joinable(store, tx)
             block = store.savepoint(tx) if savepoint else nullcontext()
         try:
             async with block as opened:

@@ -40,14 +40,24 @@ else:
 
 import asyncio
 import random
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from time import monotonic
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from oncely._core.forking import forget_parent_in_children
 from oncely._core.records import Record, Status, StoreStats
+from oncely._urls import redact
 from oncely.errors import SchemaMissing, SchemaOutdated, SchemaTooNew, StoreError
+from oncely.stores._identity import (
+    SQL,
+    Identity,
+    identity_of,
+    mismatch,
+    same_database,
+    store_path,
+)
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._purging import PURGE_BATCH, PURGE_PAUSE, check_pause
 from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, apportion, parse_stats
@@ -146,7 +156,12 @@ class SQLStoreBase(Generic[Q]):
     _now: Callable[[], int | None]
     """The store's clock in epoch milliseconds, or None where the statement reads the server's."""
 
+    _family: ClassVar[str]
+    """The database family, as :mod:`oncely.stores._identity` names it."""
+
     def __init__(self, *, migrate: bool) -> None:
+        self._identity: Identity | None = None
+        self._joined_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._auto_migrate = migrate
         self._ready_lock = asyncio.Lock()
         self._ready = False
@@ -159,6 +174,52 @@ class SQLStoreBase(Generic[Q]):
         heartbeat renewing a lease) start afresh; what else is the parent's is dropped where
         the store next looks (its connections: on the next use)."""
         self._ready_lock = asyncio.Lock()
+
+    # ------------------------------------------------------- a caller's connection
+
+    async def check_database(self, tx: Any) -> None:
+        """Raise :class:`~oncely.ConfigurationError` unless ``tx``, a caller's connection, is
+        on the store's database: a marker written in another one (a tenant's, a staging
+        copy's with the inbox table too) would commit where the store never reads it, and
+        every redelivery would run again. The server's identity and the database's name are
+        compared (:mod:`oncely.stores._identity`): read once per connection (a connection
+        that cannot be weakly referenced, sqlite3's, every time: a ``PRAGMA``), and the
+        store's own once, again after a mismatch (a server restart changes PostgreSQL's)."""
+        try:
+            if tx in self._joined_checked:
+                return
+        except TypeError:
+            pass  # not weakly referable: checked every time
+        if self._family == "sqlite" and store_path(getattr(self, "url", "")) is None:
+            return  # an in-memory database: only the store's own connections reach it
+        theirs = identity_of(self._family, await self._fetch_on(tx, SQL[self._family]))
+        mine = self._identity
+        if mine is None or not same_database(mine, theirs):
+            mine = self._identity = await self._own_identity()
+        if not same_database(mine, theirs):
+            raise mismatch(
+                redact(getattr(self, "url", "")),
+                mine,
+                theirs,
+                side="the connection given as tx",
+                fix="Pass a connection to the store's database, or open the store on the "
+                "connection's",
+            )
+        with suppress(TypeError):
+            self._joined_checked[tx] = True
+
+    async def _own_identity(self) -> Identity:
+        """The identity of the store's database, read on one of its own connections."""
+        if self._family == "sqlite":
+            return ("sqlite", store_path(getattr(self, "url", "")) or "")
+        own: Any = self  # each store's transaction(): a block on one of its connections
+        async with own.transaction() as conn:
+            return identity_of(self._family, await self._fetch_on(conn, SQL[self._family]))
+
+    async def _fetch_on(self, conn: Any, sql: str) -> list[Any]:
+        """One read on ``conn`` (a caller's connection or the store's own), its rows as
+        tuples whatever the connection's row factory, driver errors translated."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ what each store gives
 

@@ -82,6 +82,7 @@ def test_r7_a_joined_message_adds_its_savepoint_and_claim_and_no_release(
         conn.commit()
     finally:
         conn.close()
-    # SAVEPOINT, claim, the handler's INSERT; and the ROLLBACK TO for the failing one
-    assert counted == [3, 4, 3]
+    # SAVEPOINT, claim, the handler's INSERT; and the ROLLBACK TO for the failing one; the
+    # first message also reads which database the connection is on (once per connection)
+    assert counted == [4, 4, 3]
     assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("a",), ("b",)]

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from oncely._twin import ASYNC
 from oncely.errors import OncelyError, StoreError, StoreUnavailable
-from oncely.integrations._joined.identity import (
+from oncely.integrations._joined.kinds import Kind
+from oncely.stores._identity import (
     INFO_KEY,
     PROBE,
     SQL,
@@ -22,7 +23,6 @@ from oncely.integrations._joined.identity import (
     same_database,
     store_path,
 )
-from oncely.integrations._joined.kinds import Kind
 
 if TYPE_CHECKING:
     from sqlalchemy.pool import PoolProxiedConnection

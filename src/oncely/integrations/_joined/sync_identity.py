@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from oncely.errors import OncelyError, StoreError, StoreUnavailable
-from oncely.integrations._joined.identity import (
+from oncely.integrations._joined.kinds import Kind
+from oncely.stores._identity import (
     INFO_KEY,
     PROBE,
     SQL,
@@ -23,7 +24,6 @@ from oncely.integrations._joined.identity import (
     same_database,
     store_path,
 )
-from oncely.integrations._joined.kinds import Kind
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection as SessionConnection

@@ -27,16 +27,16 @@ from oncely._core.keys import Envelope, KeySource
 from oncely._core.outcomes import Handled
 from oncely.errors import StoreError, TransactionsUnsupported
 from oncely.inbox.sync_inbox import Inbox
-from oncely.integrations._joined.identity import (
+from oncely.integrations._joined.kinds import SYNC_KINDS, Kind, handler_failed, kind_of
+from oncely.integrations._joined.sync_identity import store_identity
+from oncely.integrations.django.databases import alias_of
+from oncely.stores._identity import (
     SQL,
     Identity,
     identity_of,
     mismatch,
     same_database,
 )
-from oncely.integrations._joined.kinds import SYNC_KINDS, Kind, handler_failed, kind_of
-from oncely.integrations._joined.sync_identity import store_identity
-from oncely.integrations.django.databases import alias_of
 from oncely.stores.sync_protocols import TransactionalStore
 
 __all__ = ["handle_in_atomic", "handle_message_in_atomic"]

@@ -163,6 +163,10 @@ def _keepalive(conn: Connection) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+_TUPLES = pymysql.cursors.Cursor
+"""The cursor every statement runs on: rows as tuples, whatever cursor class a caller's
+connection was made with (``cursorclass=DictCursor``)."""
+
 if ASYNC:
 
     class _Cursor(aiomysql.Cursor):  # type: ignore[misc]
@@ -242,7 +246,7 @@ async def _execute(conn: Connection, sql: str, params: Params) -> tuple[int, int
         finally:
             await cursor.close()
     else:
-        with conn.cursor() as cursor:
+        with conn.cursor(_TUPLES) as cursor:
             affected = cursor.execute(sql, params)
             return int(affected), int(cursor.lastrowid or 0)
 
@@ -256,7 +260,7 @@ async def _fetchall(conn: Connection, sql: str, params: Params) -> list[Any]:
         finally:
             await cursor.close()
     else:
-        with conn.cursor() as cursor:
+        with conn.cursor(_TUPLES) as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
 

@@ -180,6 +180,8 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     opens connections of its own; never fork in the middle of a transaction.
     """
 
+    _family = "mysql"
+
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
     _REVISION_NOTE = REVISION_NOTE
@@ -866,6 +868,12 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     def in_transaction(self, tx: Connection) -> bool:
         """Whether ``tx`` is inside a transaction now (not merely able to start one)."""
         return in_transaction(tx)
+
+    async def _fetch_on(self, conn: Connection, sql: str) -> list[Any]:
+        try:
+            return await fetchall(conn, sql)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "reading which database the connection is on") from exc
 
     def check_transaction(self, tx: Connection) -> None:
         if not joinable(tx):

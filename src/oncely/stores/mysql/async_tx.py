@@ -37,6 +37,7 @@ class _Transaction:
 
     async def __aenter__(self) -> Connection:
         conn = await self._store._acquire()
+        self._store._joined_checked[conn] = True  # the store's own: on its database
         try:
             await execute(conn, "BEGIN")
         except BaseException as exc:

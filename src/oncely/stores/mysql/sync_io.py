@@ -143,6 +143,11 @@ def _keepalive(conn: Connection) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+_TUPLES = pymysql.cursors.Cursor
+"""The cursor every statement runs on: rows as tuples, whatever cursor class a caller's
+connection was made with (``cursorclass=DictCursor``)."""
+
+
 def execute(conn: Connection, sql: str, params: Params = None) -> tuple[int, int]:
     """Run one statement; its affected (with ``CLIENT_FOUND_ROWS``: matched) row count and
     the insert id of its OK packet. On a connection the store holds alone (:func:`own`),
@@ -190,13 +195,13 @@ def _watched(
 
 
 def _execute(conn: Connection, sql: str, params: Params) -> tuple[int, int]:
-    with conn.cursor() as cursor:
+    with conn.cursor(_TUPLES) as cursor:
         affected = cursor.execute(sql, params)
         return int(affected), int(cursor.lastrowid or 0)
 
 
 def _fetchall(conn: Connection, sql: str, params: Params) -> list[Any]:
-    with conn.cursor() as cursor:
+    with conn.cursor(_TUPLES) as cursor:
         cursor.execute(sql, params)
         return list(cursor.fetchall())
 

@@ -39,6 +39,7 @@ class _Transaction:
 
     def __enter__(self) -> Connection:
         conn = self._store._acquire()
+        self._store._joined_checked[conn] = True  # the store's own: on its database
         try:
             execute(conn, "BEGIN")
         except BaseException as exc:

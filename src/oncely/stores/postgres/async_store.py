@@ -178,6 +178,8 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     a pool of its own (never fork in the middle of a transaction).
     """
 
+    _family = "postgresql"
+
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
     _dialect: PostgresDialect
@@ -1006,6 +1008,12 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     def in_transaction(self, tx: Connection) -> bool:
         """Whether ``tx`` is inside a transaction now (not merely able to start one)."""
         return tx.info.transaction_status in (_TX.INTRANS, _TX.INERROR)
+
+    async def _fetch_on(self, conn: Connection, sql: str) -> list[Any]:
+        try:
+            return await fetchall(conn, sql.encode())
+        except psycopg.Error as exc:
+            raise self._error(exc, "reading which database the connection is on") from exc
 
     def check_transaction(self, tx: Connection) -> None:
         if not is_connection(tx):

@@ -60,6 +60,7 @@ class _Transaction:
 
     async def __aenter__(self) -> Connection:
         conn = await self._store._acquire("begin")
+        self._store._joined_checked[conn] = True  # the store's own: on its database
         if self._claim_first:
             # The Transaction itself, not conn.transaction() (a generator around it that, on
             # a connection in pipeline mode, nests pipelines around its entry): the claim

@@ -180,6 +180,8 @@ class PostgresStore(SQLStoreBase[bytes]):
     a pool of its own (never fork in the middle of a transaction).
     """
 
+    _family = "postgresql"
+
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
     _dialect: PostgresDialect
@@ -1000,6 +1002,12 @@ class PostgresStore(SQLStoreBase[bytes]):
     def in_transaction(self, tx: Connection) -> bool:
         """Whether ``tx`` is inside a transaction now (not merely able to start one)."""
         return tx.info.transaction_status in (_TX.INTRANS, _TX.INERROR)
+
+    def _fetch_on(self, conn: Connection, sql: str) -> list[Any]:
+        try:
+            return fetchall(conn, sql.encode())
+        except psycopg.Error as exc:
+            raise self._error(exc, "reading which database the connection is on") from exc
 
     def check_transaction(self, tx: Connection) -> None:
         if not is_connection(tx):

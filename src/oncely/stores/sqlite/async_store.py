@@ -123,6 +123,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     middle of a transaction.
     """
 
+    _family = "sqlite"
+
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
     _REVISION_NOTE = REVISION_NOTE
@@ -836,6 +838,12 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
     def in_transaction(self, tx: aiosqlite.Connection) -> bool:
         """Whether ``tx`` is inside a transaction now."""
         return bool(tx.in_transaction)
+
+    async def _fetch_on(self, conn: aiosqlite.Connection, sql: str) -> list[Any]:
+        try:
+            return [tuple(row) for row in await fetchall(conn, sql)]
+        except sqlite3.Error as exc:
+            raise translate(exc, "reading which database the connection is on") from exc
 
     def check_transaction(self, tx: aiosqlite.Connection) -> None:
         if not tx.in_transaction:

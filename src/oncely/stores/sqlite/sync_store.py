@@ -121,6 +121,8 @@ class SQLiteStore(SQLStoreBase[str]):
     middle of a transaction.
     """
 
+    _family = "sqlite"
+
     _SCHEMA_VERSION = SCHEMA_VERSION
     _SCHEMA_REVISION = SCHEMA_REVISION
     _REVISION_NOTE = REVISION_NOTE
@@ -828,6 +830,12 @@ class SQLiteStore(SQLStoreBase[str]):
     def in_transaction(self, tx: sqlite3.Connection) -> bool:
         """Whether ``tx`` is inside a transaction now."""
         return bool(tx.in_transaction)
+
+    def _fetch_on(self, conn: sqlite3.Connection, sql: str) -> list[Any]:
+        try:
+            return [tuple(row) for row in fetchall(conn, sql)]
+        except sqlite3.Error as exc:
+            raise translate(exc, "reading which database the connection is on") from exc
 
     def check_transaction(self, tx: sqlite3.Connection) -> None:
         if not tx.in_transaction:

@@ -1,4 +1,5 @@
-"""Whether a SQLAlchemy session and an oncely store are on the same database.
+"""Whether a caller's connection (a SQLAlchemy session's, Django's, or one given as ``tx=``)
+and an oncely store are on the same database.
 
 Each side is read as an :data:`Identity`: PostgreSQL ``current_database()`` and the
 postmaster's start time (which tells servers apart whatever host name reached them);
