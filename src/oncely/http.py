@@ -916,6 +916,18 @@ _STORE_DOWN_RETRY = 5
 """Seconds a client is asked to wait before it retries a request the store could not take."""
 
 
+def _cut_short() -> Reply:
+    """``400`` for a request whose body ended before its ``Content-Length`` (its client went
+    away mid-upload): nothing was claimed or run, so the client's retry runs. Behind a WSGI
+    server (the ASGI middleware hears the disconnect and answers nothing)."""
+    return problem(
+        400,
+        "Request body incomplete",
+        "the body ended before its Content-Length; the request was not run: retry it whole "
+        "with the same Idempotency-Key",
+    )
+
+
 def _store_down(key: str, exc: StoreUnavailable) -> Reply:
     """``503`` for a request whose key the store could not claim (or whose transaction it
     could not commit): nothing ran, or nothing of it was kept, so a retry is safe."""
@@ -1156,6 +1168,8 @@ class WSGIIdempotencyMiddleware(_Policy):
         if isinstance(first, tuple):
             return _respond(start_response, first)
         body = self._read(environ)
+        if body is _GONE:
+            return _respond(start_response, _cut_short())  # nothing claimed, nothing run
         wsgi_scope = {
             "headers": headers,
             "method": method,
@@ -1260,9 +1274,12 @@ class WSGIIdempotencyMiddleware(_Policy):
         return str(status_line), list(raw_headers), chunks
 
     def _read(self, environ: dict[str, Any]) -> bytes | None:
-        """The request body; None when it is over ``max_request_bytes``. Without a
-        ``Content-Length``, a server that marks its input terminated (``wsgi.input_terminated``:
-        gunicorn and others for a chunked request) is read to its end."""
+        """The request body; None when it is over ``max_request_bytes``; :data:`_GONE` when it
+        ended before its ``Content-Length`` (the client went away mid-upload: a WSGI server's
+        input then just ends early, and the part that arrived is never taken for the whole).
+        Without a ``Content-Length``, a server that marks its input terminated
+        (``wsgi.input_terminated``: gunicorn and others for a chunked request) is read to its
+        end."""
         stream = environ.get("wsgi.input")
         given = environ.get("CONTENT_LENGTH")
         if not given and environ.get("wsgi.input_terminated") and stream is not None:
@@ -1280,8 +1297,8 @@ class WSGIIdempotencyMiddleware(_Policy):
             length = 0
         if length > self._max_request:
             return None
-        body = stream.read(length) if stream is not None and length else b""
-        return bytes(body)
+        body = bytes(stream.read(length)) if stream is not None and length else b""
+        return _GONE if len(body) < length else body
 
     def _run(
         self,

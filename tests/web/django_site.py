@@ -4,8 +4,9 @@ from ``ONCELY_TEST_HTTP_STORE``). ``POST /orders`` runs behind oncely's middlewa
 ``MIDDLEWARE``), ``POST /decorated`` behind the view decorator alone (the middleware skips
 it), ``POST /stream`` answers a streaming response, ``POST /page`` (middleware) and
 ``POST /decorated-page`` (decorator) answer a ``TemplateResponse`` Django has not rendered yet,
-``GET /effects`` counts the runs. A body's ``gate`` (a file path) holds ``/orders`` after its
-run is counted until that file exists: a test does something to the store meanwhile."""
+``POST /notes`` counts any body by its size, ``GET /effects`` counts the runs. A body's
+``gate`` (a file path) holds ``/orders`` after its run is counted until that file exists: a
+test does something to the store meanwhile."""
 
 from __future__ import annotations
 
@@ -155,6 +156,15 @@ def long_orders(request: HttpRequest, rest: str) -> HttpResponse:
     return _run(request)
 
 
+@csrf_exempt
+def notes(request: HttpRequest) -> JsonResponse:
+    """Any body (an upload, a partial one): one effect per run, by its size."""
+    size = len(request.body)
+    with LOCK:
+        EFFECTS[f"note:{size}"] += 1
+        return JsonResponse({"size": size, "run": EFFECTS[f"note:{size}"]}, status=201)
+
+
 def effects(request: HttpRequest) -> JsonResponse:
     with LOCK:
         return JsonResponse(dict(EFFECTS))
@@ -167,6 +177,7 @@ urlpatterns = [
     path("stream", stream),
     path("page", page),
     path("decorated-page", decorated_page),
+    path("notes", notes),
     path("effects", effects),
 ]
 

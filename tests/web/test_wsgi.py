@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -113,3 +115,33 @@ def test_r19_wsgi_middleware_refuses_an_async_inbox(tmp_path: Path) -> None:
         IdempotencyMiddleware(
             lambda s, r, d: None, inbox=oncely.Inbox(oncely.MemoryStore(), consumer="x")
         )  # type: ignore[arg-type]
+
+
+def upload_part_and_leave(server: str, path: str, k: str, body: bytes) -> None:
+    """Announce ``body`` (its ``Content-Length``), send its first 100 bytes, and go away."""
+    parts = urlsplit(server)
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: shop\r\nIdempotency-Key: {k}\r\n".encode()
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body[:100]
+        )
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(5.0)
+        with contextlib.suppress(OSError):
+            while sock.recv(4096):  # whatever the server says, until it closes
+                pass
+
+
+def test_r19_wsgi_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(server: str) -> None:
+    # Before, the part that had arrived was taken for the whole body (a WSGI server's input
+    # ends early, without an error): the app ran on it, its response was kept, and the
+    # client's retry with the whole body was refused (422).
+    k, size = key(), 1000 + uuid.uuid4().int % 1000
+    body = b"x" * size
+    upload_part_and_leave(server, "/notes", k, body)
+    with httpx.Client(base_url=server) as client:
+        retried = client.post("/notes", content=body, headers={"Idempotency-Key": k})
+        assert retried.status_code == 201 and retried.json() == {"size": size, "run": 1}
+        done = effects(client)
+    assert done[f"note:{size}"] == 1 and "note:100" not in done

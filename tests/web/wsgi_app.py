@@ -45,6 +45,15 @@ def orders() -> Any:
     return jsonify(answer), 201, {"X-App": "flask"}
 
 
+@flask_app.post("/notes")
+def notes() -> Any:
+    """Any body (an upload, a partial one): one effect per run, by its size."""
+    size = len(request.get_data())
+    with LOCK:
+        EFFECTS[f"note:{size}"] += 1
+        return jsonify({"size": size, "run": EFFECTS[f"note:{size}"]}), 201
+
+
 @flask_app.get("/effects")
 def effects() -> Any:
     with LOCK:

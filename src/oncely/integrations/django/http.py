@@ -73,7 +73,9 @@ from oncely._core.observe import CLIENT_KEYS
 from oncely._core.said import said
 from oncely.errors import ConfigurationError, StoreUnavailable
 from oncely.http import (
+    _GONE,
     Reply,
+    _cut_short,
     _Policy,
     _store_down,
     _wsgi_headers,
@@ -138,6 +140,8 @@ class _Guard(_Policy):
         if isinstance(first, tuple):
             return _response(first)
         body = self._read(request)
+        if body is _GONE:
+            return _response(_cut_short())  # the client went away mid-upload: nothing run
         scope = {
             "headers": headers,
             "method": method,
@@ -178,13 +182,17 @@ class _Guard(_Policy):
         return self._end(claimed, response)
 
     def _read(self, request: HttpRequest) -> bytes | None:
+        """The request body; None when it is over ``max_request_bytes``; ``_GONE`` when it
+        ended before its ``Content-Length`` (Django's ``request.body`` is then the part that
+        arrived, with no error: the client went away mid-upload)."""
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
         except ValueError:
             length = 0
         if length > self._max_request:
             return None
-        return bytes(request.body)
+        body = bytes(request.body)
+        return _GONE if len(body) < length else body
 
     def _end(self, claimed: Claimed[Any], response: HttpResponseBase) -> HttpResponseBase:
         """End the claim on the view's response (kept, or given back), and return the response
