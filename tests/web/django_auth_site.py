@@ -3,15 +3,17 @@ threaded ``wsgiref`` server in a process of its own (``python -m tests.web.djang
 PORT``), its users and sessions in the SQLite database ``ONCELY_TEST_DJANGO_DB`` (migrated on
 start), oncely's inbox in memory. ``ONCELY_TEST_DJANGO_AUTH`` sets it up:
 
-- ``after``: oncely's middleware after Django's ``AuthenticationMiddleware`` (the order to use);
+- ``after``: oncely's middleware after Django's ``CsrfViewMiddleware`` and
+  ``AuthenticationMiddleware`` (the order to use);
 - ``before``: oncely's middleware before it (the mistake: no ``request.user`` yet);
 - ``principal``: before it, with a ``principal`` function of the project's own;
 - ``missing``: ``django.contrib.auth`` installed, its middleware not in ``MIDDLEWARE``;
 - ``none``: no ``django.contrib.auth`` at all (no users: one anonymous scope).
 
 ``POST /login`` signs the client in as the body's ``user``; ``POST /orders`` runs behind the
-middleware (not in ``missing``), ``POST /decorated`` behind the view decorator alone;
-``GET /effects`` counts the runs."""
+middleware (not in ``missing``), ``POST /decorated`` behind the view decorator alone,
+``POST /guarded`` behind the middleware and Django's CSRF check (``GET /token`` hands out
+the token); ``GET /effects`` counts the runs."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ import oncely
 MODE = os.environ["ONCELY_TEST_DJANGO_AUTH"]
 SESSIONS = "django.contrib.sessions.middleware.SessionMiddleware"
 AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
+CSRF = "django.middleware.csrf.CsrfViewMiddleware"
 ONCELY = "oncely.integrations.django.http.IdempotencyMiddleware"
 MIDDLEWARE = {
-    "after": [SESSIONS, AUTH, ONCELY],
+    "after": [SESSIONS, CSRF, AUTH, ONCELY],
     "before": [SESSIONS, ONCELY, AUTH],
     "principal": [SESSIONS, ONCELY, AUTH],
     "missing": [SESSIONS],
@@ -41,7 +44,7 @@ APPS = [] if MODE == "none" else ["django.contrib.contenttypes", "django.contrib
 ONCELY_HTTP: dict[str, object] = {
     "store": "memory://",
     "consumer": "django-auth-api",
-    "applies": lambda request: request.path == "/orders",
+    "applies": lambda request: request.path in ("/orders", "/guarded"),
 }
 if MODE == "principal":
     ONCELY_HTTP["principal"] = lambda request: request.META.get("HTTP_X_CLIENT", "anon")
@@ -106,6 +109,17 @@ def decorated(request: HttpRequest) -> HttpResponseBase:
     return _run(request)
 
 
+def guarded(request: HttpRequest) -> HttpResponse:
+    """As ``/orders``, but not exempt from Django's CSRF check."""
+    return _run(request)
+
+
+def token(request: HttpRequest) -> JsonResponse:
+    from django.middleware.csrf import get_token
+
+    return JsonResponse({"token": get_token(request)})
+
+
 def effects(request: HttpRequest) -> JsonResponse:
     with LOCK:
         return JsonResponse(dict(EFFECTS))
@@ -115,6 +129,8 @@ urlpatterns = [
     path("login", login),
     path("orders", orders),
     path("decorated", decorated),
+    path("guarded", guarded),
+    path("token", token),
     path("effects", effects),
 ]
 

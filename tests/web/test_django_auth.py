@@ -123,3 +123,21 @@ def test_django_without_django_contrib_auth_requests_share_the_anonymous_scope(
         again = client.post(route, json={"id": order}, headers={"Idempotency-Key": k})
         assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
         assert client.get("/effects").json() == {order: 1}
+
+
+def test_django_a_request_refused_before_its_view_is_not_kept(tmp_path: Path) -> None:
+    """Django's CSRF check answers 403 before the view (in ``process_view``, inside every
+    middleware's ``__call__``). Before, that 403 was kept as the key's response: the client
+    that fetched a token and retried with the same key was answered the stale 403 again, and
+    its order was never taken."""
+    with site("after", tmp_path) as base, signed_in(base, "alice") as alice:
+        k, order = key(), f"g-{uuid.uuid4().hex[:8]}"
+        refused = alice.post("/guarded", json={"id": order}, headers={"Idempotency-Key": k})
+        assert refused.status_code == 403
+        token = alice.get("/token").json()["token"]
+        headers = {"Idempotency-Key": k, "X-CSRFToken": token}
+        taken = alice.post("/guarded", json={"id": order}, headers=headers)
+        assert taken.status_code == 201 and taken.json() == {"order": order, "run": 1}
+        again = alice.post("/guarded", json={"id": order}, headers=headers)
+        assert again.headers["idempotent-replayed"] == "true" and again.json()["run"] == 1
+        assert alice.get("/effects").json()[order] == 1

@@ -6,12 +6,13 @@ missing or malformed key, RFC 9457 problem details) and the same options as
 :class:`~oncely.http.WSGIIdempotencyMiddleware` (``principal`` and ``applies`` get the
 ``HttpRequest``).
 
-The middleware, configured in the settings, comes after Django's authentication
+The middleware, configured in the settings, comes after Django's CSRF and authentication
 middleware::
 
     MIDDLEWARE = [
         ...,
         "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.middleware.csrf.CsrfViewMiddleware",
         "django.contrib.auth.middleware.AuthenticationMiddleware",
         "oncely.integrations.django.http.IdempotencyMiddleware",  # after the line above
     ]
@@ -32,6 +33,11 @@ a request that reaches this layer without ``request.user`` (oncely's middleware 
 order to use, rather than scope every user as ``anonymous`` (where one would be replayed
 another's response); a project without ``django.contrib.auth`` has the ``anonymous`` scope,
 and a ``principal`` of the project's own is used as it is, whatever the order.
+
+The middleware keeps only what the view answered: a response made before the view is reached
+(``CsrfViewMiddleware``'s ``403``, another ``process_view`` hook's refusal, a path with no
+view) is sent but not kept, so the client's corrected retry runs (list this middleware after
+``CsrfViewMiddleware``: its hook then comes first).
 
 A ``TemplateResponse`` (any ``SimpleTemplateResponse``, DRF's ``Response`` too) is kept as
 rendered: Django renders it before the middleware sees it; the decorator renders it itself,
@@ -92,6 +98,8 @@ LOGGER = logging.getLogger("oncely.http")
 View = Callable[..., HttpResponseBase]
 
 _AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+_REACHED = "_oncely_view_reached"
+"""The request attribute the middleware's ``process_view`` sets: the view was reached."""
 
 
 def default_principal(request: HttpRequest) -> str:
@@ -129,7 +137,16 @@ class _Guard(_Policy):
         self._check_inbox(inbox)
         self.inbox = inbox
 
-    def run(self, request: HttpRequest, call: Callable[[], HttpResponseBase]) -> HttpResponseBase:
+    def run(
+        self,
+        request: HttpRequest,
+        call: Callable[[], HttpResponseBase],
+        reached: Callable[[], bool] | None = None,
+    ) -> HttpResponseBase:
+        """``call`` (the view, or the rest of the middleware chain) under the key's claim.
+        ``reached``, after it: whether the view was reached; a response made before it (a
+        ``process_view`` hook's refusal, Django's CSRF check's ``403``) is not the view's
+        answer to the request, and is not kept."""
         method = str(request.method or "GET").upper()
         if method not in self.methods or (self._applies is not None and not self._applies(request)):
             return call()
@@ -179,6 +196,13 @@ class _Guard(_Policy):
         except BaseException as exc:
             claimed.release(f"the view raised {said(exc)}")
             raise
+        if reached is not None and not reached():
+            # Nothing ran: the retry (with the CSRF token it lacked, say) must run, not be
+            # answered this refusal again.
+            claimed.release(
+                f"answered {response.status_code} before the view was reached: not kept"
+            )
+            return response
         return self._end(claimed, response)
 
     def _read(self, request: HttpRequest) -> bytes | None:
@@ -328,7 +352,19 @@ class IdempotencyMiddleware:
         self.guard = _Guard(inbox, **config)
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        return self.guard.run(request, lambda: self.get_response(request))
+        return self.guard.run(
+            request,
+            lambda: self.get_response(request),
+            lambda: getattr(request, _REACHED, False),
+        )
+
+    def process_view(
+        self, request: HttpRequest, view: View, args: Any, kwargs: Any
+    ) -> HttpResponseBase | None:
+        """Django calls it once the ``process_view`` hooks listed before this middleware
+        (``CsrfViewMiddleware``'s among them) have let the request through to its view."""
+        setattr(request, _REACHED, True)
+        return None
 
 
 def idempotent(*, inbox: Inbox, **options: Any) -> Callable[[View], View]:
