@@ -697,6 +697,13 @@ class IdempotencyMiddleware(_Policy):
             finally:
                 CLIENT_KEYS.reset(inside)
                 _TX.reset(entered)
+            if held and not _ended(held):
+                # A stream cut short (its client went away, and the app stopped it): what a
+                # repeat would get is not the response, so nothing is committed and it runs.
+                raise _NotKept(
+                    "the app returned before its response ended: not kept; its transaction was "
+                    "rolled back"
+                )
             return self._keep(*_response_of(held), scoped)
 
         client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
@@ -862,6 +869,12 @@ def _ran(handled: Handled[Any], raised: list[BaseException]) -> bool:
     if handled.outcome is Outcome.FAILED and handled.error is not None:
         raise handled.error
     return False
+
+
+def _ended(messages: list[Message]) -> bool:
+    """Whether an ASGI response's messages reach its end (a last body message)."""
+    last = messages[-1]
+    return last["type"] == "http.response.body" and not last.get("more_body", False)
 
 
 def _response_of(messages: list[Message]) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:

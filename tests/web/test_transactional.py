@@ -6,11 +6,14 @@ test process, so what counts is what the database committed."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import psycopg
@@ -217,3 +220,34 @@ def test_r7_transactional_needs_a_store_with_transactions_and_refuses_wait() -> 
 def test_r7_transaction_outside_a_request_says_where_it_works() -> None:
     with pytest.raises(TransactionRequired, match="transactional=True"):
         transaction()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_r7_r19_a_stream_cut_short_by_its_client_is_rolled_back_not_kept(
+    kind: str, tmp_path: Path
+) -> None:
+    # Starlette stops a StreamingResponse when its client goes away. Before, the part held
+    # until then was committed as the key's response: the client's retry was answered the
+    # stream cut short (a 201 replayed, Idempotent-Replayed: true), as if it were whole.
+    url, ledger, _, drop = _ledger(kind, tmp_path)
+    n = 40  # 40 chunks 50 ms apart: the client leaves well before the end
+    whole = "".join(f"chunk {i}\n" for i in range(n)).encode()
+    try:
+        with serving(url, "starlette", ONCELY_TEST_HTTP_TX=ledger) as base:
+            parts = urlsplit(base)
+            k = key()
+            with socket.create_connection((parts.hostname, parts.port)) as sock:
+                sock.sendall(
+                    f"POST /stream?n={n} HTTP/1.1\r\nHost: shop\r\nIdempotency-Key: {k}\r\n"
+                    "Content-Length: 0\r\n\r\n".encode()
+                )
+                time.sleep(0.5)
+            with httpx.Client(base_url=base, timeout=30) as client:
+                retried = client.post(f"/stream?n={n}", headers={"Idempotency-Key": k})
+                assert retried.status_code == 201 and retried.content == whole
+                assert "idempotent-replayed" not in retried.headers
+                again = client.post(f"/stream?n={n}", headers={"Idempotency-Key": k})
+                assert again.headers["idempotent-replayed"] == "true" and again.content == whole
+                assert client.get("/effects").json()[f"stream:{n}"] == 2
+    finally:
+        drop()
