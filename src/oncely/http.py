@@ -78,7 +78,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
 from datetime import timedelta
 from http import HTTPStatus
 from typing import Any
@@ -757,14 +757,14 @@ class IdempotencyMiddleware(_Policy):
                     # A store that cannot be reached holds the last chunk back while _end
                     # retries (a bounded time): the response goes out either way.
                     ended = True
-                    await self._end(claimed, status, headers, chunks, size)
+                    await _to_its_end(self._end(claimed, status, headers, chunks, size))
             await send(message)
 
         try:
             await self.app(scope, replay_body, capture)
         except BaseException as exc:
             if not ended:
-                await claimed.release(f"the app raised {said(exc)}")
+                await _to_its_end(claimed.release(f"the app raised {said(exc)}"))
             raise
         if not ended:
             # No last body message: no response at all, or one cut short (a stream whose
@@ -836,6 +836,36 @@ class IdempotencyMiddleware(_Policy):
 
 Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
 """A response: status, headers, body."""
+
+_UNDER_WAY: set[asyncio.Future[object]] = set()
+"""The claims' endings that go on after their request was cancelled (see :func:`_to_its_end`)."""
+
+
+async def _to_its_end(ending: Coroutine[Any, Any, object]) -> None:
+    """Await ``ending`` (a claim completed with its response, or released), which goes on to
+    its end even if the request is cancelled meanwhile: Starlette cancels a streaming
+    response's task when its client goes away, a client that gives up on a response held back
+    while the store is away among them. Cut short, the finished request's record would be
+    left held by nobody (a retry answered ``409`` until the lease lapsed, then run again). The
+    cancellation still reaches the request at once."""
+    task = asyncio.ensure_future(ending)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _UNDER_WAY.add(task)
+        task.add_done_callback(_ended_alone)
+        raise
+
+
+def _ended_alone(task: asyncio.Future[object]) -> None:
+    """A claim's ending that went on after its request was cancelled is over: what it raised
+    has no caller left to reach, so it is logged."""
+    _UNDER_WAY.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        LOGGER.error(
+            "oncely http: ending the claim of a request whose client went away failed",
+            exc_info=task.exception(),
+        )
 
 
 def _body_once(body: bytes, receive: Receive) -> Receive:

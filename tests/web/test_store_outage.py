@@ -374,3 +374,76 @@ async def _silent_before_the_claim(
                     await asyncio.sleep(0.2)
                 assert again.status_code == 201, again.text
                 assert (await client.get(f"{base}/effects")).json()[order] == 1
+
+
+async def test_r19_asgi_a_client_gone_while_the_record_waits_for_the_store_is_still_recorded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Starlette's ``StreamingResponse`` cancels its stream when the client goes away, which
+    a client that gives up on a response held back by a store outage does. Before, that
+    cancelled the middleware's tries to record the finished request: the record stayed held
+    by nobody (a retry got ``409`` until the lease lapsed, then ran the request again), and
+    nothing was logged. Now the tries go on, and once the store is back a retry is a replay."""
+    from starlette.responses import StreamingResponse
+
+    runs: list[int] = []
+    gone = asyncio.Event()
+    async with _relayed("redis") as proxy:
+        store = oncely.open_async(proxy.url)
+        inbox = oncely.AsyncInbox(store, consumer="api")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"part one, "
+            proxy.refusing = True  # the store goes away as the stream ends
+            proxy.cut()
+            yield b"part two"
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            runs.append(1)
+            await StreamingResponse(chunks(), status_code=201)(scope, receive, send)
+
+        api = IdempotencyMiddleware(app, inbox=inbox)
+        headers = [(b"idempotency-key", key().encode())]
+        scope = {"type": "http", "method": "POST", "path": "/report", "headers": headers}
+
+        async def leaving() -> dict[str, Any]:
+            if not gone.is_set():
+                gone.set()
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.sleep(0.5)  # the client gives up while the response is held back
+            return {"type": "http.disconnect"}
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        caplog.set_level(logging.INFO, logger="oncely")
+        try:
+            await api(scope, leaving, send)  # type: ignore[arg-type]
+            assert not any(m.get("more_body") is False for m in sent)  # the end never went
+            await asyncio.sleep(0.5)
+            proxy.refusing = False  # back well within the middleware's 5 s of tries
+            replies: list[dict[str, Any]] = []
+            for _ in range(80):
+                replies.clear()
+
+                async def once() -> dict[str, Any]:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+
+                async def keep(message: dict[str, Any]) -> None:
+                    replies.append(message)
+
+                await api(scope, once, keep)  # type: ignore[arg-type]
+                if replies[0]["status"] != 409:
+                    break
+                await asyncio.sleep(0.1)
+            assert (
+                replies[0]["status"] == 201
+                and (b"idempotent-replayed", b"true") in (replies[0]["headers"])
+            )
+            assert replies[1]["body"] == b"part one, part two"
+        finally:
+            await inbox.aclose()
+            await store.aclose()
+    assert runs == [1]
