@@ -1340,8 +1340,15 @@ class WSGIIdempotencyMiddleware(_Policy):
             length = 0
         if length > self._max_request:
             return None
-        body = bytes(stream.read(length)) if stream is not None and length else b""
-        return _GONE if len(body) < length else body
+        if stream is None or not length:
+            return b""
+        body = bytes(stream.read(length))
+        while len(body) < length:  # a server may hand a body over in parts (PEP 3333)
+            more = stream.read(length - len(body))
+            if not more:
+                return _GONE
+            body += more
+        return body
 
     def _run(
         self,

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+import oncely
+from oncely.http import WSGIIdempotencyMiddleware
 from tests.web.test_asgi import _same_response, _store, key, serving_command
 
 
@@ -145,3 +149,38 @@ def test_r19_wsgi_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(ser
         assert retried.status_code == 201 and retried.json() == {"size": size, "run": 1}
         done = effects(client)
     assert done[f"note:{size}"] == 1 and "note:100" not in done
+
+
+class _Parts(io.RawIOBase):
+    """A WSGI input that hands its body over a few bytes per read, as PEP 3333 allows."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self, size: int = -1) -> bytes:
+        part, self.data = self.data[:7], self.data[7:]
+        return part
+
+
+def test_r19_wsgi_a_body_handed_over_in_parts_is_read_whole() -> None:
+    # Before, one read() of Content-Length bytes was taken for the body: the app ran on its
+    # first part, and that part's fingerprint was kept for the key.
+    seen: list[bytes] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        seen.append(environ["wsgi.input"].read())
+        start_response("201 Created", [])
+        return [b"booked"]
+
+    api = WSGIIdempotencyMiddleware(app, inbox=oncely.Inbox(oncely.open("memory://"), consumer="a"))
+    body = uuid.uuid4().bytes * 10
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/orders",
+        "CONTENT_LENGTH": str(len(body)),
+        "HTTP_IDEMPOTENCY_KEY": key(),
+        "wsgi.input": _Parts(body),
+    }
+    started: list[str] = []
+    answer = b"".join(api(environ, lambda status, headers: started.append(status)))
+    assert started == ["201 Created"] and answer == b"booked" and seen == [body]
