@@ -690,7 +690,7 @@ class IdempotencyMiddleware(_Policy):
             entered = _TX.set(tx)
             inside = CLIENT_KEYS.set(False)  # the app's own inboxes log as they always do
             try:
-                await self.app(scope, replay_body, hold)
+                await self.app(_in_messages(scope), replay_body, hold)
             except Exception as exc:
                 raised.append(exc)
                 raise
@@ -761,7 +761,7 @@ class IdempotencyMiddleware(_Policy):
             await send(message)
 
         try:
-            await self.app(scope, replay_body, capture)
+            await self.app(_in_messages(scope), replay_body, capture)
         except BaseException as exc:
             if not ended:
                 await _to_its_end(claimed.release(f"the app raised {said(exc)}"))
@@ -866,6 +866,23 @@ def _ended_alone(task: asyncio.Future[object]) -> None:
             "oncely http: ending the claim of a request whose client went away failed",
             exc_info=task.exception(),
         )
+
+
+_SENT_BY_THE_SERVER = ("http.response.pathsend", "http.response.zerocopysend")
+"""ASGI extensions with which an app hands its response's body to the server (a file to send)
+instead of sending it in body messages."""
+
+
+def _in_messages(scope: Scope) -> Scope:
+    """``scope`` for the app, without the extensions that would let it hand its body to the
+    server (Starlette's ``FileResponse`` on a server that offers ``http.response.pathsend``,
+    Granian for one): the middleware keeps what passes through body messages, and a response
+    sent otherwise would never end for it (not kept: a repeat would run again)."""
+    extensions = scope.get("extensions")
+    if not extensions or not any(name in extensions for name in _SENT_BY_THE_SERVER):
+        return scope
+    kept = {k: v for k, v in extensions.items() if k not in _SENT_BY_THE_SERVER}
+    return {**scope, "extensions": kept}
 
 
 def _body_once(body: bytes, receive: Receive) -> Receive:

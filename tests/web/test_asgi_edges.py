@@ -5,6 +5,7 @@ by uvicorn where the server's own behaviour matters (R19)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import socket
@@ -335,3 +336,66 @@ def test_r19_wsgi_a_valid_key_on_a_long_path_is_taken_and_long_paths_stay_apart(
         }
         assert b"".join(api(environ, start_response)) == path[-1:].encode()
     assert statuses == ["201 Created"] * 4 and answered == [a, b]
+
+
+@pytest.mark.parametrize("transactional", [False, True], ids=["two-phase", "transactional"])
+async def test_r19_a_file_response_on_a_server_that_sends_files_itself_is_kept(
+    transactional: bool, tmp_path: Path
+) -> None:
+    # A server that offers the http.response.pathsend extension (Granian, for one) gets
+    # Starlette's FileResponse as a path to send, not as body messages. Before, the middleware
+    # saw a response that never ended: it was not kept, and a repeat ran the request again.
+    from starlette.responses import FileResponse
+
+    report = tmp_path / "report.csv"
+    report.write_bytes(b"order,amount\n" + uuid.uuid4().hex.encode())
+    runs: list[int] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        runs.append(1)
+        await FileResponse(report, status_code=201)(scope, receive, send)
+
+    inbox = oncely.AsyncInbox(
+        oncely.open_async(f"sqlite:///{tmp_path / 'inbox.db'}"), consumer="reports"
+    )
+    api = IdempotencyMiddleware(app, inbox=inbox, transactional=transactional)
+    headers = [(b"idempotency-key", key().encode())]
+
+    async def request() -> tuple[int, dict[bytes, bytes], bytes]:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/reports",
+            "headers": headers,
+            "extensions": {"http.response.pathsend": {}},
+        }
+        started: dict[str, Any] = {}
+        body: list[bytes] = []
+        asked: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            asked.append(1)
+            if len(asked) > 1:  # the client stays: nothing more until the response is sent
+                await asyncio.Event().wait()
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.update(message)
+            elif message["type"] == "http.response.pathsend":  # the server sends the file
+                body.append(Path(message["path"]).read_bytes())
+            else:
+                body.append(message.get("body", b""))
+
+        await api(scope, receive, send)  # type: ignore[arg-type]
+        return started["status"], dict(started["headers"]), b"".join(body)
+
+    try:
+        first = await request()
+        again = await request()
+    finally:
+        await inbox.aclose()
+        await inbox.store.aclose()
+    assert first[0] == again[0] == 201 and first[2] == again[2] == report.read_bytes()
+    assert again[1][b"idempotent-replayed"] == b"true"
+    assert runs == [1]
