@@ -26,16 +26,24 @@ class SQLiteSettings:
     survives a power cut, as the acknowledgement that follows it assumes. ``"normal"`` survives
     process crashes but may lose the last commits on power loss: then a message whose
     acknowledgement already went out could lose its effects (and its marker) together.
+
+    ``foreign_keys=True`` turns SQLite's foreign key checks on for the store's connections
+    (``PRAGMA foreign_keys = ON``; SQLite leaves them off on every new connection): a handler
+    in oncely's own transaction (transactional mode without ``tx=``) then has its writes
+    checked as on the connections of an application that turns them on, and a write that
+    breaks one is the handler's failure.
     """
 
     busy_timeout: timedelta = timedelta(seconds=30)
     synchronous: Synchronous = "full"
+    foreign_keys: bool = False
 
     def pragmas(self) -> tuple[str, ...]:
-        return (
+        found = (
             f"PRAGMA busy_timeout = {int(self.busy_timeout.total_seconds() * 1000)}",
             f"PRAGMA synchronous = {self.synchronous.upper()}",
         )
+        return (*found, "PRAGMA foreign_keys = ON") if self.foreign_keys else found
 
 
 _BUSY_CODES: Final = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (primary codes)
@@ -77,13 +85,13 @@ class SQLiteOptions:
     settings: SQLiteSettings = SQLiteSettings()
 
 
-_KNOWN = ("table", "synchronous", "busy_timeout", "pool_size", "migrate")
+_KNOWN = ("table", "synchronous", "busy_timeout", "foreign_keys", "pool_size", "migrate")
 
 
 def parse_url(url: str) -> SQLiteOptions:
     """``sqlite:///relative.db``, ``sqlite:////absolute.db`` or ``sqlite:///:memory:``, with
-    the options ``table``, ``synchronous``, ``busy_timeout`` (seconds), ``pool_size`` and
-    ``migrate`` in the query string."""
+    the options ``table``, ``synchronous``, ``busy_timeout`` (seconds), ``foreign_keys``,
+    ``pool_size`` and ``migrate`` in the query string."""
     parts = split(url)
     if parts.netloc not in ("", "localhost"):
         raise ConfigurationError(
@@ -104,6 +112,7 @@ def parse_url(url: str) -> SQLiteOptions:
                 Synchronous, options.choice("synchronous", "full", get_args(Synchronous))
             ),
             busy_timeout=options.seconds("busy_timeout", timedelta(seconds=30)),
+            foreign_keys=options.boolean("foreign_keys", False),
         ),
     )
     options.done(_KNOWN)

@@ -15,6 +15,7 @@ import sqlite3
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from oncely.errors import CommitRefused
 from oncely.stores.sqlite.errors import translate
 
 if TYPE_CHECKING:
@@ -78,6 +79,10 @@ class _Transaction:
                     store._pool.abandon(conn)
                     raise
                 store._release(conn)  # rolls back whatever is still open
+                if isinstance(error, sqlite3.IntegrityError):
+                    # A deferred foreign key the block's writes broke (the only constraint
+                    # SQLite checks at COMMIT; the inbox's tables have none): the handler's.
+                    raise CommitRefused(str(translate(error, "commit"))) from error
                 if isinstance(error, sqlite3.Error):
                     raise translate(error, "commit") from error
                 raise
