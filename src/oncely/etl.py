@@ -152,6 +152,11 @@ class CheckpointMismatch(ConfigurationError):
         self.first = first
         self.last = last
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Made again from its fields: its message is not its constructor's argument (a
+        # worker process's error reaches its parent, or a task result store, by pickle).
+        return (type(self), (self.stream, self.mark, self.first, self.last))
+
 
 def _check_stream(inbox: Inbox, stream: str) -> None:
     """Refuse a stream whose mark the offsets table cannot keep, or whose units' keys the

@@ -29,6 +29,8 @@ import pytest
 import oncely
 import oncely.brokers
 import oncely.errors
+import oncely.etl  # its exceptions walked whatever the tests run before (order-free)
+import oncely.jobs
 from oncely._core.outcomes import Handled, Outcome
 from oncely._core.records import Record, Status
 from oncely.brokers import UndecodableBody
@@ -141,6 +143,10 @@ def outcome_error(cls: type[OutcomeError], h: Handled[object]) -> OutcomeError:
 # Classes whose constructor takes more than a message, with realistic instances (several where
 # a field may be absent). Every other class is built as ``cls(message)``.
 EXAMPLES: dict[type[BaseException], Callable[[], list[BaseException]]] = {
+    oncely.etl.CheckpointMismatch: lambda: [
+        oncely.etl.CheckpointMismatch("clicks", 100, 150, 200),  # past the mark
+        oncely.etl.CheckpointMismatch("clicks", 100, 50, 200),  # straddles it
+    ],
     LeaseLost: lambda: [
         LOST,
         LeaseLost("renew: no live record for key 'refund:o-1' (consumer 'billing')", None),
