@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import re
 from collections import Counter
 from datetime import timedelta
@@ -476,6 +477,35 @@ class TestSQS(BrokerSuite):
         headers = {f"h{n}": "v" for n in range(9)}
         with pytest.raises(oncely.ConfigurationError, match="at most 10 message attributes"):
             await producer.publish(b"{}", message_id="m", headers=headers)
+
+    @pytest.mark.parametrize(
+        ("environment", "said"),
+        [
+            ({"AWS_PROFILE": "oncely-no-such-profile"}, "ProfileNotFound"),
+            ({"AWS_ACCESS_KEY_ID": "AKIDONLY"}, "PartialCredentialsError"),
+            ({}, "NoCredentialsError"),
+        ],
+    )
+    async def test_credentials_that_cannot_be_found_stop_the_start_not_retried_as_an_outage(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, environment: dict[str, str], said: str
+    ) -> None:
+        # A user without credentials saw a WARNING "unavailable ... trying again" every few
+        # seconds, for ever: no credentials are not an outage that waiting rides out. Nothing
+        # is sent anywhere: botocore looks for credentials before it connects (port 1 here).
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        for name, value in environment.items():
+            monkeypatch.setenv(name, value)
+        # With no credentials at all, AWS itself: the signer refuses before any request.
+        made = SQS("sqs://eu-west-1" if not environment else "sqs://127.0.0.1:1", "q", group="g")
+        with pytest.raises(BrokerError, match="credentials") as raised:
+            await made.open(1)
+        await made.close()
+        assert not isinstance(raised.value, oncely.BrokerUnavailable)
+        assert said in str(raised.value)
 
     async def test_a_missing_queue_to_read_is_created_with_a_warning_or_refused(
         self, caplog: pytest.LogCaptureFixture

@@ -17,8 +17,9 @@
 Needs ``pip install 'oncely[sqs]'`` (aiobotocore). ``sqs://HOST:PORT`` is a plain-HTTP
 endpoint such as an emulator's (``?secure=true`` for HTTPS); ``sqs://REGION`` and ``sqs://``
 are AWS itself, with the region from the URL, ``?region=`` or ``AWS_REGION``, and credentials
-from the usual AWS environment (never the URL). Tested on moto's server (the SQS API), not on
-AWS.
+from the usual AWS environment (never the URL): credentials it cannot find are a
+:class:`~oncely.BrokerError` naming them, not an outage to wait out. Tested on moto's server (the
+SQS API), not on AWS.
 
 Message layout
 --------------

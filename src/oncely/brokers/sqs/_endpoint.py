@@ -13,7 +13,13 @@ from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
 
 from oncely._core.said import said
 from oncely._urls import UrlOptions, redact, split
@@ -31,6 +37,8 @@ MAX_ATTRIBUTES = 10
 SHARED_URL_OPTIONS = ("region", "secure", "timeout", "connect_timeout")
 _QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}(\.fifo)?$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
+_NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)
+"""Credentials that cannot be found: a set-up to fix, not an outage that waiting rides out."""
 _UNAVAILABLE_CODES = frozenset(
     {"ServiceUnavailable", "InternalError", "InternalFailure", "RequestThrottled", "Throttling"}
 )
@@ -127,6 +135,12 @@ class Endpoint:
             code = exc.response.get("Error", {}).get("Code", "")
             error = BrokerUnavailable if code in _UNAVAILABLE_CODES else BrokerError
             raise error(f"sqs {self.shown}: could not {what}: {code}: {exc}") from None
+        except _NO_CREDENTIALS as exc:
+            raise BrokerError(
+                f"sqs {self.shown}: could not {what}: no usable AWS credentials ({said(exc)}); "
+                "set them in the AWS environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, a role)"
+            ) from None
         except (BotoCoreError, OSError, TimeoutError) as exc:
             raise BrokerUnavailable(f"sqs {self.shown}: could not {what}: {said(exc)}") from None
 
