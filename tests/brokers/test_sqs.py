@@ -335,6 +335,48 @@ class TestSQS(BrokerSuite):
         assert failed == ["f0"]
         assert applied == ["f0", "f1", "f2"]
 
+    async def test_r10_one_message_at_a_time_keeps_a_fifo_groups_order_and_its_failures(
+        self,
+    ) -> None:
+        """The same with ``batch=1`` (each message on its own, as the README advises where an
+        effect must never repeat). Before, the messages of one receive each got a task of
+        their own: the group's four ran side by side, the slow first one finished last, and
+        those behind a failure ran before it. Now a group's messages run one after another,
+        and those behind one given back are given back unrun behind it."""
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=10))
+        for n in range(4):
+            await producer.publish(body(f"f{n}"), message_id=f"f{n}", group="g1")
+        running_now: list[str] = []
+        overlapped: list[tuple[str, ...]] = []
+        applied: list[str] = []
+        failed: list[str] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            running_now.append(payload["k"])
+            if len(running_now) > 1:
+                overlapped.append(tuple(running_now))
+            try:
+                await asyncio.sleep(0.3 if payload["k"] == "f0" else 0)
+                if payload["k"] == "f1" and not failed:
+                    failed.append("f1")
+                    raise RuntimeError("the ledger is down once")
+                applied.append(payload["k"])
+            finally:
+                running_now.remove(payload["k"])
+
+        worker = self.consumer(
+            handler,
+            transport=transport,
+            batch=1,
+            backoff=Backoff(first=3 * SECOND, most=3 * SECOND),
+            requeue_delay=200 * MS,
+        )
+        async with running(worker):
+            await wait_until(lambda: len(applied) == 4, what="the group's four messages")
+        assert overlapped == []
+        assert failed == ["f1"]
+        assert applied == ["f0", "f1", "f2", "f3"]
+
     async def test_r13_a_redrive_limit_below_max_deliveries_is_warned_and_never_strands(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:

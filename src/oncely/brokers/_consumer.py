@@ -615,8 +615,12 @@ class BrokerConsumer:
                 await self._pause(settings.reconnect.delay(failures), exc)
             for _ in range(free - len(deliveries)):
                 self._slots.release()
+            chains: dict[Hashable, list[Delivery]] = {}
             for delivery in deliveries:
-                task = asyncio.create_task(self._one(delivery))
+                chains.setdefault(_group(delivery), []).append(delivery)
+            for chain in chains.values():
+                work = self._one(chain[0]) if len(chain) == 1 else self._in_order(chain)
+                task = asyncio.create_task(work)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -873,13 +877,50 @@ class BrokerConsumer:
     # ------------------------------------------------------------------ one message
 
     async def _one(self, delivery: Delivery) -> None:
+        await self._finish_one(delivery)
+
+    async def _finish_one(self, delivery: Delivery) -> bool:
+        """Process and settle one delivery, then free its slot; whether it is finished
+        (acknowledged or its dead letter written) rather than given back."""
         try:
             handled = await self._outcome(delivery)
-            if handled is not None:
-                finished = await self._settle(delivery, handled)
-                await self._store_past_dead_letters([delivery], [handled], [finished])
+            if handled is None:
+                return False
+            finished = await self._settle(delivery, handled)
+            await self._store_past_dead_letters([delivery], [handled], [finished])
+            return finished
         finally:
             self._slots.release()
+
+    async def _in_order(self, chain: Sequence[Delivery]) -> None:
+        """The deliveries of one ordering group that came in one read (an SQS FIFO message
+        group), one after another as the broker handed them out, each holding its slot until
+        it is settled. Once one is not finished (it failed, met a running copy, the store was
+        away) or a stop is asked, the later ones are given back unrun (``in_flight``): the
+        broker hands them out again behind it, and the group's order holds."""
+        held_back: str | None = None
+        for delivery in chain:
+            if held_back is None and self.stopping:
+                held_back = "not started: the consumer is stopping"
+            if held_back is None:
+                if not await self._finish_one(delivery):
+                    held_back = "held back: an earlier message of its group was not finished"
+                continue
+            try:
+                envelope = delivery.envelope
+                message_id = envelope.message_id
+                await self._settle(
+                    delivery,
+                    Handled(
+                        Outcome.IN_FLIGHT,
+                        self.processor.consumer,
+                        message_id if message_id and not escaped(message_id) else None,
+                        reason=held_back,
+                        correlation_id=envelope.correlation_id,
+                    ),
+                )
+            finally:
+                self._slots.release()
 
     async def _outcome(self, delivery: Delivery) -> Handled[Any] | None:
         """The delivery's outcome, kept alive on the broker while it is computed; ``None``

@@ -78,8 +78,10 @@ attributes it was given: redrive policy, retention, encryption, access policy): 
 logs one ERROR naming it, takes each receive that finds it missing as an outage waited out
 with ``ConsumerSettings.reconnect`` (a WARNING each), and reads it again, saying so, once it
 exists again (its URL looked up anew, its attributes read again); a
-FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``), and a message
-given back holds up its group until it is settled.
+FIFO queue's order is its ``MessageGroupId`` (the producer's ``group=``): the messages of one
+group that come in one receive run one after another, in batches and with ``batch=1`` alike,
+and a message given back holds up its group until it is settled (those behind it in the
+receive are given back unrun).
 """
 
 from __future__ import annotations
