@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from oncely.errors import InvalidKey, MissingKey
-from oncely.wire import escaped, undecodable_reason, wire_text
+from oncely.wire import Repeated, escaped, undecodable_reason, wire_text
 
 if TYPE_CHECKING:
     from oncely._core.keys import Envelope
@@ -121,6 +121,8 @@ def _binary(
             if name not in wanted:
                 continue
         value = header_text(raw)
+        if strict and isinstance(value, Repeated):
+            raise InvalidKey(value.refusal(header))
         seen = found.get(name)
         if seen is None:
             found[name] = (header, value)
@@ -146,6 +148,8 @@ def _standard(headers: Mapping[str, object]) -> _Found | None:
             if raw is None:
                 continue
             value = header_text(raw)
+            if isinstance(value, Repeated):
+                raise InvalidKey(value.refusal(header))
             seen = found.get(name)
             if seen is None:
                 found[name] = (header, value)

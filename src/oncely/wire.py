@@ -13,6 +13,7 @@ with anything; it is still shown, escaped, in logs and dead-letter reasons.
 from __future__ import annotations
 
 __all__ = [
+    "Repeated",
     "describe_bytes",
     "escaped",
     "printable",
@@ -20,6 +21,28 @@ __all__ = [
     "undecodable_reason",
     "wire_text",
 ]
+
+
+class Repeated(str):
+    """A header a message carries more than once under one name with different values (a
+    Kafka record may repeat a name): it reads as its first value, as it always did, and holds
+    every value in ``values``. No key source takes it as a key: which of its values is the
+    message's cannot be told, and two messages that share the first would become one key."""
+
+    values: tuple[str, ...]
+
+    def __new__(cls, values: tuple[str, ...]) -> Repeated:
+        made = super().__new__(cls, values[0])
+        made.values = values
+        return made
+
+    def refusal(self, header: str) -> str:
+        """Why it is no key, naming ``header`` and its values."""
+        shown = ", ".join(repr(printable(v)) for v in self.values)
+        return (
+            f"the message has {len(self.values)} {header!r} headers with different values "
+            f"({shown}) and nothing says which is its key; have the producer send one"
+        )
 
 
 def wire_text(raw: bytes | bytearray | memoryview) -> str:

@@ -847,6 +847,61 @@ class TestKafka(BrokerSuite):
         assert headers["trace"] is None and headers["message-id"] == b"tomb"
         assert b"tombstone" in headers["x-oncely-reason"]
 
+    async def test_a_key_header_given_twice_with_two_values_is_refused_not_read_as_the_first(
+        self,
+    ) -> None:
+        """A record may repeat a header name. Keyed on ``order``: records whose ``order``
+        headers disagree were keyed on the first one, silently, so ``[o-1, o-2]`` and
+        ``[o-1, o-3]`` (each a message of its own to a reader taking the last, as Kafka's
+        ``Headers.lastHeader`` does) were one key, the second dropped as a duplicate. Now
+        such a record is dead-lettered with both values in the reason; a repeat with one value
+        is still read, and so is a record keyed elsewhere that repeats a header."""
+        producer = await self._raw_producer()
+        sends = [
+            ("a", [("order", b"o-1"), ("order", b"o-2")]),
+            ("b", [("order", b"o-1"), ("order", b"o-3")]),
+            ("c", [("order", b"o-4"), ("order", b"o-4")]),
+            ("d", [("ce_id", b"e-1"), ("ce_id", b"e-2"), ("ce_source", b"/s"), ("order", b"o-5")]),
+        ]
+        for k, headers in sends:
+            await producer.send(self.source, body(k), headers, key=None)
+        worker = self.consumer(self.apply, key=oncely.HeaderKey("order"))
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] + worker.counts["rejected"] == 4,
+                what="four records settled",
+            )
+        assert self.ledger.counts() == {"c": 1, "d": 1}
+        dead = await self._read_all(f"{self.source}.dead")
+        reasons = sorted(dict(copy.headers)["x-oncely-reason"].decode() for copy in dead)
+        assert len(reasons) == 2
+        assert all("'order'" in r and "'o-1'" in r and "different values" in r for r in reasons)
+        assert "'o-2'" in reasons[0] and "'o-3'" in reasons[1]
+
+    async def test_cloudevents_ids_given_twice_with_two_values_are_refused(self) -> None:
+        """The same for the CloudEvents id and source: two ``ce_id`` headers that disagree
+        name no one event."""
+        producer = await self._raw_producer()
+        await producer.send(
+            self.source,
+            body("a"),
+            [("ce_id", b"e-1"), ("ce_id", b"e-2"), ("ce_source", b"/s")],
+            key=None,
+        )
+        await producer.send(
+            self.source, body("b"), [("ce_id", b"e-3"), ("ce_source", b"/s")], key=None
+        )
+        worker = self.consumer(self.apply, key=oncely.CloudEventsKey())
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] + worker.counts["rejected"] == 2,
+                what="two records settled",
+            )
+        assert self.ledger.counts() == {"b": 1}
+        (copy,) = await self._read_all(f"{self.source}.dead")
+        reason = dict(copy.headers)["x-oncely-reason"].decode()
+        assert "'ce_id'" in reason and "'e-1'" in reason and "'e-2'" in reason
+
     async def test_a_member_left_without_a_partition_says_so(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:

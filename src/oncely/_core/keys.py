@@ -22,7 +22,7 @@ from typing import Protocol
 from oncely import cloudevents
 from oncely._core.policy import Limits
 from oncely.errors import ConfigurationError, InvalidIdentifier, InvalidKey, KeyTooLong, MissingKey
-from oncely.wire import escaped, undecodable_reason
+from oncely.wire import Repeated, escaped, undecodable_reason
 
 __all__ = [
     "TRANSPORT_FIELDS",
@@ -373,6 +373,8 @@ class HeaderKey:
 
     def __call__(self, envelope: Envelope) -> str:
         value = _text(_header(envelope.headers, self.name))
+        if isinstance(value, Repeated):
+            raise InvalidKey(value.refusal(self.name))
         if value is None or value == "":
             raise MissingKey(f"the message has no {self.name!r} header")
         if type(value) is str:

@@ -35,7 +35,9 @@ and offset are the broker's: a producer retry is a new record at a new offset, s
 never a key (R4) and go to ``Envelope.transport`` only, with the record key (``record_key``),
 which is a business key only when you say so (a key source of your own reading it from the
 body or a header). A record whose ``message-id`` header is given twice with two values, or
-whose id is not UTF-8, is refused; a tombstone (no value) is refused.
+whose id is not UTF-8, is refused; so is one keyed on another header (``HeaderKey``, the
+CloudEvents id and source) that it gives twice with two values; a tombstone (no value) is
+refused.
 
 How it reads and commits
 ------------------------

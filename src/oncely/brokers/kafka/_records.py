@@ -15,7 +15,7 @@ from oncely._urls import UrlOptions, redact
 from oncely.brokers._common import not_utf8
 from oncely.errors import ConfigurationError
 from oncely.keys import Envelope
-from oncely.wire import wire_text
+from oncely.wire import Repeated, wire_text
 
 LOGGER = logging.getLogger("oncely.broker.kafka")
 
@@ -160,16 +160,24 @@ def header_map(
 ) -> tuple[dict[str, str], str | None]:
     """The record's headers as text (undecodable bytes kept as escapes, R2) and the refusal
     of a record whose message id header is given twice with two values (two messages must
-    never be read as one key)."""
+    never be read as one key). Any other name given with two values reads as its first, a
+    :class:`~oncely.wire.Repeated` that no key source takes as a key."""
     out: dict[str, str] = {}
     refusal = None
+    repeated: dict[str, list[str]] = {}
     for name, raw in headers:
         text = "" if raw is None else wire_text(raw)
         if name in out:
             if out[name] != text and name.lower() in (MESSAGE_ID_HEADER, CORRELATION_HEADER):
                 refusal = f"the record has two {name} headers with different values"
+            values = repeated.setdefault(name, [out[name]])
+            if text not in values:
+                values.append(text)
             continue
         out[name] = text
+    for name, values in repeated.items():
+        if len(values) > 1:  # read as the first, as before; refused as a key (Repeated)
+            out[name] = Repeated(tuple(values))
     return out, refusal
 
 
