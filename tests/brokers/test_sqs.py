@@ -456,6 +456,47 @@ class TestSQS(BrokerSuite):
         assert signature["DataType"] == "Binary"
         assert base64.b64decode(signature["BinaryValue"]) == b"\x00\xffsig"
 
+    async def test_a_dead_letter_copy_has_its_reason_cut_to_the_queues_message_size(
+        self,
+    ) -> None:
+        """SQS counts a message's attributes (names, types, values) in its size, up to the
+        queue's ``MaximumMessageSize``. A handler whose error is long (a driver's message
+        with its SQL, a traceback) made an ``x-oncely-reason`` of any length: on AWS the copy
+        is refused, the message given back, and it loops until the redrive policy moves it
+        without a reason (moto checks the body alone, so it took the copy). Now the reason is
+        cut so that the copy fits the dead-letter queue, and says it was cut."""
+        await self.producer().publish(b'{"k": "long"}', message_id="long")
+        most = 2048
+        await self._set_dead_size(most)
+
+        async def handler(payload: dict[str, Any]) -> None:
+            raise RuntimeError("a long error " + "x" * 5000)
+
+        worker = self.consumer(handler, max_deliveries=1)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["dead_lettered_after_retries"] == 1)
+        async with await self._admin() as client:
+            queue = await self._queue_url(client, f"{self.source}-dead")
+            got = await client.receive_message(
+                QueueUrl=queue, MessageAttributeNames=["All"], WaitTimeSeconds=1
+            )
+        (message,) = got["Messages"]
+        size = len(message["Body"].encode()) + sum(
+            len(name.encode())
+            + len(value["DataType"].encode())
+            + len(value.get("StringValue", "").encode())
+            + len(value.get("BinaryValue", b""))
+            for name, value in message["MessageAttributes"].items()
+        )
+        reason = message["MessageAttributes"]["x-oncely-reason"]["StringValue"]
+        assert size <= most
+        assert reason.startswith("failed on all 1 deliveries; last: handler raised RuntimeError")
+        assert reason.endswith("[cut to fit the queue's MaximumMessageSize]")
+
+    async def _set_dead_size(self, most: int) -> None:
+        """The dead-letter queue made now, with a ``MaximumMessageSize`` of ``most``."""
+        create_queue(f"{self.source}-dead", MaximumMessageSize=str(most))
+
     async def test_a_producer_to_a_missing_queue_says_it_never_creates_one(self) -> None:
         producer = SQSProducer(self.url, unique("sqs_nowhere"))
         self.after(producer.close)

@@ -57,6 +57,9 @@ escalated            ``x-oncely-queue`` is sent to ``<queue>-dead`` (``<name>-de
                      application attributes travel as one JSON attribute, ``x-oncely-attributes``
                      (a ``String`` one as its text; a ``Binary`` or ``Number`` one as an object
                      with its ``DataType`` and base64 ``BinaryValue`` or ``StringValue``).
+                     SQS counts attributes in a message's size: a reason that would make the
+                     copy larger than the dead-letter queue's ``MaximumMessageSize`` is cut
+                     to fit (and says so); the body and the other attributes are kept whole.
 ===================  ==========================================================================
 
 Each received message gets the transport's visibility timeout (``ack_wait``, 30 s by default)

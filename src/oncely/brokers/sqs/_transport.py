@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any, Self
 
 from oncely.brokers._common import not_utf8
-from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
+from oncely.brokers._shape import REASON_HEADER, BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.sqs._endpoint import (
     BODY_ENCODING_ATTRIBUTE,
     CONTENT_TYPE_ATTRIBUTE,
@@ -35,6 +35,9 @@ from oncely.wire import wire_text
 _TRANSPORT_OPTIONS = ("visibility_timeout", "create", *SHARED_URL_OPTIONS)
 _MOST_VISIBILITY = 12 * 3600
 """SQS's ceiling on a visibility timeout, in seconds."""
+_DEFAULT_MOST = 262_144
+"""SQS's default ``MaximumMessageSize`` (bytes), for a queue that does not say its own."""
+_CUT = " ... [cut to fit the queue's MaximumMessageSize]"
 PACKED_ATTRIBUTE = "x-oncely-attributes"
 """On a dead-letter copy whose attributes would pass SQS's ten: the original's application
 attributes, as one JSON object (a ``String`` attribute as its text, any other type as an
@@ -109,6 +112,8 @@ class SQS:
         self._queue_url: str | None = None
         self._dead_url: str | None = None
         self._attributes: dict[str, str] = {}
+        self._dead_most = _DEFAULT_MOST
+        """The dead-letter queue's ``MaximumMessageSize``, read when the transport opens."""
         self._stopped = False
         self._gone = False
         """The queue was found deleted while read: found again by name before each receive,
@@ -182,6 +187,12 @@ class SQS:
                 QueueUrl=self._queue_url, AttributeNames=["All"]
             )
         self._attributes = dict(found.get("Attributes", {}))
+        with self.endpoint.errors(f"read the attributes of {self.dead_letter!r}"):
+            found = await client.get_queue_attributes(
+                QueueUrl=self._dead_url, AttributeNames=["MaximumMessageSize"]
+            )
+        most = found.get("Attributes", {}).get("MaximumMessageSize")
+        self._dead_most = int(most) if most and str(most).isdigit() else _DEFAULT_MOST
         self._producer._queue_url = self._queue_url
 
     async def _queue(self, client: Any, name: str, fifo: bool, visibility: int | None) -> str:
@@ -345,11 +356,13 @@ class SQS:
             kept = {n: v for n, v in original.items() if n in own or n == BODY_ENCODING_ATTRIBUTE}
             packed = {n: _packable(v) for n, v in original.items() if n not in kept}
             original = {**kept, **text_attributes({PACKED_ATTRIBUTE: json.dumps(packed)})}
+        body = str(message.get("Body", ""))
+        reasons[REASON_HEADER] = _fit(reasons, original, body, self._dead_most)
         attributes = {**original, **text_attributes(reasons)}
         message_id = _text(message.get("MessageAttributes", {}).get(MESSAGE_ID_ATTRIBUTE))
         group = message.get("Attributes", {}).get("MessageGroupId")
         await self._producer.send(
-            str(message.get("Body", "")),
+            body,
             attributes,
             message_id=message_id or str(message.get("MessageId")),
             group=group,
@@ -359,6 +372,40 @@ class SQS:
             # written again for one redelivered message is dropped by the FIFO queue.
             dedup=f"dead:{message.get('MessageId')}",
         )
+
+
+def _size(body: str, attributes: Mapping[str, Mapping[str, Any]]) -> int:
+    """A message's size as SQS counts it against ``MaximumMessageSize``: the body, and each
+    attribute's name, data type and value, in bytes."""
+    size = len(body.encode("utf-8", "surrogatepass"))
+    for name, attribute in attributes.items():
+        size += len(name.encode()) + len(str(attribute.get("DataType", "")).encode())
+        if "StringValue" in attribute:
+            size += len(str(attribute["StringValue"]).encode("utf-8", "surrogatepass"))
+        raw = attribute.get("BinaryValue")
+        if isinstance(raw, bytes | bytearray):
+            size += len(raw)
+        elif raw is not None:
+            size += len(str(raw).encode())
+    return size
+
+
+def _fit(
+    reasons: Mapping[str, str],
+    original: Mapping[str, Mapping[str, Any]],
+    body: str,
+    most: int,
+) -> str:
+    """``x-oncely-reason``, cut so that the dead-letter copy is at most ``most`` bytes (a
+    handler's error may be of any length: a copy over the queue's limit is refused, and the
+    message would loop). The body and the other attributes are kept whole."""
+    reason = reasons[REASON_HEADER]
+    over = _size(body, {**original, **text_attributes(reasons)}) - most
+    if over <= 0:
+        return reason
+    raw = reason.encode("utf-8", "surrogatepass")
+    room = max(0, len(raw) - over - len(_CUT.encode()))
+    return raw[:room].decode("utf-8", "ignore") + _CUT
 
 
 def _packable(attribute: Mapping[str, Any]) -> object:
