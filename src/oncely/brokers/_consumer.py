@@ -285,8 +285,9 @@ async def _each(
     shared: asyncio.Semaphore | None = None,
 ) -> list[Handled[Any]]:
     """A batch as one :meth:`Processor.process` per message: the messages of one group in
-    order, up to ``concurrency`` groups at once. Once a message of a group fails, the later
-    ones of that group are not processed (``in_flight``: they come again after it); once
+    order, up to ``concurrency`` groups at once. Once a message of a group fails or is given
+    back (``in_flight``: its key held elsewhere), the later ones of that group are not
+    processed (``in_flight``: they come again after it); once
     ``stop(group)`` is true, no message of the group not started yet is. With ``positions``
     (an :class:`InboxProcessor` that stores offsets), each message's position is written with
     it, until a message of its group ends otherwise than processed or duplicate: the later
@@ -326,6 +327,9 @@ async def _each(
                 results[i] = handled
                 if handled.outcome is Outcome.FAILED:
                     held_back = "held back: an earlier message of its group failed"
+                elif handled.outcome is Outcome.IN_FLIGHT:
+                    # Given back too (its key held elsewhere): what follows it waits for it.
+                    held_back = "held back: an earlier message of its group was given back"
 
     await asyncio.gather(*(run(group, members) for group, members in runs.items()))
     return [handled for handled in results if handled is not None]

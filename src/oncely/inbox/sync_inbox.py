@@ -488,16 +488,37 @@ class Inbox:
         runs: dict[Hashable, list[tuple[int, Claim, Step]]] = {}
         won: dict[str, int] = {}
         copies: dict[int, tuple[int, Claim]] = {}
+        blocked: dict[Hashable, str] = {}
+        """Groups whose message met its key held elsewhere: it is given back, and the later
+        ones of its group wait behind it (a group is an order: a FIFO group, a partition)."""
         for i, request, claim in zip(claimed, requests, claims, strict=True):
             step = decide(claim, request.fingerprint)
-            if step is Step.PROCEED or step is Step.STALE:
-                runs.setdefault(None if groups is None else groups[i], []).append((i, claim, step))
+            group = None if groups is None else groups[i]
+            if (step is Step.PROCEED or step is Step.STALE) and group in blocked:
+                if claim.won:
+                    self._release_quietly(claim.record.key, claim.record.token)
+                results[i] = self._rules.done(
+                    Outcome.IN_FLIGHT,
+                    claim.record.key,
+                    started,
+                    reason=blocked[group],
+                    attempt=claim.record.attempt,
+                    correlation_id=entries[i][2],
+                )
+            elif step is Step.PROCEED or step is Step.STALE:
+                runs.setdefault(group, []).append((i, claim, step))
                 if claim.won:
                     won[claim.record.token] = i
             elif step is Step.IN_FLIGHT and claim.record.token in won:
                 copies[i] = (won[claim.record.token], claim)  # held by this very batch
             else:
                 results[i] = self._rules.settle(step, claim, entries[i][2], started)
+                if step is Step.IN_FLIGHT and groups is not None:
+                    blocked.setdefault(
+                        group,
+                        f"held back: the earlier message with key {printable(claim.record.key)} "
+                        "of its group is held elsewhere, and the group's order is kept",
+                    )
         return runs, copies
 
     def _complete_many(self, completions: list[Completion]) -> list[Record | LeaseLost]:
