@@ -699,6 +699,10 @@ class TestSQS(BrokerSuite):
             open_transport(f"{self.url}?nope=1", self.source, group="g")
         with pytest.raises(oncely.ConfigurationError, match="not an SQS queue name"):
             SQS(self.url, "bad.name", group="g")
+        # A user with a queue URL at hand (AWS consoles and Lambda settings give those) is
+        # told the name to give, not only that the URL is no name.
+        with pytest.raises(oncely.ConfigurationError, match="give the queue's name, 'orders'"):
+            SQS(self.url, "https://sqs.eu-west-1.amazonaws.com/123456789012/orders", group="g")
         with pytest.raises(oncely.ConfigurationError, match="credentials"):
             SQS("sqs://key:secret@127.0.0.1:1", "q", group="g")
         region = SQS("sqs://eu-west-1", "q", group="g")

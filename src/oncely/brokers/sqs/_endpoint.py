@@ -48,6 +48,12 @@ def check_queue(what: str, name: str) -> str:
     """A queue name SQS accepts: 1 to 80 of ``[A-Za-z0-9_-]``, ``.fifo`` at the end of a
     FIFO queue's."""
     if not _QUEUE_NAME.match(name) or len(name) > 80:
+        last = name.rstrip("/").rsplit("/", 1)[-1]
+        if "://" in name and _QUEUE_NAME.match(last):
+            raise ConfigurationError(
+                f"the {what} {name!r} is a queue URL: give the queue's name, {last!r} (the "
+                "endpoint, region and account come from the sqs:// URL and the AWS environment)"
+            )
         raise ConfigurationError(
             f"the {what} {name!r} is not an SQS queue name (up to 80 letters, digits, '-' or "
             "'_', ending in '.fifo' for a FIFO queue)"
