@@ -30,7 +30,7 @@ from oncely.brokers import (
     open_transport,
 )
 from oncely.brokers._consumer import InboxProcessor, decode_body
-from oncely.brokers.sqs import SQS, SQSProducer
+from oncely.brokers.sqs import SQS, SQSDelivery, SQSProducer
 from oncely.brokers.sqs._endpoint import Endpoint
 from oncely.brokers.sqs._transport import PACKED_ATTRIBUTE
 from oncely.errors import BrokerError
@@ -414,6 +414,40 @@ class TestSQS(BrokerSuite):
         assert overlapped == []
         assert failed == ["f1"]
         assert applied == ["f0", "f1", "f2", "f3"]
+
+    async def test_r10_a_fifo_message_waiting_behind_a_slow_one_is_kept_alive(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """One message at a time, a FIFO group whose first handler outlasts the visibility
+        timeout: the one waiting behind it is held by this consumer and must be kept
+        invisible too (its visibility extended), or it lapses while it waits and the give-back
+        or delete of it meets a message no longer in flight (AWS answers MessageNotInflight)."""
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=2))
+        for n in range(2):
+            await producer.publish(body(f"f{n}"), message_id=f"f{n}", group="g1")
+        extended: list[str | None] = []
+        started: list[str] = []
+        extend = SQSDelivery.extend
+
+        async def spied(delivery: SQSDelivery) -> None:
+            extended.append(delivery.envelope.message_id)
+            await extend(delivery)
+
+        monkeypatch.setattr(SQSDelivery, "extend", spied)
+
+        kept_while_waiting: list[bool] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            started.append(payload["k"])
+            if payload["k"] == "f0":
+                await wait_until(lambda: extended.count("f0") >= 2, what="f0 extended twice")
+            else:
+                kept_while_waiting.append("f1" in extended)
+
+        worker = self.consumer(handler, transport=transport, batch=1)
+        async with running(worker):
+            await wait_until(lambda: started == ["f0", "f1"], what="both messages")
+        assert kept_while_waiting == [True]
 
     async def test_r13_a_redrive_limit_below_max_deliveries_is_warned_and_never_strands(
         self, caplog: pytest.LogCaptureFixture

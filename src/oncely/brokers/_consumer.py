@@ -899,32 +899,59 @@ class BrokerConsumer:
     async def _in_order(self, chain: Sequence[Delivery]) -> None:
         """The deliveries of one ordering group that came in one read (an SQS FIFO message
         group), one after another as the broker handed them out, each holding its slot until
-        it is settled. Once one is not finished (it failed, met a running copy, the store was
-        away) or a stop is asked, the later ones are given back unrun (``in_flight``): the
-        broker hands them out again behind it, and the group's order holds."""
+        it is settled and kept alive on the broker while it waits. Once one is not finished
+        (it failed, met a running copy, the store was away) or a stop is asked, the later ones
+        are given back unrun (``in_flight``): the broker hands them out again behind it, and
+        the group's order holds. Cancelled (the shutdown grace ran out), the ones not started
+        are given back at once."""
+        every = self.transport.extend_every
+        waiting = {
+            id(d): self._heartbeats.start(functools.partial(self._extend, d), every.total_seconds())
+            for d in chain[1:]
+            if every is not None
+        }
         held_back: str | None = None
-        for delivery in chain:
-            if held_back is None and self.stopping:
-                held_back = "not started: the consumer is stopping"
-            if held_back is None:
-                if not await self._finish_one(delivery):
-                    held_back = "held back: an earlier message of its group was not finished"
-                continue
-            try:
-                envelope = delivery.envelope
-                message_id = envelope.message_id
-                await self._settle(
-                    delivery,
-                    Handled(
-                        Outcome.IN_FLIGHT,
-                        self.processor.consumer,
-                        message_id if message_id and not escaped(message_id) else None,
-                        reason=held_back,
-                        correlation_id=envelope.correlation_id,
-                    ),
+        left = list(chain)
+        try:
+            while left:
+                delivery = left[0]
+                ticket = waiting.pop(id(delivery), None)
+                if ticket is not None:
+                    await ticket.stop()
+                if held_back is None and self.stopping:
+                    held_back = "not started: the consumer is stopping"
+                if held_back is None:
+                    left.pop(0)
+                    if not await self._finish_one(delivery):
+                        held_back = "held back: an earlier message of its group was not finished"
+                    continue
+                left.pop(0)
+                try:
+                    await self._settle(delivery, self._held_back(delivery, held_back))
+                finally:
+                    self._slots.release()
+        except asyncio.CancelledError:
+            for delivery in left:
+                await self._settle_quietly(
+                    self._give_back(delivery, timedelta(0)), delivery, "retry"
                 )
-            finally:
                 self._slots.release()
+            raise
+        finally:
+            for ticket in waiting.values():
+                await ticket.stop()
+
+    def _held_back(self, delivery: Delivery, reason: str) -> Handled[Any]:
+        """The ``in_flight`` outcome of a delivery not run behind an unfinished one."""
+        envelope = delivery.envelope
+        message_id = envelope.message_id
+        return Handled(
+            Outcome.IN_FLIGHT,
+            self.processor.consumer,
+            message_id if message_id and not escaped(message_id) else None,
+            reason=reason,
+            correlation_id=envelope.correlation_id,
+        )
 
     async def _outcome(self, delivery: Delivery) -> Handled[Any] | None:
         """The delivery's outcome, kept alive on the broker while it is computed; ``None``
