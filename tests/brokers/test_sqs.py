@@ -456,8 +456,8 @@ class TestSQS(BrokerSuite):
         5 deliveries, a handler that always fails. Before, the consumer said nothing at start,
         gave the message back on its second receive, and SQS moved it to the redrive queue
         with no reason. Now the start warns with both numbers, and the second receive is
-        dead-lettered to ``<queue>-dead`` with the reason; nothing reaches the redrive
-        queue."""
+        dead-lettered with the reason, to the redrive queue itself (no dead-letter queue was
+        given: every dead letter is in one queue), and no ``<queue>-dead`` is made."""
         redrive = unique("sqrd")
         create_queue(redrive)
         self.after(lambda: delete_queues(self.url, redrive))
@@ -489,12 +489,13 @@ class TestSQS(BrokerSuite):
                 await wait_until(self.settled, what="the message gone from the queue")
         warned = [r.getMessage() for r in caplog.records if "delivery limit 2" in r.getMessage()]
         assert warned and "max_deliveries=5" in warned[0]
-        (copy,) = await self.dead_letters()
+        (copy,) = await self.dead_letters(redrive)
         assert copy.message_id == "poison" and copy.outcome == "rejected"
         assert "maxReceiveCount" in (copy.reason or "") and copy.deliveries == "2"
         # The inbox's consumer, as on every other dead letter (it was the transport's group).
         assert copy.consumer == "ledger-writer"
-        assert await queue_depth(self.url, redrive) == 0
+        async with await self._admin() as client:
+            assert await self._queue_url(client, f"{self.source}-dead") is None
 
     async def test_a_packed_dead_letter_keeps_binary_and_number_attributes(self) -> None:
         """A message with nine application attributes, one Binary and one Number, is

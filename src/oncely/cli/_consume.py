@@ -235,8 +235,8 @@ broker_options = _options(
     click.option(
         "--dead-letter",
         metavar="NAME",
-        help="Dead-letter destination (default SOURCE.dead; SOURCE-dead on SQS, NAME-dead.fifo "
-        "for a FIFO queue NAME.fifo).",
+        help="Dead-letter destination (default SOURCE.dead; on SQS the queue's redrive "
+        "target, else SOURCE-dead, NAME-dead.fifo for a FIFO queue NAME.fifo).",
     ),
     click.option(
         "--ack-wait", type=Duration(), help="Broker ack wait / idle time before redelivery."

@@ -52,7 +52,7 @@ in_flight, failed    ``ChangeMessageVisibility`` to the delay (whole seconds): S
                      again then, its ``ApproximateReceiveCount`` (the delivery count) one higher
 key_conflict,        a copy with the original's attributes plus ``x-oncely-outcome``,
 rejected,            ``x-oncely-reason``, ``x-oncely-consumer``, ``x-oncely-deliveries`` and
-escalated            ``x-oncely-queue`` is sent to ``<queue>-dead`` (``<name>-dead.fifo``), then
+escalated            ``x-oncely-queue`` is sent to the dead-letter queue, then
                      the original deleted. Where that would pass ten attributes the original's
                      application attributes travel as one JSON attribute, ``x-oncely-attributes``
                      (a ``String`` one as its text; a ``Binary`` or ``Number`` one as an object
@@ -73,8 +73,11 @@ give-backs it made of a message off its ``ApproximateReceiveCount``; one made by
 process, or before a restart, counts as a failure, so the message is dead-lettered sooner,
 never later). The consumer reads it from the queue for its horizon, with the
 queue's ``MessageRetentionPeriod``, and warns at start when it is not above
-``max_deliveries``; a message it would give back on its last receive is dead-lettered to
-``<queue>-dead`` instead, with the reason. Missing queues are created by the consumer when it
+``max_deliveries``; a message it would give back on its last receive is dead-lettered
+instead, with the reason. The dead-letter queue is the one given (``dead_letter=``,
+``oncely consume --dead-letter``), else the redrive policy's target where the queue has one
+(so that every dead letter, oncely's with its reason and SQS's without, is in one queue),
+else ``<queue>-dead`` (``<name>-dead.fifo``). Missing queues are created by the consumer when it
 starts (``create=false`` refuses instead), never by a producer, which needs its queue to
 exist. A queue deleted while the consumer runs is not created again (it would lack the
 attributes it was given: redrive policy, retention, encryption, access policy): the consumer

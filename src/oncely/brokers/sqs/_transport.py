@@ -57,7 +57,9 @@ class SQS:
 
     ``ack_wait`` is the visibility timeout each received message gets (SQS hands it to
     another consumer once it lapses; running handlers extend it every third of it);
-    ``dead_letter`` the queue that receives dead letters (default ``<source>-dead``);
+    ``dead_letter`` the queue that receives dead letters (default: the queue's redrive
+    policy's target where it has one, so that every dead letter is in one queue, else
+    ``<source>-dead``);
     ``create`` whether missing queues are created (with ``ack_wait`` as their visibility
     timeout).
     """
@@ -94,10 +96,13 @@ class SQS:
         self.group = group or source
         self.inbox_consumer = self.group
         """What this transport's own dead letters record in ``x-oncely-consumer``."""
+        self._dead_given = dead_letter is not None
         self.dead_letter = check_queue(
             "dead-letter queue",
             dead_letter if dead_letter is not None else dead_letter_name(source),
         )
+        """The dead-letter queue; without one given, the source's redrive target once open
+        (where it has a redrive policy), else ``<source>-dead``."""
         if self.dead_letter == self.source:
             raise ConfigurationError("the dead-letter queue must not be the queue it serves")
         if self.source.endswith(".fifo") != self.dead_letter.endswith(".fifo"):
@@ -180,13 +185,16 @@ class SQS:
             return
         client = await self._client()
         fifo = self.source.endswith(".fifo")
-        self._dead_url = await self._queue(client, self.dead_letter, fifo, None)
         self._queue_url = await self._queue(client, self.source, fifo, self.visibility)
         with self.endpoint.errors(f"read the attributes of {self.source!r}"):
             found = await client.get_queue_attributes(
                 QueueUrl=self._queue_url, AttributeNames=["All"]
             )
         self._attributes = dict(found.get("Attributes", {}))
+        target = self._redrive_target()
+        if target is not None:  # dead letters where SQS moves the rest: one place to look
+            self.dead_letter = target
+        self._dead_url = await self._queue(client, self.dead_letter, fifo, None)
         with self.endpoint.errors(f"read the attributes of {self.dead_letter!r}"):
             found = await client.get_queue_attributes(
                 QueueUrl=self._dead_url, AttributeNames=["MaximumMessageSize"]
@@ -194,6 +202,19 @@ class SQS:
         most = found.get("Attributes", {}).get("MaximumMessageSize")
         self._dead_most = int(most) if most and str(most).isdigit() else _DEFAULT_MOST
         self._producer._queue_url = self._queue_url
+
+    def _redrive_target(self) -> str | None:
+        """The queue the source's redrive policy moves messages to, when no dead-letter
+        queue was given (the name at the end of ``deadLetterTargetArn``; SQS keeps it in the
+        same account and region); None without one."""
+        if self._dead_given:
+            return None
+        try:
+            arn = json.loads(self._attributes.get("RedrivePolicy") or "{}")["deadLetterTargetArn"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        name = str(arn).rsplit(":", 1)[-1]
+        return name if name and name != self.source else None
 
     async def _queue(self, client: Any, name: str, fifo: bool, visibility: int | None) -> str:
         with self.endpoint.errors(f"find the queue {name!r}"):
