@@ -497,6 +497,28 @@ class TestSQS(BrokerSuite):
         async with await self._admin() as client:
             assert await self._queue_url(client, f"{self.source}-dead") is None
 
+    async def test_a_dead_letter_queue_given_wins_over_the_redrive_target(self) -> None:
+        """The redrive policy's target is the default only: a dead-letter queue given is
+        used as given."""
+        redrive, given = unique("sqrd"), unique("sqdl")
+        create_queue(redrive)
+        self.after(lambda: delete_queues(self.url, redrive, given))
+        async with await self._admin() as client:
+            target = await self._queue_url(client, redrive)
+            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
+                "Attributes"
+            ]["QueueArn"]
+            await client.set_queue_attributes(
+                QueueUrl=await self._queue_url(client, self.source),
+                Attributes={
+                    "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": 9})
+                },
+            )
+        defaulted, chosen = self.transport(), self.transport(dead_letter=given)
+        for made in (defaulted, chosen):
+            await made.open(1)
+        assert (defaulted.dead_letter, chosen.dead_letter) == (redrive, given)
+
     async def test_a_packed_dead_letter_keeps_binary_and_number_attributes(self) -> None:
         """A message with nine application attributes, one Binary and one Number, is
         dead-lettered: its attributes are packed into one JSON attribute. Before, a Binary
