@@ -449,6 +449,20 @@ class TestSQS(BrokerSuite):
             await wait_until(lambda: started == ["f0", "f1"], what="both messages")
         assert kept_while_waiting == [True]
 
+    async def _redrive_to(self, redrive: str, max_receives: int) -> None:
+        """Give the source queue a redrive policy moving a message to ``redrive`` after
+        ``max_receives`` receives."""
+        async with await self._admin() as client:
+            target = await self._queue_url(client, redrive)
+            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
+                "Attributes"
+            ]["QueueArn"]
+            policy = {"deadLetterTargetArn": arn, "maxReceiveCount": max_receives}
+            await client.set_queue_attributes(
+                QueueUrl=await self._queue_url(client, self.source),
+                Attributes={"RedrivePolicy": json.dumps(policy)},
+            )
+
     async def test_r13_a_redrive_limit_below_max_deliveries_is_warned_and_never_strands(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -461,17 +475,7 @@ class TestSQS(BrokerSuite):
         redrive = unique("sqrd")
         create_queue(redrive)
         self.after(lambda: delete_queues(self.url, redrive))
-        async with await self._admin() as client:
-            target = await self._queue_url(client, redrive)
-            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
-                "Attributes"
-            ]["QueueArn"]
-            await client.set_queue_attributes(
-                QueueUrl=await self._queue_url(client, self.source),
-                Attributes={
-                    "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": 2})
-                },
-            )
+        await self._redrive_to(redrive, 2)
         await self.publish("poison")
 
         async def failing(payload: dict[str, Any]) -> None:
@@ -503,17 +507,7 @@ class TestSQS(BrokerSuite):
         redrive, given = unique("sqrd"), unique("sqdl")
         create_queue(redrive)
         self.after(lambda: delete_queues(self.url, redrive, given))
-        async with await self._admin() as client:
-            target = await self._queue_url(client, redrive)
-            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
-                "Attributes"
-            ]["QueueArn"]
-            await client.set_queue_attributes(
-                QueueUrl=await self._queue_url(client, self.source),
-                Attributes={
-                    "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": 9})
-                },
-            )
+        await self._redrive_to(redrive, 9)
         defaulted, chosen = self.transport(), self.transport(dead_letter=given)
         for made in (defaulted, chosen):
             await made.open(1)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.brokers.common import Proxy
 from tests.web.test_asgi import _same_response, _store, key, serving_command
-from tests.web.test_wsgi import upload_part_and_leave
+from tests.web.test_wsgi import assert_a_retry_after_a_cut_upload_runs
 
 pytest.importorskip("django")
 
@@ -423,11 +423,4 @@ def test_r19_django_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(
 ) -> None:
     # Before, Django's request.body was the part that had arrived: the view ran on it, its
     # response was kept, and the client's retry with the whole body was refused (422).
-    k, size = key(), 1000 + uuid.uuid4().int % 1000
-    body = b"x" * size
-    upload_part_and_leave(server, "/notes", k, body)
-    with httpx.Client(base_url=server) as client:
-        retried = client.post("/notes", content=body, headers={"Idempotency-Key": k})
-        assert retried.status_code == 201 and retried.json() == {"size": size, "run": 1}
-        done = effects(client)
-    assert done[f"note:{size}"] == 1 and "note:100" not in done
+    assert_a_retry_after_a_cut_upload_runs(server)

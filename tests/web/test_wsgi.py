@@ -137,10 +137,9 @@ def upload_part_and_leave(server: str, path: str, k: str, body: bytes) -> None:
                 pass
 
 
-def test_r19_wsgi_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(server: str) -> None:
-    # Before, the part that had arrived was taken for the whole body (a WSGI server's input
-    # ends early, without an error): the app ran on it, its response was kept, and the
-    # client's retry with the whole body was refused (422).
+def assert_a_retry_after_a_cut_upload_runs(server: str) -> None:
+    """A client sends part of a ``/notes`` body and leaves; its retry with the whole body
+    runs once, and nothing ran on the part."""
     k, size = key(), 1000 + uuid.uuid4().int % 1000
     body = b"x" * size
     upload_part_and_leave(server, "/notes", k, body)
@@ -149,6 +148,13 @@ def test_r19_wsgi_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(ser
         assert retried.status_code == 201 and retried.json() == {"size": size, "run": 1}
         done = effects(client)
     assert done[f"note:{size}"] == 1 and "note:100" not in done
+
+
+def test_r19_wsgi_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(server: str) -> None:
+    # Before, the part that had arrived was taken for the whole body (a WSGI server's input
+    # ends early, without an error): the app ran on it, its response was kept, and the
+    # client's retry with the whole body was refused (422).
+    assert_a_retry_after_a_cut_upload_runs(server)
 
 
 class _Parts(io.RawIOBase):

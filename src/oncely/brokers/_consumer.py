@@ -943,10 +943,15 @@ class BrokerConsumer:
 
     def _held_back(self, delivery: Delivery, reason: str) -> Handled[Any]:
         """The ``in_flight`` outcome of a delivery not run behind an unfinished one."""
+        return self._outcome_of(delivery, Outcome.IN_FLIGHT, reason)
+
+    def _outcome_of(self, delivery: Delivery, outcome: Outcome, reason: str) -> Handled[Any]:
+        """``outcome`` for a delivery the inbox gave no outcome of its own, keyed by its
+        message id where that can be shown."""
         envelope = delivery.envelope
         message_id = envelope.message_id
         return Handled(
-            Outcome.IN_FLIGHT,
+            outcome,
             self.processor.consumer,
             message_id if message_id and not escaped(message_id) else None,
             reason=reason,
@@ -998,15 +1003,11 @@ class BrokerConsumer:
         (at once, uncounted), it would come again and again without end, never reaching
         ``max_deliveries`` nor a log line. As a failure it is retried after the backoff and
         dead-lettered once its deliveries are spent."""
-        envelope = delivery.envelope
-        message_id = envelope.message_id
-        return Handled(
+        return self._outcome_of(
+            delivery,
             Outcome.FAILED,
-            self.processor.consumer,
-            message_id if message_id and not escaped(message_id) else None,
-            reason="the handler raised CancelledError, but the consumer was not cancelled (a "
+            "the handler raised CancelledError, but the consumer was not cancelled (a "
             "cancellation of the handler's own escaped it)",
-            correlation_id=envelope.correlation_id,
         )
 
     async def _extend(self, delivery: Delivery) -> None:
