@@ -234,3 +234,25 @@ def test_r7_a_connection_that_reads_rows_as_dicts_is_joined(
             with admin, admin.cursor() as cur:
                 for suffix in ("", "_meta", "_offsets"):
                     cur.execute(f"DROP TABLE IF EXISTS `{table}{suffix}`")
+
+
+def test_r7_a_sqlite3_connection_is_read_once_not_per_message(tmp_path: Path) -> None:
+    # sqlite3's connections cannot be weakly referenced: the store holds the checked one
+    # (Django's, SQLAlchemy's) rather than read its database again for every message.
+    path = tmp_path / "inbox.db"
+    store = oncely.open(f"sqlite:///{path}")
+    conn = sqlite3.connect(path, isolation_level=None)
+    statements: list[str] = []
+    conn.set_trace_callback(statements.append)
+    try:
+        store.migrate()
+        inbox = oncely.Inbox(store, consumer="billing")
+        conn.execute("BEGIN")
+        for key in ("o-1", "o-2", "o-3"):
+            done = inbox.handle_in_transaction(key, {"k": key}, lambda tx, p: None, tx=conn)
+            assert done.outcome is oncely.Outcome.PROCESSED
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+        store.close()
+    assert sum("database_list" in s for s in statements) == 1, statements

@@ -37,7 +37,7 @@ import random
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from time import monotonic, sleep
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
@@ -60,6 +60,10 @@ from oncely.stores._sql import PURGE_BUCKET_MS, Estimate, apportion, parse_stats
 __all__ = ["Minutes", "Position", "SQLStoreBase", "Statements", "server_time"]
 
 Q = TypeVar("Q", str, bytes)
+
+_KEPT_CONNECTIONS = 64
+"""How many checked caller connections that cannot be weakly referenced (sqlite3's) a store
+holds, so that Django's or SQLAlchemy's SQLite connection is not read again per message."""
 
 Position = tuple[object, ...]
 """Where a purge stopped: the last (consumer, key) it looked at, as the driver returned them."""
@@ -157,6 +161,8 @@ class SQLStoreBase(Generic[Q]):
     def __init__(self, *, migrate: bool) -> None:
         self._identity: Identity | None = None
         self._joined_checked: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._joined_kept: dict[int, Any] = {}
+        """Checked connections that cannot be weakly referenced, oldest first."""
         self._auto_migrate = migrate
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -177,14 +183,14 @@ class SQLStoreBase(Generic[Q]):
         on the store's database: a marker written in another one (a tenant's, a staging
         copy's with the inbox table too) would commit where the store never reads it, and
         every redelivery would run again. The server's identity and the database's name are
-        compared (:mod:`oncely.stores._identity`): read once per connection (a connection
-        that cannot be weakly referenced, sqlite3's, every time: a ``PRAGMA``), and the
-        store's own once, again after a mismatch (a server restart changes PostgreSQL's)."""
-        try:
-            if tx in self._joined_checked:
-                return
-        except TypeError:
-            pass  # not weakly referable: checked every time
+        compared (:mod:`oncely.stores._identity`): read once per connection (one that cannot
+        be weakly referenced, sqlite3's, is held while it is among the last
+        ``_KEPT_CONNECTIONS`` checked, and read again after), and the store's own once, again
+        after a mismatch (a server restart changes PostgreSQL's)."""
+        # (A connection that cannot be weakly referenced, sqlite3's, is never "in" the weak
+        # dictionary: it is kept itself, by its id.)
+        if tx in self._joined_checked or self._joined_kept.get(id(tx)) is tx:
+            return
         if self._family == "sqlite" and store_path(getattr(self, "url", "")) is None:
             return  # an in-memory database: only the store's own connections reach it
         theirs = identity_of(self._family, self._fetch_on(tx, SQL[self._family]))
@@ -200,8 +206,13 @@ class SQLStoreBase(Generic[Q]):
                 fix="Pass a connection to the store's database, or open the store on the "
                 "connection's",
             )
-        with suppress(TypeError):
+        try:
             self._joined_checked[tx] = True
+        except TypeError:
+            kept = self._joined_kept
+            kept[id(tx)] = tx  # held: no other connection can take its id meanwhile
+            if len(kept) > _KEPT_CONNECTIONS:
+                kept.pop(next(iter(kept)))
 
     def _own_identity(self) -> Identity:
         """The identity of the store's database, read on one of its own connections."""
