@@ -9,6 +9,7 @@ MariaDB tests skip without the server (fail under ONCELY_REQUIRE_SERVICES=1). Th
 
 from __future__ import annotations
 
+import datetime
 import logging
 import subprocess
 import sys
@@ -68,6 +69,64 @@ def test_r20_a_compared_value_the_database_would_change_is_refused(
         assert _by_fields(conn, db, amount=Decimal("12.50")).outcome == CREATED
     with db.engine.begin() as conn:
         assert _by_fields(conn, db, amount=12.5).outcome == DUPLICATE
+
+
+_UTC = datetime.UTC
+
+
+@pytest.mark.parametrize(
+    ("timezone", "at", "why"),
+    [
+        (False, datetime.datetime(2026, 1, 1, 10, 0, 0, 250000), "fractional seconds"),
+        (False, datetime.datetime(2026, 1, 1, 10, tzinfo=_UTC), "aware"),
+        (True, datetime.datetime(2026, 1, 1, 10, 0, 0, 250000, tzinfo=_UTC), None),
+        (True, datetime.datetime(2026, 1, 1, 10), None),
+    ],
+)
+def test_r20_r21_a_datetime_key_the_database_would_change_is_refused(
+    db: Db, timezone: bool, at: datetime.datetime, why: str | None
+) -> None:
+    """A datetime in the key whose time zone or fraction of a second the column drops (every
+    zone but on PostgreSQL's ``timezone=True``; every fraction on MariaDB's default DATETIME)
+    is refused before anything is written, as a Numeric with too many places is."""
+    # Before, the first copy was created; on MariaDB each later copy re-read the row by the
+    # value given, found none, and raised the duplicate-key IntegrityError of the first (a
+    # message that fails on every redelivery); elsewhere each was a false key_conflict.
+    table = sa.Table(
+        db.orders.name + "_at",
+        db.orders.metadata,
+        sa.Column("account", sa.String(20), primary_key=True),
+        sa.Column("at", sa.DateTime(timezone=timezone), primary_key=True),
+        sa.Column("amount", sa.Numeric(10, 2), nullable=False),
+    )
+    table.create(db.engine)
+    kept = (db.backend == "postgresql" and timezone) == (at.tzinfo is not None) and (
+        db.backend != "mariadb" or not at.microsecond
+    )
+    why = why or ("aware" if at.tzinfo is not None else "naive")
+    outcomes = []
+    for _ in range(2):
+        with db.engine.begin() as conn:
+            if not kept:
+                with pytest.raises(oncely.ConfigurationError, match=why):
+                    create_once(
+                        conn,
+                        table,
+                        key={"account": "a-1", "at": at},
+                        values={"amount": Decimal("1.00")},
+                        compare=("amount",),
+                    )
+                continue
+            result = create_once(
+                conn,
+                table,
+                key={"account": "a-1", "at": at},
+                values={"amount": Decimal("1.00")},
+                compare=("amount",),
+            )
+            outcomes.append(result.outcome)
+    assert outcomes == ([CREATED, DUPLICATE] if kept else [])
+    assert db.count(table) == (1 if kept else 0)
 
 
 def test_r20_r6_copies_of_an_order_create_one_order_compared_by_fingerprint(db: Db) -> None:

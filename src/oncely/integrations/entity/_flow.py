@@ -131,13 +131,16 @@ def _column_dict(shape: Shape, values: Values, what: str) -> dict[Column[object]
 _RETYPED: Final = (datetime.datetime, datetime.date, datetime.time, uuid.UUID)
 """Column types whose values come back as that type whatever was written (a string, a date
 for a datetime): a compared value must already be one."""
+_TEMPORAL: Final = (datetime.datetime, datetime.time)
 
 
-def _comparable(shape: Shape, name: str, given: object) -> None:
+def _comparable(shape: Shape, name: str, given: object, dialect: Dialect) -> None:
     """Refuse a compared value that would come back from the database as another value, so
     that every copy of the message would be a key_conflict: a value of another type than the
-    column's (``"10.00"`` for a ``Numeric`` column), or a number with more decimal places
-    than the column keeps (``Decimal("10.123")`` for ``Numeric(10, 2)``)."""
+    column's (``"10.00"`` for a ``Numeric`` column), a number with more decimal places than
+    the column keeps (``Decimal("10.123")`` for ``Numeric(10, 2)``), or a datetime or time
+    whose time zone or fraction of a second the column does not keep (see :func:`_temporal`).
+    """
     if given is None:
         return
     column_type = shape.columns[name].type
@@ -171,6 +174,39 @@ def _comparable(shape: Shape, name: str, given: object) -> None:
             f"values: {name} is a {type(given).__name__} ({given!r}) for a {column_type} "
             f"column, which gives back a {wanted.__name__}: every copy would differ from the "
             f"stored row (a key_conflict). Pass a {wanted.__name__}"
+        )
+    if isinstance(given, datetime.datetime | datetime.time) and wanted in _TEMPORAL:
+        _temporal(name, given, column_type.dialect_impl(dialect), dialect.name)
+
+
+def _temporal(
+    name: str, given: datetime.datetime | datetime.time, impl: object, dialect: str
+) -> None:
+    """Refuse a datetime or time the column gives back as another value. Only PostgreSQL
+    keeps a time zone, and only in a ``timezone=True`` column, which answers an aware value
+    even for a naive one; SQLite and MySQL/MariaDB drop it. MySQL/MariaDB keep the fraction
+    of a second to the column's ``fsp`` digits (none by default), PostgreSQL to its
+    ``precision``. A key column matters most: its value is also what the stored row is read
+    back by, so a changed key is not found and the conflict raised as an IntegrityError."""
+    zoned = dialect == "postgresql" and bool(getattr(impl, "timezone", False))
+    aware = given.utcoffset() is not None
+    if aware != zoned:
+        raise ConfigurationError(
+            f"values: {name}={given!r} is {'an aware' if aware else 'a naive'} "
+            f"{type(given).__name__} for a column that gives back a "
+            f"{'naive' if aware else 'aware'} one on {dialect}: every copy would differ from "
+            "the stored row (a key_conflict, or an IntegrityError for a key). Pass "
+            f"{'a naive value (in UTC, say)' if aware else 'an aware value'}"
+        )
+    digits = getattr(impl, "fsp" if dialect in _MYSQL_DIALECTS else "precision", None)
+    if dialect in _MYSQL_DIALECTS and digits is None:
+        digits = 0
+    if isinstance(digits, int) and 0 <= digits < 6 and given.microsecond % 10 ** (6 - digits):
+        raise ConfigurationError(
+            f"values: {name}={given!r} has more fractional seconds than its column keeps "
+            f"({digits} digits on {dialect}): the database would cut them, and every copy "
+            "would differ from the stored row (a key_conflict, or an IntegrityError for a "
+            f"key). Cut them first, or declare the column with more fractional digits"
         )
 
 
@@ -367,7 +403,7 @@ def make_plan(
     _column_dict(shape, row, "values")
     for name in compared:
         if name != fingerprint_column:
-            _comparable(shape, name, row[name])
+            _comparable(shape, name, row[name], dialect)
     return Plan(
         shape=shape,
         dialect=dialect.name,
