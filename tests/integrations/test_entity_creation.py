@@ -71,6 +71,20 @@ def test_r20_a_compared_value_the_database_would_change_is_refused(
         assert _by_fields(conn, db, amount=12.5).outcome == DUPLICATE
 
 
+def test_r20_r2_a_number_for_a_text_key_is_refused(db: Db) -> None:
+    """An order id that arrives as a number (a JSON body's ``"order_id": 17``) for the text
+    key column is refused before anything is written: the column gives back ``"17"``."""
+    # Before, the first copy was created; then on PostgreSQL every copy failed on the read by
+    # key (varchar = integer) with the transaction aborted, elsewhere each was a false
+    # key_conflict, dead-lettered.
+    for _ in range(2):
+        with db.engine.begin() as conn, pytest.raises(oncely.ConfigurationError, match="str"):
+            _by_fields(conn, db, order_id=17)  # type: ignore[arg-type]
+    assert db.count(db.orders) == 0
+    with db.engine.begin() as conn:
+        assert _by_fields(conn, db, order_id="17").outcome is CREATED
+
+
 _UTC = datetime.UTC
 
 

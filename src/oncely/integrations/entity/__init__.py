@@ -58,14 +58,14 @@ READ or SERIALIZABLE a concurrent winner raises a serialization failure: retry t
 :meth:`oncely.Fingerprint.fields` fingerprinter that leaves volatile fields out) is stored in a
 column of the entity and compared as text, which is exact. ``compare`` fields are compared with
 Python equality on the values as the database returns them (numbers by decimal value), so pass
-values of the column's type: a string for a numeric, date, time or UUID column, a number
-with more decimal places than its ``Numeric`` column keeps, and a datetime or time whose time
-zone or fraction of a second its column drops (only PostgreSQL's ``timezone=True`` columns keep
-a zone, and give one back even for a naive value; MySQL/MariaDB keep fractions only to the
-column's ``fsp``) are refused before anything is written (every copy would otherwise be a
-key_conflict, or, for a key read back by a changed value, fail). Another value the database
-alters reports a key_conflict, loud rather than silently dropped. The key columns are always
-compared too.
+values of the column's type: a string for a numeric, date, time or UUID column, a number for a
+text column, a number with more decimal places than its ``Numeric`` column keeps, and a
+datetime or time whose time zone or fraction of a second its column drops (only PostgreSQL's
+``timezone=True`` columns keep a zone, and give one back even for a naive value; MySQL/MariaDB
+keep fractions only to the column's ``fsp``) are refused before anything is written (every
+copy would otherwise be a key_conflict, or, for a key read back by a changed value, fail).
+Another value the database alters reports a key_conflict, loud rather than silently dropped.
+The key columns are always compared too.
 
 Every function raises :class:`oncely.ConfigurationError` for a call that cannot work (a key that
 is not the primary key or a unique constraint/index of the table, nothing to compare, unknown

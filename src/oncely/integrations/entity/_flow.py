@@ -33,6 +33,7 @@ from sqlalchemy import (
     Insert,
     Label,
     Table,
+    TypeDecorator,
     UniqueConstraint,
     and_,
     insert,
@@ -137,10 +138,10 @@ _TEMPORAL: Final = (datetime.datetime, datetime.time)
 def _comparable(shape: Shape, name: str, given: object, dialect: Dialect) -> None:
     """Refuse a compared value that would come back from the database as another value, so
     that every copy of the message would be a key_conflict: a value of another type than the
-    column's (``"10.00"`` for a ``Numeric`` column), a number with more decimal places than
-    the column keeps (``Decimal("10.123")`` for ``Numeric(10, 2)``), or a datetime or time
-    whose time zone or fraction of a second the column does not keep (see :func:`_temporal`).
-    """
+    column's (``"10.00"`` for a ``Numeric`` column, ``17`` for a ``String`` one), a number
+    with more decimal places than the column keeps (``Decimal("10.123")`` for
+    ``Numeric(10, 2)``), or a datetime or time whose time zone or fraction of a second the
+    column does not keep (see :func:`_temporal`)."""
     if given is None:
         return
     column_type = shape.columns[name].type
@@ -169,6 +170,12 @@ def _comparable(shape: Shape, name: str, given: object, dialect: Dialect) -> Non
                     "first"
                 )
         return
+    if wanted is str and not isinstance(given, str) and not isinstance(column_type, TypeDecorator):
+        raise ConfigurationError(
+            f"values: {name} is a {type(given).__name__} ({given!r}) for a {column_type} "
+            "column, which gives back a str: every copy would differ from the stored row (a "
+            "key_conflict; on PostgreSQL the read by key fails). Pass a str"
+        )
     if wanted in _RETYPED and not isinstance(given, wanted):
         raise ConfigurationError(
             f"values: {name} is a {type(given).__name__} ({given!r}) for a {column_type} "
