@@ -85,6 +85,47 @@ def test_r20_r2_a_number_for_a_text_key_is_refused(db: Db) -> None:
         assert _by_fields(conn, db, order_id="17").outcome is CREATED
 
 
+def test_r20_r21_copies_keyed_in_a_char_column_are_duplicates(db: Db) -> None:
+    """A CHAR(n) key and compared field: PostgreSQL gives the text back padded to n and
+    MariaDB stripped, and both compare CHAR text without trailing spaces, so every copy is
+    a duplicate (SQLite keeps the text as written: there ``"o-1 "`` is another key)."""
+    # Before, on PostgreSQL every copy of "o-1" was a false key_conflict (stored "o-1" padded
+    # to 10), dead-lettered and logged at ERROR; on MariaDB every copy of a padded one.
+    table = sa.Table(
+        db.orders.name + "_char",
+        db.orders.metadata,
+        sa.Column("code", sa.CHAR(10), primary_key=True),
+        sa.Column("region", sa.CHAR(4), nullable=False),
+        sa.Column("other", sa.CHAR(4), nullable=False),
+    )
+    table.create(db.engine)
+    outcomes = []
+    for code, region in (("o-1", "eu"), ("o-1", "eu"), ("o-1 ", "eu  ")):
+        with db.engine.begin() as conn:
+            result = create_once(
+                conn,
+                table,
+                key={"code": code},
+                values={"region": region, "other": "x"},
+                compare=("region",),
+            )
+        outcomes.append(result.outcome)
+    if db.backend == "sqlite":
+        assert outcomes == [CREATED, DUPLICATE, CREATED]
+    else:
+        assert outcomes == [CREATED, DUPLICATE, DUPLICATE]
+    with db.engine.begin() as conn:
+        result = create_once(
+            conn,
+            table,
+            key={"code": "o-1"},
+            values={"region": "us", "other": "x"},
+            compare=("region",),
+        )
+    assert result.outcome is KEY_CONFLICT  # other text is still told apart
+    assert result.differing == ("region",)
+
+
 _UTC = datetime.UTC
 
 

@@ -64,8 +64,9 @@ datetime or time whose time zone or fraction of a second its column drops (only 
 ``timezone=True`` columns keep a zone, and give one back even for a naive value; MySQL/MariaDB
 keep fractions only to the column's ``fsp``) are refused before anything is written (every
 copy would otherwise be a key_conflict, or, for a key read back by a changed value, fail).
-Another value the database alters reports a key_conflict, loud rather than silently dropped.
-The key columns are always compared too.
+CHAR(n) text is compared without trailing spaces on PostgreSQL and MySQL/MariaDB, as those
+compare it (they give it back padded, or stripped). Another value the database alters reports
+a key_conflict, loud rather than silently dropped. The key columns are always compared too.
 
 Every function raises :class:`oncely.ConfigurationError` for a call that cannot work (a key that
 is not the primary key or a unique constraint/index of the table, nothing to compare, unknown

@@ -28,6 +28,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Final, TypeAlias
 
 from sqlalchemy import (
+    CHAR,
+    NCHAR,
     Column,
     Index,
     Insert,
@@ -88,6 +90,9 @@ _MYSQL_DUPLICATE: Final = frozenset({1022, 1062, 1586})
 _ON_CONFLICT_DIALECTS: Final = frozenset({"postgresql", "sqlite"})
 _MYSQL_DIALECTS: Final = frozenset({"mysql", "mariadb"})
 _ATTEMPTS: Final = 3
+# Dialects whose CHAR(n) pads to n (PostgreSQL) or strips trailing spaces (MySQL/MariaDB), and
+# compares text without them: SQLite keeps the text as written.
+_PADDING_DIALECTS: Final = frozenset({"postgresql"}) | _MYSQL_DIALECTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +246,8 @@ class Plan:
     compared: tuple[str, ...]
     rows: RowsOrFactory = ()
     batch: bool = False
+    padded: frozenset[str] = frozenset()
+    """Compared CHAR(n) columns, whose trailing spaces the database does not tell apart."""
 
     @property
     def on_conflict(self) -> bool:
@@ -302,7 +309,9 @@ class Plan:
     def decide(self, stored: Mapping[str, object]) -> EntityResult:
         """Duplicate when every compared field equals the stored one, else key_conflict."""
         differing = tuple(
-            name for name in self.compared if not same_value(self.row.get(name), stored.get(name))
+            name
+            for name in self.compared
+            if not same_value(self.row.get(name), stored.get(name), name in self.padded)
         )
         if not differing:
             return EntityResult(EntityOutcome.DUPLICATE, dict(self.key), stored)
@@ -318,15 +327,19 @@ class Plan:
         return EntityResult(EntityOutcome.KEY_CONFLICT, dict(self.key), stored, differing, reason)
 
 
-def same_value(given: object, stored: object) -> bool:
+def same_value(given: object, stored: object, padded: bool = False) -> bool:
     """Python equality, except that numbers compare by decimal value (a ``Numeric(10, 2)``
-    column answers ``Decimal("5.00")`` for ``5`` and ``Decimal("0.10")`` for ``0.1``).
+    column answers ``Decimal("5.00")`` for ``5`` and ``Decimal("0.10")`` for ``0.1``), and
+    ``padded`` text (a CHAR(n) column on PostgreSQL or MySQL/MariaDB, which answer ``"o-1"``
+    padded to n, or stripped, and compare text so) without its trailing spaces.
 
-    Anything else that the database changes on the way (a time zone dropped, a CHAR padded)
-    compares unequal: a false key_conflict is loud, a false duplicate would drop a message.
+    Anything else that the database changes on the way (a time zone dropped) compares
+    unequal: a false key_conflict is loud, a false duplicate would drop a message.
     """
     if given == stored:
         return True
+    if padded and isinstance(given, str) and isinstance(stored, str):
+        return given.rstrip(" ") == stored.rstrip(" ")
     numbers = (int, float, Decimal)
     if (
         isinstance(given, numbers)
@@ -418,6 +431,12 @@ def make_plan(
         key=dict(key),
         row=row,
         compared=tuple(compared),
+        padded=frozenset(
+            name
+            for name in compared
+            if dialect.name in _PADDING_DIALECTS
+            and isinstance(shape.columns[name].type, CHAR | NCHAR)
+        ),
         rows=() if rows is None else rows,
         batch=rows is not None,
     )
