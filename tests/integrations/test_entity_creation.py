@@ -126,6 +126,48 @@ def test_r20_r21_copies_keyed_in_a_char_column_are_duplicates(db: Db) -> None:
     assert result.differing == ("region",)
 
 
+def test_r6_r20_a_partial_or_expression_unique_index_is_no_key(db: Db) -> None:
+    """A unique index with a WHERE (partial) or on an expression (``lower(email)``) is not
+    the key's unique index: ON CONFLICT cannot name it by columns, and a read by key would not
+    see the rows it holds. It is refused as any key that is not unique is, with the reason;
+    MariaDB, which has no partial index, creates a whole one and the key works there."""
+    # Before, each was accepted, and every message then failed inside the database ("no
+    # unique or exclusion constraint matching the ON CONFLICT specification" on PostgreSQL,
+    # its transaction aborted; "ON CONFLICT clause does not match" on SQLite).
+    table = sa.Table(
+        db.orders.name + "_ix",
+        db.orders.metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("email", sa.String(50), nullable=False),
+        sa.Column("tenant", sa.String(20), nullable=False),
+        sa.Column("live", sa.Boolean, nullable=False),
+    )
+    live = table.c.live == sa.true()
+    sa.Index(None, table.c.email, unique=True, postgresql_where=live, sqlite_where=live)
+    if db.backend != "mariadb":  # no functional indexes there
+        sa.Index(None, table.c.tenant, sa.func.lower(table.c.email), unique=True)
+    table.create(db.engine)
+
+    def create(key: dict[str, object]) -> object:
+        with db.engine.begin() as conn:
+            return create_once(
+                conn,
+                table,
+                key=key,
+                values={"id": 1, "email": "a@example.com", "tenant": "t", "live": True},
+                compare=("live",),
+            ).outcome
+
+    if db.backend == "mariadb":
+        assert [create({"email": "a@example.com"}) for _ in range(2)] == [CREATED, DUPLICATE]
+        return
+    for key in ({"email": "a@example.com"}, {"tenant": "t", "email": "a@example.com"}):
+        with pytest.raises(oncely.ConfigurationError, match="partial or expression index"):
+            create(key)
+    assert db.count(table) == 0
+    assert [create({"id": 1}) for _ in range(2)] == [CREATED, DUPLICATE]
+
+
 _UTC = datetime.UTC
 
 

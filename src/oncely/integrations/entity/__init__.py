@@ -42,7 +42,8 @@ statement, so a plain INSERT is used and a duplicate-key error is caught. In eve
 is then re-read *by key*: no row means the conflict was on something else, and the original
 error propagates; a row means the outcome is about it (even if the new row would also have
 broken another constraint). The key must match the primary key or a unique constraint/index
-exactly, as PostgreSQL's ON CONFLICT inference requires. The multi-row
+exactly, as PostgreSQL's ON CONFLICT inference requires; a partial (``WHERE``) or expression
+unique index is not one. The multi-row
 :func:`create_batch_once` adds one SAVEPOINT (``begin_nested``), because undoing the rows
 written before a failing one needs it (R22).
 

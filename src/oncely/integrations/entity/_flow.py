@@ -222,13 +222,23 @@ def _temporal(
         )
 
 
-def _unique_sets(table: Table) -> list[frozenset[str]]:
+def _whole_columns(index: Index, dialect: str) -> bool:
+    """An index of plain columns on every row: no expression (``lower(email)``: unique on
+    its value, not the column's, though ``index.columns`` lists the column) and no ``WHERE``
+    on this dialect (a partial index; MySQL/MariaDB have none). ON CONFLICT cannot name
+    either by its columns alone (the database refuses the statement), nor would a read by
+    key see the rows the index holds."""
+    partial = index.dialect_kwargs.get(f"{dialect}_where") is not None
+    return not partial and all(isinstance(e, Column) for e in index.expressions)
+
+
+def _unique_sets(table: Table, dialect: str) -> list[frozenset[str]]:
     sets = [frozenset(c.name for c in table.primary_key.columns)]
     for constraint in table.constraints:
         if isinstance(constraint, UniqueConstraint):
             sets.append(frozenset(c.name for c in constraint.columns))
     for index in table.indexes:
-        if isinstance(index, Index) and index.unique:
+        if isinstance(index, Index) and index.unique and _whole_columns(index, dialect):
             sets.append(frozenset(c.name for c in index.columns))
     sets.extend(frozenset({c.name}) for c in table.columns if c.unique)
     return sets
@@ -384,11 +394,11 @@ def make_plan(
         raise InvalidKey(f"key column {', '.join(missing)} is None; a dedup key needs a value")
     _column_dict(shape, key, "key")
     key_names = frozenset(shape.columns[name].name for name in key)
-    if key_names not in _unique_sets(shape.table):
+    if key_names not in _unique_sets(shape.table, dialect.name):
         raise ConfigurationError(
             f"key ({', '.join(key)}) is not the primary key nor a unique constraint or index of "
             f"table {shape.table.name}; the entity's unique key IS the dedup key (R6, R20), so "
-            "declare it on the Table or model"
+            "declare it on the Table or model (a partial or expression index cannot be it)"
         )
     row: dict[str, object] = dict(values or {})
     clash = [name for name in key if name in row and row[name] != key[name]]
