@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Session
 
 import oncely
-from oncely.integrations.entity import create_once
+from oncely.integrations.entity import EntityResult, create_once
 from tests.integrations.entity_helpers import (
     BODY,
     CREATED,
@@ -369,6 +369,47 @@ def test_r20_orm_session_and_attribute_names(db: Db) -> None:
     assert "amount" not in created.row
     assert again.outcome is KEY_CONFLICT
     assert again.differing == ("total",)
+
+
+def test_r20_orm_polymorphic_classes_get_their_discriminator(db: Db) -> None:
+    """A class of a polymorphic hierarchy in one table gets its identity in the
+    discriminator column, as a flush gives it, and a copy of the key as another class is a
+    key conflict; a class whose rows span tables (joined inheritance) is refused."""
+    # Before, the row was inserted with the discriminator NULL: the ORM then could not load
+    # it ("the polymorphic discriminator column ... is NULL"), and a joined subclass wrote
+    # its own table alone.
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Order(Base):
+        __table__ = db.orders
+        __mapper_args__ = {  # noqa: RUF012
+            "polymorphic_on": db.orders.c.note,
+            "polymorphic_identity": "plain",
+        }
+
+    class RushOrder(Order):
+        __mapper_args__ = {"polymorphic_identity": "rush"}  # noqa: RUF012
+
+    class Gift(Order):
+        __table__ = db.lines
+        __mapper_args__ = {"polymorphic_identity": "gift"}  # noqa: RUF012
+
+    def create(entity: type[Order]) -> EntityResult:
+        with Session(db.engine) as session, session.begin():
+            return create_once(
+                session, entity, key={"order_id": "o-1"}, values=ORDER, compare=("amount",)
+            )
+
+    results = [create(RushOrder), create(RushOrder), create(Order)]
+    assert [r.outcome for r in results] == [CREATED, DUPLICATE, KEY_CONFLICT]
+    assert results[2].differing == ("note",)
+    with Session(db.engine) as session:
+        loaded = session.get(Order, "o-1")
+    assert type(loaded) is RushOrder
+    with pytest.raises(oncely.ConfigurationError, match="joined-table inheritance"):
+        create(Gift)
 
 
 def test_r20_a_key_the_database_deems_equal_but_spelled_otherwise_is_a_conflict(db: Db) -> None:

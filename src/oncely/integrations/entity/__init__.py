@@ -69,6 +69,10 @@ CHAR(n) text is compared without trailing spaces on PostgreSQL and MySQL/MariaDB
 compare it (they give it back padded, or stripped). Another value the database alters reports
 a key_conflict, loud rather than silently dropped. The key columns are always compared too.
 
+An ORM class of a polymorphic hierarchy in one table gets its identity in the discriminator
+column, as a flush would give it, and that column is compared (a copy as another class is a
+key_conflict); a class whose rows span tables (joined-table inheritance) is refused.
+
 Every function raises :class:`oncely.ConfigurationError` for a call that cannot work (a key that
 is not the primary key or a unique constraint/index of the table, nothing to compare, unknown
 names) and :class:`oncely.InvalidKey` for a key value that is ``None``; database errors other

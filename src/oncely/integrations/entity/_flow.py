@@ -23,7 +23,7 @@ import enum
 import logging
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Final, TypeAlias
 
@@ -97,10 +97,12 @@ _PADDING_DIALECTS: Final = frozenset({"postgresql"}) | _MYSQL_DIALECTS
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A table and the caller's names for its columns."""
+    """A table, the caller's names for its columns, and the values the ORM would set that
+    the caller does not give (a polymorphic class's discriminator)."""
 
     table: Table
     columns: Mapping[str, Column[object]]
+    fixed: Mapping[Column[object], object] = field(default_factory=dict)
 
 
 def shape_of(entity: Entity) -> Shape:
@@ -114,14 +116,28 @@ def shape_of(entity: Entity) -> Shape:
             f"{entity!r} is neither a sqlalchemy Table nor an ORM-mapped class"
         ) from None
     table = mapper.local_table
-    if not isinstance(table, Table):
-        raise ConfigurationError(f"{entity!r} is not mapped to a single table")
+    parent = mapper.inherits
+    if not isinstance(table, Table) or (
+        parent is not None and not mapper.concrete and parent.local_table is not table
+    ):
+        raise ConfigurationError(
+            f"{entity!r} is not mapped to a single table (joined-table inheritance spreads "
+            "its rows over several); pass its tables, the base one as the entity and the "
+            "others as create_batch_once rows"
+        )
     columns: dict[str, Column[object]] = {
         name: col
         for name, col in mapper.columns.items()
         if isinstance(col, Column) and col.table is table
     }
-    return Shape(table, columns)
+    # A polymorphic class's rows carry its identity in the discriminator column, which the
+    # ORM sets on a flush; a row inserted without it cannot be loaded (or loads as another
+    # class).
+    on, identity = mapper.polymorphic_on, mapper.polymorphic_identity
+    fixed: dict[Column[object], object] = {}
+    if isinstance(on, Column) and on.table is table and identity is not None:
+        fixed[on] = identity
+    return Shape(table, columns, fixed)
 
 
 def _column_dict(shape: Shape, values: Values, what: str) -> dict[Column[object], object]:
@@ -131,7 +147,8 @@ def _column_dict(shape: Shape, values: Values, what: str) -> dict[Column[object]
             f"{what}: table {shape.table.name} has no column {', '.join(map(repr, unknown))}; "
             f"known: {', '.join(shape.columns)}"
         )
-    return {shape.columns[name]: value for name, value in values.items()}
+    given = {shape.columns[name]: value for name, value in values.items()}
+    return {**shape.fixed, **given} if shape.fixed else given
 
 
 _RETYPED: Final = (datetime.datetime, datetime.date, datetime.time, uuid.UUID)
@@ -417,6 +434,11 @@ def make_plan(
             "fields can be compared"
         )
     compared = list(key) + [name for name in compare if name not in key]
+    for name, column in shape.columns.items():
+        if column in shape.fixed:  # a copy created as another class is other content
+            row.setdefault(name, shape.fixed[column])
+            if name not in compared:
+                compared.append(name)
     if fingerprint_column is not None:
         if payload is MISSING:
             raise ConfigurationError("fingerprint_column needs the payload to fingerprint")
