@@ -120,6 +120,7 @@ class MariaDB(Database):
                     "consumer": b"raw",
                     "key": params["key"],
                     "token": row[2],
+                    "token_text": row[2],  # the write matches either stored form
                     "status": status,
                     "updated": int(updated),
                     "lease_until": int(lease_until),

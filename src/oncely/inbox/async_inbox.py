@@ -200,6 +200,26 @@ async def _called_in(store: object, handler: Callable[..., Any], conn: Any, payl
     return value
 
 
+async def _keep_result(
+    store: AsyncTransactionalStore[Tx],
+    conn: Tx,
+    consumer: str,
+    key: str,
+    token: str,
+    data: bytes | None,
+) -> None:
+    """Store the handler's result with the claim made on ``conn``; without a result, look for
+    the claim where the store can tell it is gone (a server that rolls a transaction back
+    and goes on: MariaDB's deadlock victim, whose handler caught the error). Either raises
+    :class:`~oncely.TransactionEnded` when the claim is gone."""
+    if data is not None:
+        await store.set_result_in(conn, consumer, key, token=token, result=data)
+        return
+    held_in = getattr(store, "held_in", None)
+    if held_in is not None:
+        await held_in(conn, consumer, key, token=token)
+
+
 class _HandlerError(Exception):
     """Carries a handler's exception out of a transaction block so the block rolls back."""
 
@@ -1388,8 +1408,8 @@ class AsyncInbox:
                         raise _HandlerError(exc) from exc
                     finally:
                         _CURRENT.reset(context)
+                    await _keep_result(store, conn, consumer, checked, token, data)
                     if data is not None:
-                        await store.set_result_in(conn, consumer, checked, token=token, result=data)
                         record = with_result(record, data)
         except (_HandlerError, CommitRefused) as failure:
             # CommitRefused: oncely's own COMMIT refused the handler's writes (a deferred

@@ -60,8 +60,9 @@ def test_r7_a_joined_message_adds_its_savepoint_and_claim_and_no_release(
     store: MySQLStore, table: str
 ) -> None:
     """Counted by the server on the caller's connection: the default savepoint costs one
-    statement (SAVEPOINT) besides the claim, none at the end of a successful handler, and a
-    failing handler adds only the ROLLBACK TO."""
+    statement (SAVEPOINT) besides the claim, one at the end of a successful handler (the
+    claim looked for, as a deadlock the handler caught would have rolled it back; no
+    RELEASE), and a failing handler adds only the ROLLBACK TO."""
     sql(f"CREATE TABLE `{table}_ledger` (k VARCHAR(64) NOT NULL) ENGINE=InnoDB")
     inbox = oncely.Inbox(store, consumer="billing")
 
@@ -82,7 +83,8 @@ def test_r7_a_joined_message_adds_its_savepoint_and_claim_and_no_release(
         conn.commit()
     finally:
         conn.close()
-    # SAVEPOINT, claim, the handler's INSERT; and the ROLLBACK TO for the failing one; the
-    # first message also reads which database the connection is on (once per connection)
-    assert counted == [4, 4, 3]
+    # SAVEPOINT, claim, the handler's INSERT, the claim's check; for the failing one the
+    # ROLLBACK TO instead of the check; the first message also reads which database the
+    # connection is on (once per connection)
+    assert counted == [5, 4, 4]
     assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("a",), ("b",)]

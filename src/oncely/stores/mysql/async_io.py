@@ -36,7 +36,7 @@ import pymysql  # type: ignore[import-untyped]
 
 from oncely._twin import ASYNC
 from oncely.stores._watchdog import WATCHDOG, cuts
-from oncely.stores.mysql.errors import DRIVER_ERRORS, MySQLSettings, in_transaction
+from oncely.stores.mysql.errors import DRIVER_ERRORS, MySQLSettings, joinable
 
 if ASYNC:
     import aiomysql  # type: ignore[import-untyped]
@@ -194,10 +194,10 @@ if ASYNC:
 async def execute(conn: Connection, sql: str, params: Params = None) -> tuple[int, int]:
     """Run one statement; its affected (with ``CLIENT_FOUND_ROWS``: matched) row count and
     the insert id of its OK packet. On a connection the store holds alone (:func:`own`),
-    outside a transaction, the wait for the answer lasts at most the store's
-    ``read_timeout``: past it the connection is cut and the error (2013) says so."""
+    outside a transaction (and with autocommit on), the wait for the answer lasts at most the
+    store's ``read_timeout``: past it the connection is cut and the error (2013) says so."""
     seconds = _BOUND.get(conn)
-    if seconds is None or in_transaction(conn):
+    if seconds is None or joinable(conn):  # in a transaction: may wait on a row lock
         return await _execute(conn, sql, params)
     return await _watched(conn, seconds, _execute, sql, params)
 
@@ -205,7 +205,7 @@ async def execute(conn: Connection, sql: str, params: Params = None) -> tuple[in
 async def fetchall(conn: Connection, sql: str, params: Params = None) -> list[Any]:
     """Run one statement and return its rows; bounded as :func:`execute`."""
     seconds = _BOUND.get(conn)
-    if seconds is None or in_transaction(conn):
+    if seconds is None or joinable(conn):  # in a transaction: may wait on a row lock
         return await _fetchall(conn, sql, params)
     return await _watched(conn, seconds, _fetchall, sql, params)
 

@@ -13,12 +13,12 @@ differences (PyMySQL, aiomysql) are in :mod:`oncely.stores.mysql.async_io`.
 pool, and running work on an autocommit connection with a bounded retry of deadlock victims,
 :meth:`AsyncMySQLStore._run`, which every operation runs through); schema and maintenance
 (the schema, ``forget``, the purge); the message path (the claim, the fenced writes); the
-transactional mode (transactions opened for the caller, ``BEGIN`` on a pooled connection
-that stays in autocommit mode for two-phase work; savepoints in a caller's transaction, left
-in place, not released; checks and writes on a caller's connection; and ``claim_in``, which
-shares the claim's code). The reads, the schema check and the purge's loop are
-:class:`~oncely.stores.async_sql.SQLStoreBase`'s; the transaction block is a class of its
-own, in :mod:`oncely.stores.mysql.async_tx`.
+transactional mode (transactions opened for the caller, autocommit turned off on a pooled
+connection for the block and on again for two-phase work; savepoints in a caller's
+transaction, left in place, not released; checks and writes on a caller's connection, the
+claim looked for before the commit; and ``claim_in``, which shares the claim's code). The
+reads, the schema check and the purge's loop are :class:`~oncely.stores.async_sql.SQLStoreBase`'s;
+the transaction block is a class of its own, in :mod:`oncely.stores.mysql.async_tx`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,13 @@ from oncely._core.state import (
     claim_event,
 )
 from oncely._core.table import lease_lost
-from oncely.errors import ConfigurationError, LeaseLost, StoreUnavailable, TransactionRequired
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    StoreUnavailable,
+    TransactionEnded,
+    TransactionRequired,
+)
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import (
@@ -168,8 +174,12 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     two hours; see ``_KEEPALIVES`` in :mod:`oncely.stores.mysql.async_io`).
 
     Transactional mode: :meth:`transaction` yields one of the store's connections (PyMySQL /
-    aiomysql) after ``BEGIN``; the session stays in autocommit mode, so the same pooled
-    connection needs no extra round trips in two-phase mode. :meth:`claim_in` joins any
+    aiomysql) with autocommit off (``SET autocommit = 0`` where ``BEGIN`` would be, and
+    ``SET autocommit = 1``, which commits, where ``COMMIT`` would be: no extra round trip),
+    so a statement run after InnoDB rolled the transaction back (a deadlock a handler caught)
+    opens a new transaction rather than committing on its own; before the commit the claim
+    is looked for (:meth:`held_in`, one more round trip, or the write of the result) and, gone,
+    :class:`~oncely.TransactionEnded` rolls the rest back. :meth:`claim_in` joins any
     connection of yours to the same database that is inside a transaction (after ``BEGIN``,
     or with autocommit off), as the driver's last server status says. Joining sets the
     session's ``LAST_INSERT_ID()`` (the claim reads the server's clock through it): read an
@@ -887,7 +897,38 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     ) -> None:
         params = who(consumer, key)
         params.update(token=pack_token(token), result=result)
-        await self._joined(tx, self._dialect.set_result, "storing the result", params)
+        try:
+            matched = (await execute(tx, self._dialect.set_result, params))[0]
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "storing the result", joined=True) from exc
+        if not matched:  # no row, or (a caller's connection without CLIENT_FOUND_ROWS) same bytes
+            await self.held_in(tx, consumer, key, token=token)
+
+    async def held_in(self, tx: Connection, consumer: str, key: str, *, token: str) -> None:
+        """Raise :class:`~oncely.TransactionEnded` unless the marker :meth:`claim_in` wrote on
+        ``tx`` is still there, seen from ``tx``.
+
+        InnoDB rolls a deadlock victim's whole transaction back, the claim with it, and goes
+        on: a handler that caught the error (or retried its statement, as the error's text
+        invites) returns normally, and the next statements open a new transaction. Committed
+        as it stands, that would be the handler's later writes without the marker, or no
+        marker at all while the outcome said processed: a message acked whose effects were
+        rolled back. PostgreSQL refuses every statement after such an error instead, and
+        SQLite has no deadlock, so only this store needs the look.
+        """
+        params = who(consumer, key)
+        params["token"] = pack_token(token)
+        try:
+            rows = await fetchall(tx, self._dialect.held, params)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc, "checking the claim", joined=True) from exc
+        if not rows:
+            raise TransactionEnded(
+                "the transaction that held the key's claim ended inside the handler (the "
+                "server rolled it back, a deadlock the handler caught, or the handler ended "
+                "it): nothing of this message is committed with the marker; handle it again "
+                "in a new transaction (a handler lets a deadlock error propagate)"
+            )
 
     async def save_offset_in(
         self, tx: Connection, consumer: str, stream: str, part: int, next_offset: int

@@ -1,10 +1,13 @@
 """The MariaDB / MySQL store's transaction block, a class of its own.
 
 :class:`_Transaction` is the block of :meth:`AsyncMySQLStore.transaction
-<oncely.stores.mysql.async_store.AsyncMySQLStore.transaction>`: ``BEGIN`` on a pooled
-connection, which stays in autocommit mode for two-phase work; ``COMMIT`` when the block
-ends, ``ROLLBACK`` when it raises. The store, in :mod:`oncely.stores.mysql.async_store`,
-holds the rest of the transactional mode.
+<oncely.stores.mysql.async_store.AsyncMySQLStore.transaction>`: autocommit turned off on a
+pooled connection for the block, so that a statement the handler runs after the server rolled
+the transaction back (a deadlock it caught) opens a new transaction instead of committing on
+its own; turned on again when the block ends, which commits (``SET autocommit = 1`` commits
+what is open, in the round trip a ``COMMIT`` would take), or after a ``ROLLBACK`` when it
+raises. The store, in :mod:`oncely.stores.mysql.async_store`, holds the rest of the
+transactional mode.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ __all__: list[str] = []  # _Transaction is the store's own
 
 
 class _Transaction:
-    """``store.transaction()``: BEGIN on a pooled connection; COMMIT when the
-    block ends, ROLLBACK when it raises. A class, not a generator: it is on the hot path of
-    every transactional message.
+    """``store.transaction()``: autocommit off on a pooled connection; on again (which
+    commits) when the block ends, after a ROLLBACK when it raises. A class, not a
+    generator: it is on the hot path of every transactional message.
 
     Each SQL store has its own, alike in shape: one shared class with per-driver hooks would
     add a call to every BEGIN and COMMIT."""
@@ -39,7 +42,7 @@ class _Transaction:
         conn = await self._store._acquire()
         self._store._joined_checked[conn] = True  # the store's own: on its database
         try:
-            await execute(conn, "BEGIN")
+            await execute(conn, "SET autocommit = 0")
         except BaseException as exc:
             broken = isinstance(exc, DRIVER_ERRORS) and disconnected(exc)
             await self._store._release(conn, discard=broken)
@@ -62,9 +65,15 @@ class _Transaction:
         try:
             if exc_type is None:
                 try:
-                    await execute(conn, "COMMIT")
+                    await execute(conn, "SET autocommit = 1")  # commits
                 except DRIVER_ERRORS as error:
-                    discard = disconnected(error)
+                    discard = True  # autocommit may still be off
                     raise translate(error, "commit", joined=True) from error
+            else:
+                try:
+                    await execute(conn, "ROLLBACK")
+                    await execute(conn, "SET autocommit = 1")
+                except DRIVER_ERRORS:
+                    discard = True  # the pool drops it (and its transaction, if any)
         finally:
-            await self._store._release(conn, discard=discard)  # rolls back whatever is open
+            await self._store._release(conn, discard=discard)

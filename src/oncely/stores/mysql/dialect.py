@@ -266,6 +266,7 @@ class MySQLDialect:
         "forget",
         "forget_token",
         "get",
+        "held",
         "insert",
         "meta_table",
         "next_consumer",
@@ -400,6 +401,7 @@ class MySQLDialect:
             WHERE {_WHO} AND {seen}"""
         self.delete = f"DELETE FROM `{t}` WHERE {_WHO} AND {seen}"
         self.set_result = f"UPDATE `{t}` SET result = %(result)s WHERE {_WHO} AND token = %(token)s"
+        self.held = f"SELECT 1 FROM `{t}` WHERE {_WHO} AND token = %(token)s"
         self.get = f"SELECT {_COLUMNS} FROM `{t}` WHERE {_WHO} AND expires_ms > {now}"
         self.forget = f"DELETE FROM `{t}` WHERE {_WHO}"
         self.forget_token = f"DELETE FROM `{t}` WHERE {_WHO} AND token = %(token)s"
