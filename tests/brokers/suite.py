@@ -30,6 +30,7 @@ import pytest
 import redis.asyncio
 
 import oncely
+from oncely._core.observe import key_for_logs
 from oncely.brokers import (
     Backoff,
     BrokerConsumer,
@@ -1073,6 +1074,54 @@ class BrokerSuite:
         if self.redelivers_on_connection_loss:
             assert worker.counts["settle_failed"] >= 1  # the stale delivery's ack
         assert await self.dead_letters() == []
+        await self.assert_settled()
+
+    async def test_r16_each_line_has_the_correlation_id_and_the_key_as_the_inbox_shows_it(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """R16: the consumer's line for each message carries its correlation id, and shows
+        its key as the inbox's own lines do: with ``log_keys="hash"`` (a key that is personal
+        data) no line says the key itself. A message given back because the store failed
+        (it has no outcome) is logged with its key and correlation id too."""
+        where = unique("inbox")
+        self.after(lambda: _drop_redis_prefix(where))
+        async with Proxy(f"{REDIS_URL}?prefix={where}") as relay:
+            store = oncely.AsyncRedisStore.from_url(relay.url)
+            self.after(store.aclose)
+            inbox = oncely.AsyncInbox(store, consumer=self.group, log_keys="hash")
+            self.after(inbox.aclose)
+            worker = self.consumer(self.apply, inbox=inbox)
+            with caplog.at_level("INFO", logger="oncely"):
+                async with running(worker):
+                    await self.publish("alice@example.com", correlation_id="corr-1")
+                    await wait_until(lambda: worker.counts["processed"] == 1, what="the first")
+                    relay.refusing = True
+                    relay.cut()
+                    await self.publish("bob@example.com", correlation_id="corr-2")
+                    await wait_until(
+                        lambda: worker.counts["store_unavailable"] >= 1, what="the outage"
+                    )
+                    relay.refusing = False
+                    await wait_until(lambda: worker.counts["processed"] == 2, what="the second")
+        ours = [r for r in caplog.records if r.name.startswith("oncely")]
+        for record in ours:
+            fields = {k: v for k, v in vars(record).items() if k.startswith("oncely_")}
+            assert "@example.com" not in record.getMessage() + str(fields), record.getMessage()
+        alice, bob = (key_for_logs(k, "hash") for k in ("alice@example.com", "bob@example.com"))
+        consumer_lines = [r for r in ours if r.name == "oncely.broker"]
+        named = {
+            (key, getattr(r, "oncely_outcome", "store_unavailable"), correlation_id)
+            for r in consumer_lines
+            for key, correlation_id in zip(
+                getattr(r, "oncely_keys", [getattr(r, "oncely_key", None)]),
+                getattr(r, "oncely_correlation_ids", [getattr(r, "oncely_correlation_id", None)]),
+                strict=True,
+            )
+        }
+        assert (alice, "processed", "corr-1") in named
+        assert (bob, "store_unavailable", "corr-2") in named
+        assert (bob, "processed", "corr-2") in named
+        assert self.ledger.counts() == {"alice@example.com": 1, "bob@example.com": 1}
         await self.assert_settled()
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
+from oncely._core.observe import key_for_logs
 from oncely._core.records import Status
 from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
@@ -100,7 +101,9 @@ class Processor(Protocol):
 
     # Optional: ``async def prepare(self) -> None``, awaited once by BrokerConsumer.run before
     # the broker is read (InboxProcessor's checks the store). Not part of the protocol, so that
-    # a processor written before it still is one.
+    # a processor written before it still is one. Optional too: ``log_keys`` ("plain" or
+    # "hash", how the consumer's log lines show keys) and ``key_of(envelope) -> str | None``
+    # (the key of a message the store failed on, for its log line; else its message id).
 
 
 class InboxProcessor:
@@ -154,6 +157,21 @@ class InboxProcessor:
     @property
     def consumer(self) -> str:
         return self.inbox.consumer
+
+    @property
+    def log_keys(self) -> Literal["plain", "hash"]:
+        """How the inbox shows keys in its log lines; the consumer's lines follow it."""
+        return self.inbox.log_keys
+
+    def key_of(self, envelope: Envelope) -> str | None:
+        """The key ``envelope`` is claimed under, for a log line about a message that has no
+        outcome (the store failed); None when it has none."""
+        source = self._key if self._key is not None else MessageIdKey()
+        try:
+            key = source(envelope)
+        except Exception:
+            return None
+        return key if isinstance(key, str) and key and not escaped(key) else None
 
     async def prepare(self) -> None:
         """Connect to the store and check its schema (and, with ``store_offsets``, make the
@@ -430,6 +448,9 @@ class BrokerConsumer:
         self.counts: Counter[str] = Counter()
         self._decode = decode
         self._log = logger if logger is not None else LOGGER
+        self._log_keys: Literal["plain", "hash"] = getattr(self.processor, "log_keys", "plain")
+        """How keys show in this consumer's log lines: as the inbox shows them in its own
+        (``log_keys="hash"`` keeps a key that is personal data out of every line)."""
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
@@ -774,13 +795,23 @@ class BrokerConsumer:
                 raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += len(left)
+            named = [self._named(d) for d in left.values()]
             self._log.error(
                 "oncely broker=%s could not process a batch of %d messages (%s: %s); they are "
-                "given back and will be redelivered",
+                "given back and will be redelivered keys=%s",
                 self.transport.name,
                 len(left),
                 type(exc).__name__,
                 exc,
+                ",".join("None" if key is None else printable(key) for key, _ in named),
+                extra={
+                    "oncely_broker": self.transport.name,
+                    "oncely_broker_action": "retry",
+                    "oncely_keys": [key for key, _ in named],
+                    "oncely_correlation_ids": [correlation_id for _, correlation_id in named],
+                    "oncely_consumer": self.processor.consumer,
+                    "oncely_reason": f"{type(exc).__name__}: {exc}",
+                },
             )
             backoff = self.settings.backoff
             await asyncio.gather(
@@ -981,20 +1012,51 @@ class BrokerConsumer:
             raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += 1
-            self._log.error(
-                "oncely broker=%s could not process a message (%s: %s); it is given back "
-                "and will be redelivered%s",
-                self.transport.name,
-                type(exc).__name__,
-                exc,
-                _fields(delivery.describe()),
-            )
+            self._could_not_process(delivery, exc)
             await self._settle_quietly(
                 self._give_back(delivery, self.settings.backoff.delay(delivery.delivery_count)),
                 delivery,
                 "retry",
             )
             return None
+
+    def _could_not_process(self, delivery: Delivery, exc: Exception) -> None:
+        """Log a message given back without an outcome (the store failed) with its key and
+        correlation id, as every message's line has them (R16)."""
+        key, correlation_id = self._named(delivery)
+        transport = delivery.describe()
+        self._log.error(
+            "oncely broker=%s could not process a message (%s: %s); it is given back "
+            "and will be redelivered key=%s correlation_id=%s%s",
+            self.transport.name,
+            type(exc).__name__,
+            exc,
+            None if key is None else printable(key),
+            None if correlation_id is None else printable(correlation_id),
+            _fields(transport),
+            extra={
+                "oncely_broker": self.transport.name,
+                "oncely_broker_action": "retry",
+                "oncely_key": key,
+                "oncely_correlation_id": correlation_id,
+                "oncely_consumer": self.processor.consumer,
+                "oncely_deliveries": delivery.delivery_count,
+                "oncely_transport": dict(transport),
+                "oncely_reason": f"{type(exc).__name__}: {exc}",
+            },
+        )
+
+    def _named(self, delivery: Delivery) -> tuple[str | None, str | None]:
+        """The key (as this consumer's lines show keys) and the correlation id of a delivery
+        that has no outcome to carry them."""
+        envelope = delivery.envelope
+        key_of = getattr(self.processor, "key_of", None)
+        message_id = envelope.message_id
+        if key_of is not None:
+            key = key_of(envelope)
+        else:
+            key = message_id if message_id and not escaped(message_id) else None
+        return key_for_logs(key, self._log_keys), envelope.correlation_id
 
     def _not_cancelled(self, delivery: Delivery) -> Handled[Any]:
         """The ``failed`` outcome of a delivery whose handler raised CancelledError while
@@ -1116,13 +1178,16 @@ class BrokerConsumer:
         level = logging.ERROR if how == "dead_letter" else handled.log_level
         if self._log.isEnabledFor(level):
             transport = delivery.describe()
+            key = key_for_logs(handled.key, self._log_keys)
+            correlation_id = handled.correlation_id
             self._log.log(
                 level,
-                "oncely broker=%s outcome=%s action=%s key=%s deliveries=%s%s%s",
+                "oncely broker=%s outcome=%s action=%s key=%s correlation_id=%s deliveries=%s%s%s",
                 self.transport.name,
                 handled.outcome.value,
                 how,
-                None if handled.key is None else printable(handled.key),
+                None if key is None else printable(key),
+                None if correlation_id is None else printable(correlation_id),
                 count,
                 _fields(transport),
                 f" reason={printable(handled.reason)}" if handled.reason else "",
@@ -1130,7 +1195,8 @@ class BrokerConsumer:
                     "oncely_broker": self.transport.name,
                     "oncely_outcome": handled.outcome.value,
                     "oncely_broker_action": how,
-                    "oncely_key": handled.key,
+                    "oncely_key": key,
+                    "oncely_correlation_id": correlation_id,
                     "oncely_consumer": handled.consumer,
                     "oncely_deliveries": count,
                     "oncely_transport": dict(transport),

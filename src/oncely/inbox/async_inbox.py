@@ -340,6 +340,12 @@ class AsyncInbox:
         """How long this inbox keeps records (R13)."""
         return self._retention
 
+    @property
+    def log_keys(self) -> Literal["plain", "hash"]:
+        """How keys show in its log lines (``"hash"``: a digest, never the key): a consumer
+        that logs its messages' keys shows them the same way (R16)."""
+        return self._rules.observer.log_keys
+
     def refuse(
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None
     ) -> Handled[Any]:
