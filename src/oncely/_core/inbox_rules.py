@@ -19,12 +19,13 @@ from oncely._core.codec import Codec
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.flows import Step
 from oncely._core.keys import Envelope, KeySource, MessageIdKey, validate_key
-from oncely._core.observe import Observer
+from oncely._core.observe import Observer, key_for_logs
 from oncely._core.outcomes import Handled, Outcome, Released, new_handled
 from oncely._core.policy import Limits
 from oncely._core.records import Claim, Record, new_record
 from oncely._core.said import said
 from oncely.errors import LeaseLost, PayloadError, ResultTooLarge
+from oncely.wire import printable
 
 __all__ = [
     "InboxRules",
@@ -103,6 +104,11 @@ class InboxRules:
         self.limits = limits
         self.codec = codec
         self.observer = observer
+
+    def shown(self, key: str) -> str:
+        """``key`` as a reason that is logged may say it: as the log lines show keys (a
+        digest with ``log_keys="hash"``), escaped."""
+        return printable(key_for_logs(key, self.observer.log_keys) or "")
 
     def refuse(
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None

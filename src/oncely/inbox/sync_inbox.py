@@ -91,7 +91,6 @@ from oncely.stores.sync_protocols import (
     TransactionalStore,
     complete_each,
 )
-from oncely.wire import printable
 
 __all__ = ["Claimed", "Inbox"]
 
@@ -542,8 +541,9 @@ class Inbox:
                 if step is Step.IN_FLIGHT and groups is not None:
                     blocked.setdefault(
                         group,
-                        f"held back: the earlier message with key {printable(claim.record.key)} "
-                        "of its group is held elsewhere, and the group's order is kept",
+                        "held back: the earlier message with key "
+                        f"{self._rules.shown(claim.record.key)} of its group is held elsewhere, "
+                        "and the group's order is kept",
                     )
         return runs, copies
 
@@ -1513,8 +1513,9 @@ class _BatchRun(Generic[R]):
             outcome = results[i]
             if outcome is not None and outcome.outcome is Outcome.FAILED:
                 held_back = (
-                    f"held back: the earlier message with key {printable(record.key)} of its "
-                    "group failed, and the group's order is kept"
+                    "held back: the earlier message with key "
+                    f"{inbox._rules.shown(record.key)} of its group failed, and the group's "
+                    "order is kept"
                 )
 
 

@@ -249,6 +249,34 @@ class InboxContract(ContractBase):
         assert "secret-card-4111" not in " ".join(caplog.text.split())
         assert any(isinstance(k, str) and k.startswith("h:") for k in logged)
 
+    def test_r16_hashed_keys_stay_hashed_in_the_reasons_of_held_back_messages(
+        self, store: Store, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A batch's message held back behind an earlier one of its group (held elsewhere,
+        or failed) is ``in_flight`` with a reason that names that earlier key: with
+        ``log_keys="hash"`` as the log lines show it, never the key itself."""
+
+        def handler(payload: dict[str, str]) -> None:
+            if payload["k"] == "secret-card-2":
+                raise RuntimeError("declined")
+
+        caplog.set_level(logging.INFO, logger="oncely")
+        inbox = Inbox(store, consumer="billing", log_keys="hash")
+        other = Inbox(store, consumer="billing")
+        held = other.claim("secret-card-1", {"k": "secret-card-1"})
+        assert held.won
+        items = [(k, {"k": k}) for k in ("secret-card-1", "later-1", "secret-card-2", "later-2")]
+        done = inbox.handle_batch(items, handler, groups=["a", "a", "b", "b"])
+        assert [d.outcome for d in done] == [
+            Outcome.IN_FLIGHT,
+            Outcome.IN_FLIGHT,
+            Outcome.FAILED,
+            Outcome.IN_FLIGHT,
+        ]
+        assert all("secret-card" not in (d.reason or "") for d in done), done
+        assert "secret-card" not in caplog.text
+        held.release()
+
     def test_call_style_api_runs_once_and_raises_on_conflict(self, inbox: Inbox) -> None:
         runs: list[int] = []
 
