@@ -45,7 +45,7 @@ from time import perf_counter, time
 from typing import Any, Generic, Literal, ParamSpec, Self, TypeAlias, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.context import _CURRENT
+from oncely._core.context import _CURRENT, downstream_key
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
@@ -1675,6 +1675,16 @@ class AsyncClaimed(Generic[R]):
         """Whether the claim was taken over from an earlier attempt whose lease lapsed (its
         effects may have happened: check before doing them again)."""
         return self._claim is not None and self._claim.status is ClaimStatus.TAKEN_OVER
+
+    def downstream_key(self, step: str = "") -> str:
+        """The idempotency key to pass on to a service this work calls (R17): the one a
+        handler of this key gets from ``oncely.handling().downstream_key(step)``, and a
+        reconciler from ``StaleClaim.downstream_key(step)``, the same on every attempt.
+        :class:`LookupError` for a claim refused before it had a key."""
+        key = self.key
+        if key is None:
+            raise LookupError("this claim was refused before it had a key: nothing to pass on")
+        return downstream_key(self._inbox.consumer, key, step)
 
     def _holding(self, ending: str) -> Claim:
         claim = self._claim

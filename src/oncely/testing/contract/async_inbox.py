@@ -12,7 +12,7 @@ from decimal import Decimal
 import pytest
 
 from oncely._core.clock import FakeClock
-from oncely._core.context import current
+from oncely._core.context import current, handling
 from oncely._core.keys import CloudEventsKey, Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.policy import Limits
@@ -232,6 +232,33 @@ class InboxContract(ContractBase):
         await other.forget("k")
         await other.handle("k", {"a": 1}, handler)
         assert seen[1][4] == downstream  # the same on every attempt and redelivery
+
+    async def test_r17_a_manual_claim_passes_on_the_handlers_downstream_key(
+        self, inbox: AsyncInbox
+    ) -> None:
+        """Work done under :meth:`AsyncInbox.claim` (no handler, so no ``handling()``) passes
+        on the key a handler of the same key would, on every attempt, and a reconciler of a
+        claim that lapsed finds it (R17)."""
+        keys: list[str] = []
+
+        async def handler(payload: object) -> None:
+            keys.append(handling().downstream_key("charge"))
+
+        await inbox.handle("by-handler", {"a": 1}, handler)
+        claimed = await inbox.claim("by-handler-2", {"a": 1})
+        first = claimed.downstream_key("charge")
+        await claimed.release()
+        again = await inbox.claim("by-handler-2", {"a": 1})
+        assert again.downstream_key("charge") == first
+        assert first != again.downstream_key("email")
+        await again.complete(None)
+        copy = await inbox.claim("by-handler-2", {"a": 1})
+        assert not copy.won and copy.downstream_key("charge") == first
+        await inbox.forget("by-handler")
+        manual = await inbox.claim("by-handler", {"a": 1})
+        assert manual.downstream_key("charge") == keys[0]
+        assert manual.downstream_key("charge") != first
+        await manual.release()
 
     async def test_r16_every_outcome_is_logged_with_its_fields(
         self, inbox: AsyncInbox, caplog: pytest.LogCaptureFixture
