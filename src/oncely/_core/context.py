@@ -6,7 +6,7 @@ import hashlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["Current", "current", "downstream_key", "handling"]
+__all__ = ["Current", "current", "downstream_key", "handling", "outer_correlation_id"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +59,10 @@ def handling() -> Current:
             "running has a message (oncely.current() returns None there instead)"
         )
     return Current(*fields)
+
+
+def outer_correlation_id() -> str | None:
+    """The correlation id of the message whose handler is running, or ``None``: what a call
+    made inside it without a correlation id of its own is logged with (R16)."""
+    fields = _CURRENT.get()
+    return None if fields is None else fields[3]

@@ -45,7 +45,7 @@ from time import perf_counter, time
 from typing import Any, Generic, Literal, ParamSpec, Self, TypeAlias, TypeVar, cast
 
 from oncely._core.codec import Codec, JSONCodec
-from oncely._core.context import _CURRENT, downstream_key
+from oncely._core.context import _CURRENT, downstream_key, outer_correlation_id
 from oncely._core.fingerprint import Fingerprinter
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
@@ -389,6 +389,8 @@ class AsyncInbox:
         back ``in_flight`` too.
         """
         started = perf_counter()
+        if correlation_id is None:
+            correlation_id = outer_correlation_id()
         entries = [(key, payload, correlation_id) for key, payload in items]
         return await self._batch(entries, handler, groups, concurrency, stop, started)
 
@@ -1001,9 +1003,14 @@ class AsyncInbox:
 
         With ``wait``, a caller that is not a broker waits up to that long for an in-flight
         claim to finish and receives its result (or takes over its work if it is released).
+
+        Without ``correlation_id``, a call made inside another handler (an ``@idempotent``
+        function that handler calls) is logged with that handler's message's (R16).
         """
         self._refuse_async(handler)
         started = perf_counter()
+        if correlation_id is None:
+            correlation_id = outer_correlation_id()
         got = await self._acquire(key, payload, correlation_id, wait, started)
         if isinstance(got, Claim):
             return await self._run(got, payload, handler, correlation_id, started)
@@ -1028,8 +1035,11 @@ class AsyncInbox:
         that :meth:`handle` would have returned without running anything: ``duplicate`` with
         the stored result, ``in_flight``, ``key_conflict``, ``rejected``, ``escalated``.
         As an ``async with`` block, a block that raises gives the claim back (a
-        :class:`~oncely.Reject` rejects it), and one that ends without an ending releases it."""
+        :class:`~oncely.Reject` rejects it), and one that ends without an ending releases it.
+        Without ``correlation_id``, one made inside a handler takes its message's."""
         started = perf_counter()
+        if correlation_id is None:
+            correlation_id = outer_correlation_id()
         got = await self._acquire(key, payload, correlation_id, wait, started)
         if isinstance(got, Claim):
             return AsyncClaimed(self, got, correlation_id, started)
@@ -1364,6 +1374,7 @@ class AsyncInbox:
         """
         self._refuse_async(handler)
         started = perf_counter()
+        correlation_id = correlation_id if correlation_id is not None else outer_correlation_id()
         try:
             checked = validate_key(key, self._limits)
             fp = self._fingerprint(payload)

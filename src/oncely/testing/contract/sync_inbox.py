@@ -274,6 +274,37 @@ class InboxContract(ContractBase):
         assert "secret-card-4111" not in " ".join(caplog.text.split())
         assert any(isinstance(k, str) and k.startswith("h:") for k in logged)
 
+    def test_r16_a_call_inside_a_handler_keeps_its_messages_correlation_id(
+        self, inbox: Inbox, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """An ``@idempotent`` function a handler calls (and a nested ``handle``) has no
+        correlation id of its own: its outcome is logged, and handed to hooks, with the one of
+        the message being handled, so the message can be followed through it. One given
+        explicitly wins; outside a handler there is none."""
+        caplog.set_level(logging.INFO, logger="oncely")
+
+        @inbox.idempotent(key=lambda order_id: f"refund:{order_id}")
+        def refund(order_id: str) -> str:
+            return order_id
+
+        def handler(payload: dict[str, str]) -> None:
+            refund(payload["order"])
+            inbox.handle("mail:" + payload["order"], {}, Calls(), correlation_id="own")
+
+        inbox.handle("msg-1", {"order": "o-1"}, handler, correlation_id="corr-1")
+        refund("o-2")
+        logged = {
+            getattr(r, "oncely_key", None): getattr(r, "oncely_correlation_id", None)
+            for r in caplog.records
+            if r.name == "oncely"
+        }
+        assert logged == {
+            "refund:o-1": "corr-1",
+            "mail:o-1": "own",
+            "msg-1": "corr-1",
+            "refund:o-2": None,
+        }
+
     def test_r16_hashed_keys_stay_hashed_in_the_reasons_of_held_back_messages(
         self, store: Store, caplog: pytest.LogCaptureFixture
     ) -> None:
