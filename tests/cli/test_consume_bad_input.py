@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from oncely._core.observe import key_for_logs
 from tests.brokers.common import remove_destinations, unique
 from tests.brokers.foreign import publish_amqp
 from tests.services import RABBITMQ_URL, require
@@ -125,6 +126,31 @@ def test_r16_a_result_not_stored_shows_at_log_level_warning(tmp_path: Path) -> N
     assert any(
         line["level"] == "error" and "result not stored" in line["message"] for line in lines
     )
+
+
+def test_r16_log_keys_hash_keeps_keys_out_of_every_line(tmp_path: Path) -> None:
+    """Keys that are personal data: ``--log-keys hash`` logs a digest of each key on every
+    line (the outcome lines, a key conflict's too), with the message's correlation id."""
+    err, done = _consume(
+        tmp_path,
+        [
+            (b'{"order": 3}', {"message_id": "alice@example.com", "correlation_id": "corr-a"}),
+            (b'{"order": 4}', {"message_id": "alice@example.com", "correlation_id": "corr-b"}),
+        ],
+        "--log-format",
+        "json",
+        "--log-keys",
+        "hash",
+        settled=1,
+    )
+    assert done == [{"order": 3}]
+    assert "alice@example.com" not in err
+    outcome = [line for line in _json_lines(err) if line.get("broker_action")]
+    assert sorted((line["outcome"], line["correlation_id"]) for line in outcome) == [
+        ("key_conflict", "corr-b"),
+        ("processed", "corr-a"),
+    ]
+    assert {line["key"] for line in outcome} == {key_for_logs("alice@example.com", "hash")}
 
 
 def test_the_key_and_body_limits_are_flags(tmp_path: Path) -> None:

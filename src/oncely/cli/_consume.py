@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import click
 
@@ -288,6 +288,14 @@ broker_options = _options(
         default="info",
         show_default=True,
     ),
+    click.option(
+        "--log-keys",
+        type=click.Choice(["plain", "hash"]),
+        default="plain",
+        show_default=True,
+        help="hash: log a digest of each key (h:<hex>), never the key itself (keys that are "
+        "personal data).",
+    ),
 )
 """The options of every consume command: the broker, the key, the limits, the horizon and
 the logs (``oncely consume`` and ``manage.py oncely consume`` add how the handler runs)."""
@@ -302,6 +310,7 @@ class Consumption:
     limits: oncely.Limits
     retention: oncely.Retention
     logger: logging.Logger
+    log_keys: Literal["plain", "hash"] = "plain"
 
 
 def read_consumption(options: Mapping[str, Any]) -> Consumption:
@@ -328,7 +337,8 @@ def read_consumption(options: Mapping[str, Any]) -> Consumption:
     # would repeat it, so only its other lines are shown.
     quiet = logging.getLogger("oncely.cli.inbox")
     quiet.addFilter(_NotOutcomes())
-    return Consumption(options["consumer"], key, limits, keep, quiet)
+    log_keys: Literal["plain", "hash"] = options.get("log_keys") or "plain"
+    return Consumption(options["consumer"], key, limits, keep, quiet, log_keys)
 
 
 def run_consumer(
@@ -471,6 +481,7 @@ def consume(
             store,
             consumer=run.consumer,
             logger=run.logger,
+            log_keys=run.log_keys,
             limits=run.limits,
             retention=run.retention,
             on_stale=stale_policy,

@@ -68,6 +68,7 @@ def consume_command(using: str) -> click.Command:
                 run.consumer,
                 using=using,
                 logger=run.logger,
+                log_keys=run.log_keys,
                 limits=run.limits,
                 retention=run.retention,
             )

@@ -10,7 +10,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from django.db import close_old_connections
 
@@ -56,6 +56,11 @@ class AtomicProcessor:
     @property
     def consumer(self) -> str:
         return self.inbox.consumer
+
+    @property
+    def log_keys(self) -> Literal["plain", "hash"]:
+        """How the inbox shows keys in its log lines; the consumer's lines follow it."""
+        return self.inbox.log_keys
 
     async def prepare(self) -> None:
         """Check the store on a worker thread, with that thread's Django connection, before
