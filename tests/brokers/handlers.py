@@ -46,3 +46,16 @@ def reconcile_by_key(stale: oncely.StaleClaim) -> oncely.Resolution:
     if stale.record.key.startswith("sent-"):
         return oncely.Resolution.completed({"found": stale.record.key})
     return oncely.Resolution.escalate(f"no trace of {stale.record.key}")
+
+
+def note_outcome(handled: oncely.Handled[Any]) -> None:
+    """A metrics hook (``--hook``): each outcome, key and correlation id is a line in the file
+    named by ``ONCELY_TEST_HOOKS``."""
+    with open(os.environ["ONCELY_TEST_HOOKS"], "a") as out:
+        line = [handled.outcome.value, handled.key, handled.correlation_id]
+        out.write(json.dumps(line) + "\n")
+
+
+def broken_hook(handled: oncely.Handled[Any]) -> None:
+    """A hook whose exporter is down: it raises for every outcome."""
+    raise RuntimeError("metrics exporter down")

@@ -153,6 +153,81 @@ def test_r16_log_keys_hash_keeps_keys_out_of_every_line(tmp_path: Path) -> None:
     assert {line["key"] for line in outcome} == {key_for_logs("alice@example.com", "hash")}
 
 
+def test_r16_hooks_receive_every_outcome_and_a_failing_one_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--hook`` (repeatable) hands every outcome to a function of the user's, for metrics
+    (R16: a count of duplicates): a hook that raises is logged, and neither stops the
+    consumer nor changes any message's outcome or the hooks after it."""
+    hooks = tmp_path / "hooks.jsonl"
+    hooks.touch()
+    monkeypatch.setenv("ONCELY_TEST_HOOKS", str(hooks))
+    err, done = _consume(
+        tmp_path,
+        [
+            (b'{"order": 5}', {"message_id": "h-1", "correlation_id": "c-1"}),
+            (b'{"order": 5}', {"message_id": "h-1", "correlation_id": "c-2"}),
+            (b'{"order": 6}', {"message_id": "h-1", "correlation_id": "c-3"}),
+            (b'{"order": 7}', {"message_id": "h-2", "correlation_id": "c-4"}),
+        ],
+        "--log-format",
+        "json",
+        "--hook",
+        "tests.brokers.handlers:broken_hook",
+        "--hook",
+        "tests.brokers.handlers:note_outcome",
+        settled=2,
+    )
+    assert sorted(json.dumps(d) for d in done) == ['{"order": 5}', '{"order": 7}']
+    seen = sorted(tuple(json.loads(line)) for line in hooks.read_text().splitlines())
+    assert seen == [
+        ("duplicate", "h-1", "c-2"),
+        ("key_conflict", "h-1", "c-3"),
+        ("processed", "h-1", "c-1"),
+        ("processed", "h-2", "c-4"),
+    ]
+    lines = _json_lines(err)
+    failures = [line for line in lines if "metrics exporter down" in line.get("error", "")]
+    assert len(failures) == 4 and all(line["level"] == "error" for line in failures)
+    outcome = [line for line in lines if line.get("broker_action")]
+    assert sorted(line["outcome"] for line in outcome) == [
+        "duplicate",
+        "key_conflict",
+        "processed",
+        "processed",
+    ]
+
+
+def test_an_async_hook_is_refused_at_start(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oncely.cli",
+            "consume",
+            "--broker",
+            RABBITMQ_URL,
+            "--source",
+            unique("cli_hook"),
+            "--handler",
+            "tests.brokers.handlers:record",
+            "--store",
+            f"sqlite:///{tmp_path / 'inbox.db'}",
+            "--consumer",
+            "cli-hook",
+            "--hook",
+            "tests.brokers.handlers:record",
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--hook" in done.stderr and "plain def" in done.stderr
+
+
 def test_the_key_and_body_limits_are_flags(tmp_path: Path) -> None:
     long_key = "k" * 40
     messages = [

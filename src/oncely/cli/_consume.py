@@ -38,7 +38,7 @@ from oncely.brokers import (
 )
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
-from oncely.cli._loading import load_attribute, load_reconciler
+from oncely.cli._loading import load_attribute, load_hooks, load_reconciler
 from oncely.cli._stores import store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
@@ -289,6 +289,15 @@ broker_options = _options(
         show_default=True,
     ),
     click.option(
+        "--hook",
+        "hook_specs",
+        multiple=True,
+        metavar="MODULE:FUNCTION",
+        help="Call FUNCTION(handled) with every outcome (oncely.Handled), for metrics: a plain "
+        "def that returns at once; what it raises is logged, never the message's concern. "
+        "Repeatable.",
+    ),
+    click.option(
         "--log-keys",
         type=click.Choice(["plain", "hash"]),
         default="plain",
@@ -311,6 +320,7 @@ class Consumption:
     retention: oncely.Retention
     logger: logging.Logger
     log_keys: Literal["plain", "hash"] = "plain"
+    hooks: tuple[Callable[[Any], None], ...] = ()
 
 
 def read_consumption(options: Mapping[str, Any]) -> Consumption:
@@ -338,7 +348,8 @@ def read_consumption(options: Mapping[str, Any]) -> Consumption:
     quiet = logging.getLogger("oncely.cli.inbox")
     quiet.addFilter(_NotOutcomes())
     log_keys: Literal["plain", "hash"] = options.get("log_keys") or "plain"
-    return Consumption(options["consumer"], key, limits, keep, quiet, log_keys)
+    hooks = load_hooks(tuple(options.get("hook_specs") or ()))
+    return Consumption(options["consumer"], key, limits, keep, quiet, log_keys, hooks)
 
 
 def run_consumer(
@@ -482,6 +493,7 @@ def consume(
             consumer=run.consumer,
             logger=run.logger,
             log_keys=run.log_keys,
+            hooks=run.hooks,
             limits=run.limits,
             retention=run.retention,
             on_stale=stale_policy,

@@ -13,7 +13,7 @@ from typing import Any
 from oncely import Resolution, StaleClaim
 from oncely.cli._errors import USAGE, CliError
 
-__all__ = ["Reconciler", "load_attribute", "load_reconciler"]
+__all__ = ["Reconciler", "load_attribute", "load_hooks", "load_reconciler"]
 
 
 def load_attribute(spec: str, option: str) -> Any:
@@ -80,3 +80,21 @@ class Reconciler:
 def load_reconciler(spec: str | None) -> Reconciler | None:
     """The reconciler ``--reconciler`` names, or None when it is not given."""
     return None if spec is None else Reconciler(spec)
+
+
+def load_hooks(specs: tuple[str, ...]) -> tuple[Callable[[Any], None], ...]:
+    """The hooks ``--hook MODULE:FUNCTION`` names: plain functions, called with every
+    outcome (an ``async def`` would never run, so it is refused)."""
+    hooks = []
+    for spec in specs:
+        target = load_attribute(spec, "--hook")
+        if not callable(target):
+            raise CliError(f"--hook {spec!r} is not callable", USAGE)
+        if inspect.iscoroutinefunction(target):
+            raise CliError(
+                f"--hook {spec!r} must be a plain def: it is called with every outcome and "
+                "must return at once (an async def would never run)",
+                USAGE,
+            )
+        hooks.append(target)
+    return tuple(hooks)

@@ -69,6 +69,7 @@ def consume_command(using: str) -> click.Command:
                 using=using,
                 logger=run.logger,
                 log_keys=run.log_keys,
+                hooks=run.hooks,
                 limits=run.limits,
                 retention=run.retention,
             )
