@@ -543,6 +543,50 @@ async def test_r16_the_handlers_own_ack_and_reject_keep_their_meaning() -> None:
     assert all("RejectMessage" in h["x-oncely-reason"] for h in dead)
 
 
+async def test_r16_each_line_has_the_correlation_id_and_the_key_as_the_inbox_shows_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The middleware's line for each message carries its correlation id, and shows its key
+    as the inbox's own lines do: with ``log_keys="hash"`` no line says the key itself."""
+    from faststream.rabbit import RabbitBroker, TestRabbitBroker
+
+    import oncely
+    from oncely._core.observe import key_for_logs
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop", log_keys="hash")
+    broker = RabbitBroker(middlewares=[Idempotency(inbox)])
+
+    @broker.subscriber("orders")
+    async def order(body: dict[str, int]) -> None:
+        pass
+
+    caplog.set_level("INFO", logger="oncely")
+    async with TestRabbitBroker(broker) as test:
+        for n, corr in ((1, "corr-1"), (1, "corr-2"), (2, "corr-3")):
+            await test.publish(
+                {"n": n}, "orders", message_id="bob@example.com", correlation_id=corr
+            )
+    assert "bob@example.com" not in caplog.text
+    outcomes = {
+        (
+            r.name,
+            getattr(r, "oncely_outcome", None),
+            getattr(r, "oncely_key", None),
+            getattr(r, "oncely_correlation_id", None),
+        )
+        for r in caplog.records
+        if hasattr(r, "oncely_outcome")
+    }
+    hashed = key_for_logs("bob@example.com", "hash")
+    assert outcomes == {
+        ("oncely", "processed", hashed, "corr-1"),
+        ("oncely", "duplicate", hashed, "corr-2"),
+        ("oncely", "key_conflict", hashed, "corr-3"),
+        ("oncely.faststream", "key_conflict", hashed, "corr-3"),  # with its broker action
+    }
+
+
 @pytest.mark.timeout(180)
 def test_r1_r4_several_worker_processes_share_the_queue_each_message_once(
     store: str, tmp_path: Path

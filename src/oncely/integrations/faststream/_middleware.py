@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hasha
 from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 try:
     from fast_depends.exceptions import ValidationError as BindingError
@@ -27,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.context import current
+from oncely._core.observe import key_for_logs
 from oncely._core.outcomes import Action, Handled, Outcome, Released
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
@@ -188,6 +189,11 @@ class Idempotency:
                 "taken off the broker and dropped unprocessed)"
             )
 
+    def _shown_key(self, queue: str | None, key: str) -> str:
+        """``key`` as the inbox of ``queue`` shows keys in its log lines."""
+        inbox = self._inbox_for(queue)
+        return key_for_logs(key, inbox.log_keys if inbox is not None else "plain") or ""
+
     def _inbox_for(self, queue: str | None) -> AsyncInbox | None:
         if self._every is not None:
             return self._every
@@ -271,19 +277,13 @@ class Idempotency:
                 )
         except Exception as exc:  # the store failed: given back, never run unprotected
             count = delivery.envelope.delivery_count
-            LOGGER.error(
-                "oncely faststream source=%s could not process a message (%s: %s); it is "
-                "given back and will be redelivered",
-                source,
-                type(exc).__name__,
-                exc,
-            )
+            _could_not_process(source, inbox, self._read_key, delivery.envelope, exc)
             await self._give_back(adapter, held, self.backoff.delay(count))
             raise AckMessage() from None
         if handled.outcome in (Outcome.PROCESSED, Outcome.STALE_RECLAIMED, Outcome.DUPLICATE):
             self._acknowledged(scope, adapter, held, (inbox.consumer, handled.key or ""))
             if handled.outcome is Outcome.DUPLICATE:
-                return _first_result(handled, call_next, source)
+                return _first_result(handled, call_next, source, inbox.log_keys)
             return handled.value
         await self._settle(adapter, held, delivery.envelope, handled, inbox.consumer)
         raise AckMessage()  # settled here: FastStream publishes nothing and acks nothing
@@ -437,18 +437,8 @@ class Idempotency:
             finally:
                 adapter.settled(held)
         level = logging.ERROR if how.startswith(("dead_letter", "requeue (")) else handled.log_level
-        LOGGER.log(
-            level,
-            "oncely faststream source=%s outcome=%s action=%s key=%s deliveries=%s%s",
-            held.source,
-            handled.outcome.value,
-            how,
-            None if handled.key is None else printable(handled.key),
-            count,
-            f" reason={printable(shown)}"
-            if (shown := why.reason if why else handled.reason)
-            else "",
-        )
+        inbox = self._inbox_for(held.source)
+        _log_settled(level, held.source, inbox, handled, how, count, why, consumer)
 
     async def _give_back(self, adapter: Adapter, held: Settling, delay: timedelta) -> None:
         """Give the message back unrun (never a failure: a copy that met a running one, the
@@ -539,7 +529,7 @@ class _Scope(BaseMiddleware):
                 "oncely faststream source=%s key=%s could not publish its result (%s: %s); the "
                 "message is given back, and its redelivery publishes the stored result",
                 self.held.source,
-                printable(key),
+                printable(self.owner._shown_key(self.held.source, key)),
                 type(exc).__name__,
                 exc,
             )
@@ -579,12 +569,15 @@ def _raise_exit(code: int) -> NoReturn:
     raise SystemExit(code)
 
 
-def _first_result(handled: Handled[Any], call_next: Any, source: str) -> Any:
+def _first_result(
+    handled: Handled[Any], call_next: Any, source: str, log_keys: Literal["plain", "hash"]
+) -> Any:
     """What a duplicate publishes: the first result, rebuilt as the handler's return
     annotation (``bytes``, a ``datetime``, a model...), as FastStream published it the first
     time; the stored (JSON) form where there is none. A first result that was not kept is
-    published as nothing (``AckMessage``: acknowledged), never as an empty message."""
-    key = printable(handled.key or "")
+    published as nothing (``AckMessage``: acknowledged), never as an empty message. Its
+    line shows the key as the inbox shows keys (``log_keys``)."""
+    key = printable(key_for_logs(handled.key, log_keys) or "")
     try:
         value = first_result(handled, _handler_of(call_next), source)
     except ResultUnavailable:
@@ -743,3 +736,76 @@ def _reads_body(source: KeySource) -> bool:
     if isinstance(source, BusinessKey):
         return True
     return isinstance(source, FirstOf) and any(_reads_body(each) for each in source.sources)
+
+
+def _could_not_process(
+    source: str,
+    inbox: AsyncInbox,
+    read_key: Callable[[Envelope], str],
+    envelope: Envelope,
+    exc: Exception,
+) -> None:
+    """Log a message given back because the store failed, with its key (as the inbox shows
+    keys) and correlation id (R16)."""
+    try:
+        key: str | None = read_key(envelope)
+    except Exception:
+        key = None
+    key = key_for_logs(key, inbox.log_keys)
+    correlation_id = envelope.correlation_id
+    LOGGER.error(
+        "oncely faststream source=%s could not process a message (%s: %s); it is given back "
+        "and will be redelivered key=%s correlation_id=%s",
+        source,
+        type(exc).__name__,
+        exc,
+        None if key is None else printable(key),
+        None if correlation_id is None else printable(correlation_id),
+        extra={
+            "oncely_source": source,
+            "oncely_broker_action": "retry",
+            "oncely_key": key,
+            "oncely_correlation_id": correlation_id,
+            "oncely_consumer": inbox.consumer,
+            "oncely_deliveries": envelope.delivery_count,
+            "oncely_reason": f"{type(exc).__name__}: {exc}",
+        },
+    )
+
+
+def _log_settled(
+    level: int,
+    source: str,
+    inbox: AsyncInbox | None,
+    handled: Handled[Any],
+    how: str,
+    count: int | None,
+    why: DeadLetter | None,
+    consumer: str,
+) -> None:
+    """The one line per message: its outcome and broker action, its key as the inbox shows
+    keys, and its correlation id (R16)."""
+    key = key_for_logs(handled.key, inbox.log_keys if inbox is not None else "plain")
+    correlation_id = handled.correlation_id
+    shown = why.reason if why else handled.reason
+    LOGGER.log(
+        level,
+        "oncely faststream source=%s outcome=%s action=%s key=%s correlation_id=%s deliveries=%s%s",
+        source,
+        handled.outcome.value,
+        how,
+        None if key is None else printable(key),
+        None if correlation_id is None else printable(correlation_id),
+        count,
+        f" reason={printable(shown)}" if shown else "",
+        extra={
+            "oncely_source": source,
+            "oncely_outcome": handled.outcome.value,
+            "oncely_broker_action": how,
+            "oncely_key": key,
+            "oncely_correlation_id": correlation_id,
+            "oncely_consumer": consumer,
+            "oncely_deliveries": count,
+            "oncely_reason": shown,
+        },
+    )
