@@ -30,9 +30,20 @@ class Current:
 
 
 def downstream_key(consumer: str, key: str, step: str = "") -> str:
-    """The downstream idempotency key of ``(consumer, key)`` for ``step`` (R17)."""
-    raw = f"{consumer}\x1f{key}\x1f{step}".encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    """The downstream idempotency key of ``(consumer, key)`` for ``step`` (R17).
+
+    The three fields are joined by ``\\x1f``; a field that holds ``\\x1e`` or ``\\x1f`` has each
+    of them escaped with ``\\x1e`` first, so no two different triples give one key (a key
+    ``"k\\x1fx"`` with step ``"y"`` is not the key ``"k"`` with step ``"x\\x1fy"``), while a field
+    without them (every key seen in practice) is joined as it is and keeps its key."""
+    raw = "\x1f".join(_escaped(field) for field in (consumer, key, step))
+    return hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def _escaped(field: str) -> str:
+    if "\x1e" not in field and "\x1f" not in field:
+        return field
+    return field.replace("\x1e", "\x1e\x1e").replace("\x1f", "\x1e\x1f")
 
 
 # The inboxes set a plain tuple (consumer, key, attempt, correlation_id, mode): building the
