@@ -24,9 +24,11 @@ from oncely.brokers import (
     ConsumerSettings,
     DeadLetter,
     Delivery,
+    InboxProcessor,
     key_source,
 )
 from oncely.errors import ConfigurationError, SchemaMissing, StoreUnavailable
+from oncely.keys import Envelope
 from oncely.testing import MemoryBroker
 
 FAST = ConsumerSettings(
@@ -89,6 +91,35 @@ async def test_bad_messages_are_dead_lettered_with_their_reason(inbox: oncely.As
         assert message.headers["x-oncely-reason"] == message.why.reason
         assert message.headers["x-oncely-consumer"] == "orders"
     assert broker.outstanding == 0
+
+
+async def test_r16_a_cloudevent_whose_data_cannot_be_read_is_logged_with_its_key(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the payload read from a CloudEvent (``--payload data``), an event whose data
+    cannot be read is rejected and dead-lettered, and its lines name its key (R16), as every
+    other rejected message's do."""
+    from oncely.cloudevents import event_data
+
+    store = oncely.open_async(f"sqlite:///{tmp_path / 'inbox.db'}")
+    inbox = oncely.AsyncInbox(store, consumer="orders")
+    broker, effects = MemoryBroker(), Effects()
+    event = {"specversion": "1.0", "id": "e-1", "source": "/shop", "type": "order.paid"}
+    sent = json.dumps({**event, "data_base64": "not base64!"}).encode()
+    broker.publish(sent, content_type="application/cloudevents+json")
+    processor = InboxProcessor(
+        inbox, effects.apply, key=oncely.CloudEventsKey(), payload=event_data
+    )
+    consumer = BrokerConsumer(broker, processor, settings=FAST)
+    with caplog.at_level(logging.INFO, logger="oncely"):
+        await broker.run_until_idle(consumer)
+    await store.aclose()
+    assert consumer.counts == {"rejected": 1} and len(broker.dead) == 1
+    structured = {"content_type": "application/cloudevents+json"}
+    key = oncely.CloudEventsKey()(Envelope(body=sent, transport=structured))
+    lines = [r for r in caplog.records if getattr(r, "oncely_outcome", None) == "rejected"]
+    assert {r.name for r in lines} == {"oncely", "oncely.broker"}
+    assert all(getattr(r, "oncely_key", None) == key for r in lines), key
 
 
 async def test_a_rejected_poison_message_is_dead_lettered_and_stays_rejected(

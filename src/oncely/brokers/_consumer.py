@@ -199,7 +199,9 @@ class InboxProcessor:
                 data = self._payload(envelope)
             except Exception as exc:
                 return self.refuse(
-                    f"cannot read the payload: {exc}", correlation_id=envelope.correlation_id
+                    f"cannot read the payload: {exc}",
+                    key=self.key_of(envelope),
+                    correlation_id=envelope.correlation_id,
                 )
             key = _KeyOf(envelope, key if key is not None else MessageIdKey())
             envelope = replace(envelope, body=data)
