@@ -41,7 +41,7 @@ from oncely import Outcome
 from oncely._core.fast import frozen_builder
 from oncely._core.fingerprint import canonical_json, fingerprint
 from oncely._core.inbox_rules import new_token
-from oncely._core.observe import Observer
+from oncely._core.observe import Observer, key_for_logs
 from oncely._core.outcomes import Handled, new_handled
 from oncely._core.records import (
     Claim,
@@ -382,6 +382,28 @@ def test_r16_transactional_outcomes_are_logged_when_logging_is_on(
     records = [r for r in caplog.records if r.name == "oncely"]
     assert [getattr(r, "oncely_outcome", None) for r in records] == ["processed"]
     assert getattr(records[0], "oncely_correlation_id", None) == "c-1"
+    store.close()
+
+
+def test_r16_a_failing_hook_is_logged_with_the_messages_key_and_correlation_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hook that raises changes nothing for the message; its line names the message (the
+    key as the inbox shows keys, and the correlation id), so the failure can be traced."""
+
+    def broken(handled: Handled[object]) -> None:
+        raise RuntimeError("exporter down")
+
+    caplog.set_level(logging.INFO, logger="oncely")
+    store = _store(tmp_path)
+    inbox = oncely.Inbox(store, consumer="ledger", hooks=[broken], log_keys="hash")
+    handled = inbox.handle_in_transaction("card-4111", {"amount": 5}, _book, correlation_id="c-7")
+    assert handled.outcome is Outcome.PROCESSED
+    failed = [r for r in caplog.records if "hook" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert getattr(failed[0], "oncely_key", None) == key_for_logs("card-4111", "hash")
+    assert getattr(failed[0], "oncely_correlation_id", None) == "c-7"
+    assert "card-4111" not in caplog.text
     store.close()
 
 

@@ -96,4 +96,25 @@ class Observer:
             try:
                 hook(handled)
             except Exception:
-                self.logger.exception("oncely hook %r failed; the message is unaffected", hook)
+                self._hook_failed(hook, handled)
+
+    def _hook_failed(self, hook: Hook, handled: Handled[Any]) -> None:
+        """Log a hook that raised, with the message it was told about (not its outcome
+        field: this line is about the hook, the outcome has its own)."""
+        key = key_for_logs(handled.key, self.log_keys)
+        correlation_id = handled.correlation_id
+        self.logger.exception(
+            "oncely hook %r failed on %s consumer=%s key=%s correlation_id=%s; the message is "
+            "unaffected",
+            hook,
+            handled.outcome.value,
+            handled.consumer,
+            None if key is None else printable(key),
+            None if correlation_id is None else printable(correlation_id),
+            extra={
+                "oncely_consumer": handled.consumer,
+                "oncely_key": key,
+                "oncely_correlation_id": correlation_id,
+                "oncely_hook": repr(hook),
+            },
+        )
