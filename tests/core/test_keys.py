@@ -325,6 +325,39 @@ def test_first_of_does_not_fall_through_an_invalid_key() -> None:
         source(env)
 
 
+_EVENT_HEADERS = {"ce-id": "e1", "ce-source": "/shop", "ce-specversion": "1.0", "ce-type": "t"}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        FirstOf(CloudEventsKey(), MessageIdKey()),
+        key_source("cloudevents,message-id"),
+        FirstOf(FirstOf(CloudEventsKey(), HeaderKey("Idempotency-Key")), MessageIdKey()),
+        FirstOf(CloudEventsKey(), FirstOf(HeaderKey("Idempotency-Key"), MessageIdKey())),
+    ],
+    ids=["first-of", "spec", "nested-event-side", "nested-other-side"],
+)
+def test_r2_r3_first_of_never_merges_an_event_and_a_spaced_message_id(source: KeySource) -> None:
+    """R2/R3: an event (source "/shop", id "e1") is keyed "/shop e1"; a plain message whose id
+    is "/shop e1" must not get that key too, or one of the two is skipped as a duplicate."""
+    event = Envelope(body=b"{}", message_id="m-1", headers=_EVENT_HEADERS)
+    plain = Envelope(body=b"{}", message_id="/shop e1")
+    assert source(event) == "/shop e1"
+    with pytest.raises(InvalidKey, match="CloudEvents key") as info:
+        source(plain)
+    assert not isinstance(info.value, MissingKey)
+    assert "two messages would share it" in str(info.value)
+    # Keys without a space are unchanged, so stored keys of existing users stay valid.
+    assert source(Envelope(body=b"{}", message_id="/shop:e1")) == "/shop:e1"
+
+
+def test_r2_first_of_without_cloudevents_keeps_spaced_keys() -> None:
+    # Only a CloudEvents key has the "<source> <id>" shape; without one nothing can collide.
+    source = FirstOf(HeaderKey("Idempotency-Key"), MessageIdKey())
+    assert source(Envelope(body=None, message_id="order 7")) == "order 7"
+
+
 def test_first_of_needs_a_source() -> None:
     with pytest.raises(ConfigurationError):
         FirstOf()

@@ -409,23 +409,51 @@ class BusinessKey:
 
 @dataclass(frozen=True, slots=True)
 class FirstOf:
-    """The first source that finds a key, e.g. ``FirstOf(CloudEventsKey(), MessageIdKey())``."""
+    """The first source that finds a key, e.g. ``FirstOf(CloudEventsKey(), MessageIdKey())``.
+
+    A source that finds no key (:class:`~oncely.errors.MissingKey`) passes to the next; one
+    that finds a malformed key (:class:`~oncely.errors.InvalidKey`) does not.
+
+    With a :class:`CloudEventsKey` among the sources, a key found by any *other* source that
+    holds a space is refused (:class:`~oncely.errors.InvalidKey`, so the consumer
+    dead-letters the message with the reason): a CloudEvents key is ``"<source> <id>"``, so a
+    message id ``"/shop e1"`` would share its key with the event (source ``/shop``, id ``e1``)
+    and one of the two would be skipped as a duplicate (R2, R3). Keys without a space are kept
+    as they are."""
 
     sources: tuple[KeySource, ...]
+    _cloudevents: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __init__(self, *sources: KeySource) -> None:
         if not sources:
             raise ConfigurationError("FirstOf needs at least one key source")
         object.__setattr__(self, "sources", sources)
+        object.__setattr__(self, "_cloudevents", any(map(_keys_events, sources)))
 
     def __call__(self, envelope: Envelope) -> str:
         reasons: list[str] = []
         for source in self.sources:
             try:
-                return source(envelope)
+                key = source(envelope)
             except MissingKey as exc:
                 reasons.append(str(exc))
+                continue
+            if self._cloudevents and " " in key and not _keys_events(source):
+                raise InvalidKey(
+                    f"the key {key!r} holds a space, so it could be taken for a CloudEvents key "
+                    '"<source> <id>" and two messages would share it (this FirstOf also '
+                    "reads CloudEvents keys); send a key without spaces, or key by one "
+                    "source only (R2, R3)"
+                )
+            return key
         raise MissingKey("no key source found a key: " + "; ".join(reasons))
+
+
+def _keys_events(source: KeySource) -> bool:
+    # A CloudEventsKey, or a FirstOf that has one (it refuses its other sources' spaced keys).
+    return isinstance(source, CloudEventsKey) or (
+        isinstance(source, FirstOf) and source._cloudevents
+    )
 
 
 _SEQUENCE_SPECS = frozenset(map(_normal, ("sequence", "stream-sequence", "consumer-sequence")))
@@ -440,7 +468,8 @@ def key_source(spec: str) -> KeySource:
     ``header:NAME`` (a producer-set header or stream field), ``body:FIELD`` (a field of the
     decoded JSON body; ``body:a.b`` reads a nested field) and ``correlation-id`` (the
     message's correlation id; warns, see :class:`KeyWarning`), or several joined by ``,`` (the
-    first that finds a key). Transport ids (a delivery tag, a stream entry id, a sequence
+    first that finds a key, see :class:`FirstOf`: next to ``cloudevents``, a key with a space
+    from another source is refused). Transport ids (a delivery tag, a stream entry id, a sequence
     number, an offset) are refused with the reason: the broker assigns them per delivery or
     per send, so a redelivered or retried copy would look new (R4).
     """
