@@ -135,18 +135,24 @@ def _binary(
 
 
 _STANDARD = tuple((name, tuple(p + name for p in BINARY_PREFIXES)) for name in ("id", "source"))
+_SPELLINGS = frozenset(header.lower() for _, spellings in _STANDARD for header in spellings)
+_SPELLED = _SPELLINGS.__contains__
 
 
 def _standard(headers: Mapping[str, object]) -> _Found | None:
     # The per-message fast path: the id and source under the bindings' own spellings (eight
     # lookups, no scan). Two spellings that disagree are refused here too; None sends the
-    # caller to the full, case-insensitive scan.
+    # caller to the full, case-insensitive scan, as does another case of a name ("CE-ID"
+    # beside "ce-id"), which the full scan compares: one count of the lower-cased names
+    # (in C, no Python per header) finds it.
     found: _Found = {}
+    spelled = 0
     for name, spellings in _STANDARD:
         for header in spellings:
             raw = headers.get(header)
             if raw is None:
                 continue
+            spelled += 1
             value = header_text(raw)
             if isinstance(value, Repeated):
                 raise InvalidKey(value.refusal(header))
@@ -155,7 +161,11 @@ def _standard(headers: Mapping[str, object]) -> _Found | None:
                 found[name] = (header, value)
             elif seen[1] != value:
                 _conflict(name, seen, header, value)
-    return found if len(found) == 2 else None
+    if len(found) != 2:
+        return None
+    if sum(map(_SPELLED, map(str.lower, headers))) != spelled:
+        return None
+    return found
 
 
 def _conflict(name: str, seen: tuple[str, object], header: str, value: object) -> NoReturn:

@@ -105,6 +105,32 @@ def test_r3_two_spellings_with_different_values_are_refused() -> None:
     assert "'ce_id'" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"ce-id": "1", "ce-source": "/s", "CE-ID": "2"},
+        {"ce-id": "1", "ce-source": "/s", "Ce-Source": "/t"},
+        {"ce_id": b"1", "ce_source": b"/s", "CE_ID": b"2"},
+        {"cloudEvents_id": "1", "cloudEvents_source": "/s", "cloudevents_id": "2"},
+        {"cloudEvents:id": "1", "cloudEvents:source": "/s", "CLOUDEVENTS:SOURCE": "/t"},
+    ],
+)
+def test_r3_two_cases_of_a_name_with_different_values_are_refused(
+    headers: dict[str, object],
+) -> None:
+    """R3: the names are case-insensitive, so "CE-ID" beside "ce-id" is a second spelling of
+    the id; when they disagree nothing says which is the event's, even when the usual
+    spellings alone would give a key."""
+    with pytest.raises(InvalidKey, match="two different CloudEvents") as info:
+        key(Envelope(body=None, headers=headers))
+    assert not isinstance(info.value, MissingKey)
+
+
+def test_r3_two_cases_of_a_name_that_agree_are_accepted() -> None:
+    headers = {"ce-id": "1", "ce-source": "/s", "CE-ID": "1", "Ce-Source": b"/s", "X-Id": "9"}
+    assert key(Envelope(body=None, headers=headers)) == "/s 1"
+
+
 def test_r3_mqtt_user_properties_without_prefix() -> None:
     headers = {"specversion": "1.0", "type": "t", "source": "/sensors/7", "id": "r-1"}
     assert key(Envelope(body=b"21.5", headers=headers)) == "/sensors/7 r-1"
