@@ -12,6 +12,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+from collections import Counter
 from datetime import timedelta
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -26,6 +27,7 @@ from oncely.brokers import (
     DeadLetter,
     Delivery,
     Transport,
+    cloudevent_headers,
     open_producer,
     open_transport,
 )
@@ -321,6 +323,41 @@ class TestRabbitMQ(BrokerSuite):
         assert dead.message_id == "x"
         assert "x-oncely-reason" not in dead.headers
         assert await self.ready() == 0
+
+    # ------------------------------------------------------------------ CloudEvents
+
+    async def test_r3_an_event_published_with_the_amqp_binding_round_trips(self) -> None:
+        """R3: ``cloudevent_headers(binding="amqp")`` names the attributes as the AMQP binding
+        does (``cloudEvents_``), so a plain AMQP client finds them; oncely's consumer keys the
+        event by its (source, id) and takes a copy under another message id as a duplicate."""
+        ce = cloudevent_headers(
+            source="/shop", event_type="order.paid", event_id="e1", binding="amqp"
+        )
+        await self.publish("plain", message_id="m-0", headers=ce)
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(self.source, passive=True)
+            message = await queue.get(timeout=5)
+            await message.ack()
+        sent = dict(message.headers or {})
+        assert sent["cloudEvents_specversion"] == "1.0"
+        assert sent["cloudEvents_source"] == "/shop"
+        assert sent["cloudEvents_id"] == "e1"
+        assert sent["cloudEvents_type"] == "order.paid"
+        assert not any(name.lower().startswith("ce-") for name in sent)
+        await self.publish("e1", message_id="m-1", headers=ce)
+        await self.publish("e1", message_id="m-2", headers=ce)
+        worker = self.consumer(self.apply_in, mode="transactional", key=oncely.CloudEventsKey())
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["processed"] + worker.counts["duplicate"] == 2,
+                what="both copies of the event",
+            )
+        assert worker.counts == Counter({"processed": 1, "duplicate": 1})
+        assert self.ledger.counts() == {"e1": 1}
+        assert await self.dead_letters() == []
+        await self.assert_settled()
 
     # ------------------------------------------------------------------ connections
 

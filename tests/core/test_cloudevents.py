@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 
 from oncely._core.keys import CloudEventsKey, Envelope, FirstOf, MessageIdKey
+from oncely.brokers import cloudevent_headers
 from oncely.brokers._consumer import decode_body
-from oncely.errors import InvalidKey, MissingKey
+from oncely.errors import ConfigurationError, InvalidKey, MissingKey
 from oncely.wire import wire_text
 
 STRUCTURED = "application/cloudevents+json; charset=utf-8"
@@ -380,6 +381,60 @@ def test_r3_event_data_refuses_a_malformed_event(event: dict[str, object]) -> No
 
     with pytest.raises(ValueError, match="data"):
         event_data(Envelope(body=event))
+
+
+# ------------------------------------------------------------------ the producer's headers
+
+
+@pytest.mark.parametrize(
+    ("binding", "prefix"),
+    [("http", "ce-"), ("nats", "ce-"), ("kafka", "ce_"), ("amqp", "cloudEvents_")],
+)
+def test_r3_producer_headers_follow_the_binding(binding: str, prefix: str) -> None:
+    """R3: each binding names the attributes its own way (a Kafka consumer outside oncely
+    reads only ``ce_``, an AMQP one only ``cloudEvents_``); CloudEventsKey reads them all."""
+    headers = cloudevent_headers(
+        source="/shop",
+        event_type="order.paid",
+        event_id="e1",
+        subject="o-7",
+        binding=binding,  # type: ignore[arg-type]
+    )
+    assert headers == {
+        f"{prefix}specversion": "1.0",
+        f"{prefix}source": "/shop",
+        f"{prefix}type": "order.paid",
+        f"{prefix}id": "e1",
+        f"{prefix}subject": "o-7",
+    }
+    assert key(Envelope(body=b"{}", headers=headers)) == "/shop e1"
+    as_bytes = {name: value.encode() for name, value in headers.items()}  # as Kafka gives them
+    assert key(Envelope(body=b"{}", headers=as_bytes)) == "/shop e1"
+
+
+def test_r3_producer_headers_default_to_the_http_binding() -> None:
+    headers = cloudevent_headers(source="/shop", event_type="t", event_id="e1")
+    assert headers["ce-id"] == "e1"
+
+
+@pytest.mark.parametrize("binding", ["mqtt", "HTTP", "", "ce_"])
+def test_r3_producer_headers_refuse_an_unknown_binding(binding: str) -> None:
+    with pytest.raises(ConfigurationError, match="binding"):
+        cloudevent_headers(source="/s", event_type="t", binding=binding)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "source", ["", "/a b", "/a\tb", "/a\x00b", "/a\x1bb", "/a\u200bb", "/a\x7f"]
+)
+def test_r3_producer_headers_refuse_a_source_the_consumer_refuses(source: str) -> None:
+    """A source the consumer would refuse (white space, control or format characters) is
+    refused when the event is made, not dead-lettered at every consumer."""
+    with pytest.raises(ConfigurationError, match="source"):
+        cloudevent_headers(source=source, event_type="t", event_id="e1")
+    if source:
+        sent = {"ce-source": source, "ce-id": "e1"}
+        with pytest.raises(InvalidKey, match="source"):
+            key(Envelope(body=None, headers=sent))
 
 
 def test_r3_binding_prefixes_are_exported() -> None:

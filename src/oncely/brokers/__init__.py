@@ -38,7 +38,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 from oncely._urls import load_by_scheme
 from oncely.brokers._consumer import (
@@ -110,21 +110,52 @@ def new_message_id() -> str:
     return str(uuid.uuid4())
 
 
+_CE_PREFIXES: dict[str, str] = {
+    "http": "ce-",
+    "nats": "ce-",
+    "kafka": "ce_",
+    "amqp": "cloudEvents_",
+}
+"""The binary-mode header prefix of each protocol binding the producers speak."""
+
+
 def cloudevent_headers(
-    *, source: str, event_type: str, event_id: str | None = None, subject: str | None = None
+    *,
+    source: str,
+    event_type: str,
+    event_id: str | None = None,
+    subject: str | None = None,
+    binding: Literal["http", "nats", "kafka", "amqp"] = "http",
 ) -> dict[str, str]:
-    """Binary-mode CloudEvents attributes as ``ce-*`` headers (R3); the consumer's
-    :class:`~oncely.CloudEventsKey` reads ``(source, id)`` back."""
-    if not source or any(ch.isspace() for ch in source):
-        raise ConfigurationError("a CloudEvents source is a non-empty URI reference")
+    """Binary-mode CloudEvents attributes as headers (R3), named as ``binding`` names them:
+    ``ce-`` for ``"http"`` (the default) and ``"nats"``, ``ce_`` for ``"kafka"``,
+    ``cloudEvents_`` for ``"amqp"`` (RabbitMQ). The consumer's :class:`~oncely.CloudEventsKey`
+    reads ``(source, id)`` back from any of them; a consumer outside oncely reads only its
+    own binding's spelling, so pass the one of the broker you publish to::
+
+        headers = cloudevent_headers(source="/shop", event_type="order.paid", binding="kafka")
+
+    Raises :class:`~oncely.errors.ConfigurationError` for an unknown binding and for a source
+    that is empty or holds white space or control characters (a URI reference has none, and
+    the consumer refuses it)."""
+    prefix = _CE_PREFIXES.get(binding)
+    if prefix is None:
+        raise ConfigurationError(
+            f"unknown CloudEvents binding {binding!r}; use one of {', '.join(_CE_PREFIXES)}"
+        )
+    if not source or " " in source or not source.isprintable():
+        raise ConfigurationError(
+            "a CloudEvents source is a non-empty URI reference, without white space or "
+            f"control characters; got {source!r}"
+        )
     headers = {
-        "ce-specversion": "1.0",
-        "ce-source": source,
-        "ce-type": event_type,
-        "ce-id": event_id if event_id is not None else new_message_id(),
+        f"{prefix}specversion": "1.0",
+        f"{prefix}source": source,
+        f"{prefix}type": event_type,
+        f"{prefix}id": event_id if event_id is not None else new_message_id(),
     }
     if subject is not None:
-        headers["ce-subject"] = subject
+        headers[f"{prefix}subject"] = subject
     return headers
 
 

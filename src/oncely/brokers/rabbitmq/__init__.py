@@ -69,15 +69,16 @@ default, :data:`DEFAULT_DELIVERY_LIMIT` (20), suits the default ``max_deliveries
 records (R13) longer than a message can keep being redelivered.
 
 Keys. ``Envelope.message_id`` is the AMQP ``message_id`` property, which only the producer
-sets (R2); CloudEvents attributes arrive as ``ce-*`` or ``cloudEvents:*`` headers and
-:class:`~oncely.CloudEventsKey` reads them (R3). The delivery tag, the ``redelivered`` flag and
-``x-delivery-count`` are per delivery and appear only in ``Envelope.transport`` and
-:meth:`describe <oncely.brokers.Delivery.describe>` (R4). Beware of producers built on aiormq
-(and so aio-pika): it gives every message published without a ``message_id`` a random one, so
-a retried publish becomes a new message; always set the id (:class:`RabbitMQProducer` requires
-it). For the same reason the dead-letter copy of a message that arrived without an id carries
-a random one; its ``x-oncely-reason`` says the original had none, so give it the producer's id
-before resubmitting it.
+sets (R2); CloudEvents attributes arrive as ``ce-*``, ``cloudEvents_*`` or ``cloudEvents:*``
+headers and :class:`~oncely.CloudEventsKey` reads them (R3); publish events with
+``cloudevent_headers(..., binding="amqp")`` so other AMQP consumers find them too. The
+delivery tag, the ``redelivered`` flag and ``x-delivery-count`` are per delivery and appear
+only in ``Envelope.transport`` and :meth:`describe <oncely.brokers.Delivery.describe>` (R4).
+Beware of producers built on aiormq (and so aio-pika): it gives every message published
+without a ``message_id`` a random one, so a retried publish becomes a new message; always set
+the id (:class:`RabbitMQProducer` requires it). For the same reason the dead-letter copy of a
+message that arrived without an id carries a random one; its ``x-oncely-reason`` says the
+original had none, so give it the producer's id before resubmitting it.
 
 Ack wait. RabbitMQ does not redeliver a message that a live consumer holds, so
 ``extend_every`` is ``None`` and ``ack_wait`` is accepted (for a URL shared with other brokers)
