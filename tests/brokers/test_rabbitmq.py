@@ -275,6 +275,29 @@ class TestRabbitMQ(BrokerSuite):
         assert kept == headers
         assert copy.consumer == self.group and copy.outcome == "rejected"
 
+    async def test_r13_a_dead_letter_copy_left_unconfirmed_gives_the_message_back(self) -> None:
+        """A dead-letter copy the broker does not confirm within ``confirm_timeout`` (a
+        blocked connection, a dead-letter quorum queue without a leader) left the original
+        unacknowledged on a channel that stays open: RabbitMQ never redelivered it, and it
+        held a prefetch slot for good (with ``concurrency=1`` the consumer read nothing
+        more), though the log said the broker would redeliver it. It is given back after a
+        pause, as a copy the broker refuses is, and dead-lettered on a later delivery."""
+        made = self.transport(confirm_timeout=timedelta(microseconds=1))
+        await made.open(1)
+        await self.publish("unconfirmed")
+        delivery = await fetch_one(made)
+        with pytest.raises(oncely.BrokerUnavailable, match="dead-letter exchange"):
+            await delivery.dead_letter(
+                DeadLetter(outcome="rejected", reason="test", consumer=self.group, deliveries=1)
+            )
+        again = await fetch_one(made)
+        assert again.envelope.message_id == "unconfirmed"
+        assert again.delivery_count == 2
+        await again.ack()
+        await made.close()
+        await self.dead_letters()  # the copy may have been written, unconfirmed
+        await self.assert_settled()
+
     async def test_producer_refuses_an_id_amqp_cannot_carry_naming_it(self) -> None:
         # Tried as a new user would: pamqp failed while encoding, with a TypeError that
         # named no field.

@@ -199,7 +199,9 @@ class RabbitMQDelivery:
     async def dead_letter(self, why: DeadLetter) -> None:
         """Publish the copy to the dead-letter exchange, wait for the broker's confirm, then
         ack the original. Should the broker refuse the copy (say the dead-letter queue was
-        deleted), the original is given back after a pause and :class:`BrokerError` raised."""
+        deleted), the original is given back after a pause and :class:`BrokerError` raised;
+        a copy not confirmed within ``confirm_timeout`` gives it back the same way and raises
+        :class:`BrokerUnavailable`."""
         self._live("dead-letter")
         message = self._message
         headers = _sendable_headers(message.headers or {})
@@ -232,6 +234,10 @@ class RabbitMQDelivery:
                 f"{topology.dead_letter!r} bound to a queue? The message is given back"
             ) from None
         except FAILURES as exc:
+            # Unconfirmed in time (a blocked connection, a queue without a leader), the
+            # channel may well stay open: RabbitMQ would never redeliver the original, which
+            # would hold a prefetch slot for good. Give it back (a closed channel has already).
+            self._transport._hold(self, _DEAD_LETTER_RETRY.total_seconds())
             raise_translated(exc, f"publish to the dead-letter exchange {topology.dead_letter!r}")
         await self.ack()
 
