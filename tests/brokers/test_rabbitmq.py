@@ -298,6 +298,36 @@ class TestRabbitMQ(BrokerSuite):
         await self.dead_letters()  # the copy may have been written, unconfirmed
         await self.assert_settled()
 
+    async def test_r13_a_dead_letter_reason_over_frame_max_is_cut_not_fatal(self) -> None:
+        """A handler whose error text is larger than the connection's ``frame_max`` (128 KiB
+        by default): the dead-letter copy's headers (the reason among them) did not fit in
+        one frame, RabbitMQ closed the whole connection (every other delivery on it given
+        back), the message came again at once and ran its handler again, over and over,
+        past ``max_deliveries``, until the queue's ``x-delivery-limit`` dead-lettered it
+        with no reason. The reason is cut to fit: the copy lands at the first try."""
+        runs = 0
+
+        async def handler(payload: Any) -> None:
+            nonlocal runs
+            runs += 1
+            raise RuntimeError("x" * 300_000)
+
+        await self.publish("huge-error")
+        worker = self.consumer(handler, max_deliveries=1)
+        tried = ("dead_letter_failed", "dead_lettered_after_retries")
+        async with running(worker):
+            await wait_until(
+                lambda: any(worker.counts[n] for n in tried),
+                what="the failing message's dead letter tried",
+            )
+        assert runs == 1
+        assert "settle_failed" not in worker.counts
+        (copy,) = await self.dead_letters()
+        assert copy.message_id == "huge-error"
+        assert copy.reason.startswith("failed on all 1 deliveries; last: handler raised")
+        assert copy.reason.endswith("[cut to fit the server's frame_max]")
+        await self.assert_settled()
+
     async def test_producer_refuses_an_id_amqp_cannot_carry_naming_it(self) -> None:
         # Tried as a new user would: pamqp failed while encoding, with a TypeError that
         # named no field.

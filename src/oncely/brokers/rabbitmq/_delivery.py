@@ -14,8 +14,13 @@ import aiormq
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
 from oncely.brokers._common import not_utf8
-from oncely.brokers._shape import DeadLetter
-from oncely.brokers.rabbitmq._frames import WholeHeaderNames
+from oncely.brokers._shape import REASON_HEADER, DeadLetter
+from oncely.brokers.rabbitmq._frames import (
+    WholeHeaderNames,
+    cut_reason,
+    frame_max,
+    header_frame,
+)
 from oncely.brokers.rabbitmq._topology import (
     DELIVERY_COUNT_HEADER,
     FAILURES,
@@ -214,14 +219,18 @@ class RabbitMQDelivery:
             # not the producer's, so nobody replaying the dead letters takes it for one.
             headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
         headers.update(why.headers())
-        copy = WholeHeaderNames(
-            message.body,
-            headers=headers,
-            delivery_mode=DeliveryMode.PERSISTENT,
-            timestamp=message.timestamp,
-            **text,  # type: ignore[arg-type]
-        )
+        copy = self._copy(headers, text)
         topology = self._transport.topology
+        over = header_frame(copy) - await frame_max(self._session.channel)
+        if over > 0:
+            # RabbitMQ closes the connection on a header frame over frame_max (every delivery
+            # on it given back, this one to fail again at once): the reason is cut to fit.
+            try:
+                headers[REASON_HEADER] = cut_reason(headers[REASON_HEADER], over)
+            except BrokerError:
+                self._transport._hold(self, _DEAD_LETTER_RETRY.total_seconds())
+                raise
+            copy = self._copy(headers, text)
         try:
             exchange = await self._session.channel.get_exchange(topology.dead_letter, ensure=False)
             await exchange.publish(
@@ -240,6 +249,16 @@ class RabbitMQDelivery:
             self._transport._hold(self, _DEAD_LETTER_RETRY.total_seconds())
             raise_translated(exc, f"publish to the dead-letter exchange {topology.dead_letter!r}")
         await self.ack()
+
+    def _copy(self, headers: dict[str, Any], text: dict[str, str | None]) -> WholeHeaderNames:
+        message = self._message
+        return WholeHeaderNames(
+            message.body,
+            headers=headers,
+            delivery_mode=DeliveryMode.PERSISTENT,
+            timestamp=message.timestamp,
+            **text,  # type: ignore[arg-type]
+        )
 
     async def extend(self) -> None:
         """Nothing to do: RabbitMQ does not redeliver a message its live consumer holds."""

@@ -32,12 +32,22 @@ from typing import Any
 import aio_pika
 import aiormq
 import pamqp.frame
+from aio_pika.abc import AbstractChannel
 from pamqp import commands, constants, decode, encode, header
 from pamqp.exceptions import UnmarshalingException
 
+from oncely.errors import BrokerError
 from oncely.wire import wire_text
 
-__all__ = ["WholeHeaderNames", "install", "lossless_frames"]
+__all__ = [
+    "WholeHeaderNames",
+    "cut_reason",
+    "frame_max",
+    "header_frame",
+    "install",
+    "lossless_frames",
+    "negotiated",
+]
 
 _ON_OWN_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "oncely_amqp_lossless_frames", default=False
@@ -200,3 +210,53 @@ def _encode_value(value: Any) -> bytes:
         items = b"".join(_encode_value(item) for item in value)
         return b"A" + struct.pack(">I", len(items)) + items
     return encode.encode_table_value(value)
+
+
+FRAME_MIN = 4096
+"""AMQP's smallest ``frame_max``: every broker takes a frame this large."""
+
+
+def header_frame(message: aio_pika.Message) -> int:
+    """The size of ``message``'s content header frame: the frame's own 7 bytes and end
+    octet, the class, weight and body size (12 bytes) and the encoded properties. RabbitMQ
+    closes the whole connection on one larger than ``frame_max``."""
+    return 8 + 12 + len(message.properties.marshal())
+
+
+async def frame_max(channel: AbstractChannel) -> int:
+    """The ``frame_max`` negotiated on ``channel``'s connection (see :func:`negotiated`)."""
+    try:
+        underlay = await channel.get_underlay_channel()
+    except (RuntimeError, aiormq.exceptions.AMQPError):
+        return FRAME_MIN
+    return negotiated(underlay)
+
+
+def negotiated(underlay: object) -> int:
+    """The ``frame_max`` negotiated on the connection of ``underlay``, an aiormq channel
+    (:data:`FRAME_MIN` when it cannot be read; for 0, no limit, the largest size a frame can
+    say)."""
+    tune = getattr(getattr(underlay, "connection", None), "connection_tune", None)
+    found = getattr(tune, "frame_max", None)
+    if not isinstance(found, int) or found < 0:
+        return FRAME_MIN
+    return found or 2**32 - 1
+
+
+CUT = " ... [cut to fit the server's frame_max]"
+
+
+def cut_reason(reason: str, over: int) -> str:
+    """``reason`` shortened by at least ``over`` bytes (UTF-8), marked as cut; raise
+    :class:`~oncely.BrokerError` when even no reason at all would not make a dead-letter
+    copy fit."""
+    data = reason.encode("utf-8", "surrogatepass")
+    room = len(data) - over
+    if room < 0:
+        raise BrokerError(
+            f"the dead-letter copy's headers would be {-room} bytes over the connection's "
+            "frame_max even without its reason; not published"
+        )
+    cut = CUT.encode()
+    kept = data[: room - len(cut)] + cut if room > 2 * len(cut) else data[:room]
+    return kept.decode("utf-8", "ignore")
