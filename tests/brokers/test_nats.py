@@ -492,6 +492,42 @@ class TestJetStream(BrokerSuite):
         assert self.ledger.counts() == {}
         await self.assert_settled()
 
+    async def test_e_r13_a_dead_letter_failing_on_the_last_delivery_is_tried_again(self) -> None:
+        """On the consumer's last delivery (``max_deliver``) a failing message is
+        dead-lettered; when that copy cannot be written (the dead-letter stream gone, full,
+        or without a leader for a moment) the message was left unsettled and JetStream, past
+        ``max_deliver``, never delivered it again: dropped with no dead letter, while the log
+        said the broker would redeliver it. It is kept (``+WPI``) and its copy tried again
+        until written."""
+        await self.publish("last")
+        runs = 0
+
+        async def handler(payload: dict[str, Any]) -> None:
+            nonlocal runs
+            runs += 1
+            if runs == 2:  # the broker's last delivery: the dead-letter stream goes away
+                nc = await nats.connect(self.url)
+                try:
+                    await nc.jetstream().delete_stream(self.dead_stream)
+                finally:
+                    await nc.close()
+            raise RuntimeError("always")
+
+        transport = self.transport(max_deliver=2, ack_wait=timedelta(seconds=2))
+        worker = self.consumer(handler, transport=transport, max_deliveries=5)
+
+        async def copied() -> bool:
+            return bool(await self.dead_letters())
+
+        async with running(worker):
+            await wait_until(lambda: worker.counts["failed"] == 2, what="two failures")
+            await wait_until(copied, timeout=timedelta(seconds=30), what="the dead letter")
+            await wait_until(self.settled, what="nothing pending")
+        (copy,) = await self.dead_letters()
+        assert "max_deliver" in copy.reason
+        assert runs == 2
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ graceful stop
 
     async def test_stop_gives_back_fetched_messages_no_handler_started(self) -> None:

@@ -61,7 +61,9 @@ Delivery limit
     while another runs. JetStream silently stops delivering a message at its ``max_deliver``
     and leaves it unacknowledged, so a give-back (a retry or a requeue) asked for on that
     last delivery dead-letters the message instead (reason: the consumer's ``max_deliver``
-    was reached) rather than strand it.
+    was reached) rather than strand it. Should that copy not be written (the dead-letter
+    stream missing, full, or without a leader), the message is kept with ``+WPI`` and the
+    copy tried again every ``ack_wait / 3`` until written.
 
 Keys
     The producer's id is the ``Nats-Msg-Id`` header (``Envelope.message_id``); CloudEvents

@@ -3,6 +3,7 @@ with a request the server answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from datetime import timedelta
@@ -98,9 +99,65 @@ class JetStreamDelivery:
         payload = b"-NAK" if nanos <= 0 else b"-NAK " + json.dumps({"delay": nanos}).encode()
         await self._settle(payload, "retry")
 
+    @property
+    def _last(self) -> bool:
+        """Whether JetStream will not deliver the message again (its ``max_deliver``)."""
+        limit = self._transport.max_deliver
+        return limit > 0 and self._count >= limit
+
     async def dead_letter(self, why: DeadLetter) -> None:
-        await self._transport._publish_dead_letter(self._msg, why)
+        """Write the copy, then ``+TERM`` the message. On its last delivery a copy that
+        could not be written is tried again in the background, the message kept meanwhile
+        (``+WPI``): given back, JetStream would never deliver it again."""
+        try:
+            await self._transport._publish_dead_letter(self._msg, why)
+        except BrokerError as exc:
+            if not self._last:
+                raise  # JetStream delivers it again after ack_wait
+            self._transport._keep(self._dead_letter_until_written(why))
+            raise BrokerError(
+                f"{exc}; the message is on its last delivery (max_deliver): it is kept and its "
+                "dead-letter copy tried again until written"
+            ) from None
         await self._settle(b"+TERM", "dead-letter")
+
+    async def _dead_letter_until_written(self, why: DeadLetter) -> None:
+        every = self._transport.ack_wait.total_seconds() / 3
+        tries, written = 1, False
+        try:
+            while True:
+                await asyncio.sleep(every)
+                tries += 1
+                try:
+                    await self._transport._reply(self._msg, b"+WPI", "extend")
+                    if not written:  # a copy written once is not written again
+                        await self._transport._publish_dead_letter(self._msg, why)
+                        written = True
+                    await self._settle(b"+TERM", "dead-letter")
+                except BrokerError as exc:
+                    LOGGER.warning(
+                        "oncely broker=nats a message on its last delivery is still not "
+                        "dead-lettered (try %d: %s)%s",
+                        tries,
+                        exc,
+                        _fields(self.describe()),
+                    )
+                    continue
+                LOGGER.warning(
+                    "oncely broker=nats a message on its last delivery was dead-lettered at "
+                    "try %d%s",
+                    tries,
+                    _fields(self.describe()),
+                )
+                return
+        except asyncio.CancelledError:
+            LOGGER.error(
+                "oncely broker=nats the transport closed before a message on its last "
+                "delivery was dead-lettered: JetStream will not deliver it again (it stays "
+                "in the stream)%s",
+                _fields(self.describe()),
+            )
+            raise
 
     async def extend(self) -> None:
         if not self._settled:
@@ -111,6 +168,10 @@ class JetStreamDelivery:
             raise BrokerError(f"this delivery was already settled; cannot {what} it")
         await self._transport._reply(self._msg, payload, what)
         self._settled = True
+
+
+def _fields(fields: Mapping[str, object]) -> str:
+    return "".join(f" {name}={value}" for name, value in fields.items())
 
 
 def read_message(msg: Msg) -> tuple[Envelope, str | None]:

@@ -7,7 +7,7 @@ import asyncio
 import base64
 import contextlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from datetime import timedelta
 from typing import Self
 
@@ -109,6 +109,8 @@ class JetStream:
         self._stopped = False
         self._prefetch = 1
         self._held: deque[Msg] = deque()
+        self._kept: set[asyncio.Task[None]] = set()
+        """Dead-letter copies tried again of messages on their last delivery."""
         self._next_check = 0.0
 
     @classmethod
@@ -316,6 +318,11 @@ class JetStream:
         except UNAVAILABLE as exc:
             raise unavailable("dead-letter publish", exc) from None
 
+    def _keep(self, work: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._kept.add(task)
+        task.add_done_callback(self._kept.discard)
+
     async def stop(self) -> None:
         """Stop fetching, and give back at once (``-NAK`` without delay) every message that
         was fetched from the server and never handed out: those the last fetch returned
@@ -338,6 +345,10 @@ class JetStream:
         """Close the connection; unsettled messages come back after ``ack_wait``."""
         if not self._stopped:
             await self.stop()
+        for task in list(self._kept):
+            task.cancel()
+        if self._kept:
+            await asyncio.gather(*self._kept, return_exceptions=True)
         self._sub = None
         await self._link.close()
 
