@@ -354,6 +354,21 @@ class TestRabbitMQ(BrokerSuite):
         assert delivery.envelope.headers == sent
         await delivery.ack()
 
+    async def test_producer_refuses_headers_over_frame_max_naming_it(self) -> None:
+        """Headers larger than the connection's ``frame_max`` (128 KiB by default) made
+        RabbitMQ close the producer's connection, raised as ``BrokerUnavailable``: an
+        outage, which a caller retries for good. It is refused before anything is sent,
+        naming the limit, and the connection is kept."""
+        producer = self.producer()
+        with pytest.raises(oncely.ConfigurationError, match="frame_max"):
+            await producer.publish(body("big"), message_id="big", headers={"h": "x" * 200_000})
+        await producer.publish(body("small"), message_id="small")
+        made = self.transport()
+        await made.open(1)
+        delivery = await fetch_one(made)
+        assert delivery.envelope.message_id == "small"
+        await delivery.ack()
+
     async def test_producer_refuses_a_message_no_queue_takes(self) -> None:
         producer = self.producer(declare=False)
         with pytest.raises(oncely.BrokerError, match="no queue"):

@@ -12,7 +12,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
 
 from oncely._urls import redact
 from oncely.brokers._common import require_message_id
-from oncely.brokers.rabbitmq._frames import WholeHeaderNames
+from oncely.brokers.rabbitmq._frames import WholeHeaderNames, frame_max, header_frame
 from oncely.brokers.rabbitmq._topology import (
     DEFAULT_DELIVERY_LIMIT,
     FAILURES,
@@ -33,7 +33,8 @@ class RabbitMQProducer:
     dropped silently. On first use it declares the queue as :class:`RabbitMQ` does, unless
     the queue exists already (then it is used as it is) or ``declare=False``. Header names
     are sent whole up to AMQP's 255 bytes (aio-pika alone cuts them at 128); a longer one is
-    refused with :class:`~oncely.ConfigurationError`."""
+    refused with :class:`~oncely.ConfigurationError`, and so are headers larger than the
+    connection's ``frame_max`` (RabbitMQ would close the connection)."""
 
     def __init__(
         self,
@@ -131,6 +132,14 @@ class RabbitMQProducer:
             correlation_id=correlation_id,
         )
         channel = await self._ready()
+        size, most = header_frame(message), await frame_max(channel)
+        if size > most:
+            # RabbitMQ would close the connection: an error of this message, not an outage.
+            raise ConfigurationError(
+                f"the message's properties and headers take {size} bytes, over the "
+                f"connection's frame_max of {most} (RabbitMQ closes a connection that sends "
+                "them); send large data in the body"
+            )
         try:
             await channel.default_exchange.publish(
                 message, routing_key=self.queue, mandatory=True, timeout=self._link.confirm_timeout
