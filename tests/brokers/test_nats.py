@@ -528,6 +528,40 @@ class TestJetStream(BrokerSuite):
         assert runs == 2
         await self.assert_settled()
 
+    async def test_r13_a_consumer_deleted_mid_run_resumes_after_what_it_acked(self) -> None:
+        """An operator deletes the durable consumer (not the stream) under a running
+        worker: it was declared again reading the stream from its start, so every message
+        the stream still kept was delivered again. Those the inbox still had records of were
+        duplicates; those older than its retention (a stream without ``max_age`` keeps them
+        for good) ran their handlers a second time. It is declared again starting after the
+        last message the consumer had acknowledged."""
+        for key in ("a", "b", "c"):
+            await self.publish(key)
+        inbox = oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer=self.group)
+        transport = self.transport()
+        worker = self.consumer(self.apply, inbox=inbox, transport=transport)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 3, what="the first three")
+            await wait_until(  # the idle worker looks at its consumer every few seconds
+                lambda: transport.ack_floor == 3, what="the acks seen"
+            )
+            for key in ("a", "b", "c"):  # past the inbox's retention
+                assert await inbox.forget(key)
+            nc = await nats.connect(self.url)
+            try:
+                await nc.jetstream().delete_consumer(self.stream, self.group)
+            finally:
+                await nc.close()
+            await wait_until(
+                self.reading_again,
+                timeout=timedelta(seconds=30),
+                what="the consumer declared again",
+            )
+            await self.publish("d")
+            await wait_until(lambda: self.ledger.counts().get("d") == 1, what="the new message")
+        assert self.ledger.counts() == {"a": 1, "b": 1, "c": 1, "d": 1}
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ graceful stop
 
     async def test_stop_gives_back_fetched_messages_no_handler_started(self) -> None:

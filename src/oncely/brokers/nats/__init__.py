@@ -82,6 +82,11 @@ Connections
     :meth:`JetStream.fetch` raises :class:`~oncely.BrokerUnavailable` (a fetch that merely
     found no message returns ``[]``), and after a reconnect the stream and consumer are
     declared again before the next fetch, in case the server came back without them.
+    A durable consumer deleted under a running transport (an idle fetch finds it missing)
+    is declared again starting after the stream sequence it had acknowledged everything up
+    to when last seen (``JetStream.ack_floor``), not from the stream's start: that would
+    run again the messages the inbox has forgotten. A stream deleted too is read from its
+    start.
 
 Stopping
     :meth:`JetStream.stop` drops the pull subscription (the server then drops any pull

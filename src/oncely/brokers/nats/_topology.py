@@ -4,7 +4,7 @@ and the durable pull consumer of a group (see the package docstring)."""
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import nats.js.errors
 from nats.js import api
@@ -73,6 +73,7 @@ class Topology:
         "max_ack_pending",
         "max_age",
         "max_deliver",
+        "resume",
         "source",
         "stream_option",
     )
@@ -115,6 +116,9 @@ class Topology:
             raise ConfigurationError("max_deliver must be positive, or -1 for no limit")
         self.max_deliver = max_deliver
         self.max_age: timedelta | None = None  # the stream's, read by declare()
+        self.resume: tuple[datetime | None, int] | None = None
+        """The stream (its creation time) and the sequence up to which the consumer had
+        acknowledged everything, when last seen: where one deleted is declared again from."""
         if max_ack_pending is not None and max_ack_pending < 1:
             raise ConfigurationError("max_ack_pending must be at least 1")
         self.max_ack_pending = max_ack_pending
@@ -143,8 +147,9 @@ class Topology:
                 captor = await ensure_stream(
                     js, self.dead_letter, self.dead_letter_stream_option, DEAD_LETTER_WINDOW
                 )
-            info = await self._ensure_consumer(js, stream)
-            stream_config = (await js.stream_info(stream)).config
+            stream_info = await js.stream_info(stream)
+            stream_config = stream_info.config
+            info = await self._ensure_consumer(js, stream, self._start(stream_info.created))
         except nats.js.errors.NotFoundError as exc:
             raise unavailable("declaration", exc) from None
         except nats.js.errors.BadRequestError as exc:
@@ -152,11 +157,27 @@ class Topology:
         except UNAVAILABLE as exc:
             raise unavailable("declaration", exc) from None
         self.max_deliver = info.config.max_deliver or -1
+        self.note(info, stream_info.created)
         age = stream_config.max_age or 0.0  # seconds; 0: no limit
         self.max_age = timedelta(seconds=age) if age > 0 else None
         return stream, captor
 
-    async def _ensure_consumer(self, js: JetStreamContext, stream: str) -> api.ConsumerInfo:
+    def note(self, info: api.ConsumerInfo, created: datetime | None) -> None:
+        """Note how far the consumer of the stream created at ``created`` has acknowledged."""
+        floor = info.ack_floor.stream_seq if info.ack_floor is not None else None
+        if floor:
+            self.resume = (created, floor)
+
+    def _start(self, created: datetime | None) -> int | None:
+        """The sequence a consumer declared again starts from: after what the one before
+        had acknowledged, on the same stream (not one deleted and made again)."""
+        if self.resume is None or created is None or self.resume[0] != created:
+            return None
+        return self.resume[1] + 1
+
+    async def _ensure_consumer(
+        self, js: JetStreamContext, stream: str, start: int | None = None
+    ) -> api.ConsumerInfo:
         wanted = {
             "ack_wait": self.ack_wait.total_seconds(),
             "max_deliver": self.max_deliver,
@@ -166,10 +187,15 @@ class Topology:
         try:
             info: api.ConsumerInfo = await js.consumer_info(stream, self.group)
         except nats.js.errors.NotFoundError:
+            # A consumer deleted under this transport resumes after what it acknowledged;
+            # from the stream's start it would run again what the inbox may have forgotten.
             config = api.ConsumerConfig(
                 durable_name=self.group,
                 ack_policy=api.AckPolicy.EXPLICIT,
-                deliver_policy=api.DeliverPolicy.ALL,
+                deliver_policy=(
+                    api.DeliverPolicy.ALL if start is None else api.DeliverPolicy.BY_START_SEQUENCE
+                ),
+                opt_start_seq=start,
                 filter_subject=self.source,
                 **wanted,  # type: ignore[arg-type]
             )

@@ -179,6 +179,14 @@ class JetStream:
         return self._link.connected
 
     @property
+    def ack_floor(self) -> int | None:
+        """The stream sequence up to which the durable consumer had acknowledged every
+        message when last seen (at the declaration, then on idle checks): a consumer deleted
+        under the transport is declared again to start after it."""
+        resume = self._topology.resume
+        return None if resume is None else resume[1]
+
+    @property
     def max_deliver(self) -> int:
         """The consumer's delivery limit as the server holds it (-1: none)."""
         return self._topology.max_deliver
@@ -267,7 +275,7 @@ class JetStream:
             return
         self._next_check = loop.time() + _CHECK_EVERY.total_seconds()
         try:
-            await js.consumer_info(stream, self.group)
+            info = await js.consumer_info(stream, self.group)
         except nats.js.errors.NotFoundError as exc:
             self._link.declared = False
             sub, self._sub = self._sub, None
@@ -280,6 +288,8 @@ class JetStream:
             ) from None
         except _CHECK_FAILURES:
             return  # the next fetch finds out
+        with contextlib.suppress(*_CHECK_FAILURES):
+            self._topology.note(info, (await js.stream_info(stream)).created)
 
     async def _reply(self, msg: Msg, payload: bytes, what: str) -> None:
         """Send an acknowledgement ``payload`` for ``msg`` and wait for the server's answer."""
