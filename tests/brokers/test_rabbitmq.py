@@ -243,6 +243,21 @@ class TestRabbitMQ(BrokerSuite):
         assert all("failed on all 3 deliveries" in c.reason for c in copies)
         await self.assert_settled()
 
+    async def test_declare_false_refuses_a_missing_dead_letter_exchange_at_start(self) -> None:
+        """With ``declare=False`` only the dead-letter queue was checked at start. With the
+        exchange missing, each dead letter made RabbitMQ close the channel (NOT_FOUND): the
+        message and every other one held on the channel came back, the poison message was
+        dead-lettered again, and so on for good (a classic queue has no delivery limit),
+        handlers' acks failing each time. The missing exchange is named at start."""
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            await channel.declare_queue(self.dead, durable=True)  # the queue, no exchange
+            await channel.declare_queue(self.source, durable=True)
+        made = self.transport(declare=False)
+        with pytest.raises(oncely.BrokerError, match=f"exchange '{self.dead}'"):
+            await made.open(1)
+
     async def test_r10_a_handler_raising_cancelled_error_is_a_failure(self) -> None:
         await self.check_a_handler_raising_cancelled_error_is_a_failure()
 

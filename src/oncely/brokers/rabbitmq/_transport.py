@@ -91,7 +91,8 @@ class RabbitMQ:
     itself is the group. ``dead_letter`` names the dead-letter exchange and queue (default
     ``<queue>.dead``). ``delivery_limit`` is the queue's ``x-delivery-limit`` (``None``: no
     limit), a safety net above ``ConsumerSettings.max_deliveries``. With ``declare=False``
-    the topology must exist already (it is checked passively). ``heartbeat`` is the AMQP
+    the topology must exist already (the queue, the dead-letter exchange and queue are
+    checked passively). ``heartbeat`` is the AMQP
     heartbeat, ``connect_timeout`` bounds connecting and ``confirm_timeout`` waiting for the
     broker to confirm a dead-letter copy.
 
@@ -221,6 +222,9 @@ class RabbitMQ:
             if self._declare:
                 queue = await self.topology.declare(channel)
             else:
+                # The exchange too: a dead letter sent to a missing one closes the channel,
+                # giving back every message on it, the dead letter to come again for good.
+                await channel.declare_exchange(self.topology.dead_letter, passive=True)
                 await channel.declare_queue(self.topology.dead_letter, passive=True)
                 queue = await channel.declare_queue(self.queue, passive=True)
             session = Session(connection, channel)
