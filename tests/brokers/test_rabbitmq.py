@@ -389,6 +389,24 @@ class TestRabbitMQ(BrokerSuite):
         with pytest.raises(oncely.BrokerError, match="no queue"):
             await producer.publish(body("lost"), message_id="m")
 
+    async def test_a_message_is_never_held_past_half_the_stated_consumer_timeout(self) -> None:
+        """RabbitMQ has no delayed requeue, so a retry (or an ``in_flight`` copy, held up to
+        5 minutes while another worker's lease runs) keeps the message unacknowledged for
+        the delay. Past the server's ``consumer_timeout`` RabbitMQ closes the channel, and
+        every message on it comes back. A transport told the server's timeout (``ack_wait``)
+        holds a message at most half of it."""
+        made = self.transport(consumer_timeout=timedelta(seconds=4))
+        await made.open(1)
+        await self.publish("held")
+        delivery = await fetch_one(made)
+        await delivery.retry(timedelta(minutes=5))
+        again = await fetch_one(made)  # tries for about 25 s
+        assert again.envelope.message_id == "held"
+        assert again.delivery_count == 2
+        await again.ack()
+        await made.close()
+        await self.assert_settled()
+
     async def test_r13_broker_delivery_limit_is_a_safety_net_without_a_reason(self) -> None:
         """Past ``x-delivery-limit`` the quorum queue dead-letters by itself, with no
         ``x-oncely-*`` reason: that is why the limit sits above ``max_deliveries``."""

@@ -44,8 +44,11 @@ rejected, escalated  ``x-oncely-reason``, ``x-oncely-consumer`` and ``x-oncely-d
 
 RabbitMQ has no delayed negative acknowledgement, so a retry keeps the message unacknowledged
 for the delay (a scheduled task, the consumer goes on with other messages) and then requeues
-it. A held message counts against the prefetch window. If the channel closes meanwhile the
-broker requeues the message by itself, which is the same result.
+it. A held message counts against the prefetch window, and is held at most half the
+server's ``consumer_timeout`` as stated to the transport (``ack_wait``; 30 minutes unless
+given), past which RabbitMQ would close the channel and give back every message on it. If
+the channel closes meanwhile the broker requeues the message by itself, which is the same
+result.
 
 Delivery counts and the delivery limit. Quorum queues count deliveries and put the count of
 earlier deliveries in the ``x-delivery-count`` header of a redelivered message; the transport

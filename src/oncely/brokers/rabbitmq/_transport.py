@@ -315,6 +315,11 @@ class RabbitMQ:
         self._redeliveries.pop(identity, None)
 
     def _hold(self, delivery: RabbitMQDelivery, seconds: float) -> None:
+        """Requeue ``delivery`` after ``seconds``, or half the stated ``consumer_timeout``
+        where that is sooner: held longer, RabbitMQ would close the channel and give back
+        every message on it."""
+        if self.consumer_timeout > timedelta(0):
+            seconds = min(seconds, self.consumer_timeout.total_seconds() / 2)
         task = asyncio.create_task(delivery._requeue_later(seconds))
         self._held.add(task)
         task.add_done_callback(self._held.discard)
