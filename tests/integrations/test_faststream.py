@@ -243,6 +243,36 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
 
 
 @pytest.mark.timeout(120)
+def test_r16_a_dead_letter_reason_over_frame_max_is_cut_not_fatal(tmp_path: Path) -> None:
+    """A handler whose error is larger than the connection's ``frame_max`` (128 KiB by
+    default; here it names an order id of 200 KB): once its retries were spent, the
+    dead-letter copy's headers did not fit in one frame, RabbitMQ closed the worker's
+    connection (every message on it given back), the message came back and its handler ran
+    again, on and on (a classic queue has no delivery limit), never dead-lettered. The
+    reason is cut to fit, as :mod:`oncely.brokers.rabbitmq` does."""
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}")
+    try:
+        order = "big-" + "b" * 200_000
+        run.charge("m-big", order, fail_times=99)
+        run.worker()
+        found: list[tuple[Any, bytes]] = []
+
+        def copied() -> bool:
+            found.extend(run.taken(".dead"))
+            return bool(found)
+
+        _until(copied, seconds=30, run=run)
+        [(properties, _)] = found
+        assert properties.message_id == "m-big"
+        reason = _reason(properties)
+        assert "the ledger is down (attempt for big-bbb" in reason
+        assert reason.endswith("[cut to fit the server's frame_max]")
+        assert run.started(order) == 3  # max_deliveries=3
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
 def test_r10_on_a_quorum_queue_a_message_given_back_is_not_spent_against_its_delivery_limit(
     tmp_path: Path,
 ) -> None:

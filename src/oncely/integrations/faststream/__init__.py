@@ -100,7 +100,9 @@ RabbitMQ (``RabbitBroker``)
     go to ``<queue>.dead`` (declared durable). A copy (a retry's, a dead letter) keeps the
     original's timestamp, its correlation id or none, and its header names whole, up to
     AMQP's 255 bytes (FastStream's client alone cuts them at 128 bytes, merging two that
-    share their start, and makes up a correlation id).
+    share their start, and makes up a correlation id). A dead letter whose reason would
+    make its headers larger than the connection's ``frame_max`` has the reason cut to fit,
+    as :mod:`oncely.brokers.rabbitmq` does (RabbitMQ would close the connection).
 
 NATS (``NatsBroker``, JetStream subscribers)
     The key is the ``Oncely-Message-Id`` header (oncely's producer), else ``Nats-Msg-Id``,

@@ -13,14 +13,19 @@ from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 from faststream.rabbit import RabbitQueue
 
 from oncely.brokers._common import not_utf8
-from oncely.brokers._shape import DeadLetter
+from oncely.brokers._shape import REASON_HEADER, DeadLetter
 from oncely.brokers.rabbitmq._delivery import (
     NO_MESSAGE_ID_HEADER,
     _delivery_count,
     _header_text,
     _sendable_headers,
 )
-from oncely.brokers.rabbitmq._frames import WholeHeaderNames
+from oncely.brokers.rabbitmq._frames import (
+    WholeHeaderNames,
+    cut_reason,
+    header_frame,
+    negotiated,
+)
 from oncely.brokers.rabbitmq._topology import DELIVERY_COUNT_HEADER
 from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery, Settling
 from oncely.keys import Envelope
@@ -214,20 +219,40 @@ async def _dead_letter(
     await raw.ack()
 
 
+def _fit(raw: AbstractIncomingMessage, copy: WholeHeaderNames, headers: dict[str, Any]) -> bool:
+    """Cut the reason in ``headers`` where ``copy`` would not fit the connection's
+    ``frame_max`` (RabbitMQ would close the connection, every message on it given back and
+    this one to fail again); whether it was cut."""
+    try:
+        underlay = raw.channel
+    except Exception:  # none (FastStream's test broker) or closed: the publish tells
+        return False
+    over = header_frame(copy) - negotiated(underlay)
+    if over <= 0:
+        return False
+    headers[REASON_HEADER] = cut_reason(str(headers.get(REASON_HEADER, "")), over)
+    return True
+
+
 async def _copy(
     broker: Any, raw: AbstractIncomingMessage, queue: str, headers: dict[str, Any]
 ) -> None:
     # A message FastStream publishes as it is: its header names go whole (up to AMQP's 255
     # bytes), where the client library cuts them at 128 and merges two that share their start.
-    copy = WholeHeaderNames(
-        raw.body,
-        headers=headers,
-        message_id=raw.message_id,
-        correlation_id=raw.correlation_id,
-        content_type=raw.content_type,
-        content_encoding=raw.content_encoding,
-        type=raw.type,
-        timestamp=raw.timestamp,
-        delivery_mode=DeliveryMode.PERSISTENT,
-    )
+    def made() -> WholeHeaderNames:
+        return WholeHeaderNames(
+            raw.body,
+            headers=headers,
+            message_id=raw.message_id,
+            correlation_id=raw.correlation_id,
+            content_type=raw.content_type,
+            content_encoding=raw.content_encoding,
+            type=raw.type,
+            timestamp=raw.timestamp,
+            delivery_mode=DeliveryMode.PERSISTENT,
+        )
+
+    copy = made()
+    if REASON_HEADER in headers and _fit(raw, copy, headers):
+        copy = made()
     await broker.publish(copy, queue=queue)
