@@ -942,6 +942,43 @@ async def test_r1_r3_with_faststreams_test_kafka_broker_for_users_unit_tests() -
     assert failed["x-oncely-topic"] == "orders" and "x-oncely-offset" in failed
 
 
+async def test_r2_r3_an_event_and_a_message_id_it_spells_never_share_a_key() -> None:
+    """A Kafka record without a message id is keyed by its CloudEvents pair, as
+    ``"<source> <id>"``; a record whose producer's id is that same text (it has a space) is
+    another message. Before, both were keyed ``"/shop e1"`` and the second was skipped as a
+    duplicate; now the spaced id is refused (dead-lettered with the reason), and the event
+    runs."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaMessage, TestKafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="shop")
+    broker = KafkaBroker(middlewares=[Idempotency(inbox)])
+    effects: list[object] = []
+    dead: list[dict[str, Any]] = []
+    event = {"ce_specversion": "1.0", "ce_type": "shop.order", "ce_source": "/shop", "ce_id": "e1"}
+
+    @broker.subscriber("orders", group_id="shop", ack_policy=AckPolicy.ACK)
+    async def order(body: dict[str, int]) -> None:
+        effects.append(body)
+
+    @broker.subscriber("orders.dead")
+    async def dead_letter(message: KafkaMessage) -> None:
+        dead.append(dict(message.headers))
+
+    async with TestKafkaBroker(broker) as test:
+        await test.publish({"n": 1}, "orders", headers=event)
+        # The same body: before, a silent duplicate, not even a key_conflict.
+        await test.publish({"n": 1}, "orders", headers={"message-id": "/shop e1"})
+        await test.publish({"n": 1}, "orders", headers={"message_id": "/shop e1"})
+    assert effects == [{"n": 1}]
+    assert len(dead) == 2
+    assert all(h["x-oncely-outcome"] == "rejected" for h in dead)
+    assert all("has a space" in h["x-oncely-reason"] for h in dead)
+
+
 async def test_r18_subscribers_that_cannot_redeliver_are_refused_never_run_unprotected() -> None:
     """Core NATS, a JetStream consumer that is not durable, Redis pub/sub, lists, a stream
     read without a consumer group, a Kafka subscriber without a group or with automatic

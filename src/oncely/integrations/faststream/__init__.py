@@ -165,7 +165,8 @@ Redis (``RedisBroker``, stream subscribers of a consumer group)
 
 Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual commits)
     The key is the ``message-id`` header (oncely's producer), else ``message_id``, else the
-    CloudEvents pair ``ce_source``/``ce_id`` of the Kafka binding (R3); never the partition
+    CloudEvents pair ``ce_source``/``ce_id`` of the Kafka binding (R3), as ``"<source> <id>"``
+    (so a header id with a space, which could be an event's, is refused); never the partition
     and offset, which FastStream turns into its message id. A record given back (a copy
     meeting a running first one, a store that cannot answer, a dead letter that could not be
     sent) waits its delay in the subscriber, then the consumer is rewound to it (a seek,

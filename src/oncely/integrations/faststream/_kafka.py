@@ -76,14 +76,24 @@ class KafkaAdapter:
             else:
                 headers.append((name, value))
         envelope, refusal = envelope_of(_Record(record, headers), "", earlier + 1)
-        if envelope.message_id is None:
+        given: object = envelope.message_id
+        if given is None:
             given = envelope.headers.get(FASTSTREAM_ID_HEADER)
             if isinstance(given, str) and given:
                 envelope = replace(envelope, message_id=given)
             else:
                 # CloudEvents' Kafka binding: the pair (ce_source, ce_id) is the key (R3).
+                given = None
                 with contextlib.suppress(OncelyError):
                     envelope = replace(envelope, message_id=event_key(envelope))
+        if refusal is None and isinstance(given, str) and " " in given:
+            # An event's id here is "<source> <id>", which a producer's id with a space
+            # could equal: two messages would share one key.
+            refusal = (
+                f"the message id {given!r} has a space, so it could be the id this subscriber "
+                "gives a CloudEvent without one ('<source> <id>'), and two messages would "
+                "share one key; have the producer send ids without spaces (R2, R3)"
+            )
         return Delivery(envelope, refusal)
 
     def delivery_limit(self, subscriber: Any) -> int | None:
