@@ -117,3 +117,28 @@ def test_r7_the_stores_transaction_leaves_its_connection_in_autocommit(
     claim = inbox.handle("c", {}, lambda payload: 1)
     assert claim.outcome is oncely.Outcome.PROCESSED
     assert store.get("billing", "a") is not None and store.get("billing", "c") is not None
+
+
+@pytest.mark.parametrize("how", ["statement", "method"])
+def test_r7_a_handler_that_rolls_back_and_writes_on_commits_nothing(
+    store: MySQLStore, table: str, how: str
+) -> None:
+    """A handler must not end its transaction; one that rolls it back (by a ROLLBACK
+    statement or the driver's rollback()) and writes on took the claim with it: the writes
+    after are rolled back too, and TransactionEnded says so."""
+    sql(f"CREATE TABLE `{table}_scratch` (id INT PRIMARY KEY, v INT) ENGINE=InnoDB")
+    sql(f"INSERT INTO `{table}_scratch` VALUES (1, 0)")
+    inbox = oncely.Inbox(store, consumer="billing")
+
+    def handler(conn: Any, payload: object) -> None:
+        with conn.cursor() as cursor:
+            if how == "statement":
+                cursor.execute("ROLLBACK")
+            else:
+                conn.rollback()
+            cursor.execute(f"UPDATE `{table}_scratch` SET v = v + 1 WHERE id = 1")
+
+    with pytest.raises(TransactionEnded):
+        inbox.handle_in_transaction("order-1", {}, handler)
+    assert _rows(table) == {1: 0}
+    assert store.get("billing", "order-1") is None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
+
+import pymysql
 
 import oncely
 from oncely._core.records import ClaimRequest
@@ -87,4 +90,43 @@ def test_r7_a_joined_message_adds_its_savepoint_and_claim_and_no_release(
     # ROLLBACK TO instead of the check; the first message also reads which database the
     # connection is on (once per connection)
     assert counted == [5, 4, 4]
+    assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("a",), ("b",)]
+
+
+def test_r7_the_stores_own_transaction_looks_for_its_claim_only_after_a_doubt(
+    table: str,
+) -> None:
+    """Counted by the server on the store's only connection: a message in oncely's own
+    transaction is SET autocommit = 0, the claim, the handler's INSERT and SET autocommit = 1
+    (which commits), no look for the claim; a handler that caught an error (as it would a
+    deadlock that rolled everything back) costs the look, which finds the claim here."""
+    store = MySQLStore.from_url(url(table, pool_size=1))
+    store.migrate()
+    sql(f"CREATE TABLE `{table}_ledger` (k VARCHAR(64) NOT NULL) ENGINE=InnoDB")
+    inbox = oncely.Inbox(store, consumer="billing")
+
+    def statements(call: Callable[[], object]) -> int:
+        with store.transaction() as tx:
+            first = _questions(tx)
+        call()
+        with store.transaction() as tx:
+            return _questions(tx) - first
+
+    def book(tx: Any, payload: str) -> None:
+        with tx.cursor() as cursor:
+            cursor.execute(f"INSERT INTO `{table}_ledger` (k) VALUES (%s)", (payload,))
+
+    def shrugs(tx: Any, payload: str) -> None:
+        with tx.cursor() as cursor, contextlib.suppress(pymysql.err.OperationalError):
+            cursor.execute(f"SELECT no_such_column FROM `{table}_ledger`")
+        book(tx, payload)
+
+    try:
+        baseline = statements(lambda: None)
+        plain = statements(lambda: inbox.handle_in_transaction("a", "a", book))
+        assert plain - baseline == 4
+        doubted = statements(lambda: inbox.handle_in_transaction("b", "b", shrugs))
+        assert doubted - baseline == 6  # and the failed SELECT, and the look
+    finally:
+        store.close()
     assert sorted(sql(f"SELECT k FROM `{table}_ledger`")) == [("a",), ("b",)]

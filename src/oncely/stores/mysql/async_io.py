@@ -56,6 +56,7 @@ __all__ = [
     "fetchall_unbounded",
     "own",
     "sleep",
+    "undoubted",
 ]
 __all__ += ["AsyncPool"]  # apart: sorted, AsyncPool and Pool take different places
 
@@ -70,6 +71,98 @@ _BOUND: weakref.WeakKeyDictionary[Connection, float] = weakref.WeakKeyDictionary
 """The seconds a statement waits for its answer (the store's ``read_timeout``) on each
 connection a store has taken from its pool for itself (:func:`own`). Never a caller's
 connection (``tx=``), nor one a store uses for its schema or its purge's lead."""
+
+
+_ENDINGS = ("rollback", "commit", "begin", "start", "set", "xa")
+"""The first words of statements that may end a transaction or change how one ends (``SET
+autocommit``; any other ``SET`` only costs the look this leads to)."""
+
+
+def _may_end(sql: object) -> bool:
+    head = sql[:24] if isinstance(sql, str | bytes) else b""
+    text = head.decode("latin-1") if isinstance(head, bytes) else head
+    return text.lstrip().lower().startswith(_ENDINGS)
+
+
+if ASYNC:
+
+    class _Watched(aiomysql.Connection):  # type: ignore[misc]
+        """The store's own connections: they count what may have ended the transaction a
+        block of the transactional mode opened on them (:attr:`doubts`, set to 0 when the
+        block begins): an error the server answered (a deadlock victim's whole transaction
+        is rolled back, and a handler may catch the error and go on), and a COMMIT, ROLLBACK,
+        BEGIN or ``SET``. While it stays 0 nothing can have ended it, and the claim need not
+        be looked for before the commit (one round trip saved on every message)."""
+
+        doubts = 0
+
+        async def query(self, sql: Any, unbuffered: bool = False) -> Any:
+            if _may_end(sql):
+                self.doubts += 1
+            try:
+                return await super().query(sql, unbuffered)
+            except pymysql.MySQLError:
+                self.doubts += 1
+                raise
+
+        async def begin(self) -> None:
+            self.doubts += 1
+            await super().begin()
+
+        async def commit(self) -> None:
+            self.doubts += 1
+            await super().commit()
+
+        async def rollback(self) -> None:
+            self.doubts += 1
+            await super().rollback()
+
+        async def autocommit(self, value: Any) -> None:
+            self.doubts += 1
+            await super().autocommit(value)
+
+else:
+
+    class _Watched(pymysql.connections.Connection):  # type: ignore[misc]
+        """The store's own connections: they count what may have ended the transaction a
+        block of the transactional mode opened on them (:attr:`doubts`, set to 0 when the
+        block begins): an error the server answered (a deadlock victim's whole transaction
+        is rolled back, and a handler may catch the error and go on), and a COMMIT, ROLLBACK,
+        BEGIN or ``SET``. While it stays 0 nothing can have ended it, and the claim need not
+        be looked for before the commit (one round trip saved on every message)."""
+
+        doubts = 0
+
+        def query(self, sql: Any, unbuffered: bool = False) -> Any:
+            if _may_end(sql):
+                self.doubts += 1
+            try:
+                return super().query(sql, unbuffered)
+            except pymysql.MySQLError:
+                self.doubts += 1
+                raise
+
+        def begin(self) -> None:
+            self.doubts += 1
+            super().begin()
+
+        def commit(self) -> None:
+            self.doubts += 1
+            super().commit()
+
+        def rollback(self) -> None:
+            self.doubts += 1
+            super().rollback()
+
+        def autocommit(self, value: Any) -> None:
+            self.doubts += 1
+            super().autocommit(value)
+
+
+def undoubted(conn: Connection) -> bool:
+    """Whether ``conn`` is one of the store's own connections on which nothing that may have
+    ended a transaction happened since its ``doubts`` were last set to 0."""
+    return isinstance(conn, _Watched) and conn.doubts == 0
 
 
 def own(conn: Connection, read_timeout: float | None) -> None:
@@ -133,11 +226,9 @@ async def connect(settings: MySQLSettings) -> Connection:
     bound only the TCP connect by it; the handshake's reads are not bounded at all)."""
     seconds = settings.connect_timeout.total_seconds()
     if ASYNC:
-        conn = aiomysql.Connection(db=settings.database, **settings.connect_kwargs())
+        conn = _Watched(db=settings.database, **settings.connect_kwargs())
     else:
-        conn = pymysql.connect(
-            database=settings.database, defer_connect=True, **settings.connect_kwargs()
-        )
+        conn = _Watched(database=settings.database, defer_connect=True, **settings.connect_kwargs())
     WATCHDOG.start(conn, seconds)
     try:
         if ASYNC:

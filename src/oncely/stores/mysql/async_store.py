@@ -93,6 +93,7 @@ from oncely.stores.mysql.async_io import (
     fetchall_unbounded,
     own,
     sleep,
+    undoubted,
 )
 from oncely.stores.mysql.async_tx import _Transaction
 from oncely.stores.mysql.dialect import (
@@ -178,7 +179,8 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     ``SET autocommit = 1``, which commits, where ``COMMIT`` would be: no extra round trip),
     so a statement run after InnoDB rolled the transaction back (a deadlock a handler caught)
     opens a new transaction rather than committing on its own; before the commit the claim
-    is looked for (:meth:`held_in`, one more round trip, or the write of the result) and, gone,
+    is looked for (:meth:`held_in`, where an error or a COMMIT may have ended the transaction,
+    or the write of the result) and, gone,
     :class:`~oncely.TransactionEnded` rolls the rest back. :meth:`claim_in` joins any
     connection of yours to the same database that is inside a transaction (after ``BEGIN``,
     or with autocommit off), as the driver's last server status says. Joining sets the
@@ -914,8 +916,15 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         as it stands, that would be the handler's later writes without the marker, or no
         marker at all while the outcome said processed: a message acked whose effects were
         rolled back. PostgreSQL refuses every statement after such an error instead, and
-        SQLite has no deadlock, so only this store needs the look.
+        SQLite has no deadlock, so only this store needs the look. On the store's own
+        connection (its own transaction) it is made only when something that may have ended
+        the transaction happened on it since it began (an error the server answered, a
+        COMMIT, ROLLBACK, BEGIN or SET: see ``_Watched`` in
+        :mod:`oncely.stores.mysql.async_io`), so the usual message costs no round trip for
+        it; on a caller's connection it is one SELECT.
         """
+        if undoubted(tx):
+            return  # the store's own, and nothing since BEGIN can have ended its transaction
         params = who(consumer, key)
         params["token"] = pack_token(token)
         try:

@@ -45,6 +45,7 @@ class _Transaction:
         self._store._joined_checked[conn] = True  # the store's own: on its database
         try:
             execute(conn, "SET autocommit = 0")
+            conn.doubts = 0  # nothing since can have ended the transaction (held_in)
         except BaseException as exc:
             broken = isinstance(exc, DRIVER_ERRORS) and disconnected(exc)
             self._store._release(conn, discard=broken)
