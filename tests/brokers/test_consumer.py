@@ -163,6 +163,28 @@ async def test_a_failing_handler_is_retried_then_dead_lettered_after_max_deliver
     assert (await inbox.get("m-flaky")) is not None
 
 
+async def test_r16_hooks_hear_the_rejection_of_a_message_dead_lettered_after_its_retries() -> None:
+    """The hooks get each delivery's ``failed``, then the message's end as its dead letter
+    says it (``rejected``, ``dead_letter``, the reason with the deliveries): before, a metric
+    counting dead letters from hooks never saw this one."""
+    heard: list[oncely.Handled[Any]] = []
+    inbox = oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer="orders", hooks=[heard.append])
+    broker = MemoryBroker()
+
+    async def broken(payload: dict[str, Any]) -> None:
+        raise ConnectionError("payment gateway timed out")
+
+    broker.publish(body(kind="broken"), message_id="m-broken")
+    await broker.run_until_idle(BrokerConsumer(broker, inbox, broken, settings=FAST))
+    assert [h.outcome for h in heard] == [oncely.Outcome.FAILED] * 3 + [oncely.Outcome.REJECTED]
+    end = heard[-1]
+    assert end.action is oncely.Action.DEAD_LETTER and end.key == "m-broken"
+    assert end.consumer == "orders" and end.attempt == heard[-2].attempt
+    assert end.reason is not None and end.reason.startswith("failed on all 3 deliveries")
+    (dead,) = broker.dead
+    assert dead.why.reason == end.reason
+
+
 class CopiesFail(MemoryBroker):
     """A memory broker whose first ``failures`` dead-letter copies are not written (as a Kafka
     copy that times out during a broker restart): the message is given back instead."""

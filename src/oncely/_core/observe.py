@@ -92,6 +92,11 @@ class Observer:
             error = handled.error
             quiet = error is None or isinstance(error, Released)  # a reason, not a crash
             self.logger.log(level, text, *args, extra=extra, exc_info=None if quiet else error)
+        self.notify(handled)
+
+    def notify(self, handled: Handled[Any]) -> None:
+        """Call every hook with ``handled`` (nothing logged: the caller logs it); a hook that
+        raises is logged and changes nothing."""
         for hook in self.hooks:
             try:
                 hook(handled)

@@ -99,6 +99,8 @@ class Processor(Protocol):
         the producer's message id when it is readable, for the log line only."""
         ...
 
+    # Optional: ``dead_lettered(handled) -> None``, told the ``rejected`` outcome of a message
+    # dead-lettered after its retries (InboxProcessor's passes it to the inbox's hooks).
     # Optional: ``async def prepare(self) -> None``, awaited once by BrokerConsumer.run before
     # the broker is read (InboxProcessor's checks the store). Not part of the protocol, so that
     # a processor written before it still is one. Optional too: ``log_keys`` ("plain" or
@@ -273,6 +275,11 @@ class InboxProcessor:
         self, reason: str, *, key: str | None = None, correlation_id: str | None = None
     ) -> Handled[Any]:
         return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
+
+    def dead_lettered(self, handled: Handled[Any]) -> None:
+        """Pass the ``rejected`` end of a message dead-lettered after its retries to the
+        inbox's hooks (the consumer logged it already)."""
+        self.inbox._rules.observer.notify(handled)
 
 
 async def _at_position(
@@ -1215,6 +1222,14 @@ class BrokerConsumer:
                 self.counts["dead_letter_failed"] += 1
             elif after_retries:
                 self.counts["dead_lettered_after_retries"] += 1
+                # The hooks heard each failed delivery; the message's end is this rejection,
+                # as its dead letter says (x-oncely-outcome): a metric of dead letters needs it.
+                told = getattr(self.processor, "dead_lettered", None)
+                if told is not None:
+                    try:
+                        told(replace(handled, outcome=Outcome.REJECTED, reason=why.reason))
+                    except Exception:
+                        self._log.exception("oncely could not tell the hooks of a dead letter")
         return done and how in ("ack", "dead_letter")
 
     async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> bool:
