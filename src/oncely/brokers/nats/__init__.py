@@ -44,7 +44,10 @@ What each outcome does
     never zero times. When the dead-letter stream's duplicate window already holds a copy with
     that id (a stream created elsewhere with a long window), the copy is published again
     without ``Nats-Msg-Id``, carrying the id in ``x-oncely-message-id``, so it is never
-    dropped. Every settlement is a request the server answers, so a settlement that returns
+    dropped. (A dead letter resubmitted to its stream with its ``Nats-Msg-Id`` within the
+    stream's duplicate window is dropped as a retry: wait out the window, or drop the header
+    where the id is also in ``Oncely-Message-Id``.) Every settlement is a request the server
+    answers, so a settlement that returns
     has reached the server; on a connection that is down it raises
     :class:`~oncely.BrokerUnavailable` at once and the message comes back after ``ack_wait``.
     A running handler's message is kept with ``+WPI`` (in progress) every ``ack_wait / 3``.
