@@ -3,7 +3,8 @@
 Redis (``INCR``) so every pool process counts in one place. Configured by the environment:
 ``ONCELY_TEST_CELERY_QUEUE``, ``ONCELY_TEST_CELERY_STORE`` (the inbox's store URL),
 ``ONCELY_TEST_CELERY_NS`` (the Redis key prefix of the effects), ``ONCELY_TEST_CELERY_LEASE``
-(seconds), ``ONCELY_TEST_CELERY_BROKER`` (the broker URL: RabbitMQ unless it says otherwise)."""
+(seconds), ``ONCELY_TEST_CELERY_BROKER`` (the broker URL: RabbitMQ unless it says otherwise),
+``ONCELY_TEST_CELERY_LOG_KEYS`` (``hash`` for the inbox's ``log_keys="hash"``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ inbox = oncely.Inbox(
     lease=oncely.Lease(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_CELERY_LEASE", "30")))
     ),
+    log_keys="hash" if os.environ.get("ONCELY_TEST_CELERY_LOG_KEYS") == "hash" else "plain",
     hooks=[counted],
 )
 

@@ -5,7 +5,8 @@ environment: ``ONCELY_TEST_DRAMATIQ_QUEUE`` (the queue), ``ONCELY_TEST_DRAMATIQ_
 inbox's store URL), ``ONCELY_TEST_DRAMATIQ_NS`` (the Redis key prefix of the effects),
 ``ONCELY_TEST_DRAMATIQ_LEASE`` (the lease, seconds), ``ONCELY_TEST_DRAMATIQ_ON_STALE`` (the
 inbox's ``on_stale``), ``ONCELY_TEST_DRAMATIQ_BROKER`` (``rabbitmq``, or ``redis`` for a broker
-that dead-letters with Dramatiq's own ``fail()``)."""
+that dead-letters with Dramatiq's own ``fail()``), ``ONCELY_TEST_DRAMATIQ_LOG_KEYS`` (``hash``
+for the inbox's ``log_keys="hash"``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ inbox = oncely.Inbox(
     lease=oncely.Lease(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_DRAMATIQ_LEASE", "30")))
     ),
+    log_keys="hash" if os.environ.get("ONCELY_TEST_DRAMATIQ_LOG_KEYS") == "hash" else "plain",
     on_stale=oncely.OnStale(os.environ.get("ONCELY_TEST_DRAMATIQ_ON_STALE", "retry")),
     hooks=[counted],
 )

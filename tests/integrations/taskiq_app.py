@@ -5,7 +5,8 @@ on RabbitMQ (``taskiq-aio-pika``) and oncely's receiver: tasks behind
 ``ONCELY_TEST_TASKIQ_QUEUE``, ``ONCELY_TEST_TASKIQ_STORE`` (the inbox's store URL),
 ``ONCELY_TEST_TASKIQ_NS`` (the Redis key prefix of the effects and results),
 ``ONCELY_TEST_TASKIQ_LEASE`` (seconds), ``ONCELY_TEST_TASKIQ_LETTERS`` (a dead-letter queue of
-the middleware's own, when set)."""
+the middleware's own, when set), ``ONCELY_TEST_TASKIQ_LOG_KEYS`` (``hash`` for the inbox's
+``log_keys="hash"``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ inbox = oncely.AsyncInbox(
     lease=oncely.Lease(
         duration=timedelta(seconds=float(os.environ.get("ONCELY_TEST_TASKIQ_LEASE", "30")))
     ),
+    log_keys="hash" if os.environ.get("ONCELY_TEST_TASKIQ_LOG_KEYS") == "hash" else "plain",
 )
 broker = (
     AioPikaBroker(

@@ -38,8 +38,11 @@ class Run(WorkerRun):
     app_module = "tests.integrations.celery_app"
     queue_suffixes = ("", ".dead")
 
-    def __init__(self, store: str, lease: float = 30.0, broker: str = "") -> None:
+    def __init__(
+        self, store: str, lease: float = 30.0, broker: str = "", log_keys: str = "plain"
+    ) -> None:
         super().__init__(store, lease)
+        self.env["ONCELY_TEST_CELERY_LOG_KEYS"] = log_keys
         if broker:
             self.env["ONCELY_TEST_CELERY_BROKER"] = broker
         else:
@@ -58,6 +61,7 @@ class Run(WorkerRun):
         return self.spawn(
             "celery", "-A", self.app_module, "worker", "-P", pool, "-c", str(concurrency),
             "-Q", self.queue, "--loglevel", loglevel, "--without-mingle", "--without-gossip",
+            "-n", f"{self.queue}@%h",  # its own node name: never another run's pidbox queue
             log=log,
         )  # fmt: skip
 
@@ -485,5 +489,42 @@ def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
         run.until(lambda: run.outcomes("charge:s1", "duplicate") == 1)
         assert_resends_back_off(log, "charge:s1", run.outcomes("charge:s1", "in_flight"))
         assert run.effects("s1") == 1 and run.started("s1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r16_with_log_keys_hash_no_line_of_the_worker_says_a_key(tmp_path: Path) -> None:
+    """An inbox made with ``log_keys="hash"`` (keys that are personal data): the worker's
+    lines and the errors it records show each key as the inbox shows it, its digest, on every
+    path that names one (a copy met running and sent again, a duplicate, a failure retried, a
+    rejection dead-lettered, a duplicate whose first result was not kept). Before, the
+    task's own lines and errors said the key itself."""
+    from oncely._core.observe import key_for_logs
+
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("Redis", REDIS_URL, 6379)
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", log_keys="hash")
+    log = tmp_path / "worker.log"
+    try:
+        app = run.app
+        run.worker(concurrency=2, log=log, loglevel="info")
+        first = app.charge.delay("h1", 10, sleep=3.0)
+        run.until(lambda: run.started("h1") == 1)
+        copy = app.charge.delay("h1", 10, sleep=3.0)  # met running, sent again: a duplicate
+        assert app.charge.delay("h2", 10, fail_times=1).get(timeout=60)  # fails, retried
+        with pytest.raises(Exception, match="not billable"):
+            app.charge.delay("h3", 10, reject=True).get(timeout=60)  # dead-lettered
+        assert first.get(timeout=60) == copy.get(timeout=60)
+        assert app.big.delay("b1").get(timeout=60) == "x" * 300_000
+        with pytest.raises(Exception, match="not there to return") as lost:
+            app.big.delay("b1").get(timeout=60)
+        run.until(lambda: run.outcomes("charge:h1", "duplicate") == 1)
+        time.sleep(0.5)  # the worker's last lines reach its log
+        said = log.read_text(errors="replace") + str(lost.value)
+        for key in ("charge:h1", "charge:h2", "charge:h3", "big:b1"):
+            assert key not in said, said
+            assert key_for_logs(key, "hash") in said, (key, said)
+        assert f"key {key_for_logs('charge:h1', 'hash')} is being processed elsewhere" in said
     finally:
         run.close()

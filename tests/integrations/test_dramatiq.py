@@ -38,11 +38,18 @@ class Run(WorkerRun):
     queue_suffixes = ("", ".DQ", ".XQ")
 
     def __init__(
-        self, store: str, lease: float = 30.0, *, on_stale: str = "retry", broker: str = "rabbitmq"
+        self,
+        store: str,
+        lease: float = 30.0,
+        *,
+        on_stale: str = "retry",
+        broker: str = "rabbitmq",
+        log_keys: str = "plain",
     ) -> None:
         super().__init__(store, lease)
         self.env["ONCELY_TEST_DRAMATIQ_ON_STALE"] = on_stale
         self.env["ONCELY_TEST_DRAMATIQ_BROKER"] = broker
+        self.env["ONCELY_TEST_DRAMATIQ_LOG_KEYS"] = log_keys
         self.app = self.load_app()
 
     def worker(
@@ -505,5 +512,40 @@ def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
         run.until(lambda: run.outcomes("charge:s1", "duplicate") == 1, seconds=90)
         assert_resends_back_off(log, "charge:s1", run.outcomes("charge:s1", "in_flight"))
         assert run.effects("s1") == 1 and run.started("s1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r16_with_log_keys_hash_no_line_of_the_worker_says_a_key(tmp_path: Path) -> None:
+    """An inbox made with ``log_keys="hash"`` (keys that are personal data): the worker's
+    lines and the reasons it gives show each key as the inbox shows it, its digest, on every
+    path that names one (a copy met running and sent again, a duplicate, a failure retried, a
+    rejection dead-lettered, a duplicate whose first result was not kept). Before, the
+    middleware's own lines and reasons said the key itself."""
+    from oncely._core.observe import key_for_logs
+
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    require("Redis", REDIS_URL, 6379)
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", log_keys="hash")
+    log = tmp_path / "worker.log"
+    try:
+        app = run.app
+        run.worker(processes=1, threads=2, log=log)
+        app.charge.send("h1", 10, sleep=3.0)
+        run.until(lambda: run.started("h1") == 1)
+        app.charge.send("h1", 10, sleep=3.0)  # met running, sent again, then a duplicate
+        app.charge.send("h2", 10, fail_times=1)  # fails, then retried
+        app.charge.send("h3", 10, reject=True)  # dead-lettered
+        assert len(_result(app.bulky.send("b1"))) == 300 * 1024
+        lost = _failure(app.bulky.send("b1"))  # its first result not kept
+        run.until(lambda: run.outcomes("charge:h1", "duplicate") == 1)
+        run.until(lambda: run.effects("h2") == 1)
+        assert len(run.dead_lettered(1)) == 1
+        said = log.read_text(errors="replace") + lost.orig_exc_msg
+        for key in ("charge:h1", "charge:h2", "charge:h3", "bulky:b1"):
+            assert key not in said, said
+            assert key_for_logs(key, "hash") in said, (key, said)
+        assert f"key {key_for_logs('charge:h1', 'hash')} is being processed elsewhere" in said
     finally:
         run.close()

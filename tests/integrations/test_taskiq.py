@@ -40,8 +40,9 @@ class Run(WorkerRun):
     app_module = "tests.integrations.taskiq_app"
     queue_suffixes = ("", ".dead", ".letters")
 
-    def __init__(self, store: str, lease: float = 30.0) -> None:
+    def __init__(self, store: str, lease: float = 30.0, log_keys: str = "plain") -> None:
         super().__init__(store, lease)
+        self.env["ONCELY_TEST_TASKIQ_LOG_KEYS"] = log_keys
         self.app: ModuleType = self.load_app()
         self.consumers: list[object] = []
         """The ``x-oncely-consumer`` of each dead letter :meth:`dead_letters` took."""
@@ -549,5 +550,40 @@ def test_r8_a_copy_that_meets_its_key_running_is_sent_again_less_and_less_often(
         assert run.drive(scenario) == [{"order": "s1", "amount": 10}] * 2
         assert_resends_back_off(log, "charge:s1")
         assert run.effects("s1") == 1 and run.started("s1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(120)
+def test_r16_with_log_keys_hash_no_line_of_the_worker_says_a_key(tmp_path: Path) -> None:
+    """An inbox made with ``log_keys="hash"`` (keys that are personal data): the worker's
+    lines show each key as the inbox shows it, its digest, on every path that names one (a
+    copy met running and sent again, a duplicate, a failure retried, a rejection
+    dead-lettered). Before, the receiver's line for a copy sent again said the key itself."""
+    from oncely._core.observe import key_for_logs
+
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", log_keys="hash")
+    log = tmp_path / "worker.log"
+    try:
+        run.worker(workers=1, log=log, loglevel="INFO")
+
+        async def scenario(app: ModuleType) -> None:
+            first = await app.charge.kiq("h1", 10, sleep=3.0)
+            while run.started("h1") < 1:
+                await asyncio.sleep(0.2)
+            copy = await app.charge.kiq("h1", 10, sleep=3.0)  # sent again, then a duplicate
+            failed = await app.charge.kiq("h2", 10, fail_times=1)  # fails, then retried
+            await app.charge.kiq("h3", 10, reject=True)  # dead-lettered
+            for task in (first, copy, failed):
+                await _value(task)
+
+        run.drive(scenario)
+        run.until(lambda: len(run.dead_letters()) == 1)
+        time.sleep(0.5)  # the worker's last lines reach its log
+        said = log.read_text(errors="replace")
+        for key in ("charge:h1", "charge:h2", "charge:h3"):
+            assert key not in said, said
+            assert key_for_logs(key, "hash") in said, (key, said)
+        assert f"key {key_for_logs('charge:h1', 'hash')} is being processed elsewhere" in said
     finally:
         run.close()

@@ -1,20 +1,23 @@
 """How a task integration (Celery, Dramatiq, taskiq) finds a message's key: the one the
 producer named on purpose, else the task's key function of its arguments. One rule for all
-of them, so no integration reads a framework's own minted message id as the key. And what a
-duplicate answers: the first result as the task returned it."""
+of them, so no integration reads a framework's own minted message id as the key. What a
+duplicate answers: the first result as the task returned it. And how a key shows in a line
+the integration logs: as the inbox shows it."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from oncely._core.inbox_rules import result_lost
+from oncely._core.observe import key_for_logs
 from oncely._core.outcomes import Handled
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import ResultUnavailable
+from oncely.wire import printable
 
-__all__ = ["SENT", "Keyer", "first_result", "task_key"]
+__all__ = ["SENT", "Keyer", "first_result", "shown_key", "task_key"]
 
 SENT = "sent"
 """``idempotency_key="sent"``: the key is the one the producer gave (``send_with_key``)."""
@@ -37,17 +40,30 @@ def task_key(
     return keyer(*args, **kwargs)
 
 
-def first_result(handled: Handled[Any], fn: Callable[..., Any], task: str) -> Any:
+def shown_key(key: str, log_keys: Literal["plain", "hash"]) -> str:
+    """``key`` as a line an integration logs (or a reason it gives) may say it: as the
+    inbox's own lines show it (its digest with ``log_keys="hash"``: a key that is personal
+    data stays out of every line), escaped."""
+    return printable(key_for_logs(key, log_keys) or "")
+
+
+def first_result(
+    handled: Handled[Any],
+    fn: Callable[..., Any],
+    task: str,
+    log_keys: Literal["plain", "hash"] = "plain",
+) -> Any:
     """A duplicate's value: the first result, rebuilt as ``fn``'s return annotation (a
     ``datetime``, a ``Decimal``, a dataclass...; the stored form where there is none, or
     where it does not fit). :class:`~oncely.ResultUnavailable` when the first result was not
     kept (over ``max_result_bytes``, or not encodable): never a ``None`` a caller would take
-    for the result."""
+    for the result; its words show the key as ``log_keys`` does (the inbox's)."""
     value = handled.value
     if value is None:
         if result_lost(handled.reason):
+            shown = shown_key(handled.key or "", log_keys)
             raise ResultUnavailable(
-                f"task {task} ran for {handled.key!r} before, but its result is not there to "
+                f"task {task} ran for {shown!r} before, but its result is not there to "
                 f"return ({handled.reason}); it is not run again",
                 cast("Handled[object]", handled),
             )

@@ -108,7 +108,7 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import EXIT_USAGE, check_stores
-from oncely.integrations._task_keys import Keyer, first_result, task_key
+from oncely.integrations._task_keys import Keyer, first_result, shown_key, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     give_up,
@@ -211,9 +211,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._run(claimed, key, args, kwargs)
         handled = claimed.handled
         assert handled is not None
+        shown = shown_key(key, inbox.log_keys)  # never the key itself with log_keys="hash"
         if request.is_eager:  # apply(), task_always_eager: the caller gets it in hand
             if handled.outcome is Outcome.DUPLICATE:
-                return first_result(handled, self.run, self.name)
+                return first_result(handled, self.run, self.name, inbox.log_keys)
             return handled.unwrap()
         if handled.outcome is Outcome.DUPLICATE:
             if handled.reason == not_kept_note(self._replaced(request)):
@@ -221,10 +222,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 # its task id is the replacement's now, and any result stored for this copy
                 # would overwrite the answer the first caller waits for.
                 LOGGER.info("oncely celery %s[%s]: replaced before; ignored", self.name, request.id)
-                raise Ignore(f"key {key} was replaced by another task under this task id")
-            return first_result(handled, self.run, self.name)
+                raise Ignore(f"key {shown} was replaced by another task under this task id")
+            return first_result(handled, self.run, self.name, inbox.log_keys)
         if handled.outcome is Outcome.IN_FLIGHT:
-            return self._later(key, f"key {key} is being processed elsewhere", handled)
+            return self._later(key, f"key {shown} is being processed elsewhere", handled)
         return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
 
     def _give_up(self, claimed: Claimed[Any], runs: int) -> Any:

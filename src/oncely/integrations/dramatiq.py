@@ -113,7 +113,7 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
-from oncely.integrations._task_keys import task_key
+from oncely.integrations._task_keys import shown_key, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     give_up,
@@ -290,24 +290,27 @@ class Idempotency(Middleware):
         handled = claimed.handled
         assert handled is not None
         outcome = handled.outcome
+        shown = shown_key(key, self.inbox.log_keys)  # never the key itself with log_keys="hash"
         if outcome is Outcome.DUPLICATE:
             if handled.value is None and result_lost(handled.reason):
-                LOGGER.warning("oncely dramatiq key=%s: a duplicate, skipped (%s)", key,
+                LOGGER.warning("oncely dramatiq key=%s: a duplicate, skipped (%s)", shown,
                                handled.reason)  # fmt: skip
                 # Its caller is told so: a skipped message's result would be None, which a
                 # caller takes for the result.
                 lost = ResultUnavailable(
-                    f"actor {message.actor_name} ran for {key!r} before, but its result is "
+                    f"actor {message.actor_name} ran for {shown!r} before, but its result is "
                     f"not there to return ({handled.reason}); it is not run again",
                     cast("Handled[object]", handled),
                 )
                 self._store_failure(broker, message, lost)
-                raise SkipMessage(f"duplicate of {key}")
-            LOGGER.info("oncely dramatiq key=%s: a duplicate, answered with the first result", key)
+                raise SkipMessage(f"duplicate of {shown}")
+            LOGGER.info(
+                "oncely dramatiq key=%s: a duplicate, answered with the first result", shown
+            )
             _REPLAY.value = handled.value  # the actor's stand-in returns it (this thread)
             return
         if outcome is Outcome.IN_FLIGHT:
-            self._later(broker, message, f"key {key} is being processed elsewhere", handled)
+            self._later(broker, message, f"key {shown} is being processed elsewhere", handled)
         self._dead_letter(broker, message, outcome, handled.reason or outcome.value)
 
     def _give_up(self, broker: Any, message: Any, claimed: Claimed[Any], runs: int) -> NoReturn:

@@ -118,7 +118,7 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.integrations._startup import check_stores_async
-from oncely.integrations._task_keys import SENT, Keyer, first_result, task_key
+from oncely.integrations._task_keys import SENT, Keyer, first_result, shown_key, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     in_flight_delay,
@@ -429,11 +429,17 @@ class Receiver(_TaskiqReceiver):
         assert handled is not None
         if handled.outcome is Outcome.DUPLICATE:
             try:
-                return _result(message, first_result(handled, target, message.task_name))
+                return _result(
+                    message, first_result(handled, target, message.task_name, mw.inbox.log_keys)
+                )
             except ResultUnavailable as lost:  # the caller reads the error, not a None
                 return _result(message, None, lost)
         if handled.outcome is Outcome.IN_FLIGHT:
-            return await self._later(message, f"key {key} is being processed elsewhere", handled)
+            return await self._later(
+                message,
+                f"key {shown_key(key, mw.inbox.log_keys)} is being processed elsewhere",
+                handled,
+            )
         refused = await self._dead_letter(message, handled.outcome, handled.reason or "refused")
         if message.task_id == stable_task_id(message.task_name, key) and await self._answered(
             message, handled
