@@ -78,11 +78,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, MutableMapping
 from datetime import timedelta
 from http import HTTPStatus
 from typing import Any
 
+from oncely._core.context import _CURRENT
 from oncely._core.observe import CLIENT_KEYS
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import Limits
@@ -125,6 +126,30 @@ REPLAYED = (b"idempotent-replayed", b"true")
 _FORMAT = 1
 """The stored response's layout version."""
 _TX: contextvars.ContextVar[Any] = contextvars.ContextVar("oncely_http_tx")
+
+
+@contextlib.contextmanager
+def _handling(consumer: str, claimed: AsyncClaimed[Any] | Claimed[Any]) -> Iterator[None]:
+    """While the endpoint runs on a won claim: what ``oncely.current()`` and
+    ``oncely.handling()`` give it, as a message handler gets them (R17): its stored key,
+    consumer and attempt, so ``oncely.handling().downstream_key("charge")`` is one key on
+    every retry of one Idempotency-Key and another for another key. Reset after, so no next
+    request on the thread or task sees it."""
+    entered = _CURRENT.set(
+        (
+            consumer,
+            claimed.key or "",
+            claimed.attempt,
+            claimed._correlation_id,  # the claim's, as a handler gets its message's
+            "two_phase",
+        )
+    )
+    try:
+        yield
+    finally:
+        _CURRENT.reset(entered)
+
+
 _NOT_KEPT = frozenset({b"date", b"server", b"set-cookie"})
 """Response headers never stored: the server's own (a replay gets fresh ones) and cookies
 (a session is not replayed to whoever holds the key)."""
@@ -761,7 +786,8 @@ class IdempotencyMiddleware(_Policy):
             await send(message)
 
         try:
-            await self.app(_in_messages(scope), replay_body, capture)
+            with _handling(self.inbox.consumer, claimed):
+                await self.app(_in_messages(scope), replay_body, capture)
         except BaseException as exc:
             if not ended:
                 await _to_its_end(claimed.release(f"the app raised {said(exc)}"))
@@ -1375,7 +1401,8 @@ class WSGIIdempotencyMiddleware(_Policy):
         claimed: Claimed[Any],
     ) -> Iterable[bytes]:
         try:
-            status_line, raw_headers, chunks = self._call_app(environ, body)
+            with _handling(self.inbox.consumer, claimed):
+                status_line, raw_headers, chunks = self._call_app(environ, body)
         except BaseException as exc:
             claimed.release(f"the app raised {said(exc)}")
             raise

@@ -60,9 +60,20 @@ async def write_ledger(order: str, run: int) -> None:
         await tx.execute(f'INSERT INTO "{LEDGER}" VALUES (%s, %s)', (order, run))
 
 
+def downstream(body: dict[str, Any]) -> dict[str, Any]:
+    """With ``"downstream": true`` in the body: the key this run would give a payment
+    provider (``oncely.current().downstream_key("charge")``, R17; None outside a request the
+    middleware runs)."""
+    if not body.get("downstream"):
+        return {}
+    now = oncely.current()
+    return {"downstream": None if now is None else now.downstream_key("charge")}
+
+
 async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """One effect; the status and JSON answer."""
     order = str(body.get("id"))
+    said = downstream(body)
     if LEDGER:
         await write_ledger(order, EFFECTS[order] + 1)
     if not os.environ.get("ONCELY_TEST_HTTP_FAST"):
@@ -70,13 +81,14 @@ async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     if body.get("fail_once") and order not in FAILED_ONCE:
         FAILED_ONCE.add(order)
         EFFECTS[order] += 1
-        return 500, {"error": "the ledger is down"}
+        return 500, {"error": "the ledger is down", **said}
     if body.get("raise_once") and order not in FAILED_ONCE:
         FAILED_ONCE.add(order)
         EFFECTS[order] += 1
         raise RuntimeError("the handler broke after writing")
     EFFECTS[order] += 1
-    return 201, {"order": order, "run": EFFECTS[order], "size": "x" * int(body.get("pad", 0))}
+    answer = {"order": order, "run": EFFECTS[order], "size": "x" * int(body.get("pad", 0))}
+    return 201, {**answer, **said}
 
 
 async def plain(scope: Scope, receive: Receive, send: Send) -> None:

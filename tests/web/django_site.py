@@ -82,18 +82,24 @@ if os.environ.get("ONCELY_TEST_LOG"):  # what oncely logs, for a test to read
 def _run(request: HttpRequest) -> HttpResponse:
     body = json.loads(request.body or b"{}")
     order = str(body.get("id"))
+    now = oncely.current()  # R17: the request the middleware runs, as a message handler's
+    said = (
+        {"downstream": now.downstream_key("charge") if now else None}
+        if body.get("downstream")
+        else {}
+    )
     time.sleep(float(body.get("sleep", 0)))
     with LOCK:
         EFFECTS[order] += 1
         if body.get("fail_once") and order not in FAILED_ONCE:
             FAILED_ONCE.add(order)
-            return JsonResponse({"error": "the ledger is down"}, status=500)
+            return JsonResponse({"error": "the ledger is down", **said}, status=500)
         run = EFFECTS[order]
     gate = body.get("gate")
     deadline = time.monotonic() + 20
     while gate and not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    response = JsonResponse({"order": order, "run": run}, status=201)
+    response = JsonResponse({"order": order, "run": run, **said}, status=201)
     response["X-App"] = "django"
     return response
 

@@ -437,3 +437,22 @@ def test_r10_r19_a_request_whose_server_was_killed_mid_run_is_retried_once_its_l
             assert json.loads(client.get("/effects").content) == {order: 1}
     finally:
         drop()
+
+
+async def test_r17_an_endpoint_gets_one_downstream_key_per_idempotency_key(server: str) -> None:
+    """Inside the endpoint, ``oncely.current()`` is the request, as a message handler's is
+    its message: ``downstream_key("charge")`` (what it gives a payment provider) is the same
+    on the client's retry of one Idempotency-Key and another for another key. Before, there
+    was no context there (``oncely.handling()`` raised ``LookupError``)."""
+    async with httpx.AsyncClient(base_url=server) as client:
+        k, order = key(), f"d-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True, "downstream": True}
+        failed = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        retry = await client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        other = await client.post(
+            "/orders", json={**body, "id": f"{order}-2"}, headers={"Idempotency-Key": key()}
+        )
+    assert failed.status_code == 500 and retry.status_code == 201
+    assert failed.json()["downstream"] is not None
+    assert retry.json()["downstream"] == failed.json()["downstream"]
+    assert other.json()["downstream"] not in (None, failed.json()["downstream"])

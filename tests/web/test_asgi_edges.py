@@ -399,3 +399,32 @@ async def test_r19_a_file_response_on_a_server_that_sends_files_itself_is_kept(
     assert first[0] == again[0] == 201 and first[2] == again[2] == report.read_bytes()
     assert again[1][b"idempotent-replayed"] == b"true"
     assert runs == [1]
+
+
+async def test_r17_the_requests_context_ends_with_it_and_never_reaches_the_next() -> None:
+    """The endpoint sees its request as ``oncely.current()``; once the middleware is done
+    (the response sent, or the app raised), the task that ran it has none again, so a next
+    request on the task (or code after the middleware) never takes another's key."""
+    seen: list[str | None] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        now = oncely.current()
+        seen.append(None if now is None else now.downstream_key("charge"))
+        if scope["path"] == "/broken":
+            raise RuntimeError("the endpoint broke")
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"booked"})
+
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="orders-api")
+    api = IdempotencyMiddleware(app, inbox=inbox)
+    transport = httpx.ASGITransport(app=api)  # the app runs in this very task
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+        k = key()
+        assert (await client.post("/orders", headers={"Idempotency-Key": k})).status_code == 201
+        assert oncely.current() is None
+        with pytest.raises(RuntimeError, match="the endpoint broke"):
+            await client.post("/broken", headers={"Idempotency-Key": key()})
+        assert oncely.current() is None
+        assert (await client.post("/orders")).status_code == 201  # no key: not oncely's
+    assert seen[0] is not None and seen[1] not in (None, seen[0]) and seen[2] is None

@@ -424,3 +424,25 @@ def test_r19_django_a_client_gone_mid_upload_claims_nothing_and_its_retry_runs(
     # Before, Django's request.body was the part that had arrived: the view ran on it, its
     # response was kept, and the client's retry with the whole body was refused (422).
     assert_a_retry_after_a_cut_upload_runs(server)
+
+
+@pytest.mark.parametrize("route", ["/orders", "/decorated"])
+def test_r17_django_a_view_gets_one_downstream_key_per_idempotency_key(
+    server: str, route: str
+) -> None:
+    """Inside the view (behind the middleware, or ``@idempotent``), ``oncely.current()`` is
+    the request, as a message handler's is its message: ``downstream_key("charge")`` is the
+    same on the client's retry of one Idempotency-Key and another for another key. Before,
+    there was no context there (``oncely.handling()`` raised ``LookupError``)."""
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"d-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True, "downstream": True}
+        failed = client.post(route, json=body, headers={"Idempotency-Key": k})
+        retry = client.post(route, json=body, headers={"Idempotency-Key": k})
+        other = client.post(
+            route, json={**body, "id": f"{order}-2"}, headers={"Idempotency-Key": key()}
+        )
+    assert failed.status_code == 500 and retry.status_code == 201
+    assert failed.json()["downstream"] is not None
+    assert retry.json()["downstream"] == failed.json()["downstream"]
+    assert other.json()["downstream"] not in (None, failed.json()["downstream"])

@@ -190,3 +190,56 @@ def test_r19_wsgi_a_body_handed_over_in_parts_is_read_whole() -> None:
     started: list[str] = []
     answer = b"".join(api(environ, lambda status, headers: started.append(status)))
     assert started == ["201 Created"] and answer == b"booked" and seen == [body]
+
+
+def test_r17_wsgi_an_endpoint_gets_one_downstream_key_per_idempotency_key(server: str) -> None:
+    """Inside the Flask view, ``oncely.current()`` is the request, as a message handler's is
+    its message: ``downstream_key("charge")`` is the same on the client's retry of one
+    Idempotency-Key and another for another key. Before, there was no context there."""
+    with httpx.Client(base_url=server) as client:
+        k, order = key(), f"d-{uuid.uuid4().hex[:8]}"
+        body = {"id": order, "fail_once": True, "downstream": True}
+        failed = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        retry = client.post("/orders", json=body, headers={"Idempotency-Key": k})
+        other = client.post(
+            "/orders", json={**body, "id": f"{order}-2"}, headers={"Idempotency-Key": key()}
+        )
+    assert failed.status_code == 500 and retry.status_code == 201
+    assert failed.json()["downstream"] is not None
+    assert retry.json()["downstream"] == failed.json()["downstream"]
+    assert other.json()["downstream"] not in (None, failed.json()["downstream"])
+
+
+def test_r17_wsgi_the_requests_context_ends_with_it_and_never_reaches_the_next() -> None:
+    """The app sees its request as ``oncely.current()``; once the middleware is done (the
+    response made, or the app raised), the thread has none again: a server that runs the
+    next request on this thread never gives it another request's key."""
+    seen: list[str | None] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        now = oncely.current()
+        seen.append(None if now is None else now.downstream_key("charge"))
+        if environ["PATH_INFO"] == "/broken":
+            raise RuntimeError("the endpoint broke")
+        start_response("201 Created", [])
+        return [b"booked"]
+
+    api = WSGIIdempotencyMiddleware(app, inbox=oncely.Inbox(oncely.open("memory://"), consumer="a"))
+
+    def call(path: str, k: str | None) -> list[bytes]:
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": path,
+            "CONTENT_LENGTH": "0",
+            "wsgi.input": io.BytesIO(b""),
+            **({"HTTP_IDEMPOTENCY_KEY": k} if k else {}),
+        }
+        return list(api(environ, lambda status, headers: None))
+
+    assert call("/orders", key()) == [b"booked"]
+    assert oncely.current() is None
+    with pytest.raises(RuntimeError, match="the endpoint broke"):
+        call("/broken", key())
+    assert oncely.current() is None
+    assert call("/orders", None) == [b"booked"]  # no key: not oncely's
+    assert seen[0] is not None and seen[1] not in (None, seen[0]) and seen[2] is None

@@ -30,6 +30,12 @@ flask_app = Flask(__name__)
 def orders() -> Any:
     body = request.get_json()
     order = str(body.get("id"))
+    now = oncely.current()  # R17: the request the middleware runs, as a message handler's
+    said = (
+        {"downstream": now.downstream_key("charge") if now else None}
+        if body.get("downstream")
+        else {}
+    )
     time.sleep(float(body.get("sleep", 0)))
     if LEDGER:
         tx = transaction()
@@ -39,9 +45,9 @@ def orders() -> Any:
         EFFECTS[order] += 1
         if body.get("fail_once") and order not in FAILED_ONCE:
             FAILED_ONCE.add(order)
-            return jsonify({"error": "the ledger is down"}), 500
+            return jsonify({"error": "the ledger is down", **said}), 500
         run = EFFECTS[order]
-    answer = {"order": order, "run": run, "size": "x" * int(body.get("pad", 0))}
+    answer = {"order": order, "run": run, "size": "x" * int(body.get("pad", 0)), **said}
     return jsonify(answer), 201, {"X-App": "flask"}
 
 

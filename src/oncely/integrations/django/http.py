@@ -82,6 +82,7 @@ from oncely.http import (
     _GONE,
     Reply,
     _cut_short,
+    _handling,
     _Policy,
     _store_down,
     _wsgi_headers,
@@ -192,7 +193,8 @@ class _Guard(_Policy):
             assert claimed.handled is not None
             return _response(answer(claimed.handled))
         try:
-            response = call()
+            with _handling(self.inbox.consumer, claimed):
+                response = call()
         except BaseException as exc:
             claimed.release(f"the view raised {said(exc)}")
             raise
