@@ -446,3 +446,55 @@ def test_r20_example_orders_entity_runs(tmp_path: Path) -> None:
         "o-1 reused with another amount: key_conflict -> dead_letter (differing: amount)",
         "orders: 1, lines: 2, outbox: 1",
     ]
+
+
+@pytest.mark.parametrize(
+    ("column", "single"),
+    [
+        (sa.Float(), {"mariadb"}),
+        (sa.REAL(), {"postgresql"}),
+        (sa.Float(precision=24), {"mariadb", "postgresql"}),
+        (sa.Float(precision=53), set()),
+        (sa.Double(), set()),
+    ],
+    ids=["Float", "REAL", "Float(24)", "Float(53)", "Double"],
+)
+def test_r20_r21_a_float_its_column_keeps_in_single_precision_is_refused(
+    db: Db, column: sa.types.TypeEngine[float], single: set[str]
+) -> None:
+    """A compared float the column keeps in 4 bytes comes back as another float (0.1 as
+    0.10000000149...): before, every copy was a false key_conflict, and a float key raised
+    the first insert's IntegrityError on every copy. Now it is refused before anything is
+    written; one that 4 bytes hold exactly (0.5), and every float in double precision, is
+    compared as before."""
+    table = sa.Table(
+        db.orders.name + "_f",
+        db.orders.metadata,
+        sa.Column("order_id", sa.String(20), primary_key=True),
+        sa.Column("weight", column, nullable=False),
+    )
+    table.create(db.engine)
+    refused = db.backend in single
+    for weight in (0.1, 0.5):
+        outcomes = []
+        for _ in range(2):
+            with db.engine.begin() as conn:
+                if refused and weight == 0.1:
+                    with pytest.raises(oncely.ConfigurationError, match="single precision"):
+                        create_once(
+                            conn,
+                            table,
+                            key={"order_id": f"o-{weight}"},
+                            values={"weight": weight},
+                            compare=("weight",),
+                        )
+                    continue
+                result = create_once(
+                    conn,
+                    table,
+                    key={"order_id": f"o-{weight}"},
+                    values={"weight": weight},
+                    compare=("weight",),
+                )
+                outcomes.append(result.outcome)
+        assert outcomes == ([] if refused and weight == 0.1 else [CREATED, DUPLICATE])

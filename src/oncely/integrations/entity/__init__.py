@@ -60,7 +60,9 @@ READ or SERIALIZABLE a concurrent winner raises a serialization failure: retry t
 column of the entity and compared as text, which is exact. ``compare`` fields are compared with
 Python equality on the values as the database returns them (numbers by decimal value), so pass
 values of the column's type: a string for a numeric, date, time or UUID column, a number for a
-text column, a number with more decimal places than its ``Numeric`` column keeps, and a
+text column, a number with more decimal places than its ``Numeric`` column keeps, a float
+that its column keeps in single precision (MySQL/MariaDB's ``FLOAT``, PostgreSQL's ``REAL``)
+changes, and a
 datetime or time whose time zone or fraction of a second its column drops (only PostgreSQL's
 ``timezone=True`` columns keep a zone, and give one back even for a naive value; MySQL/MariaDB
 keep fractions only to the column's ``fsp``) are refused before anything is written (every

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import struct
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +182,13 @@ def _comparable(shape: Shape, name: str, given: object, dialect: Dialect) -> Non
                 f"row (a key_conflict). Pass a {wanted.__name__} (Decimal(...) for a string "
                 "amount)"
             )
+        if isinstance(given, float) and _single(column_type, dialect) and _lossy32(given):
+            raise ConfigurationError(
+                f"values: {name}={given!r} is a float its column {column_type} keeps in single "
+                f"precision on {dialect.name} (it gives back {_as32(given)!r}): every copy would "
+                "differ from the stored row (a key_conflict, or an IntegrityError for a key). "
+                "Declare the column with double precision (Double, or Numeric for amounts)"
+            )
         scale = getattr(column_type, "scale", None)
         if isinstance(scale, int) and not isinstance(given, int):
             exponent = Decimal(str(given)).as_tuple().exponent
@@ -206,6 +214,37 @@ def _comparable(shape: Shape, name: str, given: object, dialect: Dialect) -> Non
         )
     if isinstance(given, datetime.datetime | datetime.time) and wanted in _TEMPORAL:
         _temporal(name, given, column_type.dialect_impl(dialect), dialect.name)
+
+
+def _single(column_type: object, dialect: Dialect) -> bool:
+    """Whether the column keeps a float in 4 bytes on ``dialect``: MySQL/MariaDB's ``FLOAT``
+    (SQLAlchemy's ``Float()``), PostgreSQL's ``REAL``, and ``FLOAT(p)`` with p up to 24 on
+    either; SQLite keeps 8."""
+    if dialect.name == "sqlite":
+        return False
+    try:
+        ddl = dialect.type_compiler_instance.process(column_type).upper()  # type: ignore[arg-type]
+    except Exception:
+        return False
+    if ddl == "REAL":
+        return dialect.name == "postgresql"  # MySQL's REAL is a DOUBLE
+    if not ddl.startswith("FLOAT"):
+        return False
+    digits = ddl[5:].strip(" ()")
+    if not digits:
+        return dialect.name in _MYSQL_DIALECTS  # PostgreSQL's FLOAT is double precision
+    return digits.isdigit() and int(digits) <= 24
+
+
+def _as32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]  # type: ignore[no-any-return]
+
+
+def _lossy32(value: float) -> bool:
+    try:
+        return _as32(value) != value
+    except OverflowError:
+        return True
 
 
 def _temporal(
