@@ -15,6 +15,16 @@ from tests.backends.mysql import admin, sql, url
 from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _claim_in, _questions
 
 
+def _statements(store: MySQLStore, call: Callable[[], object]) -> int:
+    """The statements the server counted on the store's only connection while ``call`` ran,
+    plus those of the count itself (subtract a baseline)."""
+    with store.transaction() as tx:
+        first = _questions(tx)
+    call()
+    with store.transaction() as tx:
+        return _questions(tx) - first
+
+
 def test_r8_a_new_key_is_one_statement_and_a_duplicate_two(table: str) -> None:
     """Counted by the server (the session's ``Questions``) on the store's only connection. A
     batch of new keys is one statement too (its OK packet says every key went in); a batch
@@ -23,11 +33,7 @@ def test_r8_a_new_key_is_one_statement_and_a_duplicate_two(table: str) -> None:
     store.migrate()
 
     def statements(call: Callable[[], object]) -> int:
-        with store.transaction() as tx:
-            first = _questions(tx)
-        call()
-        with store.transaction() as tx:
-            return _questions(tx) - first
+        return _statements(store, call)
 
     try:
         baseline = statements(lambda: None)
@@ -106,11 +112,7 @@ def test_r7_the_stores_own_transaction_looks_for_its_claim_only_after_a_doubt(
     inbox = oncely.Inbox(store, consumer="billing")
 
     def statements(call: Callable[[], object]) -> int:
-        with store.transaction() as tx:
-            first = _questions(tx)
-        call()
-        with store.transaction() as tx:
-            return _questions(tx) - first
+        return _statements(store, call)
 
     def book(tx: Any, payload: str) -> None:
         with tx.cursor() as cursor:

@@ -79,14 +79,16 @@ def _may_end(sql: object) -> bool:
     return text.lstrip().lower().startswith(_ENDINGS)
 
 
-class _Watched(pymysql.connections.Connection):  # type: ignore[misc]
-    """The store's own connections: they count what may have ended the transaction a
-    block of the transactional mode opened on them (:attr:`doubts`, set to 0 when the
-    block begins): an error the server answered (a deadlock victim's whole transaction
-    is rolled back, and a handler may catch the error and go on), and a COMMIT, ROLLBACK,
-    BEGIN or ``SET``. While it stays 0 nothing can have ended it, and the claim need not
-    be looked for before the commit (one round trip saved on every message)."""
+_WATCHED_DOC = """The store's own connections: they count what may have ended the transaction a
+block of the transactional mode opened on them (``doubts``, set to 0 when the block begins): an
+error the server answered (a deadlock victim's whole transaction is rolled back, and a handler
+may catch the error and go on), and a COMMIT, ROLLBACK, BEGIN or ``SET``. While it stays 0
+nothing can have ended it, and the claim need not be looked for before the commit (one round
+trip saved on every message)."""
 
+
+class _Watched(pymysql.connections.Connection):  # type: ignore[misc]
+    __doc__ = _WATCHED_DOC
     doubts = 0
 
     def query(self, sql: Any, unbuffered: bool = False) -> Any:
