@@ -58,6 +58,7 @@ from oncely.brokers._shape import (
 )
 from oncely.errors import ConfigurationError
 from oncely.keys import key_source
+from oncely.tracing import TracedProducer, Tracing
 
 __all__ = [
     "Backoff",
@@ -180,6 +181,14 @@ _BROKERS: dict[str, tuple[str, str, str]] = {
     "sqs": ("oncely.brokers.sqs:SQS", "oncely.brokers.sqs:SQSProducer", "sqs"),
 }
 _ALIASES = {"amqps": "amqp", "rediss": "redis", "tls": "nats"}
+_SYSTEMS = {
+    "amqp": "rabbitmq",
+    "redis": "redis-streams",
+    "nats": "nats",
+    "kafka": "kafka",
+    "sqs": "sqs",
+}
+"""Each scheme's broker as its transport names it (``Transport.name``), for spans."""
 SCHEMES = tuple(sorted({*_BROKERS, *_ALIASES}))
 
 
@@ -211,6 +220,15 @@ def open_transport(
     )
 
 
-def open_producer(url: str, destination: str) -> Producer:
-    """The producer for ``url`` publishing to ``destination`` (a queue, stream or subject)."""
-    return cast(Producer, _load(url, 1).from_url(url, destination))
+def open_producer(url: str, destination: str, *, tracing: Tracing = False) -> Producer:
+    """The producer for ``url`` publishing to ``destination`` (a queue, stream or subject).
+
+    ``tracing=True`` (or an OpenTelemetry ``TracerProvider``) makes each publish a PRODUCER
+    span whose context the message's headers carry (W3C ``traceparent``), for a consumer's
+    span to continue the trace (:class:`oncely.tracing.TracedProducer`)."""
+    producer = cast(Producer, _load(url, 1).from_url(url, destination))
+    if tracing is False:
+        return producer
+    scheme = url.split(":", 1)[0].lower()
+    system = _SYSTEMS[_ALIASES.get(scheme, scheme)]
+    return TracedProducer(producer, system=system, destination=destination, tracing=tracing)

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
@@ -35,7 +35,11 @@ from oncely.inbox.sync_inbox import Inbox
 from oncely.keys import Envelope, KeySource, MessageIdKey
 from oncely.stores.async_protocols import AsyncKeepsOffsets, AsyncTransactionalStore
 from oncely.stores.async_purging import AsyncPurgeService
+from oncely.tracing import Tracing, consumer_spans
 from oncely.wire import escaped, printable
+
+if TYPE_CHECKING:
+    from oncely._otel import ConsumerSpans
 
 __all__ = ["BrokerConsumer", "InboxProcessor", "Processor", "UndecodableBody", "decode_body"]
 
@@ -276,6 +280,11 @@ class InboxProcessor:
     ) -> Handled[Any]:
         return self.inbox.refuse(reason, key=key, correlation_id=correlation_id)
 
+    def _wrap_handler(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Run the handler as ``wrap(handler)`` (a consumer's tracing: each of a batch's
+        handlers under its message's span)."""
+        self._handler = wrap(self._handler)
+
     def dead_lettered(self, handled: Handled[Any]) -> None:
         """Pass the ``rejected`` end of a message dead-lettered after its retries to the
         inbox's hooks (the consumer logged it already)."""
@@ -395,6 +404,11 @@ class BrokerConsumer:
     failures dead-lettered after ``max_deliveries`` (counted once the copy is written),
     ``dead_letter_failed`` for dead-letter copies that were not written (the message was
     given back), and ``settle_failed`` for any broker action that failed.
+
+    ``tracing=True`` (or an OpenTelemetry ``TracerProvider``) makes a CONSUMER span per
+    delivery, a child of the context its producer put in its headers, with the handler run
+    under it (:mod:`oncely.tracing`); off by default, when nothing of OpenTelemetry is
+    imported.
     """
 
     def __init__(
@@ -409,6 +423,7 @@ class BrokerConsumer:
         decode: Decoder = decode_body,
         logger: logging.Logger | None = None,
         store_offsets: bool = False,
+        tracing: Tracing = False,
     ) -> None:
         if isinstance(inbox, AsyncInbox):
             if handler is None:
@@ -460,6 +475,20 @@ class BrokerConsumer:
         self._log_keys: Literal["plain", "hash"] = getattr(self.processor, "log_keys", "plain")
         """How keys show in this consumer's log lines: as the inbox shows them in its own
         (``log_keys="hash"`` keeps a key that is personal data out of every line)."""
+        self._spans: ConsumerSpans | None = None
+        """A span per delivery (``tracing``); None, and nothing of OpenTelemetry imported,
+        with tracing off."""
+        if tracing is not False:
+            spans = consumer_spans(
+                tracing,
+                system=transport.name,
+                destination=_destination(transport),
+                consumer=self.processor.consumer,
+                log_keys=self._log_keys,
+            )
+            if spans is not None and isinstance(self.processor, InboxProcessor):
+                self.processor._wrap_handler(spans.handler)
+            self._spans = spans
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
@@ -761,9 +790,15 @@ class BrokerConsumer:
         left = dict(enumerate(deliveries))
         """The batch's deliveries not settled yet (groups that ended early are settled as
         they end)."""
+        spans = self._spans
+        if spans is not None:
+            for delivery in deliveries:
+                spans.start(delivery)
         try:
             await self._run_many(deliveries, left)
         finally:
+            if spans is not None:
+                spans.ended(deliveries, "given back unprocessed")
             self._done_with(len(left))
 
     async def _run_many(self, deliveries: list[Delivery], left: dict[int, Delivery]) -> None:
@@ -805,6 +840,11 @@ class BrokerConsumer:
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += len(left)
             named = [self._named(d) for d in left.values()]
+            if self._spans is not None:
+                for d in left.values():
+                    self._spans.gave_back(
+                        d, f"could not process the batch: {type(exc).__name__}: {exc}", exc
+                    )
             self._log.error(
                 "oncely broker=%s could not process a batch of %d messages (%s: %s); they are "
                 "given back and will be redelivered keys=%s",
@@ -887,33 +927,41 @@ class BrokerConsumer:
                 return self._stopping.is_set() or _revoked(by_group[group])
 
             slots = self._slots  # shared by the batches running at once
-            if self._positions is not None:
-                positions = _positions(deliveries, every, outcomes)
-                done: list[Handled[Any]] = await _each(
-                    self._positions,
-                    envelopes,
-                    groups,
-                    concurrency,
-                    stop,
-                    [positions[i] for i in ready],
-                    slots,
-                )
-            elif isinstance(self.processor, InboxProcessor):
-                settled = None
-                if early is not None:
+            traced: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if self._spans is not None:
+                key_of = getattr(self.processor, "key_of", None)
+                if key_of is not None:  # an InboxProcessor's handlers run under their spans
+                    traced = self._spans.batch(
+                        [(key_of(envelopes[j]), deliveries[i]) for j, i in enumerate(ready)]
+                    )
+            with traced:
+                if self._positions is not None:
+                    positions = _positions(deliveries, every, outcomes)
+                    done: list[Handled[Any]] = await _each(
+                        self._positions,
+                        envelopes,
+                        groups,
+                        concurrency,
+                        stop,
+                        [positions[i] for i in ready],
+                        slots,
+                    )
+                elif isinstance(self.processor, InboxProcessor):
+                    settled = None
+                    if early is not None:
 
-                    async def settled(indexes: list[int], ended: list[Handled[Any]]) -> None:
-                        await early([ready[j] for j in indexes], ended)
+                        async def settled(indexes: list[int], ended: list[Handled[Any]]) -> None:
+                            await early([ready[j] for j in indexes], ended)
 
-                done = await self.processor.process_batch(
-                    envelopes, groups, concurrency, stop, settled=settled, slots=slots
-                )
-            elif many is not None:  # a Processor of your own (its batches one at a time)
-                done = await many(envelopes, groups, concurrency, stop)
-            else:
-                done = await _each(
-                    self.processor, envelopes, groups, concurrency, stop, None, slots
-                )
+                    done = await self.processor.process_batch(
+                        envelopes, groups, concurrency, stop, settled=settled, slots=slots
+                    )
+                elif many is not None:  # a Processor of your own (its batches one at a time)
+                    done = await many(envelopes, groups, concurrency, stop)
+                else:
+                    done = await _each(
+                        self.processor, envelopes, groups, concurrency, stop, None, slots
+                    )
             for i, handled in zip(ready, done, strict=True):
                 outcomes[i] = handled
         return [handled for handled in outcomes if handled is not None]
@@ -926,14 +974,21 @@ class BrokerConsumer:
     async def _finish_one(self, delivery: Delivery) -> bool:
         """Process and settle one delivery, then free its slot; whether it is finished
         (acknowledged or its dead letter written) rather than given back."""
+        spans = self._spans
         try:
-            handled = await self._outcome(delivery)
+            if spans is None:
+                handled = await self._outcome(delivery)
+            else:
+                with spans.current(delivery):  # the handler's spans are its children
+                    handled = await self._outcome(delivery)
             if handled is None:
                 return False
             finished = await self._settle(delivery, handled)
             await self._store_past_dead_letters([delivery], [handled], [finished])
             return finished
         finally:
+            if spans is not None:
+                spans.ended([delivery], "given back unprocessed")
             self._slots.release()
 
     async def _in_order(self, chain: Sequence[Delivery]) -> None:
@@ -1034,6 +1089,10 @@ class BrokerConsumer:
         correlation id, as every message's line has them (R16)."""
         key, correlation_id = self._named(delivery)
         transport = delivery.describe()
+        if self._spans is not None:
+            self._spans.gave_back(
+                delivery, f"could not process the message: {type(exc).__name__}: {exc}", exc
+            )
         self._log.error(
             "oncely broker=%s could not process a message (%s: %s); it is given back "
             "and will be redelivered key=%s correlation_id=%s%s",
@@ -1164,6 +1223,7 @@ class BrokerConsumer:
             failures, given_back = self._failures(delivery, count)
         step: Awaitable[None] | None
         after_retries = False
+        dead_reason: str | None = None
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
@@ -1183,6 +1243,7 @@ class BrokerConsumer:
             why = DeadLetter(
                 outcome=outcome, reason=reason, consumer=self.processor.consumer, deliveries=count
             )
+            dead_reason = reason
             step, how = delivery.dead_letter(why), "dead_letter"
         level = logging.ERROR if how == "dead_letter" else handled.log_level
         if self._log.isEnabledFor(level):
@@ -1213,6 +1274,7 @@ class BrokerConsumer:
                 },
             )
         done = step is None or await self._settle_quietly(step, delivery, how)
+        self._trace_settled(delivery, handled, how, dead_reason, done)
         if done and how in ("ack", "dead_letter"):
             self._finished(delivery)
         if how == "dead_letter":
@@ -1231,6 +1293,18 @@ class BrokerConsumer:
                     except Exception:
                         self._log.exception("oncely could not tell the hooks of a dead letter")
         return done and how in ("ack", "dead_letter")
+
+    def _trace_settled(
+        self,
+        delivery: Delivery,
+        handled: Handled[Any],
+        how: str,
+        reason: str | None,
+        done: bool,
+    ) -> None:
+        """End the delivery's span (with tracing) with its outcome and broker action."""
+        if self._spans is not None:
+            self._spans.settled(delivery, handled, how, reason=reason, carried_out=done)
 
     async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> bool:
         """Await the broker action ``step``; whether it was carried out (a failure is counted
@@ -1389,6 +1463,15 @@ def _group(delivery: Delivery) -> Hashable:
     delivery without one is a group of its own."""
     group = getattr(delivery, "group", None)
     return group if group is not None else object()
+
+
+def _destination(transport: Transport) -> str:
+    """The queue, stream, subject or topic ``transport`` reads, for its spans."""
+    for name in ("source", "queue", "stream"):
+        found = getattr(transport, name, None)
+        if isinstance(found, str) and found:
+            return found
+    return transport.name
 
 
 def _size(body: object) -> int:

@@ -305,6 +305,13 @@ broker_options = _options(
         help="hash: log a digest of each key (h:<hex>), never the key itself (keys that are "
         "personal data).",
     ),
+    click.option(
+        "--tracing",
+        is_flag=True,
+        help="An OpenTelemetry span per message, continuing the producer's trace from its "
+        "headers, through the global tracer provider (run under opentelemetry-instrument, or "
+        "configure the SDK in the handler's module). Needs oncely[otel].",
+    ),
 )
 """The options of every consume command: the broker, the key, the limits, the horizon and
 the logs (``oncely consume`` and ``manage.py oncely consume`` add how the handler runs)."""
@@ -383,7 +390,9 @@ def run_consumer(
 
     async def run() -> None:
         async with processor(consumption) as made:
-            runner = BrokerConsumer(transport, made, settings=settings)
+            runner = BrokerConsumer(
+                transport, made, settings=settings, tracing=bool(options.get("tracing"))
+            )
             await runner.run(handle_signals=True)
         summary = ", ".join(f"{name}={n}" for name, n in sorted(runner.counts.items()))
         logging.getLogger("oncely.broker").info("oncely consume stopped: %s", summary or "idle")
