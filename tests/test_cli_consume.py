@@ -460,3 +460,68 @@ def test_repeated_records_are_let_through_once_per_window() -> None:
     assert repeats.filter(record(5, "another kind %r"))  # another message: its own window
     later = record(31)
     assert repeats.filter(later) and "(3 more like it in the last 30s)" in later.getMessage()
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_r16_consume_with_tracing_continues_the_producers_trace(tmp_path: Path) -> None:
+    """``oncely consume --tracing`` makes a span per message through the global tracer
+    provider (here set by the handler's module, as an application sets up OpenTelemetry),
+    child of the context the producer put in the headers, with the handler's span inside."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from oncely.tracing import inject
+
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_traced")
+    spans = tmp_path / "spans.jsonl"
+    spans.touch()
+    env = {**os.environ, "ONCELY_TEST_SPANS": str(spans)}
+    command = [
+        *ONCELY,
+        "consume",
+        "--broker",
+        RABBITMQ_URL,
+        "--source",
+        source,
+        "--handler",
+        "tests.brokers.traced_handlers:charge",
+        "--store",
+        f"sqlite:///{tmp_path / 'inbox.db'}",
+        "--consumer",
+        "cli-traced",
+        "--tracing",
+    ]
+    provider = TracerProvider()
+
+    async def publish() -> tuple[int, int]:
+        producer = open_producer(RABBITMQ_URL, source)
+        try:
+            with provider.get_tracer("the-shop").start_as_current_span("checkout") as span:
+                await producer.publish(b'{"order": 1}', message_id="o-1", headers=inject())
+                return span.get_span_context().trace_id, span.get_span_context().span_id
+        finally:
+            await producer.close()
+
+    def meanwhile() -> None:
+        time.sleep(2)  # the queue is declared by the consumer
+        trace_id, span_id = asyncio.run(publish())
+        deadline = time.monotonic() + 30
+        while len(spans.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found = [json.loads(line) for line in spans.read_text().splitlines()]
+        (consumed,) = [s for s in found if s["name"] == f"process {source}"]
+        (charged,) = [s for s in found if s["name"] == "charge"]
+        assert consumed["kind"] == "CONSUMER"
+        assert (consumed["trace_id"], consumed["parent_id"]) == (trace_id, span_id)
+        assert consumed["attributes"]["oncely.outcome"] == "processed"
+        assert consumed["attributes"]["oncely.broker_action"] == "ack"
+        assert consumed["attributes"]["messaging.system"] == "rabbitmq"
+        assert charged["parent_id"] == consumed["span_id"]
+
+    try:
+        code, err = _consume_until_sigterm(command, meanwhile, env)
+        assert code == 0, err
+    finally:
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))

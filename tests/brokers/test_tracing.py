@@ -39,6 +39,7 @@ from oncely.brokers import (
 )
 from oncely.tracing import TracedProducer, inject
 from tests.brokers.common import remove_destinations, running, unique, wait_until
+from tests.brokers.sqs_broker import create_queue, sqs_url
 from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
 
 pytestmark = pytest.mark.services
@@ -53,6 +54,9 @@ SETTINGS = ConsumerSettings(
     reconnect=Backoff(first=100 * MS, most=500 * MS),
     shutdown_grace=timedelta(seconds=10),
 )
+
+SYSTEMS = {"sqs": "aws_sqs"}
+"""OpenTelemetry's name of a broker, where it is not oncely's."""
 
 BROKERS = {
     "rabbitmq": (RABBITMQ_URL, 5672),
@@ -70,30 +74,33 @@ class Broker:
     def transport(self) -> Any:
         options: dict[str, Any] = {}
         if self.name != "rabbitmq":
-            options["ack_wait"] = timedelta(seconds=2)
+            options["ack_wait"] = timedelta(seconds=5)
         return open_transport(self.url, self.source, group="otel_billing", **options)
 
 
-@pytest.fixture(params=["rabbitmq", "redis-streams"])
+@pytest.fixture(params=["rabbitmq", "redis-streams", "sqs"])
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
-    """RabbitMQ and Redis Streams (a queue and a stream of the test's own)."""
+    """RabbitMQ, Redis Streams and SQS (moto's server; it reads in batches by default)."""
     async for made in _broker(request.param):
         yield made
 
 
-@pytest.fixture(params=["rabbitmq", "redis-streams", "nats"])
+@pytest.fixture(params=["rabbitmq", "redis-streams", "nats", "sqs"])
 async def any_broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
-    """RabbitMQ, Redis Streams and NATS JetStream."""
+    """RabbitMQ, Redis Streams, NATS JetStream and SQS."""
     async for made in _broker(request.param):
         yield made
 
 
 async def _broker(name: str) -> AsyncIterator[Broker]:
-    url, port = BROKERS[name]
-    require(name, url, port)
-    if name != "redis-streams":
-        require("Redis", REDIS_URL, 6379)
-    made = Broker(name, url, unique("otel"))
+    source = unique("otel")
+    if name == "sqs":
+        url = sqs_url()
+        create_queue(source)
+    else:
+        url, port = BROKERS[name]
+        require(name, url, port)
+    made = Broker(name, url, source)
     try:
         yield made
     finally:
@@ -195,7 +202,7 @@ async def test_r16_a_consumer_span_continues_the_producers_trace_and_holds_the_h
         assert parent_of(send) == checkout.context.span_id
         assert send.kind is SpanKind.PRODUCER
         assert dict(attributes) == {
-            "messaging.system": broker.name,
+            "messaging.system": SYSTEMS.get(broker.name, broker.name),
             "messaging.destination.name": broker.source,
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",

@@ -890,6 +890,7 @@ class BrokerConsumer:
             try:
                 await ack_many(acks)
             except Exception as exc:
+                self._trace_acks(settled, done=False)
                 self.counts["settle_failed"] += len(acks)
                 self._log.warning(
                     "oncely broker=%s could not ack %d messages (%s); the broker redelivers them",
@@ -897,7 +898,16 @@ class BrokerConsumer:
                     len(acks),
                     exc,
                 )
+            else:
+                self._trace_acks(settled, done=True)
         return list(finished)
+
+    def _trace_acks(self, settled: list[tuple[Delivery, Handled[Any]]], *, done: bool) -> None:
+        """End the spans of the deliveries acknowledged together (``ack_many``)."""
+        if self._spans is not None:
+            for delivery, handled in settled:
+                if handled.action is Action.ACK:
+                    self._trace_settled(delivery, handled, "ack", None, done)
 
     async def _process_many(
         self, deliveries: list[Delivery], early: Early[Any] | None = None
@@ -1274,7 +1284,8 @@ class BrokerConsumer:
                 },
             )
         done = step is None or await self._settle_quietly(step, delivery, how)
-        self._trace_settled(delivery, handled, how, dead_reason, done)
+        # An ack left to the caller (ack_many) ends its span there, once it is carried out.
+        self._trace_settled(delivery, handled, how, dead_reason, done if step else None)
         if done and how in ("ack", "dead_letter"):
             self._finished(delivery)
         if how == "dead_letter":
@@ -1300,11 +1311,16 @@ class BrokerConsumer:
         handled: Handled[Any],
         how: str,
         reason: str | None,
-        done: bool,
+        done: bool | None,
     ) -> None:
-        """End the delivery's span (with tracing) with its outcome and broker action."""
-        if self._spans is not None:
-            self._spans.settled(delivery, handled, how, reason=reason, carried_out=done)
+        """End the delivery's span (with tracing) with its outcome and broker action, and
+        whether that was ``done`` (None: not yet, left to the caller). The broker action is
+        taken already: a tracing failure is logged, never the message's."""
+        if self._spans is not None and done is not None:
+            try:
+                self._spans.settled(delivery, handled, how, reason=reason, carried_out=done)
+            except Exception:
+                self._log.exception("oncely broker=%s could not end a span", self.transport.name)
 
     async def _settle_quietly(self, step: Awaitable[None], delivery: Delivery, how: str) -> bool:
         """Await the broker action ``step``; whether it was carried out (a failure is counted
