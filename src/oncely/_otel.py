@@ -16,6 +16,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from oncely import __version__
 from oncely._core.context import _CURRENT
+from oncely._core.keys import hashed_key
 from oncely._core.observe import key_for_logs
 from oncely._core.outcomes import Handled, Outcome
 from oncely.wire import escaped
@@ -123,7 +124,9 @@ class ConsumerSpans:
         spans: dict[str, Span] = {}
         for key, delivery in keyed:
             if key is not None and key not in spans:
-                spans[key] = self.start(delivery)
+                spans[key] = span = self.start(delivery)
+                # The inbox claims a key over Limits.max_key_bytes hashed (hash_long_keys).
+                spans.setdefault(hashed_key(key), span)
         token = _SPANS.set(spans)
         try:
             yield

@@ -424,3 +424,37 @@ async def test_r16_a_transactional_handler_runs_under_its_messages_span(
         (inner,) = named(exporter, f"book {span.attributes['oncely.key']}")
         assert parent_of(inner) == span.context.span_id
         assert inner.context.trace_id == span.context.trace_id
+
+
+async def test_r16_a_long_key_claimed_hashed_runs_its_handler_under_its_span(
+    broker: Broker, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """In a batch, a key over ``Limits.max_key_bytes`` that the inbox claims hashed
+    (``hash_long_keys``) still runs its handler under its own message's span."""
+    provider, exporter = spans
+    app = provider.get_tracer("the-shop")
+    keys = [f"{'x' * 40}-{i}" for i in range(2)]
+    producer = open_producer(broker.url, broker.source, tracing=provider)
+    try:
+        for key in keys:
+            await producer.publish(body(key), message_id=key)
+    finally:
+        await producer.close()
+
+    async def charge(payload: dict[str, str]) -> None:
+        with app.start_as_current_span(f"charge {payload['k']}"):
+            pass
+
+    consumer = BrokerConsumer(
+        broker.transport(),
+        inbox(limits=oncely.Limits(max_key_bytes=32, hash_long_keys=True)),
+        charge,
+        settings=dataclasses.replace(SETTINGS, batch=5),
+        tracing=provider,
+    )
+    found = await consumed(consumer, exporter, broker, lambda found: len(found) == 2)
+    for key in keys:
+        (inner,) = named(exporter, f"charge {key}")
+        (outer,) = [s for s in found if parent_of(inner) == s.context.span_id]
+        assert outer.attributes["messaging.message.id"] == key
+        assert str(outer.attributes["oncely.key"]).startswith("sha256:")
