@@ -44,7 +44,6 @@ published by other code carries the context with :func:`inject`.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -67,11 +66,14 @@ INSTRUMENTATION = "oncely"
 
 
 def _require() -> None:
-    if importlib.util.find_spec("opentelemetry") is None:
+    """Import OpenTelemetry's API (tracing is on), or say which extra installs it."""
+    try:
+        import opentelemetry.trace  # noqa: F401, PLC0415 - only with tracing on
+    except ImportError:
         raise ConfigurationError(
             "tracing needs OpenTelemetry's API: pip install 'oncely[otel]' (and an SDK, "
             "opentelemetry-sdk, configured to export the spans)"
-        )
+        ) from None
 
 
 def _provider(tracing: Tracing) -> Any:

@@ -458,3 +458,20 @@ async def test_r16_a_long_key_claimed_hashed_runs_its_handler_under_its_span(
         (outer,) = [s for s in found if parent_of(inner) == s.context.span_id]
         assert outer.attributes["messaging.message.id"] == key
         assert str(outer.attributes["oncely.key"]).startswith("sha256:")
+
+
+def test_r16_tracing_without_opentelemetry_says_which_extra_installs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tracing asked for where OpenTelemetry's API is not installed: an error naming
+    ``oncely[otel]`` when the consumer or producer is made, not an ImportError later."""
+    for name in [name for name in sys.modules if name.startswith("opentelemetry")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    transport = open_transport(RABBITMQ_URL, "otel_never", group="otel")
+    with pytest.raises(oncely.ConfigurationError, match=r"oncely\[otel\]"):
+        BrokerConsumer(transport, inbox(), lambda payload: None, tracing=True)
+    with pytest.raises(oncely.ConfigurationError, match=r"oncely\[otel\]"):
+        open_producer(RABBITMQ_URL, "otel_never", tracing=True)
+    with pytest.raises(oncely.ConfigurationError, match=r"oncely\[otel\]"):
+        inject({})
