@@ -10,23 +10,25 @@ span per delivery, of kind CONSUMER, named ``process <destination>`` as OpenTele
 messaging conventions name it. Its parent is the context the producer put in the message's
 headers (read with the global propagator: W3C ``traceparent`` and ``tracestate`` by
 default), so the producer's trace goes on; the handler runs with the span current, so the
-spans it makes are its children. The span carries:
+spans it makes are its children (in a batch as well, each handler under its own message's
+span; a :class:`~oncely.brokers.Processor` of your own runs under the span one message at a
+time, under none in a batch). The span carries:
 
-=================================  ======================================================
-``messaging.system``               the broker: ``rabbitmq``, ``redis-streams``, ``nats``,
-                                   ``kafka``, ``aws_sqs``
-``messaging.destination.name``     the queue, stream, subject or topic read
-``messaging.operation.type``       ``process``
-``messaging.message.id``           the producer's message id
+=====================================  ==================================================
+``messaging.system``                   the broker: ``rabbitmq``, ``redis-streams``,
+                                       ``nats``, ``kafka``, ``aws_sqs``
+``messaging.destination.name``         the queue, stream, subject or topic read
+``messaging.operation.type``           ``process``
+``messaging.message.id``               the producer's message id
 ``messaging.message.conversation_id``  the correlation id
-``oncely.consumer``                the inbox's consumer name
-``oncely.key``                     the dedup key, as the inbox's log lines show it
-``oncely.outcome``                 ``processed``, ``duplicate``, ``failed``, ...
-``oncely.attempt``                 the inbox's attempt number
-``oncely.broker_action``           ``ack``, ``retry``, ``dead_letter`` or ``requeue``
-``oncely.deliveries``              the broker's delivery count, where it keeps one
-``oncely.reason``                  the outcome's reason, where it has one
-=================================  ======================================================
+``oncely.consumer``                    the inbox's consumer name
+``oncely.key``                         the dedup key, as the inbox's log lines show it
+``oncely.outcome``                     ``processed``, ``duplicate``, ``failed``, ...
+``oncely.attempt``                     the inbox's attempt number
+``oncely.broker_action``               ``ack``, ``retry``, ``dead_letter`` or ``requeue``
+``oncely.deliveries``                  the broker's delivery count, where it keeps one
+``oncely.reason``                      the outcome's reason, where it has one
+=====================================  ==================================================
 
 Under ``log_keys="hash"`` the key, and the message id (often the key itself), are shown
 hashed, as in the log lines: a key that is personal data reaches no trace backend. A

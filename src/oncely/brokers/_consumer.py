@@ -1285,7 +1285,7 @@ class BrokerConsumer:
             )
         done = step is None or await self._settle_quietly(step, delivery, how)
         # An ack left to the caller (ack_many) ends its span there, once it is carried out.
-        self._trace_settled(delivery, handled, how, dead_reason, done if step else None)
+        self._trace_settled(delivery, handled, how, dead_reason, None if step is None else done)
         if done and how in ("ack", "dead_letter"):
             self._finished(delivery)
         if how == "dead_letter":
