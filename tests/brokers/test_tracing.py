@@ -39,6 +39,7 @@ from oncely.brokers import (
 )
 from oncely.tracing import TracedProducer, inject
 from tests.brokers.common import remove_destinations, running, unique, wait_until
+from tests.brokers.kafka_broker import create_topic, kafka_url
 from tests.brokers.sqs_broker import create_queue, sqs_url
 from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
 
@@ -72,6 +73,16 @@ class Broker:
     source: str
 
     def transport(self) -> Any:
+        if self.name == "kafka":  # a group of its own: a Kafka group spans topics
+            from oncely.brokers.kafka import Kafka
+
+            return Kafka(
+                self.url,
+                self.source,
+                group=unique("otel_billing"),
+                session_timeout=timedelta(seconds=6),
+                revoke_grace=timedelta(seconds=5),
+            )
         options: dict[str, Any] = {}
         if self.name != "rabbitmq":
             options["ack_wait"] = timedelta(seconds=5)
@@ -85,9 +96,10 @@ async def broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
         yield made
 
 
-@pytest.fixture(params=["rabbitmq", "redis-streams", "nats", "sqs"])
+@pytest.fixture(params=["rabbitmq", "redis-streams", "nats", "sqs", "kafka"])
 async def any_broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
-    """RabbitMQ, Redis Streams, NATS JetStream and SQS."""
+    """RabbitMQ, Redis Streams, NATS JetStream, SQS and Kafka (Tansu; its headers are
+    bytes)."""
     async for made in _broker(request.param):
         yield made
 
@@ -97,6 +109,9 @@ async def _broker(name: str) -> AsyncIterator[Broker]:
     if name == "sqs":
         url = sqs_url()
         create_queue(source)
+    elif name == "kafka":
+        url = kafka_url()
+        create_topic(source, 2)
     else:
         url, port = BROKERS[name]
         require(name, url, port)
