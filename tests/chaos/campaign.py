@@ -54,7 +54,8 @@ with ``x-oncely-outcome`` and an ``x-oncely-reason`` matching the class's patter
   ``rejected``, never merged into one key
 - ``id_unicode``: a valid non-ASCII UTF-8 id -> processed under exactly that key
 - ``id_control``: an id with LF, CR, ESC, BEL, DEL and a forged JSON log line in it (no CR/LF on
-  NATS) -> processed under that key, and no forged line in the log
+  NATS; no space, which ``cloudevents,message-id`` refuses in an id) -> processed under that
+  key, and no forged line in the log
 - ``id_nul``: an id with a NUL -> dead ``rejected``
 - ``key_at_max``: a key of exactly the key limit in UTF-8 bytes (two-byte characters) ->
   processed

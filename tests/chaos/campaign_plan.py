@@ -202,8 +202,11 @@ def b_id_control(s: Spec, ctx: Ctx, n: int) -> Logical:
     if ctx.broker == "nats":  # a NATS header value cannot hold CR or LF
         key = f"ctl-{n}-\x1b[31m-\x07-\t-\x7f-\x01-end"
     else:
+        # No space: under the campaign's --key cloudevents,message-id a spaced id is refused,
+        # as it could be taken for an event's "<source> <id>".
         forged = json.dumps(
-            {"level": "error", "message": "FORGED", "outcome": "processed", "key": f"forged-{n}"}
+            {"level": "error", "message": "FORGED", "outcome": "processed", "key": f"forged-{n}"},
+            separators=(",", ":"),
         )
         key = f"ctl-{n}\n{forged}\r\n\x1b[2K\x07\x7f-end"
     return _ok(s, n, _copy(s, n, message_id=key.encode()), key)
