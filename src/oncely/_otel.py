@@ -64,23 +64,35 @@ def _tracer(provider: Any) -> trace.Tracer:
     return cast(trace.Tracer, provider.get_tracer("oncely", __version__))
 
 
-class ConsumerSpans:
+class _Spans:
+    """What a consumer's and a producer's spans share: the tracer, the span's name
+    (``<operation> <destination>``), how keys show, and the attributes every span has."""
+
+    def __init__(
+        self, provider: Any, operation: str, *, system: str, destination: str, log_keys: str
+    ) -> None:
+        self._tracer = _tracer(provider)
+        self._name = f"{operation} {destination}"
+        self._log_keys: Literal["plain", "hash"] = "hash" if log_keys == "hash" else "plain"
+        self._base: dict[str, str] = {
+            "messaging.system": _SYSTEMS.get(system, system),
+            "messaging.destination.name": destination,
+            "messaging.operation.type": operation,
+            "messaging.operation.name": operation,
+        }
+
+
+class ConsumerSpans(_Spans):
     """A consumer's span per delivery, from its start to its broker action (ack, retry,
     dead letter, requeue)."""
 
     def __init__(
         self, provider: Any, *, system: str, destination: str, consumer: str, log_keys: str
     ) -> None:
-        self._tracer = _tracer(provider)
-        self._name = f"process {destination}"
-        self._log_keys: Literal["plain", "hash"] = "hash" if log_keys == "hash" else "plain"
-        self._base: dict[str, str] = {
-            "messaging.system": _SYSTEMS.get(system, system),
-            "messaging.destination.name": destination,
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "oncely.consumer": consumer,
-        }
+        super().__init__(
+            provider, "process", system=system, destination=destination, log_keys=log_keys
+        )
+        self._base["oncely.consumer"] = consumer
         self._open: dict[int, Span] = {}
         """The spans started and not ended yet, by the id of their delivery."""
 
@@ -223,21 +235,15 @@ async def _under(span: Span, work: Awaitable[Any]) -> Any:
         return await work
 
 
-class ProducerSpans:
+class ProducerSpans(_Spans):
     """A producer's span per publish, its context carried in the message's headers."""
 
     def __init__(
         self, provider: Any, *, system: str, destination: str, log_keys: str = "plain"
     ) -> None:
-        self._tracer = _tracer(provider)
-        self._name = f"send {destination}"
-        self._log_keys: Literal["plain", "hash"] = "hash" if log_keys == "hash" else "plain"
-        self._base: dict[str, str] = {
-            "messaging.system": _SYSTEMS.get(system, system),
-            "messaging.destination.name": destination,
-            "messaging.operation.type": "send",
-            "messaging.operation.name": "send",
-        }
+        super().__init__(
+            provider, "send", system=system, destination=destination, log_keys=log_keys
+        )
 
     @contextlib.contextmanager
     def send(
