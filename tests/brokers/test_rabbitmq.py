@@ -290,6 +290,44 @@ class TestRabbitMQ(BrokerSuite):
         assert kept == headers
         assert copy.consumer == self.group and copy.outcome == "rejected"
 
+    async def test_r2_a_key_header_sent_as_a_table_array_float_or_flag_is_refused_as_such(
+        self,
+    ) -> None:
+        """AMQP headers hold typed values. A table or an array named as the key was dropped
+        from the envelope: the key was "missing", so ``FirstOf(HeaderKey(...),
+        MessageIdKey())`` keyed the message on another source without a word. A float or a
+        flag became its ``str()``: ``1.0`` and ``1`` keyed two copies of one message apart.
+        Each is refused naming what it is, and a handler still sees the table."""
+        sent = {
+            "table": {"order": "o-1"},
+            "array": ["o-1", "o-2"],
+            "float": 1.0,
+            "flag": True,
+        }
+        made = self.transport()
+        await made.open(len(sent) + 1)
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            channel = await connection.channel()
+            for name, value in [*sent.items(), ("int", 7)]:
+                message = aio_pika.Message(
+                    body(name), message_id=f"m-{name}", headers={"order-id": value}
+                )
+                await channel.default_exchange.publish(message, routing_key=self.source)
+        key = oncely.FirstOf(oncely.HeaderKey("order-id"), oncely.MessageIdKey())
+        kinds = {"table": "table", "array": "array", "float": "floating", "flag": "flag"}
+        for _ in range(len(sent) + 1):
+            delivery = await fetch_one(made)
+            name = delivery.envelope.message_id.removeprefix("m-")  # type: ignore[union-attr]
+            if name == "int":
+                assert key(delivery.envelope) == "7"
+            else:
+                with pytest.raises(oncely.InvalidKey, match=kinds[name]):
+                    key(delivery.envelope)
+                assert delivery.envelope.headers["order-id"] == sent[name]
+            await delivery.ack()
+        await made.close()
+
     async def test_r13_a_dead_letter_copy_left_unconfirmed_gives_the_message_back(self) -> None:
         """A dead-letter copy the broker does not confirm within ``confirm_timeout`` (a
         blocked connection, a dead-letter quorum queue without a leader) left the original

@@ -17,6 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Protocol
 
 from oncely import cloudevents
@@ -299,6 +300,18 @@ def _header(headers: Mapping[str, object], *names: str) -> object:
     return None
 
 
+def _kind(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a table (a mapping)"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, bool):
+        return f"a flag ({value!r})"
+    if isinstance(value, float):
+        return f"a floating-point number ({value!r})"
+    return f"a {type(value).__name__}"
+
+
 _text = cloudevents.header_text  # bytes -> wire_text: lossless, never "replace"
 
 
@@ -381,6 +394,14 @@ class HeaderKey:
             if not value.isascii():
                 _refuse_undecodable(f"{self.name!r} header", value)
             return value
+        if isinstance(value, bool) or not isinstance(value, str | int | Decimal):
+            # A table, an array, a float, a flag: no single spelling of it is the producer's
+            # key (1.0 and 1, True and "True"), so two copies could key apart or two
+            # messages alike.
+            raise InvalidKey(
+                f"the {self.name!r} header is {_kind(value)}, not text; have the producer "
+                "send the key as a string"
+            )
         return str(value)
 
 

@@ -68,17 +68,20 @@ RAW_HEADERS_HEADER = "x-oncely-raw-headers"
 ``[name bytes, value]`` pairs."""
 
 
-def _header_text(value: object) -> str | None:
-    """A header value as text, or ``None`` for a structured one (a table or an array)."""
+def _header_value(value: object) -> object:
+    """A header value as text, or as it came for one that has no single spelling as text (a
+    table, an array, a float, a flag): a key source refuses it as what it is."""
     if isinstance(value, str):
         return value
     if isinstance(value, bytes | bytearray):
         return wire_text(value)  # lossless: bytes that are not UTF-8 are kept (and refused)
-    if isinstance(value, bool | int | float | Decimal):
+    if isinstance(value, bool | float):
+        return value  # no one spelling of it is a key (1.0 and 1, True and "True")
+    if isinstance(value, int | Decimal):
         return str(value)
     if isinstance(value, datetime):
         return value.isoformat()
-    return None
+    return value
 
 
 def _identity(message: AbstractIncomingMessage) -> bytes:
@@ -117,9 +120,9 @@ class RabbitMQDelivery:
         self._transport = transport
         raw = message.headers or {}
         headers = {
-            name: text
+            name: _header_value(value)
             for name, value in raw.items()
-            if name != DELIVERY_COUNT_HEADER and (text := _header_text(value)) is not None
+            if name != DELIVERY_COUNT_HEADER
         }
         count = _delivery_count(raw, bool(message.redelivered))
         self._identity: bytes | None = None

@@ -17,7 +17,7 @@ from oncely.brokers._shape import REASON_HEADER, DeadLetter
 from oncely.brokers.rabbitmq._delivery import (
     NO_MESSAGE_ID_HEADER,
     _delivery_count,
-    _header_text,
+    _header_value,
     _sendable_headers,
 )
 from oncely.brokers.rabbitmq._frames import (
@@ -128,10 +128,9 @@ ADAPTER = RabbitAdapter
 def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
     headers_in = raw.headers or {}
     headers = {
-        name: text
+        name: _header_value(value)
         for name, value in headers_in.items()
         if name not in (DELIVERY_COUNT_HEADER, DELIVERIES_HEADER)
-        and (text := _header_text(value)) is not None
     }
     message_id = raw.message_id or None
     refusal = not_utf8((what, getattr(raw, name, None)) for name, what in _PROPERTIES)
