@@ -191,10 +191,12 @@ async def _called_in(store: object, handler: Callable[..., Any], conn: Any, payl
     value = await _called(handler, conn, payload)
     inside = getattr(store, "in_transaction", None)
     if inside is not None and not inside(conn):
+        note = getattr(store, "ended_note", None)
         raise TransactionEnded(
             "the handler ended the transaction it was given (it committed or rolled back): "
             "its writes and the key's marker no longer commit together. A handler never "
             "commits or rolls back that transaction: oncely, or your code around the call, does"
+            + (note(conn) if note is not None else "")
         )
     return value
 

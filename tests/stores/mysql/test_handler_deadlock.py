@@ -142,3 +142,35 @@ def test_r7_a_handler_that_rolls_back_and_writes_on_commits_nothing(
         inbox.handle_in_transaction("order-1", {}, handler)
     assert _rows(table) == {1: 0}
     assert store.get("billing", "order-1") is None
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+def test_r7_in_a_callers_transaction_the_refusal_says_what_autocommit_let_through(
+    store: MySQLStore, table: str, autocommit: bool
+) -> None:
+    """In a transaction of the caller's (``tx=``) oncely cannot run the connection with
+    autocommit off. On one with autocommit on, after ``BEGIN``, a write made once the
+    transaction ended (a deadlock the handler caught, here a ROLLBACK) commits on its own
+    before oncely sees anything: TransactionEnded says so, and that autocommit off prevents
+    it. With autocommit off the write waits in a new transaction the caller rolls back."""
+    sql(f"CREATE TABLE `{table}_scratch` (id INT PRIMARY KEY, v INT) ENGINE=InnoDB")
+    sql(f"INSERT INTO `{table}_scratch` VALUES (1, 0)")
+    inbox = oncely.Inbox(store, consumer="billing")
+
+    def handler(conn: Any, payload: object) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute("ROLLBACK")
+            cursor.execute(f"UPDATE `{table}_scratch` SET v = v + 1 WHERE id = 1")
+
+    conn = admin()
+    try:
+        conn.autocommit(autocommit)
+        conn.begin()
+        with pytest.raises(TransactionEnded) as raised:
+            inbox.handle_in_transaction("order-1", {}, handler, tx=conn)
+        conn.rollback()
+    finally:
+        conn.close()
+    assert ("autocommit on" in str(raised.value)) is autocommit
+    assert _rows(table) == {1: 1 if autocommit else 0}
+    assert store.get("billing", "order-1") is None

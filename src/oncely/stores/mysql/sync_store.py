@@ -149,6 +149,12 @@ _BATCH = 500  # keys per multi-row statement of claim_many
 _UNBOUNDED = frozenset({"stats", "scan"})
 
 
+_AUTOCOMMITTED = (
+    "; the connection has autocommit on, so any statement run after the transaction ended "
+    "was committed on its own: open it with autocommit off"
+)
+
+
 class MySQLStore(SQLStoreBase[str]):
     """A dedup store in a MariaDB (10.5+) or MySQL (8.0+) database, InnoDB tables (transactional
     and two-phase modes).
@@ -851,8 +857,13 @@ class MySQLStore(SQLStoreBase[str]):
         self._depth[tx] = depth + 1
         try:
             yield
-        except BaseException:
-            self._joined(tx, f"ROLLBACK TO SAVEPOINT {name}", "rolling back to a savepoint")
+        except BaseException as exc:
+            try:
+                self._joined(tx, f"ROLLBACK TO SAVEPOINT {name}", "rolling back to a savepoint")
+            except StoreUnavailable:
+                if isinstance(exc, TransactionEnded):
+                    raise exc from None  # the savepoint went with the transaction, as it says
+                raise
             raise
         finally:
             self._depth[tx] = depth
@@ -925,7 +936,14 @@ class MySQLStore(SQLStoreBase[str]):
                 "server rolled it back, a deadlock the handler caught, or the handler ended "
                 "it): nothing of this message is committed with the marker; handle it again "
                 "in a new transaction (a handler lets a deadlock error propagate)"
+                + self.ended_note(tx)
             )
+
+    def ended_note(self, tx: Connection) -> str:
+        """What to add to a :class:`~oncely.TransactionEnded` about ``tx``: on a connection
+        with autocommit on (a caller's, after ``BEGIN``), a statement run after the
+        transaction ended committed on its own, which nothing can take back."""
+        return _AUTOCOMMITTED if autocommits(tx) else ""
 
     def save_offset_in(
         self, tx: Connection, consumer: str, stream: str, part: int, next_offset: int
