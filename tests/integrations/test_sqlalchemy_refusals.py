@@ -26,6 +26,8 @@ from tests.integrations.sqlalchemy_helpers import (
     Env,
     _model,
     _server_url,
+    async_booker,
+    async_parts,
     booker,
 )
 from tests.services import MYSQL_URL, POSTGRES_DSN
@@ -182,3 +184,40 @@ def test_what_is_not_a_session_is_refused_and_a_scoped_session_is_taken(env: Env
     async_engine = create_async_engine(env.async_url)
     with pytest.raises(TypeError, match="handle_in_session_async"):
         handle_in_session(inbox, AsyncSession(async_engine), "o-3", ORDER, booker(env, calls))  # type: ignore[arg-type]
+
+
+def test_r7_a_handler_writing_through_another_bind_is_refused(env: Env) -> None:
+    """A session with ``binds`` sends the bookings through another engine: another
+    connection, another transaction, committed apart from the one holding the marker (a crash
+    between the two commits keeps one without the other: a lost message or a duplicate).
+    Refused before anything commits, naming the two; the caller's transaction rolls back."""
+    if env.backend == "sqlite":
+        pytest.skip("a second SQLite connection waits on the first's write lock")
+    main, other = env.new_engine(), env.new_engine()
+    inbox = env.inbox()
+    with (
+        Session(bind=main, binds={env.booking: other}) as session,
+        pytest.raises(oncely.ConfigurationError, match="another connection"),
+        session.begin(),
+    ):
+        handle_in_session(inbox, session, "o-1", ORDER, booker(env, []))
+    assert env.rows() == {}
+    assert env.marker("o-1") is None
+
+
+async def test_r7_an_async_handler_writing_through_another_bind_is_refused(env: Env) -> None:
+    if env.backend == "sqlite":
+        pytest.skip("a second SQLite connection waits on the first's write lock")
+    async with async_parts(env) as (engine, inbox):
+        other = env.new_async_engine()
+        try:
+            async with AsyncSession(bind=engine, binds={env.booking: other}) as session:
+                with pytest.raises(oncely.ConfigurationError, match="another connection"):
+                    async with session.begin():
+                        await handle_in_session_async(
+                            inbox, session, "o-1", ORDER, async_booker(env, [])
+                        )
+        finally:
+            await other.dispose()
+    assert env.rows() == {}
+    assert env.marker("o-1") is None

@@ -37,7 +37,11 @@ time; MariaDB/MySQL: ``DATABASE()``, host name, port, data directory and server 
 file). The store's side is read once per store, the session's once per DB-API connection (kept
 in SQLAlchemy's ``connection.info``): a MySQL session that switches databases with ``USE``
 after its first message is not seen. A session without an open transaction (an engine in
-``AUTOCOMMIT`` mode) raises :class:`oncely.TransactionRequired`.
+``AUTOCOMMIT`` mode) raises :class:`oncely.TransactionRequired`. A session with ``binds`` that
+wrote through another connection than the marker's by the time the handler returns (another
+engine, even on the same database: a transaction of its own, committed apart) raises
+:class:`oncely.ConfigurationError` before anything commits, unless it commits in two phases
+(``twophase=True``).
 
 **Why SQLAlchemy's savepoint, not oncely's.** A savepoint lets a failing handler be rolled back
 alone. If oncely set it on the driver connection, SQLAlchemy would not know: after a rollback

@@ -13,7 +13,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from oncely._core.outcomes import Handled
-from oncely.errors import StoreError, TransactionRequired
+from oncely.errors import ConfigurationError, StoreError, TransactionRequired
 from oncely.inbox.sync_inbox import Inbox, _called
 from oncely.integrations._joined.kinds import (
     SYNC_KINDS,
@@ -97,6 +97,7 @@ def handle_in_session(
         except Exception as exc:
             failures.append(exc)
             raise
+        _refuse_other_binds(orm, connection)
         return result
 
     if not savepoint:
@@ -129,6 +130,36 @@ def handle_in_session(
     return inbox.handle_in_transaction(
         key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
     )
+
+
+def _refuse_other_binds(orm: object, connection: object) -> None:
+    """Raise :class:`~oncely.ConfigurationError` when the session's transaction holds a
+    connection besides the one carrying the marker: a session with ``binds`` (or ``bind=`` per
+    mapper) writes some classes through another engine, in a transaction of its own that
+    commits apart from the marker's (a crash between the two commits keeps one without the
+    other), unless the session commits them in two phases (``twophase=True``)."""
+    session = getattr(orm, "sync_session", orm)  # an AsyncSession's Session
+    if session is None or getattr(session, "twophase", False):
+        return
+    root = session.get_transaction()  # type: ignore[attr-defined]
+    # SQLAlchemy keeps the connections a session's transaction uses in the root's private
+    # map (bind -> (connection, ...)); read defensively, as a newer version may move it.
+    entries = getattr(getattr(root, "_connections_boundary", root), "_connections", None)
+    if not isinstance(entries, dict):
+        return
+    ours = getattr(connection, "sync_connection", connection)
+    others = {
+        entry[0] for entry in entries.values() if isinstance(entry, tuple) and entry[0] is not ours
+    }
+    if others:
+        engines = ", ".join(sorted({repr(getattr(c, "engine", c)) for c in others}))
+        raise ConfigurationError(
+            f"the session also writes through another connection ({engines}) than the one "
+            f"oncely's marker is on ({getattr(ours, 'engine', ours)!r}): a session with binds "
+            "commits each in a transaction of its own, so the handler's writes and the marker "
+            "would not commit together (R7). Keep the handler's tables on the marker's bind, "
+            "or use Session(twophase=True)"
+        )
 
 
 def _store_error_under(exc: BaseException) -> StoreError | None:
