@@ -71,8 +71,14 @@ queue with a redrive policy moves a message to its own dead-letter queue after
 counts as receives too (``max_deliveries`` itself counts failures: the consumer takes the
 give-backs it made of a message off its ``ApproximateReceiveCount``; one made by another
 process, or before a restart, counts as a failure, so the message is dead-lettered sooner,
-never later). The consumer reads it from the queue for its horizon, with the
-queue's ``MessageRetentionPeriod``, and warns at start when it is not above
+never later). On a FIFO queue, room for the messages of a group held back behind a failing
+one as well: each retry of the failing message brings the ones behind it in its receive (up
+to nine) with it, given back unrun, and each such receive counts. A message that reaches its
+last receive so has had fewer runs than ``max_deliveries`` (none, when it was held back on
+every receive): it is dead-lettered then, with the reason, and its group goes on without it,
+out of the order sent. Give ``maxReceiveCount`` room for the retries of the messages ahead
+of one in its group, not only for its own. The consumer reads it from the queue for its
+horizon, with the queue's ``MessageRetentionPeriod``, and warns at start when it is not above
 ``max_deliveries``; a message it would give back on its last receive is dead-lettered
 instead, with the reason. The dead-letter queue is the one given (``dead_letter=``,
 ``oncely consume --dead-letter``), else the redrive policy's target where the queue has one
