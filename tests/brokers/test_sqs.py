@@ -501,6 +501,64 @@ class TestSQS(BrokerSuite):
         async with await self._admin() as client:
             assert await self._queue_url(client, f"{self.source}-dead") is None
 
+    async def test_r15_a_fifo_message_held_back_spends_its_receives_and_says_so(self) -> None:
+        """A FIFO queue whose redrive policy allows 3 receives, above ``max_deliveries=2`` (so
+        no warning at start); in one group, f0 always fails and f1 fails once. f1 is received
+        with each of f0's two runs and given back unrun, and SQS counts those receives: its
+        first run is its last receive, and its first failure dead-letters it (the documented
+        limit of a FIFO group's order under a redrive policy, R15). Before, the reason told
+        to raise maxReceiveCount above max_deliveries, which it already was; now it names the
+        receives spent held back."""
+        name = unique("fq") + ".fifo"
+        dead = name.removesuffix(".fifo") + "-dead.fifo"
+        create_queue(dead, FifoQueue="true")
+        create_queue(name, FifoQueue="true")
+        self.after(lambda: delete_queues(self.url, name, dead))
+        async with await self._admin() as client:
+            target = await self._queue_url(client, dead)
+            arn = (await client.get_queue_attributes(QueueUrl=target, AttributeNames=["QueueArn"]))[
+                "Attributes"
+            ]["QueueArn"]
+            policy = {"deadLetterTargetArn": arn, "maxReceiveCount": 3}
+            await client.set_queue_attributes(
+                QueueUrl=await self._queue_url(client, name),
+                Attributes={"RedrivePolicy": json.dumps(policy)},
+            )
+        producer = SQSProducer(self.url, name)
+        self.after(producer.close)
+        for n in range(2):
+            await producer.publish(body(f"f{n}"), message_id=f"f{n}", group="g1")
+        transport = self.closed_after(
+            SQS(self.url, name, group=self.group, ack_wait=timedelta(seconds=10))
+        )
+        runs: list[str] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            runs.append(payload["k"])
+            if payload["k"] == "f0" or runs.count("f1") == 1:
+                raise RuntimeError("the ledger refuses it")
+
+        # f0's backoff outlasts f1's give-back: moto hands out a group's later message first
+        # when the earlier one turns visible before it (SQS itself keeps the group's order).
+        worker = self.consumer(
+            handler,
+            transport=transport,
+            max_deliveries=2,
+            backoff=Backoff(first=3 * SECOND, most=3 * SECOND),
+        )
+        async with running(worker):
+            await wait_until(lambda: worker.counts["failed"] == 3, what="three failures")
+
+            async def drained() -> bool:
+                return await queue_depth(self.url, name) == 0
+
+            await wait_until(drained, what="the group gone from the queue")
+        assert runs == ["f0", "f0", "f1"]
+        copies = {c.message_id: c for c in await self.dead_letters(dead)}
+        assert sorted(copies) == ["f0", "f1"]
+        assert copies["f1"].deliveries == "3"
+        assert "held back behind earlier ones of its group" in (copies["f1"].reason or "")
+
     async def test_a_dead_letter_queue_given_wins_over_the_redrive_target(self) -> None:
         """The redrive policy's target is the default only: a dead-letter queue given is
         used as given."""

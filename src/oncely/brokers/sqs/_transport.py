@@ -564,7 +564,13 @@ class SQSDelivery:
                     reason=(
                         f"received {self._count} times, the queue's redrive maxReceiveCount: "
                         "SQS would move it to the redrive queue with no reason (raise "
-                        "maxReceiveCount above ConsumerSettings.max_deliveries)"
+                        "maxReceiveCount above ConsumerSettings.max_deliveries"
+                        + (
+                            ", with room for the receives a message spends held back behind "
+                            "earlier ones of its group, which SQS counts too)"
+                            if self.group is not None
+                            else ")"
+                        )
                     ),
                     consumer=self._transport.inbox_consumer,
                     deliveries=self._count,
