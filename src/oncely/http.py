@@ -733,7 +733,9 @@ class IdempotencyMiddleware(_Policy):
 
         client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
-            handled = await self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+            handled = await self.inbox.handle_in_transaction(
+                scoped, fingerprint, handler, returns=None
+            )
         except StoreUnavailable as exc:
             if raised:
                 raise raised[0] from exc
@@ -1322,7 +1324,7 @@ class WSGIIdempotencyMiddleware(_Policy):
 
         client = CLIENT_KEYS.set(True)  # a key reused for another request: the client's error
         try:
-            handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler)
+            handled = self.inbox.handle_in_transaction(scoped, fingerprint, handler, returns=None)
         except StoreUnavailable as exc:
             if raised:
                 raise raised[0] from exc

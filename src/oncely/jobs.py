@@ -35,16 +35,15 @@ inbox of its own, ``Retention(keep=timedelta(days=32))`` for a monthly one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo
 
 from oncely._core.keys import validate_key
-from oncely._core.outcomes import Handled, Outcome
+from oncely._core.outcomes import Handled
 from oncely._core.policy import Limits, Retention, format_duration
-from oncely._core.typed import ANNOTATED, result_type, revive
+from oncely._core.typed import ANNOTATED, typed_repeat
 from oncely.errors import ConfigurationError, InvalidKey
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.inbox.sync_inbox import Inbox
@@ -176,14 +175,6 @@ def _check_key(key: str, limits: Limits) -> None:
         raise ConfigurationError(f"the job's slot key cannot be used: {exc}") from None
 
 
-def _typed(handled: Handled[R], job: Callable[..., Any], returns: Any) -> Handled[R]:
-    """``handled`` with a duplicate's stored result brought back to the job's return type
-    (its annotation, or ``returns``)."""
-    if handled.outcome is not Outcome.DUPLICATE or handled.value is None:
-        return handled
-    return dataclasses.replace(handled, value=revive(result_type(job, returns), handled.value))
-
-
 def run_once(
     inbox: Inbox,
     name: str,
@@ -204,7 +195,8 @@ def run_once(
     key = slot(name, every, at=at, tz=tz)
     _check_retention(inbox.retention, name, every)
     _check_key(key, inbox.limits)
-    return _typed(inbox.handle(key, {"job": name}, lambda _payload: job(), wait=wait), job, returns)
+    handled = inbox.handle(key, {"job": name}, lambda _payload: job(), wait=wait, returns=None)
+    return typed_repeat(handled, job, returns)
 
 
 async def run_once_async(
@@ -226,4 +218,5 @@ async def run_once_async(
     async def run(_payload: object) -> R:
         return await job()
 
-    return _typed(await inbox.handle(key, {"job": name}, run, wait=wait), job, returns)
+    handled = await inbox.handle(key, {"job": name}, run, wait=wait, returns=None)
+    return typed_repeat(handled, job, returns)

@@ -19,14 +19,17 @@ from collections.abc import Callable
 from datetime import date, datetime, time
 from decimal import Decimal
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from oncely._core.fingerprint import result_json
+from oncely._core.outcomes import Handled, Outcome
 from oncely._core.said import said
 from oncely.errors import PayloadError
 
-__all__ = ["ANNOTATED", "result_type", "revive", "reviver"]
+__all__ = ["ANNOTATED", "result_type", "revive", "reviver", "typed_repeat"]
+
+R = TypeVar("R")
 
 ANNOTATED: Any = object()
 """``returns=`` left out: the function's return annotation."""
@@ -190,3 +193,15 @@ def result_type(fn: Callable[..., Any], returns: Any) -> Any:
         return typing.get_type_hints(fn).get("return", Any)
     except Exception:  # a forward reference it cannot resolve: left as stored
         return Any
+
+
+def typed_repeat(handled: Handled[R], fn: Callable[..., Any], returns: Any) -> Handled[R]:
+    """``handled`` with a duplicate's stored result brought back to ``fn``'s return type (its
+    annotation, or ``returns``; ``None``: as stored), so a repeat answers with the type the
+    first call did; :class:`~oncely.PayloadError` when the stored form cannot be."""
+    if handled.outcome is not Outcome.DUPLICATE or handled.value is None or returns is None:
+        return handled
+    wanted = result_type(fn, returns)
+    if reviver(wanted) is _identity:
+        return handled
+    return dataclasses.replace(handled, value=revive(wanted, handled.value))

@@ -63,7 +63,7 @@ from oncely._core.policy import (
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.said import said
-from oncely._core.typed import ANNOTATED, result_type, reviver
+from oncely._core.typed import ANNOTATED, result_type, reviver, typed_repeat
 from oncely.errors import (
     ClaimEnded,
     CommitRefused,
@@ -921,6 +921,7 @@ class Inbox:
         *,
         correlation_id: str | None = None,
         wait: timedelta | None = None,
+        returns: Any = ANNOTATED,
     ) -> Handled[R]:
         """Run ``handler(payload)`` unless ``key`` was processed before (two-phase mode).
 
@@ -936,6 +937,10 @@ class Inbox:
 
         Without ``correlation_id``, a call made inside another handler (an ``@idempotent``
         function that handler calls) is logged with that handler's message's (R16).
+
+        A ``duplicate``'s value is the first result as the type ``handler`` returns (its
+        return annotation, or ``returns=``; ``None``: the stored form as decoded), as
+        :meth:`idempotent` does; :class:`~oncely.PayloadError` when it cannot be read back so.
         """
         self._refuse(handler)
         started = perf_counter()
@@ -944,7 +949,7 @@ class Inbox:
         got = self._acquire(key, payload, correlation_id, wait, started)
         if isinstance(got, Claim):
             return self._run(got, payload, handler, correlation_id, started)
-        return got
+        return typed_repeat(got, handler, returns)
 
     def claim(
         self,
@@ -1275,6 +1280,7 @@ class Inbox:
         tx: Tx | None = None,
         savepoint: bool = True,
         correlation_id: str | None = None,
+        returns: Any = ANNOTATED,
     ) -> Handled[R]:
         """Run ``handler(tx, payload)`` and record ``key`` in the same transaction (R7).
 
@@ -1287,7 +1293,8 @@ class Inbox:
         (:class:`~oncely.Reject` included) propagates unchanged: your transaction must then
         roll back, as a ``with`` block does.
 
-        Outcomes are those of :meth:`handle`; ``failed`` means the handler raised and its
+        Outcomes (and a ``duplicate``'s typed value, ``returns=``) are those of
+        :meth:`handle`; ``failed`` means the handler raised and its
         writes were rolled back with the marker, so a redelivery retries; in oncely's own
         transaction, so does a COMMIT that a constraint checked at commit refused
         (:class:`~oncely.CommitRefused`). A result that cannot be stored also fails the
@@ -1362,7 +1369,9 @@ class Inbox:
             # The attempt this was (the claim that counted it was rolled back with the rest).
             return self._rules.failed(checked, error, started, correlation_id, record.attempt)
         if step is not Step.PROCEED:
-            return self._rules.settle(step, claim, correlation_id, started)
+            return typed_repeat(
+                self._rules.settle(step, claim, correlation_id, started), handler, returns
+            )
         if claim.status is ClaimStatus.NEW:
             return self._rules.processed(checked, started, value, record, correlation_id)
         return self._rules.done(

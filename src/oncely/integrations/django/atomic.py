@@ -25,6 +25,7 @@ from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, transaction
 
 from oncely._core.keys import Envelope, KeySource
 from oncely._core.outcomes import Handled
+from oncely._core.typed import ANNOTATED, typed_repeat
 from oncely.errors import StoreError, TransactionsUnsupported
 from oncely.inbox.sync_inbox import Inbox
 from oncely.integrations._joined.kinds import SYNC_KINDS, Kind, handler_failed, kind_of
@@ -65,9 +66,11 @@ def handle_in_atomic(
     *,
     using: str | None = None,
     correlation_id: str | None = None,
+    returns: Any = ANNOTATED,
 ) -> Handled[R]:
     """Run ``handler(payload)`` and record ``key`` in the transaction of Django's connection
-    ``using`` (R7).
+    ``using`` (R7). A ``duplicate``'s value is the first result as the type ``handler``
+    returns (or ``returns=``), as :meth:`oncely.Inbox.handle` gives it.
 
     Inside a ``transaction.atomic()`` block the outcome is tentative until that block commits;
     outside one, the call opens its own block and commits it. ``using`` defaults to the
@@ -76,10 +79,11 @@ def handle_in_atomic(
 
     def through(run: Callable[[Any, P], R], tx: Any, savepoint: bool) -> Handled[R]:
         return inbox.handle_in_transaction(
-            key, payload, run, tx=tx, savepoint=savepoint, correlation_id=correlation_id
-        )
+            key, payload, run, tx=tx, savepoint=savepoint, correlation_id=correlation_id,
+            returns=None,
+        )  # fmt: skip
 
-    return _joined(inbox, handler, using, through)
+    return typed_repeat(_joined(inbox, handler, using, through), handler, returns)
 
 
 def handle_message_in_atomic(

@@ -5,9 +5,10 @@ which does the same in a ``Session``); the contract is in :mod:`oncely.integrati
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from oncely._core.outcomes import Handled
+from oncely._core.typed import ANNOTATED, typed_repeat
 from oncely._twin import ASYNC
 from oncely.errors import ConfigurationError, StoreError, TransactionRequired
 from oncely.inbox.async_inbox import AsyncInbox, _called
@@ -54,12 +55,15 @@ async def handle_in_session_async(
     *,
     savepoint: bool = True,
     correlation_id: str | None = None,
+    returns: Any = ANNOTATED,
 ) -> Handled[R]:
     """Run ``handler(session, payload)`` and record ``key`` in the session's transaction (R7).
 
     ``session`` is a session or connection on the database of ``inbox``'s store, inside a
     transaction you commit (see :mod:`oncely.integrations.sqlalchemy` for the contract, the
-    savepoint and the checks). Returns the outcome as :class:`oncely.Handled`; raises
+    savepoint and the checks). Returns the outcome as :class:`oncely.Handled` (a
+    ``duplicate``'s value as the type ``handler`` returns, or ``returns=``, as
+    :meth:`oncely.Inbox.handle` gives it); raises
     :class:`~oncely.TransactionsUnsupported` for a store or driver that cannot join,
     :class:`~oncely.ConfigurationError` for a session on another database,
     :class:`~oncely.TransactionRequired` without an open transaction, and
@@ -113,18 +117,28 @@ async def handle_in_session_async(
         return result
 
     if not savepoint:
-        return await inbox.handle_in_transaction(
-            key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
-        )
+        return typed_repeat(
+            await inbox.handle_in_transaction(
+                key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id,
+                returns=None,
+            ),
+            handler,
+            returns,
+        )  # fmt: skip
     try:
         async with session.begin_nested():
             if orm is not None:
                 await (
                     orm.connection()
                 )  # a session emits its SAVEPOINT lazily: now, before the claim
-            return await inbox.handle_in_transaction(
-                key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
-            )
+            return typed_repeat(
+                await inbox.handle_in_transaction(
+                    key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id,
+                    returns=None,
+                ),
+                handler,
+                returns,
+            )  # fmt: skip
     except StoreError:
         raise
     except Exception as exc:
@@ -141,9 +155,14 @@ async def handle_in_session_async(
     async def again(_tx: object, _body: P) -> R:
         raise error
 
-    return await inbox.handle_in_transaction(
-        key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
-    )
+    return typed_repeat(
+        await inbox.handle_in_transaction(
+            key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id,
+            returns=None,
+        ),
+        handler,
+        returns,
+    )  # fmt: skip
 
 
 def _refuse_other_binds(orm: object, connection: object) -> None:

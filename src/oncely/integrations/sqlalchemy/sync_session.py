@@ -7,12 +7,13 @@ which does the same in a ``Session``); the contract is in :mod:`oncely.integrati
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from oncely._core.outcomes import Handled
+from oncely._core.typed import ANNOTATED, typed_repeat
 from oncely.errors import ConfigurationError, StoreError, TransactionRequired
 from oncely.inbox.sync_inbox import Inbox, _called
 from oncely.integrations._joined.kinds import (
@@ -45,12 +46,15 @@ def handle_in_session(
     *,
     savepoint: bool = True,
     correlation_id: str | None = None,
+    returns: Any = ANNOTATED,
 ) -> Handled[R]:
     """Run ``handler(session, payload)`` and record ``key`` in the session's transaction (R7).
 
     ``session`` is a session or connection on the database of ``inbox``'s store, inside a
     transaction you commit (see :mod:`oncely.integrations.sqlalchemy` for the contract, the
-    savepoint and the checks). Returns the outcome as :class:`oncely.Handled`; raises
+    savepoint and the checks). Returns the outcome as :class:`oncely.Handled` (a
+    ``duplicate``'s value as the type ``handler`` returns, or ``returns=``, as
+    :meth:`oncely.Inbox.handle` gives it); raises
     :class:`~oncely.TransactionsUnsupported` for a store or driver that cannot join,
     :class:`~oncely.ConfigurationError` for a session on another database,
     :class:`~oncely.TransactionRequired` without an open transaction, and
@@ -101,16 +105,26 @@ def handle_in_session(
         return result
 
     if not savepoint:
-        return inbox.handle_in_transaction(
-            key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
-        )
+        return typed_repeat(
+            inbox.handle_in_transaction(
+                key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id,
+                returns=None,
+            ),
+            handler,
+            returns,
+        )  # fmt: skip
     try:
         with session.begin_nested():
             if orm is not None:
                 (orm.connection())  # a session emits its SAVEPOINT lazily: now, before the claim
-            return inbox.handle_in_transaction(
-                key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id
-            )
+            return typed_repeat(
+                inbox.handle_in_transaction(
+                    key, payload, run, tx=driver, savepoint=False, correlation_id=correlation_id,
+                    returns=None,
+                ),
+                handler,
+                returns,
+            )  # fmt: skip
     except StoreError:
         raise
     except Exception as exc:
@@ -127,9 +141,14 @@ def handle_in_session(
     def again(_tx: object, _body: P) -> R:
         raise error
 
-    return inbox.handle_in_transaction(
-        key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id
-    )
+    return typed_repeat(
+        inbox.handle_in_transaction(
+            key, payload, again, tx=driver, savepoint=True, correlation_id=correlation_id,
+            returns=None,
+        ),
+        handler,
+        returns,
+    )  # fmt: skip
 
 
 def _refuse_other_binds(orm: object, connection: object) -> None:

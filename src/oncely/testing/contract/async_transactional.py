@@ -4,6 +4,8 @@ transactions refuse the mode."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ from oncely.errors import Reject, TransactionRequired, TransactionsUnsupported
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.stores.async_protocols import AsyncKeepsOffsets, AsyncStore, AsyncTransactionalStore
 from oncely.testing.contract.async_base import AsyncBusiness, ContractBase
+from oncely.testing.contract.async_two_phase import Charged
 
 __all__ = ["TransactionalContract"]
 
@@ -52,6 +55,22 @@ class TransactionalContract(ContractBase):
         conflict = await inbox.handle_in_transaction("order-1", {"amount": 31}, book)
         assert conflict.outcome is Outcome.KEY_CONFLICT
         assert await ledger.count("order-1") == 1
+
+    async def test_r1_r7_a_duplicate_returns_the_first_result_as_the_handlers_type(
+        self, store: AsyncStore, inbox: AsyncInbox, business: AsyncBusiness | None
+    ) -> None:
+        ledger = self._transactional(store, business)
+
+        async def book(tx: Any, payload: dict[str, int]) -> Charged:
+            await ledger.write(tx, "order-1", payload["amount"])
+            return Charged(Decimal("30.00"), datetime(2026, 1, 2, tzinfo=UTC))
+
+        first = await inbox.handle_in_transaction("order-1", {"amount": 30}, book)
+        second = await inbox.handle_in_transaction("order-1", {"amount": 30}, book)
+        assert second.outcome is Outcome.DUPLICATE and await ledger.count("order-1") == 1
+        assert type(second.value) is Charged and second.value == first.value
+        stored = await inbox.handle_in_transaction("order-1", {"amount": 30}, book, returns=None)
+        assert isinstance(stored.value, dict)
 
     async def test_r7_handler_failure_rolls_back_writes_and_marker(
         self, store: AsyncStore, inbox: AsyncInbox, business: AsyncBusiness | None

@@ -5,7 +5,9 @@ stale claims retried, escalated or reconciled, and zombies that never overwrite 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -21,6 +23,14 @@ from oncely.testing.contract.async_base import KEEP_MS, LEASE, LEASE_MS, Calls, 
 __all__ = ["TwoPhaseContract"]
 
 
+@dataclass(frozen=True)
+class Charged:
+    """A typed result: a repeat answers with it too, not with its stored JSON form."""
+
+    amount: Decimal
+    at: datetime
+
+
 class TwoPhaseContract(ContractBase):
     """The inbox's two-phase mode on the store."""
 
@@ -34,6 +44,28 @@ class TwoPhaseContract(ContractBase):
         second = await inbox.handle("order-1", {"amount": 42}, handler)
         assert second.outcome is Outcome.DUPLICATE and second.value == {"charged": 42}
         assert second.action is Action.ACK and handler.count == 1
+
+    async def test_r1_a_duplicate_returns_the_first_result_as_the_handlers_type(
+        self, inbox: AsyncInbox
+    ) -> None:
+        """The first call's value is what the handler returned; a repeat's was its stored
+        JSON form (a dict of strings), so code reading ``value.amount`` worked until the
+        first duplicate. It is now brought back to the return annotation (``returns=None``:
+        as stored), as ``@idempotent`` does."""
+        calls: list[object] = []
+
+        async def charge(payment: dict[str, int]) -> Charged:
+            calls.append(payment)
+            return Charged(Decimal("42.10"), datetime(2026, 1, 2, 3, 4, 5, 600, tzinfo=UTC))
+
+        first = await inbox.handle("order-1", {"amount": 42}, charge)
+        second = await inbox.handle("order-1", {"amount": 42}, charge)
+        assert second.outcome is Outcome.DUPLICATE and len(calls) == 1
+        assert type(second.value) is Charged and second.value == first.value
+        stored = await inbox.handle("order-1", {"amount": 42}, charge, returns=None)
+        assert stored.outcome is Outcome.DUPLICATE and isinstance(stored.value, dict)
+        again = await inbox.handle("order-1", {"amount": 42}, Calls(), returns=Charged)
+        assert again.value == first.value
 
     async def test_r20_identical_redelivery_is_duplicate_never_key_conflict(
         self, inbox: AsyncInbox

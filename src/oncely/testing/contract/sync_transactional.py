@@ -6,6 +6,8 @@ transactions refuse the mode."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from oncely.errors import Reject, TransactionRequired, TransactionsUnsupported
 from oncely.inbox.sync_inbox import Inbox
 from oncely.stores.sync_protocols import KeepsOffsets, Store, TransactionalStore
 from oncely.testing.contract.sync_base import Business, ContractBase
+from oncely.testing.contract.sync_two_phase import Charged
 
 __all__ = ["TransactionalContract"]
 
@@ -54,6 +57,22 @@ class TransactionalContract(ContractBase):
         conflict = inbox.handle_in_transaction("order-1", {"amount": 31}, book)
         assert conflict.outcome is Outcome.KEY_CONFLICT
         assert ledger.count("order-1") == 1
+
+    def test_r1_r7_a_duplicate_returns_the_first_result_as_the_handlers_type(
+        self, store: Store, inbox: Inbox, business: Business | None
+    ) -> None:
+        ledger = self._transactional(store, business)
+
+        def book(tx: Any, payload: dict[str, int]) -> Charged:
+            ledger.write(tx, "order-1", payload["amount"])
+            return Charged(Decimal("30.00"), datetime(2026, 1, 2, tzinfo=UTC))
+
+        first = inbox.handle_in_transaction("order-1", {"amount": 30}, book)
+        second = inbox.handle_in_transaction("order-1", {"amount": 30}, book)
+        assert second.outcome is Outcome.DUPLICATE and ledger.count("order-1") == 1
+        assert type(second.value) is Charged and second.value == first.value
+        stored = inbox.handle_in_transaction("order-1", {"amount": 30}, book, returns=None)
+        assert isinstance(stored.value, dict)
 
     def test_r7_handler_failure_rolls_back_writes_and_marker(
         self, store: Store, inbox: Inbox, business: Business | None
