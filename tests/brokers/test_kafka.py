@@ -1051,6 +1051,66 @@ class TestKafka(BrokerSuite):
         assert worker.counts == Counter({"processed": 12})
         await self.assert_settled()
 
+    async def test_r10_r15_a_partition_waits_behind_a_record_given_back_while_it_runs(
+        self,
+    ) -> None:
+        """One partition: A's claim lapsed (its worker died), and while the inbox's reconciler
+        (``on_stale``) looks the work up, another member (an old owner of the partition, with
+        the same records) takes A over: A is given back ``in_flight`` after the batch's claim.
+        Before, only a failure held back the rest of a partition there, so B and C ran ahead
+        of A (R15: a partition is an order)."""
+        store = oncely.AsyncMemoryStore()
+        taken: list[oncely.StaleClaim] = []
+
+        async def reconcile(stale: oncely.StaleClaim) -> oncely.Resolution:
+            if not taken:  # the other member took A over meanwhile
+                other = await store.takeover(
+                    self.group,
+                    stale.record.key,
+                    expected_token=stale.record.token,
+                    fingerprint=None,
+                    token="other",
+                    lease_ms=3000,  # A is given back for what is left of it
+                    keep_ms=86_400_000,
+                )
+                assert other.won
+                taken.append(stale)
+            return oncely.Resolution.retry()
+
+        inbox = oncely.AsyncInbox(store, consumer=self.group, on_stale=reconcile)
+        self.after(inbox.aclose)
+        dead = await store.claim(
+            self.group,
+            "A",
+            fingerprint=None,
+            token="dead",
+            lease_ms=100,
+            keep_ms=86_400_000,
+            takeover=False,
+        )
+        assert dead.won
+        await asyncio.sleep(0.3)  # the dead worker's lease lapses
+        producer = self.producer()
+        assert isinstance(producer, KafkaProducer)
+        for k in ("A", "B", "C"):
+            await producer.publish(body(k), message_id=k, key="one-entity")
+        handled: list[str] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            handled.append(payload["k"])
+            await self.apply(payload)
+
+        worker = self.consumer(handler, inbox=inbox)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["in_flight"] >= 1, what="A given back")
+            await store.release(self.group, "A", token="other")
+            await wait_until(lambda: "A" in handled, what="A run once released")
+            await wait_until(lambda: len(handled) >= 3, what="the partition's three records")
+        assert len(taken) == 1
+        assert handled == ["A", "B", "C"]
+        assert self.ledger.counts() == {"A": 1, "B": 1, "C": 1}
+        await self.assert_settled()
+
     async def test_r13_a_record_held_back_behind_a_failing_one_keeps_its_own_retries(
         self,
     ) -> None:

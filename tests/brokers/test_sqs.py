@@ -373,6 +373,60 @@ class TestSQS(BrokerSuite):
             await wait_until(lambda: len(applied) == 3, what="the group's three messages")
         assert applied == ["f0", "f1", "f2"]
 
+    async def test_r10_r15_a_fifo_group_waits_behind_a_message_given_back_while_it_runs(
+        self,
+    ) -> None:
+        """f0's claim lapsed (its worker died); the inbox's reconciler (``on_stale``) looks the
+        work up, and meanwhile another worker takes f0 over: f0 is given back ``in_flight``
+        after the batch's claim, while its group runs. Before, only a failure held back the
+        rest of a group there, so f1 and f2 ran ahead of f0 (R15: the group is an order)."""
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=10))
+        store = oncely.open_async("memory://")
+        taken: list[oncely.StaleClaim] = []
+
+        async def reconcile(stale: oncely.StaleClaim) -> oncely.Resolution:
+            if not taken:  # another worker, with a copy of f0, took it over meanwhile
+                other = await store.takeover(
+                    self.group,
+                    stale.record.key,
+                    expected_token=stale.record.token,
+                    fingerprint=None,
+                    token="other",
+                    lease_ms=3000,  # given back for what is left of it, as above
+                    keep_ms=86_400_000,
+                )
+                assert other.won
+                taken.append(stale)
+            return oncely.Resolution.retry()
+
+        inbox = oncely.AsyncInbox(store, consumer=self.group, on_stale=reconcile)
+        self.after(inbox.aclose)
+        dead = await store.claim(
+            self.group,
+            "f0",
+            fingerprint=None,
+            token="dead",
+            lease_ms=100,
+            keep_ms=86_400_000,
+            takeover=False,
+        )
+        assert dead.won
+        await asyncio.sleep(0.3)  # the dead worker's lease lapses
+        for n in range(3):
+            await producer.publish(body(f"f{n}"), message_id=f"f{n}", group="g1")
+        applied: list[str] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            applied.append(payload["k"])
+
+        worker = self.consumer(handler, transport=transport, inbox=inbox, requeue_delay=200 * MS)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["in_flight"] >= 1, what="f0 given back")
+            await store.release(self.group, "f0", token="other")
+            await wait_until(lambda: len(applied) == 3, what="the group's three messages")
+        assert len(taken) == 1
+        assert applied == ["f0", "f1", "f2"]
+
     async def test_r10_one_message_at_a_time_keeps_a_fifo_groups_order_and_its_failures(
         self,
     ) -> None:

@@ -379,12 +379,15 @@ class AsyncInbox:
 
         ``groups`` gives each item an ordering group (a Kafka partition, an SQS FIFO message
         group): items of one group run one after the other, in the order given, and once one
-        of them fails, the later ones of its group are not run: their claims are released and
-        they come back ``in_flight`` (to be delivered again, after the one that failed).
-        Without ``groups`` every item is in one group. Up to ``concurrency`` groups run at
-        once (in the asyncio inbox; the sync one runs them one after the other). A won claim
-        waits for the end of the batch to be completed, its lease renewed by the heartbeat
-        meanwhile, as is every claim the batch holds (one waiting behind its group too).
+        of them fails or is given back (``in_flight``: its key held elsewhere, found so by the
+        batch's claim or while its group ran), the later ones of its group are not run: their
+        claims are released and they come back ``in_flight`` (to be delivered again, after
+        that one). Without ``groups`` every item is in one group, held back after a failure
+        only (an item given back does not stop a batch without groups). Up to
+        ``concurrency`` groups run at once (in the asyncio inbox; the sync one runs them one
+        after the other). A won claim waits for the end of the batch to be completed, its
+        lease renewed by the heartbeat meanwhile, as is every claim the batch holds (one
+        waiting behind its group too).
         ``stop(group)`` is asked
         before each handler starts: once it answers true (the consumer is shutting down, the
         group's partition was revoked), the group's items not started yet are released and come
@@ -452,7 +455,9 @@ class AsyncInbox:
         # otherwise lapse in a batch that outlasts the lease, and another worker's copy would
         # take it over and run it again.
         held, beat = self._renewing(runs)
-        batch = _BatchRun(self, entries, handler, stop, started, results, held, len(runs))
+        batch = _BatchRun(
+            self, entries, handler, stop, started, results, held, len(runs), groups is not None
+        )
         if ASYNC:  # noqa: SIM102 - the sync twin keeps no early reports
             if settled is not None and len(runs) > 1:
                 batch.early = Gather(functools.partial(batch.report, settled))
@@ -1531,6 +1536,7 @@ class _BatchRun(Generic[R]):
         results: list[Handled[R] | None],
         held: dict[int, Record],
         groups: int,
+        ordered: bool,
     ) -> None:
         self.inbox = inbox
         self.entries = entries
@@ -1546,6 +1552,9 @@ class _BatchRun(Generic[R]):
         self.ended: list[int] = []
         """Indexes of groups that ended, not reported early yet."""
         self.early: Gather | None = None
+        self.ordered = ordered
+        """The items came with their groups: one given back (``in_flight``) while its group
+        runs holds back the rest of the group, as one the batch's claim found held does."""
 
     async def run(self, group: Hashable, members: list[tuple[int, Claim, Step]]) -> None:
         await self._run_group(group, members)
@@ -1623,6 +1632,15 @@ class _BatchRun(Generic[R]):
                     "held back: the earlier message with key "
                     f"{inbox._rules.shown(record.key)} of its group failed, and the group's "
                     "order is kept"
+                )
+            elif outcome is not None and outcome.outcome is Outcome.IN_FLIGHT and self.ordered:
+                # Given back while its group ran (a lapsed claim another worker took over
+                # while the reconciler looked, a lease lost before a rejection): it comes
+                # again, so what follows it in its group waits for it.
+                held_back = (
+                    "held back: the earlier message with key "
+                    f"{inbox._rules.shown(record.key)} of its group was given back (its key "
+                    "held elsewhere), and the group's order is kept"
                 )
 
 

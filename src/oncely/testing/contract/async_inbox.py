@@ -15,11 +15,11 @@ from oncely._core.clock import FakeClock
 from oncely._core.context import current, handling
 from oncely._core.keys import CloudEventsKey, Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
-from oncely._core.policy import Limits
+from oncely._core.policy import Limits, Resolution, StaleClaim
 from oncely.errors import ClaimEnded, KeyConflict, LeaseLost, Reject
 from oncely.inbox.async_inbox import AsyncInbox
 from oncely.stores.async_protocols import AsyncStore
-from oncely.testing.contract.async_base import LEASE_MS, Calls, ContractBase
+from oncely.testing.contract.async_base import LEASE, LEASE_MS, RETENTION, Calls, ContractBase
 
 __all__ = ["InboxContract"]
 
@@ -144,6 +144,63 @@ class InboxContract(ContractBase):
         )
         assert [h.outcome for h in again] == [Outcome.DUPLICATE, Outcome.PROCESSED]
         assert again[0].value == "A1" and again[1].value == "later"
+
+    async def test_r10_r15_a_batch_message_given_back_while_it_runs_holds_back_its_group(
+        self, store: AsyncStore, clock: FakeClock
+    ) -> None:
+        """A message can be given back (``in_flight``) after the batch's claim, not only at it:
+        its claim had lapsed, and while the reconciler (``on_stale``) looks the work up, another
+        worker takes the key over; or its handler rejects it after losing its lease. Either
+        way it comes again, so the later messages of its group must wait behind it (a FIFO
+        group, a partition: R15). Before, in a batch only a failure held them back: ``a2`` ran
+        ahead of ``a1``, and ``c2`` ahead of ``c1``."""
+
+        async def reconcile(stale: StaleClaim) -> Resolution:
+            # Meanwhile, another worker with the same stale copy took the key over.
+            taken = await store.takeover(
+                "billing",
+                stale.record.key,
+                expected_token=stale.record.token,
+                fingerprint=None,
+                token="other",
+                lease_ms=LEASE_MS,
+                keep_ms=RETENTION.keep_ms,
+            )
+            assert taken.won
+            return Resolution.retry()
+
+        ran: list[str] = []
+
+        async def handler(payload: dict[str, str]) -> str:
+            ran.append(payload["id"])
+            if payload["id"] == "c1":
+                # Its lease lapses meanwhile and another worker takes the key over.
+                clock.advance(timedelta(milliseconds=LEASE_MS + 1))
+                await self._claim(store, "c1", token="owner", fp=None)
+                raise Reject("c1 is poison")
+            return payload["id"].upper()
+
+        inbox = AsyncInbox(
+            store, consumer="billing", lease=LEASE, retention=RETENTION, on_stale=reconcile
+        )
+        await self._claim(store, "a1", token="dead", fp=None, takeover=False)
+        clock.advance(timedelta(milliseconds=LEASE_MS + 1))  # a1's worker died
+        ids = ["a1", "a2", "b1", "c1", "c2"]
+        handled = await inbox.handle_batch(
+            [(i, {"id": i}) for i in ids], handler, groups=[i[0] for i in ids]
+        )
+        assert [h.outcome for h in handled] == [
+            Outcome.IN_FLIGHT,  # held by the worker that took it over
+            Outcome.IN_FLIGHT,  # held back behind a1: the group's order is kept
+            Outcome.PROCESSED,
+            Outcome.IN_FLIGHT,  # its lease lost: the new owner's outcome wins
+            Outcome.IN_FLIGHT,  # held back behind c1
+        ], handled
+        assert [i for i in ran if i[0] != "b"] == ["c1"]  # neither a2 nor c2 ran
+        assert "a1" in (handled[1].reason or "") and "c1" in (handled[4].reason or "")
+        assert handled[1].action is Action.REQUEUE_LATER
+        assert await store.get("billing", "a2") is None  # released: it comes again, after a1
+        assert await store.get("billing", "c2") is None
 
     async def test_r2_messages_of_a_batch_are_keyed_by_their_own_ids(
         self, inbox: AsyncInbox
