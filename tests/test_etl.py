@@ -393,3 +393,32 @@ def test_r2_a_range_of_bounds_that_are_not_whole_offsets_is_refused(
     (``range:s:0-1.5``, ``range:s:False-True``): the same rows would be two units."""
     with pytest.raises(oncely.ConfigurationError, match="whole offsets"):
         range_unit("s", *bounds)  # type: ignore[arg-type]
+
+
+def test_r2_r19_a_file_whose_name_is_not_utf8_is_refused_when_it_is_keyed(tmp_path: Path) -> None:
+    """A file name is bytes on POSIX: one written by another system (``caf\\xe9.csv``, Latin-1)
+    comes back from ``os.listdir`` with an escape. Before, ``file_unit`` keyed it anyway, and
+    the inbox answered that key ``rejected``, unrecorded, on every scan: the file was never
+    loaded, and a loop that reads no outcome never heard of it. Keys are lossless (R2): the
+    name is refused where it is keyed, and ``name=`` keys the file once a name is chosen."""
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    path = Path(os.fsdecode(os.fsencode(incoming) + b"/caf\xe9.csv"))
+    path.write_bytes(b"o-1,42\n")
+    assert [p.name for p in incoming.iterdir()] == [path.name]
+    with pytest.raises(oncely.InvalidKey, match=r"file name .* is not UTF-8"):
+        file_unit(path)
+    with pytest.raises(oncely.InvalidKey, match="name="):
+        file_contents(path)
+    with pytest.raises(oncely.InvalidKey, match="file name"):
+        file_unit(incoming / "orders.csv", name="orders\x00.csv")  # a NUL in a name= given
+
+    store = oncely.SQLiteStore(tmp_path / "etl.db")
+    inbox = oncely.Inbox(store, consumer="loader")
+    chosen = os.fsencode(path.name).decode("latin-1")  # the name as its writer meant it
+    key, data = file_contents(path, name=chosen)
+    assert key.startswith("file:café.csv:sha256:") and data == b"o-1,42\n"
+    loaded = inbox.handle_in_transaction(key, {"file": chosen}, lambda _tx, _unit: len(data))
+    assert loaded.outcome is oncely.Outcome.PROCESSED and loaded.value == 7
+    inbox.close()
+    store.close()

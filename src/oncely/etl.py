@@ -52,6 +52,7 @@ from oncely.inbox.sync_inbox import Inbox
 from oncely.stores._offsets import check_position
 from oncely.stores.sync_protocols import KeepsOffsets, TransactionalStore
 from oncely.stores.sync_sql import SQLStoreBase
+from oncely.wire import describe_bytes
 
 __all__ = [
     "Checkpoint",
@@ -78,7 +79,10 @@ def file_unit(path: str | os.PathLike[str], *, name: str | None = None) -> str:
     """The key of a file as a unit of work: ``file:<name>:sha256:<digest of its content>``
     (``name`` defaults to the file's name). The same file fed again is the same unit; a file
     of the same name with other content is another. Raises :class:`FileChanged` for a file
-    that changed while it was read.
+    that changed while it was read, and :class:`~oncely.InvalidKey` for a name that is not
+    UTF-8 text (a file named on another system: ``caf\\xe9.csv`` in Latin-1) or holds a NUL,
+    before reading: the inbox would refuse its key on every feed, so the file would never
+    load; pass ``name=`` (the name as its writer meant it).
 
     The key is of the content read here: a handler that reads the file again must find the
     same content, so key only complete files (a writer renames them into the folder when
@@ -99,6 +103,7 @@ def file_contents(path: str | os.PathLike[str], *, name: str | None = None) -> t
 def _read(
     path: str | os.PathLike[str], name: str | None, *, keep: bool
 ) -> tuple[str, bytes | None]:
+    shown = _unit_name(path, name)
     digest = hashlib.sha256()
     kept: list[bytes] = []
     with open(path, "rb") as source:
@@ -113,8 +118,27 @@ def _read(
             f"{os.fspath(path)!r} changed while it was read ({before.st_size} bytes, then "
             f"{after.st_size}): it is still being written; key it once it is complete"
         )
-    shown = name if name is not None else Path(path).name
     return f"file:{shown}:sha256:{digest.hexdigest()}", b"".join(kept) if keep else None
+
+
+def _unit_name(path: str | os.PathLike[str], name: str | None) -> str:
+    """The name a file unit is keyed by, refused when no key can hold it: keys are lossless
+    (R2), so a name whose bytes are not UTF-8 is never decoded by a guess (two files would
+    become one unit) nor keyed as it is (the inbox refuses that key: ``rejected`` on every
+    feed, and the file never loads)."""
+    shown = name if name is not None else Path(path).name
+    try:
+        shown.encode("utf-8")
+    except UnicodeEncodeError:
+        problem = "is not UTF-8 text"
+    else:
+        if "\x00" not in shown:
+            return shown
+        problem = "holds a NUL"
+    raise InvalidKey(
+        f"the file name {describe_bytes(shown)} {problem}, so no key can name it: pass "
+        "name= (the name as its writer meant it, e.g. its bytes decoded from their encoding)"
+    )
 
 
 def range_unit(stream: str, first: int, last: int) -> str:
