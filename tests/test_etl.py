@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,38 @@ def test_r2_r19_a_file_whose_name_is_not_utf8_is_refused_when_it_is_keyed(tmp_pa
     assert loaded.outcome is oncely.Outcome.PROCESSED and loaded.value == 7
     inbox.close()
     store.close()
+
+
+def test_r13_r19_a_file_unit_is_skipped_only_while_the_inbox_keeps_its_record(
+    tmp_path: Path,
+) -> None:
+    """What the README's ETL section says of file units and retention: a folder scanned again
+    once the records expired loads its files again; an inbox that keeps them longer than the
+    files can come back skips them (the store's own clock, moved on, not the wall's)."""
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    for n in range(3):
+        (incoming / f"orders-{n}.csv").write_text(f"{n},42\n")
+    clock = oncely.FakeClock()
+
+    def scan(inbox: oncely.Inbox) -> list[str]:
+        outcomes = []
+        for path in sorted(incoming.glob("*.csv")):
+            key, data = file_contents(path)
+            handled = inbox.handle_in_transaction(
+                key,
+                {"file": path.name},
+                lambda _tx, _unit: len(data),  # noqa: B023
+            )
+            outcomes.append(handled.outcome.value)
+        return outcomes
+
+    for keep, again in [(timedelta(days=7), "processed"), (timedelta(days=30), "duplicate")]:
+        store = oncely.SQLiteStore(tmp_path / f"etl-{keep.days}.db", clock=clock)
+        inbox = oncely.Inbox(store, consumer="loader", retention=oncely.Retention(keep=keep))
+        assert scan(inbox) == ["processed"] * 3
+        assert scan(inbox) == ["duplicate"] * 3
+        clock.advance(timedelta(days=8))  # the folder scanned again a week and a day later
+        assert scan(inbox) == [again] * 3
+        inbox.close()
+        store.close()

@@ -6,7 +6,7 @@ mark kept in the same transaction as a unit's writes.
     from oncely.etl import Checkpoint, file_unit
 
     inbox = oncely.Inbox(oncely.open("postgresql://..."), consumer="loader")
-    for path in sorted(incoming.glob("*.csv")):              # re-fed files are skipped
+    for path in sorted(incoming.glob("*.csv")):     # re-fed files are skipped (while kept)
         inbox.handle_in_transaction(
             file_unit(path), {"file": path.name}, lambda tx, _unit: load(tx, path)
         )
@@ -23,6 +23,11 @@ was fed, so a file delivered twice, or a run restarted after a crash, applies ea
 file's name, not the folder it was found in: the same file fed from another folder is then a
 ``duplicate``, not a ``key_conflict``); the handler gets what it loads from its caller: the
 bytes :func:`file_contents` read and keyed, or the path of a file that is complete.
+
+A file unit is skipped only while the inbox keeps its record (its ``Retention.keep``, 7 days
+by default, R13): a file fed again after that is loaded again. Move a loaded file out of the
+folder once its unit committed, or keep records longer than a file can come back. A
+:class:`Checkpoint`'s mark never expires.
 
 :class:`Checkpoint` adds the resume point: its :meth:`~Checkpoint.apply` writes the unit's
 rows, its marker and the new high-water mark in one transaction, so after a ``SIGKILL`` the
