@@ -249,6 +249,43 @@ def test_r19_a_local_hour_the_clocks_skip_has_no_slot_and_no_real_hour_goes_with
     assert keys == ["hourly:2026-03-29T01", "hourly:2026-03-29T03", "hourly:2026-03-29T04"]
 
 
+def test_r19_a_moment_is_one_slot_however_it_is_spelled_even_in_a_skipped_hour(
+    tmp_path: Path,
+) -> None:
+    """``at=`` names a moment: its slot is the same whatever time zone it is written in.
+    Before, a wall time the clocks skip (02:30 in Rome on 29 March, a cron's scheduled time
+    built from the local clock) written in the job's own zone kept its wall time, and was
+    keyed ``T02`` (a slot the module says does not exist); the same moment written in UTC, or
+    with another ZoneInfo object of that zone, was ``T03``: two keys, and the job ran twice in
+    one hour."""
+    rome = ZoneInfo("Europe/Rome")
+    skipped = datetime(2026, 3, 29, 2, 30, tzinfo=rome)  # the moment 01:30 UTC, 03:30 CEST
+    spellings = [
+        skipped,
+        skipped.astimezone(UTC),
+        skipped.replace(tzinfo=ZoneInfo.no_cache("Europe/Rome")),
+        datetime(2026, 3, 29, 3, 30, tzinfo=rome),
+    ]
+    assert {at.astimezone(UTC) for at in spellings} == {datetime(2026, 3, 29, 1, 30, tzinfo=UTC)}
+    for every, key in [("hour", "hourly:2026-03-29T03"), ("minute", "hourly:2026-03-29T03:30")]:
+        assert {slot("hourly", every, at=at, tz="Europe/Rome") for at in spellings} == {key}
+    repeated = datetime(2026, 10, 25, 2, 30, fold=1, tzinfo=rome)  # the second pass, as is
+    assert slot("hourly", "hour", at=repeated, tz=rome) == "hourly:2026-10-25T02+01:00"
+    assert slot("hourly", "hour", at=repeated.replace(fold=0), tz=rome) == "hourly:2026-10-25T02"
+
+    inbox = oncely.Inbox(oncely.SQLiteStore(tmp_path / "jobs.db"), consumer="jobs")
+    runs: list[datetime] = []
+    outcomes = [
+        run_once(
+            inbox, "hourly", partial(runs.append, at), every="hour", tz="Europe/Rome", at=at
+        ).outcome
+        for at in spellings
+    ]
+    assert runs == [skipped]  # one moment, one run
+    assert outcomes == [oncely.Outcome.PROCESSED] + [oncely.Outcome.DUPLICATE] * 3
+    inbox.close()
+
+
 def test_r19_a_timedelta_period_is_counted_in_utc_and_refuses_another_time_zone(
     tmp_path: Path,
 ) -> None:

@@ -101,7 +101,11 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
     (``2026-10-25T02+01:00`` in Europe/Rome), so that its run happens too; every other slot's
     key is as it always was. A local hour the clocks skip when they go forward has no slot.
     A ``timedelta`` counts from the epoch in UTC: any ``tz`` but UTC is refused
-    (:class:`~oncely.ConfigurationError`) rather than ignored."""
+    (:class:`~oncely.ConfigurationError`) rather than ignored.
+
+    ``at`` is a moment: the same moment written in any zone is the same slot. A wall time the
+    clocks skip (02:30 on the day they go forward, written in ``tz``) is the moment Python
+    gives it (the offset before the change, ``fold=0``): its slot is the hour after the gap."""
     if not name or ":" in name:
         raise ConfigurationError("a job name is not empty and holds no ':'")
     moment = at if at is not None else datetime.now(UTC)
@@ -120,7 +124,11 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
             )
         start = int(moment.timestamp()) // span * span
         return f"{name}:{datetime.fromtimestamp(start, UTC):%Y-%m-%dT%H:%M:%SZ}"
-    local = moment.astimezone(_zone(tz))
+    # Through UTC: ``at`` is a moment, whatever zone it is written in. Converted straight to
+    # the zone it is already in, a wall time the clocks skip would stay as written (``02:30``
+    # on the day they go forward), a slot of its own that the same moment written in UTC or
+    # another zone never gets.
+    local = moment.astimezone(UTC).astimezone(_zone(tz))
     if every == "minute":
         return f"{name}:{local:%Y-%m-%dT%H:%M}{_repeat(local)}"
     if every == "hour":
