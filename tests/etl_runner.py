@@ -5,11 +5,12 @@ unit per file) into the table ``orders``, then the lines of LOG from the checkpo
 lines a unit, into ``clicks``, on the SQLite file DB, pausing PAUSE seconds after each unit.
 It prints ``processed=N duplicate=M``.
 
-``python -m tests.etl_runner apply WHERE TABLE FIRST LAST START_AT HOLD`` applies the range
-``[FIRST, LAST)`` of the stream ``log`` through a :class:`~oncely.etl.Checkpoint` on the store
-WHERE (``sqlite:<path>``, ``postgres`` or ``mysql``, the test servers) with the inbox table
-TABLE, at the epoch time START_AT; its handler writes the offsets into ``TABLE_rows`` and holds
-the transaction open HOLD seconds. It prints the outcome, or ``refused`` and the error.
+``python -m tests.etl_runner apply WHERE TABLE FIRST LAST START_AT HOLD [STREAM]`` applies the
+range ``[FIRST, LAST)`` of the stream STREAM (default ``log``) through a
+:class:`~oncely.etl.Checkpoint` on the store WHERE (``sqlite:<path>``, ``postgres`` or
+``mysql``, the test servers) with the inbox table TABLE, at the epoch time START_AT; its
+handler writes the offsets into ``TABLE_rows`` and holds the transaction open HOLD seconds.
+It prints the outcome, or ``refused`` and the error.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def open_store(where: str, table: str) -> oncely.Store:
 def row_writer(where: str, table: str, hold: float = 0) -> Callable[[Any, list[int]], int]:
     """A handler that inserts its payload's offsets into ``<table>_rows`` (a column ``n``,
     without a unique key: a row applied twice shows), then holds the transaction ``hold``
-    seconds."""
+    seconds (saying ``holding`` on stderr first)."""
     mark = "?" if where.startswith("sqlite:") else "%s"
     sql = f"INSERT INTO {table}_rows (n) VALUES ({mark})"
 
@@ -57,16 +58,20 @@ def row_writer(where: str, table: str, hold: float = 0) -> Callable[[Any, list[i
             cursor.executemany(sql, [(n,) for n in offsets])
         finally:
             cursor.close()
+        if hold:
+            print("holding", file=sys.stderr, flush=True)  # the mark is locked: for the test
         time.sleep(hold)
         return len(offsets)
 
     return write
 
 
-def apply(where: str, table: str, first: int, last: int, start_at: float, hold: float) -> None:
+def apply(
+    where: str, table: str, first: int, last: int, start_at: float, hold: float, stream: str
+) -> None:
     store = open_store(where, table)
     inbox = oncely.Inbox(store, consumer="loader")
-    mark = Checkpoint(inbox, "log")
+    mark = Checkpoint(inbox, stream)
     time.sleep(max(0.0, start_at - time.time()))
     try:
         handled = mark.apply(first, last, list(range(first, last)), row_writer(where, table, hold))
@@ -80,8 +85,8 @@ def apply(where: str, table: str, first: int, last: int, start_at: float, hold: 
 
 def main() -> None:
     if sys.argv[1] == "apply":
-        where, table, first, last, start_at, hold = sys.argv[2:]
-        apply(where, table, int(first), int(last), float(start_at), float(hold))
+        where, table, first, last, start_at, hold, *stream = sys.argv[2:]
+        apply(where, table, int(first), int(last), float(start_at), float(hold), *stream or ["log"])
         return
     db, incoming, log, pause = sys.argv[1:]
     store = oncely.SQLiteStore(db)

@@ -227,6 +227,13 @@ class Checkpoint:
         self.stream = stream
         self._store: Any = store
         self._store.prepare_offsets()
+        # The mark's row, committed before any apply locks it: on MariaDB, runners waiting
+        # for a first apply's uncommitted insert of that row deadlock when it rolls back (its
+        # runner killed), where a committed row is only ever updated, one runner at a time.
+        # Written only where missing, so that making a checkpoint never waits for an apply.
+        if 0 not in self._store.offsets(inbox.consumer, stream):
+            with store.transaction() as tx:
+                self._store.save_offset_in(tx, inbox.consumer, stream, 0, 0)
 
     def position(self) -> int:
         """Where the next run starts: one past the last unit applied (0 at first)."""
