@@ -259,6 +259,40 @@ def test_r19_a_failed_or_rejected_range_leaves_the_mark_and_is_fed_again(
     store.close()
 
 
+def test_r19_a_rejected_range_the_mark_passed_by_rows_set_aside_is_a_duplicate(
+    where: tuple[str, str],
+) -> None:
+    """The README's way on after a rejected range: its rows set aside in ranges of other
+    bounds, the mark passes it. Fed again with its first bounds (the source re-read from the
+    start in the same chunks), that range is at or before the mark: a ``duplicate``, as every
+    such range is. Before, its rejected marker answered ``rejected`` again, as if those rows
+    were still refused and the mark stood before them."""
+    name, table = where
+    store = open_store(name, table)
+    mark = Checkpoint(oncely.Inbox(store, consumer="loader"), "log")
+    written = row_writer(name, table)
+
+    def poison(_tx: object, _offsets: list[int]) -> int:
+        raise oncely.Reject("row 12 is garbage")
+
+    assert mark.apply(0, 10, list(range(10)), written).ok
+    assert mark.apply(10, 20, list(range(10, 20)), poison).outcome is oncely.Outcome.REJECTED
+    aside: list[int] = []
+    for n in range(10, 20):  # one row at a time: row 12 to the rejects, the others loaded
+        handler = (lambda _tx, rows: aside.extend(rows)) if n == 12 else written
+        assert mark.apply(n, n + 1, [n], handler).outcome is oncely.Outcome.PROCESSED
+    assert mark.position() == 20
+
+    for first in range(0, 20, 10):  # the source again, in its first chunks
+        again = mark.apply(first, first + 10, list(range(first, first + 10)), poison)
+        assert again.outcome is oncely.Outcome.DUPLICATE, again
+    assert again.reason is not None and "mark 20" in again.reason
+    assert mark.position() == 20 and aside == [12]
+    assert _rows(where) == [n for n in range(20) if n != 12]
+    mark.inbox.close()
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("stream", "why"),
     [

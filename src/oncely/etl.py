@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 from oncely._core.keys import validate_key
 from oncely._core.outcomes import Handled, Outcome
+from oncely._core.records import Status
 from oncely.errors import ConfigurationError, InvalidKey, OncelyError, StoreError
 from oncely.inbox.sync_inbox import Inbox
 from oncely.stores._offsets import check_position
@@ -287,8 +288,11 @@ class Checkpoint:
             if last > mark:
                 raise CheckpointMismatch(stream, mark, first, last)
         # Wholly at or before the mark, which never moves back: applied, as this very unit
-        # (its marker answers, with its result) or in units of other bounds.
-        if inbox.get(key) is not None:
+        # (its marker answers, with its result) or in units of other bounds. A marker of
+        # this range that is not a completed one (a rejected unit whose rows were then set
+        # aside in other bounds) is no answer: the mark passed those rows all the same.
+        found = inbox.get(key)
+        if found is not None and found.status is Status.COMPLETED:
 
             def gone(_tx: Any, _data: Any) -> R:
                 # The marker lapsed (retention) or was forgotten since it was read: the mark
