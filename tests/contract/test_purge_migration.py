@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -203,3 +204,52 @@ def test_r13_a_revision_1_table_migrates_online_and_keeps_every_record(
     record = store.get("c", "done-7")
     assert record is not None and json.loads(record.result or b"") == {"paid": 7}
     store.close()
+
+
+def _migrate_at_once(
+    store: oncely.Store, together: threading.Barrier, failures: list[BaseException]
+) -> None:
+    together.wait()
+    try:
+        store.migrate()
+    except BaseException as exc:
+        failures.append(exc)
+
+
+@pytest.mark.parametrize("name", sorted(STORES))
+def test_r13_migrations_started_at_once_all_succeed(name: str, scope: Scope) -> None:
+    """Several processes that upgrade one revision 1 table at the same moment (a fleet
+    deployed at once, each opened with ``migrate=True``, or ``oncely migrate`` run twice)
+    take turns: every one succeeds, the second finding the work done. On PostgreSQL a
+    migrator waiting for the lock must not hold a transaction open, which the other's
+    ``CREATE INDEX CONCURRENTLY`` would wait for (a deadlock); on MariaDB the check for the
+    column and the ``ALTER TABLE`` that adds it must not interleave with another's."""
+    BACKENDS[name].require()
+    open_store, raw, index = STORES[name](scope)
+    for _ in range(4):
+        store = open_store(True)
+        store.migrate()
+        store.claim("c", "k", fingerprint=None, token="t", lease_ms=60_000, keep_ms=LONG,
+                    takeover=False)  # fmt: skip
+        store.complete("c", "k", token="t", result=b'{"paid": 1}', keep_ms=LONG)
+        store.close()
+        raw.to_revision_1(index)
+        stores = [open_store(False) for _ in range(5)]
+        together = threading.Barrier(len(stores))
+        failures: list[BaseException] = []
+
+        threads = [
+            threading.Thread(target=_migrate_at_once, args=(each, together, failures))
+            for each in stores
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for each in stores:
+            each.close()
+        assert not failures, failures
+        store = open_store(False)
+        again = oncely.Inbox(store, consumer="c").handle("k", None, lambda p: pytest.fail("ran"))
+        assert (again.outcome.value, again.value) == ("duplicate", {"paid": 1})
+        store.close()

@@ -359,7 +359,10 @@ class MySQLStore(SQLStoreBase[str]):
             version, revision = self._read_versions(conn)
             found = (fetchall(conn, "SELECT @@innodb_flush_log_at_trx_commit"))[0]
             durability_warning(self.url, {"innodb_flush_log_at_trx_commit": found[0]})
-            if version is None:  # a first creation: one process at a time (see _creating)
+            if version is None or migrating or revision < self._SCHEMA_REVISION:
+                # A creation or an upgrade: one process at a time (see _creating), which reads
+                # the versions again in the lock. Two upgrades at once would both find the
+                # purge column missing, and the second ALTER TABLE fail on a duplicate.
                 with self._creating(conn):
                     self._setup_with(conn, *self._versions(conn), migrating)
             else:
@@ -381,10 +384,11 @@ class MySQLStore(SQLStoreBase[str]):
 
     @contextmanager
     def _creating(self, conn: Connection) -> Iterator[None]:
-        """A named lock (GET_LOCK) held while the tables are created for the first time.
-        Each CREATE TABLE commits at once, so another process's creation shows its inbox
-        table before the version row: read in this lock, the row of a creation is there
-        (and a table without one was left so)."""
+        """A named lock (GET_LOCK) held while the tables are created or upgraded. Each
+        CREATE TABLE commits at once, so another process's creation shows its inbox table
+        before the version row: read in this lock, the row of a creation is there (and a
+        table without one was left so); an upgrade's ALTER TABLEs, each checked first, run
+        one process at a time."""
         table = f"{self._settings.database}.{self._dialect.table}".encode()
         name = {"name": "oncely-schema-" + hashlib.sha256(table).hexdigest()[:40]}
         try:
@@ -393,7 +397,8 @@ class MySQLStore(SQLStoreBase[str]):
             raise translate(exc, "creating the tables") from exc
         if held != 1:
             raise StoreUnavailable(
-                f"another process has been creating the {self._place} for a minute; retry"
+                f"another process has been creating or upgrading the {self._place} for a "
+                "minute; retry"
             )
         try:
             yield

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from time import monotonic
+from time import monotonic, sleep
 from typing import Any, Self
 
 import psycopg
@@ -132,6 +133,8 @@ _ATTEMPTS = 5
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
+# How often, about, a migrator waiting for another's upgrade tries its lock again (_upgrade).
+_LOCK_POLL_S = 0.2
 # stats(exact=False) on a table never analyzed reads about this many pages (8 KiB each) of it.
 _SAMPLE_PAGES = 2000
 
@@ -491,13 +494,19 @@ class PostgresStore(SQLStoreBase[bytes]):
 
     def _upgrade(self, conn: Connection) -> None:
         """Bring the table to this revision, online (see the dialect's ``add_purge_column``),
-        under a session advisory lock: a second migrator waits, then finds the work done."""
+        under a session advisory lock: a second migrator waits, then finds the work done.
+
+        It waits by trying the lock again and again, each try a transaction of a moment:
+        blocked in ``pg_advisory_lock`` it would hold a transaction open, which the first
+        one's ``CREATE INDEX CONCURRENTLY`` waits for, while it waits for the lock (a
+        deadlock, which the server breaks by failing the waiter)."""
         d = self._dialect
         lock = {"key": d.lock_key}
         autocommit = conn.autocommit
         if not autocommit:  # a connection of the caller's pool: CONCURRENTLY needs autocommit
             conn.set_autocommit(True)
-        execute(conn, b"SELECT pg_advisory_lock(%(key)s)", lock)
+        while not (fetchall(conn, b"SELECT pg_try_advisory_lock(%(key)s)", lock))[0][0]:
+            sleep(_LOCK_POLL_S * (0.5 + random.random()))
         try:
             with conn.transaction():
                 # ADD COLUMN waits for the table's lock behind running transactions, and
