@@ -75,6 +75,37 @@ def test_r13_the_purge_service_purges_only_while_it_leads(name: str, scope: Scop
     two.close()
 
 
+@pytest.mark.parametrize("name", LOCKING)
+def test_r13_a_purge_stopped_between_batches_reports_what_it_deleted(
+    name: str, scope: Scope
+) -> None:
+    """A service stopped mid-run (SIGTERM to `oncely inbox purge --every`, a consumer's
+    shutdown) reports, logs and hands ``on_run`` the records its batches deleted, not 0."""
+    backend = BACKENDS[name]
+    backend.require()
+    store = backend.make_sync(scope, None)
+    store.migrate()
+    for i in range(30):
+        store.claim("c", f"k{i}", fingerprint=None, token=f"t{i}", lease_ms=60_000,
+                    keep_ms=60_000, takeover=False)  # fmt: skip
+        store.complete("c", f"k{i}", token=f"t{i}", result=None, keep_ms=1)
+    time.sleep(0.01)
+    service = oncely.PurgeService(store, every=timedelta(seconds=1), batch_size=5)
+    seen: list[int] = []
+
+    def batch(taken: int, deleted: int) -> None:
+        seen.append(deleted)
+        if len(seen) == 2:
+            service.stop()
+
+    service.on_batch = batch
+    run = service.run_once()
+    left = store.stats().expired
+    assert 0 < left < 30  # stopped before the end
+    assert (run.leader, run.deleted, run.batches) == (True, 30 - left, 2)
+    store.close()
+
+
 HOLD = """
 import sys, time, oncely
 store = oncely.open(sys.argv[1])

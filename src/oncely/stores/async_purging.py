@@ -73,6 +73,7 @@ class AsyncPurgeService:
         self.on_batch = on_batch
         self._stop = Event()
         self._batches = 0
+        self._deleted = 0
 
     def stop(self) -> None:
         """End :meth:`run` after the current batch (from another task or thread)."""
@@ -89,6 +90,7 @@ class AsyncPurgeService:
 
     def _batch(self, taken: int, deleted: int) -> None:
         self._batches += 1
+        self._deleted += deleted
         if self.on_batch is not None:
             self.on_batch(taken, deleted)
         if self._stop.is_set():
@@ -98,14 +100,17 @@ class AsyncPurgeService:
         """One run: purge everything expired if this process leads, else nothing."""
         started = perf_counter()
         self._batches = 0
+        self._deleted = 0
         deleted = 0
         async with self._lead() as leader:
             if leader:
                 options = purge_options(
                     self.store, batch_size=self.batch_size, on_batch=self._batch, pause=self.pause
                 )
-                with contextlib.suppress(_Stopped):
+                try:
                     deleted = await self.store.purge_expired(**options)
+                except _Stopped:  # stopped between batches: what they deleted is reported
+                    deleted = self._deleted
         run = PurgeRun(leader, deleted, self._batches, perf_counter() - started)
         if leader:
             LOGGER.info(
