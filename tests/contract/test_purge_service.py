@@ -106,6 +106,52 @@ def test_r13_a_purge_stopped_between_batches_reports_what_it_deleted(
     store.close()
 
 
+def test_r13_a_purge_lock_file_that_cannot_be_opened_is_a_store_error(tmp_path: Path) -> None:
+    """The lock file beside a SQLite database that cannot be opened (here a directory in
+    its place; in production a file another user created) is a store error that names it:
+    `oncely inbox purge` exits 3 saying so, and a purge service (the one inside a consumer
+    too) logs it and tries again at its next run, instead of ending without a word."""
+    db = tmp_path / "inbox.db"
+    store = oncely.SQLiteStore(db)
+    store.migrate()
+    (tmp_path / "inbox.db-oncely-purge.lock").mkdir()
+    service = oncely.PurgeService(store, every=timedelta(milliseconds=1))
+    with pytest.raises(oncely.StoreUnavailable, match=r"inbox\.db-oncely-purge\.lock"):
+        service.run_once()
+    done = subprocess.run(
+        [sys.executable, "-m", "oncely", "inbox", "purge", "--store", f"sqlite:///{db}"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "oncely-purge.lock" in done.stderr and "unexpected" not in done.stderr
+    store.close()
+
+
+def test_r13_a_purge_service_outlives_an_on_run_that_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report hook (``on_run``) that raises is logged, and the service runs on: a metrics
+    bug must not end the purge of a consumer that runs it beside itself."""
+    store = oncely.SQLiteStore(tmp_path / "inbox.db")
+    store.migrate()
+    calls: list[oncely.PurgeRun] = []
+    service = oncely.PurgeService(store, every=timedelta(milliseconds=1))
+
+    def report(run: oncely.PurgeRun) -> None:
+        calls.append(run)
+        if len(calls) == 3:
+            service.stop()
+        raise RuntimeError("metrics backend down")
+
+    service.on_run = report
+    with caplog.at_level("ERROR", logger="oncely.purge"):
+        service.run()
+    assert len(calls) == 3
+    raised = [r.exc_info[1] for r in caplog.records if r.exc_info and r.exc_info[1]]
+    assert [str(exc) for exc in raised] == ["metrics backend down"] * 3
+    store.close()
+
+
 HOLD = """
 import sys, time, oncely
 store = oncely.open(sys.argv[1])

@@ -117,12 +117,16 @@ class PurgeService:
                 "oncely purge store=%s skipped: another process leads its purge", self.store.url
             )
         if self.on_run is not None:
-            self.on_run(run)
+            try:
+                self.on_run(run)
+            except Exception:  # a report's bug is not the purge's: it goes on
+                LOGGER.exception("oncely purge store=%s: its on_run raised", self.store.url)
         return run
 
     def run(self) -> None:
         """Run every ``every`` until :meth:`stop`. A store failure is logged and the next run
-        tries again: the purge is never the reason a consumer stops."""
+        tries again (any other error too, with its traceback): the purge is never the reason
+        a consumer stops, and never stops without a word beside one."""
         while not self._stop.is_set():
             try:
                 self.run_once()
@@ -130,6 +134,11 @@ class PurgeService:
                 LOGGER.warning(
                     "oncely purge store=%s failed, trying again in %s: %s",
                     self.store.url, self.every, exc,
+                )  # fmt: skip
+            except Exception:
+                LOGGER.exception(
+                    "oncely purge store=%s failed unexpectedly, trying again in %s",
+                    self.store.url, self.every,
                 )  # fmt: skip
             self._pause()
 

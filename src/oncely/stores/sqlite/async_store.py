@@ -429,7 +429,14 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
         if self._memory or self._uri or fcntl is None:
             yield True
             return
-        fd = os.open(f"{self._path}-oncely-purge.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = f"{self._path}-oncely-purge.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # another user's file, a read-only directory
+            raise StoreUnavailable(
+                f"the purge's lead on {self.url}: cannot open its lock file {path} "
+                f"({exc.strerror or exc})"
+            ) from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
