@@ -7,10 +7,14 @@ with sqlite3.
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
 from pathlib import Path
 
 import oncely
-from tests.cli.helpers import LIVE_KEYS, charge, count, rows, run, url_of
+from tests.backends import BACKENDS
+from tests.cli.helpers import EXECUTABLE, LIVE_KEYS, charge, count, rows, run, url_of
+from tests.services import POSTGRES_DSN
 
 # ---------------------------------------------------------------------------- purge
 
@@ -40,6 +44,23 @@ def test_purge_refuses_max_batches_for_a_service(db: Path) -> None:
     assert result.exit_code == 2
     assert "--max-batches is for a one-off purge" in result.stderr
     assert count(db, "old") == 3
+
+
+def test_r13_a_purge_service_whose_table_is_missing_exits_at_start(tmp_path: Path) -> None:
+    """`oncely inbox purge --every` on a store it cannot purge at start (a mistyped table,
+    a database never migrated) exits 4 naming the fix, as `oncely consume` refuses to
+    start, rather than run for ever purging nothing, which a supervisor takes for health."""
+    BACKENDS["postgres"].require()
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()  # the file exists, with no tables
+    sep = "&" if "?" in POSTGRES_DSN else "?"
+    for url in (url_of(empty), f"{POSTGRES_DSN}{sep}table=oncely_no_such_table"):
+        done = subprocess.run(
+            [str(EXECUTABLE), "inbox", "purge", "--store", url, "--every", "1s"],
+            check=False, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 4, (url, done.stdout, done.stderr)
+        assert "oncely migrate" in done.stderr
 
 
 def test_purge_takes_a_pause_between_batches(db: Path) -> None:

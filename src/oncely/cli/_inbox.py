@@ -404,7 +404,8 @@ def show(store_url: str, consumer: str, key: str, hashed: bool | None, as_json: 
     type=Duration(),
     default=None,
     help="Run as a service: purge again every DURATION (e.g. 1m) until stopped. Among "
-    "several purges of one table, one leads at a time; the others wait their turn.",
+    "several purges of one table, one leads at a time; the others wait their turn. The "
+    "first run's failure ends it (exit 3 or 4); later ones are logged and retried.",
 )
 @click.option(
     "--pause",
@@ -486,7 +487,12 @@ def _purge_service(service: oncely.PurgeService) -> None:
     service.on_run = report
     previous = signal.signal(signal.SIGTERM, lambda *_: service.stop())
     try:
-        service.run()
+        # The first run's error ends the command (a store down, a table missing or of another
+        # revision: exit 3 or 4), as `oncely consume` refuses to start; a service that
+        # started would log it at each run and purge nothing, looking healthy. Later
+        # failures are logged and ridden out.
+        service.run_once()
+        service.run(first_after=every)
     except KeyboardInterrupt:
         pass
     finally:

@@ -128,10 +128,13 @@ class AsyncPurgeService:
                 LOGGER.exception("oncely purge store=%s: its on_run raised", self.store.url)
         return run
 
-    async def run(self) -> None:
-        """Run every ``every`` until :meth:`stop`. A store failure is logged and the next run
-        tries again (any other error too, with its traceback): the purge is never the reason
-        a consumer stops, and never stops without a word beside one."""
+    async def run(self, *, first_after: timedelta | None = None) -> None:
+        """Run every ``every`` until :meth:`stop`, the first run at once (or after
+        ``first_after``). A store failure is logged and the next run tries again (any other
+        error too, with its traceback): the purge is never the reason a consumer stops, and
+        never stops without a word beside one."""
+        if first_after is not None:
+            await self._pause(first_after)
         while not self._stop.is_set():
             try:
                 await self.run_once()
@@ -145,11 +148,11 @@ class AsyncPurgeService:
                     "oncely purge store=%s failed unexpectedly, trying again in %s",
                     self.store.url, self.every,
                 )  # fmt: skip
-            await self._pause()
+            await self._pause(self.every)
 
-    async def _pause(self) -> None:
+    async def _pause(self, pause: timedelta) -> None:
         if ASYNC:
             with contextlib.suppress(TimeoutError):
-                await wait_for(self._stop.wait(), self.every.total_seconds())
+                await wait_for(self._stop.wait(), pause.total_seconds())
         else:
-            self._stop.wait(self.every.total_seconds())
+            self._stop.wait(pause.total_seconds())

@@ -123,10 +123,13 @@ class PurgeService:
                 LOGGER.exception("oncely purge store=%s: its on_run raised", self.store.url)
         return run
 
-    def run(self) -> None:
-        """Run every ``every`` until :meth:`stop`. A store failure is logged and the next run
-        tries again (any other error too, with its traceback): the purge is never the reason
-        a consumer stops, and never stops without a word beside one."""
+    def run(self, *, first_after: timedelta | None = None) -> None:
+        """Run every ``every`` until :meth:`stop`, the first run at once (or after
+        ``first_after``). A store failure is logged and the next run tries again (any other
+        error too, with its traceback): the purge is never the reason a consumer stops, and
+        never stops without a word beside one."""
+        if first_after is not None:
+            self._pause(first_after)
         while not self._stop.is_set():
             try:
                 self.run_once()
@@ -140,7 +143,7 @@ class PurgeService:
                     "oncely purge store=%s failed unexpectedly, trying again in %s",
                     self.store.url, self.every,
                 )  # fmt: skip
-            self._pause()
+            self._pause(self.every)
 
-    def _pause(self) -> None:
-        self._stop.wait(self.every.total_seconds())
+    def _pause(self, pause: timedelta) -> None:
+        self._stop.wait(pause.total_seconds())
