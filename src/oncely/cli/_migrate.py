@@ -19,6 +19,13 @@ class _Versioned(Protocol):
     def schema_version(self) -> int | None: ...
 
 
+@runtime_checkable
+class _Revised(Protocol):
+    """Stores that can tell their schema revision too (oncely's SQL stores)."""
+
+    def schema_revision(self) -> int: ...
+
+
 @click.command()
 @store_option
 def migrate(store_url: str) -> None:
@@ -33,9 +40,18 @@ def migrate(store_url: str) -> None:
     with opened(store_url, create=True) as store:
         shown = oncely.redact(store_url)
         before = store.schema_version() if isinstance(store, _Versioned) else None
+        revision = (
+            store.schema_revision if isinstance(store, _Revised) and before is not None else None
+        )
+        was = revision() if revision is not None else None
         version = store.migrate()
+        now = revision() if revision is not None else None
     if before is None:
         click.echo(f"schema version {version} ready in {shown}")
+    elif before == version and was != now:
+        # An upgrade within the version (PostgreSQL's purge index): it did work, maybe for
+        # minutes on a large table; "already in place" would say it did nothing.
+        click.echo(f"schema version {version} upgraded from revision {was} to {now} in {shown}")
     elif before == version:
         click.echo(f"schema version {version} already in place in {shown}")
     else:

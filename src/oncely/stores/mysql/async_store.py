@@ -471,6 +471,15 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         finally:
             await close(conn)
 
+    async def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        conn = await self._open()
+        try:
+            return (await self._read_versions(conn))[1]
+        finally:
+            await close(conn)
+
     async def forget(self, consumer: str, key: str) -> bool:
         # No DELETE ... RETURNING in MySQL: the affected row count tells.
         params = who(consumer, key)

@@ -473,6 +473,15 @@ class MySQLStore(SQLStoreBase[str]):
         finally:
             close(conn)
 
+    def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        conn = self._open()
+        try:
+            return (self._read_versions(conn))[1]
+        finally:
+            close(conn)
+
     def forget(self, consumer: str, key: str) -> bool:
         # No DELETE ... RETURNING in MySQL: the affected row count tells.
         params = who(consumer, key)

@@ -555,9 +555,17 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
 
     async def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
+        return (await self._schema_versions())[0]
+
+    async def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        return (await self._schema_versions())[1]
+
+    async def _schema_versions(self) -> tuple[int | None, int]:
         try:
             async with self._admin() as conn:
-                return await self._version(conn)
+                return await self._versions(conn)
         except psycopg.Error as exc:
             raise self._error(exc, "reading the schema version") from exc
 

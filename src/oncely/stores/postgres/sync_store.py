@@ -550,9 +550,17 @@ class PostgresStore(SQLStoreBase[bytes]):
 
     def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
+        return (self._schema_versions())[0]
+
+    def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        return (self._schema_versions())[1]
+
+    def _schema_versions(self) -> tuple[int | None, int]:
         try:
             with self._admin() as conn:
-                return self._version(conn)
+                return self._versions(conn)
         except psycopg.Error as exc:
             raise self._error(exc, "reading the schema version") from exc
 

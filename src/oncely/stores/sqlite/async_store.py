@@ -413,11 +413,19 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
 
     async def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
+        return (await self._schema_versions())[0]
+
+    async def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        return (await self._schema_versions())[1]
+
+    async def _schema_versions(self) -> tuple[int | None, int]:
         conn = await self._open()
         try:
             deadline = monotonic() + self._settings.busy_timeout.total_seconds()
             return await self._patiently(
-                "reading the schema version", self._version, conn, deadline
+                "reading the schema version", self._versions, conn, deadline
             )
         finally:
             await close(conn)

@@ -411,10 +411,18 @@ class SQLiteStore(SQLStoreBase[str]):
 
     def schema_version(self) -> int | None:
         """The schema version in the database, or None when there are no tables yet."""
+        return (self._schema_versions())[0]
+
+    def schema_revision(self) -> int:
+        """The schema revision in the database (1 where none is written, or no tables yet):
+        what ``oncely migrate`` reports it upgraded within one schema version."""
+        return (self._schema_versions())[1]
+
+    def _schema_versions(self) -> tuple[int | None, int]:
         conn = self._open()
         try:
             deadline = monotonic() + self._settings.busy_timeout.total_seconds()
-            return self._patiently("reading the schema version", self._version, conn, deadline)
+            return self._patiently("reading the schema version", self._versions, conn, deadline)
         finally:
             close(conn)
 
