@@ -9,6 +9,8 @@ import json
 from contextlib import closing
 from pathlib import Path
 
+import pytest
+
 import oncely
 from oncely import Outcome, Status
 from tests.cli.helpers import TOKEN, run, url_of
@@ -227,3 +229,21 @@ def test_r10_reconcile_and_retry_of_a_misspelt_consumer_say_it_has_no_record_at_
     assert fine.exit_code == 0 and "no live record at all" not in fine.stdout
     record = _get(db, "email", "msg-stale")
     assert record is not None and record.token == TOKEN
+
+
+def test_a_reconciler_module_that_raises_on_import_is_a_usage_error(
+    db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module whose own code fails at import (a setting it reads is missing) was an
+    "unexpected error", exit 5, as if oncely had failed; it is the command line's, exit 2,
+    naming the module and the error."""
+    (tmp_path / "opsfix_broken_reconciler.py").write_text(
+        "raise RuntimeError('RECONCILE_URL is not set')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run("reconcile", "--store", url_of(db), "--consumer", "email",
+                 "--reconciler", "opsfix_broken_reconciler:decide")  # fmt: skip
+    assert result.exit_code == 2, result.stderr
+    assert "RuntimeError: RECONCILE_URL is not set" in result.stderr
+    record = _get(db, "email", "msg-stale")
+    assert record is not None and record.status is Status.IN_PROGRESS

@@ -29,6 +29,11 @@ def load_attribute(spec: str, option: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise CliError(f"{option} {spec!r}: cannot import {module_name!r} ({exc})", USAGE) from None
+    except Exception as exc:  # the module's own code failed (a setting it reads, say)
+        raise CliError(
+            f"{option} {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}",
+            USAGE,
+        ) from None
     for name in attribute.split("."):
         try:
             target = getattr(target, name)
