@@ -19,6 +19,7 @@ import pytest
 from oncely.brokers import open_producer
 from tests.backends.mysql import drop_tables
 from tests.brokers.common import free_port, remove_destinations, unique
+from tests.brokers.foreign import wait_for_queue
 from tests.services import MYSQL_URL, RABBITMQ_URL, REDIS_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +101,7 @@ def test_consume_runs_a_handler_once_per_message_and_stops_on_sigterm(tmp_path: 
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        time.sleep(2)  # the queue is declared by the consumer
+        wait_for_queue(source)  # the consumer declares it
         messages: list[tuple[str | None, dict[str, object]]] = [
             ("o-1", {"order": 1}),
             ("o-1", {"order": 1}),  # a producer retry
@@ -168,7 +169,7 @@ def test_consume_closes_its_store_on_the_way_out(tmp_path: Path) -> None:
     env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
 
     def one_message() -> None:
-        time.sleep(2)  # the queue is declared by the consumer
+        wait_for_queue(source)  # the consumer declares it
         asyncio.run(_publish(source, [("c-1", {"order": 1})]))
         deadline = time.monotonic() + 30
         while not effects.read_text() and time.monotonic() < deadline:
@@ -215,7 +216,7 @@ def test_r10_consume_asks_its_reconciler_about_a_claim_whose_worker_died(tmp_pat
     env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
 
     def stale_messages() -> None:
-        time.sleep(2)  # the queue is declared by the consumer
+        wait_for_queue(source)  # the consumer declares it
         asyncio.run(_publish(source, [("sent-1", {"order": 1}), ("lost-1", {"order": 2})]))
         deadline = time.monotonic() + 30
         while effects.read_text().count("\n") < 2 and time.monotonic() < deadline:
@@ -505,7 +506,7 @@ def test_r16_consume_with_tracing_continues_the_producers_trace(tmp_path: Path) 
             await producer.close()
 
     def meanwhile() -> None:
-        time.sleep(2)  # the queue is declared by the consumer
+        wait_for_queue(source)  # the consumer declares it
         trace_id, span_id = asyncio.run(publish())
         deadline = time.monotonic() + 30
         while len(spans.read_text().splitlines()) < 2 and time.monotonic() < deadline:

@@ -39,6 +39,24 @@ def amqp_connection() -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
 
 
+def wait_for_queue(queue: str, timeout: float = 60) -> None:
+    """Wait until ``queue`` exists (a consumer starting in another process declares it), so a
+    message published to it is routed; a fixed pause was too short on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = amqp_connection()
+        try:
+            connection.channel().queue_declare(queue, passive=True)
+            return
+        except pika.exceptions.ChannelClosedByBroker:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no consumer declared {queue!r} in {timeout} s") from None
+        finally:
+            if connection.is_open:
+                connection.close()
+        time.sleep(0.1)
+
+
 def publish_confirmed(
     connection: pika.BlockingConnection,
     queue: str,

@@ -21,7 +21,7 @@ import pytest
 
 from oncely._core.observe import key_for_logs
 from tests.brokers.common import remove_destinations, unique
-from tests.brokers.foreign import publish_amqp
+from tests.brokers.foreign import publish_amqp, wait_for_queue
 from tests.services import RABBITMQ_URL, require
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -65,7 +65,7 @@ def _consume(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        time.sleep(2)  # the consumer declares the queue
+        wait_for_queue(source)  # the consumer declares it
         asyncio.run(publish_amqp(source, messages))
         deadline = time.monotonic() + 30
         while len(effects.read_text().splitlines()) < settled and time.monotonic() < deadline:
