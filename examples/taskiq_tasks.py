@@ -26,7 +26,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from taskiq.api import run_receiver_task
 from taskiq.brokers.inmemory_broker import InmemoryResultBackend
 from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
 
@@ -73,9 +72,11 @@ async def receipt(order: str) -> None:
 
 
 async def main() -> None:
-    worker = asyncio.create_task(run_receiver_task(broker, Receiver, run_startup=True))
-    while getattr(broker, "write_channel", None) is None:  # the worker started the broker
-        await asyncio.sleep(0.05)
+    broker.is_worker_process = True  # this process is the worker as well as the producer
+    receiver = Receiver(broker, run_startup=False, max_async_tasks=10)  # oncely's receiver
+    await broker.startup()  # its queues declared: a task sent before would be lost
+    stop = asyncio.Event()
+    worker = asyncio.create_task(receiver.listen(stop))
     try:
         sent = [await charge.kiq("o-1", 42) for _ in range(3)]  # the producer retried
         results = [(await task.wait_result(timeout=30)).return_value for task in sent]
@@ -85,6 +86,7 @@ async def main() -> None:
         keyless = await (await receipt.kiq("o-2")).wait_result(timeout=30)  # no key
         print(f"dead-lettered: {keyless.error}")
     finally:
+        stop.set()
         worker.cancel()
         await asyncio.gather(worker, return_exceptions=True)
         channel = broker.write_channel

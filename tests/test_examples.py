@@ -139,6 +139,22 @@ def test_r1_r16_the_task_queue_examples_charge_once_and_dead_letter_the_keyless(
 
 
 @pytest.mark.services
+def test_r1_the_taskiq_example_sends_its_tasks_only_once_its_queue_is_bound(
+    tmp_path: Path,
+) -> None:
+    """Before, the example sent its tasks as soon as the broker had a channel to write on,
+    which taskiq-aio-pika opens before it declares its exchange and queue: a task sent in
+    that moment was routed nowhere and lost, and the example waited 30 s for its result and
+    failed (in more than half of the runs on a busy machine). Now the broker's start-up is
+    awaited before the first send. Run a few times: the race was in its first moment."""
+    pytest.importorskip("taskiq_aio_pika")
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    for run in range(4):
+        done = _on_rabbitmq("taskiq_tasks.py", tmp_path / str(run))
+        assert done.stdout.startswith("results: [42, 42, 42]\n"), (run, done.stdout)
+
+
+@pytest.mark.services
 def test_r1_r2_the_faststream_example_charges_once_and_dead_letters_the_made_up_id(
     tmp_path: Path,
 ) -> None:
