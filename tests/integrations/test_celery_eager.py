@@ -38,6 +38,12 @@ def _app(tmp_path: Path) -> tuple[Celery, list[str]]:
         ran.append(f"bulky:{order}")
         return "x" * (300 * 1024)
 
+    @app.task(base=IdempotentTask, inbox=inbox, name=f"{app.main}.receipt",
+              idempotency_key="sent")  # fmt: skip
+    def receipt(order: str) -> str:
+        ran.append(f"receipt:{order}")
+        return order
+
     return app, ran
 
 
@@ -61,3 +67,21 @@ def test_r1_an_eager_duplicate_whose_first_result_was_not_kept_raises(tmp_path: 
     with pytest.raises(oncely.ResultUnavailable, match="not there to return"):
         bulky.delay("b1").get()
     assert ran == ["bulky:b1"]
+
+
+def test_r2_an_eager_call_a_worker_would_dead_letter_says_no_message_was_kept(
+    tmp_path: Path,
+) -> None:
+    """A keyless eager call (no send_with_key for a task keyed "sent"): nothing is sent
+    anywhere, the caller gets the refusal. Before, its text said "the message is in
+    celery.dead", where a user testing the task would look for it in vain."""
+    from oncely.integrations.celery import DeadLettered
+
+    app, ran = _app(tmp_path)
+    receipt = app.tasks[f"{app.main}.receipt"]
+    with pytest.raises(DeadLettered) as caught:
+        receipt.delay("r1").get()
+    said = str(caught.value)
+    assert said.startswith("rejected: no idempotency key"), said
+    assert "the message is in" not in said and "no message went to celery.dead" in said, said
+    assert ran == []

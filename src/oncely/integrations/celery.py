@@ -78,7 +78,9 @@ included. A resend or retry the broker refuses (oncely's, or the task's own ``se
 becomes ``Reject(requeue=True)``: the claim is released and the broker keeps the message
 (Celery's own ``retry`` would drop it).
 Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
-claim, and raise oncely's typed errors instead of dead-lettering.
+claim, and raise oncely's typed errors instead of dead-lettering (:class:`DeadLettered` for
+what a worker would dead-letter with no typed error of its own, a keyless call say: its
+text says that no message went to the dead-letter queue).
 """
 
 from __future__ import annotations
@@ -420,9 +422,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
         queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
+        if request.is_eager:  # nothing is sent: the caller gets the refusal in hand
+            raise DeadLettered(
+                f"{outcome.value}: {reason}; the task was called eagerly (apply() or "
+                f"task_always_eager): no message went to {queue}"
+            )
         text = f"{outcome.value}: {reason}; the message is in {queue}"
-        if request.is_eager:
-            raise DeadLettered(text)
         if deliveries is None:
             deliveries = request.retries + 1
         letter = DeadLetter(
