@@ -37,6 +37,7 @@ from oncely.brokers.kafka._records import Cluster
 from oncely.brokers.kafka._transport import _DONE as DONE
 from oncely.brokers.kafka._transport import _RUNNING as RUNNING
 from oncely.brokers.kafka._transport import RETIRED_OFFSET
+from oncely.errors import BrokerError
 from tests.brokers.common import Proxy, free_port, running, unique, wait_until
 from tests.brokers.kafka_broker import (
     create_topic,
@@ -571,6 +572,65 @@ class TestKafka(BrokerSuite):
         assert await self._stored(store, name) == {0: 4}
         assert await self._committed(name) == 4
         assert len(await self._read_all(f"{name}.dead")) == 1
+
+    async def test_r13_records_finished_after_a_failed_dead_letter_copy_store_their_offset(
+        self,
+    ) -> None:
+        """One partition: r0 processed, r1 undecodable, r2 processed (its offset not written:
+        r1's dead letter was still to come). The first copy of r1 to the dead-letter topic
+        fails, so r1 is handed out alone again, copied, and its offset stored; r2, finished
+        already, is then passed without running again. Before, r2's offset was never stored:
+        the stored offset stayed at 2 while the group's commit went to 3, so a group that
+        lost its commits, on an inbox that no longer holds r2's marker (R13: retention),
+        applied r2 a second time. Now passing r2 stores its offset too."""
+        name = unique("kt1")
+        create_topic(name, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        await producer.publish(body("r0"), message_id="r0")
+        await producer.publish(b"{not json", message_id="r1")
+        await producer.publish(body("r2"), message_id="r2")
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+        copies = 0
+
+        class FailsOnce(Kafka):
+            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
+                nonlocal copies
+                copies += 1
+                if copies == 1:
+                    raise BrokerError("the dead-letter topic is away")
+                await super()._copy_to_dead_letter(held, why)
+
+        transport = FailsOnce(self.url, name, group=self.group, session_timeout=SESSION)
+        self.closed_after(transport)
+        worker = BrokerConsumer(
+            transport,
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(),
+        )
+        async with running(worker):
+
+            async def committed_past_r2() -> bool:
+                return await self._committed(name) == 3
+
+            await wait_until(committed_past_r2, what="the group's commit past r2")
+        assert worker.counts["dead_letter_failed"] == 1 and copies == 2
+        assert await self._stored(store, name) == {0: 3}
+
+        for key in ("r0", "r2"):  # the markers are gone: only the stored offsets remember
+            assert await inbox.forget(key)
+        fresh = self._keeping(inbox, unique("lost-commits"), topic=name)
+        await producer.publish(body("r3"), message_id="r3")
+        async with running(fresh):
+            await wait_until(lambda: fresh.counts["processed"] == 1, what="r3")
+        assert fresh.counts == Counter({"processed": 1})
+        assert self.ledger.counts() == {"r0": 1, "r2": 1, "r3": 1}
 
     async def test_r13_r20_a_dead_letter_stores_its_offset_so_a_new_group_skips_it(
         self,

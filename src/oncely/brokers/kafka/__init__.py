@@ -104,13 +104,15 @@ stored offset passes a record whose broker action is still to come (a dead lette
 retry, a copy in flight elsewhere), so such a record is read again, never skipped. A dead
 letter (key_conflict, rejected, failed on every delivery) stores its offset, in a transaction
 of its own, once the broker has confirmed its copy, never before: the partition's offset then
-moves past it and past the records finished after it in its batch, so a group that lost its
-commits dead-letters nothing twice. When the stored offsets cannot be read at assignment (the
-database is down) the committed ones are used, with a warning, and what was finished since
-meets the inbox's markers. The offsets are kept under the topic's name and the id the cluster
-gave the topic at its creation (``Kafka.offsets_stream``, ``TOPIC@ID``, read with
-confluent-kafka's admin client at each assignment), so a topic deleted and created again under
-its name (as Tansu's topics are on a restart) starts afresh: it never takes the old log's
+moves past it and past the records finished after it in its batch (where its first copy failed,
+it is handed out alone again, and the records finished after it store their offset as the
+partition passes them, before the group's commit does), so a group that lost its commits
+dead-letters nothing twice and runs nothing twice. When the stored offsets cannot be read at
+assignment (the database is down) the committed ones are used, with a warning, and what was
+finished since meets the inbox's markers. The offsets are kept under the topic's name and the
+id the cluster gave the topic at its creation (``Kafka.offsets_stream``, ``TOPIC@ID``, read
+with confluent-kafka's admin client at each assignment), so a topic deleted and created again
+under its name (as Tansu's topics are on a restart) starts afresh: it never takes the old log's
 offsets, however far the new log has grown. Offsets an earlier oncely kept under the name alone
 are taken over once and their rows retired. A stored offset past the partition's end (its high
 watermark) is never used either, with a warning naming the partition, the offset and the end:

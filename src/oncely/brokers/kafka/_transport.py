@@ -118,6 +118,10 @@ class _Partition:
     set_aside: int | None = None
     """The first offset read while it was starting (and not taken): read again from there
     unless the start moves elsewhere."""
+    unstored: int | None = None
+    """With stored offsets: the offset past records finished in an earlier run, after one
+    given back (their positions were not written then: the record before them had its
+    broker action still to come), to be stored before the group's commit passes them."""
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -739,6 +743,8 @@ class Kafka:
                         break  # the commit waits for the records handed out before it
                     waiting.popleft()
                     part.finished = held.record.offset + 1
+                    if self._save is not None:
+                        part.unstored = part.finished
                     continue
                 if held.not_before > now:
                     break
@@ -822,6 +828,7 @@ class Kafka:
         """Commit, for each owned partition in ``parts``, the end of its finished run. A
         commit the group refuses (this member was fenced by a rebalance) counts as the loss
         of every partition: none is handed out again until the group assigns it anew."""
+        await self._store_passed(parts)
         due = {
             p.tp: OffsetAndMetadata(p.finished, "")
             for p in parts
@@ -851,6 +858,32 @@ class Kafka:
         for p in parts:
             if p.tp in due:
                 p.committed = due[p.tp].offset
+
+    async def _store_passed(self, parts: list[_Partition]) -> None:
+        """Store the offset past the records of ``parts`` finished after one given back
+        (:attr:`_Partition.unstored`), before the group's commit passes them: else the stored
+        offset stayed before them, and a group that lost its commits ran them again once the
+        inbox had forgotten them. A failure is logged; the commit goes on (it is the group's
+        offset that a group keeping its commits reads)."""
+        save = self._save
+        if save is None:
+            return
+        for part in parts:
+            at = part.unstored
+            if at is None or not part.owned or part.old_log:
+                continue
+            part.unstored = None
+            try:
+                await save((self._stream, part.tp.partition, at))
+            except Exception as exc:
+                LOGGER.warning(
+                    "oncely broker=kafka topic=%s partition=%d could not store the offset %d "
+                    "past records finished after one given back (%s)",
+                    self.source,
+                    part.tp.partition,
+                    at,
+                    said(exc),
+                )
 
     async def _committed_unless_gone(
         self, consumer: AIOKafkaConsumer, due: Mapping[TopicPartition, OffsetAndMetadata]
