@@ -632,6 +632,76 @@ class TestKafka(BrokerSuite):
         assert fresh.counts == Counter({"processed": 1})
         assert self.ledger.counts() == {"r0": 1, "r2": 1, "r3": 1}
 
+    async def test_r13_a_dead_letter_of_a_deleted_log_never_stores_its_offset_for_the_new(
+        self,
+    ) -> None:
+        """One partition: a0..a4 processed, a5 undecodable, its dead-letter copy held up while
+        the topic is deleted and created again under the running member (which finds the new
+        id and reads the new log from its start). The copy is then written and a5's offset
+        stored. Before, a record's position named the stream the transport had when it was
+        stored, not when it was read: a5's offset 6 went under the new log's id, and a
+        member of the group started on the new log once it held 8 records began at offset 6,
+        its first six records skipped, never processed. Now a5's offset is kept under the old
+        log's stream, and every record of the new log is applied."""
+        name = unique("kt1")
+        create_topic(name, 1)
+        self.after(lambda: asyncio.to_thread(delete_topics, name, f"{name}.dead"))
+        producer = KafkaProducer(self.url, name)
+        self.after(producer.close)
+        for n in range(5):
+            await producer.publish(body(f"a{n}"), message_id=f"a{n}")
+        await producer.publish(b"{not json", message_id="a5")
+        (inbox,) = self.inboxes("transactional", 1)
+        store = inbox.store
+        assert isinstance(store, oncely.AsyncPostgresStore)
+        copying = asyncio.Event()
+
+        class HeldUp(Kafka):
+            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
+                await copying.wait()
+                await super()._copy_to_dead_letter(held, why)
+
+        transport = HeldUp(self.url, name, group=self.group, session_timeout=SESSION)
+        transport.topic_check_every = timedelta(milliseconds=200)
+        self.closed_after(transport)
+        worker = BrokerConsumer(
+            transport,
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(),
+        )
+        try:
+            async with running(worker):
+                await wait_until(lambda: worker.counts["rejected"] == 1, what="a5 refused")
+                old_stream = transport.offsets_stream
+                await asyncio.to_thread(delete_topics, name)
+                await asyncio.to_thread(create_topic, name, 1, self.url)
+                await wait_until(
+                    lambda: transport.offsets_stream != old_stream, what="the new log found"
+                )
+                copying.set()
+
+                async def copied() -> bool:
+                    return len(await self._read_all(f"{name}.dead")) == 1
+
+                await wait_until(copied, what="a5's dead letter")
+        finally:
+            copying.set()
+        assert await store.offsets(self.group, old_stream) == {0: 6}
+        assert await self._stored(store, name) == {}  # nothing of the new log ran yet
+
+        for n in range(8):
+            await producer.publish(body(f"b{n}"), message_id=f"b{n}")
+        again = self._keeping(inbox, self.group, topic=name)
+        async with running(again):
+            await wait_until(lambda: again.counts["processed"] == 8, what="the new log")
+        assert self.ledger.counts() == {
+            **{f"a{n}": 1 for n in range(5)},
+            **{f"b{n}": 1 for n in range(8)},
+        }
+
     async def test_r13_r20_a_dead_letter_stores_its_offset_so_a_new_group_skips_it(
         self,
     ) -> None:

@@ -1148,12 +1148,16 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 class KafkaDelivery:
     """One record handed out; its partition hands out nothing else until it is settled."""
 
-    __slots__ = ("_envelope", "_held", "_part", "_refusal", "_transport")
+    __slots__ = ("_envelope", "_held", "_part", "_refusal", "_stream", "_transport")
 
     def __init__(self, transport: Kafka, part: _Partition, held: _Held) -> None:
         self._transport = transport
         self._part = part
         self._held = held
+        self._stream = transport._stream
+        """The stream of the log the record was read from: a position stored after the
+        topic was created again under its name (a dead letter copied late) must not go
+        under the new log's stream, whose records it would skip."""
         self._envelope, self._refusal = envelope_of(held.record, transport.group, held.attempt)
 
     @property
@@ -1181,11 +1185,11 @@ class KafkaDelivery:
 
     @property
     def position(self) -> tuple[str, int, int]:
-        """Where the record sits: its stream (:attr:`Kafka.offsets_stream`, the topic's name
-        and id), its partition, and the offset after it (the next to read once it is
-        finished)."""
+        """Where the record sits: its stream (:attr:`Kafka.offsets_stream` when it was handed
+        out: the name and id of the topic it was read from), its partition, and the offset
+        after it (the next to read once it is finished)."""
         record = self._held.record
-        return (self._transport._stream, int(record.partition), int(record.offset) + 1)
+        return (self._stream, int(record.partition), int(record.offset) + 1)
 
     def describe(self) -> Mapping[str, object]:
         t = self._envelope.transport
