@@ -27,14 +27,49 @@ MAX_STREAM_CHARS = 255
 Q = TypeVar("Q", str, bytes)
 
 
-def check_position(stream: str, part: int, next_offset: int) -> None:
-    """Refuse what cannot be a partition's position."""
-    if not stream or len(stream) > MAX_STREAM_CHARS:
+MAX_PART = 2**31 - 1
+"""The highest partition kept: Kafka's partitions are signed 32-bit integers."""
+MAX_OFFSET = 2**63 - 1
+"""The highest offset kept: Kafka's offsets are signed 64-bit integers."""
+
+
+def _text(value: object, what: str, most: int | None = None) -> str:
+    """``value`` as a name the offsets table can hold: a string (of 1 to ``most``
+    characters, or non-empty), UTF-8, with no NUL."""
+    if not isinstance(value, str):
         raise ConfigurationError(
-            f"a stream name for stored offsets has 1 to {MAX_STREAM_CHARS} characters"
+            f"the {what} of stored offsets is a str, not {type(value).__name__}"
         )
-    if part < 0 or next_offset < 0:
-        raise ConfigurationError("a partition and an offset are never negative")
+    if most is not None and not 0 < len(value) <= most:
+        raise ConfigurationError(f"a {what} for stored offsets has 1 to {most} characters")
+    if not value:
+        raise ConfigurationError(f"the {what} of stored offsets is never empty")
+    if "\x00" in value:
+        raise ConfigurationError(f"the {what} of stored offsets cannot hold a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigurationError(f"the {what} of stored offsets is not UTF-8") from None
+    return value
+
+
+_UNCHECKED: Any = object()
+
+
+def check_position(stream: str, part: int, next_offset: int, *, consumer: str = _UNCHECKED) -> None:
+    """Refuse what cannot be a partition's position (and, where given, its consumer's name):
+    a ConfigurationError before the database sees it. A float or a bool is no offset (a
+    database would round 1.5 up to 2, past the record at 1)."""
+    if consumer is not _UNCHECKED:
+        _text(consumer, "consumer")
+    _text(stream, "stream name", MAX_STREAM_CHARS)
+    for value, what, most in ((part, "partition", MAX_PART), (next_offset, "offset", MAX_OFFSET)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigurationError(f"a stored {what} is an int, not {type(value).__name__}")
+        if value < 0:
+            raise ConfigurationError("a partition and an offset are never negative")
+        if value > most:
+            raise ConfigurationError(f"a stored {what} is at most {most}, not {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -337,7 +337,7 @@ class SQLStoreBase(Generic[Q]):
         its transactions (:meth:`save_offset_in`); the table is created on first use."""
         if self._closed:
             raise self._closed_error()
-        check_position(stream, 0, 0)
+        check_position(stream, 0, 0, consumer=consumer)
         self.prepare_offsets()
         o = self._offset_sql
         rows = self._rows("reading stored offsets", o.read, o.params(consumer, stream))

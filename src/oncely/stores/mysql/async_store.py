@@ -978,7 +978,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
     ) -> None:
         """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
         in ``tx`` (it never moves back). :meth:`offsets` reads it."""
-        check_position(stream, part, next_offset)
+        check_position(stream, part, next_offset, consumer=consumer)
         utf8(consumer, "consumer", MAX_CONSUMER_BYTES)
         o = self._offset_sql
         params = o.params(consumer, stream, part=part, next=next_offset)

@@ -1129,7 +1129,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     ) -> None:
         """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
         in ``tx`` (it never moves back). :meth:`offsets` reads it."""
-        check_position(stream, part, next_offset)
+        check_position(stream, part, next_offset, consumer=consumer)
         joined = JOINED.get(tx)
         if joined is not None:
             begin = joined.begin

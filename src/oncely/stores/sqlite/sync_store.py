@@ -870,7 +870,7 @@ class SQLiteStore(SQLStoreBase[str]):
     ) -> None:
         """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
         in ``tx`` (it never moves back). :meth:`offsets` reads it."""
-        check_position(stream, part, next_offset)
+        check_position(stream, part, next_offset, consumer=consumer)
         o = self._offset_sql
         params = o.params(consumer, stream, part=part, next=next_offset)
         self._run(tx, o.save, params, "storing the offset")
