@@ -65,6 +65,23 @@ def test_resolve_retry_a_poison_message_and_refusals(db: Path) -> None:
     assert nothing.exit_code == 1 and "nothing to retry" in nothing.stderr
 
 
+def test_r20_a_poison_message_resolved_as_completed_still_conflicts_with_other_content(
+    db: Path,
+) -> None:
+    """R20 step 6: after `resolve --completed` of a failed record, a message reusing its key
+    for other content is a key conflict (dead-lettered, alerted), never a duplicate whose
+    handler is skipped; the content first delivered is still a duplicate."""
+    result = run("inbox", "resolve", "--store", url_of(db), "--consumer", "billing",
+                 "order-bad", "--completed", '{"refunded": true}')  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    with closing(oncely.SQLiteStore(db)) as store:
+        billing = oncely.Inbox(store, consumer="billing")
+        other = billing.handle("order-bad", {"amount": 5}, _never)
+        assert other.outcome is Outcome.KEY_CONFLICT
+        same = billing.handle("order-bad", {"amount": -1}, _never)
+        assert same.outcome is Outcome.DUPLICATE and same.value == {"refunded": True}
+
+
 def test_resolve_usage_errors(db: Path) -> None:
     base = ("inbox", "resolve", "--store", url_of(db), "--consumer", "email", "msg-stale")
     assert run(*base).exit_code == 2

@@ -279,3 +279,38 @@ def test_r13_a_resolution_never_cuts_a_record_short(store: oncely.Store) -> None
     time.sleep(LAPSE * 2 / 1000)
     settled = operator.resolve("short", Resolution.completed(None))
     assert settled.after is not None and kept(settled.after) == 3_600_000
+
+
+OTHER = {"order": 8}
+
+
+def test_r20_resolve_keeps_the_fingerprint_so_other_content_is_still_a_conflict(
+    store: oncely.Store,
+) -> None:
+    """R20 step 6: a key reused for other content is a key conflict, never a duplicate. An
+    operator's resolve settles the record's outcome, not the message it stands for: the
+    record keeps the fingerprint of the content first delivered, through every resolve of a
+    record that has one (a failed record resolved as completed is deleted and written
+    afresh; a stuck claim is taken over, then completed or failed)."""
+    inbox = _inbox(store)
+    fp = oncely.fingerprint(PAYLOAD)
+    inbox.handle("bad", PAYLOAD, _raise_reject)
+    fixed = inbox.resolve("bad", Resolution.completed({"fixed": True}))
+    assert fixed.after is not None and fixed.after.fingerprint == fp
+    _lapsed(store, "stuck-done")
+    done = inbox.resolve("stuck-done", Resolution.completed({"charged": 7}))
+    assert done.after is not None and done.after.fingerprint == fp
+    _lapsed(store, "stuck-failed")
+    failed = inbox.resolve("stuck-failed", Resolution.failed("by hand"))
+    assert failed.after is not None and failed.after.fingerprint == fp
+    for key in ("bad", "stuck-done", "stuck-failed"):
+        record = store.get("c", key)
+        assert record is not None and record.fingerprint == fp, key
+        other = inbox.handle(key, OTHER, _never)
+        assert other.outcome is Outcome.KEY_CONFLICT, (key, other)
+        assert inbox.handle(key, PAYLOAD, _never).outcome in (Outcome.DUPLICATE,
+                                                              Outcome.REJECTED)  # fmt: skip
+    # Retry deletes the record: the next delivery runs the handler, whatever it carries.
+    inbox.handle("again", PAYLOAD, _raise_reject)
+    assert inbox.resolve("again", Resolution.retry()).after is None
+    assert inbox.handle("again", OTHER, lambda p: "ran").outcome is Outcome.PROCESSED

@@ -771,9 +771,15 @@ class AsyncInbox:
         before = await self._store.get(self._consumer, checked)
         keep_ms, keep_failed_ms = _kept(before, self._keep_ms, self._keep_failed_ms)
         record = before
+        # The fingerprint of the content first delivered: kept on the settled record even
+        # when a failed one is deleted and written afresh, so the key reused for other
+        # content is still a key conflict, never a duplicate (R20 step 6).
+        fingerprint = None if before is None else before.fingerprint
         token: str | None = None
         for _ in range(_MAX_ROUNDS):
-            token, record = await self._own(checked, record, action, keep_ms)
+            token, record = await self._own(checked, record, action, keep_ms, fingerprint)
+            if record is not None and record.fingerprint is not None:
+                fingerprint = record.fingerprint
             if token is not None:
                 break
         if token is None:
@@ -811,12 +817,17 @@ class AsyncInbox:
         return Resolved(checked, action, before, after, f"{action} by {by}")
 
     async def _own(
-        self, key: str, record: Record | None, action: str, keep_ms: int
+        self,
+        key: str,
+        record: Record | None,
+        action: str,
+        keep_ms: int,
+        fingerprint: str | None,
     ) -> tuple[str | None, Record | None]:
-        """A token that owns ``key``'s record (taken over, or claimed afresh, kept
-        ``keep_ms``), or ``(None, record now)`` to decide again. A failed record asked to
-        retry is owned as it is (``(token, record)``: it is deleted by an operator's
-        decision)."""
+        """A token that owns ``key``'s record (taken over, or claimed afresh with
+        ``fingerprint``, kept ``keep_ms``), or ``(None, record now)`` to decide again. A
+        failed record asked to retry is owned as it is (``(token, record)``: it is deleted by
+        an operator's decision)."""
         token = new_token()
         if record is None:
             if action == "retry":
@@ -828,7 +839,7 @@ class AsyncInbox:
             claim = await self._store.claim(
                 self._consumer,
                 key,
-                fingerprint=None,
+                fingerprint=fingerprint,
                 token=token,
                 lease_ms=self._lease_ms,
                 keep_ms=keep_ms,
