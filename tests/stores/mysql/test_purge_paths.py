@@ -6,12 +6,15 @@ promise of the purge under concurrent claims, so the race test runs once on each
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from oncely.stores.mysql import sync_store
+from oncely.stores.sync_purging import PurgeService
 from tests.backends import BACKENDS, Scope
+from tests.backends.mysql import url
 from tests.contract.test_purge_races import (
     test_r13_purges_racing_claims_delete_only_expired_records as race,
 )
@@ -44,3 +47,27 @@ def test_r13_both_purge_paths_delete_only_expired_records(
             finalizer()
     assert chosen and path in chosen
     assert set(chosen) <= {path, "index"}  # a run with nothing that ended takes the index
+
+
+def test_r13_the_purge_lead_takes_no_connection_of_a_one_connection_pool(table: str) -> None:
+    """The lead's GET_LOCK is held on a connection of its own, outside the pool, and that
+    connection is closed when the lead ends (an unlock that failed included: the server lets
+    go of a session's named locks as it ends): with ``pool_size=1`` the run's batches and the
+    claims meanwhile still get the pool's connection, and the lead is free afterwards."""
+    store = sync_store.MySQLStore.from_url(url(table, pool_size=1))
+    other = sync_store.MySQLStore.from_url(url(table))
+    try:
+        store.migrate()
+        for i in range(20):
+            store.claim("c", f"k{i}", fingerprint=None, token=f"t{i}", lease_ms=60_000,
+                        keep_ms=60_000, takeover=False)  # fmt: skip
+            store.complete("c", f"k{i}", token=f"t{i}", result=None, keep_ms=1)
+        with store.purge_leader() as leads:  # type: ignore[attr-defined]
+            assert leads
+            assert store.purge_expired(batch_size=7, pause=0) == 20
+            assert store.claim("c", "meanwhile", fingerprint=None, token="m", lease_ms=60_000,
+                               keep_ms=60_000, takeover=False).won  # fmt: skip
+        assert PurgeService(other, every=timedelta(minutes=1)).run_once().leader
+    finally:
+        store.close()
+        other.close()

@@ -39,6 +39,7 @@ import random
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from datetime import timedelta
 from time import monotonic
 from typing import Any, Self
@@ -67,6 +68,7 @@ from oncely.errors import (
 )
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import (
+    LOGGER,
     SMALL,
     STATUS,
     Estimate,
@@ -135,6 +137,10 @@ _KEEP_SECONDS = 60.0
 _UNBOUNDED = frozenset({"stats", "scan"})
 # How often one claim looks again after a concurrent writer changed the record under it.
 _ATTEMPTS = 5
+
+# The purge lead held in this context (task or thread): its store and the connection that
+# holds the session lock, on which the run's batches go (purge_leader, _purge_batch).
+_LEAD: ContextVar[tuple[object, Connection] | None] = ContextVar("oncely_pg_lead", default=None)
 # A B-tree entry holds at most 2704 bytes: (consumer, key) beyond about this many UTF-8 bytes
 # cannot be indexed. Refused before the statement, so a caller's transaction is not aborted.
 _MAX_IDENTITY_BYTES = 2600
@@ -158,7 +164,9 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     ``conninfo`` is a libpq connection string (``postgresql://user:password@host/db`` or
     ``host=... dbname=...``) for a pool the store opens and closes itself, or a psycopg_pool
     pool of yours (the async store takes an ``AsyncConnectionPool``, the threaded one a
-    ``ConnectionPool``), which the store uses but never closes. The inbox table is
+    ``ConnectionPool``), which the store uses but never closes (a purge service's run holds
+    one of its connections, the lead's, for the whole run: its batches go on that one; give
+    the pool a second for the claims meanwhile). The inbox table is
     ``schema.table``; both names are checked and used exactly as given (quoted).
 
     The schema is created on first use unless ``migrate=False``, in which case a missing
@@ -526,9 +534,26 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             await execute(conn, d.create_purge_index)
             await execute(conn, d.set_revision)
         finally:
-            await execute(conn, b"SELECT pg_advisory_unlock(%(key)s)", lock)
-            if not autocommit:
+            await self._unlock(conn, lock, "the migration's lock")
+            if not autocommit and not conn.closed:
                 await conn.set_autocommit(False)
+
+    async def _unlock(self, conn: Connection, key: Mapping[str, object], what: str) -> None:
+        """Let go of a session advisory lock. When the unlock fails the session may still
+        hold it, and a pooled connection lent out again would keep it for as long as it lives
+        (another process would never lead, or migrate): the connection is closed instead,
+        which ends the session and the lock with it (a pool replaces it)."""
+        try:
+            await fetchall(conn, b"SELECT pg_advisory_unlock(%(key)s)", key)
+        except BaseException as exc:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+            if not isinstance(exc, psycopg.Error):
+                raise
+            LOGGER.warning(
+                "oncely store %s: releasing %s failed, its connection was closed to let go "
+                "of it: %s", self._where, what, exc,
+            )  # fmt: skip
 
     async def _create(self, conn: Connection) -> None:
         """Create the tables under an advisory lock, so that processes migrating at the same
@@ -572,16 +597,28 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     @asynccontextmanager
     async def purge_leader(self) -> AsyncIterator[bool]:
         # A session-level advisory lock, on a connection held for the lead: if the process
-        # dies, its session ends and the lock with it.
+        # dies, its session ends and the lock with it. The run's batches go on that same
+        # connection (_purge_batch): a caller's pool may have no second one to give while
+        # this one is held, and every claim would wait for it meanwhile.
         key = {"key": self._dialect.purge_lock_key}
         try:
             async with self._admin() as conn:
                 (held,) = (await fetchall(conn, b"SELECT pg_try_advisory_lock(%(key)s)", key))[0]
+                if not held:
+                    yield False
+                    return
+                direct = self._given_pool is None  # not pooled: bound its statements here
+                if direct:
+                    own(conn, self._read_seconds)
+                lead = _LEAD.set((self, conn))
                 try:
-                    yield bool(held)
+                    yield True
                 finally:
-                    if held:
-                        await fetchall(conn, b"SELECT pg_advisory_unlock(%(key)s)", key)
+                    with contextlib.suppress(ValueError):  # ended in another context
+                        _LEAD.reset(lead)
+                    if direct:
+                        disown(conn)
+                    await self._unlock(conn, key, "the purge's lead")
         except psycopg.Error as exc:
             raise self._error(exc, "the purge's lead") from exc
 
@@ -591,7 +628,14 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
         # One statement takes a batch from the start of the purge_ms index, deletes what
         # expired and moves the rest forward: every batch starts from the start again.
         params = {"now": self._now(), "limit": limit}
-        taken, gone, _moved = (await self._rows("purge", self._dialect.purge, params))[0]
+        lead = _LEAD.get()
+        if lead is None or lead[0] is not self:
+            taken, gone, _moved = (await self._rows("purge", self._dialect.purge, params))[0]
+            return taken, gone, None
+        try:  # in the purge's lead: on the connection that holds it
+            taken, gone, _moved = (await fetchall(lead[1], self._dialect.purge, params))[0]
+        except psycopg.Error as exc:
+            raise self._error(exc, "purge") from exc
         return taken, gone, None
 
     async def _estimate(self) -> StoreStats:
