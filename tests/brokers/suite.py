@@ -20,6 +20,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -1122,6 +1124,115 @@ class BrokerSuite:
         assert (bob, "store_unavailable", "corr-2") in named
         assert (bob, "processed", "corr-2") in named
         assert self.ledger.counts() == {"alice@example.com": 1, "bob@example.com": 1}
+        await self.assert_settled()
+
+    async def test_r16_a_store_error_that_names_the_key_shows_it_hashed(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """R16 with ``log_keys="hash"``: a store error whose text names the key (here the
+        claim that kept changing hands: a rival takes the lapsed claim over each time the
+        reconciler is asked, for real, on Redis) reaches the consumer's line of a message
+        given back with the key hashed in it, never as it is; the message runs once the
+        rival stops."""
+        key = "dana@example.com"
+        where = unique("inbox")
+        self.after(lambda: _drop_redis_prefix(where))
+        store = oncely.AsyncRedisStore.from_url(f"{REDIS_URL}?prefix={where}")
+        self.after(store.aclose)
+        worker: BrokerConsumer | None = None
+        rivals = 0
+
+        async def rival_takes_over(stale: oncely.StaleClaim) -> oncely.Resolution:
+            nonlocal rivals
+            if worker is None or worker.counts["store_unavailable"] == 0:
+                rivals += 1
+                taken = await store.takeover(self.group, key, expected_token=stale.record.token,
+                                             fingerprint=None, token=f"rival-{rivals}",
+                                             lease_ms=1, keep_ms=60_000)  # fmt: skip
+                assert taken.won
+                await asyncio.sleep(0.01)  # the rival's lease lapses in turn
+            return oncely.Resolution.retry()
+
+        inbox = oncely.AsyncInbox(
+            store,
+            consumer=self.group,
+            log_keys="hash",
+            on_stale=rival_takes_over,
+            lease=oncely.Lease(duration=SECOND),
+        )
+        self.after(inbox.aclose)
+        dead = await store.claim(self.group, key, fingerprint=None, token="dead", lease_ms=1,
+                                 keep_ms=60_000, takeover=False)  # fmt: skip
+        assert dead.won
+        await asyncio.sleep(0.01)
+        worker = self.consumer(self.apply, inbox=inbox)
+        with caplog.at_level("INFO", logger="oncely"):
+            async with running(worker):
+                await self.publish(key, correlation_id="corr-d")
+                await wait_until(lambda: worker.counts["stale_reclaimed"] == 1, what="the message")
+        assert worker.counts["store_unavailable"] >= 1 and rivals >= 1
+        ours = [r for r in caplog.records if r.name.startswith("oncely")]
+        for record in ours:
+            fields = {k: v for k, v in vars(record).items() if k.startswith("oncely_")}
+            assert "@example.com" not in record.getMessage() + str(fields), record.getMessage()
+        hashed = repr(key_for_logs(key, "hash"))
+        given_back = [r for r in ours if "kept changing hands" in r.getMessage()]
+        assert given_back and all(hashed in r.getMessage() for r in given_back)
+        assert self.ledger.counts() == {key: 1}
+        await self.assert_settled()
+
+    async def test_r16_a_lease_lost_to_another_worker_is_logged_with_the_key_hashed(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """R10, R16 with ``log_keys="hash"``: a handler stalls past its lease (it blocks the
+        event loop, so no heartbeat renews it), another worker takes the key over and
+        completes it; the heartbeat's next renewal finds the lease lost, a real
+        :class:`~oncely.LeaseLost`, and its line shows the key hashed, as every other line
+        of the consumer does."""
+        key = "erin@example.com"
+        where = unique("inbox")
+        self.after(lambda: _drop_redis_prefix(where))
+        url = f"{REDIS_URL}?prefix={where}"
+        store = oncely.AsyncRedisStore.from_url(url)
+        self.after(store.aclose)
+        inbox = oncely.AsyncInbox(
+            store, consumer=self.group, log_keys="hash", lease=oncely.Lease(duration=SECOND)
+        )
+        self.after(inbox.aclose)
+
+        def lost_lines() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if "lease lost" in r.getMessage()]
+
+        async def stalls(payload: dict[str, Any]) -> None:
+            held = await store.get(self.group, key)
+            assert held is not None
+            rival = oncely.RedisStore.from_url(url)  # another worker, on its own connection
+            try:
+                while True:  # blocks the loop: the lease lapses, unrenewed
+                    taken = rival.takeover(self.group, key, expected_token=held.token,
+                                           fingerprint=held.fingerprint, token="rival",
+                                           lease_ms=60_000, keep_ms=60_000)  # fmt: skip
+                    if taken.won:
+                        break
+                    time.sleep(0.05)
+                rival.complete(self.group, key, token="rival", result=None, keep_ms=60_000)
+            finally:
+                rival.close()
+            await wait_until(lambda: bool(lost_lines()), what="the heartbeat's renewal")
+            await self.apply(payload)
+
+        worker = self.consumer(stalls, inbox=inbox)
+        with caplog.at_level("INFO", logger="oncely"):
+            async with running(worker):
+                await self.publish(key, correlation_id="corr-e")
+                await wait_until(lambda: worker.counts["duplicate"] == 1, what="the redelivery")
+        assert worker.counts["in_flight"] >= 1
+        ours = [r for r in caplog.records if r.name.startswith("oncely")]
+        for record in ours:
+            fields = {k: v for k, v in vars(record).items() if k.startswith("oncely_")}
+            assert "@example.com" not in record.getMessage() + str(fields), record.getMessage()
+        hashed = key_for_logs(key, "hash")
+        assert hashed is not None and all(hashed in r.getMessage() for r in lost_lines())
         await self.assert_settled()
 
 

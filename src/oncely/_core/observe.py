@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal
 
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely.wire import printable
 
-__all__ = ["Hook", "Observer", "key_for_logs"]
+__all__ = ["Hook", "Observer", "key_for_logs", "redact_keys"]
 
 Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
@@ -39,6 +39,25 @@ def key_for_logs(key: str | None, mode: Literal["plain", "hash"]) -> str | None:
     if key is None or mode == "plain":
         return key
     return "h:" + hashlib.blake2b(key.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def redact_keys(text: str, keys: Iterable[str | None], mode: Literal["plain", "hash"]) -> str:
+    """``text`` (an error's, a reason) with each of ``keys`` shown as the log lines show it:
+    under ``"hash"`` every occurrence of a key, quoted (``'key'``, as oncely's errors quote
+    it) or bare, is replaced by its hash, so a key that is personal data stays out of the
+    line however the text came to carry it. A bare key of fewer than 4 characters is left
+    (it would replace digits of counts and times; such a key is no personal data)."""
+    if mode == "plain" or not text:
+        return text
+    for key in keys:
+        if not key:
+            continue
+        shown = key_for_logs(key, mode)
+        assert shown is not None
+        text = text.replace(repr(key), repr(shown))
+        if len(key) >= 4:
+            text = text.replace(key, shown)
+    return text
 
 
 class Observer:
@@ -64,6 +83,7 @@ class Observer:
             level = logging.WARNING
         if self.logger.isEnabledFor(level):
             key = key_for_logs(handled.key, self.log_keys)
+            reason = handled.reason and redact_keys(handled.reason, (handled.key,), self.log_keys)
             duration_ms = round(handled.duration_s * 1000, 3)
             extra = {
                 "oncely_consumer": handled.consumer,
@@ -73,7 +93,7 @@ class Observer:
                 "oncely_attempt": handled.attempt,
                 "oncely_duration_ms": duration_ms,
                 "oncely_correlation_id": handled.correlation_id,
-                "oncely_reason": handled.reason,
+                "oncely_reason": reason,
             }
             text = "%s consumer=%s key=%s attempt=%d duration_ms=%s correlation_id=%s"
             # The text escapes what could break the line (a key holding a newline would
@@ -86,9 +106,9 @@ class Observer:
                 duration_ms,
                 None if handled.correlation_id is None else printable(handled.correlation_id),
             ]
-            if handled.reason:
+            if reason:
                 text += " reason=%s"
-                args.append(printable(handled.reason))
+                args.append(printable(reason))
             error = handled.error
             quiet = error is None or isinstance(error, Released)  # a reason, not a crash
             self.logger.log(level, text, *args, extra=extra, exc_info=None if quiet else error)

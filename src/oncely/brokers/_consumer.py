@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
-from oncely._core.observe import key_for_logs
+from oncely._core.observe import key_for_logs, redact_keys
 from oncely._core.records import Status
 from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
@@ -840,18 +840,16 @@ class BrokerConsumer:
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
             self.counts["store_unavailable"] += len(left)
             named = [self._named(d) for d in left.values()]
+            said = self._said(exc, *(self._key_of(d) for d in left.values()))
             if self._spans is not None:
                 for d in left.values():
-                    self._spans.gave_back(
-                        d, f"could not process the batch: {type(exc).__name__}: {exc}", exc
-                    )
+                    self._spans.gave_back(d, f"could not process the batch: {said}", exc)
             self._log.error(
-                "oncely broker=%s could not process a batch of %d messages (%s: %s); they are "
+                "oncely broker=%s could not process a batch of %d messages (%s); they are "
                 "given back and will be redelivered keys=%s",
                 self.transport.name,
                 len(left),
-                type(exc).__name__,
-                exc,
+                said,
                 ",".join("None" if key is None else printable(key) for key, _ in named),
                 extra={
                     "oncely_broker": self.transport.name,
@@ -859,7 +857,7 @@ class BrokerConsumer:
                     "oncely_keys": [key for key, _ in named],
                     "oncely_correlation_ids": [correlation_id for _, correlation_id in named],
                     "oncely_consumer": self.processor.consumer,
-                    "oncely_reason": f"{type(exc).__name__}: {exc}",
+                    "oncely_reason": said,
                 },
             )
             backoff = self.settings.backoff
@@ -1098,17 +1096,15 @@ class BrokerConsumer:
         """Log a message given back without an outcome (the store failed) with its key and
         correlation id, as every message's line has them (R16)."""
         key, correlation_id = self._named(delivery)
+        said = self._said(exc, self._key_of(delivery))
         transport = delivery.describe()
         if self._spans is not None:
-            self._spans.gave_back(
-                delivery, f"could not process the message: {type(exc).__name__}: {exc}", exc
-            )
+            self._spans.gave_back(delivery, f"could not process the message: {said}", exc)
         self._log.error(
-            "oncely broker=%s could not process a message (%s: %s); it is given back "
+            "oncely broker=%s could not process a message (%s); it is given back "
             "and will be redelivered key=%s correlation_id=%s%s",
             self.transport.name,
-            type(exc).__name__,
-            exc,
+            said,
             None if key is None else printable(key),
             None if correlation_id is None else printable(correlation_id),
             _fields(transport),
@@ -1120,21 +1116,36 @@ class BrokerConsumer:
                 "oncely_consumer": self.processor.consumer,
                 "oncely_deliveries": delivery.delivery_count,
                 "oncely_transport": dict(transport),
-                "oncely_reason": f"{type(exc).__name__}: {exc}",
+                "oncely_reason": said,
             },
         )
 
-    def _named(self, delivery: Delivery) -> tuple[str | None, str | None]:
-        """The key (as this consumer's lines show keys) and the correlation id of a delivery
-        that has no outcome to carry them."""
+    def _key_of(self, delivery: Delivery) -> str | None:
+        """A delivery's key, as given (never to be logged as it is: see :meth:`_named`)."""
         envelope = delivery.envelope
         key_of = getattr(self.processor, "key_of", None)
         message_id = envelope.message_id
         if key_of is not None:
-            key = key_of(envelope)
-        else:
-            key = message_id if message_id and not escaped(message_id) else None
-        return key_for_logs(key, self._log_keys), envelope.correlation_id
+            return key_of(envelope)  # type: ignore[no-any-return]
+        return message_id if message_id and not escaped(message_id) else None
+
+    def _named(self, delivery: Delivery) -> tuple[str | None, str | None]:
+        """The key (as this consumer's lines show keys) and the correlation id of a delivery
+        that has no outcome to carry them."""
+        key = self._key_of(delivery)
+        return key_for_logs(key, self._log_keys), delivery.envelope.correlation_id
+
+    def _told(self, handled: Handled[Any]) -> str | None:
+        """An outcome's reason for a log line, its key shown as this consumer's lines show
+        keys (a handler's error may name it)."""
+        reason = handled.reason
+        return reason and redact_keys(reason, (handled.key,), self._log_keys)
+
+    def _said(self, exc: BaseException, *keys: str | None) -> str:
+        """``Name: text`` of ``exc`` for a log line, the ``keys`` it may carry (a store's
+        error names its key: a claim that kept racing, a lease lost) shown as this
+        consumer's lines show keys."""
+        return redact_keys(f"{type(exc).__name__}: {exc}", keys, self._log_keys)
 
     def _not_cancelled(self, delivery: Delivery) -> Handled[Any]:
         """The ``failed`` outcome of a delivery whose handler raised CancelledError while
@@ -1270,7 +1281,7 @@ class BrokerConsumer:
                 None if correlation_id is None else printable(correlation_id),
                 count,
                 _fields(transport),
-                f" reason={printable(handled.reason)}" if handled.reason else "",
+                f" reason={printable(shown)}" if (shown := self._told(handled)) else "",
                 extra={
                     "oncely_broker": self.transport.name,
                     "oncely_outcome": handled.outcome.value,
@@ -1280,7 +1291,7 @@ class BrokerConsumer:
                     "oncely_consumer": handled.consumer,
                     "oncely_deliveries": count,
                     "oncely_transport": dict(transport),
-                    "oncely_reason": handled.reason,
+                    "oncely_reason": shown,
                 },
             )
         done = step is None or await self._settle_quietly(step, delivery, how)

@@ -49,7 +49,7 @@ from oncely._core.inbox_rules import (
     with_result,
 )
 from oncely._core.keys import Envelope, KeySource, validate_consumer, validate_key
-from oncely._core.observe import Hook, Observer
+from oncely._core.observe import Hook, Observer, key_for_logs, redact_keys
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import (
     Lease,
@@ -91,6 +91,7 @@ from oncely.stores.sync_protocols import (
     TransactionalStore,
     complete_each,
 )
+from oncely.wire import printable
 
 __all__ = ["Claimed", "Inbox"]
 
@@ -1177,12 +1178,22 @@ class Inbox:
             )
         except LeaseLost as lost:
             self._rules.observer.logger.warning(
-                "oncely lease lost consumer=%s key=%s: %s", self._consumer, key, lost_reason(lost)
-            )
+                "oncely lease lost consumer=%s key=%s: %s",
+                self._consumer, self._shown(key), lost_reason(lost),
+            )  # fmt: skip
         except Exception as exc:
             self._rules.observer.logger.warning(
-                "oncely could not renew the lease consumer=%s key=%s: %s", self._consumer, key, exc
-            )
+                "oncely could not renew the lease consumer=%s key=%s: %s",
+                self._consumer, self._shown(key), self._redacted(exc, key),
+            )  # fmt: skip
+
+    def _shown(self, key: str) -> str:
+        """``key`` as this inbox's log lines show keys (``log_keys``), escaped for a line."""
+        return printable(key_for_logs(key, self._rules.observer.log_keys) or "")
+
+    def _redacted(self, exc: BaseException, key: str) -> str:
+        """``exc``'s text for a log line, ``key`` in it shown as the lines show keys."""
+        return printable(redact_keys(str(exc), (key,), self._rules.observer.log_keys))
 
     def _release_quietly(self, key: str, token: str) -> None:
         try:
@@ -1194,8 +1205,8 @@ class Inbox:
                 "oncely could not release the claim consumer=%s key=%s (%s); a redelivery "
                 "retries once the lease lapses",
                 self._consumer,
-                key,
-                exc,
+                self._shown(key),
+                self._redacted(exc, key),
             )
 
     def _reject(
