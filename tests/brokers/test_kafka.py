@@ -518,6 +518,29 @@ class TestKafka(BrokerSuite):
         assert sum(fresh.counts.values()) == 4
         assert self.ledger.counts() == dict.fromkeys(first + later, 1)
 
+    def _dead_letters_held_up(self, name: str) -> tuple[Kafka, asyncio.Event]:
+        """A transport of ``name`` whose dead-letter copies wait until the event is set."""
+        copying = asyncio.Event()
+
+        class HeldUp(Kafka):
+            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
+                await copying.wait()
+                await super()._copy_to_dead_letter(held, why)
+
+        return HeldUp(self.url, name, group=self.group, session_timeout=SESSION), copying
+
+    def _storing_offsets(self, transport: Kafka, inbox: oncely.AsyncInbox) -> BrokerConsumer:
+        """A transactional worker on ``transport`` keeping its offsets with the marker."""
+        self.closed_after(transport)
+        return BrokerConsumer(
+            transport,
+            inbox,
+            self.apply_in,
+            mode="transactional",
+            store_offsets=True,
+            settings=self.settings(),
+        )
+
     async def test_a_stored_offset_never_passes_a_record_whose_dead_letter_is_still_to_come(
         self,
     ) -> None:
@@ -537,23 +560,8 @@ class TestKafka(BrokerSuite):
         (inbox,) = self.inboxes("transactional", 1)
         store = inbox.store
         assert isinstance(store, oncely.AsyncPostgresStore)
-        copying = asyncio.Event()
-
-        class HeldUp(Kafka):
-            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
-                await copying.wait()
-                await super()._copy_to_dead_letter(held, why)
-
-        transport = HeldUp(self.url, name, group=self.group, session_timeout=SESSION)
-        self.closed_after(transport)
-        worker = BrokerConsumer(
-            transport,
-            inbox,
-            self.apply_in,
-            mode="transactional",
-            store_offsets=True,
-            settings=self.settings(),
-        )
+        transport, copying = self._dead_letters_held_up(name)
+        worker = self._storing_offsets(transport, inbox)
         try:
             async with running(worker):
                 await wait_until(lambda: worker.counts["rejected"] == 1, what="r1 refused")
@@ -605,15 +613,7 @@ class TestKafka(BrokerSuite):
                 await super()._copy_to_dead_letter(held, why)
 
         transport = FailsOnce(self.url, name, group=self.group, session_timeout=SESSION)
-        self.closed_after(transport)
-        worker = BrokerConsumer(
-            transport,
-            inbox,
-            self.apply_in,
-            mode="transactional",
-            store_offsets=True,
-            settings=self.settings(),
-        )
+        worker = self._storing_offsets(transport, inbox)
         async with running(worker):
 
             async def committed_past_r2() -> bool:
@@ -654,24 +654,9 @@ class TestKafka(BrokerSuite):
         (inbox,) = self.inboxes("transactional", 1)
         store = inbox.store
         assert isinstance(store, oncely.AsyncPostgresStore)
-        copying = asyncio.Event()
-
-        class HeldUp(Kafka):
-            async def _copy_to_dead_letter(self, held: Any, why: Any) -> None:
-                await copying.wait()
-                await super()._copy_to_dead_letter(held, why)
-
-        transport = HeldUp(self.url, name, group=self.group, session_timeout=SESSION)
+        transport, copying = self._dead_letters_held_up(name)
         transport.topic_check_every = timedelta(milliseconds=200)
-        self.closed_after(transport)
-        worker = BrokerConsumer(
-            transport,
-            inbox,
-            self.apply_in,
-            mode="transactional",
-            store_offsets=True,
-            settings=self.settings(),
-        )
+        worker = self._storing_offsets(transport, inbox)
         try:
             async with running(worker):
                 await wait_until(lambda: worker.counts["rejected"] == 1, what="a5 refused")
