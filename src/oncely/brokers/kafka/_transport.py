@@ -638,6 +638,7 @@ class Kafka:
         await self._commit(consumer, list(self._owned.values()))
         deadline = monotonic() + timeout.total_seconds()
         while True:
+            await self._top_up(consumer)
             ready = self._ready(limit, run)
             if ready or self._stopped:
                 return ready
@@ -681,8 +682,27 @@ class Kafka:
         )
         self._unassigned_since = None
 
+    async def _top_up(self, consumer: AIOKafkaConsumer) -> None:
+        """Take what the client has fetched of each partition with room in its buffer, one
+        partition at a time, without waiting. Else a partition with a backlog starved the
+        others: its buffered records were handed out at every fetch with nothing else taken
+        from the client, and the client gives out its records partition by partition (up to
+        ``max_records`` in all), the backlog's whole fetch first."""
+        assigned = consumer.assignment()
+        for part in list(self._owned.values()):
+            if (
+                not part.owned
+                or part.starting
+                or part.paused
+                or part.tp not in assigned
+                or len(part.waiting) >= self.max_buffered
+            ):
+                continue
+            for tp, records in (await self._poll(consumer, 0, part.tp)).items():
+                self._take(consumer, tp, records)
+
     async def _poll(
-        self, consumer: AIOKafkaConsumer, timeout_ms: int
+        self, consumer: AIOKafkaConsumer, timeout_ms: int, *partitions: TopicPartition
     ) -> dict[TopicPartition, list[Any]]:
         """The records aiokafka has fetched, waiting up to ``timeout_ms`` for some. Bounded
         here: while the group rebalances, ``getmany`` waits for the next assignment whatever
@@ -692,7 +712,7 @@ class Kafka:
         with self._errors("fetch records"):
             try:
                 return await asyncio.wait_for(
-                    consumer.getmany(timeout_ms=timeout_ms, max_records=500),
+                    consumer.getmany(*partitions, timeout_ms=timeout_ms, max_records=500),
                     timeout_ms / 1000 + _POLL_SLACK,
                 )
             except TimeoutError:
@@ -726,39 +746,65 @@ class Kafka:
 
     def _ready(self, limit: int, run: int) -> list[Delivery]:
         """Up to ``run`` consecutive records per partition, none of a partition whose last
-        run is still out (a partition's records run in order), taking partitions in turn so
-        none waits behind a busy one."""
+        run is still out (a partition's records run in order). ``limit`` is shared among the
+        partitions with records ready, in turn: each takes up to an equal share, and what
+        one leaves is shared among those with more, so a partition's backlog never takes
+        the whole of it while another has records waiting."""
         parts = [p for p in self._owned.values() if p.owned and not p.out and p.waiting]
         if not parts:
             return []
         now = monotonic()
-        out: list[Delivery] = []
+        taken: dict[_Partition, list[Delivery]] = {}
         self._turn = (self._turn + 1) % len(parts)
-        for part in parts[self._turn :] + parts[: self._turn]:
-            waiting = part.waiting
-            while waiting and len(part.out) < run and len(out) < limit:
-                held = waiting[0]
-                if held.state == _DONE:  # finished in an earlier run, after one given back
-                    if part.out:
-                        break  # the commit waits for the records handed out before it
-                    waiting.popleft()
-                    part.finished = held.record.offset + 1
-                    if self._save is not None:
-                        part.unstored = part.finished
+        active = parts[self._turn :] + parts[: self._turn]
+        room = limit
+        while active and room > 0:
+            share, extra = divmod(room, len(active))
+            more = []
+            for i, part in enumerate(active):
+                quota = min(share + (i < extra), room)
+                if quota < 1:
+                    more.append(part)
                     continue
-                if held.not_before > now:
-                    break
-                waiting.popleft()
-                held.state = _RUNNING
-                part.out.append(held)
-                out.append(KafkaDelivery(self, part, held))
+                mine = taken.setdefault(part, [])
+                before = len(mine)
+                self._hand_out(part, mine, min(quota, run - len(part.out)), now)
+                room -= len(mine) - before
+                if len(mine) - before == quota and len(part.out) < run and part.waiting:
+                    more.append(part)  # stopped by its share only: may take what others leave
+            active = more
+        out: list[Delivery] = []
+        for part, mine in taken.items():
+            out.extend(mine)
             if part.out:
                 part.running = len(part.out)
                 part.idle.clear()
                 self._resume(part)
-            if len(out) >= limit:
-                break
         return out
+
+    def _hand_out(self, part: _Partition, into: list[Delivery], most: int, now: float) -> None:
+        """Hand out up to ``most`` records from the front of ``part``, in order, into
+        ``into``: up to a record to wait for (its retry is not due) or one finished in an
+        earlier run behind records handed out now (the commit waits for them)."""
+        waiting = part.waiting
+        handed = 0
+        while waiting and handed < most:
+            held = waiting[0]
+            if held.state == _DONE:  # finished in an earlier run, after one given back
+                if part.out:
+                    break  # the commit waits for the records handed out before it
+                waiting.popleft()
+                part.finished = held.record.offset + 1
+                if self._save is not None:
+                    part.unstored = part.finished
+                continue
+            if held.not_before > now:
+                break
+            waiting.popleft()
+            held.state = _RUNNING
+            part.out.append(held)
+            into.append(KafkaDelivery(self, part, held))
+            handed += 1
 
     def _resume(self, part: _Partition) -> None:
         consumer = self._consumer
