@@ -47,7 +47,9 @@ here): a poll's records go through the inbox together, one ``claim_many`` and on
 ``complete_many`` for all of them; the records of one partition run one after the other in
 offset order, partitions side by side up to the consumer's ``concurrency``, and once a record
 fails, or is given back because its key is held elsewhere (a copy still running, a dead
-worker's lease), the later ones of its partition wait for it (``in_flight``). With ``batch=1`` each
+worker's lease), the later ones of its partition wait for it (``in_flight``). A batch is shared
+among the partitions with records ready (each its share, what one leaves going to the others):
+a backlog on one partition never holds back the records of another. With ``batch=1`` each
 partition hands out one record at a time. A partition hands out nothing new until its last
 run is settled; then its commit moves past the run's finished records up to the first one
 given back (which is handed out again with everything after it), and the commit is sent once
