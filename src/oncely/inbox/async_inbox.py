@@ -645,8 +645,15 @@ class AsyncInbox:
         found: str | Handled[R] = self._rules.message_key(envelope, key, perf_counter())
         if isinstance(found, Handled):
             return found
+        # A message's duplicate is acknowledged, its value read by no one: it is not
+        # converted (a stored form the annotation refuses must not hold the message back).
         return await self.handle(
-            found, envelope.body, handler, correlation_id=envelope.correlation_id, wait=wait
+            found,
+            envelope.body,
+            handler,
+            correlation_id=envelope.correlation_id,
+            wait=wait,
+            returns=None,
         )
 
     def idempotent(
@@ -699,7 +706,9 @@ class AsyncInbox:
                 async def run(_payload: object) -> R:
                     return await fn(*args, **kwargs)
 
-                handled = await self.handle(key(*args, **kwargs), payload, run, wait=wait)
+                handled = await self.handle(
+                    key(*args, **kwargs), payload, run, wait=wait, returns=None
+                )  # converted below, as ``wanted``
                 value = handled.unwrap()
                 if handled.outcome is Outcome.DUPLICATE and value is None:
                     if result_lost(handled.reason):
@@ -1513,6 +1522,7 @@ class AsyncInbox:
             tx=tx,
             savepoint=savepoint,
             correlation_id=envelope.correlation_id,
+            returns=None,  # as in handle_message
         )
 
     async def _reject_in(
@@ -1634,7 +1644,7 @@ class _BatchRun(Generic[R]):
                 continue
             if step is Step.STALE:  # rare: the one-message path has the reconciler logic
                 results[i] = await inbox.handle(
-                    record.key, payload, self.handler, correlation_id=correlation_id
+                    record.key, payload, self.handler, correlation_id=correlation_id, returns=None
                 )
             else:
                 result, error = await inbox._invoke(claim, payload, self.handler, correlation_id)

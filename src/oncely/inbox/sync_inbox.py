@@ -587,8 +587,15 @@ class Inbox:
         found: str | Handled[R] = self._rules.message_key(envelope, key, perf_counter())
         if isinstance(found, Handled):
             return found
+        # A message's duplicate is acknowledged, its value read by no one: it is not
+        # converted (a stored form the annotation refuses must not hold the message back).
         return self.handle(
-            found, envelope.body, handler, correlation_id=envelope.correlation_id, wait=wait
+            found,
+            envelope.body,
+            handler,
+            correlation_id=envelope.correlation_id,
+            wait=wait,
+            returns=None,
         )
 
     def idempotent(
@@ -634,7 +641,9 @@ class Inbox:
                 def run(_payload: object) -> R:
                     return fn(*args, **kwargs)
 
-                handled = self.handle(key(*args, **kwargs), payload, run, wait=wait)
+                handled = self.handle(
+                    key(*args, **kwargs), payload, run, wait=wait, returns=None
+                )  # converted below, as ``wanted``
                 value = handled.unwrap()
                 if handled.outcome is Outcome.DUPLICATE and value is None:
                     if result_lost(handled.reason):
@@ -1432,6 +1441,7 @@ class Inbox:
             tx=tx,
             savepoint=savepoint,
             correlation_id=envelope.correlation_id,
+            returns=None,  # as in handle_message
         )
 
     def _reject_in(
@@ -1549,7 +1559,7 @@ class _BatchRun(Generic[R]):
                 continue
             if step is Step.STALE:  # rare: the one-message path has the reconciler logic
                 results[i] = inbox.handle(
-                    record.key, payload, self.handler, correlation_id=correlation_id
+                    record.key, payload, self.handler, correlation_id=correlation_id, returns=None
                 )
             else:
                 result, error = inbox._invoke(claim, payload, self.handler, correlation_id)

@@ -12,6 +12,7 @@ from decimal import Decimal
 import pytest
 
 from oncely._core.clock import FakeClock
+from oncely._core.keys import Envelope
 from oncely._core.outcomes import Action, Handled, Outcome
 from oncely._core.policy import Resolution, StaleClaim
 from oncely._core.records import Status
@@ -67,6 +68,20 @@ class TwoPhaseContract(ContractBase):
         assert stored.outcome is Outcome.DUPLICATE and isinstance(as_stored, dict)
         again = await inbox.handle("order-1", {"amount": 42}, Calls(), returns=Charged)
         assert again.value == first.value
+
+    async def test_r1_a_messages_duplicate_is_never_converted(self, inbox: AsyncInbox) -> None:
+        """A broker message's duplicate is acknowledged and its value read by no one: a stored
+        result the handler's annotation refuses must not raise there (the consumer would give
+        the message back for ever)."""
+
+        async def charge(payment: object) -> Charged:
+            return {"not": "a Charged"}  # type: ignore[return-value]
+
+        envelope = Envelope(body={"amount": 1}, message_id="m-1")
+        assert (await inbox.handle_message(envelope, charge)).outcome is Outcome.PROCESSED
+        again = await inbox.handle_message(envelope, charge)
+        stored: object = again.value  # the stored form, whatever the annotation says
+        assert again.outcome is Outcome.DUPLICATE and stored == {"not": "a Charged"}
 
     async def test_r20_identical_redelivery_is_duplicate_never_key_conflict(
         self, inbox: AsyncInbox
