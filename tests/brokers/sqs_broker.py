@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,29 +47,49 @@ def sqs_url() -> str:
     if _GIVEN:
         return _GIVEN
     with _lock:
-        if "url" in _started:
-            return _started["url"]
-        binary = moto_server()
-        if binary is None:
-            _refuse("no SQS API: install the dev extras (moto's server)")
-        assert binary is not None
-        port = free_port()
-        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moto-{port}.log"), "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            [str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
-        )
-        atexit.register(_stop, process)
-        deadline = time.monotonic() + 30
-        while True:
-            if process.poll() is not None:
-                _refuse(f"moto_server exited at start ({process.returncode}); see {log.name}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                _refuse(f"moto_server did not listen within 30 s; see {log.name}")
-            time.sleep(0.05)
-        _started["url"] = f"sqs://127.0.0.1:{port}"
+        if "url" not in _started:
+            _started["url"] = _start_moto()[0]
         return _started["url"]
+
+
+@contextlib.contextmanager
+def private_sqs() -> Iterator[str]:
+    """The ``sqs://`` URL of a moto server of the caller's own, stopped when the block ends
+    (``ONCELY_TEST_SQS_URL``'s endpoint when given). The fleet tests run on one each: after a
+    test's consumers were SIGKILLed on the shared server, its receives slowed about tenfold
+    for the rest of the session (moto's, not the consumers': a fresh server answers the same
+    fleet at full speed), and the next fleet could not finish in its time."""
+    if _GIVEN:
+        yield _GIVEN
+        return
+    url, process = _start_moto()
+    try:
+        yield url
+    finally:
+        _stop(process)
+
+
+def _start_moto() -> tuple[str, subprocess.Popen[bytes]]:
+    binary = moto_server()
+    if binary is None:
+        _refuse("no SQS API: install the dev extras (moto's server)")
+    assert binary is not None
+    port = free_port()
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moto-{port}.log"), "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
+    atexit.register(_stop, process)
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            _refuse(f"moto_server exited at start ({process.returncode}); see {log.name}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            break
+        if time.monotonic() > deadline:
+            _refuse(f"moto_server did not listen within 30 s; see {log.name}")
+        time.sleep(0.05)
+    return f"sqs://127.0.0.1:{port}", process
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -79,13 +100,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
-def create_queue(name: str, **attributes: str) -> None:
-    """Create ``name`` on the test endpoint (before any producer sends to it)."""
+def create_queue(name: str, url: str | None = None, **attributes: str) -> None:
+    """Create ``name`` on the test endpoint, or ``url``'s (before any producer sends to it)."""
     import boto3
 
     client = boto3.client(
         "sqs",
-        endpoint_url=sqs_url().replace("sqs://", "http://", 1),
+        endpoint_url=(url or sqs_url()).replace("sqs://", "http://", 1),
         region_name="us-east-1",
         aws_access_key_id="oncely",
         aws_secret_access_key="oncely",
