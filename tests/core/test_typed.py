@@ -208,3 +208,44 @@ def test_r1_a_method_is_keyed_and_fingerprinted_without_its_instance() -> None:
     assert first.charged == [5] and second.charged == []
     with pytest.raises(oncely.KeyConflict):
         first.charge("o-1", 6)
+
+
+def test_r1_handle_brings_a_repeat_back_as_the_annotation_read_once_or_later() -> None:
+    """``Inbox.handle`` reads a handler's return annotation at its first duplicate and keeps
+    the converter; an annotation naming a class not defined yet is read again at the next
+    duplicate (not cached as "no type"), and a stored form the type refuses is a
+    PayloadError, as ``revive`` says."""
+    inbox = oncely.Inbox(oncely.open("memory://"), consumer="c")
+
+    def charge(payload: dict[str, str]) -> Later:  # type: ignore[name-defined]  # noqa: F821
+        return {"id": payload["id"], "amount": "1.50"}  # Later's stored form; Later comes later
+
+    assert inbox.handle("k", {"id": "a"}, charge).outcome is oncely.Outcome.PROCESSED
+    namespace = globals()
+    assert "Later" not in namespace
+    early = inbox.handle("k", {"id": "a"}, charge)
+    assert early.outcome is oncely.Outcome.DUPLICATE and early.value == {
+        "id": "a",
+        "amount": "1.50",
+    }
+
+    @dataclass
+    class Defined:
+        id: str
+        amount: Decimal
+
+    namespace["Later"] = Defined
+    try:
+        for _ in range(2):  # the second repeat takes the converter kept by the first
+            again = inbox.handle("k", {"id": "a"}, charge)
+            assert again.value == Defined("a", Decimal("1.50"))
+        wrong = oncely.Inbox(oncely.open("memory://"), consumer="c")
+        wrong.handle("w", {}, lambda _payload: {"id": "a"})  # no amount: not a Later
+
+        def reads_later(_payload: object) -> Later:  # type: ignore[name-defined]  # noqa: F821
+            raise AssertionError("a duplicate never runs the handler")
+
+        with pytest.raises(PayloadError, match="cannot be read back"):
+            wrong.handle("w", {}, reads_later)
+    finally:
+        del namespace["Later"]

@@ -11,10 +11,12 @@ and calls ``model_validate`` on a pydantic model. What it does not know (``Any``
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import types
 import typing
+import weakref
 from collections.abc import Callable
 from datetime import date, datetime, time
 from decimal import Decimal
@@ -195,13 +197,49 @@ def result_type(fn: Callable[..., Any], returns: Any) -> Any:
         return Any
 
 
+_REPEATS: weakref.WeakKeyDictionary[Any, Callable[[Any], Any] | None] = weakref.WeakKeyDictionary()
+"""Per function (a method's function), the converter of its repeats read from its return
+annotation (None: the stored form as it is), read once rather than at every duplicate."""
+
+
+def _repeat_reviver(fn: Callable[..., Any], returns: Any) -> Callable[[Any], Any] | None:
+    """The converter ``typed_repeat`` applies for ``fn`` and ``returns`` (None: none)."""
+    if returns is not ANNOTATED:  # the caller's own type: cheap to look up, not cached
+        convert = reviver(Any if returns is None else returns)
+        return None if convert is _identity else convert
+    target = getattr(fn, "__func__", fn)
+    try:
+        return _REPEATS[target]
+    except (KeyError, TypeError):  # TypeError: not weakly referable, read each time
+        pass
+    try:
+        wanted = typing.get_type_hints(fn).get("return", Any)
+        cache = True
+    except Exception:  # a forward reference not resolvable yet: as stored, asked again later
+        wanted, cache = Any, False
+    convert = reviver(wanted)
+    found = None if convert is _identity else convert
+    if cache:
+        with contextlib.suppress(TypeError):
+            _REPEATS[target] = found
+    return found
+
+
 def typed_repeat(handled: Handled[R], fn: Callable[..., Any], returns: Any) -> Handled[R]:
     """``handled`` with a duplicate's stored result brought back to ``fn``'s return type (its
     annotation, or ``returns``; ``None``: as stored), so a repeat answers with the type the
     first call did; :class:`~oncely.PayloadError` when the stored form cannot be."""
     if handled.outcome is not Outcome.DUPLICATE or handled.value is None or returns is None:
         return handled
-    wanted = result_type(fn, returns)
-    if reviver(wanted) is _identity:
+    convert = _repeat_reviver(fn, returns)
+    if convert is None:
         return handled
-    return dataclasses.replace(handled, value=revive(wanted, handled.value))
+    try:
+        value = convert(handled.value)
+    except PayloadError:
+        raise
+    except Exception as exc:
+        raise PayloadError(
+            f"the stored result cannot be read back as {result_type(fn, returns)!r}: {said(exc)}"
+        ) from exc
+    return dataclasses.replace(handled, value=value)
