@@ -305,7 +305,7 @@ def test_r19_a_timedelta_period_is_counted_in_utc_and_refuses_another_time_zone(
 
 @pytest.mark.parametrize(
     ("every", "longest"),
-    [("week", "7d1h"), ("month", "31d1h"), (timedelta(days=8), "8d")],
+    [("week", "7d2h"), ("month", "31d2h"), (timedelta(days=8), "8d")],
 )
 def test_r13_r19_an_inbox_that_forgets_a_slot_before_it_ends_is_refused(
     tmp_path: Path, every: Every, longest: str
@@ -448,3 +448,90 @@ async def test_r19_a_job_whose_store_has_gone_silent_fails_clearly_and_does_not_
     finally:
         with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_meta"'.encode())
+
+
+def test_r19_each_slot_kind_across_two_hour_and_half_hour_clock_changes() -> None:
+    """Antarctica/Troll moves its clocks by two hours (+00 to +02 in March, back in October:
+    days of 22 and 26 hours), Australia/Lord_Howe by half an hour, Europe/Dublin's daylight
+    saving time is negative (its winter is the "saving" one), Asia/Magadan went back two
+    hours in 2014. Every real minute and hour is one slot (never two moments of different
+    hours in one, so no run is skipped), and a day is one slot however long it is."""
+    cases = [
+        ("Antarctica/Troll", datetime(2026, 3, 29), datetime(2026, 10, 25), 22, 26),
+        ("Australia/Lord_Howe", datetime(2026, 10, 4), datetime(2026, 4, 5), 23.5, 24.5),
+        ("Europe/Dublin", datetime(2026, 3, 29), datetime(2026, 10, 25), 23, 25),
+        ("Asia/Magadan", None, datetime(2014, 10, 26), None, 26),
+    ]
+    for tz, short, long, short_hours, long_hours in cases:
+        for day, hours in ((short, short_hours), (long, long_hours)):
+            if day is None:
+                continue
+            start = day.replace(tzinfo=UTC) - timedelta(hours=14)
+            moments = [start + timedelta(minutes=n) for n in range(52 * 60)]
+            minutes = [slot("m", "minute", at=at, tz=tz) for at in moments]
+            assert len(set(minutes)) == len(minutes), tz
+            hourly = [slot("h", "hour", at=at, tz=tz) for at in moments]
+            for a, b, ka, kb in zip(moments, moments[1:], hourly, hourly[1:], strict=False):
+                la, lb = a.astimezone(ZoneInfo(tz)), b.astimezone(ZoneInfo(tz))
+                same_hour = (f"{la:%Y%m%d%H}", la.utcoffset()) == (f"{lb:%Y%m%d%H}", lb.utcoffset())
+                assert (ka == kb) == same_hour, (tz, a, ka, kb)
+            daily = [slot("d", "day", at=at, tz=tz) for at in moments]
+            assert daily.count(f"d:{day:%Y-%m-%d}") == hours * 60, tz  # one slot, all its hours
+            for every in ("week", "month"):
+                keys = [slot("w", every, at=at, tz=tz) for at in moments]
+                assert len(set(keys)) <= 2, (tz, every)
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_r13_r19_a_26_hour_day_keeps_its_run_to_the_end_and_a_25_hour_retention_is_refused(
+    tmp_path: Path, store: str
+) -> None:
+    """The longest day is 26 hours, not 25: Antarctica/Troll's clocks go back two hours on
+    25 October 2026 (00:00 +02 is 22:00 UTC the day before; 24:00 +00 is midnight UTC). Before,
+    an inbox keeping 25 hours was taken for a daily job, and its first run's record expired an
+    hour before the day ended: a run in that last hour ran the job again. It is refused now (a
+    day, week or month lasts up to 2 hours more than its days), and a 26-hour one runs once."""
+    clock = oncely.FakeClock(datetime(2026, 10, 24, 22, 0, tzinfo=UTC))
+    if store == "postgres":
+        require("PostgreSQL", POSTGRES_DSN, 5432)
+        table = f"jobsfix_troll_{uuid.uuid4().hex[:10]}"
+        opened = oncely.open(f"{POSTGRES_DSN}?table={table}", clock=clock)
+    else:
+        opened = oncely.SQLiteStore(tmp_path / "jobs.db", clock=clock)
+    try:
+        short = oncely.Inbox(
+            opened, consumer="short", retention=oncely.Retention(keep=timedelta(hours=25))
+        )
+        ran: list[datetime] = []
+        with pytest.raises(oncely.ConfigurationError, match="a slot of up to 1d2h"):
+            run_once(
+                short,
+                "report",
+                partial(ran.append, datetime(2026, 10, 24, 22, 0, tzinfo=UTC)),
+                every="day",
+                tz="Antarctica/Troll",
+            )
+        assert ran == []
+        for every, longest in (("week", "7d2h"), ("month", "31d2h")):
+            week = oncely.Inbox(
+                opened, consumer="w", retention=oncely.Retention(keep=timedelta(days=7, hours=1))
+            )
+            with pytest.raises(oncely.ConfigurationError, match=f"a slot of up to {longest}"):
+                run_once(week, "report", list, every=every, tz="Antarctica/Troll")  # type: ignore[arg-type]
+        inbox = oncely.Inbox(
+            opened, consumer="jobs", retention=oncely.Retention(keep=timedelta(hours=26))
+        )
+        for minutes in range(0, 26 * 60, 30):
+            at = datetime(2026, 10, 24, 22, 0, tzinfo=UTC) + timedelta(minutes=minutes)
+            clock.set(at)
+            key = run_once(
+                inbox, "report", partial(ran.append, at), every="day", tz="Antarctica/Troll", at=at
+            ).key
+            assert key == "report:2026-10-25"
+        assert ran == [datetime(2026, 10, 24, 22, 0, tzinfo=UTC)]  # once in 26 hours
+    finally:
+        opened.close()
+        if store == "postgres":
+            from tests.backends.postgres import drop_tables
+
+            drop_tables(table)

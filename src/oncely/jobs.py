@@ -27,8 +27,9 @@ When the clocks go forward, the local hour they skip has no slot (the run after 
 
 A slot's record must outlive the slot: a run late in the slot finds the first run's record
 only if the inbox still keeps it. So the inbox's retention (and ``keep_failed``, which keeps
-a rejected run) must be at least the longest the slot can last (a day 25 hours, a week 169,
-a month 31 days and an hour, when the clocks change in it); a shorter one is refused with
+a rejected run) must be at least the longest the slot can last (a day 26 hours, a week 7 days
+and 2 hours, a month 31 days and 2 hours: Antarctica/Troll's clocks go back two hours); a
+shorter one is refused with
 :class:`~oncely.ConfigurationError` before the job runs. A weekly or monthly job wants an
 inbox of its own, ``Retention(keep=timedelta(days=32))`` for a monthly one.
 """
@@ -148,11 +149,13 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
 _LONGEST = {
     "minute": timedelta(minutes=1),
     "hour": timedelta(hours=1),  # a repeated hour is a slot of its own
-    "day": timedelta(hours=25),  # the day the clocks go back
-    "week": timedelta(days=7, hours=1),
-    "month": timedelta(days=31, hours=1),
+    "day": timedelta(hours=26),  # the day the clocks go back two hours (Antarctica/Troll)
+    "week": timedelta(days=7, hours=2),
+    "month": timedelta(days=31, hours=2),
 }
-"""The longest a calendar slot lasts, clock changes included."""
+"""The longest a calendar slot lasts, clock changes included: clocks go back by two hours in
+Antarctica/Troll every October (and did in Asia/Magadan and others in 2014), so a day can last
+26 hours, not just 25."""
 
 
 def _check_retention(retention: Retention, name: str, every: Every) -> None:
