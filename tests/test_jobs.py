@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from functools import partial
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -448,6 +448,197 @@ async def test_r19_a_job_whose_store_has_gone_silent_fails_clearly_and_does_not_
     finally:
         with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_meta"'.encode())
+
+
+class _PytzLike(tzinfo):
+    """A zone that behaves as pytz's do, without pytz: the zone object itself carries its
+    first offset (local mean time, +00:50 for Rome), ``fromutc`` hands back a datetime whose
+    tzinfo is *another* instance holding the offset of that moment, ``localize`` picks one by
+    ``is_dst``, and no instance knows ``fold``. ``name=None``: a zone that says no name."""
+
+    def __init__(self, name: str | None = "Europe/Rome", offset: timedelta | None = None) -> None:
+        self._real = ZoneInfo("Europe/Rome")
+        self._utcoffset = offset if offset is not None else timedelta(minutes=50)
+        if name is not None:
+            self.zone = name
+
+    def _at(self, offset: timedelta) -> _PytzLike:
+        twin = _PytzLike(getattr(self, "zone", None), offset)
+        return twin
+
+    def utcoffset(self, dt: datetime | None) -> timedelta | None:
+        if dt is None:
+            return None
+        if dt.tzinfo is not self:
+            return self.localize(dt.replace(tzinfo=None)).utcoffset()
+        return self._utcoffset
+
+    def dst(self, dt: datetime | None) -> timedelta | None:
+        return None if dt is None else timedelta(0)
+
+    def tzname(self, dt: datetime | None) -> str:
+        return "LMT"
+
+    def fromutc(self, dt: datetime) -> datetime:
+        offset = dt.replace(tzinfo=UTC).astimezone(self._real).utcoffset()
+        assert offset is not None
+        return (dt + offset).replace(tzinfo=self._at(offset))  # fold stays 0
+
+    def localize(self, naive: datetime, is_dst: bool = False) -> datetime:
+        offset = naive.replace(tzinfo=self._real, fold=0 if is_dst else 1).utcoffset()
+        assert offset is not None
+        return naive.replace(tzinfo=self._at(offset))
+
+    def normalize(self, dt: datetime) -> datetime:
+        offset = dt.utcoffset()
+        assert offset is not None
+        return self.fromutc(dt.replace(tzinfo=None) - offset)
+
+
+def test_r19_a_pytz_zone_keys_a_repeated_hour_as_its_name_does_or_is_refused() -> None:
+    """pytz's zones have no ``fold``: the second pass of Rome's repeated 02:00-03:00 hour came
+    back from them as ``fold=0``, keyed ``T02`` like the first, so an hourly job given
+    ``tz=pytz.timezone("Europe/Rome")`` ran once in two real hours (the second was a
+    ``duplicate``), where the zone's name runs it in both. A pytz zone is now read by its name
+    through zoneinfo (the same keys as the name gives); one with no name it can be read by is
+    refused, as is an ``at=`` built with ``tzinfo=`` a pytz zone (its local mean time, not
+    the moment meant), naming the fix."""
+    first, second = (
+        datetime(2026, 10, 25, 0, 30, tzinfo=UTC),
+        datetime(2026, 10, 25, 1, 30, tzinfo=UTC),
+    )
+    rome = _PytzLike()
+    for every in ("minute", "hour", "day", "week", "month"):
+        for at in (first, second, first - timedelta(days=40), second + timedelta(days=40)):
+            assert slot("j", every, at=at, tz=rome) == slot("j", every, at=at, tz="Europe/Rome")
+    assert slot("j", "hour", at=second, tz=rome) == "j:2026-10-25T02+01:00"
+    localized = rome.localize(datetime(2026, 10, 25, 2, 30), is_dst=False)  # the second pass
+    assert localized.astimezone(UTC) == second
+    assert slot("j", "hour", at=localized, tz=rome) == "j:2026-10-25T02+01:00"
+    assert slot("j", "hour", at=rome.normalize(localized), tz="Europe/Rome") == (
+        "j:2026-10-25T02+01:00"
+    )
+    with pytest.raises(oncely.ConfigurationError, match=r"localize\(\).*zoneinfo"):
+        slot("j", "hour", at=datetime(2026, 10, 25, 2, 30, tzinfo=rome), tz="Europe/Rome")
+    for every in ("minute", "hour", "day"):
+        with pytest.raises(oncely.ConfigurationError, match=r"fold.*zoneinfo\.ZoneInfo"):
+            slot("j", every, at=second, tz=_PytzLike(name=None))
+    with pytest.raises(oncely.ConfigurationError, match="zoneinfo"):
+        slot("j", "hour", at=second, tz=_PytzLike(name="Mars/Olympus"))
+
+
+def test_r19_a_pytz_zone_runs_an_hourly_job_in_both_passes_of_a_repeated_hour() -> None:
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    table = f"jobsfix_pytz_{uuid.uuid4().hex[:10]}"
+    store = oncely.open(f"{POSTGRES_DSN}?table={table}")
+    inbox = oncely.Inbox(store, consumer="jobs")
+    first, second = (
+        datetime(2026, 10, 25, 0, 30, tzinfo=UTC),
+        datetime(2026, 10, 25, 1, 30, tzinfo=UTC),
+    )
+    runs: list[datetime] = []
+    try:
+        for at in (first, second, second):
+            run_once(inbox, "hourly", partial(runs.append, at), every="hour", tz=_PytzLike(), at=at)
+        assert runs == [first, second]  # both real hours ran, the repeat of the second did not
+    finally:
+        inbox.close()
+        store.close()
+        from tests.backends.postgres import drop_tables
+
+        drop_tables(table)
+
+
+class _DublinAsDateutil(tzinfo):
+    """Europe/Dublin as dateutil 2.9 reads it (its negative DST): on 25 October 2026 the
+    second 01:xx comes back as +01:00 (the first pass's offset), and 02:xx GMT as ``fold=1``
+    although 02:xx is lived once. Each answer is dateutil's, pinned here."""
+
+    def __init__(self) -> None:
+        self._real = ZoneInfo("Europe/Dublin")
+
+    def utcoffset(self, dt: datetime | None) -> timedelta | None:
+        if dt is None:
+            return None
+        wall = dt.replace(tzinfo=None)
+        if datetime(2026, 10, 25, 1) <= wall < datetime(2026, 10, 25, 3):
+            late = wall.hour == 2
+            return timedelta(0) if dt.fold and late else timedelta(hours=1)
+        return dt.replace(tzinfo=self._real).utcoffset()
+
+    def dst(self, dt: datetime | None) -> timedelta | None:
+        return None
+
+    def tzname(self, dt: datetime | None) -> str:
+        return "Dublin"
+
+    def fromutc(self, dt: datetime) -> datetime:
+        real = dt.replace(tzinfo=UTC).astimezone(self._real)
+        wall = real.replace(tzinfo=self)
+        if datetime(2026, 10, 25, 1) <= real.replace(tzinfo=None) < datetime(2026, 10, 25, 3):
+            return wall.replace(fold=1 if real.utcoffset() == timedelta(0) else 0)
+        return wall
+
+
+def test_r19_a_tzinfo_that_gives_a_moment_another_local_time_is_refused_not_trusted() -> None:
+    """A tzinfo other than zoneinfo's is used as it answers; one whose answer does not map
+    back to the moment (dateutil's Europe/Dublin in its repeated hour: the second 01:30 as
+    +01:00, which is the first) keyed the second pass as the first (its run skipped as a
+    ``duplicate``) and 02:30 GMT as a repeat that never was. It is refused, naming the fix."""
+    dublin = _DublinAsDateutil()
+    for hour in (0, 1, 2):
+        at = datetime(2026, 10, 25, hour, 30, tzinfo=UTC)
+        assert slot("j", "day", at=at, tz="Europe/Dublin") == "j:2026-10-25"
+        if hour == 0:
+            assert slot("j", "hour", at=at, tz=dublin) == "j:2026-10-25T01"
+            continue
+        with pytest.raises(oncely.ConfigurationError, match=r"Europe/Dublin.*zoneinfo\.ZoneInfo"):
+            slot("j", "hour", at=at, tz=dublin)
+    assert slot("j", "hour", at=datetime(2026, 10, 25, 1, 30, tzinfo=UTC), tz="Europe/Dublin") == (
+        "j:2026-10-25T01+00:00"
+    )
+    dateutil = pytest.importorskip("dateutil.tz")
+    real = dateutil.gettz("Europe/Dublin")
+    for hour in range(-3, 6):
+        at = datetime(2026, 10, 25, 1, 30, tzinfo=UTC) + timedelta(hours=hour)
+        try:
+            assert slot("j", "hour", at=at, tz=real) == slot("j", "hour", at=at, tz="Europe/Dublin")
+        except oncely.ConfigurationError:
+            assert hour in (0, 1)  # dateutil's wrong answers: refused, never a wrong key
+
+
+_UTC_SPELLINGS = ["UTC", "Etc/UTC", "Etc/UCT", "UCT", "Etc/Universal", "Universal", "Etc/Zulu",
+                  "Zulu", "Etc/GMT", "GMT", "Etc/GMT+0", "Etc/GMT-0", "Etc/GMT0", "GMT+0", "GMT-0",
+                  "GMT0", "Etc/Greenwich", "Greenwich"]  # fmt: skip
+
+
+def test_r19_every_spelling_of_utc_keys_a_slot_as_utc_does() -> None:
+    """Before, a ``timedelta`` job refused ``tz="GMT"``, ``ZoneInfo("Etc/GMT")``, "Zulu",
+    dateutil's ``tzutc()`` or pytz's ``utc`` as "a zone other than UTC", while ``"UTC"`` and
+    ``datetime.UTC`` were taken: two spellings of one zone, one refused. None is now, and each
+    keys every period as UTC does."""
+    spellings: list[str | tzinfo] = [*_UTC_SPELLINGS, *(ZoneInfo(name) for name in _UTC_SPELLINGS)]
+    spellings += [UTC, timezone(timedelta(0)), timezone(timedelta(0), "Z")]
+    spellings += [_PytzLike(name="UTC", offset=timedelta(0)), _PytzLike(name="Etc/GMT")]
+    try:
+        from dateutil import tz as dateutil
+    except ImportError:  # pragma: no cover - dateutil is not a dependency
+        pass
+    else:
+        spellings += [
+            dateutil.UTC,
+            dateutil.tzutc(),
+            dateutil.gettz("UTC"),
+            dateutil.tzoffset(None, 0),
+        ]
+    at = datetime(2026, 10, 25, 1, 40, tzinfo=UTC)
+    periods: list[Every] = ["minute", "hour", "day", "week", "month", timedelta(minutes=15)]
+    for tz in spellings:
+        for every in periods:
+            assert slot("s", every, at=at, tz=tz) == slot("s", every, at=at), (tz, every)
+    for tz in ("Europe/London", "Africa/Casablanca", ZoneInfo("Europe/Dublin"), _PytzLike()):
+        with pytest.raises(oncely.ConfigurationError, match=r"timedelta period .* UTC"):
+            slot("s", timedelta(minutes=15), at=at, tz=tz)
 
 
 def test_r19_each_slot_kind_across_two_hour_and_half_hour_clock_changes() -> None:

@@ -23,7 +23,16 @@ passes, the second one's key carrying its UTC offset (``hourly:2026-10-25T02`` a
 ``hourly:2026-10-25T02+01:00`` in Europe/Rome); a day, week or month is one slot however long.
 When the clocks go forward, the local hour they skip has no slot (the run after ``T01`` is
 ``T03``): no run for a time that never happens, and no real hour without one. A
-``timedelta`` period is counted in UTC and takes no ``tz``.
+``timedelta`` period is counted in UTC and takes no ``tz`` but UTC (any of its names:
+``"UTC"``, ``"GMT"``, ``"Etc/Zulu"``, ``datetime.UTC``...).
+
+``tz`` is a zone's name, a ``zoneinfo.ZoneInfo`` or a ``datetime.timezone``. A pytz zone is
+read by its name through zoneinfo (pytz's zones have no ``fold``: trusted, they key both
+passes of a repeated hour alike), and an ``at=`` built with ``tzinfo=`` a pytz zone (its
+local mean time) is refused: use ``localize()``. Another tzinfo (dateutil's) is used as long
+as the local time it gives maps back to the moment; one that does not (dateutil's
+Europe/Dublin in its repeated hour) is refused with :class:`~oncely.ConfigurationError`
+rather than keying two hours as one.
 
 A slot's record must outlive the slot: a run late in the slot finds the first run's record
 only if the inbox still keeps it. So the inbox's retention (and ``keep_failed``, which keeps
@@ -57,12 +66,41 @@ Every = Literal["minute", "hour", "day", "week", "month"] | timedelta
 the epoch, in UTC, whatever the time zone: a ``timedelta`` with a ``tz`` other than UTC is
 refused)."""
 
-_UTC_NAMES = frozenset({"UTC", "Etc/UTC"})
+_UTC_NAMES = frozenset(
+    {
+        *("UTC", "UCT", "Universal", "Zulu", "GMT", "GMT+0", "GMT-0", "GMT0", "Greenwich"),
+        *("Etc/UTC", "Etc/UCT", "Etc/Universal", "Etc/Zulu", "Etc/GMT", "Etc/GMT+0"),
+        *("Etc/GMT-0", "Etc/GMT0", "Etc/Greenwich"),
+    }
+)
+"""The names the tz database gives UTC itself (links to ``Etc/UTC`` and ``Etc/GMT``, offset 0
+for all time), as opposed to a place whose clock happens to be at +00:00 (Europe/London)."""
+
+
+def _pytz_name(zone: tzinfo) -> str | None:
+    """The name a pytz zone carries (``pytz.timezone("Europe/Rome").zone``), ``None`` for
+    any other tzinfo. pytz's zones have no ``fold``: the two passes of a repeated hour are
+    told apart only by which of its per-offset instances a datetime holds, so a zone of
+    theirs is read by its name, through zoneinfo."""
+    name = getattr(zone, "zone", None)
+    if isinstance(name, str) and callable(getattr(zone, "localize", None)):
+        return name
+    return None
 
 
 def _zone(tz: str | tzinfo) -> tzinfo:
     if isinstance(tz, tzinfo):
-        return tz
+        name = _pytz_name(tz)
+        if name is None or isinstance(tz, ZoneInfo | timezone):
+            return tz
+        try:
+            return ZoneInfo(name)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"tz={tz!r} is a pytz zone, read by its name {name!r} through zoneinfo (pytz's "
+                f"zones have no fold), which cannot load it: {exc}. Pass a zoneinfo.ZoneInfo "
+                "or a name zoneinfo knows (install tzdata where the system has none)"
+            ) from None
     try:
         return ZoneInfo(tz)
     except Exception as exc:
@@ -70,12 +108,22 @@ def _zone(tz: str | tzinfo) -> tzinfo:
 
 
 def _is_utc(zone: str | tzinfo) -> bool:
-    """Whether ``zone`` is UTC itself (``"UTC"``, ``datetime.UTC``, ``ZoneInfo("Etc/UTC")``)."""
+    """Whether ``zone`` is UTC itself, however spelled: a name of it (``"UTC"``, ``"GMT"``,
+    ``"Etc/Zulu"``...) as a string, a ``ZoneInfo`` or a pytz zone; a ``timezone`` at +00:00
+    (``datetime.UTC``); another tzinfo at +00:00 with no moment to ask about (dateutil's
+    ``tzutc()``), or at +00:00 on each first of the month of a year (dateutil's
+    ``gettz("UTC")``). A place at +00:00 in winter only (Europe/London) is not."""
     if isinstance(zone, str):
         return zone in _UTC_NAMES
-    if isinstance(zone, timezone):
-        return zone.utcoffset(None) == timedelta(0)
-    return isinstance(zone, ZoneInfo) and zone.key in _UTC_NAMES
+    if isinstance(zone, ZoneInfo):
+        return zone.key in _UTC_NAMES
+    name = _pytz_name(zone)
+    if name is not None:
+        return name in _UTC_NAMES
+    if zone.utcoffset(None) == timedelta(0):
+        return True
+    firsts = (datetime(2026, month, 1, tzinfo=zone) for month in range(1, 13))
+    return all(first.utcoffset() == timedelta(0) for first in firsts)
 
 
 def _repeat(local: datetime) -> str:
@@ -89,6 +137,49 @@ def _repeat(local: datetime) -> str:
     minutes, seconds = divmod(int(abs(offset).total_seconds()), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{sign}{hours:02d}:{minutes:02d}" + (f":{seconds:02d}" if seconds else "")
+
+
+def _check_at(moment: datetime) -> None:
+    """Refuse an ``at=`` written with ``tzinfo=`` a pytz zone: pytz attaches that way the
+    zone's first offset (its local mean time, +00:50 in Rome), not the offset of that date,
+    so the datetime is another moment than the one its wall time says."""
+    zone = moment.tzinfo
+    normalize = getattr(zone, "normalize", None)
+    if zone is None or _pytz_name(zone) is None or not callable(normalize):
+        return
+    if normalize(moment).replace(tzinfo=None) != moment.replace(tzinfo=None):
+        raise ConfigurationError(
+            f"at={moment!r} holds a pytz zone attached with tzinfo=, which gives it the zone's "
+            f"first offset ({moment:%z}), not the one of that date: build it with the zone's "
+            "localize() (zone.localize(datetime(...), is_dst=...)), or use zoneinfo "
+            "(datetime(..., tzinfo=ZoneInfo(name), fold=...))"
+        )
+
+
+def _local(moment: datetime, zone: tzinfo, tz: str | tzinfo) -> datetime:
+    """``moment`` on the local clock of ``zone``. zoneinfo's zones and ``timezone`` are taken
+    at their word; another tzinfo's answer is checked (PEP 495): the local time it gives must
+    map back to ``moment``, and one it says is the second pass of a repeated time must have a
+    first pass. One that fails (pytz's with no name, dateutil's Europe/Dublin in its repeated
+    hour) is refused: trusted, it would key two hours as one (a run skipped as a duplicate)."""
+    local = moment.astimezone(UTC).astimezone(zone)
+    if isinstance(zone, ZoneInfo | timezone):
+        return local
+    local = local.replace(tzinfo=zone)  # pytz hands back another instance than ``zone``
+    back = local.astimezone(UTC)
+    first = local.replace(fold=0).astimezone(UTC).astimezone(zone)
+    if back == moment and (
+        not _repeat(local)
+        or (first.replace(tzinfo=None), first.fold) == (local.replace(tzinfo=None), 0)
+    ):
+        return local
+    raise ConfigurationError(
+        f"tz={tz!r} gives the moment {moment.astimezone(UTC):%Y-%m-%d %H:%M:%S}Z the local time "
+        f"{local:%Y-%m-%d %H:%M:%S} (fold={local.fold}), which is not that moment on its own "
+        "clock: a tzinfo without working fold (pytz's, dateutil's for a zone with negative "
+        "daylight saving time such as Europe/Dublin) cannot tell the two passes of a repeated "
+        'hour apart. Pass the zone\'s name (tz="Europe/Dublin") or a zoneinfo.ZoneInfo'
+    )
 
 
 def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinfo = "UTC") -> str:
@@ -112,6 +203,7 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
     moment = at if at is not None else datetime.now(UTC)
     if moment.tzinfo is None:
         raise ConfigurationError("at= must be timezone-aware")
+    _check_at(moment)
     if isinstance(every, timedelta):
         span = int(every.total_seconds())
         if span < 1 or every != timedelta(seconds=span):
@@ -129,7 +221,7 @@ def slot(name: str, every: Every, *, at: datetime | None = None, tz: str | tzinf
     # the zone it is already in, a wall time the clocks skip would stay as written (``02:30``
     # on the day they go forward), a slot of its own that the same moment written in UTC or
     # another zone never gets.
-    local = moment.astimezone(UTC).astimezone(_zone(tz))
+    local = _local(moment, _zone(tz), tz)
     if every == "minute":
         return f"{name}:{local:%Y-%m-%dT%H:%M}{_repeat(local)}"
     if every == "hour":
