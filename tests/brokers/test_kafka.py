@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from oncely.brokers import (
     BrokerConsumer,
     BrokerLimits,
     Delivery,
+    InboxProcessor,
     Transport,
     open_producer,
     open_transport,
@@ -905,6 +907,32 @@ class TestKafka(BrokerSuite):
                 self.transport(), redis_inbox, self.apply_in, mode="transactional",
                 store_offsets=True,
             )  # fmt: skip
+
+    @pytest.mark.parametrize("given", ["no", "false", 2, 0.0, ["x"], None])
+    async def test_boolean_options_take_only_a_bool(self, given: object) -> None:
+        """``store_offsets``, ``handle_signals`` and the producer's ``idempotence`` took any
+        value as its truth: ``store_offsets="no"`` (or ``2``, a list) stored offsets,
+        ``handle_signals="no"`` took over SIGTERM. Now anything but a bool is refused,
+        naming what was given."""
+        (inbox,) = self.inboxes("transactional", 1)
+        shown = repr(given)
+        with pytest.raises(
+            oncely.ConfigurationError,
+            match=f"store_offsets must be True or False, not {re.escape(shown)}",
+        ):
+            BrokerConsumer(
+                self.transport(), inbox, self.apply_in, mode="transactional", store_offsets=given
+            )
+        with pytest.raises(oncely.ConfigurationError, match="store_offsets must be True or False"):
+            InboxProcessor(inbox, self.apply_in, mode="transactional", store_offsets=given)
+        processor = InboxProcessor(inbox, self.apply_in, mode="transactional")
+        with pytest.raises(oncely.ConfigurationError, match="store_offsets must be True or False"):
+            BrokerConsumer(self.transport(), processor, store_offsets=given)
+        worker = BrokerConsumer(self.transport(), inbox, self.apply_in, mode="transactional")
+        with pytest.raises(oncely.ConfigurationError, match="handle_signals must be True or False"):
+            await asyncio.wait_for(worker.run(handle_signals=given), 30)
+        with pytest.raises(oncely.ConfigurationError, match="idempotence must be True or False"):
+            KafkaProducer(self.url, self.source, idempotence=given)
 
     async def _committed(self, topic: str) -> int | None:
         consumer = AIOKafkaConsumer(

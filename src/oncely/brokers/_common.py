@@ -3,6 +3,7 @@ message id."""
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from datetime import timedelta
 from urllib.parse import urlunsplit
@@ -11,7 +12,14 @@ from oncely._urls import redact, split
 from oncely.errors import ConfigurationError
 from oncely.wire import escaped, undecodable_reason
 
-__all__ = ["missing_driver", "not_utf8", "positive", "require_message_id", "server_url"]
+__all__ = [
+    "flag",
+    "missing_driver",
+    "not_utf8",
+    "positive",
+    "require_message_id",
+    "server_url",
+]
 
 
 def server_url(url: str, schemes: tuple[str, ...], broker: str) -> str:
@@ -31,6 +39,16 @@ def positive(value: timedelta, name: str) -> timedelta:
     """``value``, or :class:`~oncely.ConfigurationError` when it is not above zero."""
     if value <= timedelta(0):
         raise ConfigurationError(f"{name} must be positive")
+    return value
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` when it is a bool, else :class:`~oncely.ConfigurationError` naming what was
+    given: a truthy ``"no"``, ``0.0`` or list must not switch an option on (or off)."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"{name} must be True or False, not {reprlib.repr(value)} ({type(value).__name__})"
+        )
     return value
 
 

@@ -26,6 +26,7 @@ from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
 from oncely._core.observe import key_for_logs, redact_keys
 from oncely._core.records import Status
+from oncely.brokers._common import flag
 from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
 from oncely.errors import BrokerUnavailable, ConfigurationError, UndecodableBody
@@ -144,7 +145,7 @@ class InboxProcessor:
             )
         self.offsets: AsyncKeepsOffsets[Any] | None = None
         """The store that keeps the offsets, with ``store_offsets=True``."""
-        if store_offsets:
+        if flag(store_offsets, "store_offsets"):
             if mode != "transactional":
                 raise ConfigurationError(
                     "store_offsets writes the offset in the handler's transaction: it needs "
@@ -425,6 +426,7 @@ class BrokerConsumer:
         store_offsets: bool = False,
         tracing: Tracing = False,
     ) -> None:
+        flag(store_offsets, "store_offsets")
         if isinstance(inbox, AsyncInbox):
             if handler is None:
                 raise ConfigurationError("BrokerConsumer needs a handler to run through the inbox")
@@ -522,7 +524,7 @@ class BrokerConsumer:
         redelivers whatever was not settled. Returns after a graceful stop (see
         ``shutdown_grace``)."""
         loop = asyncio.get_running_loop()
-        if handle_signals:
+        if flag(handle_signals, "handle_signals"):
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
         purge: AsyncPurgeService | None = None

@@ -21,7 +21,7 @@ from confluent_kafka import TopicCollection
 from confluent_kafka.admin import AdminClient
 
 from oncely._core.said import said
-from oncely.brokers._common import require_message_id
+from oncely.brokers._common import flag, require_message_id
 from oncely.brokers.kafka._records import (
     LIBRDKAFKA_LOGGER,
     SHARED_URL_OPTIONS,
@@ -145,6 +145,7 @@ class KafkaProducer:
     ) -> None:
         self.topic = check_topic("topic", topic)
         self.cluster = cluster
+        flag(idempotence, "idempotence")
         if timeout <= timedelta(0) or connect_timeout <= timedelta(0):
             raise ConfigurationError("the producer's timeout and connect_timeout must be positive")
         self._connect_timeout = connect_timeout
