@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -33,7 +34,7 @@ from oncely.brokers import (
     open_producer,
     open_transport,
 )
-from oncely.brokers.kafka import Kafka, KafkaProducer
+from oncely.brokers.kafka import Kafka, KafkaProducer, Tombstone
 from oncely.brokers.kafka._producer import topic_id
 from oncely.brokers.kafka._records import Cluster
 from oncely.brokers.kafka._transport import _DONE as DONE
@@ -59,6 +60,7 @@ from tests.brokers.suite import (
     fetch_one,
     total,
 )
+from tests.services import POSTGRES_DSN
 
 pytestmark = pytest.mark.services
 
@@ -976,7 +978,9 @@ class TestKafka(BrokerSuite):
     async def test_a_dead_letter_copy_keeps_a_null_value_and_null_headers(self) -> None:
         """A tombstone (null value) with a null header is refused and dead-lettered. Before,
         the copy carried b"" for both, which a reader of the dead-letter topic cannot tell
-        from an empty body or an empty header; now both stay null."""
+        from an empty body or an empty header; now both stay null. The reason says what a
+        tombstone is and how to take them (it said "there is nothing to process", which on
+        a compacted topic is wrong: a tombstone deletes its key), and no handler sees it."""
         producer = await self._raw_producer()
         await producer.send(
             self.source, None, [("message-id", b"tomb"), ("trace", None)], key=b"k1"
@@ -988,7 +992,74 @@ class TestKafka(BrokerSuite):
         headers = dict(copy.headers)
         assert copy.value is None and copy.key == b"k1"
         assert headers["trace"] is None and headers["message-id"] == b"tomb"
-        assert b"tombstone" in headers["x-oncely-reason"]
+        reason = headers["x-oncely-reason"].decode()
+        assert "tombstone" in reason and "deletion of its record key" in reason
+        assert "tombstones='handle'" in reason and "oncely.brokers.kafka.Tombstone" in reason
+        assert worker.counts == Counter({"rejected": 1}) and self.ledger.counts() == {}
+
+    @pytest.mark.parametrize("mode", ["transactional", "two_phase"])
+    async def test_tombstones_handle_hands_them_to_the_handler_as_tombstone(
+        self, mode: str
+    ) -> None:
+        """``tombstones="handle"``: a compacted topic's consumer deletes the row a tombstone
+        names, in the marker's transaction. Before, every tombstone was dead-lettered and the
+        row it deletes stayed. The handler tells a tombstone (a :class:`Tombstone` holding
+        the record key) from an empty body (``""`` as text/plain, never a Tombstone); a
+        tombstone is keyed by its message id like any record (R2): the producer's retry is
+        a duplicate, and a tombstone without one is dead-lettered, never run unprotected."""
+        producer = KafkaProducer(self.url, self.source)
+        self.after(producer.close)
+        await producer.publish(body("a"), message_id="put-a", key="a")
+        await producer.publish(None, message_id="del-a", key="a")
+        await producer.publish(None, message_id="del-a", key="a")  # the producer's retry
+        await producer.publish(body("b"), message_id="put-b", key="b")
+        await producer.publish(b"", message_id="empty-c", key="c", content_type="text/plain")
+        raw = await self._raw_producer()
+        await raw.send(self.source, None, [], key=b"d")  # a foreign tombstone: no message id
+        seen: list[object] = []
+        table = self.ledger.table
+
+        async def keep_in(tx: Any, payload: object) -> None:
+            seen.append(payload)
+            if isinstance(payload, Tombstone):  # the record of its key is deleted
+                await tx.execute(f"DELETE FROM {table} WHERE key = %s", (payload.text,))
+            elif isinstance(payload, str):  # an empty text/plain body
+                await self.ledger.apply_in(tx, "c", payload)
+            else:
+                await self.apply_in(tx, payload)  # type: ignore[arg-type]
+
+        async def keep(payload: object) -> None:
+            async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as c:
+                await keep_in(c, payload)
+
+        worker = self.consumer(
+            keep_in if mode == "transactional" else keep,
+            mode=mode,  # type: ignore[arg-type]
+            transport=self.transport(tombstones="handle"),
+        )
+        async with running(worker):
+            await wait_until(lambda: sum(worker.counts.values()) == 6, what="six records")
+        assert worker.counts == Counter({"processed": 4, "duplicate": 1, "rejected": 1})
+        assert self.ledger.counts() == {"b": 1, "c": 1}
+        assert Tombstone(b"a") in seen and "" in seen and len(seen) == 4
+        assert [p for p in seen if isinstance(p, Tombstone)] == [Tombstone(b"a")]
+        (copy,) = await self._read_all(f"{self.source}.dead")
+        assert copy.value is None and copy.key == b"d"
+        assert b"message id" in dict(copy.headers)["x-oncely-reason"]
+
+    async def test_the_tombstones_option_takes_dead_letter_or_handle_only(self) -> None:
+        assert self.transport().tombstones == "dead_letter"
+        made = open_transport(f"{self.url}?tombstones=handle", self.source, group=self.group)
+        assert isinstance(made, Kafka) and made.tombstones == "handle"
+        with pytest.raises(oncely.ConfigurationError, match="tombstones must be one of"):
+            open_transport(f"{self.url}?tombstones=yes", self.source, group=self.group)
+        for given in ("yes", True, "Handle", None):
+            with pytest.raises(oncely.ConfigurationError, match=f"not {re.escape(repr(given))}"):
+                self.transport(tombstones=given)
+        producer = KafkaProducer(self.url, self.source)
+        self.after(producer.close)
+        with pytest.raises(oncely.ConfigurationError, match="give the key it deletes"):
+            await producer.publish(None, message_id="del-x")
 
     async def test_a_key_header_given_twice_with_two_values_is_refused_not_read_as_the_first(
         self,

@@ -36,8 +36,22 @@ never a key (R4) and go to ``Envelope.transport`` only, with the record key (``r
 which is a business key only when you say so (a key source of your own reading it from the
 body or a header). A record whose ``message-id`` header is given twice with two values, or
 whose id is not UTF-8, is refused; so is one keyed on another header (``HeaderKey``, the
-CloudEvents id and source) that it gives twice with two values; a tombstone (no value) is
-refused.
+CloudEvents id and source) that it gives twice with two values.
+
+Tombstones
+----------
+A record whose value is null is a tombstone: on a compacted topic, "delete what is kept for
+this record key". By default (``tombstones="dead_letter"``) it is dead-lettered, never handed
+to a handler that expects a body: the copy keeps the null value and the record key, and
+``x-oncely-reason`` says it is a tombstone and how to take them. ``Kafka(...,
+tombstones="handle")`` (the URL option ``tombstones=handle``) hands each tombstone to the
+handler, in its partition's order, as a :class:`Tombstone` holding the record key; a record
+with an empty value is no tombstone (its body is ``b""``), so ``isinstance(payload,
+Tombstone)`` tells the two apart. A tombstone is keyed like any record (its ``message-id``
+header by default, R2): ``KafkaProducer.publish(None, message_id=..., key=...)`` writes one,
+and one without a key (most foreign producers write tombstones without headers) is
+dead-lettered as ``rejected``. Never key tombstones on the record key alone: a key deleted,
+written again and deleted again would be a duplicate the second time, and its row kept.
 
 How it reads and commits
 ------------------------
@@ -155,6 +169,7 @@ except ModuleNotFoundError as exc:
 from oncely.brokers.kafka._producer import KafkaProducer
 from oncely.brokers.kafka._records import LOGGER as LOGGER
 from oncely.brokers.kafka._records import MESSAGE_ID_HEADER as MESSAGE_ID_HEADER
+from oncely.brokers.kafka._records import Tombstone
 from oncely.brokers.kafka._transport import Kafka, KafkaDelivery
 
-__all__ = ["Kafka", "KafkaDelivery", "KafkaProducer"]
+__all__ = ["Kafka", "KafkaDelivery", "KafkaProducer", "Tombstone"]

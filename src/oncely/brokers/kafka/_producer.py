@@ -188,7 +188,7 @@ class KafkaProducer:
 
     async def publish(
         self,
-        body: bytes,
+        body: bytes | None,
         *,
         message_id: str,
         headers: Mapping[str, str] | None = None,
@@ -198,12 +198,22 @@ class KafkaProducer:
     ) -> None:
         """Write one record and return once the broker has it. Raises
         :class:`~oncely.BrokerUnavailable` when it could not be written in time; retrying with
-        the same ``message_id`` is then safe (a second copy is a duplicate downstream)."""
+        the same ``message_id`` is then safe (a second copy is a duplicate downstream).
+
+        ``body=None`` writes a tombstone (a null value: on a compacted topic, the deletion of
+        the record key), with its message id like any record and no content type; it needs
+        the ``key`` it deletes (the message id is no key to delete)."""
         require_message_id(message_id)
+        if body is None and key is None:
+            raise ConfigurationError(
+                "a tombstone (body=None) deletes its record key: give the key it deletes (key=...)"
+            )
         await self.send(
             self.topic,
             body,
-            record_headers(message_id, headers, content_type, correlation_id),
+            record_headers(
+                message_id, headers, content_type if body is not None else None, correlation_id
+            ),
             key=key if key is not None else message_id,
         )
 

@@ -181,10 +181,45 @@ def header_map(
     return out, refusal
 
 
-def envelope_of(record: Any, group: str, attempt: int) -> tuple[Envelope, str | None]:
+TOMBSTONE_CHOICES = ("dead_letter", "handle")
+"""What a consumer does with a tombstone: dead-letter it (the default) or hand it out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """The payload a handler gets for a Kafka tombstone, a record whose value is null, when
+    its transport hands tombstones out (``Kafka(..., tombstones="handle")``, the URL option
+    ``tombstones=handle``). On a compacted topic a tombstone means "delete what is kept for
+    this record key": ``key`` is that record key, its bytes as the producer wrote them
+    (``None`` for a record without one). A record with an empty value is not a tombstone: its
+    body is ``b""`` (the default decoder refuses it as JSON), so ``isinstance(payload,
+    Tombstone)`` tells the two apart. A tombstone is keyed like any record (its
+    ``message-id`` header by default) and its fingerprint is its record key's."""
+
+    key: bytes | None
+
+    @property
+    def text(self) -> str | None:
+        """The record key as text (bytes that are not UTF-8 kept as escapes), or ``None``."""
+        return None if self.key is None else wire_text(self.key)
+
+
+TOMBSTONE_REFUSAL = (
+    "the record has no value: a tombstone (on a compacted topic, the deletion of its record "
+    "key), and this consumer takes none; to handle tombstones (delete what the key names), "
+    "open the transport with tombstones='handle' (URL option tombstones=handle): the handler "
+    "then gets an oncely.brokers.kafka.Tombstone holding the record key"
+)
+
+
+def envelope_of(
+    record: Any, group: str, attempt: int, *, tombstones: bool = False
+) -> tuple[Envelope, str | None]:
     """The envelope of an aiokafka ``ConsumerRecord`` and why it cannot be read, if it
     cannot. The partition and offset go to ``Envelope.transport`` only: a producer retry is a
-    new record at a new offset, so they are never a key (R4)."""
+    new record at a new offset, so they are never a key (R4). A tombstone (a null value) is
+    refused, with a reason saying how to take tombstones; with ``tombstones``, its body is a
+    :class:`Tombstone` (and ``transport["tombstone"]`` is true)."""
     headers, refusal = header_map(record.headers or ())
     message_id = headers.get(MESSAGE_ID_HEADER) or None
     correlation_id = headers.get(CORRELATION_HEADER) or None
@@ -210,9 +245,13 @@ def envelope_of(record: Any, group: str, attempt: int) -> tuple[Envelope, str | 
                 (f"content type (header {CONTENT_TYPE_HEADER})", content_type),
             )
         )
-    body = record.value
-    if body is None and refusal is None:
-        refusal = "the record has no value (a tombstone); there is nothing to process"
+    body: object = record.value
+    if body is None:
+        transport["tombstone"] = True
+        if tombstones:
+            body = Tombstone(None if key is None else bytes(key))
+        elif refusal is None:
+            refusal = TOMBSTONE_REFUSAL
     return (
         Envelope(
             body=body if body is not None else b"",

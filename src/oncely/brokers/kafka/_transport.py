@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from dataclasses import dataclass, field
 from datetime import timedelta
 from time import monotonic
-from typing import Any, Self
+from typing import Any, Literal, Self, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -33,6 +33,7 @@ from oncely.brokers.kafka._producer import TOPIC_MISSING, KafkaProducer, TopicId
 from oncely.brokers.kafka._records import (
     LOGGER,
     SHARED_URL_OPTIONS,
+    TOMBSTONE_CHOICES,
     Cluster,
     check_topic,
     envelope_of,
@@ -49,6 +50,7 @@ _TRANSPORT_OPTIONS = (
     "max_buffered",
     "timeout",
     "connect_timeout",
+    "tombstones",
     *SHARED_URL_OPTIONS,
 )
 _POLL_SLACK = 0.1
@@ -70,6 +72,8 @@ mid-run."""
 _REMEMBERED = 10_000
 """How many records' run counts a member keeps for partitions it gave up (the oldest are
 forgotten first): enough for every partition's blocked head, bounded whatever happens."""
+
+Tombstones = Literal["dead_letter", "handle"]
 
 _FENCED = (CommitFailedError, IllegalStateError, IllegalGenerationError, UnknownMemberIdError)
 
@@ -139,6 +143,12 @@ class Kafka:
     source or the dead-letter topic, when missing); ``max_buffered`` the records fetched
     ahead per partition before its fetching pauses; ``timeout`` bounds each commit and
     dead-letter write, ``connect_timeout`` reaching the cluster and joining the group.
+
+    ``tombstones`` is what becomes of a record whose value is null (a tombstone: on a
+    compacted topic, the deletion of its record key): ``"dead_letter"`` (the default) copies
+    it to the dead-letter topic with a reason that says so, and no handler sees it;
+    ``"handle"`` hands it to the handler, whose payload is then an
+    :class:`~oncely.brokers.kafka.Tombstone` holding the record key.
     """
 
     name = "kafka"
@@ -169,6 +179,7 @@ class Kafka:
         max_buffered: int = 1000,
         timeout: timedelta = timedelta(seconds=30),
         connect_timeout: timedelta = timedelta(seconds=10),
+        tombstones: Tombstones = "dead_letter",
     ) -> None:
         cluster, options = Cluster.from_url(url)
         options.done(_TRANSPORT_OPTIONS, read_by="open_transport() and Kafka.from_url()")
@@ -183,6 +194,7 @@ class Kafka:
             max_buffered,
             timeout,
             connect_timeout,
+            tombstones,
         )
 
     def _setup(
@@ -197,6 +209,7 @@ class Kafka:
         max_buffered: int,
         timeout: timedelta,
         connect_timeout: timedelta,
+        tombstones: Tombstones = "dead_letter",
     ) -> None:
         self.cluster = cluster
         self.source = check_topic("topic", source)
@@ -222,6 +235,11 @@ class Kafka:
         self.partitions = partitions
         self.max_buffered = max_buffered
         self.timeout = timeout
+        if not isinstance(tombstones, str) or tombstones not in TOMBSTONE_CHOICES:
+            raise ConfigurationError(
+                f"tombstones must be 'dead_letter' or 'handle', not {tombstones!r}"
+            )
+        self.tombstones: Tombstones = tombstones
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._owned: dict[TopicPartition, _Partition] = {}
@@ -260,8 +278,8 @@ class Kafka:
     ) -> Self:
         """The transport for ``kafka://host:port[,host:port]?options``. Options:
         ``session_timeout``, ``revoke_grace``, ``timeout`` and ``connect_timeout`` (seconds),
-        ``partitions``, ``max_buffered``, ``security_protocol``, ``sasl_mechanism``,
-        ``client_id``.
+        ``partitions``, ``max_buffered``, ``tombstones`` (``dead_letter`` or ``handle``),
+        ``security_protocol``, ``sasl_mechanism``, ``client_id``.
         ``ack_wait``, where given, is the session timeout (Kafka has no per-record ack
         wait: a member's partitions move once its session lapses)."""
         cluster, options = Cluster.from_url(url)
@@ -271,6 +289,7 @@ class Kafka:
         buffered = options.integer("max_buffered", 1000)
         timeout = options.seconds("timeout", timedelta(seconds=30))
         connect = options.seconds("connect_timeout", timedelta(seconds=10))
+        tombstones = options.choice("tombstones", "dead_letter", TOMBSTONE_CHOICES)
         options.done(_TRANSPORT_OPTIONS)
         made = cls.__new__(cls)
         made._setup(
@@ -284,6 +303,7 @@ class Kafka:
             buffered,
             timeout,
             connect,
+            cast(Tombstones, tombstones),
         )
         return made
 
@@ -1204,7 +1224,9 @@ class KafkaDelivery:
         """The stream of the log the record was read from: a position stored after the
         topic was created again under its name (a dead letter copied late) must not go
         under the new log's stream, whose records it would skip."""
-        self._envelope, self._refusal = envelope_of(held.record, transport.group, held.attempt)
+        self._envelope, self._refusal = envelope_of(
+            held.record, transport.group, held.attempt, tombstones=transport.tombstones == "handle"
+        )
 
     @property
     def envelope(self) -> Envelope:
