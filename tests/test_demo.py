@@ -11,6 +11,7 @@ import multiprocessing
 import signal
 import sqlite3
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,23 @@ def test_r5_sqlite_store_url_reruns_do_not_collide(
 
 def test_no_child_process_outlives_the_demo(report: DemoReport) -> None:
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_r1_the_command_fails_when_an_oncely_consumer_applies_a_payment_twice(
+    report: DemoReport,
+    consumer: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m oncely.demo`` fails as ``oncely demo`` does when an oncely consumer shows an
+    extra effect; it used to look only at lost and unsettled messages. The naive consumer's
+    extra effects are what the demo shows, never a failure."""
+    monkeypatch.setattr("oncely.demo.__main__.run_demo", lambda options: report)
+    assert main(["--json"]) == 0
+    consumers = dict(report.consumers)
+    consumers[consumer] = replace(consumers[consumer], extra_effects=1)
+    doubled = DemoReport(report.options, report.run_id, consumers)
+    monkeypatch.setattr("oncely.demo.__main__.run_demo", lambda options: doubled)
+    assert main(["--json"]) == (0 if consumer == "naive" else 1)
+    capsys.readouterr()
