@@ -65,6 +65,21 @@ def test_r19_a_readme_section_runs_on_its_own_as_written(tmp_path: Path, title: 
     _run_in_order(run, f"{title} (on its own):", tmp_path)
 
 
+def test_r19_each_testing_block_runs_on_its_own_as_written(tmp_path: Path) -> None:
+    """A user copies one of the "Testing your own consumers" blocks into a test file: each
+    must run alone, from its own imports. Before, the first used ``oncely`` and the second
+    ``asyncio`` and ``oncely`` that only the tour imports (``NameError`` on their own)."""
+    start = README.index("## Testing your own consumers")
+    end = README.index("\n## ", start + 3)
+    found = re.findall(r"```(\w+)\n(.*?)```", README[start:end], re.S)
+    blocks = [code for lang, code in found if lang == "python"]
+    assert len(blocks) >= 2
+    for number, code in enumerate(blocks, 1):
+        where = tmp_path / str(number)
+        where.mkdir()
+        _run_in_order([code], f"Testing your own consumers block {number} (alone):", where)
+
+
 def test_the_readme_excerpts_are_in_the_examples_the_tests_run() -> None:
     excerpts = [code for code in _python_blocks() if code.startswith("# from examples/")]
     assert excerpts
