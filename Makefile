@@ -1,27 +1,47 @@
 # The two set-up commands of the README:
 #   make demo   create .venv, install oncely, run `oncely demo` on the embedded SQLite default
 #   make test   install the dev extras, check generated code, lint, type-check, run every test
+# PYTHON: the interpreter that creates the venv, 3.11 or newer (make demo PYTHON=python3.12).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# The oldest Python oncely runs on (pyproject.toml's requires-python).
+MIN_PYTHON := 3.11
+# Exits 1 with a message naming the interpreter when it is older than MIN_PYTHON.
+CHECK_PYTHON = -c 'import sys; want = tuple(map(int, "$(MIN_PYTHON)".split("."))); \
+	sys.exit(0 if sys.version_info >= want else "oncely needs Python $(MIN_PYTHON) or newer; " \
+	f"{sys.executable} is {sys.version.split()[0]}")'
 
 .PHONY: demo test lint typecheck generate bench clean
 
+# The version is checked before the venv is made: pip would fail on an older Python only
+# after the venv exists, and every later make would reuse that broken venv.
 $(VENV)/bin/python:
+	@$(PYTHON) $(CHECK_PYTHON) || { echo "choose a Python $(MIN_PYTHON)+ interpreter: \
+	make $(or $(MAKECMDGOALS),demo) PYTHON=python$(MIN_PYTHON)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# A venv an older oncely or Python left behind is refused with the way out.
+define check_venv
+	@$(PY) $(CHECK_PYTHON) || { echo "$(VENV) was made with that Python: make clean, then \
+	make $(or $(MAKECMDGOALS),demo) PYTHON=python$(MIN_PYTHON)" >&2; exit 1; }
+endef
+
 $(VENV)/.installed-demo: pyproject.toml | $(VENV)/bin/python
+	$(check_venv)
 	$(PY) -m pip install --quiet -e '.[sqlite,cli]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
+	$(check_venv)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@ $(VENV)/.installed-demo
 
 $(VENV)/.installed-bench: pyproject.toml | $(VENV)/bin/python
+	$(check_venv)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $@
 
