@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import types
 
 import oncely
 import oncely.testing
@@ -13,6 +14,22 @@ def test_all_is_sorted_and_importable() -> None:
     assert oncely.__all__ == sorted(oncely.__all__)
     for name in oncely.__all__:
         assert getattr(oncely, name) is not None, name
+
+
+def test_dir_lists_the_api_and_the_submodules_only() -> None:
+    """``dir(oncely)`` (what a REPL completes) is ``__all__`` plus the submodules imported so
+    far: a user found ``TYPE_CHECKING``, ``importlib`` and ``warnings`` there, which are not
+    oncely's API, and no ``AsyncSQLiteStore``, which is imported on first use."""
+    names = dir(oncely)
+    assert set(oncely.__all__) <= set(names)
+    public = {n for n in names if not n.startswith("_")}
+    submodules = {
+        n
+        for n in public
+        if isinstance(getattr(oncely, n), types.ModuleType)
+        and getattr(oncely, n).__name__ == f"oncely.{n}"
+    }
+    assert public - submodules == {n for n in oncely.__all__ if not n.startswith("_")}
 
 
 def _public_methods(cls: type) -> set[str]:

@@ -11,9 +11,10 @@ The public API lives here and nowhere else; every name below is stable. Start wi
     if handled.outcome is oncely.Outcome.KEY_CONFLICT: ...
 """
 
-import importlib
-import warnings
-from typing import TYPE_CHECKING
+# Aliased so that dir(oncely) lists the API, not this module's tools.
+import importlib as _importlib
+import typing as _typing
+import warnings as _warnings
 
 from oncely._core import records as _records
 from oncely._core.clock import Clock, FakeClock, SystemClock
@@ -99,7 +100,7 @@ from oncely.stores.sync_purging import PurgeService
 
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:  # the optional stores, for type checkers; imported lazily at run time
+if _typing.TYPE_CHECKING:  # the optional stores, for type checkers; imported lazily at run time
     from oncely._core.records import Claim as Claim
     from oncely._core.records import ClaimRequest as ClaimRequest
     from oncely._core.records import ClaimStatus as ClaimStatus
@@ -129,7 +130,7 @@ _MOVED = {"Claim", "ClaimRequest", "ClaimStatus"}
 
 def __getattr__(name: str) -> object:
     if name in _MOVED:
-        warnings.warn(
+        _warnings.warn(
             f"oncely.{name} is for store authors and moved to oncely.stores.{name}",
             DeprecationWarning,
             stacklevel=2,
@@ -138,7 +139,12 @@ def __getattr__(name: str) -> object:
     package = _OPTIONAL.get(name)
     if package is None:
         raise AttributeError(f"module 'oncely' has no attribute {name!r}")
-    return getattr(importlib.import_module(package), name)
+    return getattr(_importlib.import_module(package), name)
+
+
+def __dir__() -> list[str]:
+    """The module's names and every name of ``__all__``, those imported on first use included."""
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [
