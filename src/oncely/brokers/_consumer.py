@@ -71,8 +71,9 @@ def decode_body(envelope: Envelope) -> object:
             return json.loads(raw)
         except ValueError as exc:
             raise UndecodableBody(
-                f"the body is not JSON ({exc}); send JSON, set a content type, or give the "
-                "consumer a decoder (decode=...)"
+                f"the body is not JSON ({exc}); send JSON, or a content type that says what it "
+                "is (text/plain: a str, application/octet-stream: bytes), or give "
+                "BrokerConsumer a decoder (decode=...)"
             ) from None
     if kind.startswith("text/"):
         try:
