@@ -143,6 +143,18 @@ def test_r4_message_id_key_never_reads_transport_data() -> None:
         MessageIdKey()(env)
 
 
+def test_r2_an_id_the_client_made_up_is_missing_with_the_transports_reason() -> None:
+    """A transport that found only an id its client library made up (aio-pika's
+    ``uuid4().hex``) gives no ``message_id`` and says why: the key source refuses with that
+    reason, and a ``FirstOf`` passes on to its next source (a header the message carries)."""
+    env = Envelope(body=b"", headers={"x-order": "o-1"}, message_id_refusal="made up by the client")
+    with pytest.raises(MissingKey, match="made up by the client"):
+        MessageIdKey()(env)
+    assert FirstOf(MessageIdKey(), HeaderKey("x-order"))(env) == "o-1"
+    with pytest.raises(MissingKey, match=r"'x-other' header.*made up by the client"):
+        FirstOf(HeaderKey("x-other"), MessageIdKey())(env)
+
+
 # ------------------------------------------------------------------ CloudEventsKey
 
 

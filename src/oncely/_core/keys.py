@@ -273,6 +273,10 @@ class Envelope:
 
     Adapters decode wire bytes with :func:`oncely.wire.wire_text`, so an id that is not
     UTF-8 arrives as text with escape code points; every key source refuses it (R2).
+
+    ``message_id_refusal`` says why the message's id was not taken as the producer's (an id
+    the client library made up for a message published without one, as aio-pika does):
+    ``message_id`` is then ``None``, and :class:`MessageIdKey` gives this as its reason.
     """
 
     body: object
@@ -281,6 +285,7 @@ class Envelope:
     correlation_id: str | None = None
     delivery_count: int | None = None
     transport: Mapping[str, object] = field(default_factory=dict)
+    message_id_refusal: str | None = None
 
 
 class KeySource(Protocol):
@@ -327,6 +332,9 @@ class MessageIdKey:
 
     def __call__(self, envelope: Envelope) -> str:
         if not envelope.message_id:
+            if envelope.message_id_refusal:
+                # An id the client made up, not the producer's: as good as none (R2, R4).
+                raise MissingKey(envelope.message_id_refusal)
             raise MissingKey(
                 "the message has no producer-assigned message id; set one in the producer "
                 "(oncely's producer helpers do) or choose another key source"
