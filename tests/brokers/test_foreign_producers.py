@@ -15,6 +15,7 @@ import asyncio
 import base64
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,7 +26,14 @@ import pytest
 import redis
 
 import oncely
-from oncely.brokers import BrokerConsumer, ConsumerSettings, open_transport
+from oncely.brokers import (
+    BrokerConsumer,
+    ConsumerSettings,
+    new_message_id,
+    open_producer,
+    open_transport,
+)
+from oncely.brokers.rabbitmq._delivery import client_made_id
 from tests.brokers.common import remove_destinations, running, unique, wait_until
 from tests.brokers.foreign import (
     header_lines,
@@ -34,6 +42,7 @@ from tests.brokers.foreign import (
     publish_nats,
     read_nats_stream,
     stream_fields,
+    wait_for_queue,
     xadd_raw,
 )
 from tests.services import NATS_URL, RABBITMQ_URL, REDIS_URL, require
@@ -326,3 +335,155 @@ async def test_a_redis_entry_without_a_body_field_says_so() -> None:
         assert "no 'body' field" in copy.reason, copy.reason
     finally:
         await remove_destinations(REDIS_URL, source)
+
+
+# ---------------------------------------------------------------------- ids aio-pika made up
+#
+# aiormq (under aio-pika and FastStream) gives every message published without a message_id
+# one of its own, uuid4().hex, new on every publish: a producer's retry looked like a new
+# message and was processed twice. Such an id is refused as no producer's (R2-R4) where the
+# key is read from the message id, unless trust_hex_message_ids says the producers mint it.
+
+
+async def _publish_aio_pika(source: str, messages: Sequence[aio_pika.Message]) -> None:
+    """Publish ``messages`` to ``source`` as an aio-pika producer does (confirmed)."""
+    connection = await aio_pika.connect(RABBITMQ_URL)
+    async with connection:
+        channel = await connection.channel()
+        for message in messages:
+            await channel.default_exchange.publish(message, routing_key=source)
+
+
+async def _dead_copies(source: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """The dead-letter copies of ``source``: each one's message id and headers (as text)."""
+    connection = await aio_pika.connect(RABBITMQ_URL)
+    found: list[tuple[str | None, dict[str, Any]]] = []
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(f"{source}.dead", passive=True)
+        while (message := await queue.get(fail=False)) is not None:
+            headers = {name: _text(v) for name, v in (message.headers or {}).items()}
+            found.append((message.message_id, headers))
+            await message.ack()
+    return found
+
+
+async def _consume_aio_pika(
+    source: str,
+    messages: Sequence[aio_pika.Message],
+    *,
+    url: str = RABBITMQ_URL,
+    key: oncely.KeySource | None = None,
+) -> tuple[BrokerConsumer, list[Any]]:
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    effects: list[Any] = []
+
+    async def handler(payload: Any) -> None:
+        effects.append(payload)
+
+    inbox = oncely.AsyncInbox(oncely.AsyncMemoryStore(), consumer="foreign")
+    transport = open_transport(url, source, group="foreign")
+    consumer = BrokerConsumer(transport, inbox, handler, key=key, settings=SETTINGS)
+    async with running(consumer):
+        await asyncio.to_thread(wait_for_queue, source)  # the consumer declares it
+        await _publish_aio_pika(source, messages)
+        await wait_until(
+            lambda: sum(consumer.counts[o.value] for o in oncely.Outcome) >= len(messages),
+            timeout=timedelta(seconds=30),
+            what=f"all {len(messages)} messages to be settled",
+        )
+    return consumer, effects
+
+
+@pytest.fixture
+async def rabbit_source() -> AsyncIterator[str]:
+    source = unique("foreign_hex")
+    try:
+        yield source
+    finally:
+        await remove_destinations(RABBITMQ_URL, source)
+
+
+async def test_r2_r4_a_retry_published_by_aio_pika_without_an_id_is_not_processed_twice(
+    rabbit_source: str,
+) -> None:
+    """A user's repro: the same body published twice with aio-pika and no message id was
+    processed twice (each copy got its own made-up id). Both are dead-lettered as
+    ``rejected`` with a reason naming the fixes; each copy keeps the id it came with and
+    says it was made up."""
+    body = b'{"id": "x"}'
+    consumer, effects = await _consume_aio_pika(
+        rabbit_source, [aio_pika.Message(body), aio_pika.Message(body)]
+    )
+    counts = consumer.counts
+    assert effects == [] and counts["processed"] == 0, (effects, counts)
+    assert counts["rejected"] == 2, counts
+    copies = await _dead_copies(rabbit_source)
+    assert len(copies) == 2
+    for message_id, headers in copies:
+        assert message_id is not None and len(message_id) == 32  # kept as it came
+        assert headers["x-oncely-outcome"] == "rejected"
+        reason = headers["x-oncely-reason"]
+        assert repr(message_id) in reason and "aio-pika" in reason, reason
+        assert "new_message_id()" in reason and "trust_hex_message_ids=true" in reason
+        assert (
+            headers["x-oncely-no-message-id"]
+            == "the original had no message_id; this one is made up"
+        )
+
+
+async def test_r2_a_made_up_id_is_refused_only_where_the_key_falls_through_to_it(
+    rabbit_source: str,
+) -> None:
+    """Keyed by ``FirstOf(header, message id)``: a message carrying the header is keyed by it
+    whatever its made-up id (its retry is a duplicate); one without falls through to the
+    made-up id and is refused, the reason naming both sources."""
+
+    def order(n: str, **headers: Any) -> aio_pika.Message:
+        return aio_pika.Message(json.dumps({"order": n}).encode(), headers=headers or None)
+
+    consumer, effects = await _consume_aio_pika(
+        rabbit_source,
+        [order("1", **{"x-order": "o-1"}), order("1", **{"x-order": "o-1"}), order("2")],
+        key=oncely.FirstOf(oncely.HeaderKey("x-order"), oncely.MessageIdKey()),
+    )
+    counts = consumer.counts
+    assert effects == [{"order": "1"}], effects
+    assert counts["processed"] == 1 and counts["duplicate"] == 1 and counts["rejected"] == 1
+    ((_id, headers),) = await _dead_copies(rabbit_source)
+    reason = headers["x-oncely-reason"]
+    assert "'x-order' header" in reason and "aio-pika" in reason, reason
+
+
+async def test_r2_trust_hex_message_ids_takes_such_an_id_as_the_producers(
+    rabbit_source: str,
+) -> None:
+    """``?trust_hex_message_ids=true``: producers that mint uuid4 hex ids themselves (here
+    oncely's producer, told the same) are keyed by them, a retry is a duplicate."""
+    trusted = RABBITMQ_URL + "?trust_hex_message_ids=true"
+    minted = uuid.uuid4().hex
+    producer = open_producer(trusted, rabbit_source)
+    try:
+        await producer.publish(b'{"n": 1}', message_id=minted)
+        await producer.publish(b'{"n": 1}', message_id=minted)
+    finally:
+        await producer.close()
+    consumer, effects = await _consume_aio_pika(rabbit_source, [], url=trusted)
+    await wait_until(lambda: consumer.counts["duplicate"] >= 1, what="the retry")
+    assert effects == [{"n": 1}]
+    assert consumer.counts["processed"] == 1 and consumer.counts["rejected"] == 0
+
+
+async def test_r2_oncely_producer_never_sends_an_id_of_the_made_up_shape() -> None:
+    """``new_message_id()`` never has the shape; a caller's uuid4 hex id is refused at publish
+    (every consumer would dead-letter it) unless the producer is told it is trusted."""
+    assert all(not client_made_id(new_message_id()) for _ in range(1000))
+    assert client_made_id(uuid.uuid4().hex)
+    assert not client_made_id(uuid.uuid4().hex.upper())
+    assert not client_made_id(uuid.uuid1().hex)  # version 1: no client makes it up
+    producer = open_producer(RABBITMQ_URL, unique("foreign_hex_never_declared"))
+    try:
+        with pytest.raises(oncely.ConfigurationError, match="trust_hex_message_ids"):
+            await producer.publish(b"{}", message_id=uuid.uuid4().hex)
+    finally:
+        await producer.close()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def _consume(
     *options: str,
     handler: str = "record",
     settled: int,
+    broker: str = RABBITMQ_URL,
 ) -> tuple[str, list[dict[str, Any]]]:
     """Run ``oncely consume`` on a fresh queue until ``settled`` messages have a per-message
     log line, then SIGTERM it; its stderr and the effects its handler recorded."""
@@ -49,7 +51,7 @@ def _consume(
         "oncely.cli",
         "consume",
         "--broker",
-        RABBITMQ_URL,
+        broker,
         "--source",
         source,
         "--handler",
@@ -271,6 +273,43 @@ def test_the_key_and_body_limits_are_flags(tmp_path: Path) -> None:
     assert done == [{"order": 4}]
     (line,) = [line for line in _json_lines(err) if line.get("broker_action")]
     assert line["outcome"] == "processed" and line["key"].startswith("sha256:")
+
+
+def test_r2_r4_an_id_of_the_shape_aio_pika_makes_up_is_refused_unless_trusted(
+    tmp_path: Path,
+) -> None:
+    """aio-pika's client gives a message published without an id ``uuid4().hex``, a new one
+    on every publish: a producer's retry was processed twice. Such an id (sent here as it
+    arrives) is dead-lettered with the fixes named; the URL option
+    ``trust_hex_message_ids=true`` takes it as the producer's, so a retry is a duplicate."""
+    made_up = uuid.uuid4().hex
+    messages = [
+        (b'{"order": 8}', {"message_id": made_up}),
+        (b'{"order": 8}', {"message_id": made_up}),
+        (b'{"order": 9}', {"message_id": "m-9"}),
+    ]
+    err, done = _consume(tmp_path, messages, "--log-format", "json", settled=1)
+    assert done == [{"order": 9}]
+    lines = [line for line in _json_lines(err) if line.get("broker_action")]
+    refused = [line for line in lines if line["outcome"] == "rejected"]
+    assert len(refused) == 2, lines
+    for line in refused:
+        assert line["broker_action"] == "dead_letter"
+        assert made_up in line["reason"] and "trust_hex_message_ids=true" in line["reason"]
+
+    again = tmp_path / "trusted"
+    again.mkdir()
+    err, done = _consume(
+        again,
+        messages[:2],
+        "--log-format",
+        "json",
+        settled=1,
+        broker=RABBITMQ_URL + "?trust_hex_message_ids=true",
+    )
+    assert done == [{"order": 8}]
+    outcomes = sorted(line["outcome"] for line in _json_lines(err) if line.get("broker_action"))
+    assert outcomes == ["duplicate", "processed"]
 
 
 def test_r3_the_handler_can_get_a_cloudevents_data(tmp_path: Path) -> None:

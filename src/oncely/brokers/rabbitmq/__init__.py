@@ -77,11 +77,17 @@ headers and :class:`~oncely.CloudEventsKey` reads them (R3); publish events with
 ``cloudevent_headers(..., binding="amqp")`` so other AMQP consumers find them too. The
 delivery tag, the ``redelivered`` flag and ``x-delivery-count`` are per delivery and appear
 only in ``Envelope.transport`` and :meth:`describe <oncely.brokers.Delivery.describe>` (R4).
-Beware of producers built on aiormq (and so aio-pika): it gives every message published
-without a ``message_id`` a random one, so a retried publish becomes a new message; always set
-the id (:class:`RabbitMQProducer` requires it). For the same reason the dead-letter copy of a
-message that arrived without an id carries a random one; its ``x-oncely-reason`` says the
-original had none, so give it the producer's id before resubmitting it.
+Producers built on aiormq (aio-pika, FastStream) get a random ``message_id``, ``uuid4().hex``,
+on every message published without one, so a retried publish would look like a new message:
+where the key is read from the message id (:class:`~oncely.MessageIdKey`, the default, or a
+:class:`~oncely.FirstOf` whose earlier sources find nothing), an id of that exact shape is
+refused as made up (the message is dead-lettered as ``rejected``, the reason naming the fixes);
+a key read from a header or a body field the message carries is used whatever its id. Always
+set the id (:class:`RabbitMQProducer` requires it, and refuses that shape too), or, if your
+producers mint ``uuid4().hex`` ids themselves, say so with ``trust_hex_message_ids``. For the
+same reason the dead-letter copy of a message that arrived without an id carries a random one,
+and that of a message refused for a made-up id keeps it: ``x-oncely-no-message-id`` says the
+original had none of its producer's, so give it the producer's id before resubmitting it.
 
 Ack wait. RabbitMQ does not redeliver a message that a live consumer holds, so
 ``extend_every`` is ``None`` and ``ack_wait`` is accepted (for a URL shared with other brokers)
@@ -102,7 +108,8 @@ consumer that RabbitMQ neither cancels nor serves (seen on 3.10): restart the co
 deleting a queue they read.
 
 URL options: ``delivery_limit`` (whole number, 0 for none), ``declare`` (true/false),
-``heartbeat``, ``connect_timeout`` and ``confirm_timeout`` (seconds).
+``heartbeat``, ``connect_timeout`` and ``confirm_timeout`` (seconds), and
+``trust_hex_message_ids`` (true/false: take a ``uuid4().hex`` message id as the producer's).
 
 Tested (``tests/brokers/test_rabbitmq_*.py``, against a real RabbitMQ): producer retries with one
 message id, a connection killed under a slow handler (in_flight, then duplicate), two competing

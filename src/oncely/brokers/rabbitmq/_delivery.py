@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from oncely.brokers.rabbitmq._transport import RabbitMQ, Session
 
 _DEAD_LETTER_RETRY = timedelta(seconds=5)
+_TRUST = (
+    "add trust_hex_message_ids=true to the broker URL (trust_hex_message_ids=True to the "
+    "RabbitMQ transport)"
+)
 
 # The basic properties that are AMQP short strings, as aio-pika names them (and the AMQP name
 # a reason gives). Any of them may hold bytes that are not UTF-8 (see ._frames).
@@ -61,11 +66,34 @@ RAW_PROPERTY_HEADER = "x-oncely-raw-"
 """A dead-letter copy carries a property that is not UTF-8 as this header plus the property's
 name, holding its exact bytes (AMQP cannot send it as a property through the client)."""
 NO_MESSAGE_ID_HEADER = "x-oncely-no-message-id"
-"""On a dead-letter copy of a message that had no ``message_id``: the copy's own id was
-assigned by the client library (aiormq sets one on every publish), not by the producer."""
+"""On a dead-letter copy of a message that had no ``message_id``, or one the client library
+made up (see :func:`client_made_id`): the copy's id was assigned by the client library
+(aiormq sets one on every publish), not by the producer."""
+MADE_UP_NOTE = "the original had no message_id; this one is made up"
+"""The value of :data:`NO_MESSAGE_ID_HEADER`."""
+_CLIENT_MADE_ID = re.compile(r"[0-9a-f]{12}4[0-9a-f]{3}[89ab][0-9a-f]{15}\Z")
 RAW_HEADERS_HEADER = "x-oncely-raw-headers"
 """A dead-letter copy carries headers whose names are not UTF-8 here: a list of
 ``[name bytes, value]`` pairs."""
+
+
+def client_made_id(message_id: str) -> bool:
+    """Whether ``message_id`` has the shape aiormq (under aio-pika and FastStream) gives every
+    message published without one, ``uuid4().hex``: 32 lowercase hex digits with the version
+    nibble 4 and the variant nibble 8, 9, a or b. No producer's id then: a retried publish
+    carries a new one."""
+    return len(message_id) == 32 and _CLIENT_MADE_ID.match(message_id) is not None
+
+
+def made_up_reason(message_id: str, trust: str) -> str:
+    """Why ``message_id`` (see :func:`client_made_id`) is no key, and the fixes; ``trust``
+    says how to declare that the producers mint such ids themselves."""
+    return (
+        f"the message id {message_id!r} has the shape aio-pika's client gives a message "
+        "published without one (uuid4().hex): it is not a producer's id, so a retry would "
+        "look new (R2, R4). Publish with a message id of your own (oncely's producer, or "
+        f"message_id=new_message_id()), or {trust} if your producers mint this shape themselves"
+    )
 
 
 def _header_value(value: object) -> object:
@@ -106,6 +134,7 @@ class RabbitMQDelivery:
         "_envelope",
         "_fields",
         "_identity",
+        "_made_up",
         "_message",
         "_refusal",
         "_session",
@@ -141,13 +170,27 @@ class RabbitMQDelivery:
         transport_fields = dict(self._fields)
         transport_fields["content_type"] = message.content_type
         transport_fields["content_encoding"] = message.content_encoding
+        message_id = message.message_id or None
+        made_up = None
+        if (
+            message_id is not None
+            and self._refusal is None
+            and not transport.trust_hex_message_ids
+            and client_made_id(message_id)
+        ):
+            # aiormq's id for a message published without one: no key of the producer's, but
+            # a key source that reads another field (a header, the body) may still find one.
+            made_up = made_up_reason(message_id, _TRUST)
+            message_id = None
+        self._made_up = made_up is not None
         self._envelope = Envelope(
             body=message.body,
-            message_id=message.message_id or None,
+            message_id=message_id,
             headers=headers,
             correlation_id=message.correlation_id or None,
             delivery_count=count,
             transport=transport_fields,
+            message_id_refusal=made_up,
         )
 
     @property
@@ -217,10 +260,10 @@ class RabbitMQDelivery:
             name: _sendable_property(name, getattr(message, name), headers)
             for name in _COPIED_PROPERTIES
         }
-        if message.message_id is None:
+        if message.message_id is None or self._made_up:
             # The client library gives every message it publishes an id; say this copy's was
             # not the producer's, so nobody replaying the dead letters takes it for one.
-            headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
+            headers[NO_MESSAGE_ID_HEADER] = MADE_UP_NOTE
         headers.update(why.headers())
         copy = self._copy(headers, text)
         topology = self._transport.topology

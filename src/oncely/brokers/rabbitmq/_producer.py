@@ -12,6 +12,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, DeliveryMode
 
 from oncely._urls import redact
 from oncely.brokers._common import require_message_id
+from oncely.brokers.rabbitmq._delivery import client_made_id
 from oncely.brokers.rabbitmq._frames import WholeHeaderNames, frame_max, header_frame
 from oncely.brokers.rabbitmq._topology import (
     DEFAULT_DELIVERY_LIMIT,
@@ -34,7 +35,9 @@ class RabbitMQProducer:
     the queue exists already (then it is used as it is) or ``declare=False``. Header names
     are sent whole up to AMQP's 255 bytes (aio-pika alone cuts them at 128); a longer one is
     refused with :class:`~oncely.ConfigurationError`, and so are headers larger than the
-    connection's ``frame_max`` (RabbitMQ would close the connection)."""
+    connection's ``frame_max`` (RabbitMQ would close the connection). So is a message id of
+    the shape aio-pika's client makes up (``uuid4().hex``), which the consumers refuse,
+    unless ``trust_hex_message_ids`` says your ids have it (as the consumers must say too)."""
 
     def __init__(
         self,
@@ -47,7 +50,9 @@ class RabbitMQProducer:
         heartbeat: timedelta = timedelta(seconds=60),
         connect_timeout: timedelta = timedelta(seconds=10),
         confirm_timeout: timedelta = timedelta(seconds=30),
+        trust_hex_message_ids: bool = False,
     ) -> None:
+        self.trust_hex_message_ids = trust_hex_message_ids
         self._link = Link(
             url,
             heartbeat=heartbeat,
@@ -115,6 +120,16 @@ class RabbitMQProducer:
                     f"has {size} (a longer id can travel in a header the consumers' key "
                     "source reads)"
                 )
+        if message_id and not self.trust_hex_message_ids and client_made_id(message_id):
+            # Every oncely consumer on RabbitMQ would dead-letter it as made up by the client.
+            raise ConfigurationError(
+                f"the message id {message_id!r} has the shape aio-pika's client gives a "
+                "message published without one (uuid4().hex), so oncely's consumers on "
+                "RabbitMQ take it for made up and dead-letter the message: use "
+                "new_message_id() or an id of your own, or, if your producers mint such ids, "
+                "pass trust_hex_message_ids=True here and to the consumers (the URL option "
+                "trust_hex_message_ids=true)"
+            )
         for name in headers or ():
             size = len(name.encode("utf-8", "surrogatepass"))
             if size > _SHORTSTR:

@@ -26,7 +26,14 @@ DEFAULT_DELIVERY_LIMIT = 20
 
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 _SCHEMES = ("amqp", "amqps")
-_URL_OPTIONS = ("delivery_limit", "declare", "heartbeat", "connect_timeout", "confirm_timeout")
+_URL_OPTIONS = (
+    "delivery_limit",
+    "declare",
+    "heartbeat",
+    "connect_timeout",
+    "confirm_timeout",
+    "trust_hex_message_ids",
+)
 _MAX_NAME_BYTES = 255
 
 
@@ -168,6 +175,7 @@ def parse_url(url: str) -> tuple[str, dict[str, Any]]:
         "heartbeat": options.seconds("heartbeat", timedelta(seconds=60)),
         "connect_timeout": options.seconds("connect_timeout", timedelta(seconds=10)),
         "confirm_timeout": options.seconds("confirm_timeout", timedelta(seconds=30)),
+        "trust_hex_message_ids": options.boolean("trust_hex_message_ids", False),
     }
     options.done(_URL_OPTIONS)
     if limit < 0:

@@ -94,7 +94,9 @@ class RabbitMQ:
     the topology must exist already (the queue, the dead-letter exchange and queue are
     checked passively). ``heartbeat`` is the AMQP
     heartbeat, ``connect_timeout`` bounds connecting and ``confirm_timeout`` waiting for the
-    broker to confirm a dead-letter copy.
+    broker to confirm a dead-letter copy. ``trust_hex_message_ids=True`` takes a message id
+    of the shape aio-pika's client gives a message published without one (``uuid4().hex``)
+    as the producer's; by default the key source refuses it (see the module docs).
 
     RabbitMQ gives a message back only when its consumer's channel closes: a dead consumer's
     at once, a stuck one's after the server's ``consumer_timeout`` (30 minutes unless the
@@ -115,7 +117,9 @@ class RabbitMQ:
         confirm_timeout: timedelta = timedelta(seconds=30),
         connection_name: str | None = None,
         consumer_timeout: timedelta = DEFAULT_CONSUMER_TIMEOUT,
+        trust_hex_message_ids: bool = False,
     ) -> None:
+        self.trust_hex_message_ids = trust_hex_message_ids
         if consumer_timeout < timedelta(0):
             raise ConfigurationError("consumer_timeout must not be negative")
         self.consumer_timeout = consumer_timeout
@@ -150,9 +154,10 @@ class RabbitMQ:
         ack_wait: timedelta | None = None,
     ) -> RabbitMQ:
         """The transport for ``url`` (options: ``delivery_limit``, ``declare``, ``heartbeat``,
-        ``connect_timeout``, ``confirm_timeout``) reading the queue ``source``. ``group``
-        names the connection; ``ack_wait`` is the server's ``consumer_timeout`` (RabbitMQ
-        holds a message for its live consumer as long as it takes, up to that)."""
+        ``connect_timeout``, ``confirm_timeout``, ``trust_hex_message_ids``) reading the
+        queue ``source``. ``group`` names the connection; ``ack_wait`` is the server's
+        ``consumer_timeout`` (RabbitMQ holds a message for its live consumer as long as it
+        takes, up to that)."""
         base, options = parse_url(url)
         return cls(
             base,

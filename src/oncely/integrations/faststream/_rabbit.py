@@ -4,7 +4,6 @@ is the source of truth, never the id FastStream or the client made up."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -15,10 +14,13 @@ from faststream.rabbit import RabbitQueue
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import REASON_HEADER, DeadLetter
 from oncely.brokers.rabbitmq._delivery import (
+    MADE_UP_NOTE,
     NO_MESSAGE_ID_HEADER,
     _delivery_count,
     _header_value,
     _sendable_headers,
+    client_made_id,
+    made_up_reason,
 )
 from oncely.brokers.rabbitmq._frames import (
     WholeHeaderNames,
@@ -32,9 +34,6 @@ from oncely.keys import Envelope
 
 __all__ = ["ADAPTER", "DELIVERIES_HEADER", "RabbitAdapter"]
 
-# aiormq gives every message published without an id ``uuid4().hex``: 32 lowercase hex
-# digits with the version nibble 4 and the variant nibble 8, 9, a or b.
-_CLIENT_ID = re.compile(r"[0-9a-f]{12}4[0-9a-f]{3}[89ab][0-9a-f]{15}\Z")
 DELIVERIES_HEADER = "x-oncely-delivered"
 """On a copy sent back to the queue for a retry: how many times the message was delivered
 (RabbitMQ's classic queues count no deliveries, and a requeue keeps no header)."""
@@ -138,13 +137,8 @@ def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
         if type(raw).__name__ == "PatchedMessage" and message_id == raw.correlation_id:
             # FastStream's test broker copies a made-up correlation id into message_id.
             message_id = None
-        elif not trust_hex and _CLIENT_ID.match(message_id):
-            refusal = (
-                f"the message id {message_id!r} has the shape aio-pika's client gives a message "
-                "published without one (uuid4().hex): it is not a producer's id, so a retry "
-                "would look new. Publish with message_id=new_message_id(), or pass "
-                "trust_hex_message_ids=True if your producers mint this shape themselves"
-            )
+        elif not trust_hex and client_made_id(message_id):
+            refusal = made_up_reason(message_id, "pass trust_hex_message_ids=True to Idempotency")
     envelope = Envelope(
         body=raw.body,
         message_id=message_id,
@@ -212,7 +206,7 @@ async def _dead_letter(
     """Publish a copy of ``raw`` to ``target`` with the reason, then ack the original."""
     headers = _sendable_headers(raw.headers or {})
     if raw.message_id is None:
-        headers[NO_MESSAGE_ID_HEADER] = "the original had no message_id; this one is made up"
+        headers[NO_MESSAGE_ID_HEADER] = MADE_UP_NOTE
     headers.update(why.headers())
     await _copy(broker, raw, target, headers)
     await raw.ack()
