@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -88,7 +89,7 @@ _MESSAGE_ID = MessageIdKey()
 class InboxRules:
     """What an inbox decides without I/O, for one consumer (see the module docstring)."""
 
-    __slots__ = ("codec", "consumer", "fingerprint", "limits", "observer")
+    __slots__ = ("codec", "consumer", "fingerprint", "limits", "observer", "room")
 
     def __init__(
         self,
@@ -98,12 +99,17 @@ class InboxRules:
         limits: Limits,
         codec: Codec,
         observer: Observer,
+        room: Callable[[], tuple[int, str] | None] | None = None,
     ) -> None:
         self.consumer = consumer
         self.fingerprint = fingerprint
         self.limits = limits
         self.codec = codec
         self.observer = observer
+        self.room = room
+        """The store's ``result_room`` (see :class:`~oncely.stores.async_protocols.BoundsResults`):
+        the most bytes of an encoded result its server takes, asked for each result, since
+        a store learns it when it connects."""
 
     def shown(self, key: str) -> str:
         """``key`` as a reason that is logged may say it: as the log lines show keys (a
@@ -258,6 +264,18 @@ class InboxRules:
         limit = self.limits.max_result_bytes
         if len(data) > limit:
             note = f"{RESULT_NOT_STORED}: {len(data)} bytes is over the limit of {limit}"
+            if strict:
+                raise ResultTooLarge(note)
+            self.observer.logger.error("oncely %s consumer=%s", note, self.consumer)
+            return None, note
+        if self.room is not None and (room := self.room()) is not None and len(data) > room[0]:
+            # Sent anyway, the server would refuse the statement (MariaDB/MySQL even drop the
+            # connection): the completion would fail after the handler ran, and a redelivery
+            # would run it again. Kept without it instead, as over max_result_bytes.
+            note = (
+                f"{RESULT_NOT_STORED}: {len(data)} bytes is over the {room[0]} the store can "
+                f"take ({room[1]})"
+            )
             if strict:
                 raise ResultTooLarge(note)
             self.observer.logger.error("oncely %s consumer=%s", note, self.consumer)

@@ -85,6 +85,7 @@ from oncely.errors import (
     PayloadError,
     Reject,
     ResolveRefused,
+    ResultTooLarge,
     ResultUnavailable,
     StoreError,
     StoreUnavailable,
@@ -213,9 +214,14 @@ async def _keep_result(
     """Store the handler's result with the claim made on ``conn``; without a result, look for
     the claim where the store can tell it is gone (a server that rolls a transaction back
     and goes on: MariaDB's deadlock victim, whose handler caught the error). Either raises
-    :class:`~oncely.TransactionEnded` when the claim is gone."""
+    :class:`~oncely.TransactionEnded` when the claim is gone. A result over what the
+    connection takes (MariaDB/MySQL's ``max_allowed_packet`` of a caller's older session)
+    fails the transaction as one over ``max_result_bytes`` does: a handler's failure."""
     if data is not None:
-        await store.set_result_in(conn, consumer, key, token=token, result=data)
+        try:
+            await store.set_result_in(conn, consumer, key, token=token, result=data)
+        except ResultTooLarge as exc:
+            raise _HandlerError(exc) from exc
         return
     held_in = getattr(store, "held_in", None)
     if held_in is not None:
@@ -311,6 +317,9 @@ class AsyncInbox:
             limits=self._limits,
             codec=codec if codec is not None else JSONCodec(),
             observer=Observer(hooks=hooks, logger=logger, log_keys=log_keys),
+            # A store whose server bounds a statement (MariaDB/MySQL's max_allowed_packet):
+            # a result over it is not kept, as one over max_result_bytes.
+            room=getattr(store, "result_room", None),
         )
         self._heartbeats = AsyncHeartbeats()
 

@@ -69,6 +69,7 @@ from oncely._core.table import lease_lost
 from oncely.errors import (
     ConfigurationError,
     LeaseLost,
+    ResultTooLarge,
     StoreUnavailable,
     TransactionEnded,
     TransactionRequired,
@@ -147,6 +148,9 @@ _BATCH = 500  # keys per multi-row statement of claim_many
 # The operations whose statements are not cut at read_timeout: they may take long by nature
 # (counts of the table, a page of a scan).
 _UNBOUNDED = frozenset({"stats", "scan"})
+# The bytes of a statement that writes a result kept for everything but the result: the SQL,
+# the consumer and key (up to 2848 bytes, written in hex), token, fingerprint, times and note.
+_STATEMENT_ROOM = 64 * 1024
 
 
 _AUTOCOMMITTED = (
@@ -250,6 +254,11 @@ class MySQLStore(SQLStoreBase[str]):
         # savepoint blocks are open on each caller connection, and the prefix of their names.
         self._depth: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
         self._savepoint_prefix = f"oncely_{next(_STORES)}_"
+        # The server's max_allowed_packet: the smallest any of the store's connections was
+        # opened with (a session copies the global value when it connects, and cannot change
+        # it), and each connection's own, a caller's read on its first stored result.
+        self._packet: int | None = None
+        self._packets: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -289,9 +298,46 @@ class MySQLStore(SQLStoreBase[str]):
 
     def _open(self) -> Connection:
         try:
-            return connect(self._settings)
+            conn = connect(self._settings)
         except DRIVER_ERRORS as exc:
             raise translate(exc, f"connecting to {self.url}") from exc
+        try:
+            self._packet_of(conn)
+        except BaseException:
+            close(conn)
+            raise
+        return conn
+
+    def _packet_of(self, conn: Connection, *, joined: bool = False) -> int:
+        """``conn``'s session ``max_allowed_packet``, read once per connection: the largest
+        statement the server takes on it. A larger one is refused, and MariaDB and MySQL
+        answer it by dropping the connection ("server has gone away")."""
+        packet = self._packets.get(conn)
+        if packet is None:
+            try:
+                rows = fetchall(conn, "SELECT @@SESSION.max_allowed_packet")
+            except DRIVER_ERRORS as exc:
+                raise translate(exc, "reading max_allowed_packet", joined=joined) from exc
+            packet = int(rows[0][0])
+            self._packets[conn] = packet
+            if self._packet is None or packet < self._packet:
+                self._packet = packet
+        return packet
+
+    def result_room(self) -> tuple[int, str] | None:
+        """The most bytes an encoded result may have for this store to keep it, and why;
+        None before the first connection. A result is sent in hex (two characters a byte)
+        within one statement, which the server's ``max_allowed_packet`` bounds: a result over
+        this is completed without it (as one over ``Limits.max_result_bytes``), not sent to
+        be refused after the handler ran."""
+        packet = self._packet
+        if packet is None:
+            return None
+        return (
+            max(0, (packet - _STATEMENT_ROOM) // 2),
+            f"the server's max_allowed_packet is {packet} bytes, and a result goes as hex, "
+            "twice its size",
+        )
 
     def _acquire(self) -> Connection:
         if self._closed:
@@ -910,6 +956,15 @@ class MySQLStore(SQLStoreBase[str]):
     def set_result_in(
         self, tx: Connection, consumer: str, key: str, *, token: str, result: bytes | None
     ) -> None:
+        if result is not None:
+            # A caller's connection may be older than the store's, opened with another value.
+            packet = self._packet_of(tx, joined=True)
+            if 2 * len(result) + _STATEMENT_ROOM > packet:
+                raise ResultTooLarge(
+                    f"result not stored: {len(result)} bytes is over what this connection's "
+                    f"max_allowed_packet of {packet} bytes takes (a result goes as hex, twice "
+                    "its size)"
+                )
         params = who(consumer, key)
         params.update(token=pack_token(token), result=result)
         try:
