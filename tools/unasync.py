@@ -53,6 +53,7 @@ RENAMES = {
     "AsyncBusiness": "Business",
     "AsyncStore": "Store",
     "AsyncTransactionalStore": "TransactionalStore",
+    "AsyncBoundsResults": "BoundsResults",
     "AsyncCompletesMany": "CompletesMany",
     "AsyncForgetsByToken": "ForgetsByToken",
     "AsyncKeepsOffsets": "KeepsOffsets",

@@ -107,7 +107,7 @@ class InboxRules:
         self.codec = codec
         self.observer = observer
         self.room = room
-        """The store's ``result_room`` (see :class:`~oncely.stores.async_protocols.BoundsResults`):
+        """The store's ``result_room`` (:class:`~oncely.stores.async_protocols.AsyncBoundsResults`):
         the most bytes of an encoded result its server takes, asked for each result, since
         a store learns it when it connects."""
 

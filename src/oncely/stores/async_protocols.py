@@ -20,6 +20,7 @@ from oncely._core.records import Claim, ClaimRequest, Completion, Record, Status
 from oncely.errors import LeaseLost
 
 __all__ = [
+    "AsyncBoundsResults",
     "AsyncCompletesMany",
     "AsyncForgetsByToken",
     "AsyncKeepsOffsets",
@@ -197,6 +198,19 @@ class AsyncPrepares(Protocol):
 
     async def prepare(self) -> None:
         """Connect and check the schema now; raise what the first operation would."""
+        ...
+
+
+@runtime_checkable
+class AsyncBoundsResults(Protocol):
+    """A store whose server refuses a value over some size (every built-in store but the
+    memory one): the inbox asks it for each result, and a larger one is completed without it,
+    as one over ``Limits.max_result_bytes``, instead of being sent and refused after the
+    handler ran (the work would then be done again)."""
+
+    def result_room(self) -> tuple[int, str] | None:
+        """The most bytes an encoded result may have for the store to keep it, and what sets
+        that (said in the record's note); None while unknown (not connected yet)."""
         ...
 
 

@@ -185,3 +185,15 @@ def test_a_newer_schema_is_refused(redis_url: str, prefix: str) -> None:
     with pytest.raises(SchemaTooNew, match="upgrade oncely"):
         store.get("billing", "k")
     client.close()
+
+
+def test_r10_the_result_room_is_redis_512_mb_bound() -> None:
+    """A result is one argument of the completion and one field of the record's string,
+    each at most 512 MB (proto-max-bulk-len): a larger one is completed without it."""
+    store = RedisStore.from_url("redis://127.0.0.1:6379/11")
+    try:
+        room, why = store.result_room()
+        assert room == 512 * 1024 * 1024 - 64 * 1024
+        assert "proto-max-bulk-len" in why
+    finally:
+        store.close()

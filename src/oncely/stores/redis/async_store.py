@@ -87,6 +87,9 @@ _VERSION_FIELD = b"schema_version"
 # Keys per script in a batch on a single Redis (a longer script blocks the server longer), and
 # keys per SCAN step for stats, scan and purge (memory stays bounded by this and ``limit``).
 _BATCH = 500
+# Redis refuses an argument over proto-max-bulk-len (512 MB unless configured otherwise), and
+# a string over 512 MB: a result is kept up to that, less room for the record's other fields.
+_RESULT_ROOM = 512 * 1024 * 1024 - 64 * 1024
 # Keys drawn by stats(exact=False) (RANDOMKEY, pipelined on a single Redis).
 _SAMPLE = 2000
 
@@ -554,6 +557,14 @@ class AsyncRedisStore:
             expires=now + keep_ms,
             result=None if result is None else bytes(result),
             error=note,
+        )
+
+    def result_room(self) -> tuple[int, str]:
+        """The most bytes an encoded result may have for this store to keep it, and why (a
+        larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
+        return (
+            _RESULT_ROOM,
+            "Redis takes at most 512 MB in one argument (proto-max-bulk-len) and one string",
         )
 
     async def complete_many(

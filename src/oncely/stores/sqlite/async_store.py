@@ -39,6 +39,7 @@ if ASYNC:
 else:
     from time import sleep
 
+import functools
 import os
 import random
 import sqlite3
@@ -101,6 +102,23 @@ except ImportError:  # pragma: no cover - Windows: one process leads the purge, 
     fcntl = None  # type: ignore[assignment]
 
 _PURGE_WRITE_ROWS = 100
+
+# SQLite refuses a string, a blob or a row over its length limit (SQLITE_MAX_LENGTH, 1e9 bytes
+# unless the library was built with another): a result is kept up to it, less room for the
+# row's other values.
+_ROW_ROOM = 64 * 1024
+
+
+@functools.cache
+def _length_limit() -> int:
+    """The SQLite library's length limit, as its connections start with it."""
+    probe = sqlite3.connect(":memory:")
+    try:
+        return int(probe.getlimit(sqlite3.SQLITE_LIMIT_LENGTH))
+    finally:
+        probe.close()
+
+
 """Rows a purge deletes (or moves) per write transaction (see ``_purge_batch``)."""
 
 
@@ -775,6 +793,15 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, now,
             values, purge_bucket(expires),
         )  # fmt: skip
+
+    def result_room(self) -> tuple[int, str]:
+        """The most bytes an encoded result may have for this store to keep it, and why (a
+        larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
+        limit = _length_limit()
+        return (
+            max(0, limit - _ROW_ROOM),
+            f"SQLite's length limit is {limit} bytes for a blob and for a row",
+        )
 
     async def complete_many(
         self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
