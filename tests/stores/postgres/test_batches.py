@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 import oncely
-from oncely._core.records import ClaimRequest
+from oncely._core.records import ClaimRequest, Completion
 from oncely._core.state import ClaimEvent, CompleteEvent, FailEvent
 from oncely._core.table import RecordTable
 from oncely.stores import ClaimStatus
@@ -138,3 +138,44 @@ def test_r8_a_batch_reads_existing_rows_by_primary_key_only(table: str, cache: s
         conn.rollback()
     scans = [line.strip() for line in plan.splitlines() if f" on {table}" in line]
     assert scans and all(s.startswith("->  Index Scan") or "Insert on" in s for s in scans), plan
+
+
+def test_r10_complete_many_sends_large_results_in_several_statements(
+    store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The results of one complete_many statement are one array value, which PostgreSQL bounds
+    at 1 GB: a batch whose results are together over the store's bound is completed in runs
+    within it (each result whole), not refused as a whole after every handler ran."""
+    import oncely.stores.postgres.sync_store as module
+
+    monkeypatch.setattr(module, "_MANY_BYTES", 25)
+    statements: list[int] = []
+    one = module.PostgresStore._complete_many
+
+    def counted(self: Any, consumer: str, completions: Any, keep_ms: int) -> Any:
+        statements.append(len(completions))
+        return one(self, consumer, completions, keep_ms)
+
+    monkeypatch.setattr(module.PostgresStore, "_complete_many", counted)
+    keys = [f"k{i}" for i in range(5)]
+    claims = store.claim_many(
+        "c", [ClaimRequest(k, None, f"t-{k}") for k in keys],
+        lease_ms=LEASE_MS, keep_ms=KEEP_MS, takeover=False,
+    )  # fmt: skip
+    assert all(c.won for c in claims)
+    results = [f"result-{k}!".encode() for k in keys]  # 10 bytes each
+    done = store.complete_many(
+        "c", [Completion(k, f"t-{k}", r) for k, r in zip(keys, results, strict=True)],
+        keep_ms=KEEP_MS,
+    )  # fmt: skip
+    assert statements == [2, 2, 1]
+    assert [d.result for d in done] == results  # type: ignore[union-attr]
+    for k, r in zip(keys, results, strict=True):
+        record = store.get("c", k)
+        assert record is not None and record.result == r
+
+
+def test_r10_the_result_room_is_half_of_postgresqls_1_gb(store: PostgresStore) -> None:
+    room, why = store.result_room()
+    assert (1 << 29) - 64 * 1024 < room < 1 << 29
+    assert "1 GB" in why

@@ -148,6 +148,14 @@ _MAX_IDENTITY_BYTES = 2600
 _LOCK_POLL_S = 0.2
 # stats(exact=False) on a table never analyzed reads about this many pages (8 KiB each) of it.
 _SAMPLE_PAGES = 2000
+# PostgreSQL allocates no value, message or row of more than 1 GB (MaxAllocSize), and the
+# store reads rows as text, where a bytea is hex: two characters a byte. A result is kept up to
+# half of that, less room for the row's other values; and the results of one complete_many
+# statement (an array, one value) are sent in statements of at most _MANY_BYTES together.
+_MAX_ALLOC = (1 << 30) - 1
+_ROW_ROOM = 64 * 1024
+_RESULT_ROOM = (_MAX_ALLOC - _ROW_ROOM) // 2
+_MANY_BYTES = 256 * 1024 * 1024
 
 
 def _check_size(consumer: str, key: str) -> None:
@@ -921,8 +929,33 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
             "complete", self._dialect.complete, Status.COMPLETED, consumer, key, token, values
         )
 
+    def result_room(self) -> tuple[int, str]:
+        """The most bytes an encoded result may have for this store to keep it, and why (a
+        larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
+        return (
+            _RESULT_ROOM,
+            "PostgreSQL allocates at most 1 GB for a value, and a result is read back as hex, "
+            "twice its size",
+        )
+
     async def complete_many(
         self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """One statement for the batch; or, when its results together are over
+        ``_MANY_BYTES``, one for each run of completions within it (their array is one value,
+        which PostgreSQL bounds at 1 GB)."""
+        done: list[Record | LeaseLost] = []
+        start, size = 0, 0
+        for i, c in enumerate(completions):
+            more = len(c.result) if c.result is not None else 0
+            if i > start and size + more > _MANY_BYTES:
+                done += await self._complete_many(consumer, completions[start:i], keep_ms)
+                start, size = i, 0
+            size += more
+        return done + await self._complete_many(consumer, completions[start:], keep_ms)
+
+    async def _complete_many(
+        self, consumer: str, completions: Sequence[Completion], keep_ms: int
     ) -> list[Record | LeaseLost]:
         if not completions:
             return []
