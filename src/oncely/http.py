@@ -423,6 +423,7 @@ class _Policy:
         self._key_from = key
         self._transactional = transactional
         self._inbox_limit = Limits().max_result_bytes  # the inbox's, once it is known
+        self._room: Callable[[], tuple[int, str] | None] | None = None  # its store's bound
         if transactional and wait is not None:
             raise ConfigurationError(
                 "wait= is for the two-phase mode: with transactional=True a repeat already "
@@ -431,6 +432,7 @@ class _Policy:
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
         self._inbox_limit = inbox.limits.max_result_bytes
+        self._room = getattr(inbox.store, "result_room", None)
         # The longest scoped key the inbox takes as it is (with hash_long_keys it hashes a
         # longer one whole itself, as it did before scoped keys had a limit of their own).
         limits = inbox.limits
@@ -460,19 +462,27 @@ class _Policy:
         """:func:`kept` with this middleware's limits (a response over ``max_stored_bytes``
         logged): the response to store, or why it is not kept."""
         limit = self._max_stored
-        if _stored_size(size, headers) > self._inbox_limit:
-            limit = min(limit, size - 1)  # kept, it would be over the inbox's own limit
+        stored = _stored_size(size, headers)
+        room = (self._room() if self._room is not None else None) or (stored, "")
+        if stored > self._inbox_limit or stored > room[0]:
+            limit = min(limit, size - 1)  # kept, it would be over the inbox's or store's limit
         decided = kept(status, headers, chunks, size, limit, self._store_status)
         if not isinstance(decided, str) and "too_large" in decided:
+            if size > self._max_stored:
+                why = f"over max_stored_bytes={self._max_stored}"
+            elif stored > self._inbox_limit:
+                why = (
+                    f"stored, it would be over the inbox's Limits(max_result_bytes="
+                    f"{self._inbox_limit}); raise that to keep it"
+                )
+            else:
+                why = f"stored, it would be over the {room[0]} bytes its store takes: {room[1]}"
             LOGGER.warning(
                 "oncely http key=%s: the %d-byte response was sent but not kept (%s), so a "
                 "repeat cannot be replayed",
                 key,
                 size,
-                f"over max_stored_bytes={self._max_stored}"
-                if size > self._max_stored
-                else f"stored, it would be over the inbox's Limits(max_result_bytes="
-                f"{self._inbox_limit}); raise that to keep it",
+                why,
             )
         return decided
 

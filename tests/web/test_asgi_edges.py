@@ -145,6 +145,45 @@ async def test_r19_a_response_larger_than_the_inbox_keeps_says_so(
     assert not any(r.levelno >= logging.ERROR for r in caplog.records), said
 
 
+async def test_r19_a_response_larger_than_mariadb_takes_is_not_kept_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Limits raised far above the server's max_allowed_packet: a response over what the
+    store takes is answered, kept as too large (a repeat gets the 409 that says so, never a
+    second run), and the log line names the server's bound, not the inbox's limit."""
+    from oncely.stores.mysql.async_store import AsyncMySQLStore
+    from tests.backends.mysql import drop_tables, url
+    from tests.services import MYSQL_URL, require
+
+    require("MariaDB", MYSQL_URL, 3306)
+    table = f"oncely_m_{uuid.uuid4().hex[:12]}"
+    store = AsyncMySQLStore.from_url(url(table))
+    answered: list[int] = []
+    big = 64 * 1024 * 1024
+    try:
+        inbox = oncely.AsyncInbox(store, consumer="api", limits=oncely.Limits(max_result_bytes=big))
+        api = IdempotencyMiddleware(
+            await _app_of(9_000_000, answered), inbox=inbox, max_stored_bytes=big
+        )
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://shop"
+        ) as client:
+            caplog.set_level(logging.WARNING, logger="oncely")
+            headers = {"Idempotency-Key": key()}
+            first = await client.post("/report", headers=headers)
+            assert first.status_code == 200 and len(first.content) == 9_000_000
+            again = await client.post("/report", headers=headers)
+            assert again.status_code == 409 and "too large to keep" in again.json()["detail"]
+    finally:
+        await store.aclose()
+        drop_tables(table)
+    assert answered == [9_000_000]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("max_allowed_packet" in line for line in said), said
+    # Kept by the middleware as too large (a WARNING), not dropped by the inbox (an ERROR).
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records), said
+
+
 async def test_r19_a_key_function_gets_the_scope_and_a_value_error_is_a_400() -> None:
     seen: list[str] = []
 
