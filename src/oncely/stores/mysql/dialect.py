@@ -12,7 +12,8 @@ primary key ``(consumer VARBINARY(800), key VARBINARY(2048))`` needs 2848, so it
 times ``Limits.max_key_bytes``' default of 512 (``Limits`` allows up to 4096: a longer key is
 refused with :class:`~oncely.KeyTooLong` before any statement; ``hash_long_keys`` fits it).
 Times are BIGINT epoch milliseconds; the result is a LONGBLOB (its real bound is the server's
-``max_allowed_packet``).
+``max_allowed_packet``, which bounds the statement that writes it in hex: the store reads it
+per connection and keeps a larger result out, see ``result_room``).
 
 Claims. A new key is one ``INSERT ... ON DUPLICATE KEY UPDATE``: the unique primary key makes
 InnoDB the arbiter (R8, R9), and a claimer of a key whose first claimer has not committed yet
