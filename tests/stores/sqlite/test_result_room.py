@@ -33,6 +33,7 @@ def test_r10_a_result_over_the_room_is_not_kept(
 ) -> None:
     # A library built with a smaller SQLITE_MAX_LENGTH (a 1 GB result is too much for a test).
     monkeypatch.setattr(sync_module, "_length_limit", lambda: 64 * 1024 + 1000)
+    sync_module._result_room.cache_clear()
     store = oncely.SQLiteStore(str(tmp_path / "inbox.db"))
     try:
         inbox = oncely.Inbox(store, consumer="c", limits=oncely.Limits(max_result_bytes=10_000_000))
@@ -51,3 +52,4 @@ def test_r10_a_result_over_the_room_is_not_kept(
         assert runs == [2000]
     finally:
         store.close()
+        sync_module._result_room.cache_clear()  # the library's own limit again

@@ -258,6 +258,7 @@ class MySQLStore(SQLStoreBase[str]):
         # opened with (a session copies the global value when it connects, and cannot change
         # it), and each connection's own, a caller's read on its first stored result.
         self._packet: int | None = None
+        self._room: tuple[int, str] | None = None  # result_room's answer, made once per change
         self._packets: weakref.WeakKeyDictionary[Connection, int] = weakref.WeakKeyDictionary()
 
     @classmethod
@@ -322,6 +323,11 @@ class MySQLStore(SQLStoreBase[str]):
             self._packets[conn] = packet
             if self._packet is None or packet < self._packet:
                 self._packet = packet
+                self._room = (
+                    max(0, (packet - _STATEMENT_ROOM) // 2),
+                    f"the server's max_allowed_packet is {packet} bytes, and a result goes as "
+                    "hex, twice its size",
+                )
         return packet
 
     def result_room(self) -> tuple[int, str] | None:
@@ -330,14 +336,7 @@ class MySQLStore(SQLStoreBase[str]):
         within one statement, which the server's ``max_allowed_packet`` bounds: a result over
         this is completed without it (as one over ``Limits.max_result_bytes``), not sent to
         be refused after the handler ran."""
-        packet = self._packet
-        if packet is None:
-            return None
-        return (
-            max(0, (packet - _STATEMENT_ROOM) // 2),
-            f"the server's max_allowed_packet is {packet} bytes, and a result goes as hex, "
-            "twice its size",
-        )
+        return self._room
 
     def _acquire(self) -> Connection:
         if self._closed:

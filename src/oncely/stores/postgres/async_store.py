@@ -155,6 +155,11 @@ _SAMPLE_PAGES = 2000
 _MAX_ALLOC = (1 << 30) - 1
 _ROW_ROOM = 64 * 1024
 _RESULT_ROOM = (_MAX_ALLOC - _ROW_ROOM) // 2
+_ROOM = (
+    _RESULT_ROOM,
+    "PostgreSQL allocates at most 1 GB for a value, and a result is read back as hex, "
+    "twice its size",
+)
 _MANY_BYTES = 256 * 1024 * 1024
 
 
@@ -932,11 +937,7 @@ class AsyncPostgresStore(SQLStoreBase[bytes]):
     def result_room(self) -> tuple[int, str]:
         """The most bytes an encoded result may have for this store to keep it, and why (a
         larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
-        return (
-            _RESULT_ROOM,
-            "PostgreSQL allocates at most 1 GB for a value, and a result is read back as hex, "
-            "twice its size",
-        )
+        return _ROOM
 
     async def complete_many(
         self, consumer: str, completions: Sequence[Completion], *, keep_ms: int

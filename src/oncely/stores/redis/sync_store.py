@@ -91,6 +91,10 @@ _BATCH = 500
 # Redis refuses an argument over proto-max-bulk-len (512 MB unless configured otherwise), and
 # a string over 512 MB: a result is kept up to that, less room for the record's other fields.
 _RESULT_ROOM = 512 * 1024 * 1024 - 64 * 1024
+_ROOM = (
+    _RESULT_ROOM,
+    "Redis takes at most 512 MB in one argument (proto-max-bulk-len) and one string",
+)
 # Keys drawn by stats(exact=False) (RANDOMKEY, pipelined on a single Redis).
 _SAMPLE = 2000
 
@@ -563,10 +567,7 @@ class RedisStore:
     def result_room(self) -> tuple[int, str]:
         """The most bytes an encoded result may have for this store to keep it, and why (a
         larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
-        return (
-            _RESULT_ROOM,
-            "Redis takes at most 512 MB in one argument (proto-max-bulk-len) and one string",
-        )
+        return _ROOM
 
     def complete_many(
         self, consumer: str, completions: Sequence[Completion], *, keep_ms: int

@@ -107,7 +107,6 @@ _PURGE_WRITE_ROWS = 100
 _ROW_ROOM = 64 * 1024
 
 
-@functools.cache
 def _length_limit() -> int:
     """The SQLite library's length limit, as its connections start with it."""
     probe = sqlite3.connect(":memory:")
@@ -115,6 +114,13 @@ def _length_limit() -> int:
         return int(probe.getlimit(sqlite3.SQLITE_LIMIT_LENGTH))
     finally:
         probe.close()
+
+
+@functools.cache
+def _result_room() -> tuple[int, str]:
+    limit = _length_limit()
+    why = f"SQLite's length limit is {limit} bytes for a blob and for a row"
+    return max(0, limit - _ROW_ROOM), why
 
 
 """Rows a purge deletes (or moves) per write transaction (see ``_purge_batch``)."""
@@ -793,11 +799,7 @@ class SQLiteStore(SQLStoreBase[str]):
     def result_room(self) -> tuple[int, str]:
         """The most bytes an encoded result may have for this store to keep it, and why (a
         larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
-        limit = _length_limit()
-        return (
-            max(0, limit - _ROW_ROOM),
-            f"SQLite's length limit is {limit} bytes for a blob and for a row",
-        )
+        return _result_room()
 
     def complete_many(
         self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
