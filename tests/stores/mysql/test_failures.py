@@ -5,8 +5,12 @@ store) and a pool that keeps only healthy connections.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
+import time
 import uuid
+from collections.abc import Callable
 
 import pymysql
 import pytest
@@ -19,9 +23,9 @@ from oncely.stores import ClaimStatus
 from oncely.stores.mysql.async_store import AsyncMySQLStore
 from oncely.stores.mysql.errors import describe_error, parse_url
 from oncely.stores.mysql.sync_store import MySQLStore
-from tests.backends.mysql import sql, url
+from tests.backends.mysql import admin, sql, url
 from tests.services import MYSQL_URL
-from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _free_port
+from tests.stores.mysql.helpers import KEEP_MS, LEASE_MS, _claim, _free_port, _in_thread
 
 
 def test_a_closed_port_is_unavailable_at_once(server: None) -> None:
@@ -140,3 +144,86 @@ def test_a_closed_store_refuses_work(store: MySQLStore) -> None:
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.get("c", "k")
+
+
+def _schema_lock(table: str) -> str:
+    return "oncely-schema-" + hashlib.sha256(f"test.{table}".encode()).hexdigest()[:40]
+
+
+def _kill_the_migrator_in_its_lock(table: str, run: Callable[[], object]) -> BaseException:
+    """Run a migration (``run``) that blocks, inside its schema lock (GET_LOCK), on a row lock
+    of the version table this test holds, then KILL its session: its RELEASE_LOCK fails for
+    real (the connection is gone). The migration's error."""
+    lock = _schema_lock(table)
+    holder = admin()
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute(f"SELECT * FROM `{table}_meta` FOR UPDATE")
+            thread, out = _in_thread(run)
+            session = None
+            deadline = time.monotonic() + 20
+            while session is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                session = sql("SELECT IS_USED_LOCK(%s)", (lock,))[0][0]
+            assert session is not None, "the migration never took its schema lock"
+            sql(f"KILL CONNECTION {int(session)}")
+            thread.join(20)
+            cursor.execute("ROLLBACK")
+    finally:
+        holder.close()
+    assert "error" in out, out
+    error: BaseException = out["error"]
+    return error
+
+
+def test_a_migrator_whose_unlock_failed_is_not_pooled_again(
+    table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RELEASE_LOCK that fails leaves the session's named lock in doubt: the connection is
+    closed (ending the session and the lock with it), never handed back to the pool where it
+    could keep the lock for as long as it lives and stop every other migration."""
+    store = MySQLStore.from_url(url(table, pool_size=1))
+    try:
+        store.migrate()
+        with caplog.at_level(logging.WARNING, logger="oncely.store"):
+            error = _kill_the_migrator_in_its_lock(table, store.migrate)
+        assert isinstance(error, StoreError), error
+        assert not store._pool._idle, "the connection whose unlock failed went back to the pool"
+        assert any("releasing the schema's lock failed" in r.getMessage() for r in caplog.records)
+        assert sql("SELECT IS_USED_LOCK(%s)", (_schema_lock(table),)) == [(None,)]
+        store.migrate()  # the lock is free: a later migration takes it
+    finally:
+        store.close()
+
+
+async def test_an_async_migrator_whose_unlock_failed_is_not_pooled_again(
+    table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = _schema_lock(table)
+    store = AsyncMySQLStore.from_url(url(table, pool_size=1))
+    holder = admin()
+    try:
+        await store.migrate()
+        with holder.cursor() as cursor, caplog.at_level(logging.WARNING, logger="oncely.store"):
+            cursor.execute("BEGIN")
+            cursor.execute(f"SELECT * FROM `{table}_meta` FOR UPDATE")
+            migration = asyncio.create_task(store.migrate())
+            session = None
+            for _ in range(400):
+                await asyncio.sleep(0.05)
+                session = sql("SELECT IS_USED_LOCK(%s)", (lock,))[0][0]
+                if session is not None:
+                    break
+            assert session is not None, "the migration never took its schema lock"
+            sql(f"KILL CONNECTION {int(session)}")
+            with pytest.raises(StoreError):
+                await migration
+            cursor.execute("ROLLBACK")
+        assert not store._pool._idle, "the connection whose unlock failed went back to the pool"
+        assert any("releasing the schema's lock failed" in r.getMessage() for r in caplog.records)
+        assert sql("SELECT IS_USED_LOCK(%s)", (lock,)) == [(None,)]
+        await store.migrate()  # the lock is free: a later migration takes it
+    finally:
+        holder.close()
+        await store.aclose()

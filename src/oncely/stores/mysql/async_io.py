@@ -49,6 +49,7 @@ else:
 __all__ = [
     "Connection",
     "close",
+    "closed",
     "connect",
     "disown",
     "execute",
@@ -360,6 +361,21 @@ async def close(conn: Connection) -> None:
                 await conn.ensure_closed()
     with contextlib.suppress(Exception):
         conn.close()
+
+
+if ASYNC:
+
+    def closed(conn: Connection) -> bool:
+        """Whether ``conn`` was closed on this side (by :func:`close`, or by the driver on a
+        lost connection)."""
+        return bool(conn.closed)
+
+else:
+
+    def closed(conn: Connection) -> bool:
+        """Whether ``conn`` was closed on this side (by :func:`close`, or by the driver on a
+        lost connection)."""
+        return not conn.open
 
 
 if ASYNC:

@@ -28,7 +28,7 @@ import itertools
 import random
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -75,6 +75,7 @@ from oncely.errors import (
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import (
+    LOGGER,
     MAX_CONSUMERS,
     Estimate,
     durability_warning,
@@ -87,6 +88,7 @@ from oncely.stores.mysql.async_io import (
     AsyncPool,
     Connection,
     close,
+    closed,
     connect,
     disown,
     execute,
@@ -350,7 +352,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         a handler turned autocommit off on is dropped: oncely's own writes on it would wait
         for a COMMIT that never comes."""
         disown(conn)
-        if not autocommits(conn):
+        if closed(conn) or not autocommits(conn):  # closed: a lock's release failed on it
             discard = True
         if not discard and in_transaction(conn):
             try:
@@ -446,8 +448,24 @@ class AsyncMySQLStore(SQLStoreBase[str]):
         try:
             yield
         finally:
-            with suppress(*DRIVER_ERRORS):
-                await fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+            await self._unlock(conn, name, "the schema's lock")
+
+    async def _unlock(self, conn: Connection, name: Mapping[str, object], what: str) -> None:
+        """Let go of a named lock (GET_LOCK). When RELEASE_LOCK fails the session may still
+        hold it, and a pooled connection lent out again would keep it for as long as it lives
+        (another process would never lead, nor migrate): the connection is closed instead,
+        which ends the session and the lock with it (:meth:`_release` then drops it from the
+        pool). As the PostgreSQL store's advisory locks."""
+        try:
+            await fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+        except BaseException as exc:
+            await close(conn)
+            if not isinstance(exc, DRIVER_ERRORS):
+                raise
+            LOGGER.warning(
+                "oncely store %s: releasing %s failed, its connection was closed to let go "
+                "of it: %s", self.url, what, exc,
+            )  # fmt: skip
 
     async def _read_versions(self, conn: Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written), the
@@ -548,8 +566,7 @@ class AsyncMySQLStore(SQLStoreBase[str]):
                 yield held == 1
             finally:
                 if held == 1:
-                    with suppress(*DRIVER_ERRORS):
-                        await fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+                    await self._unlock(conn, name, "the purge's lead")
         finally:
             await close(conn)
 

@@ -44,6 +44,7 @@ from oncely.stores.mysql.errors import DRIVER_ERRORS, MySQLSettings, joinable
 __all__ = [
     "Connection",
     "close",
+    "closed",
     "connect",
     "disown",
     "execute",
@@ -265,6 +266,12 @@ def close(conn: Connection) -> None:
     drop the transport (PyMySQL's ``close`` does both)."""
     with contextlib.suppress(Exception):
         conn.close()
+
+
+def closed(conn: Connection) -> bool:
+    """Whether ``conn`` was closed on this side (by :func:`close`, or by the driver on a
+    lost connection)."""
+    return not conn.open
 
 
 def alive(conn: Connection) -> bool:

@@ -30,7 +30,7 @@ import itertools
 import random
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -77,6 +77,7 @@ from oncely.errors import (
 from oncely.stores._compact import pack_token
 from oncely.stores._offsets import OffsetSQL, check_position
 from oncely.stores._sql import (
+    LOGGER,
     MAX_CONSUMERS,
     Estimate,
     durability_warning,
@@ -114,6 +115,7 @@ from oncely.stores.mysql.sync_io import (
     Connection,
     Pool,
     close,
+    closed,
     connect,
     disown,
     execute,
@@ -352,7 +354,7 @@ class MySQLStore(SQLStoreBase[str]):
         a handler turned autocommit off on is dropped: oncely's own writes on it would wait
         for a COMMIT that never comes."""
         disown(conn)
-        if not autocommits(conn):
+        if closed(conn) or not autocommits(conn):  # closed: a lock's release failed on it
             discard = True
         if not discard and in_transaction(conn):
             try:
@@ -448,8 +450,24 @@ class MySQLStore(SQLStoreBase[str]):
         try:
             yield
         finally:
-            with suppress(*DRIVER_ERRORS):
-                fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+            self._unlock(conn, name, "the schema's lock")
+
+    def _unlock(self, conn: Connection, name: Mapping[str, object], what: str) -> None:
+        """Let go of a named lock (GET_LOCK). When RELEASE_LOCK fails the session may still
+        hold it, and a pooled connection lent out again would keep it for as long as it lives
+        (another process would never lead, nor migrate): the connection is closed instead,
+        which ends the session and the lock with it (:meth:`_release` then drops it from the
+        pool). As the PostgreSQL store's advisory locks."""
+        try:
+            fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+        except BaseException as exc:
+            close(conn)
+            if not isinstance(exc, DRIVER_ERRORS):
+                raise
+            LOGGER.warning(
+                "oncely store %s: releasing %s failed, its connection was closed to let go "
+                "of it: %s", self.url, what, exc,
+            )  # fmt: skip
 
     def _read_versions(self, conn: Connection) -> tuple[int | None, int]:
         """The schema version (None: no tables) and revision (1 where none is written), the
@@ -550,8 +568,7 @@ class MySQLStore(SQLStoreBase[str]):
                 yield held == 1
             finally:
                 if held == 1:
-                    with suppress(*DRIVER_ERRORS):
-                        fetchall(conn, "SELECT RELEASE_LOCK(%(name)s)", name)
+                    self._unlock(conn, name, "the purge's lead")
         finally:
             close(conn)
 
