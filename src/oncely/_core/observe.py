@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal
 
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely.wire import printable
 
-__all__ = ["Hook", "Observer", "key_for_logs", "redact_keys"]
+__all__ = ["Hook", "Observer", "key_for_logs", "log_error", "redact_keys"]
 
 Hook = Callable[[Handled[object]], None]
 """Called with every outcome. Exceptions from a hook are logged and never reach the consumer."""
@@ -58,6 +59,35 @@ def redact_keys(text: str, keys: Iterable[str | None], mode: Literal["plain", "h
         if len(key) >= 4:
             text = text.replace(key, shown)
     return text
+
+
+def log_error(
+    logger: logging.Logger,
+    level: int,
+    msg: str,
+    *args: object,
+    error: BaseException | None,
+    keys: Iterable[str | None],
+    mode: Literal["plain", "hash"],
+    extra: Mapping[str, object] | None = None,
+) -> None:
+    """``logger.log(level, msg, *args, exc_info=error, extra=extra)``, with ``keys`` in the
+    error shown as the log lines show keys. Under ``"hash"`` an error's text (a store's
+    error, a ``KeyConflict``, a ``LeaseLost``, a handler's exception naming the key) would
+    carry the key into the record's traceback: the record then holds no exception object
+    (which a formatter or an error tracker reads whole) but its traceback as text, chained
+    exceptions and notes included, each key replaced by its hash (``exc_text``, which
+    :class:`logging.Formatter` prints as it prints a traceback)."""
+    if error is None or mode == "plain":
+        logger.log(level, msg, *args, exc_info=error, extra=extra, stacklevel=2)
+        return
+    if not logger.isEnabledFor(level):
+        return
+    text = "".join(traceback.format_exception(error)).rstrip("\n")
+    fn, lno, func, _ = logger.findCaller(stacklevel=2)
+    record = logger.makeRecord(logger.name, level, fn, lno, msg, args, None, func, extra)
+    record.exc_text = redact_keys(text, keys, mode)
+    logger.handle(record)
 
 
 class Observer:
@@ -111,7 +141,10 @@ class Observer:
                 args.append(printable(reason))
             error = handled.error
             quiet = error is None or isinstance(error, Released)  # a reason, not a crash
-            self.logger.log(level, text, *args, extra=extra, exc_info=None if quiet else error)
+            log_error(
+                self.logger, level, text, *args, error=None if quiet else error,
+                keys=(handled.key,), mode=self.log_keys, extra=extra,
+            )  # fmt: skip
         self.notify(handled)
 
     def notify(self, handled: Handled[Any]) -> None:
@@ -120,15 +153,17 @@ class Observer:
         for hook in self.hooks:
             try:
                 hook(handled)
-            except Exception:
-                self._hook_failed(hook, handled)
+            except Exception as exc:
+                self._hook_failed(hook, handled, exc)
 
-    def _hook_failed(self, hook: Hook, handled: Handled[Any]) -> None:
+    def _hook_failed(self, hook: Hook, handled: Handled[Any], exc: Exception) -> None:
         """Log a hook that raised, with the message it was told about (not its outcome
         field: this line is about the hook, the outcome has its own)."""
         key = key_for_logs(handled.key, self.log_keys)
         correlation_id = handled.correlation_id
-        self.logger.exception(
+        log_error(
+            self.logger,
+            logging.ERROR,
             "oncely hook %r failed on %s consumer=%s key=%s correlation_id=%s; the message is "
             "unaffected",
             hook,
@@ -136,6 +171,9 @@ class Observer:
             handled.consumer,
             None if key is None else printable(key),
             None if correlation_id is None else printable(correlation_id),
+            error=exc,
+            keys=(handled.key,),
+            mode=self.log_keys,
             extra={
                 "oncely_consumer": handled.consumer,
                 "oncely_key": key,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
-from oncely._core.observe import key_for_logs, redact_keys
+from oncely._core.observe import key_for_logs, log_error, redact_keys
 from oncely._core.records import Status
 from oncely.brokers._common import flag
 from oncely.brokers._give_backs import GiveBacks, failed_reason
@@ -1315,8 +1315,12 @@ class BrokerConsumer:
                 if told is not None:
                     try:
                         told(replace(handled, outcome=Outcome.REJECTED, reason=why.reason))
-                    except Exception:
-                        self._log.exception("oncely could not tell the hooks of a dead letter")
+                    except Exception as exc:
+                        log_error(
+                            self._log, logging.ERROR,
+                            "oncely could not tell the hooks of a dead letter", error=exc,
+                            keys=(handled.key,), mode=self._log_keys,
+                        )  # fmt: skip
         return done and how in ("ack", "dead_letter")
 
     def _trace_settled(

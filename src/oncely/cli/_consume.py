@@ -76,6 +76,8 @@ class JSONLines(_UTC):
                 line[name.removeprefix("oncely_")] = value
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # a traceback with its keys hashed (log_keys="hash")
+            line["error"] = record.exc_text
         return json.dumps(line, default=str)
 
 
