@@ -81,10 +81,10 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, MutableMapping
 from datetime import timedelta
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from oncely._core.context import _CURRENT
-from oncely._core.observe import CLIENT_KEYS
+from oncely._core.observe import CLIENT_KEYS, key_for_logs, redact_keys
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import Limits
 from oncely._core.said import said
@@ -424,6 +424,7 @@ class _Policy:
         self._transactional = transactional
         self._inbox_limit = Limits().max_result_bytes  # the inbox's, once it is known
         self._room: Callable[[], tuple[int, str] | None] | None = None  # its store's bound
+        self._log_keys: Literal["plain", "hash"] = "plain"  # the inbox's, once it is known
         if transactional and wait is not None:
             raise ConfigurationError(
                 "wait= is for the two-phase mode: with transactional=True a repeat already "
@@ -433,6 +434,7 @@ class _Policy:
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
         self._inbox_limit = inbox.limits.max_result_bytes
         self._room = getattr(inbox.store, "result_room", None)
+        self._log_keys = inbox.log_keys
         # The longest scoped key the inbox takes as it is (with hash_long_keys it hashes a
         # longer one whole itself, as it did before scoped keys had a limit of their own).
         limits = inbox.limits
@@ -480,7 +482,7 @@ class _Policy:
             LOGGER.warning(
                 "oncely http key=%s: the %d-byte response was sent but not kept (%s), so a "
                 "repeat cannot be replayed",
-                key,
+                key_for_logs(key, self._log_keys),
                 size,
                 why,
             )
@@ -549,8 +551,8 @@ class _Policy:
             "oncely http key=%s: the request ran and its response is sent, but its record "
             "could not be completed (%s); a repeat gets 409 until the claim's lease lapses "
             "(%gs after its last renewal) and may then run the request again",
-            key,
-            said(error),
+            key_for_logs(key, self._log_keys),
+            redact_keys(said(error), (key,), self._log_keys),
             self._lease_s,
         )
 
@@ -683,13 +685,13 @@ class IdempotencyMiddleware(_Policy):
                     scoped, fingerprint, wait=self._wait
                 )
         except StoreUnavailable as exc:
-            await _send(send, _store_down(scoped, exc))
+            await _send(send, _store_down(scoped, exc, self._log_keys))
             return
         except TimeoutError:
             if not bound.expired():
                 raise
             silent = StoreUnavailable(f"the store did not answer within {self._claim_within:g}s")
-            await _send(send, _store_down(scoped, silent))
+            await _send(send, _store_down(scoped, silent, self._log_keys))
             return
         finally:
             CLIENT_KEYS.reset(client)
@@ -749,7 +751,8 @@ class IdempotencyMiddleware(_Policy):
         except StoreUnavailable as exc:
             if raised:
                 raise raised[0] from exc
-            await _send(send, _store_down(scoped, exc))  # nothing committed: the retry runs
+            # Nothing committed: the retry runs.
+            await _send(send, _store_down(scoped, exc, self._log_keys))
             return
         finally:
             CLIENT_KEYS.reset(client)
@@ -1026,11 +1029,14 @@ def _cut_short() -> Reply:
     )
 
 
-def _store_down(key: str, exc: StoreUnavailable) -> Reply:
+def _store_down(key: str, exc: StoreUnavailable, log_keys: Literal["plain", "hash"]) -> Reply:
     """``503`` for a request whose key the store could not claim (or whose transaction it
-    could not commit): nothing ran, or nothing of it was kept, so a retry is safe."""
+    could not commit): nothing ran, or nothing of it was kept, so a retry is safe. The line
+    shows the key as the inbox's lines do (``log_keys``)."""
     LOGGER.error(
-        "oncely http key=%s: the store cannot be reached, the request was not run: %s", key, exc
+        "oncely http key=%s: the store cannot be reached, the request was not run: %s",
+        key_for_logs(key, log_keys),
+        redact_keys(str(exc), (key,), log_keys),
     )
     return problem(
         503,
@@ -1299,7 +1305,7 @@ class WSGIIdempotencyMiddleware(_Policy):
         try:
             claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
         except StoreUnavailable as exc:
-            return _respond(start_response, _store_down(scoped, exc))
+            return _respond(start_response, _store_down(scoped, exc, self._log_keys))
         finally:
             CLIENT_KEYS.reset(client)
         if not claimed.won:
@@ -1338,7 +1344,7 @@ class WSGIIdempotencyMiddleware(_Policy):
         except StoreUnavailable as exc:
             if raised:
                 raise raised[0] from exc
-            return _respond(start_response, _store_down(scoped, exc))
+            return _respond(start_response, _store_down(scoped, exc, self._log_keys))
         finally:
             CLIENT_KEYS.reset(client)
         if _ran(handled, raised):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,61 @@ def test_r16_wsgi_a_transactional_5xx_is_logged_as_not_kept_without_a_traceback(
     assert len(failed) == 1 and "the app answered 500: not kept" in failed[0].getMessage()
     assert failed[0].exc_info is None and "_NotKept" not in caplog.text
     inbox.store.close()
+
+
+def _shown_hashed(caplog: pytest.LogCaptureFixture, client_key: str, says: str) -> None:
+    """Every oncely record (its message, fields and traceback) leaves the client's key out,
+    and the line that ``says`` what happened names it hashed (``key=h:...``)."""
+    ours = [r for r in caplog.records if r.name.startswith("oncely")]
+    for record in ours:
+        fields = {k: v for k, v in vars(record).items() if k.startswith("oncely_")}
+        text = logging.Formatter("%(message)s").format(record)
+        assert client_key not in f"{text} {fields}", text
+    said = [r.getMessage() for r in ours if says in r.getMessage()]
+    assert said and all("key=h:" in line for line in said), [r.getMessage() for r in ours]
+
+
+async def test_r16_an_http_line_shows_the_key_as_the_inbox_does_a_response_not_kept(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """The inbox's ``log_keys="hash"`` reaches the middleware's own lines: a response over
+    ``max_stored_bytes`` is logged with the request's key hashed, never as the client sent
+    it (a key may be personal data: an order number, an e-mail)."""
+    client_key = "order-for-alice@example.com"
+    store = oncely.open_async(f"sqlite:///{tmp_path / 'inbox.db'}")
+    inbox = oncely.AsyncInbox(store, consumer="api", log_keys="hash")
+    api = IdempotencyMiddleware(_echo, inbox=inbox, max_stored_bytes=1)
+    caplog.set_level(logging.INFO, logger="oncely")
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://shop"
+        ) as client:
+            headers = {"Idempotency-Key": f'"{client_key}"'}
+            assert (await client.post("/o", content=b"12", headers=headers)).status_code == 201
+    finally:
+        await store.aclose()
+    _shown_hashed(caplog, client_key, "was sent but not kept")
+
+
+async def test_r16_an_http_line_shows_the_key_as_the_inbox_does_a_store_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that refuses the connection (a real Redis port with nothing behind it): the
+    503's line shows the key hashed under ``log_keys="hash"``."""
+    client_key = "order-for-bob@example.com"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = oncely.open_async(f"redis://127.0.0.1:{port}/0")
+    inbox = oncely.AsyncInbox(store, consumer="api", log_keys="hash")
+    api = IdempotencyMiddleware(_echo, inbox=inbox)
+    caplog.set_level(logging.INFO, logger="oncely")
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://shop"
+        ) as client:
+            headers = {"Idempotency-Key": f'"{client_key}"'}
+            assert (await client.post("/o", content=b"1", headers=headers)).status_code == 503
+    finally:
+        await store.aclose()
+    _shown_hashed(caplog, client_key, "the store cannot be reached")

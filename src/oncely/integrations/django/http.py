@@ -75,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 import oncely
-from oncely._core.observe import CLIENT_KEYS
+from oncely._core.observe import CLIENT_KEYS, key_for_logs, log_error, redact_keys
 from oncely._core.said import said
 from oncely.errors import ConfigurationError, StoreUnavailable
 from oncely.http import (
@@ -186,7 +186,7 @@ class _Guard(_Policy):
         try:
             claimed: Claimed[Any] = self.inbox.claim(scoped, fingerprint, wait=self._wait)
         except StoreUnavailable as exc:
-            return _response(_store_down(scoped, exc))
+            return _response(_store_down(scoped, exc, self._log_keys))
         finally:
             CLIENT_KEYS.reset(client)
         if not claimed.won:
@@ -233,8 +233,8 @@ class _Guard(_Policy):
             LOGGER.warning(
                 "oncely http key=%s: the view's response could not be rendered (%s); the "
                 "claim was released, so a retry runs the view again",
-                claimed.key,
-                said(exc),
+                key_for_logs(claimed.key, self._log_keys),
+                redact_keys(said(exc), (claimed.key,), self._log_keys),
             )
             raise
         if response.streaming:
@@ -250,13 +250,14 @@ class _Guard(_Policy):
             )
         except Exception as exc:
             claimed.release(f"the response could not be kept: {said(exc)}")
-            LOGGER.error(
+            log_error(
+                LOGGER, logging.ERROR,
                 "oncely http key=%s: the view's response is sent but could not be kept (%s); "
                 "the claim was released, so a repeat runs the view again",
-                claimed.key,
-                said(exc),
-                exc_info=True,
-            )
+                key_for_logs(claimed.key, self._log_keys),
+                redact_keys(said(exc), (claimed.key,), self._log_keys),
+                error=exc, keys=(claimed.key,), mode=self._log_keys,
+            )  # fmt: skip
             return response
         if isinstance(decided, str):
             claimed.release(decided)
@@ -268,14 +269,15 @@ class _Guard(_Policy):
         except Exception as exc:
             if claimed.won:
                 claimed.release(f"the record could not be completed: {said(exc)}")
-            LOGGER.error(
+            log_error(
+                LOGGER, logging.ERROR,
                 "oncely http key=%s: the view ran and its response is sent, but oncely could "
                 "not complete its record (%s); the claim was released, so a repeat runs the "
                 "view again",
-                claimed.key,
-                said(exc),
-                exc_info=True,
-            )
+                key_for_logs(claimed.key, self._log_keys),
+                redact_keys(said(exc), (claimed.key,), self._log_keys),
+                error=exc, keys=(claimed.key,), mode=self._log_keys,
+            )  # fmt: skip
         return response
 
 
