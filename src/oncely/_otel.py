@@ -4,7 +4,8 @@ tracing is turned on (this module imports OpenTelemetry)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from inspect import isasyncgenfunction, isawaitable, isgeneratorfunction
 from typing import Any, Literal, cast
@@ -17,7 +18,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from oncely import __version__
 from oncely._core.context import _CURRENT
 from oncely._core.keys import hashed_key
-from oncely._core.observe import key_for_logs
+from oncely._core.observe import key_for_logs, redact_keys
 from oncely._core.outcomes import Handled, Outcome
 from oncely.wire import escaped
 
@@ -195,11 +196,12 @@ class ConsumerSpans(_Spans):
         if handled.correlation_id and not delivery.envelope.correlation_id:
             span.set_attribute("messaging.message.conversation_id", handled.correlation_id)
         why = reason or handled.reason
+        why = why and redact_keys(why, (handled.key,), self._log_keys)
         if why:
             span.set_attribute("oncely.reason", why)
         error = handled.error
         if error is not None:
-            span.record_exception(error)
+            self._record(span, error, (handled.key,))
         if not carried_out:
             failed = f"could not {action} the message; the broker redelivers it"
             span.set_attribute("oncely.broker_action_failed", True)
@@ -208,18 +210,42 @@ class ConsumerSpans(_Spans):
             span.set_status(Status(StatusCode.ERROR, why or handled.outcome.value))
         span.end()
 
-    def gave_back(self, delivery: Any, reason: str, error: BaseException | None = None) -> None:
+    def gave_back(
+        self,
+        delivery: Any,
+        reason: str,
+        error: BaseException | None = None,
+        keys: Iterable[str | None] = (),
+    ) -> None:
         """End the span of a delivery given back with no outcome (the store failed, a
-        shutdown): action ``retry``, status ERROR with ``reason``."""
+        shutdown): action ``retry``, status ERROR with ``reason`` (its keys shown already as
+        the lines show them); ``error``'s text shows ``keys`` so too."""
         span = self._open.pop(id(delivery), None)
         if span is None:
             return
         span.set_attribute("oncely.broker_action", "retry")
         span.set_attribute("oncely.reason", reason)
         if error is not None:
-            span.record_exception(error)
+            self._record(span, error, keys)
         span.set_status(Status(StatusCode.ERROR, reason))
         span.end()
+
+    def _record(self, span: Span, error: BaseException, keys: Iterable[str | None]) -> None:
+        """``span.record_exception(error)``, its message and stack trace showing ``keys`` as
+        the log lines show keys (under ``log_keys="hash"`` an error naming the key would
+        carry it into the span's exception event as it is)."""
+        if self._log_keys == "plain":
+            span.record_exception(error)
+            return
+        keys = tuple(keys)
+        stacktrace = "".join(traceback.format_exception(error))
+        span.record_exception(
+            error,
+            attributes={
+                "exception.message": redact_keys(str(error), keys, self._log_keys),
+                "exception.stacktrace": redact_keys(stacktrace, keys, self._log_keys),
+            },
+        )
 
     def ended(self, deliveries: Sequence[Any], reason: str) -> None:
         """End the spans of ``deliveries`` still open (given back unsettled)."""

@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import oncely
+from oncely._core.observe import key_for_logs
 from oncely.brokers import (
     Backoff,
     BrokerConsumer,
@@ -336,6 +337,43 @@ async def test_r16_under_hashed_log_keys_no_span_shows_the_key(
                 assert secret not in str(value)
     shown = {span.attributes.get("oncely.key") for span in consumer_spans(exporter, broker)}
     assert all(str(key).startswith("h:") for key in shown)
+
+
+async def test_r16_under_hashed_log_keys_an_error_naming_the_key_shows_it_hashed_in_spans(
+    broker: Broker, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """A handler's error whose text names the key (as a store's ``LeaseLost`` does): under
+    ``log_keys="hash"`` the span's reason, status and exception event (message and stack
+    trace) show it hashed, as the log lines do; the error's type stays."""
+    provider, exporter = spans
+    secret = "carol@example.com"
+    raw = open_producer(broker.url, broker.source)
+    try:
+        await raw.publish(body(secret), message_id=secret)
+    finally:
+        await raw.close()
+
+    async def welcome(payload: dict[str, str]) -> None:
+        raise RuntimeError(f"no mailbox for {payload['k']}")
+
+    consumer = BrokerConsumer(
+        broker.transport(), inbox(log_keys="hash"), welcome, settings=SETTINGS, tracing=provider
+    )
+    found = await consumed(consumer, exporter, broker, lambda found: len(found) >= 2)
+    for span in found:
+        assert secret not in str(span.status.description), span.status.description
+        for value in span.attributes.values():
+            assert secret not in str(value), f"{span.name} shows the key"
+        for event in span.events:
+            for value in (event.attributes or {}).values():
+                assert secret not in str(value), value
+    hashed = key_for_logs(secret, "hash")
+    events = [e for span in found for e in span.events if e.name == "exception"]
+    assert events and all(e.attributes["exception.type"] == "RuntimeError" for e in events)
+    assert all(e.attributes["exception.message"] == f"no mailbox for {hashed}" for e in events)
+    assert all(
+        f"no mailbox for {hashed}" in str(e.attributes["exception.stacktrace"]) for e in events
+    )
 
 
 def test_r16_with_tracing_off_oncely_imports_nothing_of_opentelemetry() -> None:

@@ -846,7 +846,9 @@ class BrokerConsumer:
             said = self._said(exc, *(self._key_of(d) for d in left.values()))
             if self._spans is not None:
                 for d in left.values():
-                    self._spans.gave_back(d, f"could not process the batch: {said}", exc)
+                    self._spans.gave_back(
+                        d, f"could not process the batch: {said}", exc, (self._key_of(d),)
+                    )
             self._log.error(
                 "oncely broker=%s could not process a batch of %d messages (%s); they are "
                 "given back and will be redelivered keys=%s",
@@ -1102,7 +1104,9 @@ class BrokerConsumer:
         said = self._said(exc, self._key_of(delivery))
         transport = delivery.describe()
         if self._spans is not None:
-            self._spans.gave_back(delivery, f"could not process the message: {said}", exc)
+            self._spans.gave_back(
+                delivery, f"could not process the message: {said}", exc, (self._key_of(delivery),)
+            )
         self._log.error(
             "oncely broker=%s could not process a message (%s); it is given back "
             "and will be redelivered key=%s correlation_id=%s%s",
