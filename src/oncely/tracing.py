@@ -31,7 +31,9 @@ time, under none in a batch). The span carries:
 =====================================  ==================================================
 
 Under ``log_keys="hash"`` the key, and the message id (often the key itself), are shown
-hashed, as in the log lines: a key that is personal data reaches no trace backend. A
+hashed, as in the log lines, also where an error's text names the key (the reason, the
+status, the exception event's message and stack trace): a key that is personal data reaches
+no trace backend. A
 ``failed``, ``rejected``, ``key_conflict`` or ``escalated`` outcome sets the span's status
 to ERROR with its reason, and the handler's exception is recorded on it.
 
