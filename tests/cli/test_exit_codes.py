@@ -9,16 +9,21 @@ from __future__ import annotations
 import logging
 import socket
 import sqlite3
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 import oncely
+from oncely.cli._stores import opened
+from tests.backends.postgres import drop_tables as drop_postgres_tables
 from tests.cli.helpers import SECRET, count, rows, run, url_of
-from tests.services import MYSQL_URL, REDIS_URL, require
+from tests.services import MYSQL_URL, POSTGRES_DSN, REDIS_URL, require
 
 # ------------------------------------------------------------------------ exit codes
 
@@ -219,3 +224,53 @@ def test_a_redis_database_out_of_range_is_a_store_error_not_an_eviction_warning(
     assert result.exit_code == 5, result.stderr
     assert "DB index is out of range" in result.stderr
     assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+
+def _postgres_with_a_password(table: str) -> str:
+    """A PostgreSQL URL with a password in it (the test server trusts loopback, so any
+    password connects) and an inbox ``table`` of the test's own."""
+    require("PostgreSQL", POSTGRES_DSN, 5432)
+    parts = urlsplit(POSTGRES_DSN)
+    user = parts.username or "postgres"
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return parts._replace(netloc=f"{user}:{SECRET}@{host}", query=f"table={table}").geturl()
+
+
+def test_a_purge_s_line_names_the_store_as_typed(caplog: pytest.LogCaptureFixture) -> None:
+    """``oncely inbox purge`` opens the store with ``migrate=false`` added: its run's line on
+    the ``oncely.purge`` logger names the URL the user typed (password hidden), not that."""
+    table = f"oncely_cli_{uuid.uuid4().hex[:10]}"
+    url = _postgres_with_a_password(table)
+    try:
+        assert run("migrate", "--store", url).exit_code == 0
+        with caplog.at_level(logging.INFO, logger="oncely.purge"):
+            result = run("inbox", "purge", "--store", url)
+        assert result.exit_code == 0, result.stderr
+        [line] = [r.getMessage() for r in caplog.records if r.name == "oncely.purge"]
+        assert f"store={oncely.redact(url)} deleted=0" in line, line
+        assert "migrate=false" not in line and SECRET not in line
+    finally:
+        drop_postgres_tables(table)
+
+
+def test_a_purge_service_s_warning_names_the_store_as_typed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A purge service whose run fails (its table is missing) warns and tries again: the
+    warning names the store as typed (password hidden), never with ``migrate=false``."""
+    table = f"oncely_cli_{uuid.uuid4().hex[:10]}"
+    url = _postgres_with_a_password(table)
+    with caplog.at_level(logging.WARNING, logger="oncely.purge"), opened(url) as store:
+        service = oncely.PurgeService(store, every=timedelta(seconds=30))
+        thread = threading.Thread(target=service.run, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not caplog.records:
+                time.sleep(0.05)
+        finally:
+            service.stop()
+            thread.join(30)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "oncely.purge"]
+    assert f"store={oncely.redact(url)} failed, trying again" in line, line
+    assert "migrate=false" not in line and SECRET not in line

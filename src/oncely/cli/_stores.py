@@ -64,7 +64,25 @@ def _without_auto_migrate(url: str) -> str:
     scheme = urlsplit(url).scheme.lower()
     if scheme in ("memory",) or "migrate" in parse_qs(urlsplit(url).query):
         return url
-    return url + ("&" if "?" in url else "?") + "migrate=false"
+    return url + _added(url)
+
+
+def _added(url: str) -> str:
+    """What :func:`_without_auto_migrate` adds at the end of ``url``."""
+    return ("&" if "?" in url else "?") + "migrate=false"
+
+
+def _named_as_typed(store: Store, target: str, url: str) -> None:
+    """Make ``store``, opened at ``target`` (``url`` with ``migrate=false`` added), name
+    ``url`` as the user typed it wherever it names its URL: its ``url``, its errors, the
+    lines logged about it (a purge service's warning that a run failed, each run's line).
+    oncely's PostgreSQL and Redis stores keep the URL they were given (password hidden)
+    and name it so; the MariaDB and SQLite stores name one made without their options, and a
+    store of another package keeps its own (its errors are renamed in :func:`opened`)."""
+    shown = getattr(store, "_url", None)
+    added = _added(url)
+    if target != url and isinstance(shown, str) and shown.endswith(added):
+        store._url = shown[: -len(added)]  # type: ignore[attr-defined]
 
 
 def _defaulted() -> bool:
@@ -95,6 +113,7 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
     try:
         target = url if create else _without_auto_migrate(url)
         store = oncely.open(target)
+        _named_as_typed(store, target, url)
     except ConfigurationError as exc:
         message = _as_typed(str(exc), target, url)
         raise click.BadParameter(message, param_hint="'--store'") from None
