@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -652,3 +653,46 @@ def test_r1_r4_several_worker_processes_share_the_queue_each_message_once(
         assert len(run.redis.smembers(f"{run.ns}:pids")) == 2  # both processes ran some
     finally:
         run.close()
+
+
+async def test_r16_a_refusal_naming_the_key_is_logged_with_it_hashed(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """With ``log_keys="hash"``, a handler's refusal whose words name the key: the inbox's
+    line and the middleware's line of the message's end (its reason, a dead letter's) show
+    the key hashed, on a real SQLite store."""
+    from faststream.rabbit import RabbitBroker, TestRabbitBroker
+
+    import oncely
+    from oncely._core.observe import key_for_logs
+    from oncely.integrations.faststream import Idempotency
+
+    store = oncely.open_async(f"sqlite:///{tmp_path / 'inbox.db'}")
+    inbox = oncely.AsyncInbox(store, consumer="shop", log_keys="hash")
+    broker = RabbitBroker(middlewares=[Idempotency(inbox)])
+    secret = "carol@example.com"
+
+    @broker.subscriber("orders")
+    async def order(body: dict[str, int]) -> None:
+        raise oncely.Reject(f"{secret} has no account")
+
+    @broker.subscriber("orders.dead")
+    async def dead(body: dict[str, int]) -> None:
+        pass
+
+    caplog.set_level("INFO", logger="oncely")
+    try:
+        async with TestRabbitBroker(broker) as test:
+            await test.publish({"n": 1}, "orders", message_id=secret)
+    finally:
+        await store.aclose()
+    ours = [r for r in caplog.records if r.name.startswith("oncely")]
+    ended = [r for r in ours if r.name == "oncely.faststream" and hasattr(r, "oncely_outcome")]
+    assert ended and all(r.oncely_outcome == "rejected" for r in ended)
+    assert [r.oncely_broker_action for r in ended] == ["dead_letter"]
+    for record in ours:
+        fields = {k: v for k, v in vars(record).items() if k.startswith("oncely_")}
+        text = logging.Formatter("%(message)s").format(record)
+        assert secret not in f"{text} {fields}", text
+    hashed = key_for_logs(secret, "hash")
+    assert all(f"{hashed} has no account" in r.getMessage() for r in ended)

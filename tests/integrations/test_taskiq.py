@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -587,3 +588,55 @@ def test_r16_with_log_keys_hash_no_line_of_the_worker_says_a_key(tmp_path: Path)
         assert f"key {key_for_logs('charge:h1', 'hash')} is being processed elsewhere" in said
     finally:
         run.close()
+
+
+async def test_r16_a_dead_letter_s_line_shows_a_key_named_in_its_reason_hashed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``log_keys="hash"``, a refusal or a failure whose words name the key (here the
+    task's own ``Reject`` and error) is logged with the key hashed, on a real SQLite store;
+    the dead letter itself keeps its reason as it is (``x-oncely-reason``: it travels with
+    the message, whose key is in it anyway)."""
+    from taskiq import InMemoryBroker
+
+    import oncely
+    from oncely._core.observe import key_for_logs
+    from oncely.integrations.taskiq import Idempotency
+
+    letters: list[dict[str, Any]] = []
+
+    async def keep(body: bytes, headers: Any) -> None:
+        letters.append(dict(headers))
+
+    store = oncely.open_async(f"sqlite:///{tmp_path / 'inbox.db'}")
+    inbox = oncely.AsyncInbox(store, consumer="billing", log_keys="hash")
+    broker = InMemoryBroker(await_inplace=True).with_middlewares(
+        Idempotency(inbox, dead_letter=keep, retry_delay=0, max_retries=0)
+    )
+
+    @broker.task(idempotency_key=lambda order: f"charge:{order}")
+    async def charge(order: str) -> None:
+        if order == "o1":
+            raise oncely.Reject(f"charge:{order} is not billable")
+        raise RuntimeError(f"the ledger refused charge:{order}")
+
+    caplog.set_level(logging.INFO, logger="oncely")
+    await broker.startup()
+    try:
+        for order in ("o1", "o2"):
+            assert (await (await charge.kiq(order)).wait_result()).is_err
+    finally:
+        await broker.shutdown()
+        await store.aclose()
+    ours = [r for r in caplog.records if r.name.startswith("oncely")]
+    dead = [r.getMessage() for r in ours if "dead-lettered" in r.getMessage()]
+    assert len(dead) == 2, [r.getMessage() for r in ours]
+    for record in ours:
+        text = logging.Formatter("%(message)s").format(record)
+        assert "charge:o1" not in text and "charge:o2" not in text, text
+    assert f"{key_for_logs('charge:o1', 'hash')} is not billable" in dead[0]
+    assert f"the ledger refused {key_for_logs('charge:o2', 'hash')}" in dead[1]
+    assert [letter["x-oncely-reason"] for letter in letters] == [
+        "charge:o1 is not billable",
+        "failed on all 1 deliveries; last: RuntimeError: the ledger refused charge:o2",
+    ]

@@ -11,13 +11,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
 from oncely._core.inbox_rules import result_lost
-from oncely._core.observe import key_for_logs
+from oncely._core.observe import key_for_logs, redact_keys
 from oncely._core.outcomes import Handled
 from oncely._core.typed import ANNOTATED, result_type, reviver
 from oncely.errors import ResultUnavailable
 from oncely.wire import printable
 
-__all__ = ["SENT", "Keyer", "first_result", "shown_key", "task_key"]
+__all__ = ["SENT", "Keyer", "first_result", "shown_key", "shown_text", "task_key"]
 
 SENT = "sent"
 """``idempotency_key="sent"``: the key is the one the producer gave (``send_with_key``)."""
@@ -45,6 +45,14 @@ def shown_key(key: str, log_keys: Literal["plain", "hash"]) -> str:
     inbox's own lines show it (its digest with ``log_keys="hash"``: a key that is personal
     data stays out of every line), escaped."""
     return printable(key_for_logs(key, log_keys) or "")
+
+
+def shown_text(text: str, key: str | None, log_keys: Literal["plain", "hash"]) -> str:
+    """``text`` (a reason, an error's words) for a line an integration logs: ``key`` in it
+    shown as the inbox's own lines show it (a store's error, a task's refusal may name it).
+    The dead letter's own reason keeps the text as it is: it travels with the message, whose
+    key is in it anyway."""
+    return redact_keys(text, (key,), log_keys)
 
 
 def first_result(

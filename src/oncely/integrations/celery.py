@@ -110,7 +110,7 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, StoreError
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import EXIT_USAGE, check_stores
-from oncely.integrations._task_keys import Keyer, first_result, shown_key, task_key
+from oncely.integrations._task_keys import Keyer, first_result, shown_key, shown_text, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     give_up,
@@ -205,7 +205,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             claimed: Claimed[Any] = inbox.claim(key, payload)
         except StoreError as exc:
-            return self._later(key, f"oncely could not claim it: {exc!r}", None)
+            said = shown_text(repr(exc), key, inbox.log_keys)
+            return self._later(key, f"oncely could not claim it: {said}", None)
         if claimed.won:
             runs = unfinished(claimed.attempt, self._limit(None))
             if runs is not None:  # the worker died with each run: never run it again
@@ -228,7 +229,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return first_result(handled, self.run, self.name, inbox.log_keys)
         if handled.outcome is Outcome.IN_FLIGHT:
             return self._later(key, f"key {shown} is being processed elsewhere", handled)
-        return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value)
+        return self._dead_letter(handled.outcome, handled.reason or handled.outcome.value, key=key)
 
     def _give_up(self, claimed: Claimed[Any], runs: int) -> Any:
         """Dead-letter a message whose last ``runs`` runs never finished (their worker died),
@@ -236,7 +237,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return give_up(
             claimed,
             runs,
-            lambda reason: self._dead_letter(Outcome.REJECTED, reason, deliveries=runs),
+            lambda reason: self._dead_letter(
+                Outcome.REJECTED, reason, deliveries=runs, key=claimed.key
+            ),
             DeadLettered,
         )
 
@@ -263,12 +266,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 claimed.release(f"given back to the broker: {exc.reason!r}")
                 raise
             claimed.reject(f"the task rejected it: {exc.reason!r}")
-            return self._dead_letter(Outcome.REJECTED, f"the task rejected it: {exc.reason!r}")
+            return self._dead_letter(
+                Outcome.REJECTED, f"the task rejected it: {exc.reason!r}", key=key
+            )
         except Reject as exc:
             claimed.reject(exc.reason)
             if self.request.is_eager:
                 raise
-            return self._dead_letter(Outcome.REJECTED, exc.reason)
+            return self._dead_letter(Outcome.REJECTED, exc.reason, key=key)
         except Exception as exc:
             claimed.release(f"the task raised {said(exc)}")
             if self.request.is_eager:
@@ -363,6 +368,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return self._dead_letter(
                 Outcome.REJECTED,
                 f"failed on all {retries + 1} deliveries; last: {said(exc)}",
+                key=key,
             )
         try:
             raise self.retry(
@@ -418,7 +424,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ).apply_async()
         return None
 
-    def _dead_letter(self, outcome: Outcome, reason: str, deliveries: int | None = None) -> Any:
+    def _dead_letter(
+        self,
+        outcome: Outcome,
+        reason: str,
+        deliveries: int | None = None,
+        key: str | None = None,
+    ) -> Any:
         request = self.request
         consumer = self.inbox.consumer if isinstance(self.inbox, Inbox) else ""
         queue = self.dead_letter_queue or f"{_queue_of(request)}.dead"
@@ -442,7 +454,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise CeleryReject(
                 f"{text}; the copy could not be sent: {exc!r}", requeue=True
             ) from exc
-        LOGGER.warning("oncely celery %s[%s]: dead-lettered: %s", self.name, request.id, text)
+        log_keys = self.inbox.log_keys if isinstance(self.inbox, Inbox) else "plain"
+        LOGGER.warning(
+            "oncely celery %s[%s]: dead-lettered: %s",
+            self.name, request.id, shown_text(text, key, log_keys),
+        )  # fmt: skip
         raise DeadLettered(text)
 
 

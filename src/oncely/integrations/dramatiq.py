@@ -113,7 +113,7 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import OncelyError, Reject, ResultUnavailable
 from oncely.inbox.sync_inbox import Claimed, Inbox
 from oncely.integrations._startup import check_stores
-from oncely.integrations._task_keys import shown_key, task_key
+from oncely.integrations._task_keys import shown_key, shown_text, task_key
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     give_up,
@@ -235,13 +235,25 @@ class Idempotency(Middleware):
         except MiddlewareError:
             raise
         except Exception as exc:
+            # A store's error may name the key: shown as the inbox's lines show keys.
+            said = shown_text(repr(exc), self._key_quietly(broker, message), self.inbox.log_keys)
             LOGGER.error(
-                "oncely dramatiq message %s (%s): not run now, tried again later: %r",
+                "oncely dramatiq message %s (%s): not run now, tried again later: %s",
                 message.message_id,
                 message.actor_name,
-                exc,
+                said,
             )
-            self._later(broker, message, f"oncely could not claim it: {exc!r}", None)
+            self._later(broker, message, f"oncely could not claim it: {said}", None)
+
+    def _key_quietly(self, broker: Any, message: Any) -> str | None:
+        """The key of ``message`` (None when it has none or it cannot be read), for a line."""
+        try:
+            keyer = broker.get_actor(message.actor_name).options.get("idempotency_key")
+            if keyer is None:
+                return None
+            return task_key(keyer, message.options.get(KEY_OPTION), message.args, message.kwargs)
+        except Exception:
+            return None
 
     def _later(self, broker: Any, message: Any, why: str, handled: Handled[Any] | None) -> None:
         """Send ``message`` again later (not one of its retries) and acknowledge this copy:
@@ -311,7 +323,7 @@ class Idempotency(Middleware):
             return
         if outcome is Outcome.IN_FLIGHT:
             self._later(broker, message, f"key {shown} is being processed elsewhere", handled)
-        self._dead_letter(broker, message, outcome, handled.reason or outcome.value)
+        self._dead_letter(broker, message, outcome, handled.reason or outcome.value, key=key)
 
     def _give_up(self, broker: Any, message: Any, claimed: Claimed[Any], runs: int) -> NoReturn:
         """Dead-letter a message whose last ``runs`` runs never finished (their worker
@@ -319,7 +331,9 @@ class Idempotency(Middleware):
         (:func:`~oncely.integrations._task_runs.give_up`)."""
 
         def send(reason: str) -> NoReturn:
-            self._dead_letter(broker, message, Outcome.REJECTED, reason, deliveries=runs)
+            self._dead_letter(
+                broker, message, Outcome.REJECTED, reason, deliveries=runs, key=claimed.key
+            )
 
         give_up(claimed, runs, send, SkipMessage)
         raise AssertionError("unreachable: the letter raises SkipMessage")  # pragma: no cover
@@ -340,6 +354,7 @@ class Idempotency(Middleware):
         outcome: Outcome,
         reason: str,
         deliveries: int | None = None,
+        key: str | None = None,
     ) -> NoReturn:
         """Send ``message`` to its dead-letter queue with ``reason``, record the failure for
         a caller waiting on its result, and stop here (the actor never runs)."""
@@ -347,7 +362,7 @@ class Idempotency(Middleware):
             "oncely dramatiq message %s (%s): dead-lettered: %s",
             message.message_id,
             message.actor_name,
-            reason,
+            shown_text(reason, key, self.inbox.log_keys),
         )
         queue = xq_name(message.queue_name)
         channel = getattr(broker, "channel", None) if _is_rabbitmq(broker) else None

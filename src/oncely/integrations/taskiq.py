@@ -118,7 +118,14 @@ from oncely.brokers._shape import DeadLetter
 from oncely.errors import ConfigurationError, OncelyError, Reject, ResultUnavailable, StoreError
 from oncely.inbox.async_inbox import AsyncClaimed, AsyncInbox
 from oncely.integrations._startup import check_stores_async
-from oncely.integrations._task_keys import SENT, Keyer, first_result, shown_key, task_key
+from oncely.integrations._task_keys import (
+    SENT,
+    Keyer,
+    first_result,
+    shown_key,
+    shown_text,
+    task_key,
+)
 from oncely.integrations._task_runs import (
     IN_FLIGHT_RESENDS,
     in_flight_delay,
@@ -416,7 +423,8 @@ class Receiver(_TaskiqReceiver):
         try:
             claimed: AsyncClaimed[Any] = await mw.inbox.claim(key, payload)
         except StoreError as exc:
-            return await self._later(message, f"oncely could not claim it: {exc!r}", None)
+            said = shown_text(repr(exc), key, mw.inbox.log_keys)
+            return await self._later(message, f"oncely could not claim it: {said}", None)
         if claimed.won:
             # It runs: a retry or a requeue of it waits for a running copy from the first,
             # short step again.
@@ -440,7 +448,9 @@ class Receiver(_TaskiqReceiver):
                 f"key {shown_key(key, mw.inbox.log_keys)} is being processed elsewhere",
                 handled,
             )
-        refused = await self._dead_letter(message, handled.outcome, handled.reason or "refused")
+        refused = await self._dead_letter(
+            message, handled.outcome, handled.reason or "refused", key=key
+        )
         if message.task_id == stable_task_id(message.task_name, key) and await self._answered(
             message, handled
         ):
@@ -485,9 +495,9 @@ class Receiver(_TaskiqReceiver):
         if isinstance(error, Reject | TaskRejectedError):
             why = error.reason if isinstance(error, Reject) else "the task rejected itself"
             await claimed.reject(why)
-            return await self._dead_letter(message, Outcome.REJECTED, why)
+            return await self._dead_letter(message, Outcome.REJECTED, why, key=claimed.key)
         await claimed.release(f"the task raised {type(error).__name__}: {error}")
-        return await self._retry(message, error)
+        return await self._retry(message, error, claimed.key)
 
     async def _give_up(
         self, claimed: AsyncClaimed[Any], message: TaskiqMessage, runs: int
@@ -498,7 +508,9 @@ class Receiver(_TaskiqReceiver):
         marked rejected, so the copy the broker gives again is dead-lettered, never run."""
         reason = unfinished_reason(runs)
         try:
-            refused = await self._dead_letter(message, Outcome.REJECTED, reason, deliveries=runs)
+            refused = await self._dead_letter(
+                message, Outcome.REJECTED, reason, deliveries=runs, key=claimed.key
+            )
         except Exception:
             with contextlib.suppress(Exception):  # else its lease lapses: the next copy's
                 await claimed.reject(reason)  # claim is one attempt higher, and gives up too
@@ -520,7 +532,9 @@ class Receiver(_TaskiqReceiver):
             )  # fmt: skip
             return self.idempotency.max_retries
 
-    async def _retry(self, message: TaskiqMessage, error: BaseException) -> TaskiqResult[Any]:
+    async def _retry(
+        self, message: TaskiqMessage, error: BaseException, key: str | None = None
+    ) -> TaskiqResult[Any]:
         mw = self.idempotency
         retries = int(message.labels.get(RETRIES_LABEL) or 0)
         if retries >= self._limit(message):
@@ -528,6 +542,7 @@ class Receiver(_TaskiqReceiver):
                 message,
                 Outcome.REJECTED,
                 f"failed on all {retries + 1} deliveries; last: {type(error).__name__}: {error}",
+                key=key,
             )
         await asyncio.sleep(mw.retry_delay)
         await mw.kick_again(message, **{RETRIES_LABEL: retries + 1})
@@ -558,6 +573,7 @@ class Receiver(_TaskiqReceiver):
         outcome: Outcome,
         reason: str,
         deliveries: int | None = None,
+        key: str | None = None,
     ) -> TaskiqResult[Any]:
         mw = self.idempotency
         where = mw.dead_letter_queue if mw.dead_letter is None else "the dead-letter sink"
@@ -576,8 +592,9 @@ class Receiver(_TaskiqReceiver):
         }
         await mw.send_dead_letter(sent.message, headers)
         LOGGER.warning(
-            "oncely taskiq %s[%s]: dead-lettered: %s", message.task_name, message.task_id, text
-        )
+            "oncely taskiq %s[%s]: dead-lettered: %s",
+            message.task_name, message.task_id, shown_text(text, key, mw.inbox.log_keys),
+        )  # fmt: skip
         return _result(message, None, DeadLettered(text))
 
 

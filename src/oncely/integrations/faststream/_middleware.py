@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from oncely._core.context import current
-from oncely._core.observe import key_for_logs
+from oncely._core.observe import key_for_logs, redact_keys
 from oncely._core.outcomes import Action, Handled, Outcome, Released
 from oncely._core.said import said
 from oncely.brokers._consumer import decode_body
@@ -525,13 +525,16 @@ class _Scope(BaseMiddleware):
             # The claim is complete and its result stored: given back, the message comes
             # again as a duplicate, which publishes the result again. Left to FastStream, the
             # error rejected it (the default ack policy), and the result was never published.
+            shown = self.owner._shown_key(self.held.source, key)
+            inbox = self.owner._inbox_for(self.held.source)
+            log_keys = inbox.log_keys if inbox is not None else "plain"
             LOGGER.error(
                 "oncely faststream source=%s key=%s could not publish its result (%s: %s); the "
                 "message is given back, and its redelivery publishes the stored result",
                 self.held.source,
-                printable(self.owner._shown_key(self.held.source, key)),
+                printable(shown),
                 type(exc).__name__,
-                exc,
+                redact_keys(str(exc), (key,), log_keys),
             )
             delay = self.owner.backoff.delay(self.deliveries)
             await self.owner._give_back(self.adapter, self.held, delay)
@@ -748,17 +751,17 @@ def _could_not_process(
     """Log a message given back because the store failed, with its key (as the inbox shows
     keys) and correlation id (R16)."""
     try:
-        key: str | None = read_key(envelope)
+        raw: str | None = read_key(envelope)
     except Exception:
-        key = None
-    key = key_for_logs(key, inbox.log_keys)
+        raw = None
+    key = key_for_logs(raw, inbox.log_keys)
     correlation_id = envelope.correlation_id
+    said = redact_keys(f"{type(exc).__name__}: {exc}", (raw,), inbox.log_keys)
     LOGGER.error(
-        "oncely faststream source=%s could not process a message (%s: %s); it is given back "
+        "oncely faststream source=%s could not process a message (%s); it is given back "
         "and will be redelivered key=%s correlation_id=%s",
         source,
-        type(exc).__name__,
-        exc,
+        said,
         None if key is None else printable(key),
         None if correlation_id is None else printable(correlation_id),
         extra={
@@ -768,7 +771,7 @@ def _could_not_process(
             "oncely_correlation_id": correlation_id,
             "oncely_consumer": inbox.consumer,
             "oncely_deliveries": envelope.delivery_count,
-            "oncely_reason": f"{type(exc).__name__}: {exc}",
+            "oncely_reason": said,
         },
     )
 
@@ -785,9 +788,12 @@ def _log_settled(
 ) -> None:
     """The one line per message: its outcome and broker action, its key as the inbox shows
     keys, and its correlation id (R16)."""
-    key = key_for_logs(handled.key, inbox.log_keys if inbox is not None else "plain")
+    log_keys = inbox.log_keys if inbox is not None else "plain"
+    key = key_for_logs(handled.key, log_keys)
     correlation_id = handled.correlation_id
+    # A reason (a dead letter's too) may name the key: a handler's error, a store's.
     shown = why.reason if why else handled.reason
+    shown = shown and redact_keys(shown, (handled.key,), log_keys)
     LOGGER.log(
         level,
         "oncely faststream source=%s outcome=%s action=%s key=%s correlation_id=%s deliveries=%s%s",
