@@ -249,3 +249,22 @@ def test_r1_handle_brings_a_repeat_back_as_the_annotation_read_once_or_later() -
             wrong.handle("w", {}, reads_later)
     finally:
         del namespace["Later"]
+
+
+def test_r1_a_bare_tuple_set_or_frozenset_comes_back_as_itself() -> None:
+    # Before, ``-> tuple`` (``set``, ``frozenset``) without item types came back as the list
+    # it is stored as; ``tuple[int, int]`` already came back as a tuple.
+    import typing
+
+    from oncely._core.fingerprint import result_json
+
+    for annotation, value, kind in (
+        (tuple, (1, "a"), tuple),
+        (typing.Tuple, (1, "a"), tuple),  # noqa: UP006 - the typing spelling, on purpose
+        (tuple[()], (), tuple),
+        (set, {1, 2}, set),
+        (typing.Set, {1, 2}, set),  # noqa: UP006
+        (frozenset, frozenset({"x"}), frozenset),
+    ):
+        back = revive(annotation, json.loads(result_json(value)))  # the stored form
+        assert type(back) is kind and back == value, annotation

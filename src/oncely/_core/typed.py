@@ -46,6 +46,8 @@ _PARSE: dict[type, Callable[[Any], Any]] = {
     int: int,  # a dict key: JSON keeps keys as strings
     float: float,
 }
+_BARE = (tuple, set, frozenset)
+"""Containers a bare annotation names (no item type) that JSON stores as a list."""
 _JSON_NATIVE = (str, int, float, bool, list, dict)
 """Classes a decoded result can be an instance of as it is (in a union, such a member takes
 a value of its class as it is)."""
@@ -67,6 +69,11 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return _union(args)
+    if annotation in _BARE or (origin in _BARE and not args):
+        # A bare ``tuple``/``set``/``frozenset`` (or ``tuple[()]``): stored as a JSON list,
+        # given back as the container it names, its items as stored.
+        bare: Any = origin or annotation
+        return lambda value: value if isinstance(value, bare) else bare(value)
     if origin in (list, set, frozenset) and args:
         item = reviver(args[0])
         kind = origin
