@@ -137,17 +137,26 @@ def test_waiting_gives_up_with_in_flight(store: oncely.Store) -> None:
         started.set()
         release.wait(10)
 
+    @inbox.idempotent(key=lambda a: "d", wait=timedelta(milliseconds=50))
+    def decorated(a: int) -> None:
+        slow(a)
+
     thread, _ = _in_thread(lambda: inbox.handle("k", {"a": 1}, slow))
+    assert started.wait(5)
+    started.clear()
+    # The decorated function's own call holds its key: another function's record of the
+    # same key would be a key conflict, not in flight.
+    other, _ = _in_thread(lambda: decorated(1))
     assert started.wait(5)
     try:
         waited = inbox.handle("k", {"a": 1}, lambda p: None, wait=timedelta(milliseconds=100))
         assert waited.outcome is Outcome.IN_FLIGHT
         with pytest.raises(oncely.InFlight):
-            once = inbox.idempotent(key=lambda a: "k", wait=timedelta(milliseconds=50))
-            once(lambda a: None)(a=1)
+            decorated(1)
     finally:
         release.set()
         thread.join(10)
+        other.join(10)
 
 
 def test_r8_threads_racing_on_one_key_have_one_winner(store: oncely.Store) -> None:

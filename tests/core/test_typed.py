@@ -166,7 +166,11 @@ def test_r1_a_claim_completed_without_its_result_says_so_to_every_repeat() -> No
     replaced by another one, say). Its repeats raise ResultUnavailable with ``why`` rather
     than return a ``None`` the work never returned; a result and ``not_kept`` together are
     refused, the claim still held."""
-    inbox = oncely.Inbox(oncely.open("memory://"), consumer="c")
+    # No fingerprints: the key is the claim's, not a function's, so an @idempotent function
+    # reaching it would otherwise be a key conflict (a key belongs to one function).
+    inbox = oncely.Inbox(
+        oncely.open("memory://"), consumer="c", fingerprint=oncely.Fingerprint.none()
+    )
     claimed = inbox.claim("o-1", {"order": "o-1"})
     with pytest.raises(ValueError, match="not both"):
         claimed.complete("done", not_kept="elsewhere")

@@ -24,7 +24,14 @@ from uuid import UUID
 
 from oncely.errors import ConfigurationError, UnfingerprintablePayload
 
-__all__ = ["Fingerprint", "Fingerprinter", "canonical_json", "fingerprint", "result_json"]
+__all__ = [
+    "Fingerprint",
+    "Fingerprinter",
+    "canonical_json",
+    "fingerprint",
+    "result_json",
+    "scoped",
+]
 
 VERSION: Final = "v1:"
 
@@ -156,6 +163,14 @@ def fingerprint(payload: object) -> str:
         text = payload if parsed is _NOT_JSON else canonical_json(parsed)
         return _digest(_utf8(text))
     return _digest(_utf8(canonical_json(payload)))
+
+
+def scoped(scope: str, fingerprint: str | None) -> str:
+    """A fingerprint that is ``fingerprint`` (whatever the inbox's strategy made of the
+    payload; ``None`` for :meth:`Fingerprint.none`) within ``scope``: an ``@idempotent``
+    function's name. The same key reached by another function, even with the same arguments,
+    then differs from the record and is a key conflict, never that function's duplicate."""
+    return _digest(_utf8(canonical_json([scope, fingerprint])))
 
 
 _NOT_JSON: Final = object()

@@ -35,7 +35,7 @@ from typing import Any, Generic, Literal, ParamSpec, Self, TypeAlias, TypeVar, c
 
 from oncely._core.codec import Codec, JSONCodec
 from oncely._core.context import _CURRENT, downstream_key, outer_correlation_id
-from oncely._core.fingerprint import Fingerprinter
+from oncely._core.fingerprint import Fingerprinter, scoped
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
 from oncely._core.handlers import refuse_async, refuse_result, refuse_store_kind, sync_result
@@ -70,6 +70,7 @@ from oncely.errors import (
     ConfigurationError,
     HandlerRefused,
     InvalidKey,
+    KeyConflict,
     LeaseLost,
     PayloadError,
     Reject,
@@ -142,6 +143,58 @@ def _completions(
         Completion(claim.record.key, claim.record.token, data, note)
         for _i, claim, _result, data, note in finished
     ]
+
+
+class _Decorated:
+    """What an ``@idempotent`` function's calls share: its scope and the type its repeats
+    are rebuilt as."""
+
+    __slots__ = ("convert", "fn", "rules", "scope", "wanted")
+
+    def __init__(self, fn: Callable[..., Any], scope: str, returns: Any, rules: InboxRules):
+        self.fn = fn
+        self.scope = scope
+        self.rules = rules
+        self.wanted = result_type(fn, returns)
+        self.convert = reviver(self.wanted)
+
+    def returned(self, handled: Handled[Any]) -> Any:
+        """What a call answers with ``handled``: the result, a repeat's rebuilt as the
+        function's type, or the exception a call raises instead."""
+        name = self.fn.__qualname__
+        outcome = handled.outcome
+        if outcome is Outcome.KEY_CONFLICT:
+            raise self._conflict(handled)
+        value = handled.unwrap()
+        if outcome is not Outcome.DUPLICATE:
+            return value
+        if value is None:
+            if result_lost(handled.reason):
+                raise ResultUnavailable(
+                    f"{name} ran for {handled.key!r} before, but its result is not there to "
+                    f"return ({handled.reason}); it is not run again",
+                    cast("Handled[object]", handled),
+                )
+            return None
+        try:
+            return self.convert(value)
+        except Exception as exc:
+            raise PayloadError(
+                f"the stored result of {handled.key!r} cannot be read back as "
+                f"{self.wanted!r}: {said(exc)}"
+            ) from exc
+
+    def _conflict(self, handled: Handled[Any]) -> KeyConflict:
+        name = self.fn.__qualname__
+        return KeyConflict(
+            f"{name} was not run: the key {self.rules.shown(handled.key or '')!r} is already "
+            f"recorded on this inbox (consumer {handled.consumer!r}) by another function, or "
+            f"by {name} with other arguments. A key belongs to one function: give each "
+            'function its own keys (key=lambda order: f"receipt:{order}"). A function '
+            'renamed or moved keeps the keys it recorded before with scope="old.module.'
+            f"name\" (this one's scope is {self.scope!r}).",
+            cast("Handled[object]", handled),
+        )
 
 
 def _instance_parameter(signature: inspect.Signature) -> str | None:
@@ -613,31 +666,43 @@ class Inbox:
         key: Callable[..., str],
         wait: timedelta | None = timedelta(seconds=10),
         returns: Any = ANNOTATED,
+        scope: str | None = None,
     ) -> Callable[[Function[PS, R]], Function[PS, R]]:
         """Decorate a function so each key runs once; repeats return the first result.
 
         ``key`` receives the function's arguments and returns the idempotency key; the bound
         arguments are the payload that is fingerprinted, so the same key with other arguments
-        raises :class:`~oncely.KeyConflict`. A call that finds the key in flight waits up to
-        ``wait`` for it, then raises :class:`~oncely.InFlight`. A raising function releases
-        the key and its exception propagates unchanged.
+        raises :class:`~oncely.KeyConflict`. A key belongs to one function: the function's
+        ``scope`` (default: ``module.qualname``) is part of the fingerprint its records keep,
+        whatever the inbox's ``fingerprint``, so another function reaching the same key (with
+        the same arguments or not) raises :class:`~oncely.KeyConflict` too and does not run,
+        never returning this one's result. A function renamed or moved keeps the keys it
+        recorded before with ``scope="its.old.name"``. A call that finds the key in flight
+        waits up to ``wait`` for it, then raises :class:`~oncely.InFlight`. A raising
+        function releases the key and its exception propagates unchanged.
 
         A repeat returns the first result as the type the function returns (its return
         annotation, or ``returns=``): a dataclass, a pydantic model, a ``datetime``, a
         ``Decimal``, lists and dicts of them, rebuilt from the stored form (``returns=None``:
         the stored form as it is decoded). In a union, a stored value that already is one of
-        its members (a string, a number) stays as it is. A repeat whose first result was not
-        kept (over ``max_result_bytes``, or not encodable) raises
+        its members (a string, a number) stays as it is. A repeat whose
+        first result was not kept (over ``max_result_bytes``, or not encodable) raises
         :class:`~oncely.ResultUnavailable`, never returns ``None`` for it. On a method, the
         instance (``self``, or ``cls``) is not part of the fingerprinted payload.
         """
+        if scope is not None and (not isinstance(scope, str) or not scope.strip()):
+            raise ConfigurationError(
+                f"scope is the name a function's keys are recorded under, a non-empty string "
+                f"(the function's earlier module.qualname, to keep its keys), not {scope!r}"
+            )
 
         def decorate(fn: Function[PS, R]) -> Function[PS, R]:
             refuse_async(fn)
             signature = inspect.signature(fn)
-            wanted = result_type(fn, returns)
-            convert = reviver(wanted)
             instance = _instance_parameter(signature)
+            made = _Decorated(
+                fn, scope or f"{fn.__module__}.{fn.__qualname__}", returns, self._rules
+            )
 
             @functools.wraps(fn)
             def once(*args: PS.args, **kwargs: PS.kwargs) -> R:
@@ -650,30 +715,29 @@ class Inbox:
                 def run(_payload: object) -> R:
                     return fn(*args, **kwargs)
 
-                handled = self.handle(
-                    key(*args, **kwargs), payload, run, wait=wait, returns=None
-                )  # converted below, as ``wanted``
-                value = handled.unwrap()
-                if handled.outcome is Outcome.DUPLICATE and value is None:
-                    if result_lost(handled.reason):
-                        raise ResultUnavailable(
-                            f"{fn.__qualname__} ran for {handled.key!r} before, but its result "
-                            f"is not there to return ({handled.reason}); it is not run again",
-                            cast("Handled[object]", handled),
-                        )
-                elif handled.outcome is Outcome.DUPLICATE:
-                    try:
-                        value = convert(value)
-                    except Exception as exc:
-                        raise PayloadError(
-                            f"the stored result of {handled.key!r} cannot be read back as "
-                            f"{wanted!r}: {said(exc)}"
-                        ) from exc
-                return cast(R, value)
+                handled = self._call(key(*args, **kwargs), payload, run, wait, made.scope)
+                return cast(R, made.returned(handled))
 
             return once
 
         return decorate
+
+    def _call(
+        self,
+        key: str,
+        payload: object,
+        run: Handler[object, R],
+        wait: timedelta | None,
+        scope: str,
+    ) -> Handled[R]:
+        """:meth:`handle` for an ``@idempotent`` function, whose ``scope`` is part of the
+        fingerprint; a duplicate's value is left as stored (converted by the decorator)."""
+        started = perf_counter()
+        correlation_id = outer_correlation_id()
+        got = self._acquire(key, payload, correlation_id, wait, started, scope)
+        if isinstance(got, Claim):
+            return self._run(got, payload, run, correlation_id, started)
+        return got
 
     # ------------------------------------------------------------------------ records
 
@@ -1022,12 +1086,17 @@ class Inbox:
         correlation_id: str | None,
         wait: timedelta | None,
         started: float,
+        scope: str | None = None,
     ) -> Claim | Handled[Any]:
         """The claim to proceed under (won, or taken over from a lapsed one), or the outcome
-        when there is nothing to run."""
+        when there is nothing to run. ``scope`` (an ``@idempotent`` function's) is mixed into
+        the fingerprint, whatever the inbox's strategy, so another function's record of the
+        same key is a key conflict."""
         try:
             checked = validate_key(key, self._limits)
             fp = self._fingerprint(payload)
+            if scope is not None:
+                fp = scoped(scope, fp)
         except Exception as exc:
             return self._rules.refused(key, exc, started, correlation_id)
         deadline = None if wait is None else started + wait.total_seconds()
