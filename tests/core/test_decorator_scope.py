@@ -1,12 +1,14 @@
 """``@inbox.idempotent``: a key belongs to one function (its scope is part of the fingerprint
 its records keep, whatever the inbox's fingerprint strategy), and a repeat's type (bare
-containers rebuilt). On real stores (PostgreSQL, Redis), sync and async (R1, R19, R20 step
-6)."""
+containers rebuilt; a warning for an unannotated function whose result would come back as
+another type). On real stores (PostgreSQL, Redis), sync and async (R1, R19, R20 step 6)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +266,78 @@ def test_r1_a_bare_container_comes_back_as_itself(
     finally:
         inbox.close()
         inbox.store.close()
+
+
+@dataclass
+class Receipt:
+    order: str
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "oncely" and r.levelno == logging.WARNING and "no return type" in r.message
+    ]
+
+
+def test_r1_an_unannotated_function_is_warned_about_once_at_its_first_lossy_result(
+    backend: Backend, scope: Scope, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = _inbox(backend, scope)
+    results: dict[str, Any] = {"a": None, "b": {"n": 1}, "c": b"\x00\x01", "d": b"\x02"}
+
+    @inbox.idempotent(key=lambda order: order)
+    def blob(order: str):  # no return type: the point
+        return results[order]
+
+    @inbox.idempotent(key=lambda order: order)
+    def receipt(order: str):
+        return [Receipt(order)]
+
+    @inbox.idempotent(key=lambda order: order)
+    def typed(order: str) -> bytes:
+        return b"\x00"
+
+    try:
+        blob("a")  # None and a dict of str come back as they were: nothing to say
+        blob("b")
+        assert _warnings(caplog) == []
+        blob("c")
+        assert blob("c") == "AAE="  # what the warning is about: base64 text
+        blob("d")
+        (warned,) = _warnings(caplog)  # once per function, not per call
+        assert "blob" in warned and "bytes" in warned and "str (base64)" in warned
+        assert "annotate its return type (-> bytes)" in warned and "returns=" in warned
+        receipt("r")
+        receipt("s")
+        typed("t")
+        assert len(_warnings(caplog)) == 2
+        assert "the Receipt in its result as dict" in _warnings(caplog)[1]
+    finally:
+        inbox.close()
+        inbox.store.close()
+
+
+async def test_r1_async_an_unannotated_function_is_warned_about_once(
+    backend: Backend, scope: Scope, caplog: pytest.LogCaptureFixture
+) -> None:
+    inbox = _async_inbox(backend, scope)
+
+    @inbox.idempotent(key=lambda order: order)
+    async def pair(order: str):
+        return {1: (order, order)}
+
+    @inbox.idempotent(key=lambda order: order, returns=None)
+    async def stored(order: str):
+        return (order,)  # returns=None: the stored form is what the caller asked for
+
+    try:
+        await pair("a")
+        await pair("b")
+        await stored("c")
+        (warned,) = _warnings(caplog)
+        assert "pair" in warned and "int keys" in warned and "dict[int, ...]" in warned
+    finally:
+        await inbox.aclose()
+        await inbox.store.aclose()

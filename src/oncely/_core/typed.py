@@ -14,6 +14,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import logging
 import types
 import typing
 import weakref
@@ -29,7 +30,15 @@ from oncely._core.outcomes import Handled, Outcome
 from oncely._core.said import said
 from oncely.errors import PayloadError
 
-__all__ = ["ANNOTATED", "result_type", "revive", "reviver", "typed_repeat"]
+__all__ = [
+    "ANNOTATED",
+    "ResultWatch",
+    "changed_type",
+    "result_type",
+    "revive",
+    "reviver",
+    "typed_repeat",
+]
 
 R = TypeVar("R")
 
@@ -250,3 +259,99 @@ def typed_repeat(handled: Handled[R], fn: Callable[..., Any], returns: Any) -> H
             f"the stored result cannot be read back as {result_type(fn, returns)!r}: {said(exc)}"
         ) from exc
     return dataclasses.replace(handled, value=value)
+
+
+_AS_TEXT = (datetime, date, time, Decimal, UUID)
+
+
+def changed_type(value: Any) -> str | None:
+    """What of ``value`` (a result) a repeat with no return type to rebuild it gets back as
+    another type from its JSON form, and how to annotate it (the words of a warning);
+    ``None`` when all of it comes back as it is, or when it is not JSON at all (the codec
+    refuses it and says so)."""
+    try:
+        found = _changed(value)
+    except RecursionError:
+        return None
+    if found is None:
+        return None
+    name, back, key = found
+    if key:
+        return (
+            f"the {name} keys of a dict in its result as {back}: annotate its return type "
+            f"(a dict[{name}, ...] where the result holds it)"
+        )
+    if type(value) is list or type(value) is dict:
+        return (
+            f"the {name} in its result as {back}: annotate its return type (one that names "
+            f"{name} where the result holds it, such as list[{name}])"
+        )
+    return f"its {name} result as {back}: annotate its return type (-> {name})"
+
+
+def _changed(value: Any) -> tuple[str, str, bool] | None:
+    kind = type(value)
+    if value is None or kind is str or kind is int or kind is float or kind is bool:
+        return None
+    if kind is list:
+        for item in value:
+            found = _changed(item)
+            if found is not None:
+                return found
+        return None
+    if kind is dict:
+        for name, item in value.items():
+            if type(name) is not str:
+                return type(name).__name__, "str", True
+            found = _changed(item)
+            if found is not None:
+                return found
+        return None
+    return _as(value, kind.__name__)
+
+
+def _as(value: Any, name: str) -> tuple[str, str, bool] | None:
+    if isinstance(value, Enum):
+        return name, type(value.value).__name__, False
+    if isinstance(value, bytes | bytearray | memoryview):
+        return name, "str (base64)", False
+    if isinstance(value, _AS_TEXT):
+        return name, "str", False
+    if isinstance(value, tuple | set | frozenset | list):
+        return name, "list", False
+    if isinstance(value, dict) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return name, "dict", False
+    if callable(getattr(value, "model_dump", None)):  # a pydantic model
+        return name, "dict", False
+    for native in (bool, int, float, str):  # a subclass of one comes back as the class
+        if isinstance(value, native):
+            return name, native.__name__, False
+    return None
+
+
+class ResultWatch:
+    """For an ``@idempotent`` function with no return type to rebuild its repeats from:
+    logs one warning, at the first result that a repeat would get back as another type (a
+    ``bytes`` as its base64 text, a dataclass as a dict, a tuple as a list), naming the
+    function, the type and the fix. Once per function, not per call."""
+
+    __slots__ = ("_function", "_logger", "warned")
+
+    def __init__(self, function: str, logger: logging.Logger) -> None:
+        self._function = function
+        self._logger = logger
+        self.warned = False
+
+    def see(self, value: Any) -> None:
+        if self.warned or value is None:
+            return
+        found = changed_type(value)
+        if found is None:
+            return
+        self.warned = True
+        self._logger.warning(
+            "oncely: a repeat of %s (it has no return type) gets back %s, or pass returns= "
+            "to idempotent, so a repeat returns what the first call did",
+            self._function,
+            found,
+        )

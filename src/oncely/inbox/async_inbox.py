@@ -74,7 +74,7 @@ from oncely._core.policy import (
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.said import said
-from oncely._core.typed import ANNOTATED, result_type, reviver, typed_repeat
+from oncely._core.typed import ANNOTATED, ResultWatch, result_type, reviver, typed_repeat
 from oncely.errors import (
     ClaimEnded,
     CommitRefused,
@@ -157,10 +157,10 @@ def _completions(
 
 
 class _Decorated:
-    """What an ``@idempotent`` function's calls share: its scope and the type its repeats
-    are rebuilt as."""
+    """What an ``@idempotent`` function's calls share: its scope, the type its repeats are
+    rebuilt as, and the watch on results a repeat would not give back as they were."""
 
-    __slots__ = ("convert", "fn", "rules", "scope", "wanted")
+    __slots__ = ("convert", "fn", "rules", "scope", "wanted", "watch")
 
     def __init__(self, fn: Callable[..., Any], scope: str, returns: Any, rules: InboxRules):
         self.fn = fn
@@ -168,6 +168,12 @@ class _Decorated:
         self.rules = rules
         self.wanted = result_type(fn, returns)
         self.convert = reviver(self.wanted)
+        unannotated = returns is ANNOTATED and "return" not in getattr(fn, "__annotations__", {})
+        self.watch = (
+            ResultWatch(scope, rules.observer.logger)
+            if unannotated and isinstance(rules.codec, JSONCodec)
+            else None
+        )
 
     def returned(self, handled: Handled[Any]) -> Any:
         """What a call answers with ``handled``: the result, a repeat's rebuilt as the
@@ -178,6 +184,8 @@ class _Decorated:
             raise self._conflict(handled)
         value = handled.unwrap()
         if outcome is not Outcome.DUPLICATE:
+            if self.watch is not None:
+                self.watch.see(value)
             return value
         if value is None:
             if result_lost(handled.reason):
@@ -743,7 +751,9 @@ class AsyncInbox:
         annotation, or ``returns=``): a dataclass, a pydantic model, a ``datetime``, a
         ``Decimal``, lists and dicts of them, rebuilt from the stored form (``returns=None``:
         the stored form as it is decoded). In a union, a stored value that already is one of
-        its members (a string, a number) stays as it is. A repeat whose
+        its members (a string, a number) stays as it is. A function with no return annotation
+        whose result a repeat would get back as another type (``bytes`` as base64 text, a
+        dataclass as a dict) is warned about once, at the first such result. A repeat whose
         first result was not kept (over ``max_result_bytes``, or not encodable) raises
         :class:`~oncely.ResultUnavailable`, never returns ``None`` for it. On a method, the
         instance (``self``, or ``cls``) is not part of the fingerprinted payload.
