@@ -62,6 +62,35 @@ def test_consume_refuses_a_transport_id_as_key_and_a_sync_handler() -> None:
     assert done.returncode == 2 and "module:function" in done.stderr
 
 
+@pytest.mark.services
+def test_consume_refuses_a_handler_whose_arguments_do_not_fit_the_mode(tmp_path: Path) -> None:
+    """A one-argument handler with ``--mode transactional`` used to start, then fail every
+    message with ``TypeError: ... takes 1 positional argument but 2 were given`` and
+    dead-letter it. Refused at start now, before the broker is read, naming the call."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_arity")
+    base = ["consume", "--broker", RABBITMQ_URL, "--source", source, "--consumer", "c",
+            "--store", f"sqlite:///{tmp_path / 'inbox.db'}"]  # fmt: skip
+    try:
+        for handler, mode, takes, called in (
+            ("record", "transactional", "(payload)", "handler(tx, payload)"),
+            ("record_in", "two-phase", "(tx, payload)", "handler(payload)"),
+        ):
+            done = subprocess.run(
+                [*ONCELY, *base, "--handler", f"tests.brokers.handlers:{handler}", "--mode", mode],
+                capture_output=True, text=True, cwd=ROOT, timeout=20, check=False,
+            )  # fmt: skip
+            assert done.returncode == 2, done.stderr
+            assert done.stderr == (
+                f"Error: --handler 'tests.brokers.handlers:{handler}' takes {takes}, but the "
+                f"{mode} mode calls it as {called}: write it as async def {handler}"
+                f"{called.removeprefix('handler')}\n"
+            )
+        assert not asyncio.run(_queue_exists(source))  # refused before the broker was read
+    finally:
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))
+
+
 async def _publish(source: str, messages: list[tuple[str | None, dict[str, object]]]) -> None:
     producer = open_producer(RABBITMQ_URL, source)
     try:
@@ -248,7 +277,8 @@ def test_consume_takes_one_stale_policy_and_only_in_the_two_phase_mode() -> None
     both = _run([*base, "--on-stale", "escalate",
                  "--reconciler", "tests.brokers.handlers:reconcile_by_key"])  # fmt: skip
     assert both.returncode == 2 and "not both" in both.stderr
-    transactional = _run([*base, "--mode", "transactional", "--on-stale", "escalate"])
+    in_tx = [*base[:-3], "tests.brokers.handlers:record_in", *base[-2:]]  # (tx, payload)
+    transactional = _run([*in_tx, "--mode", "transactional", "--on-stale", "escalate"])
     assert transactional.returncode == 2, transactional.stderr
     assert "--on-stale is for the two-phase mode" in transactional.stderr
     missing = _run([*base, "--reconciler", "tests.brokers.handlers:nowhere"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import sqlite3
@@ -376,6 +377,77 @@ def test_transactional_mode_needs_a_transactional_store(inbox: oncely.AsyncInbox
 
     with pytest.raises(ConfigurationError, match="cannot join a transaction"):
         BrokerConsumer(MemoryBroker(), inbox, book, mode="transactional")
+
+
+async def test_a_handler_whose_arguments_cannot_fit_the_mode_is_refused_when_built(
+    tmp_path: Any,
+) -> None:
+    """A one-argument handler in the transactional mode (which calls ``handler(tx, payload)``)
+    used to start, then fail every message with a TypeError and dead-letter it. It is refused
+    when the consumer is built; only a call certain to fail is: a partial, a bound method, a
+    callable object, ``*args`` and a decorator's wrapper are read as they would be called."""
+    store = oncely.AsyncSQLiteStore(str(tmp_path / "inbox.db"))
+    inbox = oncely.AsyncInbox(store, consumer="ledger")
+
+    async def charge(payload: object) -> None:
+        raise AssertionError("never runs")
+
+    async def book(tx: Any, payload: dict[str, Any]) -> None:
+        raise AssertionError("never runs")
+
+    async def tagged(payload: object, *, tag: str) -> None:
+        raise AssertionError("never runs")
+
+    with pytest.raises(ConfigurationError) as refused:
+        BrokerConsumer(MemoryBroker(), inbox, charge, mode="transactional")
+    assert str(refused.value).endswith(
+        "charge takes (payload), but the transactional mode calls it as "
+        "handler(tx, payload): write it as async def charge(tx, payload)"
+    ), refused.value
+    with pytest.raises(ConfigurationError, match=r"two-phase mode calls it as handler\(payload"):
+        BrokerConsumer(MemoryBroker(), inbox, book)
+    with pytest.raises(ConfigurationError, match="takes"):
+        InboxProcessor(inbox, tagged)  # a keyword-only argument nothing passes
+
+    class Ledger:
+        async def book(self, tx: Any, payload: object) -> None: ...
+
+        async def __call__(self, tx: Any, payload: object) -> None: ...
+
+    def rename(fn: Any) -> Any:
+        @functools.wraps(fn)  # copies a signature the wrapper does not take
+        async def wrapper(tx: Any, payload: object) -> None:
+            await fn("db", tx, payload)
+
+        return wrapper
+
+    @rename
+    async def booked(db: str, tx: Any, payload: object) -> None: ...
+
+    async def anything(*args: object) -> None: ...
+
+    fitting = [functools.partial(booked), Ledger().book, Ledger(), booked, anything]
+    fitting += [functools.partial(lambda ledger, tx, payload: None, "main")]
+    for handler in fitting:
+        BrokerConsumer(MemoryBroker(), inbox, handler, mode="transactional")
+    # What the check cannot read (a builtin without a signature) is left to run.
+    BrokerConsumer(MemoryBroker(), inbox, print)
+
+    # And a partial that fits runs: the check does not stand in its way.
+    broker, seen = MemoryBroker(), []
+
+    async def noted(into: list[object], tx: Any, payload: dict[str, Any]) -> None:
+        into.append(payload["n"])
+
+    broker.publish(body(n=1), message_id="m1")
+    await broker.run_until_idle(
+        BrokerConsumer(
+            broker, inbox, functools.partial(noted, seen), mode="transactional", settings=FAST
+        )
+    )
+    await inbox.aclose()
+    await store.aclose()
+    assert seen == [1] and broker.acked == 1
 
 
 async def test_transactional_mode_on_sqlite_commits_marker_and_effect_together(

@@ -16,6 +16,7 @@ from typing import Any
 from oncely.errors import AsyncHandlerRefused, ConfigurationError, HandlerRefused
 
 __all__ = [
+    "misfit",
     "refuse_async",
     "refuse_generator",
     "refuse_result",
@@ -29,6 +30,28 @@ _ASYNC_CODE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _GENERATOR_CODE = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
 _PLAIN = frozenset({dict, list, tuple, str, bytes, int, float, bool})
 """Result types that are never awaitable: taken without a question (the common case)."""
+
+
+def misfit(handler: object, arguments: int) -> str | None:
+    """Why ``handler`` cannot be called with ``arguments`` positional arguments (its
+    signature, as ``(payload)``), or None when it can, or when that cannot be told for sure
+    (no signature readable; a wrapper taking ``*args``, whatever it wraps): only a call that
+    would certainly raise ``TypeError`` is refused.
+
+    The signature is the callable's own (a ``functools.partial``'s what is left of it, a bound
+    method's without ``self``, an object's ``__call__``'s), not the one a decorator's
+    ``functools.wraps`` copied from the function it wraps, which may take other arguments."""
+    try:
+        signature = inspect.signature(handler, follow_wrapped=False)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature, not a callable
+        return None
+    try:
+        signature.bind(*(None,) * arguments)
+    except TypeError:
+        # Without annotations: under ``from __future__ import annotations`` they are strings.
+        bare = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
+        return str(signature.replace(parameters=bare, return_annotation=signature.empty))
+    return None
 
 
 def refuse_generator(handler: object) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
+from oncely._core.handlers import misfit
 from oncely._core.observe import key_for_logs, log_error, redact_keys
 from oncely._core.records import Status
 from oncely.brokers._common import flag
@@ -81,6 +82,25 @@ def decode_body(envelope: Envelope) -> object:
         except UnicodeDecodeError as exc:
             raise UndecodableBody(f"the {kind} body is not UTF-8 ({exc})") from None
     return raw
+
+
+_CALLED_AS: Mapping[str, str] = {"two_phase": "(payload)", "transactional": "(tx, payload)"}
+
+
+def handler_misfit(handler: object, mode: Mode) -> str | None:
+    """Why ``handler`` cannot run in ``mode``, which calls it as ``handler(payload)``
+    (two-phase) or ``handler(tx, payload)`` (transactional), as the end of a sentence naming
+    it (``takes (payload), but ...``); None when it can, or when that cannot be told for sure
+    (:func:`~oncely._core.handlers.misfit`)."""
+    takes = misfit(handler, 2 if mode == "transactional" else 1)
+    if takes is None:
+        return None
+    called = _CALLED_AS[mode]
+    name = getattr(handler, "__name__", None) or "handler"
+    return (
+        f"takes {takes}, but the {mode.replace('_', '-')} mode calls it as handler{called}: "
+        f"write it as async def {name}{called}"
+    )
 
 
 class Processor(Protocol):
@@ -144,6 +164,10 @@ class InboxProcessor:
                 f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
                 "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
             )
+        wrong = handler_misfit(handler, mode)
+        if wrong is not None:
+            # Else every message would fail with the TypeError and be dead-lettered.
+            raise ConfigurationError(f"the handler {_name(handler)} {wrong}")
         self.offsets: AsyncKeepsOffsets[Any] | None = None
         """The store that keeps the offsets, with ``store_offsets=True``."""
         if flag(store_offsets, "store_offsets"):
@@ -1518,6 +1542,10 @@ def _size(body: object) -> int:
     if isinstance(body, memoryview):
         return body.nbytes
     return 0  # a transport that hands out decoded bodies has no wire size to cap
+
+
+def _name(handler: object) -> str:
+    return getattr(handler, "__qualname__", None) or repr(handler)
 
 
 def _fields(fields: Mapping[str, object]) -> str:

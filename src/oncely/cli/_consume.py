@@ -36,6 +36,7 @@ from oncely.brokers import (
     Processor,
     open_transport,
 )
+from oncely.brokers._consumer import handler_misfit
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._loading import load_attribute, load_hooks, load_reconciler
@@ -81,8 +82,9 @@ class JSONLines(_UTC):
         return json.dumps(line, default=str)
 
 
-def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
-    """The ``async def`` named by ``module:function`` (``package.module:object.method``)."""
+def load_handler(spec: str, mode: str = "two-phase") -> Callable[..., Awaitable[Any]]:
+    """The ``async def`` named by ``module:function`` (``package.module:object.method``), whose
+    arguments fit how ``mode`` calls it (else every message would fail with a TypeError)."""
     target = load_attribute(spec, "--handler")
     if not inspect.iscoroutinefunction(target):
         raise CliError(
@@ -90,6 +92,9 @@ def load_handler(spec: str) -> Callable[..., Awaitable[Any]]:
             "the two-phase mode, async def handler(tx, payload) for the transactional mode)",
             USAGE,
         )
+    wrong = handler_misfit(target, "transactional" if mode == "transactional" else "two_phase")
+    if wrong is not None:
+        raise CliError(f"--handler {spec!r} {wrong}", USAGE)
     return target  # type: ignore[no-any-return]
 
 
@@ -487,7 +492,7 @@ def consume(
     """
     consumption = read_consumption(options)
     remember_secrets(store_url)
-    handler = load_handler(handler_spec)
+    handler = load_handler(handler_spec, mode)
     stale_policy = _stale_policy(mode, on_stale, reconciler_spec)
 
     @asynccontextmanager
