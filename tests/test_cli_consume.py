@@ -319,6 +319,57 @@ def test_r13_consume_refuses_a_retention_below_its_horizon(tmp_path: Path) -> No
     asyncio.run(remove_destinations(RABBITMQ_URL, source))
 
 
+@pytest.mark.services
+def test_r13_consume_starts_with_the_retention_oncely_retention_recommends(
+    tmp_path: Path,
+) -> None:
+    """The same numbers give both commands the same horizon. Before, `oncely retention`
+    counted neither the consumer's retry delays nor its default resubmit window: it
+    recommended 4d for these, and `oncely consume` refused 4d (its horizon 4d1h), advising
+    ConsumerSettings.resubmit_window and Retention(keep=...), which a command line has not."""
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    numbers = ["--max-deliveries", "10", "--message-ttl", "3d"]
+    advised = _run(["retention", *numbers, "--lock", "5m", "--json"])
+    assert advised.returncode == 0, advised.stderr
+    figures = json.loads(advised.stdout)
+    source = unique("cli_advised")
+    base = ["consume", "--broker", RABBITMQ_URL, "--source", source, "--consumer", "cli-test",
+            "--handler", "tests.brokers.handlers:record", "--store",
+            f"sqlite:///{tmp_path / 'inbox.db'}", *numbers, "--ack-wait", "5m"]  # fmt: skip
+    try:
+        short = _run([*base, "--retention", "4d"])
+        assert short.returncode == 1, short.stderr
+        said = (
+            f"below the redelivery horizon of this consumer on rabbitmq {figures['horizon']} "
+            f"({figures['formula']})"
+        )
+        assert said in short.stderr, (short.stderr, figures)
+        assert short.stderr.rstrip().endswith(
+            f"raise --retention to {figures['recommended']} (the horizon and a quarter, as "
+            "`oncely retention` recommends), or lower --max-deliveries, --ack-wait, "
+            "--message-ttl or --resubmit-window"
+        ), short.stderr
+        assert "ConsumerSettings" not in short.stderr and "Retention(" not in short.stderr
+
+        command = [*ONCELY, *base, "--retention", figures["recommended"]]
+        process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        try:
+            assert process.stderr is not None
+            line = process.stderr.readline()
+            while line and "redelivery horizon" not in line:
+                line = process.stderr.readline()
+            assert f"redelivery horizon {figures['horizon']} = {figures['formula']}" in line
+            assert f"retention {figures['recommended']} covers it" in line, line
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert process.returncode == 0
+    finally:
+        asyncio.run(remove_destinations(RABBITMQ_URL, source))
+
+
 async def _queue_exists(name: str) -> bool:
     import aio_pika
     import aiormq

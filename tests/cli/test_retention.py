@@ -35,8 +35,29 @@ def test_r13_retention_horizon_and_recommendation() -> None:
     assert figures["keep"] is None
 
 
-def test_r13_retention_text_output() -> None:
+def test_r13_retention_defaults_are_oncely_consumes() -> None:
+    # oncely consume's own: its retry delays (1s doubling up to 1m, the longest before the
+    # 10th delivery) and its --resubmit-window of 1d. Before, both were 0s here: this
+    # recommended 4d, which oncely consume with the same numbers refused (its horizon 4d1h).
     result = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d")
+    assert result.exit_code == 0, result.stderr
+    assert "redelivery horizon     4d1h" in result.stdout
+    assert (
+        "max_deliveries=10 x (lock=5m + delay=1m) + message_ttl=3d + resubmit_window=1d"
+    ) in result.stdout
+    assert "recommended retention  6d" in result.stdout
+    assert "timedelta(days=6)" in result.stdout
+    # Few deliveries wait less between them: 1s, 2s, then 4s before the 4th.
+    few = run("retention", "--max-deliveries", "4", "--lock", "1m", "--message-ttl", "1h",
+              "--resubmit-window", "0s", "--json")  # fmt: skip
+    assert json.loads(few.stdout)["formula"] == (
+        "max_deliveries=4 x (lock=1m + delay=4s) + message_ttl=1h"
+    )
+
+
+def test_r13_retention_text_output() -> None:
+    result = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d",
+                 "--redelivery-delay", "0s", "--resubmit-window", "0s")  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert "redelivery horizon     3d50m" in result.stdout
     assert "max_deliveries=10 x lock=5m + message_ttl=3d" in result.stdout
@@ -44,20 +65,23 @@ def test_r13_retention_text_output() -> None:
     assert "timedelta(days=4)" in result.stdout
 
 
+_BROKER_ONLY = ("--redelivery-delay", "0s", "--resubmit-window", "0s")
+
+
 def test_r13_retention_keep_long_enough() -> None:
     result = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d",
-                 "--keep", "7d")  # fmt: skip
+                 *_BROKER_ONLY, "--keep", "7d")  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert "retention 7d covers the horizon (3d23h10m to spare)" in result.stdout
     exact = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d",
-                "--keep", "3d50m")  # fmt: skip
+                *_BROKER_ONLY, "--keep", "3d50m")  # fmt: skip
     assert exact.exit_code == 0
     assert "below the recommended" in exact.stdout
 
 
 def test_r13_retention_too_short_exits_1_with_the_reason() -> None:
     result = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d",
-                 "--keep", "1h")  # fmt: skip
+                 *_BROKER_ONLY, "--keep", "1h")  # fmt: skip
     assert result.exit_code == 1
     assert result.stderr.strip() == (
         "Error: retention 1h is below the redelivery horizon 3d50m "
@@ -65,7 +89,7 @@ def test_r13_retention_too_short_exits_1_with_the_reason() -> None:
         "broker's limits"
     )
     as_json = run("retention", "--max-deliveries", "10", "--lock", "5m", "--message-ttl", "3d",
-                  "--keep", "3d49m", "--json")  # fmt: skip
+                  *_BROKER_ONLY, "--keep", "3d49m", "--json")  # fmt: skip
     assert as_json.exit_code == 1
     assert json.loads(as_json.stdout)["keep_ok"] is False
 

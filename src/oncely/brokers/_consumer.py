@@ -437,6 +437,10 @@ class BrokerConsumer:
     imported.
     """
 
+    _horizon_advice: Callable[[RedeliveryHorizon], str] | None = None
+    """What a retention shorter than the horizon should do, in the words of whoever set the
+    consumer up (``oncely consume`` names its flags); None: the library's names."""
+
     def __init__(
         self,
         transport: Transport,
@@ -600,7 +604,9 @@ class BrokerConsumer:
         retention.check(
             horizon,
             of=f" of this consumer on {self.transport.name}",
-            advice="raise the inbox's Retention(keep=...), or lower max_deliveries, the "
+            advice=self._horizon_advice(horizon)
+            if self._horizon_advice is not None
+            else "raise the inbox's Retention(keep=...), or lower max_deliveries, the "
             "backoff, the ack wait or ConsumerSettings.resubmit_window",
         )
         most = limits.max_deliveries

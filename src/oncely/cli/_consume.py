@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import click
 
 import oncely
+from oncely import RedeliveryHorizon, format_duration
 from oncely._repeats import Repeats
 from oncely.brokers import (
     BrokerConsumer,
@@ -40,6 +41,7 @@ from oncely.brokers._consumer import handler_misfit
 from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._loading import load_attribute, load_hooks, load_reconciler
+from oncely.cli._retention import recommend
 from oncely.cli._stores import store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
@@ -400,11 +402,22 @@ def run_consumer(
             runner = BrokerConsumer(
                 transport, made, settings=settings, tracing=bool(options.get("tracing"))
             )
+            runner._horizon_advice = _horizon_advice
             await runner.run(handle_signals=True)
         summary = ", ".join(f"{name}={n}" for name, n in sorted(runner.counts.items()))
         logging.getLogger("oncely.broker").info("oncely consume stopped: %s", summary or "idle")
 
     asyncio.run(run())
+
+
+def _horizon_advice(horizon: RedeliveryHorizon) -> str:
+    """A retention below the consumer's horizon, said in the command's flags."""
+    try:
+        enough = f"raise --retention to {format_duration(recommend(horizon.total))} (the "
+        enough += "horizon and a quarter, as `oncely retention` recommends)"
+    except OverflowError:
+        enough = "raise --retention"
+    return f"{enough}, or lower --max-deliveries, --ack-wait, --message-ttl or --resubmit-window"
 
 
 @click.command()

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import timedelta
 from typing import Final
 
 import click
 
 from oncely import RedeliveryHorizon, Retention, format_duration
+from oncely.brokers._shape import BrokerLimits, ConsumerSettings
 from oncely.cli._durations import Duration
 from oncely.cli._errors import CHECK_FAILED, CliError
 from oncely.cli._output import console, echo_json, text
 from oncely.errors import RetentionTooShort
 
-__all__ = ["recommend", "retention"]
+__all__ = ["consumer_horizon", "recommend", "retention"]
 
 MARGIN: Final = 0.25
 _HOUR: Final = timedelta(hours=1)
@@ -31,6 +33,21 @@ def recommend(horizon: timedelta) -> timedelta:
     wanted = horizon * (1 + MARGIN)
     unit = _DAY if wanted >= _DAY else _HOUR
     return max(unit * math.ceil(wanted / unit), _HOUR)
+
+
+def consumer_horizon(
+    *,
+    max_deliveries: int,
+    lock: timedelta,
+    message_ttl: timedelta,
+    resubmit_window: timedelta,
+) -> RedeliveryHorizon:
+    """The horizon ``oncely consume`` checks at start with these numbers (``lock``: its
+    ``--ack-wait``), its retry delays included: one formula for both commands."""
+    settings = ConsumerSettings(
+        max_deliveries=max_deliveries, resubmit_window=resubmit_window, message_ttl=message_ttl
+    )
+    return settings.horizon(BrokerLimits(ack_wait=lock))
 
 
 def _python(keep: timedelta) -> str:
@@ -61,16 +78,17 @@ def _python(keep: timedelta) -> str:
 @click.option(
     "--redelivery-delay",
     type=Duration(),
-    default="0s",
-    show_default=True,
-    help="The broker's pause before each redelivery (back-off).",
+    default=None,
+    help="The pause before each redelivery (back-off); default: oncely consume's, the "
+    "longest it asks for (1s doubling up to 1m). 0s for a broker that redelivers at once.",
 )
 @click.option(
     "--resubmit-window",
     type=Duration(),
-    default="0s",
+    default="1d",
     show_default=True,
-    help="How long after dead-lettering operators may resubmit a message.",
+    help="How long after dead-lettering operators may resubmit a message (as oncely "
+    "consume's --resubmit-window).",
 )
 @click.option(
     "--keep",
@@ -83,7 +101,7 @@ def retention(
     max_deliveries: int,
     lock: timedelta,
     message_ttl: timedelta,
-    redelivery_delay: timedelta,
+    redelivery_delay: timedelta | None,
     resubmit_window: timedelta,
     keep: timedelta | None,
     as_json: bool,
@@ -98,18 +116,21 @@ def retention(
 
     Deleting a record earlier lets a late redelivery through as new. Durations are written
     like 30s, 5m, 2h, 3d, 1d12h or 250ms. The recommendation adds a quarter and rounds up.
+    The defaults are oncely consume's, so the same numbers give the horizon it checks at
+    start (--lock is its --ack-wait).
 
     \b
     Example:
       oncely retention --max-deliveries 10 --lock 5m --message-ttl 3d --keep 7d
     """
-    horizon = RedeliveryHorizon(
+    horizon = consumer_horizon(
         max_deliveries=max_deliveries,
         lock=lock,
         message_ttl=message_ttl,
-        redelivery_delay=redelivery_delay,
         resubmit_window=resubmit_window,
     )
+    if redelivery_delay is not None:
+        horizon = replace(horizon, redelivery_delay=redelivery_delay)
     try:
         total = horizon.total
         recommended = recommend(total)
