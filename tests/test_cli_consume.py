@@ -420,6 +420,21 @@ def test_consume_exits_3_at_start_when_the_store_is_down_and_reads_nothing() -> 
 
 
 @pytest.mark.services
+def test_consume_says_a_sqlite_directory_is_missing(tmp_path: Path) -> None:
+    # Before, "unable to open database file", as for a store to try again later.
+    require("RabbitMQ", RABBITMQ_URL, 5672)
+    source = unique("cli_no_dir")
+    path = tmp_path / "missing" / "inbox.db"
+    done = _consume_once(source, store=f"sqlite:///{path}")
+    assert done.returncode == 3, done.stderr
+    assert done.stderr == (
+        f"Error: cannot open the SQLite database {path}: there is no directory {path.parent} "
+        "(oncely creates the database file, not its directory)\n"
+    )
+    assert not asyncio.run(_queue_exists(source))
+
+
+@pytest.mark.services
 @pytest.mark.parametrize(
     ("change", "said"),
     [

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import sqlite3
 import stat
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def test_store_unavailable_when_the_database_stays_locked(tmp_path: Path) -> Non
 
 def test_an_unreadable_file_gives_a_typed_error(tmp_path: Path) -> None:
     if os.geteuid() == 0:
-        path = tmp_path / "missing-dir" / "o.db"  # root ignores permissions: use a bad path
+        path = tmp_path / "a-dir"  # root ignores permissions: a directory where the file goes
+        path.mkdir()
     else:
         path = tmp_path / "o.db"
         path.write_bytes(b"")
@@ -93,6 +95,47 @@ def test_an_unreadable_file_gives_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(oncely.StoreError) as raised:
         store.get("c", "k")
     assert not isinstance(raised.value, sqlite3.Error)
+
+
+def test_a_database_in_a_missing_directory_is_a_configuration_error(tmp_path: Path) -> None:
+    """SQLite says only "unable to open database file", which was a StoreUnavailable: a store
+    to try again later. Nothing will make the directory: it is a ConfigurationError saying
+    so, as the command line says it, from every way of opening the store, sync and asyncio,
+    at the first use (a directory made before then is used)."""
+    path = tmp_path / "missing" / "dir" / "o.db"
+    said = (
+        f"cannot open the SQLite database {path}: there is no directory {path.parent} "
+        "(oncely creates the database file, not its directory)"
+    )
+    for store in (oncely.open(f"sqlite:///{path}"), oncely.SQLiteStore(path)):
+        with pytest.raises(oncely.ConfigurationError) as raised:
+            store.get("c", "k")
+        assert str(raised.value) == said
+        assert not isinstance(raised.value, oncely.StoreUnavailable)
+        with pytest.raises(oncely.ConfigurationError, match="there is no directory"):
+            oncely.Inbox(store, consumer="c").handle("k", 1, lambda p: p)
+        store.close()
+
+    async def asynchronous() -> None:
+        for store in (oncely.open_async(f"sqlite:///{path}"), oncely.AsyncSQLiteStore(path)):
+            with pytest.raises(oncely.ConfigurationError) as raised:
+                await store.get("c", "k")
+            assert str(raised.value) == said
+            with pytest.raises(oncely.ConfigurationError, match="there is no directory"):
+                await oncely.AsyncInbox(store, consumer="c").prepare()
+            await store.aclose()
+            # The failed connect's aiosqlite thread has ended: it cannot report to a loop
+            # closed meanwhile (a traceback printed after the error's one line).
+            workers = [t for t in threading.enumerate() if "connection_worker" in t.name]
+            assert not workers, workers
+
+    asyncio.run(asynchronous())
+    path.parent.mkdir(parents=True)  # made after the store: the same store opens it
+    store = oncely.SQLiteStore(path)
+    with pytest.raises(oncely.ConfigurationError):
+        oncely.SQLiteStore(tmp_path / "nowhere" / "o.db").get("c", "k")
+    assert store.get("c", "k") is None
+    store.close()
 
 
 def test_a_file_that_is_not_a_database_gives_a_typed_error(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from oncely.cli._durations import Duration
 from oncely.cli._errors import USAGE, CliError, remember_secrets
 from oncely.cli._loading import load_attribute, load_hooks, load_reconciler
 from oncely.cli._retention import recommend
-from oncely.cli._stores import store_option
+from oncely.cli._stores import refuse_missing_directory, store_option
 from oncely.cloudevents import event_data
 from oncely.errors import ConfigurationError
 from oncely.keys import KeySource, KeyWarning, key_source
@@ -505,6 +505,7 @@ def consume(
     """
     consumption = read_consumption(options)
     remember_secrets(store_url)
+    refuse_missing_directory(store_url)  # exit 3, as every command that opens a store
     handler = load_handler(handler_spec, mode)
     stale_policy = _stale_policy(mode, on_stale, reconciler_spec)
 

@@ -20,8 +20,9 @@ import oncely
 from oncely import Store
 from oncely.cli._errors import SCHEMA, STORE_UNAVAILABLE, CliError, remember_secrets
 from oncely.errors import ConfigurationError, OncelyError
+from oncely.stores.sqlite.errors import missing_directory
 
-__all__ = ["DEFAULT_STORE", "ENV_STORE", "opened", "store_option"]
+__all__ = ["DEFAULT_STORE", "ENV_STORE", "opened", "refuse_missing_directory", "store_option"]
 
 ENV_STORE: Final = "ONCELY_STORE"
 DEFAULT_STORE: Final = "sqlite:///oncely.db"
@@ -100,6 +101,16 @@ def _as_typed(message: str, target: str, url: str) -> str:
     return message.replace(oncely.redact(target), oncely.redact(url))
 
 
+def refuse_missing_directory(url: str) -> None:
+    """Exit 3 for a SQLite database in a directory that does not exist: it cannot be opened,
+    and SQLite would say only "unable to open database file" (the library's
+    ConfigurationError, with the same words, would be a usage error)."""
+    path = _sqlite_path(url)
+    missing = missing_directory(path) if path is not None else None
+    if missing is not None:
+        raise CliError(str(missing), STORE_UNAVAILABLE)
+
+
 @contextmanager
 def opened(url: str, *, create: bool = False) -> Iterator[Store]:
     """The store at ``url``, closed when the block ends.
@@ -122,15 +133,8 @@ def opened(url: str, *, create: bool = False) -> Iterator[Store]:
         # because it could not be parsed, hence not redacted.
         raise click.BadParameter(f"not a valid URL ({exc})", param_hint="'--store'") from None
     try:
+        refuse_missing_directory(url)
         path = _sqlite_path(url)
-        folder = os.path.dirname(path) if path is not None else ""
-        if folder and not os.path.isdir(folder):
-            # SQLite says only "unable to open database file"; and migrate cannot help.
-            raise CliError(
-                f"cannot open the SQLite database {path}: there is no directory {folder} "
-                "(oncely creates the database file, not its directory)",
-                STORE_UNAVAILABLE,
-            )
         if not create and path is not None and not os.path.exists(path):
             if _defaulted():
                 # An operator who forgot --store: creating this file would not help them.

@@ -42,7 +42,17 @@ async def connect(path: str, *, timeout: float, uri: bool) -> aiosqlite.Connecti
         worker = getattr(pending, "_thread", None)
         if isinstance(worker, threading.Thread) and not worker.is_alive():
             worker.daemon = True
-    return await pending
+        try:
+            return await pending
+        except Exception:
+            # A failed connect stops the worker, which then reports to this loop: wait for
+            # it, or a loop closed meanwhile (asyncio.run ending on the error) gets a
+            # traceback printed from the thread after the error's one line.
+            if isinstance(worker, threading.Thread):
+                await asyncio.to_thread(worker.join, 5.0)
+            raise
+    else:
+        return pending
 
 
 async def fetchall(conn: aiosqlite.Connection, sql: str, params: Params = ()) -> list[Any]:

@@ -86,7 +86,13 @@ from oncely.stores.sqlite.dialect import (
     SQLiteDialect,
     parse_record,
 )
-from oncely.stores.sqlite.errors import SQLiteSettings, is_busy, parse_url, translate
+from oncely.stores.sqlite.errors import (
+    SQLiteSettings,
+    is_busy,
+    missing_directory,
+    parse_url,
+    translate,
+)
 
 __all__ = ["AsyncSQLiteStore"]
 
@@ -220,6 +226,9 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             for pragma in self._settings.pragmas():
                 await fetchall(conn, pragma)
         except sqlite3.Error as exc:
+            missing = missing_directory(self._path)
+            if missing is not None:  # not a store to try again later: say what is wrong
+                raise missing from None
             raise translate(exc, f"opening {self._path}") from exc
         return conn
 

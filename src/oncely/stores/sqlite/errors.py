@@ -5,6 +5,7 @@ aiosqlite raises sqlite3's own exceptions, so one translation serves both twins.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,7 +14,14 @@ from typing import Final, Literal, cast, get_args
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
 
-__all__ = ["SQLiteOptions", "SQLiteSettings", "is_busy", "parse_url", "translate"]
+__all__ = [
+    "SQLiteOptions",
+    "SQLiteSettings",
+    "is_busy",
+    "missing_directory",
+    "parse_url",
+    "translate",
+]
 
 Synchronous = Literal["off", "normal", "full", "extra"]
 
@@ -56,6 +64,23 @@ def is_busy(exc: sqlite3.Error) -> bool:
     if isinstance(code, int):
         return code & 0xFF in _BUSY_CODES
     return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc).lower()
+
+
+def missing_directory(path: str) -> ConfigurationError | None:
+    """The error for a database file ``path`` whose directory does not exist, or None.
+
+    SQLite says only "unable to open database file", which reads as a store to try again
+    later; but nothing will make the directory, and a migration cannot help either. A
+    ``file:`` URI and ``:memory:`` name no plain file: None."""
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    folder = os.path.dirname(path)
+    if not folder or os.path.isdir(folder):
+        return None
+    return ConfigurationError(
+        f"cannot open the SQLite database {path}: there is no directory {folder} "
+        "(oncely creates the database file, not its directory)"
+    )
 
 
 def translate(exc: sqlite3.Error, doing: str) -> StoreError:

@@ -80,7 +80,13 @@ from oncely.stores.sqlite.dialect import (
     SQLiteDialect,
     parse_record,
 )
-from oncely.stores.sqlite.errors import SQLiteSettings, is_busy, parse_url, translate
+from oncely.stores.sqlite.errors import (
+    SQLiteSettings,
+    is_busy,
+    missing_directory,
+    parse_url,
+    translate,
+)
 from oncely.stores.sqlite.sync_io import Params, Pool, close, connect, fetchall
 from oncely.stores.sqlite.sync_tx import _Transaction
 from oncely.stores.sync_protocols import complete_each
@@ -218,6 +224,9 @@ class SQLiteStore(SQLStoreBase[str]):
             for pragma in self._settings.pragmas():
                 fetchall(conn, pragma)
         except sqlite3.Error as exc:
+            missing = missing_directory(self._path)
+            if missing is not None:  # not a store to try again later: say what is wrong
+                raise missing from None
             raise translate(exc, f"opening {self._path}") from exc
         return conn
 
