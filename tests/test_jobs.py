@@ -726,3 +726,21 @@ def test_r13_r19_a_26_hour_day_keeps_its_run_to_the_end_and_a_25_hour_retention_
             from tests.backends.postgres import drop_tables
 
             drop_tables(table)
+
+
+def test_r19_a_working_dateutil_zone_keys_a_moment_given_in_its_repeated_hour() -> None:
+    """dateutil's Europe/Rome handles ``fold``: ``at=`` given in that zone within the hour the
+    clocks repeat was refused, as the check compared the moment with its UTC form (two aware
+    datetimes in different zones never compare equal in a repeated hour, PEP 495)."""
+    dateutil = pytest.importorskip("dateutil.tz")
+    rome = dateutil.gettz("Europe/Rome")
+    first = datetime(2026, 10, 25, 2, 30, tzinfo=rome, fold=0)
+    second = datetime(2026, 10, 25, 2, 30, tzinfo=rome, fold=1)
+    assert slot("j", "day", at=first, tz=rome) == slot("j", "day", at=second, tz=rome)
+    assert slot("j", "day", at=first, tz=rome) == "j:2026-10-25"
+    zoned = ZoneInfo("Europe/Rome")
+    for fold in (0, 1):
+        at = datetime(2026, 10, 25, 2, 30, tzinfo=rome, fold=fold)
+        same = datetime(2026, 10, 25, 2, 30, tzinfo=zoned, fold=fold)
+        assert slot("j", "hour", at=at, tz=rome) == slot("j", "hour", at=same, tz=zoned)
+    assert slot("j", "hour", at=first, tz=rome) != slot("j", "hour", at=second, tz=rome)

@@ -168,7 +168,9 @@ def _local(moment: datetime, zone: tzinfo, tz: str | tzinfo) -> datetime:
     local = local.replace(tzinfo=zone)  # pytz hands back another instance than ``zone``
     back = local.astimezone(UTC)
     first = local.replace(fold=0).astimezone(UTC).astimezone(zone)
-    if back == moment and (
+    # Compared in UTC: two aware datetimes in different zones never compare equal when one
+    # of them is in a repeated hour (PEP 495), even for the same moment.
+    if back == moment.astimezone(UTC) and (
         not _repeat(local)
         or (first.replace(tzinfo=None), first.fold) == (local.replace(tzinfo=None), 0)
     ):
