@@ -341,3 +341,39 @@ async def test_r1_async_an_unannotated_function_is_warned_about_once(
     finally:
         await inbox.aclose()
         await inbox.store.aclose()
+
+
+# ------------------------------------------------------------------ what can be decorated
+
+
+def test_r1_a_partial_and_a_callable_object_are_decorated_scoped_by_what_they_call(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``functools.partial`` or an object with ``__call__`` has no ``__qualname__``:
+    decorating one raised AttributeError. Its scope is the function a partial wraps, the
+    class of a callable object; the unannotated-result warning names it the same way."""
+    import functools
+
+    inbox = oncely.Inbox(oncely.open(f"sqlite:///{tmp_path / 'i.db'}"), consumer="c")
+    runs: list[str] = []
+
+    def charge(order: str, currency: str) -> str:
+        runs.append(order)
+        return f"{order} in {currency}"
+
+    class Refund:
+        def __call__(self, order: str) -> bytes:
+            runs.append(f"refund {order}")
+            return b"done"
+
+    in_eur = inbox.idempotent(key=lambda order: order)(functools.partial(charge, currency="EUR"))
+    refund = inbox.idempotent(key=lambda order: f"refund:{order}")(Refund())
+    assert in_eur("o-1") == in_eur("o-1") == "o-1 in EUR"
+    assert refund("o-1") == refund("o-1") == b"done"
+    assert runs == ["o-1", "refund o-1"]
+    with pytest.raises(oncely.KeyConflict) as raised:
+        inbox.idempotent(key=lambda order: order)(Refund())("o-1")  # charge's key
+    assert "Refund was not run" in str(raised.value)
+    assert "scope is 'tests.core.test_decorator_scope." in str(raised.value)
+    inbox.close()
+    inbox.store.close()

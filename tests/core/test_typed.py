@@ -17,7 +17,7 @@ import pytest
 
 import oncely
 from oncely import PayloadError
-from oncely._core.fingerprint import canonical_json
+from oncely._core.fingerprint import canonical_json, result_json
 from oncely._core.typed import revive
 
 
@@ -272,3 +272,15 @@ def test_r1_a_bare_tuple_set_or_frozenset_comes_back_as_itself() -> None:
     ):
         back = revive(annotation, json.loads(result_json(value)))  # the stored form
         assert type(back) is kind and back == value, annotation
+
+
+def test_r1_a_bare_set_of_tuples_comes_back_and_one_of_dicts_stays_as_stored() -> None:
+    """A bare ``set`` annotation over tuples: stored as a list of lists, which a set cannot
+    hold. Its repeat raised ``unhashable type: 'list'`` on every call; now the members come
+    back as tuples, and members with no hashable form (dicts) leave the stored list."""
+    kept = json.loads(result_json({(1, 2), (3, 4)}))  # what a record keeps: [[1,2],[3,4]]
+    assert revive(set, kept) == {(1, 2), (3, 4)}
+    nested = json.loads(result_json(frozenset({(1, (2, 3))})))
+    assert revive(frozenset, nested) == frozenset({(1, (2, 3))})
+    assert revive(set, [{"a": 1}]) == [{"a": 1}]
+    assert revive(tuple, [1, [2]]) == (1, [2])

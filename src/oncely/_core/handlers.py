@@ -10,6 +10,7 @@ value is the result.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -172,3 +173,14 @@ def _generator(handler: object, *, returned: bool = False) -> str:
         "be recorded as done without running; return the value instead (list(...) of what "
         "it yields)"
     )
+
+
+def function_name(fn: object, *, qualified: bool = False) -> str:
+    """``fn``'s qualified name (with ``qualified``, its module's before it): that of the
+    function a ``functools.partial`` wraps, of the class of a callable object."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    name = str(getattr(named, "__qualname__", type(fn).__name__))
+    module = getattr(named, "__module__", None)
+    return f"{module}.{name}" if qualified and module else name

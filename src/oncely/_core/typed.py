@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
+import inspect
 import json
 import logging
 import types
@@ -33,6 +35,7 @@ from oncely.errors import PayloadError
 __all__ = [
     "ANNOTATED",
     "ResultWatch",
+    "annotated",
     "changed_type",
     "result_type",
     "revive",
@@ -81,8 +84,7 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
     if annotation in _BARE or (origin in _BARE and not args):
         # A bare ``tuple``/``set``/``frozenset`` (or ``tuple[()]``): stored as a JSON list,
         # given back as the container it names, its items as stored.
-        bare: Any = origin or annotation
-        return lambda value: value if isinstance(value, bare) else bare(value)
+        return _bare(origin or annotation)
     if origin in (list, set, frozenset) and args:
         item = reviver(args[0])
         kind = origin
@@ -113,6 +115,29 @@ def reviver(annotation: Any) -> Callable[[Any], Any]:
     if parse is not None:
         return lambda value: value if isinstance(value, annotation) else parse(value)
     return _identity
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists as tuples, all the way down: the hashable form a tuple took."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _bare(kind: Any) -> Callable[[Any], Any]:
+    """The converter for a bare ``tuple``, ``set`` or ``frozenset``. A set's members that
+    were tuples are stored as lists, which a set cannot hold: they come back as tuples; one
+    whose members have no hashable form (dataclasses, stored as dicts) stays as stored."""
+
+    def build(value: Any) -> Any:
+        if isinstance(value, kind) or not isinstance(value, list):
+            return value
+        if kind is tuple:
+            return tuple(value)
+        try:
+            return kind(_frozen(v) for v in value)
+        except TypeError:  # unhashable members: the stored list, as without an annotation
+            return value
+
+    return build
 
 
 def _union(args: tuple[Any, ...]) -> Callable[[Any], Any]:
@@ -208,9 +233,19 @@ def result_type(fn: Callable[..., Any], returns: Any) -> Any:
     if returns is not ANNOTATED:
         return Any if returns is None else returns
     try:
-        return typing.get_type_hints(fn).get("return", Any)
+        return typing.get_type_hints(annotated(fn)).get("return", Any)
     except Exception:  # a forward reference it cannot resolve: left as stored
         return Any
+
+
+def annotated(fn: object) -> object:
+    """What holds ``fn``'s annotations: the function a ``functools.partial`` wraps, the
+    ``__call__`` of a callable object's class, or ``fn`` itself."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.isroutine(fn) or isinstance(fn, type) or not callable(fn):
+        return fn
+    return type(fn).__call__
 
 
 _REPEATS: weakref.WeakKeyDictionary[Any, Callable[[Any], Any] | None] = weakref.WeakKeyDictionary()
@@ -229,7 +264,7 @@ def _repeat_reviver(fn: Callable[..., Any], returns: Any) -> Callable[[Any], Any
     except (KeyError, TypeError):  # TypeError: not weakly referable, read each time
         pass
     try:
-        wanted = typing.get_type_hints(fn).get("return", Any)
+        wanted = typing.get_type_hints(annotated(fn)).get("return", Any)
         cache = True
     except Exception:  # a forward reference not resolvable yet: as stored, asked again later
         wanted, cache = Any, False
@@ -329,22 +364,29 @@ def _as(value: Any, name: str) -> tuple[str, str, bool] | None:
     return None
 
 
+_WATCHED_RESULTS = 16
+"""How many results of an unannotated function :class:`ResultWatch` looks at: a function
+that returned only JSON's own types that many times is taken to return nothing else."""
+
+
 class ResultWatch:
     """For an ``@idempotent`` function with no return type to rebuild its repeats from:
     logs one warning, at the first result that a repeat would get back as another type (a
     ``bytes`` as its base64 text, a dataclass as a dict, a tuple as a list), naming the
     function, the type and the fix. Once per function, not per call."""
 
-    __slots__ = ("_function", "_logger", "warned")
+    __slots__ = ("_function", "_left", "_logger", "warned")
 
     def __init__(self, function: str, logger: logging.Logger) -> None:
         self._function = function
         self._logger = logger
+        self._left = _WATCHED_RESULTS
         self.warned = False
 
     def see(self, value: Any) -> None:
-        if self.warned or value is None:
+        if self.warned or value is None or self._left <= 0:
             return
+        self._left -= 1  # a function whose results keep their type is not walked for ever
         found = changed_type(value)
         if found is None:
             return

@@ -38,7 +38,13 @@ from oncely._core.context import _CURRENT, downstream_key, outer_correlation_id
 from oncely._core.fingerprint import Fingerprinter, scoped
 from oncely._core.fingerprint import fingerprint as payload_fingerprint
 from oncely._core.flows import Step, decide
-from oncely._core.handlers import refuse_async, refuse_result, refuse_store_kind, sync_result
+from oncely._core.handlers import (
+    function_name,
+    refuse_async,
+    refuse_result,
+    refuse_store_kind,
+    sync_result,
+)
 from oncely._core.inbox_rules import (
     InboxRules,
     lost_reason,
@@ -63,7 +69,7 @@ from oncely._core.policy import (
 )
 from oncely._core.records import Claim, ClaimRequest, ClaimStatus, Completion, Record, Status
 from oncely._core.said import said
-from oncely._core.typed import ANNOTATED, ResultWatch, result_type, reviver, typed_repeat
+from oncely._core.typed import ANNOTATED, ResultWatch, annotated, result_type, reviver, typed_repeat
 from oncely.errors import (
     ClaimEnded,
     CommitRefused,
@@ -157,7 +163,9 @@ class _Decorated:
         self.rules = rules
         self.wanted = result_type(fn, returns)
         self.convert = reviver(self.wanted)
-        unannotated = returns is ANNOTATED and "return" not in getattr(fn, "__annotations__", {})
+        unannotated = returns is ANNOTATED and "return" not in getattr(
+            annotated(fn), "__annotations__", {}
+        )
         self.watch = (
             ResultWatch(scope, rules.observer.logger)
             if unannotated and isinstance(rules.codec, JSONCodec)
@@ -167,7 +175,7 @@ class _Decorated:
     def returned(self, handled: Handled[Any]) -> Any:
         """What a call answers with ``handled``: the result, a repeat's rebuilt as the
         function's type, or the exception a call raises instead."""
-        name = self.fn.__qualname__
+        name = function_name(self.fn)
         outcome = handled.outcome
         if outcome is Outcome.KEY_CONFLICT:
             raise self._conflict(handled)
@@ -193,7 +201,7 @@ class _Decorated:
             ) from exc
 
     def _conflict(self, handled: Handled[Any]) -> KeyConflict:
-        name = self.fn.__qualname__
+        name = function_name(self.fn)
         return KeyConflict(
             f"{name} was not run: the key {self.rules.shown(handled.key or '')!r} is already "
             f"recorded on this inbox (consumer {handled.consumer!r}) by another function, or "
@@ -710,9 +718,7 @@ class Inbox:
             refuse_async(fn)
             signature = inspect.signature(fn)
             instance = _instance_parameter(signature)
-            made = _Decorated(
-                fn, scope or f"{fn.__module__}.{fn.__qualname__}", returns, self._rules
-            )
+            made = _Decorated(fn, scope or function_name(fn, qualified=True), returns, self._rules)
 
             @functools.wraps(fn)
             def once(*args: PS.args, **kwargs: PS.kwargs) -> R:
