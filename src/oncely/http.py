@@ -71,6 +71,7 @@ import base64
 import contextlib
 import contextvars
 import difflib
+import functools
 import hashlib
 import inspect
 import io
@@ -84,7 +85,7 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from oncely._core.context import _CURRENT
-from oncely._core.observe import CLIENT_KEYS, key_for_logs, redact_keys
+from oncely._core.observe import CLIENT_KEYS, key_for_logs, log_error, redact_keys
 from oncely._core.outcomes import Handled, Outcome, Released
 from oncely._core.policy import Limits
 from oncely._core.said import said
@@ -797,7 +798,11 @@ class IdempotencyMiddleware(_Policy):
                     # A store that cannot be reached holds the last chunk back while _end
                     # retries (a bounded time): the response goes out either way.
                     ended = True
-                    await _to_its_end(self._end(claimed, status, headers, chunks, size))
+                    await _to_its_end(
+                        self._end(claimed, status, headers, chunks, size),
+                        claimed.key,
+                        self._log_keys,
+                    )
             await send(message)
 
         try:
@@ -805,7 +810,9 @@ class IdempotencyMiddleware(_Policy):
                 await self.app(_in_messages(scope), replay_body, capture)
         except BaseException as exc:
             if not ended:
-                await _to_its_end(claimed.release(f"the app raised {said(exc)}"))
+                await _to_its_end(
+                    claimed.release(f"the app raised {said(exc)}"), claimed.key, self._log_keys
+                )
             raise
         if not ended:
             # No last body message: no response at all, or one cut short (a stream whose
@@ -882,7 +889,11 @@ _UNDER_WAY: set[asyncio.Future[object]] = set()
 """The claims' endings that go on after their request was cancelled (see :func:`_to_its_end`)."""
 
 
-async def _to_its_end(ending: Coroutine[Any, Any, object]) -> None:
+async def _to_its_end(
+    ending: Coroutine[Any, Any, object],
+    key: str | None = None,
+    log_keys: Literal["plain", "hash"] = "plain",
+) -> None:
     """Await ``ending`` (a claim completed with its response, or released), which goes on to
     its end even if the request is cancelled meanwhile: Starlette cancels a streaming
     response's task when its client goes away, a client that gives up on a response held back
@@ -894,18 +905,25 @@ async def _to_its_end(ending: Coroutine[Any, Any, object]) -> None:
         await asyncio.shield(task)
     except asyncio.CancelledError:
         _UNDER_WAY.add(task)
-        task.add_done_callback(_ended_alone)
+        task.add_done_callback(functools.partial(_ended_alone, key, log_keys))
         raise
 
 
-def _ended_alone(task: asyncio.Future[object]) -> None:
+def _ended_alone(
+    key: str | None, log_keys: Literal["plain", "hash"], task: asyncio.Future[object]
+) -> None:
     """A claim's ending that went on after its request was cancelled is over: what it raised
-    has no caller left to reach, so it is logged."""
+    has no caller left to reach, so it is logged (the key in its text as the inbox shows
+    keys: a ``LeaseLost`` names it)."""
     _UNDER_WAY.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        LOGGER.error(
+        log_error(
+            LOGGER,
+            logging.ERROR,
             "oncely http: ending the claim of a request whose client went away failed",
-            exc_info=task.exception(),
+            error=task.exception(),
+            keys=(key,),
+            mode=log_keys,
         )
 
 

@@ -62,7 +62,7 @@ def redact_keys(text: str, keys: Iterable[str | None], mode: Literal["plain", "h
 
 
 def log_error(
-    logger: logging.Logger,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
     level: int,
     msg: str,
     *args: object,
@@ -84,6 +84,9 @@ def log_error(
     if not logger.isEnabledFor(level):
         return
     text = "".join(traceback.format_exception(error)).rstrip("\n")
+    if not isinstance(logger, logging.Logger):  # a LoggerAdapter: no records of our own made
+        logger.log(level, f"{msg}\n%s", *args, redact_keys(text, keys, mode), extra=extra)
+        return
     fn, lno, func, _ = logger.findCaller(stacklevel=2)
     record = logger.makeRecord(logger.name, level, fn, lno, msg, args, None, func, extra)
     record.exc_text = redact_keys(text, keys, mode)

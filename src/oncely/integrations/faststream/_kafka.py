@@ -17,11 +17,17 @@ from faststream.kafka.message import FakeConsumer
 from faststream.kafka.schemas import Topic
 
 from oncely.brokers._shape import DeadLetter
-from oncely.brokers.kafka._records import MESSAGE_ID_HEADER, envelope_of
+from oncely.brokers.kafka._records import MESSAGE_ID_HEADER, TOMBSTONE_REFUSAL, envelope_of
 from oncely.cloudevents import event_key
 from oncely.errors import OncelyError
 from oncely.integrations.faststream._adapter import DEAD_LETTER_SUFFIX, Delivery, Settling
 from oncely.wire import wire_text
+
+_TOMBSTONE_REFUSAL = (
+    "the record has no value: a tombstone (on a compacted topic, the deletion of its record "
+    "key); a FastStream subscriber under oncely takes none, so it is dead-lettered for you to "
+    "act on (its copy keeps the record key)"
+)
 
 __all__ = ["ADAPTER", "DELIVERIES_HEADER", "KafkaAdapter"]
 
@@ -76,6 +82,8 @@ class KafkaAdapter:
             else:
                 headers.append((name, value))
         envelope, refusal = envelope_of(_Record(record, headers), "", earlier + 1)
+        if refusal == TOMBSTONE_REFUSAL:  # its advice is the transport's option, not ours
+            refusal = _TOMBSTONE_REFUSAL
         given: object = envelope.message_id
         if given is None:
             given = envelope.headers.get(FASTSTREAM_ID_HEADER)
