@@ -117,6 +117,7 @@ def test_a_database_in_a_missing_directory_is_a_configuration_error(tmp_path: Pa
         store.close()
 
     async def asynchronous() -> None:
+        earlier = set(threading.enumerate())  # other tests' connections may still be open
         for store in (oncely.open_async(f"sqlite:///{path}"), oncely.AsyncSQLiteStore(path)):
             with pytest.raises(oncely.ConfigurationError) as raised:
                 await store.get("c", "k")
@@ -126,7 +127,11 @@ def test_a_database_in_a_missing_directory_is_a_configuration_error(tmp_path: Pa
             await store.aclose()
             # The failed connect's aiosqlite thread has ended: it cannot report to a loop
             # closed meanwhile (a traceback printed after the error's one line).
-            workers = [t for t in threading.enumerate() if "connection_worker" in t.name]
+            workers = [
+                t
+                for t in threading.enumerate()
+                if "connection_worker" in t.name and t not in earlier
+            ]
             assert not workers, workers
 
     asyncio.run(asynchronous())
