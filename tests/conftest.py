@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import redis_cluster
+from tests.backends import Scope
 
 
 @pytest.fixture(autouse=True)
@@ -39,3 +42,15 @@ def private_redis() -> Iterator[tuple[Any, str]]:
                 client.close()
     except redis_cluster.ClusterUnavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def scope(tmp_path: Path) -> Iterator[Scope]:
+    """Names of a test's own (a unique suffix) and what to clean up after it, for the
+    backends of ``tests.backends``."""
+    made = Scope(tmp_path=tmp_path, unique=uuid.uuid4().hex[:12])
+    try:
+        yield made
+    finally:
+        for finalizer in reversed(made.finalizers):
+            finalizer()

@@ -6,8 +6,6 @@ another type). On real stores (PostgreSQL, Redis), sync and async (R1, R19, R20 
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,16 +28,6 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     chosen = BACKENDS[str(request.param)]
     chosen.require()
     return chosen
-
-
-@pytest.fixture
-def scope(tmp_path: Path) -> Iterator[Scope]:
-    made = Scope(tmp_path=tmp_path, unique=uuid.uuid4().hex[:12])
-    try:
-        yield made
-    finally:
-        for finalizer in reversed(made.finalizers):
-            finalizer()
 
 
 def _inbox(backend: Backend, scope: Scope, strategy: str = "payload") -> oncely.Inbox:
