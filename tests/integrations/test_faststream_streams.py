@@ -1160,3 +1160,94 @@ async def test_r2_kafka_a_record_faststream_cannot_read_is_dead_lettered_not_pas
         assert raw == b"trace: \xff\xfe\r\n"
     finally:
         delete_topics(topic, topic + ".dead")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_acked() -> None:
+    """A tombstone (a record whose value is null: on a compacted topic, the deletion of its
+    record key) reaching a FastStream Kafka subscriber under oncely: the handler never runs
+    with an empty body, and the record is not committed past silently either. It is
+    dead-lettered (``rejected``) with a reason saying it is a tombstone, keyed or not (most
+    foreign producers write tombstones without headers), and its copy is a tombstone still:
+    a null value, its record key and headers kept, so nothing is lost (R2, R16). The records
+    after it run; everything is committed."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker
+
+    import oncely
+    from oncely.integrations.faststream import Idempotency
+    from tests.brokers.kafka_broker import create_topic, delete_topics, kafka_url
+
+    url = kafka_url()
+    servers = url.removeprefix("kafka://")
+    topic = f"oncely_fkt_{uuid.uuid4().hex[:8]}"
+    create_topic(topic, 1, url)
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    broker = KafkaBroker(servers, middlewares=[Idempotency(inbox)])
+    ran: list[object] = []
+
+    @broker.subscriber(
+        topic, group_id="billing", auto_offset_reset="earliest", ack_policy=AckPolicy.ACK
+    )
+    async def handle(body: object) -> None:
+        ran.append(body)
+
+    try:
+        producer = AIOKafkaProducer(bootstrap_servers=servers)
+        await producer.start()
+        try:
+            keyed = [("message-id", b"m-t1"), ("trace", b"t-1")]
+            await producer.send_and_wait(topic, None, key=b"customer-7", headers=keyed)
+            await producer.send_and_wait(topic, None, key=b"customer-8")  # a foreign one
+            good = [("message-id", b"m-good"), ("content-type", b"application/json")]
+            await producer.send_and_wait(topic, b'{"n": 2}', key=b"customer-9", headers=good)
+        finally:
+            await producer.stop()
+        async with broker:
+            await broker.start()
+            for _ in range(300):
+                if ran:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1)  # anything that would still run (a tombstone after all)
+        assert ran == [{"n": 2}]
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, group_id="billing")
+        await reader.start()
+        try:
+            partition = TopicPartition(topic, 0)
+            assert (await reader.end_offsets([partition]))[partition] == 3  # no copy
+            assert await reader.committed(partition) == 3  # every record done
+        finally:
+            await reader.stop()
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, auto_offset_reset="earliest")
+        await reader.start()
+        try:
+            dead = TopicPartition(topic + ".dead", 0)
+            reader.assign([dead])
+            records: list[Any] = []
+            for _ in range(20):
+                got = await reader.getmany(dead, timeout_ms=1000)
+                records += got.get(dead, [])
+                if len(records) >= 2:
+                    break
+            await asyncio.sleep(1)  # a third would be a tombstone dead-lettered twice
+            records += (await reader.getmany(dead, timeout_ms=500)).get(dead, [])
+        finally:
+            await reader.stop()
+        assert [r.key for r in records] == [b"customer-7", b"customer-8"]
+        for record in records:
+            assert record.value is None  # a tombstone still, not an empty value
+            headers = dict(record.headers)
+            assert headers["x-oncely-outcome"] == b"rejected"
+            assert headers["x-oncely-consumer"] == b"billing"
+            reason = headers["x-oncely-reason"].decode()
+            assert "tombstone" in reason and "FastStream subscriber" in reason, reason
+            assert headers["x-oncely-topic"] == topic.encode()
+        first = dict(records[0].headers)
+        assert first["message-id"] == b"m-t1"
+        assert first["trace"] == b"t-1" and first["x-oncely-offset"] == b"0"
+        assert dict(records[1].headers)["x-oncely-offset"] == b"1"
+    finally:
+        delete_topics(topic, topic + ".dead")

@@ -177,11 +177,14 @@ Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual co
     should the copy fail); the count survives a restart with the record. Dead letters go
     to ``<topic>.dead`` (created through FastStream's admin client when missing) with the
     ``x-oncely-*`` headers plus ``x-oncely-topic``, ``x-oncely-partition`` and
-    ``x-oncely-offset``. FastStream's parser fails on a header value that is not UTF-8, so
-    such a record reaches no handler: it is dead-lettered all the same, its reason saying
-    so and those header lines kept byte for byte (base64) in ``x-oncely-raw-headers``,
-    rather than passed over by the next commit. FastStream's Kafka subscribers commit
-    automatically by default
+    ``x-oncely-offset``. A tombstone (a record whose value is null: on a compacted topic,
+    the deletion of its record key) never reaches the handler, as an empty body or
+    otherwise: it is dead-lettered (``rejected``) with a reason saying it is a tombstone, and
+    its copy is a tombstone still, with its record key. FastStream's parser fails on a
+    header value that is not UTF-8, so such a record reaches no handler: it is
+    dead-lettered all the same, its reason saying so and those header lines kept byte for
+    byte (base64) in ``x-oncely-raw-headers``, rather than passed over by the next commit.
+    FastStream's Kafka subscribers commit automatically by default
     (``AckPolicy.ACK_FIRST``): give them ``ack_policy=AckPolicy.ACK``, or they are refused,
     as are subscribers without ``group_id`` and batch subscribers. A retried record goes
     behind the records after it: ordering within a partition is not kept for it (R15).

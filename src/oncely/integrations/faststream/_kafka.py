@@ -194,7 +194,7 @@ class KafkaAdapter:
         where = (raw.topic, str(raw.partition), str(raw.offset))
         headers.update(zip(_WHERE, where, strict=True))
         await broker.publish(
-            raw.value or b"",
+            raw.value,  # a tombstone stays one (see _publish)
             target,
             key=raw.key,
             headers=headers,
@@ -237,7 +237,11 @@ def _count(record: Any) -> int:
 
 async def _publish(held: Settling, topic: str, extra: dict[str, str]) -> None:
     """Publish a copy of the record (its value, key and headers, without an earlier copy's
-    oncely headers) with ``extra`` to ``topic``, and wait for the broker's acknowledgement."""
+    oncely headers) with ``extra`` to ``topic``, and wait for the broker's acknowledgement.
+    The copy of a tombstone is a tombstone (a null value; FastStream writes one for a null
+    body with a record key): an empty value is another record, which a consumer of the
+    copies would take for a message. A tombstone without a record key, which the client
+    cannot write, is copied with an empty value."""
     record = held.raw
     headers = {
         name: wire_text(value or b"")
@@ -246,7 +250,7 @@ async def _publish(held: Settling, topic: str, extra: dict[str, str]) -> None:
     }
     headers.update(extra)
     await held.broker.publish(
-        record.value or b"",
+        record.value,
         topic,
         key=record.key,
         headers=headers,
