@@ -27,6 +27,7 @@ import aio_pika
 import pika
 
 import oncely
+from oncely.brokers.rabbitmq._delivery import MADE_UP_NOTE, NO_MESSAGE_ID_HEADER, made_up_reason
 from tests.integrations.workers import WorkerRun, holding, stopped_at_start, store_url, until
 from tests.services import RABBITMQ_URL
 
@@ -225,12 +226,17 @@ def test_r1_r2_r16_each_effect_once_and_every_refusal_dead_lettered_with_its_rea
         assert "undecodable body" in _reason(by_id["m-bad1"][0])
         assert by_id["m-bad1"][1] == b"\xff not json"
         assert "arguments" in _reason(by_id["m-bad2"][0])
-        # The copy of the keyless message says its id was not the producer's (the client
-        # gives every message it publishes one).
-        keyless = [p for p, _ in found if "x-oncely-no-message-id" in p.headers]
-        assert len(keyless) == 1 and "message id" in _reason(keyless[0])
+        # The copies of the keyless message and of the one whose id the client made up say
+        # their id was not the producer's (the client gives every message it publishes one),
+        # and the made-up id is refused with the reason, as oncely.brokers.rabbitmq does.
+        noted = [p for p, _ in found if p.headers.get(NO_MESSAGE_ID_HEADER) == MADE_UP_NOTE]
         made_up = [p for p, _ in found if "aio-pika" in _reason(p)]
         assert len(made_up) == 1 and len(made_up[0].message_id) == 32
+        trust = "pass trust_hex_message_ids=True to Idempotency"
+        assert _reason(made_up[0]) == made_up_reason(made_up[0].message_id, trust)
+        assert len(noted) == 2 and made_up[0] in noted
+        (keyless,) = (p for p in noted if p is not made_up[0])
+        assert "no producer-assigned message id" in _reason(keyless)
         for properties, _ in found:
             assert properties.headers["x-oncely-consumer"] == "billing"
         # Every result published from one key carries one id: the duplicates' replays of o1's
@@ -696,3 +702,72 @@ async def test_r16_a_refusal_naming_the_key_is_logged_with_it_hashed(
         assert secret not in f"{text} {fields}", text
     hashed = key_for_logs(secret, "hash")
     assert all(f"{hashed} has no account" in r.getMessage() for r in ended)
+
+
+@pytest.mark.timeout(120)
+async def test_r2_r4_an_id_the_client_made_up_is_refused_as_oncelys_rabbitmq_transport_does() -> (
+    None
+):
+    """A real FastStream app on RabbitMQ, keyed by ``FirstOf(header, message id)``, messages
+    published by aio-pika without an id (its client makes one up, ``uuid4().hex``): read as
+    :mod:`oncely.brokers.rabbitmq` reads them. One carrying the header is keyed by it
+    whatever its made-up id (its retry is a duplicate, run once); one without falls through
+    to the made-up id and is dead-lettered, the reason naming both sources and the fixes,
+    its copy keeping the id it came with and saying, in ``x-oncely-no-message-id``, that the
+    id was made up (R2, R4)."""
+    from faststream.rabbit import RabbitBroker
+
+    from oncely.integrations.faststream import Idempotency
+
+    queue = f"oncely_fixb_madeup_{os.getpid()}_{time.monotonic_ns()}"
+    inbox = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="billing")
+    key = oncely.FirstOf(oncely.HeaderKey("x-order"), oncely.MessageIdKey())
+    broker = RabbitBroker(RABBITMQ_URL, middlewares=[Idempotency(inbox, key=key)])
+    ran: list[object] = []
+
+    @broker.subscriber(queue)
+    async def charge(body: dict[str, str]) -> None:
+        ran.append(body)
+
+    connection = await aio_pika.connect(RABBITMQ_URL)
+    try:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True)
+        dead_queue = await channel.declare_queue(queue + ".dead", durable=True)
+        async with broker:
+            await broker.start()
+            for body, headers in (
+                (b'{"order": "1"}', {"x-order": "o-1"}),
+                (b'{"order": "1"}', {"x-order": "o-1"}),  # the producer's retry
+                (b'{"order": "2"}', None),
+            ):
+                message = aio_pika.Message(body, headers=headers, content_type="application/json")
+                await channel.default_exchange.publish(message, routing_key=queue)
+            dead: list[aio_pika.abc.AbstractIncomingMessage] = []
+            for _ in range(300):
+                got = await dead_queue.get(no_ack=True, fail=False)
+                if got is not None:
+                    dead.append(got)
+                if dead and ran:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1)  # anything that would still arrive
+            while (got := await dead_queue.get(no_ack=True, fail=False)) is not None:
+                dead.append(got)
+        assert ran == [{"order": "1"}]
+        assert [m.body for m in dead] == [b'{"order": "2"}'], [m.headers for m in dead]
+        (copy,) = dead
+        assert copy.message_id is not None and len(copy.message_id) == 32  # kept as it came
+        headers = copy.headers or {}
+        assert headers["x-oncely-outcome"] == "rejected"
+        assert headers[NO_MESSAGE_ID_HEADER] == MADE_UP_NOTE
+        reason = str(headers["x-oncely-reason"])
+        assert "'x-order' header" in reason and repr(copy.message_id) in reason, reason
+        assert "aio-pika" in reason and "new_message_id()" in reason, reason
+        assert "trust_hex_message_ids=True to Idempotency" in reason, reason
+    finally:
+        with contextlib.suppress(Exception):
+            channel = await connection.channel()
+            await channel.queue_delete(queue)
+            await channel.queue_delete(queue + ".dead")
+        await connection.close()

@@ -96,6 +96,34 @@ def made_up_reason(message_id: str, trust: str) -> str:
     )
 
 
+def producer_id(
+    message_id: str | None, *, trust_hex: bool, trust: str
+) -> tuple[str | None, str | None]:
+    """The producer's id of a message whose ``message_id`` property is ``message_id``, and
+    why that id is not one: ``(None, reason)`` for an id the client library made up (see
+    :func:`client_made_id`) unless ``trust_hex`` (``trust`` says how to set it, for the
+    reason). The reason goes to :attr:`Envelope.message_id_refusal`: a key source that reads
+    another field (a header, the body) may still find a key."""
+    if message_id and not trust_hex and client_made_id(message_id):
+        return None, made_up_reason(message_id, trust)
+    return message_id or None, None
+
+
+def dead_letter_headers(
+    message: AbstractIncomingMessage, why: DeadLetter, *, producers_id: bool
+) -> dict[str, Any]:
+    """The headers of the dead-letter copy of ``message``: its own as the client can send
+    them again (see :func:`_sendable_headers`), :data:`NO_MESSAGE_ID_HEADER` unless the id it
+    carries is the producer's (``producers_id``), and the reason's ``x-oncely-*`` headers."""
+    headers = _sendable_headers(message.headers or {})
+    if message.message_id is None or not producers_id:
+        # The client library gives every message it publishes an id; say this copy's was
+        # not the producer's, so nobody replaying the dead letters takes it for one.
+        headers[NO_MESSAGE_ID_HEADER] = MADE_UP_NOTE
+    headers.update(why.headers())
+    return headers
+
+
 def _header_value(value: object) -> object:
     """A header value as text, or as it came for one that has no single spelling as text (a
     table, an array, a float, a flag): a key source refuses it as what it is."""
@@ -172,16 +200,12 @@ class RabbitMQDelivery:
         transport_fields["content_encoding"] = message.content_encoding
         message_id = message.message_id or None
         made_up = None
-        if (
-            message_id is not None
-            and self._refusal is None
-            and not transport.trust_hex_message_ids
-            and client_made_id(message_id)
-        ):
+        if self._refusal is None:
             # aiormq's id for a message published without one: no key of the producer's, but
             # a key source that reads another field (a header, the body) may still find one.
-            made_up = made_up_reason(message_id, _TRUST)
-            message_id = None
+            message_id, made_up = producer_id(
+                message_id, trust_hex=transport.trust_hex_message_ids, trust=_TRUST
+            )
         self._made_up = made_up is not None
         self._envelope = Envelope(
             body=message.body,
@@ -255,16 +279,11 @@ class RabbitMQDelivery:
         :class:`BrokerUnavailable`."""
         self._live("dead-letter")
         message = self._message
-        headers = _sendable_headers(message.headers or {})
+        headers = dead_letter_headers(message, why, producers_id=not self._made_up)
         text = {
             name: _sendable_property(name, getattr(message, name), headers)
             for name in _COPIED_PROPERTIES
         }
-        if message.message_id is None or self._made_up:
-            # The client library gives every message it publishes an id; say this copy's was
-            # not the producer's, so nobody replaying the dead letters takes it for one.
-            headers[NO_MESSAGE_ID_HEADER] = MADE_UP_NOTE
-        headers.update(why.headers())
         copy = self._copy(headers, text)
         topology = self._transport.topology
         over = header_frame(copy) - await frame_max(self._session.channel)

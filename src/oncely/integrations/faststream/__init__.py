@@ -88,7 +88,11 @@ RabbitMQ (``RabbitBroker``)
     message it publishes without one a random ``uuid4().hex``: a 32-character lowercase
     uuid4 hex id is refused as made up unless ``trust_hex_message_ids=True`` says the
     producers mint that shape; :func:`oncely.brokers.new_message_id` ids (dashed uuid4)
-    always pass. The delivery count is a quorum queue's ``x-delivery-count``, or the
+    always pass. As in :mod:`oncely.brokers.rabbitmq`, only a key that falls through to such
+    an id is refused (a ``key=`` source reading a header or the body first still finds its
+    key), with the same reason, and the dead letter of a message whose id was made up, or
+    that had none, carries ``x-oncely-no-message-id`` (the client gives the copy an id too).
+    The delivery count is a quorum queue's ``x-delivery-count``, or the
     ``x-oncely-delivered`` header of a retry's copy; a message given back keeps the count it
     had (see below), so it counts failed runs. RabbitMQ has no delayed requeue: a
     message given back is held unacknowledged for the delay, then requeued; a retry is a

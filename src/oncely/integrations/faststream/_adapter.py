@@ -23,7 +23,9 @@ DEAD_LETTER_SUFFIX = ".dead"
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """A message as the inbox reads it, and why it cannot be read at all (``None`` when it
-    can): no producer's id, an id the client made up, an id that is not UTF-8."""
+    can): no producer's id, an id that is not UTF-8. An id the client made up is no refusal
+    here but the envelope's ``message_id_refusal``, as the broker transports read it: a key
+    source that reads another field may still find a key."""
 
     envelope: Envelope
     refusal: str | None

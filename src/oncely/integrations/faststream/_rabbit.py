@@ -14,13 +14,11 @@ from faststream.rabbit import RabbitQueue
 from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import REASON_HEADER, DeadLetter
 from oncely.brokers.rabbitmq._delivery import (
-    MADE_UP_NOTE,
-    NO_MESSAGE_ID_HEADER,
     _delivery_count,
     _header_value,
     _sendable_headers,
-    client_made_id,
-    made_up_reason,
+    dead_letter_headers,
+    producer_id,
 )
 from oncely.brokers.rabbitmq._frames import (
     WholeHeaderNames,
@@ -38,6 +36,7 @@ DELIVERIES_HEADER = "x-oncely-delivered"
 """On a copy sent back to the queue for a retry: how many times the message was delivered
 (RabbitMQ's classic queues count no deliveries, and a requeue keeps no header)."""
 _COUNTS = (DELIVERY_COUNT_HEADER, DELIVERIES_HEADER)
+_TRUST = "pass trust_hex_message_ids=True to Idempotency"
 _PROPERTIES = (
     ("message_id", "message id (AMQP message_id property)"),
     ("correlation_id", "correlation id (AMQP correlation_id property)"),
@@ -51,6 +50,9 @@ class RabbitAdapter:
 
     def __init__(self) -> None:
         self._declared: set[tuple[int, str]] = set()
+        self._trust_hex = False
+        """The middleware's ``trust_hex_message_ids``, as :meth:`read` was last given it (one
+        adapter serves one middleware): a dead letter tells whose id its message carried."""
 
     def source_of(self, subscriber: Any) -> str | None:
         name = getattr(getattr(subscriber, "queue", None), "name", None)
@@ -63,6 +65,7 @@ class RabbitAdapter:
         return isinstance(raw, AbstractIncomingMessage)
 
     async def read(self, message: Any, *, trust_hex: bool) -> Delivery:
+        self._trust_hex = trust_hex
         return _read(message.raw_message, trust_hex=trust_hex)
 
     def delivery_limit(self, subscriber: Any) -> int | None:
@@ -104,7 +107,8 @@ class RabbitAdapter:
         if marker not in self._declared:
             await held.broker.declare_queue(RabbitQueue(target, durable=True))
             self._declared.add(marker)
-        await _dead_letter(held.broker, held.raw, target, why)
+        producers_id = _producer_id(held.raw, trust_hex=self._trust_hex)[0] is not None
+        await _dead_letter(held.broker, held.raw, target, why, producers_id=producers_id)
 
     async def dead_letter_unread(
         self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
@@ -131,14 +135,10 @@ def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
         for name, value in headers_in.items()
         if name not in (DELIVERY_COUNT_HEADER, DELIVERIES_HEADER)
     }
-    message_id = raw.message_id or None
     refusal = not_utf8((what, getattr(raw, name, None)) for name, what in _PROPERTIES)
-    if message_id is not None and refusal is None:
-        if type(raw).__name__ == "PatchedMessage" and message_id == raw.correlation_id:
-            # FastStream's test broker copies a made-up correlation id into message_id.
-            message_id = None
-        elif not trust_hex and client_made_id(message_id):
-            refusal = made_up_reason(message_id, "pass trust_hex_message_ids=True to Idempotency")
+    message_id, made_up = raw.message_id or None, None
+    if refusal is None:
+        message_id, made_up = _producer_id(raw, trust_hex=trust_hex)
     envelope = Envelope(
         body=raw.body,
         message_id=message_id,
@@ -151,8 +151,18 @@ def _read(raw: AbstractIncomingMessage, *, trust_hex: bool) -> Delivery:
             "content_type": raw.content_type,
             "content_encoding": raw.content_encoding,
         },
+        message_id_refusal=made_up,
     )
     return Delivery(envelope, refusal)
+
+
+def _producer_id(raw: AbstractIncomingMessage, *, trust_hex: bool) -> tuple[str | None, str | None]:
+    """The producer's id of ``raw``, and why the id it carries is not one (an id the client
+    made up), as :mod:`oncely.brokers.rabbitmq` reads it."""
+    if type(raw).__name__ == "PatchedMessage" and raw.message_id == raw.correlation_id:
+        # FastStream's test broker copies a made-up correlation id into message_id.
+        return None, None
+    return producer_id(raw.message_id, trust_hex=trust_hex, trust=_TRUST)
 
 
 def _counts_requeues(held: Settling) -> bool:
@@ -201,13 +211,12 @@ async def _requeue_later(raw: AbstractIncomingMessage, delay: timedelta) -> None
 
 
 async def _dead_letter(
-    broker: Any, raw: AbstractIncomingMessage, target: str, why: DeadLetter
+    broker: Any, raw: AbstractIncomingMessage, target: str, why: DeadLetter, *, producers_id: bool
 ) -> None:
-    """Publish a copy of ``raw`` to ``target`` with the reason, then ack the original."""
-    headers = _sendable_headers(raw.headers or {})
-    if raw.message_id is None:
-        headers[NO_MESSAGE_ID_HEADER] = MADE_UP_NOTE
-    headers.update(why.headers())
+    """Publish a copy of ``raw`` to ``target`` with the reason, then ack the original; the
+    copy's headers as :mod:`oncely.brokers.rabbitmq` writes them (``producers_id``: whether
+    the id ``raw`` carries is the producer's)."""
+    headers = dead_letter_headers(raw, why, producers_id=producers_id)
     await _copy(broker, raw, target, headers)
     await raw.ack()
 
