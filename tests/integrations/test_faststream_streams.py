@@ -1169,9 +1169,10 @@ async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_ac
     record key) reaching a FastStream Kafka subscriber under oncely: the handler never runs
     with an empty body, and the record is not committed past silently either. It is
     dead-lettered (``rejected``) with a reason saying it is a tombstone, keyed or not (most
-    foreign producers write tombstones without headers), and its copy is a tombstone still:
-    a null value, its record key and headers kept, so nothing is lost (R2, R16). The records
-    after it run; everything is committed."""
+    foreign producers write tombstones without headers), or one FastStream could not read (a
+    null header), and its copy is a tombstone still: a null value, its record key and
+    headers kept, so nothing is lost (R2, R16). The record after them runs; everything is
+    committed."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
     from faststream import AckPolicy
     from faststream.kafka import KafkaBroker
@@ -1201,6 +1202,9 @@ async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_ac
             keyed = [("message-id", b"m-t1"), ("trace", b"t-1")]
             await producer.send_and_wait(topic, None, key=b"customer-7", headers=keyed)
             await producer.send_and_wait(topic, None, key=b"customer-8")  # a foreign one
+            # A null header, which FastStream's parser cannot read: no handler sees it.
+            nulled = [("message-id", b"m-t3"), ("trace", None)]
+            await producer.send_and_wait(topic, None, key=b"customer-6", headers=nulled)
             good = [("message-id", b"m-good"), ("content-type", b"application/json")]
             await producer.send_and_wait(topic, b'{"n": 2}', key=b"customer-9", headers=good)
         finally:
@@ -1217,8 +1221,8 @@ async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_ac
         await reader.start()
         try:
             partition = TopicPartition(topic, 0)
-            assert (await reader.end_offsets([partition]))[partition] == 3  # no copy
-            assert await reader.committed(partition) == 3  # every record done
+            assert (await reader.end_offsets([partition]))[partition] == 4  # no copy
+            assert await reader.committed(partition) == 4  # every record done
         finally:
             await reader.stop()
         reader = AIOKafkaConsumer(bootstrap_servers=servers, auto_offset_reset="earliest")
@@ -1230,13 +1234,13 @@ async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_ac
             for _ in range(20):
                 got = await reader.getmany(dead, timeout_ms=1000)
                 records += got.get(dead, [])
-                if len(records) >= 2:
+                if len(records) >= 3:
                     break
-            await asyncio.sleep(1)  # a third would be a tombstone dead-lettered twice
+            await asyncio.sleep(1)  # a fourth would be a tombstone dead-lettered twice
             records += (await reader.getmany(dead, timeout_ms=500)).get(dead, [])
         finally:
             await reader.stop()
-        assert [r.key for r in records] == [b"customer-7", b"customer-8"]
+        assert [r.key for r in records] == [b"customer-7", b"customer-8", b"customer-6"]
         for record in records:
             assert record.value is None  # a tombstone still, not an empty value
             headers = dict(record.headers)
@@ -1249,5 +1253,9 @@ async def test_r2_r16_kafka_a_tombstone_is_dead_lettered_as_one_never_run_nor_ac
         assert first["message-id"] == b"m-t1"
         assert first["trace"] == b"t-1" and first["x-oncely-offset"] == b"0"
         assert dict(records[1].headers)["x-oncely-offset"] == b"1"
+        unread = dict(records[2].headers)
+        assert unread["message-id"] == b"m-t3" and unread["x-oncely-offset"] == b"2"
+        reason = unread["x-oncely-reason"].decode()
+        assert "could not read" in reason and "'trace' is null" in reason, reason
     finally:
         delete_topics(topic, topic + ".dead")

@@ -185,9 +185,11 @@ Kafka (``KafkaBroker``, aiokafka; subscribers of a consumer group with manual co
     the deletion of its record key) never reaches the handler, as an empty body or
     otherwise: it is dead-lettered (``rejected``) with a reason saying it is a tombstone, and
     its copy is a tombstone still, with its record key. FastStream's parser fails on a
-    header value that is not UTF-8, so such a record reaches no handler: it is
-    dead-lettered all the same, its reason saying so and those header lines kept byte for
-    byte (base64) in ``x-oncely-raw-headers``, rather than passed over by the next commit.
+    header value that is not UTF-8 or is null, so such a record reaches no handler: it is
+    dead-lettered all the same, its reason saying so (naming a null header, which the copy
+    has empty; and saying whether it is a tombstone) and header lines that are not UTF-8
+    kept byte for byte (base64) in ``x-oncely-raw-headers``, rather than passed over by the
+    next commit.
     FastStream's Kafka subscribers commit automatically by default
     (``AckPolicy.ACK_FIRST``): give them ``ack_policy=AckPolicy.ACK``, or they are refused,
     as are subscribers without ``group_id`` and batch subscribers. A retried record goes

@@ -174,11 +174,13 @@ class KafkaAdapter:
         self, raw: Any, subscriber: Any, broker: Any, why: DeadLetter
     ) -> bool:
         """FastStream's Kafka parser decodes every header value as UTF-8 and fails on one that
-        is not: such a record reaches no handler, and the next commit would pass it. It is
-        copied to ``<topic>.dead``, its text headers as they are and the others, byte for
-        byte, base64-encoded in ``x-oncely-raw-headers``."""
+        is not, or is null: such a record reaches no handler, and the next commit would pass
+        it. It is copied to ``<topic>.dead``, its text headers as they are and the others,
+        byte for byte, base64-encoded in ``x-oncely-raw-headers``; the reason names a null
+        header (copied empty) and says whether the record is a tombstone (copied as one)."""
         if not isinstance(raw, ConsumerRecord):
             return False
+        why = replace(why, reason=_unread_reason(raw, why.reason))
         target = raw.topic + DEAD_LETTER_SUFFIX
         await self._declare(broker, target, fake=False)
         headers: dict[str, str] = {}
@@ -225,6 +227,25 @@ class _Record:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._record, name)
+
+
+def _unread_reason(record: Any, reason: str) -> str:
+    """``reason`` (FastStream's parser failed on ``record``) with what it failed on where the
+    error does not say: a null header value, which it cannot decode (its copy then has an
+    empty one); and that the record is a tombstone, where it is one."""
+    nulls = [name for name, value in record.headers or () if value is None]
+    if nulls:
+        named = ", ".join(repr(name) for name in nulls)
+        reason += (
+            f" (the header {named} is null, which FastStream's parser cannot read; the copy "
+            "has it empty)"
+            if len(nulls) == 1
+            else f" (the headers {named} are null, which FastStream's parser cannot read; the "
+            "copy has them empty)"
+        )
+    if record.value is None:
+        reason = f"{_TOMBSTONE_REFUSAL}; and {reason}"
+    return reason
 
 
 def _count(record: Any) -> int:
