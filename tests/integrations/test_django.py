@@ -62,7 +62,7 @@ def test_r7_djangos_test_runner_passes_the_atomic_tests(kind: str, tmp_path: Pat
     )  # fmt: skip
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "Ran 10 tests" in out and "\nOK" in out, out
+    assert "Ran 11 tests" in out and "\nOK" in out, out
     assert "Applying oncely.0001_initial... OK" in out, out
 
 

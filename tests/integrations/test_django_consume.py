@@ -158,11 +158,20 @@ def _stop(worker: subprocess.Popen[bytes]) -> int:
         ("shop.handlers:not_sync", [], "must be a plain function, def handler(payload)"),
         ("shop.handlers:charge", ["--key", "delivery-tag"], "R4"),
         ("shop.handlers:missing", [], "has no 'missing'"),
+        # Written for `oncely consume --mode transactional`: it would start and dead-letter
+        # every message with the TypeError; it is refused as `oncely consume` refuses it.
+        (
+            "shop.handlers:charge_in",
+            [],
+            "'shop.handlers:charge_in' takes (tx, order), but manage.py oncely consume calls "
+            "it as handler(payload): write it as def charge_in(payload)",
+        ),
     ],
 )
-def test_the_worker_refuses_an_async_handler_and_a_transport_id_as_key(
+def test_the_worker_refuses_an_async_or_misfit_handler_and_a_transport_id_as_key(
     handler: str, extra: list[str], says: str, tmp_path: Path
 ) -> None:
+    """Refused before the worker starts, exit 2 (a usage error), naming the fix."""
     project = Project("unused", "q", "ns", tmp_path / "worker.log")
     project.env["ONCELY_TEST_DJANGO_DB"] = f"sqlite:{tmp_path / 'shop.db'}"
     done = project.manage(

@@ -17,6 +17,7 @@ from typing import Any
 from oncely.errors import AsyncHandlerRefused, ConfigurationError, HandlerRefused
 
 __all__ = [
+    "called_misfit",
     "misfit",
     "refuse_async",
     "refuse_generator",
@@ -53,6 +54,23 @@ def misfit(handler: object, arguments: int) -> str | None:
         bare = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
         return str(signature.replace(parameters=bare, return_annotation=signature.empty))
     return None
+
+
+def called_misfit(
+    handler: object, called: str, caller: str, *, define: str = "async def"
+) -> str | None:
+    """Why ``handler`` cannot be called as ``handler{called}`` (``"(payload)"``, ``"(tx,
+    payload)"``) by ``caller`` (``"the two-phase mode"``), as the end of a sentence naming
+    it, with the way to write it (``define``: ``"async def"`` or ``"def"``); None when it
+    can, or when that cannot be told for sure (:func:`misfit`)."""
+    takes = misfit(handler, called.count(",") + 1)
+    if takes is None:
+        return None
+    name = getattr(handler, "__name__", None) or "handler"
+    return (
+        f"takes {takes}, but {caller} calls it as handler{called}: "
+        f"write it as {define} {name}{called}"
+    )
 
 
 def refuse_generator(handler: object) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
-from oncely._core.handlers import misfit
+from oncely._core.handlers import called_misfit
 from oncely._core.observe import key_for_logs, log_error, redact_keys
 from oncely._core.records import Status
 from oncely.brokers._common import flag
@@ -92,15 +92,7 @@ def handler_misfit(handler: object, mode: Mode) -> str | None:
     (two-phase) or ``handler(tx, payload)`` (transactional), as the end of a sentence naming
     it (``takes (payload), but ...``); None when it can, or when that cannot be told for sure
     (:func:`~oncely._core.handlers.misfit`)."""
-    takes = misfit(handler, 2 if mode == "transactional" else 1)
-    if takes is None:
-        return None
-    called = _CALLED_AS[mode]
-    name = getattr(handler, "__name__", None) or "handler"
-    return (
-        f"takes {takes}, but the {mode.replace('_', '-')} mode calls it as handler{called}: "
-        f"write it as async def {name}{called}"
-    )
+    return called_misfit(handler, _CALLED_AS[mode], f"the {mode.replace('_', '-')} mode")
 
 
 class Processor(Protocol):

@@ -17,14 +17,16 @@ from oncely.cli._app import cli
 from oncely.cli._consume import Consumption, broker_options, read_consumption, run_consumer
 from oncely.cli._errors import USAGE, CliError
 from oncely.cli._loading import load_attribute
-from oncely.integrations.django.consumer import AtomicProcessor
+from oncely.integrations.django.consumer import AtomicProcessor, atomic_misfit
 from oncely.integrations.django.databases import get_inbox
 
 __all__ = ["django_cli"]
 
 
 def load_sync_handler(spec: str) -> Callable[[Any], object]:
-    """The plain function named by ``module:function``: Django's ORM is synchronous."""
+    """The plain function named by ``module:function``: Django's ORM is synchronous; and it
+    takes the payload alone (else every message would fail with a TypeError and be
+    dead-lettered), as :class:`AtomicProcessor` checks too."""
     target = load_attribute(spec, "--handler")
     if inspect.iscoroutinefunction(target) or not callable(target):
         raise CliError(
@@ -32,6 +34,9 @@ def load_sync_handler(spec: str) -> Callable[[Any], object]:
             "writes commit in the transaction that records the message",
             USAGE,
         )
+    wrong = atomic_misfit(target, "manage.py oncely consume")
+    if wrong is not None:
+        raise CliError(f"--handler {spec!r} {wrong}", USAGE)
     return target  # type: ignore[no-any-return]
 
 

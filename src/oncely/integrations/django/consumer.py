@@ -14,12 +14,22 @@ from typing import Any, Literal
 
 from django.db import close_old_connections
 
+from oncely._core.handlers import called_misfit
 from oncely._core.keys import Envelope, KeySource
 from oncely._core.outcomes import Handled
+from oncely.errors import ConfigurationError
 from oncely.inbox.sync_inbox import Inbox
 from oncely.integrations.django.atomic import handle_message_in_atomic
 
-__all__ = ["AtomicProcessor"]
+__all__ = ["AtomicProcessor", "atomic_misfit"]
+
+
+def atomic_misfit(handler: object, caller: str) -> str | None:
+    """Why ``caller`` cannot run ``handler`` as ``handler(payload)`` in its
+    ``transaction.atomic()``, as the end of a sentence naming it (``takes (tx, payload),
+    but ...``); None when it can, or when that cannot be told for sure. The transaction is
+    Django's own connection's: the handler takes no ``tx`` (its ORM writes join it)."""
+    return called_misfit(handler, "(payload)", caller, define="def")
 
 
 class AtomicProcessor:
@@ -47,6 +57,11 @@ class AtomicProcessor:
             raise TypeError(f"AtomicProcessor takes an oncely.Inbox, not {type(inbox).__name__}")
         if threads < 1:
             raise ValueError("threads must be at least 1")
+        wrong = atomic_misfit(handler, "AtomicProcessor")
+        if wrong is not None:
+            # Else every message would fail with the TypeError and be dead-lettered.
+            name = getattr(handler, "__qualname__", None) or repr(handler)
+            raise ConfigurationError(f"the handler {name} {wrong}")
         self.inbox = inbox
         self._handler = handler
         self._key = key

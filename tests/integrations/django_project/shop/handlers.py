@@ -30,3 +30,10 @@ def charge(order: dict[str, Any]) -> dict[str, Any]:
 
 async def not_sync(order: dict[str, Any]) -> None:
     """Refused by ``manage.py oncely consume``: Django's ORM is synchronous."""
+
+
+def charge_in(tx: object, order: dict[str, Any]) -> None:
+    """Refused by ``manage.py oncely consume``: written for ``oncely consume --mode
+    transactional``, it takes a ``tx`` the Django worker never passes (its ORM writes join
+    the record's ``transaction.atomic()`` by themselves)."""
+    Charge.objects.create(order=str(order["order"]))

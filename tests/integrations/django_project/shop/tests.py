@@ -130,6 +130,22 @@ class AtomicTests(TransactionTestCase):
         self.assertEqual(self.rows(), 1)
         self.assertEqual(sorted(o.value for o in outcomes), sorted(["processed", "duplicate"]))
 
+    def test_an_atomic_processor_refuses_a_handler_it_would_call_wrongly(self) -> None:
+        """A handler taking a ``tx`` (as ``oncely consume --mode transactional`` calls it)
+        would fail on every message and have each dead-lettered: refused up front."""
+        from shop.handlers import charge_in  # noqa: PLC0415 - the app is ready here
+
+        from oncely.integrations.django.consumer import AtomicProcessor  # noqa: PLC0415
+
+        with self.assertRaises(oncely.ConfigurationError) as refused:
+            AtomicProcessor(self.inbox, charge_in)
+        self.assertIn(
+            "takes (tx, order), but AtomicProcessor calls it as handler(payload): write it "
+            "as def charge_in(payload)",
+            str(refused.exception),
+        )
+        AtomicProcessor(self.inbox, book).close()  # one that fits is taken
+
     def test_a_store_on_another_database_is_refused(self) -> None:
         import tempfile
 
