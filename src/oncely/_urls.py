@@ -113,12 +113,32 @@ class UrlOptions:
             return False
         raise self._error(f"{name} must be true or false")
 
-    def done(self, known: Iterable[str], *, read_by: str | None = None) -> None:
+    def done(
+        self,
+        known: Iterable[str],
+        *,
+        read_by: str | None = None,
+        theirs: Iterable[str] = (),
+        side: tuple[str, str] = ("consumer", "producer"),
+    ) -> None:
         """Refuse any option nobody read. ``read_by`` names where the ``known`` options that
-        were not read here are read (a constructor that takes them as keyword arguments)."""
+        were not read here are read (a constructor that takes them as keyword arguments).
+        ``theirs`` are the options only the other side of the broker reads, ``side`` says
+        (theirs, ours): a URL copied from a consumer to a producer (or back) is told which of
+        its options belong to the other side, rather than that they are unknown."""
         if not self._values:
             return
         known = tuple(known)
+        other = sorted(k for k in self._values if k in tuple(theirs))
+        if other:
+            them, us = side
+            one = len(other) == 1
+            which = f"a {them} option" if one else f"{them} options"
+            raise self._error(
+                f"{', '.join(repr(k) for k in other)}: {which}, which the {us} does not use; "
+                f"remove {'it' if one else 'them'} from the {us}'s URL (the {us}'s options: "
+                f"{', '.join(known)})"
+            )
         if read_by is not None:
             elsewhere = sorted(k for k in self._values if k in known)
             if elsewhere:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, TypeVar, cast
+from urllib.parse import parse_qs
 
 import pytest
 import redis.asyncio
@@ -42,6 +43,8 @@ from oncely.brokers import (
     Producer,
     Transport,
     cloudevent_headers,
+    open_producer,
+    open_transport,
 )
 from tests.brokers.common import (
     Ledger,
@@ -187,6 +190,13 @@ class BrokerSuite:
     retries_reach_the_consumer: ClassVar[bool] = True
     """False where the broker itself drops a producer retry (JetStream's duplicate window)."""
     redelivers_on_connection_loss: ClassVar[bool] = False
+    shared_url_options: ClassVar[str] = ""
+    """URL options (``a=1&b=2``) both the consumer and the producer read."""
+    consumer_url_options: ClassVar[str] = ""
+    """URL options only the consumer reads, which the producer refuses as the consumer's;
+    empty where the producer reads every option the consumer does (RabbitMQ)."""
+    producer_url_options: ClassVar[str] = ""
+    """URL options only the producer reads, which the consumer refuses as the producer's."""
     """True where a lost connection gives its unacknowledged deliveries back at once
     (RabbitMQ); elsewhere a delivery waits for its ack wait and is extended meanwhile."""
 
@@ -944,6 +954,45 @@ class BrokerSuite:
         # A batch consumer may have read the other with the first: given back, never started.
         assert set(worker.counts) <= {"processed", "in_flight"}
 
+    # ------------------------------------------------------------------ the URL options
+
+    async def test_a_consumers_url_copied_to_the_producer_is_told_its_consumer_options(
+        self,
+    ) -> None:
+        """A user who gives the producer the consumer's URL is told which of its options are
+        the consumer's and to remove them, not that they are unknown: the producer does not
+        use them, and taking them silently would let a user believe it did (a topic's
+        partitions, a queue created, an ack wait). The options both read are taken: the
+        producer made with them publishes, and the message is read (R2)."""
+        shared = _with_query(self.url, self.shared_url_options)
+        consumers = _with_query(shared, self.consumer_url_options)
+        self.closed_after(open_transport(consumers, self.source, group=self.group))
+        if self.consumer_url_options:
+            with pytest.raises(oncely.ConfigurationError) as refused:
+                open_producer(consumers, self.source)
+            said = str(refused.value)
+            assert ("a consumer option" in said) or ("consumer options" in said), said
+            assert "the producer does not use" in said and "remove" in said, said
+            for name in parse_qs(self.consumer_url_options):
+                assert repr(name) in said, said
+        if self.producer_url_options:  # and the other way round
+            producers = _with_query(shared, self.producer_url_options)
+            with pytest.raises(oncely.ConfigurationError) as refused:
+                open_transport(producers, self.source, group=self.group)
+            said = str(refused.value)
+            assert "producer option" in said and "the consumer does not use" in said, said
+            for name in parse_qs(self.producer_url_options):
+                assert repr(name) in said, said
+            self.after(open_producer(producers, self.source).close)
+        producer = open_producer(shared, self.source)
+        self.after(producer.close)
+        await producer.publish(body("copied"), message_id="copied")
+        worker = self.consumer(self.apply)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 1, what="the message")
+        assert self.ledger.counts() == {"copied": 1}
+        await self.assert_settled()
+
     # ------------------------------------------------------------------ the envelope
 
     async def test_r2_r4_envelope_carries_the_producers_id_and_headers_never_delivery_data(
@@ -1252,3 +1301,10 @@ async def _drop_redis_prefix(prefix: str) -> None:
             await client.unlink(name)
     finally:
         await client.aclose()
+
+
+def _with_query(url: str, options: str) -> str:
+    """``url`` with the query ``options`` (``a=1&b=2``) added to its own."""
+    if not options:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}{options}"

@@ -73,6 +73,9 @@ RECORDS = 400
 
 class TestKafka(BrokerSuite):
     producer_class = KafkaProducer
+    shared_url_options = "timeout=30&connect_timeout=10&client_id=oncely-tests"
+    consumer_url_options = "session_timeout=6&partitions=2&revoke_grace=5"
+    producer_url_options = "idempotence=true&linger=0.01"
     consumer_makes_its_source_again = False  # its partitions and settings are the operator's
 
     @property  # type: ignore[override]

@@ -95,6 +95,8 @@ class PrivateNats:
 class TestJetStream(BrokerSuite):
     url = NATS_URL
     producer_class = JetStreamProducer
+    shared_url_options = "timeout=5&connect_timeout=5&reconnect_wait=1"
+    consumer_url_options = "ack_wait=30&max_deliver=4&max_ack_pending=50"
     retries_reach_the_consumer = False  # the stream's duplicate window drops them (R14)
 
     # ------------------------------------------------------------------ the suite's interface

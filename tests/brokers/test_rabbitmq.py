@@ -57,6 +57,7 @@ async def rabbitmqctl(*args: str) -> str:
 class TestRabbitMQ(BrokerSuite):
     url = RABBITMQ_URL
     producer_class = RabbitMQProducer
+    shared_url_options = "connect_timeout=5&confirm_timeout=20&heartbeat=30"
     redelivers_on_connection_loss = True
     # The dead-letter copy is published with aio-pika, which makes up a message id for a
     # message that has none (oncely.brokers.rabbitmq._delivery, RabbitMQDelivery.dead_letter).

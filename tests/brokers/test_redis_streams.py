@@ -66,6 +66,9 @@ def settled_on(client: redis.Redis, stream: str) -> bool:
 class TestRedisStreams(BrokerSuite):
     url = REDIS_URL
     producer_class = RedisStreamsProducer
+    shared_url_options = "timeout=5&connect_timeout=5"
+    consumer_url_options = "consumer=c-1&claim_every=5&delivery_limit=9"
+    producer_url_options = "maxlen=1000"
 
     # ------------------------------------------------------------------ the suite's interface
 

@@ -43,6 +43,8 @@ pytestmark = pytest.mark.services
 
 class TestSQS(BrokerSuite):
     producer_class = SQSProducer
+    shared_url_options = "timeout=20&connect_timeout=5"
+    consumer_url_options = "visibility_timeout=7&create=false"
     consumer_makes_its_source_again = False  # a queue it made would lack the operator's attributes
 
     @property  # type: ignore[override]

@@ -23,7 +23,9 @@ from confluent_kafka.admin import AdminClient
 from oncely._core.said import said
 from oncely.brokers._common import flag, require_message_id
 from oncely.brokers.kafka._records import (
+    CONSUMER_URL_OPTIONS,
     LIBRDKAFKA_LOGGER,
+    PRODUCER_URL_OPTIONS,
     SHARED_URL_OPTIONS,
     Cluster,
     check_topic,
@@ -32,13 +34,7 @@ from oncely.brokers.kafka._records import (
 )
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 
-_PRODUCER_URL_OPTIONS = (
-    "idempotence",
-    "timeout",
-    "connect_timeout",
-    "linger",
-    *SHARED_URL_OPTIONS,
-)
+_PRODUCER_URL_OPTIONS = (*PRODUCER_URL_OPTIONS, "timeout", "connect_timeout", *SHARED_URL_OPTIONS)
 
 
 _NO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"
@@ -130,7 +126,11 @@ class KafkaProducer:
         config: Mapping[str, Any] | None = None,
     ) -> None:
         cluster, options = Cluster.from_url(url)
-        options.done(_PRODUCER_URL_OPTIONS, read_by="open_producer() and KafkaProducer.from_url()")
+        options.done(
+            _PRODUCER_URL_OPTIONS,
+            read_by="open_producer() and KafkaProducer.from_url()",
+            theirs=CONSUMER_URL_OPTIONS,
+        )
         self._setup(cluster, topic, idempotence, timeout, connect_timeout, linger, config)
 
     def _setup(
@@ -181,7 +181,7 @@ class KafkaProducer:
         timeout = options.seconds("timeout", timedelta(seconds=30))
         connect = options.seconds("connect_timeout", timedelta(seconds=10))
         linger = options.seconds("linger", timedelta(milliseconds=1))
-        options.done(_PRODUCER_URL_OPTIONS)
+        options.done(_PRODUCER_URL_OPTIONS, theirs=CONSUMER_URL_OPTIONS)
         made = cls.__new__(cls)
         made._setup(cluster, destination, idempotence, timeout, connect, linger, None)
         return made

@@ -37,6 +37,17 @@ CONTENT_TYPE_HEADER = "content-type"
 CORRELATION_HEADER = "correlation-id"
 SCHEMES = ("kafka",)
 SHARED_URL_OPTIONS = ("security_protocol", "sasl_mechanism", "client_id")
+CONSUMER_URL_OPTIONS = (
+    "session_timeout",
+    "revoke_grace",
+    "partitions",
+    "max_buffered",
+    "tombstones",
+)
+"""The URL options only the transport reads: the producer refuses them as the consumer's (a
+topic the producer's first record creates does not get the transport's ``partitions``)."""
+PRODUCER_URL_OPTIONS = ("idempotence", "linger")
+"""The URL options only the producer reads: the transport refuses them as the producer's."""
 _SECURITY = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)(.*)$", re.DOTALL)
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

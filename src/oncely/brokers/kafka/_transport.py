@@ -31,7 +31,9 @@ from oncely._core.said import said
 from oncely.brokers._shape import BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.kafka._producer import TOPIC_MISSING, KafkaProducer, TopicIds
 from oncely.brokers.kafka._records import (
+    CONSUMER_URL_OPTIONS,
     LOGGER,
+    PRODUCER_URL_OPTIONS,
     SHARED_URL_OPTIONS,
     TOMBSTONE_CHOICES,
     Cluster,
@@ -43,16 +45,7 @@ from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from oncely.keys import Envelope
 from oncely.stores._offsets import MAX_STREAM_CHARS
 
-_TRANSPORT_OPTIONS = (
-    "session_timeout",
-    "revoke_grace",
-    "partitions",
-    "max_buffered",
-    "timeout",
-    "connect_timeout",
-    "tombstones",
-    *SHARED_URL_OPTIONS,
-)
+_TRANSPORT_OPTIONS = (*CONSUMER_URL_OPTIONS, "timeout", "connect_timeout", *SHARED_URL_OPTIONS)
 _POLL_SLACK = 0.1
 """Seconds a poll may take past its own wait before it is cut (see ``Kafka._poll``)."""
 _UNASSIGNED_AFTER = 60.0
@@ -182,7 +175,12 @@ class Kafka:
         tombstones: Tombstones = "dead_letter",
     ) -> None:
         cluster, options = Cluster.from_url(url)
-        options.done(_TRANSPORT_OPTIONS, read_by="open_transport() and Kafka.from_url()")
+        options.done(
+            _TRANSPORT_OPTIONS,
+            read_by="open_transport() and Kafka.from_url()",
+            theirs=PRODUCER_URL_OPTIONS,
+            side=("producer", "consumer"),
+        )
         self._setup(
             cluster,
             source,
@@ -290,7 +288,7 @@ class Kafka:
         timeout = options.seconds("timeout", timedelta(seconds=30))
         connect = options.seconds("connect_timeout", timedelta(seconds=10))
         tombstones = options.choice("tombstones", "dead_letter", TOMBSTONE_CHOICES)
-        options.done(_TRANSPORT_OPTIONS)
+        options.done(_TRANSPORT_OPTIONS, theirs=PRODUCER_URL_OPTIONS, side=("producer", "consumer"))
         made = cls.__new__(cls)
         made._setup(
             cluster,

@@ -104,7 +104,9 @@ URL options (``nats://user:password@host:4222?ack_wait=30``): ``stream``,
 ``dead_letter_stream``, ``ack_wait``, ``max_deliver``, ``max_ack_pending``,
 ``duplicate_window``, ``connect_timeout``, ``timeout`` (each settlement and publish),
 ``reconnect_wait`` (durations in seconds). The producer reads ``stream``,
-``duplicate_window``, ``connect_timeout`` and ``timeout``.
+``duplicate_window``, ``connect_timeout``, ``timeout`` and ``reconnect_wait``, and refuses
+the consumer's own (``ack_wait``, ``max_deliver``, ``max_ack_pending``,
+``dead_letter_stream``) as options it does not use.
 
 Tested (``tests/brokers/test_nats_*.py``, against a real nats-server): producer retries dropped
 by the window and, outside it, answered ``duplicate`` by the inbox; an ack wait shorter than

@@ -16,6 +16,7 @@ from oncely._urls import UrlOptions, redact
 from oncely.brokers._common import positive, require_message_id
 from oncely.brokers.nats._connection import Link
 from oncely.brokers.nats._settings import (
+    CONSUMER_ONLY_OPTIONS,
     CONTENT_TYPE_HEADER,
     CORRELATION_HEADER,
     DEFAULT_CONNECT_TIMEOUT,
@@ -107,7 +108,8 @@ class JetStreamProducer:
         window = options.optional_text("duplicate_window")
         timeout = options.seconds("timeout", DEFAULT_TIMEOUT)
         connect_timeout = options.seconds("connect_timeout", DEFAULT_CONNECT_TIMEOUT)
-        options.done(PRODUCER_OPTIONS)
+        reconnect_wait = options.seconds("reconnect_wait", DEFAULT_RECONNECT_WAIT)
+        options.done(PRODUCER_OPTIONS, theirs=CONSUMER_ONLY_OPTIONS)
         return cls(
             url,
             destination,
@@ -115,6 +117,7 @@ class JetStreamProducer:
             duplicate_window=seconds_option(url, "duplicate_window", window),
             timeout=timeout,
             connect_timeout=connect_timeout,
+            reconnect_wait=reconnect_wait,
         )
 
     def __repr__(self) -> str:

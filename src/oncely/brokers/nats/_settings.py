@@ -50,7 +50,9 @@ TRANSPORT_OPTIONS = (
     "stream",
     "timeout",
 )
-PRODUCER_OPTIONS = ("connect_timeout", "duplicate_window", "stream", "timeout")
+PRODUCER_OPTIONS = ("connect_timeout", "duplicate_window", "reconnect_wait", "stream", "timeout")
+CONSUMER_ONLY_OPTIONS = tuple(o for o in TRANSPORT_OPTIONS if o not in PRODUCER_OPTIONS)
+"""What a consumer's URL may say that the producer refuses, naming them as the consumer's."""
 
 # Connection-level failures of the client: the broker is (for now) out of reach.
 UNAVAILABLE: tuple[type[Exception], ...] = (nats.errors.Error, OSError, TimeoutError)

@@ -36,6 +36,19 @@ _CONTENT_TYPE = CONTENT_TYPE_FIELD.encode()
 _CORRELATION_ID = CORRELATION_ID_FIELD.encode()
 _TRANSIENT_CODES = ("LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
 SHARED_URL_OPTIONS = ("timeout", "connect_timeout", "body_field", "message_id_field")
+CONSUMER_URL_OPTIONS = (
+    "consumer",
+    "ack_wait",
+    "dead_letter",
+    "claim_every",
+    "start",
+    "delivery_limit",
+    "prune_idle_consumers",
+    "allow_eviction",
+)
+"""The URL options only the transport reads: the producer refuses them as the consumer's."""
+PRODUCER_URL_OPTIONS = ("maxlen",)
+"""The URL options only the producer reads: the transport refuses them as the producer's."""
 
 
 def ms(value: timedelta) -> int:

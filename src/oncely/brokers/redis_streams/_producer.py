@@ -10,6 +10,8 @@ from redis.exceptions import RedisError
 
 from oncely._urls import UrlOptions, redact
 from oncely.brokers.redis_streams._layout import (
+    CONSUMER_URL_OPTIONS,
+    PRODUCER_URL_OPTIONS,
     SHARED_URL_OPTIONS,
     EntryLayout,
     Translated,
@@ -20,7 +22,7 @@ from oncely.brokers.redis_streams._layout import (
 )
 from oncely.errors import ConfigurationError
 
-_PRODUCER_URL_OPTIONS = ("maxlen", *SHARED_URL_OPTIONS)
+_PRODUCER_URL_OPTIONS = (*PRODUCER_URL_OPTIONS, *SHARED_URL_OPTIONS)
 
 
 class RedisStreamsProducer:
@@ -56,7 +58,7 @@ class RedisStreamsProducer:
         options = UrlOptions(url)
         maxlen = options.integer("maxlen", 0)
         shared = shared_options(options)
-        options.done(_PRODUCER_URL_OPTIONS)
+        options.done(_PRODUCER_URL_OPTIONS, theirs=CONSUMER_URL_OPTIONS)
         return cls(url, destination, maxlen=maxlen or None, **shared)
 
     async def publish(

@@ -24,7 +24,9 @@ from oncely.brokers._shape import (
 from oncely.brokers.redis_streams import _scripts
 from oncely.brokers.redis_streams._delivery import RedisStreamsDelivery
 from oncely.brokers.redis_streams._layout import (
+    CONSUMER_URL_OPTIONS,
     LOGGER,
+    PRODUCER_URL_OPTIONS,
     SHARED_URL_OPTIONS,
     EntryLayout,
     Translated,
@@ -42,17 +44,7 @@ DEFAULT_PRUNE_IDLE_CONSUMERS = timedelta(hours=1)
 """How long a consumer of the group may sit idle, holding no pending entries, before a
 transport deletes it (see :class:`RedisStreams`)."""
 
-_URL_OPTIONS = (
-    "consumer",
-    "ack_wait",
-    "dead_letter",
-    "claim_every",
-    "start",
-    "delivery_limit",
-    "prune_idle_consumers",
-    "allow_eviction",
-    *SHARED_URL_OPTIONS,
-)
+_URL_OPTIONS = (*CONSUMER_URL_OPTIONS, *SHARED_URL_OPTIONS)
 
 
 def _entry_order(entry_id: bytes) -> tuple[int, int]:
@@ -215,7 +207,7 @@ class RedisStreams:
         prune = options.seconds("prune_idle_consumers", DEFAULT_PRUNE_IDLE_CONSUMERS)
         allow_eviction = options.boolean("allow_eviction", False)
         shared = shared_options(options)
-        options.done(_URL_OPTIONS)
+        options.done(_URL_OPTIONS, theirs=PRODUCER_URL_OPTIONS, side=("producer", "consumer"))
         return cls(
             url,
             source,

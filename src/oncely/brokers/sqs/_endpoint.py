@@ -35,6 +35,9 @@ BODY_ENCODING_ATTRIBUTE = "x-oncely-body-encoding"
 MAX_ATTRIBUTES = 10
 """SQS carries at most ten message attributes per message."""
 SHARED_URL_OPTIONS = ("region", "secure", "timeout", "connect_timeout")
+CONSUMER_URL_OPTIONS = ("visibility_timeout", "create")
+"""The URL options only the transport reads: the producer refuses them as the consumer's (it
+never creates a queue, nor sets its visibility timeout)."""
 _QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}(\.fifo)?$")
 _REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)

@@ -11,6 +11,7 @@ from typing import Any
 from oncely.brokers._common import require_message_id
 from oncely.brokers.sqs._endpoint import (
     BODY_ENCODING_ATTRIBUTE,
+    CONSUMER_URL_OPTIONS,
     CONTENT_TYPE_ATTRIBUTE,
     CORRELATION_ATTRIBUTE,
     MAX_ATTRIBUTES,
@@ -60,7 +61,7 @@ class SQSProducer:
 
     def __init__(self, url: str, queue: str) -> None:
         endpoint, options = Endpoint.from_url(url)
-        options.done(SHARED_URL_OPTIONS)
+        options.done(SHARED_URL_OPTIONS, theirs=CONSUMER_URL_OPTIONS)
         self._setup(endpoint, queue)
 
     @classmethod

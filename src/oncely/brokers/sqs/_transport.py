@@ -17,6 +17,7 @@ from oncely.brokers._common import not_utf8
 from oncely.brokers._shape import REASON_HEADER, BrokerLimits, DeadLetter, Delivery
 from oncely.brokers.sqs._endpoint import (
     BODY_ENCODING_ATTRIBUTE,
+    CONSUMER_URL_OPTIONS,
     CONTENT_TYPE_ATTRIBUTE,
     CORRELATION_ATTRIBUTE,
     LOGGER,
@@ -32,7 +33,7 @@ from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from oncely.keys import Envelope
 from oncely.wire import wire_text
 
-_TRANSPORT_OPTIONS = ("visibility_timeout", "create", *SHARED_URL_OPTIONS)
+_TRANSPORT_OPTIONS = (*CONSUMER_URL_OPTIONS, *SHARED_URL_OPTIONS)
 _MOST_VISIBILITY = 12 * 3600
 """SQS's ceiling on a visibility timeout, in seconds."""
 _DEFAULT_MOST = 262_144

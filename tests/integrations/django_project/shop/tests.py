@@ -13,10 +13,12 @@ from typing import Any
 
 from django.db import connection, connections, transaction
 from django.test import TransactionTestCase
+from shop.handlers import charge_in
 from shop.models import Charge, Refund
 
 import oncely
 from oncely.integrations.django import get_inbox, get_store, handle_in_atomic, store_url
+from oncely.integrations.django.consumer import AtomicProcessor
 from oncely.integrations.django.models import InboxRecord
 
 ROUNDS = 40
@@ -133,10 +135,6 @@ class AtomicTests(TransactionTestCase):
     def test_an_atomic_processor_refuses_a_handler_it_would_call_wrongly(self) -> None:
         """A handler taking a ``tx`` (as ``oncely consume --mode transactional`` calls it)
         would fail on every message and have each dead-lettered: refused up front."""
-        from shop.handlers import charge_in  # noqa: PLC0415 - the app is ready here
-
-        from oncely.integrations.django.consumer import AtomicProcessor  # noqa: PLC0415
-
         with self.assertRaises(oncely.ConfigurationError) as refused:
             AtomicProcessor(self.inbox, charge_in)
         self.assertIn(
