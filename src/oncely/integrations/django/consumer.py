@@ -21,7 +21,7 @@ from oncely.errors import ConfigurationError
 from oncely.inbox.sync_inbox import Inbox
 from oncely.integrations.django.atomic import handle_message_in_atomic
 
-__all__ = ["AtomicProcessor", "atomic_misfit"]
+__all__ = ["AtomicProcessor"]
 
 
 def atomic_misfit(handler: object, caller: str) -> str | None:
