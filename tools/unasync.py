@@ -63,6 +63,7 @@ RENAMES = {
     "AsyncPostgresStore": "PostgresStore",
     "AsyncMySQLStore": "MySQLStore",
     "AsyncRedisStore": "RedisStore",
+    "AsyncDynamoDBStore": "DynamoDBStore",
     "AsyncHeartbeats": "Heartbeats",
     "AsyncPool": "Pool",
     "AsyncTicket": "Ticket",

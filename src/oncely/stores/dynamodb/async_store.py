@@ -1,0 +1,868 @@
+"""The DynamoDB store: one item per ``(consumer, key)``, every change one conditional write.
+
+DynamoDB API, tested on moto's server (not on AWS).
+
+Design:
+
+* **URL.** ``dynamodb://HOST:PORT/TABLE`` is a plain-HTTP endpoint (moto's server, DynamoDB
+  Local; ``?secure=true`` for HTTPS); ``dynamodb:///TABLE?region=eu-west-1`` (or the region of
+  ``AWS_REGION``) is AWS over HTTPS. Credentials come from the usual AWS environment and
+  configuration chain, never from the URL. Options: ``region``, ``secure``, ``migrate``
+  (default true), ``max_connections``, ``timeout``, ``connect_timeout``; any other is refused.
+* **Table.** The partition key ``pk`` joins consumer and key unambiguously
+  (``<length of consumer>:<consumer>:<key>``), with no sort key: one consumer's records
+  spread over every partition instead of heating one. DynamoDB takes at most 2,048 bytes in
+  a partition key: a longer one is refused with :class:`~oncely.KeyTooLong` naming
+  ``hash_long_keys``, never cut. See :mod:`.dialect` for the attributes.
+* **Writes.** Every state change is one conditional ``PutItem``, ``UpdateItem`` or
+  ``DeleteItem`` whose condition is the state machine's (:mod:`oncely._core.state`) for the
+  change, fenced by the token; a condition that fails returns the item as it was
+  (``ReturnValuesOnConditionCheckFailure=ALL_OLD``) in the same round trip, and the store
+  answers from it by the same rules (the existing record, or :class:`~oncely.LeaseLost`).
+  A write decided from such a record (a takeover, a retry) applies only while the item is
+  still that revision (``rev``), else it is decided again from the newer one. ``claim_many``
+  sends its claims at once (at most ``max_connections``), each its own conditional write:
+  not one ``TransactWriteItems``, where one conflict would fail the whole batch.
+* **Time.** DynamoDB has no clock a condition can read: leases and expiries are the store's
+  clock, the worker's own (a :class:`~oncely.FakeClock` in tests). Workers sharing a table
+  must have clocks that agree within a small fraction of the lease (NTP): a worker whose
+  clock runs ahead takes over a live claim early, one that runs behind sees an expired record
+  as still there.
+* **Expiry.** Each item carries its expiry twice: ``ex`` in milliseconds, which every read
+  and condition compares with the clock, and ``ttl_s`` in epoch seconds, DynamoDB's TTL
+  attribute, which :meth:`migrate` enables so that AWS deletes expired items itself (up to
+  about 48 hours late: until then an expired item is read as absent, as on every store).
+  :meth:`purge_expired` (``oncely inbox purge``) deletes them sooner, from a ``Scan``.
+* **Size.** An item holds at most 400 KB: a larger result is completed without it
+  (:meth:`result_room`).
+* **No transactional mode.** DynamoDB cannot join a SQL transaction: use the two-phase mode
+  (``Inbox.handle``, R10). Stream offsets are not kept here either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Final, Self, TypeVar
+
+from oncely._core.clock import Clock, SystemClock
+from oncely._core.records import (
+    Claim,
+    ClaimRequest,
+    Completion,
+    Record,
+    Status,
+    StoreStats,
+)
+from oncely._core.state import (
+    DELETE,
+    UNCHANGED,
+    CompleteEvent,
+    FailEvent,
+    Lost,
+    NewState,
+    ReleaseEvent,
+    RenewEvent,
+    TakeoverEvent,
+    apply_claim,
+    apply_complete,
+    apply_fail,
+    apply_forget,
+    apply_release,
+    apply_renew,
+    apply_takeover,
+    claim_event,
+)
+from oncely._core.table import lease_lost
+from oncely._urls import redact
+from oncely.errors import LeaseLost, SchemaMissing, SchemaTooNew, StoreError, StoreUnavailable
+from oncely.stores.dynamodb.async_io import Client, call, close, connect, each, write
+from oncely.stores.dynamodb.dialect import (
+    ABSENT,
+    MARKER,
+    SCHEMA_VERSION,
+    Item,
+    from_item,
+    is_record,
+    new_rev,
+    partition_key,
+    to_item,
+    ttl_seconds,
+)
+from oncely.stores.dynamodb.errors import (
+    DRIVER_ERRORS,
+    DynamoDBOptions,
+    error_code,
+    parse_url,
+    translate,
+)
+
+__all__ = ["AsyncDynamoDBStore"]
+
+A = TypeVar("A")
+Decide = Callable[[Record | None, int], tuple[NewState, A]]
+
+# DynamoDB keeps at most 400 KB in an item, attribute names included: a result is kept up to
+# that, less room for the other attributes (the key twice, the consumer, token, note).
+_ITEM_BYTES: Final = 400 * 1024
+_RESULT_ROOM: Final = _ITEM_BYTES - 24 * 1024
+_ROOM: Final = (_RESULT_ROOM, "DynamoDB keeps at most 400 KB in one item")
+# Writes decided again when the item changed meanwhile: each failure is another writer's
+# success, so this many in a row is a key fought over beyond reason.
+_TRIES: Final = 64
+# Items read by one page of a sampled stats(exact=False): the table is read in segments of
+# about this many items, one of which is read.
+_SAMPLE: Final = 4000
+_IN_PROGRESS: Final = {"S": Status.IN_PROGRESS.value}
+
+
+def _n(value: int) -> dict[str, str]:
+    return {"N": str(value)}
+
+
+class AsyncDynamoDBStore:
+    """A dedup store in a DynamoDB table (two-phase mode only; see the module docstring).
+
+    Open it with :meth:`from_url`; the client is built on first use (opening a store never
+    waits for the endpoint). ``migrate=True`` (the default) creates the table on first use,
+    with TTL enabled on its ``ttl_s`` attribute; otherwise a missing table raises
+    :class:`~oncely.SchemaMissing` naming ``oncely migrate``. The asyncio variant belongs to
+    the event loop that first uses it (as its aiobotocore client does): open one store per
+    loop. The threaded variant may be shared by any number of threads.
+    """
+
+    supports_transactions = False
+
+    def __init__(self, options: DynamoDBOptions, *, clock: Clock | None = None) -> None:
+        self._options = options
+        self._table = options.table
+        self._where = options.where
+        self._url = (
+            f"dynamodb://{options.endpoint_url.split('://', 1)[1]}/{options.table}"
+            if options.endpoint_url is not None
+            else f"dynamodb:///{options.table}?region={options.region}"
+        )
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._client: Client | None = None
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
+        """A store for a ``dynamodb://`` URL (see the module docstring for its forms and
+        options)."""
+        store = cls(parse_url(url), clock=clock)
+        store._url = redact(url)
+        return store
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def table(self) -> str:
+        return self._table
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r})"
+
+    # ------------------------------------------------------------ the client
+
+    def _error(self, exc: BaseException, doing: str) -> StoreError:
+        return translate(exc, doing, self._where, self._table)
+
+    async def _connected(self) -> Client:
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+        if self._client is None:
+            try:
+                self._client = await connect(self._options)
+            except DRIVER_ERRORS as exc:
+                raise self._error(exc, "opening the store") from exc
+        return self._client
+
+    async def _call(self, name: str, doing: str, **kwargs: Any) -> Any:
+        client = await self._connected()
+        try:
+            return await call(client, name, TableName=self._table, **kwargs)
+        except DRIVER_ERRORS as exc:
+            raise self._error(exc, doing) from exc
+
+    async def _write(self, name: str, doing: str, **kwargs: Any) -> tuple[bool, Item | None]:
+        if not self._ready:
+            await self._prepare()
+        client = await self._connected()
+        try:
+            return await write(client, name, TableName=self._table, **kwargs)
+        except DRIVER_ERRORS as exc:
+            raise self._error(exc, doing) from exc
+
+    async def aclose(self) -> None:
+        """Close the client. The store cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await close(client)
+            except DRIVER_ERRORS as exc:
+                raise self._error(exc, "closing") from exc
+
+    def result_room(self) -> tuple[int, str]:
+        """The most bytes an encoded result may have for this store to keep it, and why (a
+        larger one is completed without it, as one over ``Limits.max_result_bytes``)."""
+        return _ROOM
+
+    # ------------------------------------------------------------ the table
+
+    async def prepare(self) -> None:
+        """Connect and check the table now (creating it when opened with ``migrate=True``),
+        as the first operation would: a consumer calls it at start."""
+        await self._prepare()
+
+    async def _prepare(self) -> None:
+        async with self._ready_lock:
+            if self._ready:
+                return
+            version = await self._version()
+            if version is None:
+                if not self._options.migrate:
+                    raise SchemaMissing(
+                        f"no oncely table {self._table!r} at dynamodb {self._where}; run "
+                        "`oncely migrate --store URL` or open the store with ?migrate=true "
+                        "(migrate=True)"
+                    )
+                await self.migrate()
+                return
+            if version > SCHEMA_VERSION:
+                raise SchemaTooNew(
+                    f"{self._url} holds oncely schema version {version}; this oncely "
+                    f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+                )
+            self._ready = True
+
+    async def _version(self) -> int | None:
+        """The schema version the table's marker says; None without a table or marker."""
+        client = await self._connected()
+        try:
+            found = await call(
+                client,
+                "get_item",
+                TableName=self._table,
+                Key={"pk": {"S": MARKER}},
+                ConsistentRead=True,
+            )
+        except DRIVER_ERRORS as exc:
+            if error_code(exc) == "ResourceNotFoundException":
+                return None
+            raise self._error(exc, "reading the schema version") from exc
+        item = found.get("Item")
+        return None if item is None else int(item["version"]["N"])
+
+    async def schema_version(self) -> int | None:
+        """The schema version marked in the table, or None when there is none yet."""
+        return await self._version()
+
+    async def migrate(self) -> int:
+        """Create the table if it is missing (on-demand capacity), wait until it is active,
+        enable TTL on ``ttl_s`` and write the schema marker. Idempotent, safe to run from
+        several processes at once; returns the schema version."""
+        client = await self._connected()
+        try:
+            await call(
+                client,
+                "create_table",
+                TableName=self._table,
+                AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+                KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+                BillingMode="PAY_PER_REQUEST",
+            )
+        except DRIVER_ERRORS as exc:
+            if error_code(exc) != "ResourceInUseException":  # made already, or being made
+                raise self._error(exc, "creating the table") from exc
+        await self._active(client)
+        await self._enable_ttl(client)
+        try:
+            await call(
+                client,
+                "put_item",
+                TableName=self._table,
+                Item={"pk": {"S": MARKER}, "version": _n(SCHEMA_VERSION)},
+                ConditionExpression="attribute_not_exists(pk) OR version < :v",
+                ExpressionAttributeValues={":v": _n(SCHEMA_VERSION)},
+            )
+        except DRIVER_ERRORS as exc:
+            if error_code(exc) != "ConditionalCheckFailedException":
+                raise self._error(exc, "writing the schema version") from exc
+        version = await self._version()
+        if version is not None and version > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"{self._url} holds oncely schema version {version}; this oncely "
+                f"understands up to {SCHEMA_VERSION}: upgrade oncely"
+            )
+        self._ready = True
+        return SCHEMA_VERSION
+
+    async def _active(self, client: Client) -> None:
+        """Wait until the table is ACTIVE (AWS creates one in seconds; an emulator at once)."""
+        try:
+            waiter = client.get_waiter("table_exists")
+            await waiter.wait(TableName=self._table, WaiterConfig={"Delay": 1, "MaxAttempts": 120})
+        except DRIVER_ERRORS as exc:
+            raise self._error(exc, "waiting for the table to be active") from exc
+        except Exception as exc:  # botocore's WaiterError
+            raise StoreUnavailable(
+                f"waiting for dynamodb {self._where} table {self._table!r} to be active: {exc}"
+            ) from exc
+
+    async def _enable_ttl(self, client: Client) -> None:
+        try:
+            found = await call(client, "describe_time_to_live", TableName=self._table)
+            ttl = found.get("TimeToLiveDescription", {})
+            if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
+                return
+            await call(
+                client,
+                "update_time_to_live",
+                TableName=self._table,
+                TimeToLiveSpecification={"Enabled": True, "AttributeName": "ttl_s"},
+            )
+        except DRIVER_ERRORS as exc:
+            if "already enabled" in str(exc).lower():  # another process, meanwhile
+                return
+            raise self._error(exc, "enabling TTL") from exc
+
+    # ------------------------------------------------------------ deciding and writing
+
+    async def _settle(
+        self,
+        op: str,
+        consumer: str,
+        key: str,
+        pk: str,
+        decide: Decide[A],
+        current: tuple[Record, str] | None,
+    ) -> A:
+        """Ask ``decide`` (a rule of :mod:`oncely._core.state`) what to do with ``current``
+        (the item as last seen; None: none, or not known yet) and write that, conditional on
+        the item being what was decided on; decide again from what the item was when the
+        condition failed."""
+        for _ in range(_TRIES):
+            now = self._clock.now_ms()
+            new, answer = decide(None if current is None else current[0], now)
+            if new is UNCHANGED:
+                return answer
+            if current is None:
+                condition, values = ABSENT, {":now": _n(now)}
+            else:
+                condition, values = "rev = :rev", {":rev": {"S": current[1]}}
+            if new is DELETE:
+                ok, old = await self._write(
+                    "delete_item",
+                    op,
+                    Key={"pk": {"S": pk}},
+                    ConditionExpression=condition,
+                    ExpressionAttributeValues=values,
+                )
+            else:
+                assert isinstance(new, Record)
+                ok, old = await self._write(
+                    "put_item",
+                    op,
+                    Item=to_item(pk, new, new_rev()),
+                    ConditionExpression=condition,
+                    ExpressionAttributeValues=values,
+                )
+            if ok:
+                return answer
+            current = None if old is None else from_item(old)
+        raise StoreUnavailable(
+            f"{op}: key {key!r} (consumer {consumer!r}) changed {_TRIES} times while being "
+            "written; try again"
+        )
+
+    # ------------------------------------------------------------ the message path
+
+    async def claim(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> Claim:
+        ev = claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, takeover)
+        pk = partition_key(consumer, key)
+        return await self._settle(
+            "claim", consumer, key, pk, lambda rec, now: apply_claim(rec, ev, now), None
+        )
+
+    async def claim_many(
+        self,
+        consumer: str,
+        requests: Sequence[ClaimRequest],
+        *,
+        lease_ms: int,
+        keep_ms: int,
+        takeover: bool,
+    ) -> list[Claim]:
+        """The claims at once, one conditional write each (at most ``max_connections`` in
+        flight); the requests of a key repeated in the batch one after the other, in order."""
+        if not requests:
+            return []
+        for r in requests:
+            partition_key(consumer, r.key)  # refuse a key too long before writing any
+        by_key: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_key.setdefault(r.key, []).append(i)
+        claims: list[Claim | None] = [None] * len(requests)
+
+        def run(indexes: list[int]) -> Callable[[], Any]:
+            async def claim_key() -> None:
+                for i in indexes:
+                    r = requests[i]
+                    claims[i] = await self.claim(
+                        consumer,
+                        r.key,
+                        fingerprint=r.fingerprint,
+                        token=r.token,
+                        lease_ms=lease_ms,
+                        keep_ms=keep_ms,
+                        takeover=takeover,
+                    )
+
+            return claim_key
+
+        if not self._ready:
+            await self._prepare()
+        await each([run(indexes) for indexes in by_key.values()], self._options.max_connections)
+        return [c for c in claims if c is not None]
+
+    async def takeover(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        expected_token: str,
+        fingerprint: str | None,
+        token: str,
+        lease_ms: int,
+        keep_ms: int,
+    ) -> Claim:
+        ev = TakeoverEvent(
+            claim_event(consumer, key, fingerprint, token, lease_ms, keep_ms, True), expected_token
+        )
+        pk = partition_key(consumer, key)
+        return await self._settle(
+            "takeover", consumer, key, pk, lambda rec, now: apply_takeover(rec, ev, now), None
+        )
+
+    async def _fenced(
+        self,
+        op: str,
+        consumer: str,
+        key: str,
+        token: str,
+        update: str,
+        values: dict[str, Any],
+        decide: Decide[Record | Lost],
+    ) -> Record:
+        """An ``UpdateItem`` that applies only while ``token`` holds the live claim (the
+        state machine's condition for complete, fail and renew), answering the record it
+        wrote; when it does not apply, the answer ``decide`` gives for the item as it was
+        (the record again for a repeat, else :class:`~oncely.LeaseLost`)."""
+        pk = partition_key(consumer, key)
+        now = values[":now"]
+        ok, item = await self._write(
+            "update_item",
+            op,
+            Key={"pk": {"S": pk}},
+            UpdateExpression=update,
+            ConditionExpression="tok = :tok AND st = :ip AND ex > :now",
+            ExpressionAttributeValues={
+                **values,
+                ":tok": {"S": token},
+                ":ip": _IN_PROGRESS,
+                ":now": now,
+                ":rev": {"S": new_rev()},
+            },
+            ReturnValues="ALL_NEW",
+        )
+        if ok:
+            assert item is not None
+            return from_item(item)[0]
+        current = None if item is None else from_item(item)
+        answer = await self._settle(op, consumer, key, pk, decide, current)
+        if isinstance(answer, Lost):
+            raise lease_lost(op, consumer, key, answer)
+        return answer
+
+    async def complete(
+        self,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+        keep_ms: int,
+        note: str | None = None,
+    ) -> Record:
+        now = self._clock.now_ms()
+        ev = CompleteEvent(token, result, keep_ms, note)
+        sets = ["st = :st", "up = :now", "ex = :ex", "ttl_s = :ttl", "rev = :rev"]
+        removes = []
+        values: dict[str, Any] = {
+            ":st": {"S": Status.COMPLETED.value},
+            ":now": _n(now),
+            ":ex": _n(now + keep_ms),
+            ":ttl": _n(ttl_seconds(now + keep_ms)),
+        }
+        if result is None:
+            removes.append("res")
+        else:
+            sets.append("res = :res")
+            values[":res"] = {"B": bytes(result)}
+        if note is None:
+            removes.append("err")
+        else:
+            sets.append("err = :err")
+            values[":err"] = {"S": note}
+        update = "SET " + ", ".join(sets) + (" REMOVE " + ", ".join(removes) if removes else "")
+        return await self._fenced(
+            "complete",
+            consumer,
+            key,
+            token,
+            update,
+            values,
+            lambda rec, at: apply_complete(rec, ev, at),
+        )
+
+    async def complete_many(
+        self, consumer: str, completions: Sequence[Completion], *, keep_ms: int
+    ) -> list[Record | LeaseLost]:
+        """The completions at once, one conditional write each (at most
+        ``max_connections`` in flight)."""
+        if not completions:
+            return []
+
+        def run(c: Completion) -> Callable[[], Any]:
+            async def complete_one() -> Record | LeaseLost:
+                try:
+                    return await self.complete(
+                        consumer, c.key, token=c.token, result=c.result, keep_ms=keep_ms, note=c.note
+                    )
+                except LeaseLost as lost:
+                    return lost
+
+            return complete_one
+
+        if not self._ready:
+            await self._prepare()
+        done: list[Record | LeaseLost] = await each(
+            [run(c) for c in completions], self._options.max_connections
+        )
+        return done
+
+    async def fail(
+        self, consumer: str, key: str, *, token: str, error: str, keep_ms: int
+    ) -> Record:
+        now = self._clock.now_ms()
+        ev = FailEvent(token, error, keep_ms)
+        values: dict[str, Any] = {
+            ":st": {"S": Status.FAILED.value},
+            ":now": _n(now),
+            ":ex": _n(now + keep_ms),
+            ":ttl": _n(ttl_seconds(now + keep_ms)),
+            ":err": {"S": error},
+        }
+        update = (
+            "SET st = :st, up = :now, ex = :ex, ttl_s = :ttl, rev = :rev, err = :err REMOVE res"
+        )
+        return await self._fenced(
+            "fail", consumer, key, token, update, values, lambda rec, at: apply_fail(rec, ev, at)
+        )
+
+    async def renew(
+        self, consumer: str, key: str, *, token: str, lease_ms: int, keep_ms: int
+    ) -> Record:
+        now = self._clock.now_ms()
+        ev = RenewEvent(token, lease_ms, keep_ms)
+        expires = now + max(keep_ms, lease_ms)
+        values: dict[str, Any] = {
+            ":now": _n(now),
+            ":lu": _n(now + lease_ms),
+            ":ex": _n(expires),
+            ":ttl": _n(ttl_seconds(expires)),
+        }
+        update = "SET lu = :lu, up = :now, ex = :ex, ttl_s = :ttl, rev = :rev"
+        return await self._fenced(
+            "renew", consumer, key, token, update, values, lambda rec, at: apply_renew(rec, ev, at)
+        )
+
+    async def release(self, consumer: str, key: str, *, token: str) -> bool:
+        ev = ReleaseEvent(token)
+        return await self._delete(
+            "release",
+            consumer,
+            key,
+            "tok = :tok AND st = :ip AND ex > :now",
+            {":ip": _IN_PROGRESS},
+            token,
+            lambda rec, now: apply_release(rec, ev, now),
+        )
+
+    async def forget_by_token(self, consumer: str, key: str, *, token: str) -> bool:
+        ev = ReleaseEvent(token)
+        return await self._delete(
+            "forget",
+            consumer,
+            key,
+            "tok = :tok AND ex > :now AND (st <> :ip OR lu <= :now)",
+            {":ip": _IN_PROGRESS},
+            token,
+            lambda rec, now: apply_forget(rec, ev, now),
+        )
+
+    async def _delete(
+        self,
+        op: str,
+        consumer: str,
+        key: str,
+        condition: str,
+        values: dict[str, Any],
+        token: str,
+        decide: Decide[bool | Lost],
+    ) -> bool:
+        """A fenced ``DeleteItem``: True when it deleted; otherwise the answer ``decide``
+        gives for the item as it was (False: none; :class:`~oncely.LeaseLost` with it)."""
+        pk = partition_key(consumer, key)
+        ok, item = await self._write(
+            "delete_item",
+            op,
+            Key={"pk": {"S": pk}},
+            ConditionExpression=condition,
+            ExpressionAttributeValues={
+                **values,
+                ":tok": {"S": token},
+                ":now": _n(self._clock.now_ms()),
+            },
+        )
+        if ok:
+            return True
+        current = None if item is None else from_item(item)
+        answer = await self._settle(op, consumer, key, pk, decide, current)
+        if isinstance(answer, Lost):
+            raise lease_lost(op, consumer, key, answer)
+        return answer
+
+    # ------------------------------------------------------------ reads and maintenance
+
+    async def get(self, consumer: str, key: str) -> Record | None:
+        if not self._ready:
+            await self._prepare()
+        found = await self._call(
+            "get_item",
+            "get",
+            Key={"pk": {"S": partition_key(consumer, key)}},
+            ConsistentRead=True,
+        )
+        item = found.get("Item")
+        if item is None or not is_record(item):
+            return None
+        record = from_item(item)[0]
+        return None if record.expires_ms <= self._clock.now_ms() else record
+
+    async def forget(self, consumer: str, key: str) -> bool:
+        if not self._ready:
+            await self._prepare()
+        found = await self._call(
+            "delete_item",
+            "forget",
+            Key={"pk": {"S": partition_key(consumer, key)}},
+            ReturnValues="ALL_OLD",
+        )
+        return bool(found.get("Attributes"))
+
+    async def _pages(self, doing: str, **kwargs: Any) -> AsyncIterator[list[Item]]:
+        """The table's items, a ``Scan`` page at a time (strongly consistent reads)."""
+        if not self._ready:
+            await self._prepare()
+        start: dict[str, Any] | None = None
+        while True:
+            if start is not None:
+                kwargs["ExclusiveStartKey"] = start
+            page = await self._call("scan", doing, ConsistentRead=True, **kwargs)
+            yield page.get("Items", [])
+            start = page.get("LastEvaluatedKey")
+            if not start:
+                return
+
+    async def purge_expired(self, *, batch_size: int = 1000, max_batches: int | None = None) -> int:
+        """Delete expired records in batches of ``batch_size`` and return how many went.
+
+        A ``Scan`` finds the items whose ``ex`` is past on the store's clock; each is deleted
+        by a ``DeleteItem`` conditional on being expired still (a key claimed afresh
+        meanwhile stays), those of a batch at once. DynamoDB's TTL deletes them too, later
+        (up to about 48 hours) and at no write cost: this is for a table that must shrink
+        sooner, and for a store on a :class:`~oncely.FakeClock`."""
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError("batch_size must be between 1 and 10000")
+        now = self._clock.now_ms()
+        deleted = batches = 0
+        due: list[str] = []
+        async for items in self._pages(
+            "purge",
+            FilterExpression="ex <= :now",
+            ExpressionAttributeValues={":now": _n(now)},
+            ProjectionExpression="pk",
+        ):
+            due += [item["pk"]["S"] for item in items if item["pk"]["S"] != MARKER]
+            while len(due) >= batch_size:
+                if max_batches is not None and batches >= max_batches:
+                    return deleted
+                deleted += await self._purge(due[:batch_size], now)
+                del due[:batch_size]
+                batches += 1
+        if due and (max_batches is None or batches < max_batches):
+            deleted += await self._purge(due, now)
+        return deleted
+
+    async def _purge(self, pks: list[str], now: int) -> int:
+        def run(pk: str) -> Callable[[], Any]:
+            async def delete() -> bool:
+                ok, _item = await self._write(
+                    "delete_item",
+                    "purge",
+                    Key={"pk": {"S": pk}},
+                    ConditionExpression="ex <= :now",
+                    ExpressionAttributeValues={":now": _n(now)},
+                )
+                return ok
+
+            return delete
+
+        done: list[bool] = await each([run(pk) for pk in pks], self._options.max_connections)
+        return sum(done)
+
+    async def stats(self, *, exact: bool = True) -> StoreStats:
+        """Record counts per consumer and status, from a ``Scan`` of the whole table.
+
+        ``exact=False`` reads a share of the table instead: DynamoDB's ``ItemCount``
+        (``DescribeTable``, refreshed about every six hours) says how many items there are,
+        and one of ``ceil(ItemCount / 4000)`` segments of the ``Scan`` (items fall into
+        segments by a hash of their partition key) is read and scaled up. A table of at most
+        4,000 items is read whole: every number is then counted, and the stats say so."""
+        if not exact:
+            return await self._estimate()
+        now = self._clock.now_ms()
+        counts: dict[str, dict[Status, int]] = {}
+        expired = 0
+        async for items in self._pages("stats", ProjectionExpression="c, st, ex"):
+            for item in items:
+                if "c" not in item:
+                    continue  # the schema marker
+                if int(item["ex"]["N"]) <= now:
+                    expired += 1
+                    continue
+                by_status = counts.setdefault(item["c"]["S"], {})
+                state = Status(item["st"]["S"])
+                by_status[state] = by_status.get(state, 0) + 1
+        return StoreStats(counts=counts, expired=expired)
+
+    async def _estimate(self) -> StoreStats:
+        if not self._ready:
+            await self._prepare()
+        described = await self._call("describe_table", "stats")
+        size = int(described.get("Table", {}).get("ItemCount", 0) or 0)
+        segments = max(1, math.ceil(size / _SAMPLE))
+        if segments == 1:
+            found = await self.stats()
+            return StoreStats(
+                counts=found.counts,
+                expired=found.expired,
+                exact=False,
+                note=f"the table's {size:,} items, counted (DynamoDB's ItemCount)",
+                counted=frozenset(found.counts),
+                counted_total=True,
+                counted_expired=True,
+            )
+        now = self._clock.now_ms()
+        counts: dict[str, dict[Status, int]] = {}
+        expired = read = 0
+        async for items in self._pages(
+            "stats", ProjectionExpression="c, st, ex", Segment=0, TotalSegments=segments
+        ):
+            for item in items:
+                read += 1
+                if "c" not in item:
+                    continue
+                if int(item["ex"]["N"]) <= now:
+                    expired += 1
+                    continue
+                by_status = counts.setdefault(item["c"]["S"], {})
+                state = Status(item["st"]["S"])
+                by_status[state] = by_status.get(state, 0) + 1
+        scaled = {c: {s: n * segments for s, n in by.items()} for c, by in counts.items()}
+        statuses = dict.fromkeys(Status, 0)
+        for by in scaled.values():
+            for state, n in by.items():
+                statuses[state] += n
+        return StoreStats(
+            counts=scaled,
+            expired=expired * segments,
+            exact=False,
+            consumers={c: sum(by.values()) for c, by in scaled.items()},
+            statuses=statuses,
+            note=(
+                f"one of {segments} segments of the table ({read:,} of about {size:,} "
+                "items, DynamoDB's ItemCount), scaled up"
+            ),
+        )
+
+    async def scan(
+        self,
+        *,
+        consumer: str | None = None,
+        status: Status | None = None,
+        after: tuple[str, str] | None = None,
+        limit: int = 100,
+    ) -> list[Record]:
+        """Unexpired records in ``(consumer, key)`` order, starting after ``after``.
+
+        DynamoDB keeps no order across partitions, so every page reads the whole table
+        (filtered by DynamoDB on the expiry, consumer and status) and keeps the ``limit``
+        smallest: for operators, not for the message path."""
+        if limit <= 0:
+            return []
+        now = self._clock.now_ms()
+        condition = ["ex > :now"]
+        values: dict[str, Any] = {":now": _n(now)}
+        if consumer is not None:
+            condition.append("c = :c")
+            values[":c"] = {"S": consumer}
+        if status is not None:
+            condition.append("st = :st")
+            values[":st"] = {"S": status.value}
+        found: dict[tuple[str, str], Record] = {}
+        async for items in self._pages(
+            "scan", FilterExpression=" AND ".join(condition), ExpressionAttributeValues=values
+        ):
+            for item in items:
+                if not is_record(item):
+                    continue
+                record = from_item(item)[0]
+                ident = (record.consumer, record.key)
+                if after is not None and ident <= after:
+                    continue
+                found[ident] = record
+            if len(found) > limit:
+                found = {i: found[i] for i in sorted(found)[:limit]}
+        return [found[i] for i in sorted(found)[:limit]]
+
