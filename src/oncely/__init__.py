@@ -104,6 +104,8 @@ if _typing.TYPE_CHECKING:  # the optional stores, for type checkers; imported la
     from oncely._core.records import Claim as Claim
     from oncely._core.records import ClaimRequest as ClaimRequest
     from oncely._core.records import ClaimStatus as ClaimStatus
+    from oncely.stores.dynamodb import AsyncDynamoDBStore as AsyncDynamoDBStore
+    from oncely.stores.dynamodb import DynamoDBStore as DynamoDBStore
     from oncely.stores.mysql import AsyncMySQLStore as AsyncMySQLStore
     from oncely.stores.mysql import MySQLStore as MySQLStore
     from oncely.stores.postgres import AsyncPostgresStore as AsyncPostgresStore
@@ -122,6 +124,8 @@ _OPTIONAL = {
     "AsyncMySQLStore": "oncely.stores.mysql",
     "RedisStore": "oncely.stores.redis",
     "AsyncRedisStore": "oncely.stores.redis",
+    "DynamoDBStore": "oncely.stores.dynamodb",
+    "AsyncDynamoDBStore": "oncely.stores.dynamodb",
     "AsyncSQLiteStore": "oncely.stores.sqlite",
 }
 # Types only store authors need; they live in oncely.stores now.

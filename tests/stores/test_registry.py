@@ -31,6 +31,7 @@ def test_oncelys_own_stores_are_registered_as_entry_points() -> None:
         "mariadb",
         "redis",
         "rediss",
+        "dynamodb",
     }
 
 

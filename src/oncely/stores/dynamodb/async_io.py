@@ -66,9 +66,7 @@ async def write(client: Client, name: str, **kwargs: Any) -> tuple[bool, Item | 
     item as it was when its condition failed: ``(True, the answer's Attributes)`` when it
     applied, ``(False, the item then)`` when its condition failed (None: there was none)."""
     try:
-        done = await getattr(client, name)(
-            ReturnValuesOnConditionCheckFailure="ALL_OLD", **kwargs
-        )
+        done = await getattr(client, name)(ReturnValuesOnConditionCheckFailure="ALL_OLD", **kwargs)
     except Exception as exc:
         if error_code(exc) != "ConditionalCheckFailedException":
             raise

@@ -556,7 +556,12 @@ class AsyncDynamoDBStore:
             async def complete_one() -> Record | LeaseLost:
                 try:
                     return await self.complete(
-                        consumer, c.key, token=c.token, result=c.result, keep_ms=keep_ms, note=c.note
+                        consumer,
+                        c.key,
+                        token=c.token,
+                        result=c.result,
+                        keep_ms=keep_ms,
+                        note=c.note,
                     )
                 except LeaseLost as lost:
                     return lost
@@ -865,4 +870,3 @@ class AsyncDynamoDBStore:
             if len(found) > limit:
                 found = {i: found[i] for i in sorted(found)[:limit]}
         return [found[i] for i in sorted(found)[:limit]]
-

@@ -1,0 +1,378 @@
+"""The DynamoDB store's own tests, on moto's server (the contract suite runs the shared ones):
+its URL, a key too long for a partition key, TTL, expired items DynamoDB has not deleted yet,
+an endpoint that is down, no credentials, results near DynamoDB's 400 KB item, the modes it
+refuses, and competing threads and processes on the same keys (R8, R9)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import oncely
+from oncely import FakeClock, Outcome, Status
+from oncely.brokers import BrokerConsumer
+from oncely.stores import ClaimRequest
+from oncely.stores.dynamodb.dialect import MAX_PARTITION_KEY_BYTES, partition_key
+from oncely.stores.dynamodb.errors import parse_url
+from oncely.testing import MemoryBroker
+from tests.backends import Scope
+from tests.backends.dynamodb import client, store_url, table_name
+from tests.brokers.common import free_port
+
+HOUR = 3_600_000
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(datetime(2030, 1, 1, tzinfo=UTC))
+
+
+@pytest.fixture
+def url(scope: Scope) -> str:
+    return store_url(scope)
+
+
+# ---------------------------------------------------------------- the URL
+
+
+def test_an_endpoint_url_names_host_port_and_table() -> None:
+    found = parse_url("dynamodb://127.0.0.1:8000/orders_inbox?migrate=false&timeout=3")
+    assert found.endpoint_url == "http://127.0.0.1:8000"
+    assert found.table == "orders_inbox" and not found.migrate
+    assert found.timeout == timedelta(seconds=3)
+    assert parse_url("dynamodb://h:8000/t.x-y?secure=true").endpoint_url == "https://h:8000"
+
+
+def test_an_aws_url_takes_its_region_from_the_url_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    found = parse_url("dynamodb:///inbox?region=eu-west-1")
+    assert found.endpoint_url is None and found.region == "eu-west-1"
+    assert found.where == "aws eu-west-1"
+    monkeypatch.setenv("AWS_REGION", "eu-south-1")
+    assert parse_url("dynamodb:///inbox").region == "eu-south-1"
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    with pytest.raises(oncely.ConfigurationError, match="no AWS region"):
+        parse_url("dynamodb:///inbox")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("dynamodb://h:8000", "names no table"),
+        ("dynamodb://h:8000/", "names no table"),
+        ("dynamodb://h:8000/a b", "not a DynamoDB table name"),
+        ("dynamodb://h:8000/ab", "not a DynamoDB table name"),
+        ("dynamodb://localhost/t_1", "an endpoint is HOST:PORT"),
+        ("dynamodb://key:secret@h:8000/t_1", "not in the URL"),
+        ("dynamodb://h:8000/t_1?colour=blue", "unknown option 'colour'"),
+        ("dynamodb://h:8000/t_1?migrate=perhaps", "migrate must be true or false"),
+        ("dynamodb://h:8000/t_1?timeout=0", "must be positive"),
+        ("dynamodb://h:8000/t_1?max_connections=0", "at least 1"),
+        ("dynamodb://h:8000/t_1?region=Europe", "not an AWS region"),
+        ("dynamodb:///t_1?region=eu-west-1&secure=true", "AWS is HTTPS"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
+    with pytest.raises(oncely.ConfigurationError, match=message):
+        oncely.open(url)
+    with pytest.raises(oncely.ConfigurationError, match=message):
+        oncely.open_async(url)
+
+
+def test_the_url_opens_both_stores_without_connecting() -> None:
+    port = free_port()  # nothing listens: opening never waits for the endpoint
+    store = oncely.open(f"dynamodb://127.0.0.1:{port}/t_1")
+    assert type(store).__name__ == "DynamoDBStore" and store.url.endswith("/t_1")
+    assert not isinstance(store, oncely.TransactionalStore)
+    assert isinstance(store, oncely.Store)
+    astore = oncely.open_async(f"dynamodb://127.0.0.1:{port}/t_1")
+    assert type(astore).__name__ == "AsyncDynamoDBStore"
+    assert isinstance(astore, oncely.AsyncStore)
+    assert not isinstance(astore, oncely.AsyncTransactionalStore)
+    store.close()
+    asyncio.run(astore.aclose())
+
+
+# ---------------------------------------------------------------- keys and the table
+
+
+def test_the_partition_key_is_unambiguous() -> None:
+    assert partition_key("a:b", "c") != partition_key("a", "b:c")
+    assert partition_key("ab", "c") != partition_key("a", "bc")
+
+
+def test_a_key_too_long_for_a_partition_key_is_refused_naming_hash_long_keys(url: str) -> None:
+    store = oncely.open(url)
+    try:
+        long = "k" * (MAX_PARTITION_KEY_BYTES + 1)
+        with pytest.raises(oncely.KeyTooLong, match="hash_long_keys"):
+            store.claim("c", long, fingerprint=None, token="t", lease_ms=1000, keep_ms=HOUR,
+                        takeover=False)  # fmt: skip
+        with pytest.raises(oncely.KeyTooLong, match="hash_long_keys"):
+            store.claim_many(
+                "c", [ClaimRequest("short", None, "t1"), ClaimRequest(long, None, "t2")],
+                lease_ms=1000, keep_ms=HOUR, takeover=False,
+            )  # fmt: skip
+        assert store.get("c", "short") is None  # refused before any write
+        # Through an inbox allowing 4 KB keys: refused, not cut; hashed when asked to.
+        key = "é" * 1500  # 3,000 bytes
+        inbox = oncely.Inbox(store, consumer="c", limits=oncely.Limits(max_key_bytes=4096))
+        with pytest.raises(oncely.KeyTooLong, match="hash_long_keys"):
+            inbox.handle(key, None, lambda p: "done")
+        hashed = oncely.Inbox(
+            store, consumer="c", limits=oncely.Limits(max_key_bytes=512, hash_long_keys=True)
+        )
+        assert hashed.handle(key, None, lambda p: "done").outcome is Outcome.PROCESSED
+        assert hashed.handle(key, None, lambda p: "again").outcome is Outcome.DUPLICATE
+    finally:
+        store.close()
+
+
+def test_migrate_enables_ttl_on_the_expiry_in_seconds(url: str, scope: Scope) -> None:
+    store = oncely.open(url)
+    dynamodb = client()
+    try:
+        assert store.migrate() == 1
+        assert store.migrate() == 1  # again: nothing to do
+        ttl = dynamodb.describe_time_to_live(TableName=table_name(scope))
+        assert ttl["TimeToLiveDescription"] == {
+            "TimeToLiveStatus": "ENABLED",
+            "AttributeName": "ttl_s",
+        }
+        claim = store.claim("c", "k", fingerprint=None, token="t", lease_ms=1000, keep_ms=HOUR,
+                            takeover=False)  # fmt: skip
+        item = dynamodb.get_item(TableName=table_name(scope), Key={"pk": {"S": "1:c:k"}})["Item"]
+        assert int(item["ttl_s"]["N"]) == -(-claim.record.expires_ms // 1000)
+        assert int(item["ex"]["N"]) == claim.record.expires_ms
+    finally:
+        store.close()
+        dynamodb.close()
+
+
+def test_a_missing_table_without_migrate_names_oncely_migrate(scope: Scope) -> None:
+    store = oncely.open(store_url(scope, migrate="false"))
+    try:
+        with pytest.raises(oncely.SchemaMissing, match=r"oncely migrate.*migrate=true"):
+            store.get("c", "k")
+        assert store.migrate() == 1
+        assert store.get("c", "k") is None
+    finally:
+        store.close()
+
+
+def test_r13_an_expired_item_dynamodb_has_not_deleted_yet_is_absent(
+    url: str, scope: Scope, clock: FakeClock
+) -> None:
+    store = oncely.open(url, clock=clock)
+    dynamodb = client()
+    try:
+        store.claim("c", "k", fingerprint=None, token="t1", lease_ms=1000, keep_ms=1000,
+                    takeover=False)  # fmt: skip
+        store.complete("c", "k", token="t1", result=b"r", keep_ms=1000)
+        clock.advance(timedelta(seconds=2))
+        key = {"pk": {"S": "1:c:k"}}
+        assert "Item" in dynamodb.get_item(TableName=table_name(scope), Key=key)  # still there
+        assert store.get("c", "k") is None
+        assert store.scan() == []
+        assert store.stats().expired == 1 and store.stats().total == 0
+        with pytest.raises(oncely.LeaseLost):
+            store.complete("c", "k", token="t1", result=b"r", keep_ms=1000)
+        again = store.claim("c", "k", fingerprint=None, token="t2", lease_ms=1000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        assert again.won and again.record.attempt == 1 and again.record.token == "t2"
+        assert store.purge_expired() == 0  # claimed afresh: not expired any more
+        clock.advance(timedelta(hours=2))
+        assert store.purge_expired() == 1
+        assert "Item" not in dynamodb.get_item(TableName=table_name(scope), Key=key)
+    finally:
+        store.close()
+        dynamodb.close()
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_a_store_whose_endpoint_is_down_is_unavailable() -> None:
+    port = free_port()
+    store = oncely.open(f"dynamodb://127.0.0.1:{port}/t_down?connect_timeout=1")
+    try:
+        with pytest.raises(oncely.StoreUnavailable, match=f"127.0.0.1:{port}"):
+            store.get("c", "k")
+        with pytest.raises(oncely.StoreUnavailable):
+            store.claim("c", "k", fingerprint=None, token="t", lease_ms=1000, keep_ms=HOUR,
+                        takeover=False)  # fmt: skip
+    finally:
+        store.close()
+
+    async def run() -> None:
+        astore = oncely.open_async(f"dynamodb://127.0.0.1:{port}/t_down?connect_timeout=1")
+        try:
+            with pytest.raises(oncely.StoreUnavailable):
+                await astore.prepare()
+        finally:
+            await astore.aclose()
+
+    asyncio.run(run())
+
+
+def test_no_aws_credentials_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for
+    store = oncely.open("dynamodb:///t_1?region=eu-west-1")
+    try:
+        with pytest.raises(oncely.StoreError, match="no usable AWS credentials") as raised:
+            store.get("c", "k")
+        assert not isinstance(raised.value, oncely.StoreUnavailable)  # a set-up to fix
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- results and modes
+
+
+def test_r10_a_result_as_large_as_the_room_is_kept_and_a_larger_one_is_not(url: str) -> None:
+    store = oncely.open(url)
+    try:
+        room, why = store.result_room()
+        assert "400 KB" in why and 350 * 1024 < room < 400 * 1024
+        limits = oncely.Limits(max_result_bytes=1024 * 1024, max_key_bytes=4096)
+        inbox = oncely.Inbox(store, consumer="c" * 200, limits=limits)
+        fits = "y" * (room - 2)  # its JSON is exactly the room
+        key = "k" * 900  # long key and consumer: the room leaves space for them
+        assert inbox.handle(key, None, lambda p: fits).reason is None
+        repeat = inbox.handle(key, None, lambda p: "again")
+        assert repeat.outcome is Outcome.DUPLICATE and repeat.value == fits
+        over = inbox.handle("big", None, lambda p: "x" * (room + 1))
+        assert over.outcome is Outcome.PROCESSED and over.reason is not None
+        assert "400 KB" in over.reason
+        record = store.get("c" * 200, "big")
+        assert record is not None and record.status is Status.COMPLETED and record.result is None
+    finally:
+        store.close()
+
+
+def test_the_transactional_mode_is_refused_clearly(url: str) -> None:
+    async def book(tx: object, payload: object) -> None:
+        raise AssertionError("never runs")
+
+    async def run() -> None:
+        store = oncely.open_async(url)
+        inbox = oncely.AsyncInbox(store, consumer="c")
+        try:
+            with pytest.raises(oncely.ConfigurationError, match="cannot join a transaction"):
+                BrokerConsumer(MemoryBroker(), inbox, book, mode="transactional")
+            with pytest.raises(oncely.TransactionsUnsupported):
+                await inbox.handle_in_transaction("k", None, book)
+        finally:
+            await store.aclose()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- competing claims
+
+
+def test_r8_threads_claiming_the_same_keys_one_wins_each(url: str) -> None:
+    store = oncely.open(url)
+    store.migrate()
+    keys = [f"k{i}" for i in range(40)]
+    wins: dict[str, list[str]] = {k: [] for k in keys}
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def worker(n: int) -> None:
+        try:
+            start.wait()
+            for key in keys:
+                claim = store.claim("c", key, fingerprint=None, token=f"t{n}-{key}",
+                                    lease_ms=60_000, keep_ms=HOUR, takeover=False)  # fmt: skip
+                if claim.won:
+                    wins[key].append(claim.record.token)
+            batch = store.claim_many(
+                "b", [ClaimRequest(k, None, f"t{n}-{k}") for k in keys],
+                lease_ms=60_000, keep_ms=HOUR, takeover=False,
+            )  # fmt: skip
+            for c in batch:
+                if c.won:
+                    wins[c.record.key].append("batch:" + c.record.token)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert not errors, errors
+        for key in keys:
+            assert len(wins[key]) == 2, (key, wins[key])  # one claim, one batch claim
+            won = next(w for w in wins[key] if not w.startswith("batch:"))
+            record = store.get("c", key)
+            assert record is not None and record.token == won
+    finally:
+        store.close()
+
+
+def _claim_in_process(url: str, n: int, keys: list[str], ready: Any, go: Any, out: Any) -> None:
+    store = oncely.open(url)
+    try:
+        store.get("c", "warm")  # connected before the start
+        ready.put(n)
+        go.wait(60)
+        won = []
+        for key in keys:
+            claim = store.claim("c", key, fingerprint=None, token=f"p{n}-{key}",
+                                lease_ms=60_000, keep_ms=HOUR, takeover=False)  # fmt: skip
+            if claim.won:
+                won.append(key)
+        out.put((n, won))
+    finally:
+        store.close()
+
+
+def test_r8_processes_claiming_the_same_keys_one_wins_each(url: str) -> None:
+    oncely.open(url).migrate()
+    keys = [f"k{i}" for i in range(30)]
+    context = multiprocessing.get_context("spawn")
+    ready, out, go = context.Queue(), context.Queue(), context.Event()
+    processes = [
+        context.Process(target=_claim_in_process, args=(url, n, keys, ready, go, out))
+        for n in range(4)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        for _ in processes:
+            ready.get(timeout=120)
+        go.set()
+        results = [out.get(timeout=120) for _ in processes]
+    finally:
+        for p in processes:
+            p.join(60)
+    winners: dict[str, int] = {}
+    for n, won in results:
+        for key in won:
+            assert key not in winners, (key, winners[key], n)
+            winners[key] = n
+    assert sorted(winners) == sorted(keys)
+    store = oncely.open(url)
+    try:
+        for key, n in winners.items():
+            record = store.get("c", key)
+            assert record is not None and record.token == f"p{n}-{key}"
+    finally:
+        store.close()
