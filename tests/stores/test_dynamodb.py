@@ -22,7 +22,7 @@ from oncely.stores.dynamodb.dialect import MAX_PARTITION_KEY_BYTES, partition_ke
 from oncely.stores.dynamodb.errors import parse_url
 from oncely.testing import MemoryBroker
 from tests.backends import Scope
-from tests.backends.dynamodb import client, store_url, table_name
+from tests.backends.dynamodb import client, endpoint, store_url, table_name
 from tests.brokers.common import free_port
 
 HOUR = 3_600_000
@@ -99,6 +99,33 @@ def test_the_url_opens_both_stores_without_connecting() -> None:
     assert not isinstance(astore, oncely.AsyncTransactionalStore)
     store.close()
     asyncio.run(astore.aclose())
+
+
+def test_the_constructor_takes_the_url_options_as_keyword_arguments(scope: Scope) -> None:
+    from oncely.stores.dynamodb import DynamoDBStore
+
+    store = DynamoDBStore(
+        table_name(scope), endpoint_url=f"http://{endpoint()}", max_connections=4,
+        timeout=timedelta(seconds=3),
+    )  # fmt: skip
+    store_url(scope)  # the table is dropped after the test
+    try:
+        assert store.url == f"dynamodb://{endpoint()}/{table_name(scope)}"
+        claim = store.claim("c", "k", fingerprint=None, token="t", lease_ms=1000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        assert claim.won
+    finally:
+        store.close()
+    same = oncely.open(store_url(scope))
+    try:
+        record = same.get("c", "k")
+        assert record is not None and record.token == "t"
+    finally:
+        same.close()
+    with pytest.raises(oncely.ConfigurationError, match="endpoint_url must be"):
+        DynamoDBStore("t_1", endpoint_url="localhost:8000")
+    with pytest.raises(oncely.ConfigurationError, match="not a DynamoDB table name"):
+        DynamoDBStore("t", endpoint_url="http://localhost:8000")
 
 
 # ---------------------------------------------------------------- keys and the table

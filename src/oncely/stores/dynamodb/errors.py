@@ -25,7 +25,14 @@ from oncely._core.said import said
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
 
-__all__ = ["DRIVER_ERRORS", "DynamoDBOptions", "error_code", "parse_url", "translate"]
+__all__ = [
+    "DRIVER_ERRORS",
+    "DynamoDBOptions",
+    "build_options",
+    "error_code",
+    "parse_url",
+    "translate",
+]
 
 DRIVER_ERRORS: Final = (BotoCoreError, ClientError, OSError, TimeoutError)
 """Everything botocore raises for a failed call (``OSError`` covers socket errors that escape
@@ -155,7 +162,6 @@ def parse_url(url: str) -> DynamoDBOptions:
         raise ConfigurationError(
             f"{shown}: the URL names no table: dynamodb://HOST:PORT/TABLE or dynamodb:///TABLE"
         )
-    check_table(table, shown)
     options = UrlOptions(url)
     region = options.optional_text("region")
     secure = options.boolean("secure", False)
@@ -164,10 +170,6 @@ def parse_url(url: str) -> DynamoDBOptions:
     timeout = options.seconds("timeout", timedelta(seconds=10))
     connect = options.seconds("connect_timeout", timedelta(seconds=5))
     options.done(_KNOWN)
-    if min(timeout, connect) <= timedelta(0):
-        raise ConfigurationError(f"{shown}: timeout and connect_timeout must be positive")
-    if max_connections < 1:
-        raise ConfigurationError(f"{shown}: max_connections must be at least 1")
     endpoint_url = None
     if parts.hostname:
         if parts.port is None:
@@ -178,6 +180,40 @@ def parse_url(url: str) -> DynamoDBOptions:
         endpoint_url = f"{'https' if secure else 'http'}://{parts.netloc}"
     elif secure:
         raise ConfigurationError(f"{shown}: secure= is for an endpoint's URL; AWS is HTTPS")
+    return build_options(
+        shown,
+        table=table,
+        endpoint_url=endpoint_url,
+        region=region,
+        migrate=migrate,
+        max_connections=max_connections,
+        timeout=timeout,
+        connect_timeout=connect,
+    )
+
+
+def build_options(
+    shown: str,
+    *,
+    table: str,
+    endpoint_url: str | None,
+    region: str | None,
+    migrate: bool,
+    max_connections: int,
+    timeout: timedelta,
+    connect_timeout: timedelta,
+) -> DynamoDBOptions:
+    """The options checked, the region from the AWS environment when not given (``shown``
+    names the store in errors: its URL, or its class)."""
+    check_table(table, shown)
+    if min(timeout, connect_timeout) <= timedelta(0):
+        raise ConfigurationError(f"{shown}: timeout and connect_timeout must be positive")
+    if max_connections < 1:
+        raise ConfigurationError(f"{shown}: max_connections must be at least 1")
+    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
+        raise ConfigurationError(
+            f"{shown}: endpoint_url must be http://HOST:PORT or https://HOST:PORT"
+        )
     region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region is None:
         if endpoint_url is None:
@@ -190,9 +226,9 @@ def parse_url(url: str) -> DynamoDBOptions:
     return DynamoDBOptions(
         table=table,
         region=region,
-        endpoint_url=endpoint_url,
+        endpoint_url=endpoint_url.rstrip("/") if endpoint_url is not None else None,
         migrate=migrate,
         max_connections=max_connections,
         timeout=timeout,
-        connect_timeout=connect,
+        connect_timeout=connect_timeout,
     )

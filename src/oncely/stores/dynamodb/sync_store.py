@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, Final, Self, TypeVar
 
 from oncely._core.clock import Clock, SystemClock
@@ -94,6 +95,7 @@ from oncely.stores.dynamodb.dialect import (
 from oncely.stores.dynamodb.errors import (
     DRIVER_ERRORS,
     DynamoDBOptions,
+    build_options,
     error_code,
     parse_url,
     translate,
@@ -126,17 +128,44 @@ def _n(value: int) -> dict[str, str]:
 class DynamoDBStore:
     """A dedup store in a DynamoDB table (two-phase mode only; see the module docstring).
 
-    Open it with :meth:`from_url`; the client is built on first use (opening a store never
-    waits for the endpoint). ``migrate=True`` (the default) creates the table on first use,
-    with TTL enabled on its ``ttl_s`` attribute; otherwise a missing table raises
-    :class:`~oncely.SchemaMissing` naming ``oncely migrate``. The asyncio variant belongs to
-    the event loop that first uses it (as its aiobotocore client does): open one store per
-    loop. The threaded variant may be shared by any number of threads.
+    ``table`` is the table's name; ``endpoint_url`` (``http://HOST:PORT``) an endpoint other
+    than AWS's (moto's server, DynamoDB Local); ``region`` AWS's region (else the AWS
+    environment's); the other keyword arguments are the URL options of the same names
+    (:meth:`from_url` opens the same store from a URL). The client is built on first use
+    (opening a store never waits for the endpoint). ``migrate=True`` (the default) creates
+    the table on first use, with TTL enabled on its ``ttl_s`` attribute; otherwise a missing
+    table raises :class:`~oncely.SchemaMissing` naming ``oncely migrate``. The asyncio
+    variant belongs to the event loop that first uses it (as its aiobotocore client does):
+    open one store per loop. The threaded variant may be shared by any number of threads.
     """
 
     supports_transactions = False
 
-    def __init__(self, options: DynamoDBOptions, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        table: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        migrate: bool = True,
+        max_connections: int = 32,
+        timeout: timedelta = timedelta(seconds=10),
+        connect_timeout: timedelta = timedelta(seconds=5),
+        clock: Clock | None = None,
+    ) -> None:
+        options = build_options(
+            type(self).__name__,
+            table=table,
+            endpoint_url=endpoint_url,
+            region=region,
+            migrate=migrate,
+            max_connections=max_connections,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+        )
+        self._setup(options, clock)
+
+    def _setup(self, options: DynamoDBOptions, clock: Clock | None) -> None:
         self._options = options
         self._table = options.table
         self._where = options.where
@@ -155,7 +184,8 @@ class DynamoDBStore:
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
         """A store for a ``dynamodb://`` URL (see the module docstring for its forms and
         options)."""
-        store = cls(parse_url(url), clock=clock)
+        store = cls.__new__(cls)
+        store._setup(parse_url(url), clock)
         store._url = redact(url)
         return store
 
@@ -791,7 +821,10 @@ class DynamoDBStore:
                 counts=found.counts,
                 expired=found.expired,
                 exact=False,
-                note=f"the table's {size:,} items, counted (DynamoDB's ItemCount)",
+                note=(
+                    f"counted outright: DynamoDB's ItemCount says {size:,} items, few enough "
+                    "to read them all"
+                ),
                 counted=frozenset(found.counts),
                 counted_total=True,
                 counted_expired=True,
