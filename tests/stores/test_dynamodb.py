@@ -403,3 +403,87 @@ def test_r8_processes_claiming_the_same_keys_one_wins_each(url: str) -> None:
             assert record is not None and record.token == f"p{n}-{key}"
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- a reply lost on the way
+
+
+class _LosingProxy:
+    """A proxy in front of the test endpoint that passes the first ``target`` request (an
+    ``X-Amz-Target`` such as ``DynamoDB_20120810.PutItem``) on, so it lands, and then drops
+    the connection instead of the answer: botocore sends the request again, as after any
+    reply lost on the network."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        self.target = target.encode()
+        self.dropped = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        import http.client
+
+        upstream = http.client.HTTPConnection(*endpoint().split(":"))
+        buffer = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buffer += chunk
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = dict(line.split(": ", 1) for line in lines[1:])
+                size = int(headers.get("Content-Length", headers.get("content-length", "0")))
+                while len(buffer) < size:
+                    buffer += conn.recv(65536)
+                body, buffer = buffer[:size], buffer[size:]
+                upstream.request(method, path, body, headers)
+                reply = upstream.getresponse()
+                data = reply.read()
+                if self.target in head and self.dropped == 0:
+                    self.dropped += 1
+                    return  # the write landed; its answer is lost
+                out = [f"HTTP/1.1 {reply.status} {reply.reason}"]
+                out += [f"{k}: {v}" for k, v in reply.getheaders() if k.lower() not in
+                        ("content-length", "transfer-encoding", "connection")]  # fmt: skip
+                out.append(f"Content-Length: {len(data)}")
+                conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + data)
+
+
+@pytest.mark.parametrize("op", ["PutItem", "UpdateItem"])
+def test_r9_a_write_whose_answer_was_lost_is_known_as_its_own_when_sent_again(
+    scope: Scope, op: str
+) -> None:
+    """botocore sends a request again when its answer is lost (a connection reset, a
+    timeout): a claim or a completion that landed the first time then meets its own write,
+    and answers as the write it is, not as somebody else's record."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _LosingProxy(f"DynamoDB_20120810.{op}")
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    try:
+        claim = store.claim("c", "k", fingerprint=None, token="t1", lease_ms=60_000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        done = store.complete("c", "k", token="t1", result=b"r", keep_ms=HOUR)
+        assert proxy.dropped == 1  # the write was sent twice
+        assert claim.won and claim.record.token == "t1" and claim.record.attempt == 1
+        assert done.status is Status.COMPLETED and done.result == b"r"
+    finally:
+        store.close()
+        proxy.close()

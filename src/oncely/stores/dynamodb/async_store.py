@@ -20,7 +20,10 @@ Design:
   (``ReturnValuesOnConditionCheckFailure=ALL_OLD``) in the same round trip, and the store
   answers from it by the same rules (the existing record, or :class:`~oncely.LeaseLost`).
   A write decided from such a record (a takeover, a retry) applies only while the item is
-  still that revision (``rev``), else it is decided again from the newer one. ``claim_many``
+  still that revision (``rev``), else it is decided again from the newer one. botocore sends
+  a write again when its answer is lost; a condition that then fails on the write's own
+  revision is that write, landed the first time (a claim answers as won, not as another's
+  record). A ``release`` sent twice answers False, its item gone already. ``claim_many``
   sends its claims at once (at most ``max_connections``), each its own conditional write:
   not one ``TransactWriteItems``, where one conflict would fail the whole batch.
 * **Time.** DynamoDB has no clock a condition can read: leases and expiries are the store's
@@ -121,6 +124,12 @@ _IN_PROGRESS: Final = {"S": Status.IN_PROGRESS.value}
 
 def _n(value: int) -> dict[str, str]:
     return {"N": str(value)}
+
+
+def _rev(item: Item) -> str | None:
+    """The revision of ``item`` (see :mod:`.dialect`)."""
+    found: str | None = item.get("rev", {}).get("S")
+    return found
 
 
 class AsyncDynamoDBStore:
@@ -399,13 +408,18 @@ class AsyncDynamoDBStore:
                 )
             else:
                 assert isinstance(new, Record)
+                rev = new_rev()
                 ok, old = await self._write(
                     "put_item",
                     op,
-                    Item=to_item(pk, new, new_rev()),
+                    Item=to_item(pk, new, rev),
                     ConditionExpression=condition,
                     ExpressionAttributeValues=values,
                 )
+                if not ok and old is not None and _rev(old) == rev:
+                    # botocore sent the write again (its answer was lost): the first one
+                    # landed, and the condition now meets that very write.
+                    return answer
             if ok:
                 return answer
             current = None if old is None else from_item(old)
@@ -509,6 +523,7 @@ class AsyncDynamoDBStore:
         (the record again for a repeat, else :class:`~oncely.LeaseLost`)."""
         pk = partition_key(consumer, key)
         now = values[":now"]
+        rev = new_rev()
         ok, item = await self._write(
             "update_item",
             op,
@@ -520,11 +535,11 @@ class AsyncDynamoDBStore:
                 ":tok": {"S": token},
                 ":ip": _IN_PROGRESS,
                 ":now": now,
-                ":rev": {"S": new_rev()},
+                ":rev": {"S": rev},
             },
             ReturnValues="ALL_NEW",
         )
-        if ok:
+        if ok or (item is not None and _rev(item) == rev):  # applied (maybe sent twice)
             assert item is not None
             return from_item(item)[0]
         current = None if item is None else from_item(item)
