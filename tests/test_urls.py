@@ -35,6 +35,8 @@ def test_sqlite_urls_open_sqlite_stores(tmp_path: Path, monkeypatch: pytest.Monk
         ("sqlite:///x.db?pool_size=many", "pool_size must be a whole number"),
         ("sqlite:///x.db?migrate=perhaps", "migrate must be true or false"),
         ("sqlite:///x.db?table=bad-name", "not a plain identifier"),
+        ("dynamodb://h:8000/t_1?colour=blue", "unknown option 'colour'"),
+        ("dynamodb://h:8000", "names no table"),
     ],
 )
 def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:

@@ -405,6 +405,42 @@ def test_r8_processes_claiming_the_same_keys_one_wins_each(url: str) -> None:
         store.close()
 
 
+# ---------------------------------------------------------------- the command line
+
+
+def test_the_inbox_commands_work_on_the_store(url: str) -> None:
+    from tests.cli.helpers import run
+
+    store = oncely.open(url)
+    oncely.Inbox(store, consumer="billing").handle("order-1", {"a": 1}, lambda p: {"ok": True})
+    store.close()
+    # Claimed on a clock of 2020: long expired on the command's.
+    past = oncely.open(url, clock=FakeClock(datetime(2020, 1, 1, tzinfo=UTC)))
+    claim = past.claim("billing", "order-2", fingerprint=None, token="t", lease_ms=1000,
+                       keep_ms=1000, takeover=False)  # fmt: skip
+    assert claim.won
+    past.close()
+    stats = run("inbox", "stats", "--store", url)
+    assert stats.exit_code == 0, stats.output
+    assert "billing" in stats.output and "expired, awaiting purge: 1" in stats.output
+    shown = run("inbox", "show", "--store", url, "--consumer", "billing", "order-1")
+    assert shown.exit_code == 0 and "completed" in shown.output and '{"ok":true}' in shown.output
+    purged = run("inbox", "purge", "--store", url)
+    assert purged.exit_code == 0 and "purged 1 expired record" in purged.output
+    migrated = run("migrate", "--store", url)
+    assert migrated.exit_code == 0 and "schema version 1" in migrated.output
+
+
+def test_consume_refuses_the_transactional_mode_on_the_store(url: str) -> None:
+    from tests.cli.helpers import run
+
+    done = run("consume", "--broker", "amqp://guest:guest@127.0.0.1:1/", "--source", "q",
+               "--consumer", "c", "--store", url, "--mode", "transactional",
+               "--handler", "tests.brokers.handlers:record_in")  # fmt: skip
+    assert done.exit_code == 2
+    assert "AsyncDynamoDBStore cannot join a transaction" in done.output
+
+
 # ---------------------------------------------------------------- a reply lost on the way
 
 

@@ -10,6 +10,8 @@ URL                                      store (extra to install)
 ``postgresql://user@host:5432/db``       PostgreSQL (``oncely[postgres]``)
 ``mysql://`` / ``mariadb://``            MariaDB / MySQL (``oncely[mysql]``)
 ``redis://host:6379/0``                  Redis (``oncely[redis]``)
+``dynamodb://host:port/table``           DynamoDB (``oncely[dynamodb]``): an endpoint;
+                                         ``dynamodb:///table?region=eu-west-1``: AWS
 =======================================  ==============================================
 
 Each store reads its own options from the query string (for SQLite: ``table``,

@@ -808,7 +808,8 @@ class AsyncDynamoDBStore:
         (``DescribeTable``, refreshed about every six hours) says how many items there are,
         and one of ``ceil(ItemCount / 4000)`` segments of the ``Scan`` (items fall into
         segments by a hash of their partition key) is read and scaled up. A table of at most
-        4,000 items is read whole: every number is then counted, and the stats say so."""
+        4,000 items (by that count) is read whole: the answer is then exact, and says so.
+        A table that grew since its ``ItemCount`` was refreshed is read whole too."""
         if not exact:
             return await self._estimate()
         now = self._clock.now_ms()
@@ -833,19 +834,7 @@ class AsyncDynamoDBStore:
         size = int(described.get("Table", {}).get("ItemCount", 0) or 0)
         segments = max(1, math.ceil(size / _SAMPLE))
         if segments == 1:
-            found = await self.stats()
-            return StoreStats(
-                counts=found.counts,
-                expired=found.expired,
-                exact=False,
-                note=(
-                    f"counted outright: DynamoDB's ItemCount says {size:,} items, few enough "
-                    "to read them all"
-                ),
-                counted=frozenset(found.counts),
-                counted_total=True,
-                counted_expired=True,
-            )
+            return await self.stats()  # few items: counted, exactly
         now = self._clock.now_ms()
         counts: dict[str, dict[Status, int]] = {}
         expired = read = 0
