@@ -45,6 +45,7 @@ def test_sync_and_async_twins_offer_the_same_methods() -> None:
         (oncely.Inbox, oncely.AsyncInbox),
         (oncely.MemoryStore, oncely.AsyncMemoryStore),
         (oncely.SQLiteStore, oncely.AsyncSQLiteStore),
+        (oncely.DynamoDBStore, oncely.AsyncDynamoDBStore),
         (oncely.testing.contract.StoreContract, oncely.testing.contract.AsyncStoreContract),
     ]
     for sync, asynchronous in pairs:

@@ -97,6 +97,13 @@ def test_the_url_opens_both_stores_without_connecting() -> None:
     assert type(astore).__name__ == "AsyncDynamoDBStore"
     assert isinstance(astore, oncely.AsyncStore)
     assert not isinstance(astore, oncely.AsyncTransactionalStore)
+    # Every capability of the built-in stores but the transactional mode and the offsets.
+    from oncely.stores import async_protocols, sync_protocols
+
+    for name in ("CompletesMany", "ForgetsByToken", "Prepares", "BoundsResults"):
+        assert isinstance(store, getattr(sync_protocols, name)), name
+        assert isinstance(astore, getattr(async_protocols, f"Async{name}")), name
+    assert not isinstance(astore, async_protocols.AsyncKeepsOffsets)
     store.close()
     asyncio.run(astore.aclose())
 
