@@ -202,6 +202,60 @@ def test_a_missing_table_without_migrate_names_oncely_migrate(scope: Scope) -> N
         store.close()
 
 
+@pytest.mark.parametrize("migrate", ["true", "false"])
+def test_a_table_keyed_otherwise_is_refused(scope: Scope, migrate: str) -> None:
+    """A Powertools idempotency table (keyed by ``id``) or any other application's: its
+    items are not oncely's records, and oncely writes none there."""
+    url = store_url(scope, migrate=migrate)
+    dynamodb = client()
+    try:
+        dynamodb.create_table(
+            TableName=table_name(scope),
+            AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}],
+            KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        store = oncely.open(url)
+        try:
+            with pytest.raises(oncely.ConfigurationError, match=r"keyed by id \(HASH, S\)"):
+                store.claim("c", "k", fingerprint=None, token="t", lease_ms=1000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+            with pytest.raises(oncely.ConfigurationError, match="a table of its own"):
+                store.migrate()
+        finally:
+            store.close()
+        assert dynamodb.scan(TableName=table_name(scope))["Items"] == []
+    finally:
+        dynamodb.close()
+
+
+def test_ttl_on_another_attribute_is_said(
+    url: str, scope: Scope, caplog: pytest.LogCaptureFixture
+) -> None:
+    dynamodb = client()
+    try:
+        dynamodb.create_table(
+            TableName=table_name(scope),
+            AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+            KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        dynamodb.update_time_to_live(
+            TableName=table_name(scope),
+            TimeToLiveSpecification={"Enabled": True, "AttributeName": "expiration"},
+        )
+    finally:
+        dynamodb.close()
+    store = oncely.open(url)
+    try:
+        with caplog.at_level("WARNING", logger="oncely.store"):
+            assert store.migrate() == 1
+        said = [r.getMessage() for r in caplog.records if r.name == "oncely.store"]
+        assert any("'expiration', not oncely's ttl_s" in line for line in said), said
+    finally:
+        store.close()
+
+
 def test_r13_an_expired_item_dynamodb_has_not_deleted_yet_is_absent(
     url: str, scope: Scope, clock: FakeClock
 ) -> None:

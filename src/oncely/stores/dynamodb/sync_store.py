@@ -15,7 +15,10 @@ Design:
   (``<length of consumer>:<consumer>:<key>``), with no sort key: one consumer's records
   spread over every partition instead of heating one. DynamoDB takes at most 2,048 bytes in
   a partition key: a longer one is refused with :class:`~oncely.KeyTooLong` naming
-  ``hash_long_keys``, never cut. See :mod:`.dialect` for the attributes.
+  ``hash_long_keys``, never cut. See :mod:`.dialect` for the attributes. A table keyed
+  otherwise (another application's, an AWS Lambda Powertools idempotency table keyed by
+  ``id``) is refused with :class:`~oncely.ConfigurationError`: oncely needs a table of its
+  own.
 * **Writes.** Every state change is one conditional ``PutItem``, ``UpdateItem`` or
   ``DeleteItem`` whose condition is the state machine's (:mod:`oncely._core.state`) for the
   change, fenced by the token; a condition that fails returns the item as it was
@@ -46,6 +49,7 @@ Design:
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -82,7 +86,14 @@ from oncely._core.state import (
 )
 from oncely._core.table import lease_lost
 from oncely._urls import redact
-from oncely.errors import LeaseLost, SchemaMissing, SchemaTooNew, StoreError, StoreUnavailable
+from oncely.errors import (
+    ConfigurationError,
+    LeaseLost,
+    SchemaMissing,
+    SchemaTooNew,
+    StoreError,
+    StoreUnavailable,
+)
 from oncely.stores.dynamodb.dialect import (
     ABSENT,
     MARKER,
@@ -106,6 +117,8 @@ from oncely.stores.dynamodb.errors import (
 from oncely.stores.dynamodb.sync_io import Client, call, close, connect, each, write
 
 __all__ = ["DynamoDBStore"]
+
+LOGGER = logging.getLogger("oncely.store")
 
 A = TypeVar("A")
 Decide = Callable[[Record | None, int], tuple[NewState, A]]
@@ -289,6 +302,13 @@ class DynamoDBStore:
         """The schema version the table's marker says; None without a table or marker."""
         client = self._connected()
         try:
+            described = call(client, "describe_table", TableName=self._table)
+        except DRIVER_ERRORS as exc:
+            if error_code(exc) == "ResourceNotFoundException":
+                return None
+            raise self._error(exc, "reading the table's description") from exc
+        self._check_layout(described["Table"])
+        try:
             found = call(
                 client,
                 "get_item",
@@ -352,18 +372,44 @@ class DynamoDBStore:
         try:
             waiter = client.get_waiter("table_exists")
             waiter.wait(TableName=self._table, WaiterConfig={"Delay": 1, "MaxAttempts": 120})
+            described = call(client, "describe_table", TableName=self._table)
         except DRIVER_ERRORS as exc:
             raise self._error(exc, "waiting for the table to be active") from exc
         except Exception as exc:  # botocore's WaiterError
             raise StoreUnavailable(
                 f"waiting for dynamodb {self._where} table {self._table!r} to be active: {exc}"
             ) from exc
+        self._check_layout(described["Table"])
+
+    def _check_layout(self, table: dict[str, Any]) -> None:
+        """Refuse a table whose key is not oncely's (another application's table, an AWS
+        Lambda Powertools one keyed by ``id``): its items are not records oncely can read."""
+        keys = [(k.get("AttributeName"), k.get("KeyType")) for k in table.get("KeySchema", [])]
+        types = {a.get("AttributeName"): a.get("AttributeType") for a in
+                 table.get("AttributeDefinitions", [])}  # fmt: skip
+        if keys != [("pk", "HASH")] or types.get("pk") != "S":
+            found = ", ".join(f"{name} ({kind}, {types.get(name)})" for name, kind in keys)
+            raise ConfigurationError(
+                f"dynamodb {self._where} table {self._table!r} is keyed by {found}; oncely "
+                "needs a table of its own, keyed by the partition key pk (a string) alone: "
+                "name a table that does not exist yet and run `oncely migrate --store URL`"
+            )
 
     def _enable_ttl(self, client: Client) -> None:
         try:
             found = call(client, "describe_time_to_live", TableName=self._table)
             ttl = found.get("TimeToLiveDescription", {})
             if ttl.get("TimeToLiveStatus") in ("ENABLED", "ENABLING"):
+                if ttl.get("AttributeName") != "ttl_s":
+                    LOGGER.warning(
+                        "oncely store=%s: DynamoDB's TTL on table %r deletes by the attribute "
+                        "%r, not oncely's ttl_s: expired records stay until `oncely inbox "
+                        "purge` deletes them (a table has one TTL attribute: give oncely a "
+                        "table of its own)",
+                        self._url,
+                        self._table,
+                        ttl.get("AttributeName"),
+                    )
                 return
             call(
                 client,
