@@ -328,6 +328,46 @@ def test_no_aws_credentials_is_a_clear_error(
         store.close()
 
 
+def test_credentials_the_endpoint_refuses_are_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """moto's server checking credentials (``INITIAL_NO_AUTH_ACTION_COUNT=0``, a server of
+    the test's own), and a key it does not know."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    from tests.brokers.sqs_broker import _stop, moto_server
+
+    binary = moto_server()
+    assert binary is not None
+    port = free_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    with open(tmp_path / "moto.log", "wb") as log:
+        process = subprocess.Popen(
+            [str(binary), "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log
+        )
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOTAKEYMOTOKNOWS")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    try:
+        for _ in range(600):  # until it listens (not a timing: the test only waits)
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        store = oncely.open(f"dynamodb://127.0.0.1:{port}/t_auth")
+        try:
+            with pytest.raises(oncely.StoreError, match="check the AWS credentials") as raised:
+                store.get("c", "k")
+            assert not isinstance(raised.value, oncely.StoreUnavailable)  # a set-up to fix
+        finally:
+            store.close()
+    finally:
+        _stop(process)
+
+
 # ---------------------------------------------------------------- results and modes
 
 

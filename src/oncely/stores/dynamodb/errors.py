@@ -56,7 +56,8 @@ _UNAVAILABLE_CODES: Final = frozenset(
         "TransactionInProgressException",
     }
 )
-# The credentials or the permissions refused: a set-up to fix.
+# The credentials or the permissions refused: a set-up to fix (also any answer of HTTP 401 or
+# 403: an emulator may word it otherwise, as moto's server checking credentials does).
 _REFUSED_CODES: Final = frozenset(
     {
         "UnrecognizedClientException",
@@ -93,7 +94,7 @@ def translate(exc: BaseException, doing: str, where: str, table: str) -> StoreEr
                 f"{text}; create the table with `oncely migrate --store URL` or open the "
                 "store with ?migrate=true (migrate=True)"
             )
-        if code in _REFUSED_CODES:
+        if code in _REFUSED_CODES or _status(exc) in (401, 403):
             return StoreError(
                 f"{text}; check the AWS credentials (AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, a role) and their DynamoDB permissions"
