@@ -38,8 +38,9 @@ Design:
   as still there.
 * **Expiry.** Each item carries its expiry twice: ``ex`` in milliseconds, which every read
   and condition compares with the clock, and ``ttl_s`` in epoch seconds, DynamoDB's TTL
-  attribute, which :meth:`migrate` enables so that AWS deletes expired items itself (up to
-  about 48 hours late: until then an expired item is read as absent, as on every store).
+  attribute, which :meth:`migrate` enables so that AWS deletes expired items itself (not at
+  once: within a few days, AWS says; until then an expired item is read as absent, as on
+  every store).
   :meth:`purge_expired` (``oncely inbox purge``) deletes them sooner, from a ``Scan``.
 * **Size.** An item holds at most 400 KB: a larger result is completed without it
   (:meth:`result_room`).
@@ -804,7 +805,7 @@ class DynamoDBStore:
         A ``Scan`` finds the items whose ``ex`` is past on the store's clock; each is deleted
         by a ``DeleteItem`` conditional on being expired still (a key claimed afresh
         meanwhile stays), those of a batch at once. DynamoDB's TTL deletes them too, later
-        (up to about 48 hours) and at no write cost: this is for a table that must shrink
+        (within a few days, AWS says) and at no write cost: this is for a table that must shrink
         sooner, and for a store on a :class:`~oncely.FakeClock`."""
         if not 1 <= batch_size <= 10_000:
             raise ValueError("batch_size must be between 1 and 10000")
