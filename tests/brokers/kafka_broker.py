@@ -136,6 +136,26 @@ def create_topic(name: str, partitions: int, url: str | None = None) -> None:
     _in_thread(create)
 
 
+def produce_raw(
+    url: str,
+    topic: str,
+    records: list[tuple[bytes | None, bytes | None, list[tuple[str, str | bytes | None]]]],
+    partition: int = 0,
+) -> None:
+    """Write ``records`` (value, record key, headers) to one partition of ``topic`` as a
+    foreign producer would, with librdkafka (confluent-kafka): a value and a record key may
+    both be null, which aiokafka refuses to write."""
+    import confluent_kafka
+
+    from oncely.brokers.kafka._records import Cluster
+
+    producer = confluent_kafka.Producer(Cluster.from_url(url)[0].librdkafka())
+    for value, key, headers in records:
+        producer.produce(topic, value=value, key=key, headers=headers, partition=partition)
+    left = producer.flush(30)
+    assert left == 0, f"{left} records not confirmed by the broker"
+
+
 def delete_topics(*names: str) -> None:
     from aiokafka.admin import AIOKafkaAdminClient
 

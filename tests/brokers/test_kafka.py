@@ -46,6 +46,7 @@ from tests.brokers.kafka_broker import (
     create_topic,
     delete_topics,
     kafka_url,
+    produce_raw,
     start_tansu,
     stop_tansu,
     tansu_binary,
@@ -1049,6 +1050,82 @@ class TestKafka(BrokerSuite):
         (copy,) = await self._read_all(f"{self.source}.dead")
         assert copy.value is None and copy.key == b"d"
         assert b"message id" in dict(copy.headers)["x-oncely-reason"]
+
+    async def _committed_all(self) -> dict[int, int | None]:
+        """The group's committed offset of each partition of the source."""
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self._servers, group_id=self.group, enable_auto_commit=False
+        )
+        await consumer.start()
+        try:
+            return {
+                p: await consumer.committed(TopicPartition(self.source, p))
+                for p in range(PARTITIONS)
+            }
+        finally:
+            await consumer.stop()
+
+    @pytest.mark.parametrize("tombstones", ["dead_letter", "handle"])
+    async def test_r2_a_tombstone_without_record_key_or_message_id_is_dead_lettered(
+        self, tombstones: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A foreign producer (librdkafka; aiokafka refuses to) can write a record with
+        neither value nor record key: a tombstone naming no key. Without a ``message-id``
+        header it has no key of its own either (R2). Each such record is dead-lettered on
+        its own, never merged with another under one key: by default refused as a
+        tombstone, with ``tombstones="handle"`` refused for its missing message id (never
+        keyed on the absent record key). Its copy keeps the null value and the null record
+        key (the dead-letter producer writes both), the offset is committed past it, and the
+        record after it in its partition is processed: no crash, no stalled partition, no
+        redelivery loop, nothing dropped. The reason, the partition and the offset are in
+        the consumer's ERROR line and in the copy's headers (R16). With a message id, a
+        keyless tombstone is keyed by it: handed out as ``Tombstone(None)`` under
+        ``tombstones="handle"``."""
+        produce_raw(
+            self.url,
+            self.source,
+            [
+                (None, None, []),
+                (None, None, []),
+                (None, None, [("message-id", b"keyless-del")]),
+                (body("after"), b"after", [("message-id", b"after")]),
+            ],
+        )
+        seen: list[object] = []
+
+        async def keep(payload: object) -> None:
+            seen.append(payload)
+            if not isinstance(payload, Tombstone):
+                await self.apply(payload)  # type: ignore[arg-type]
+
+        async def committed_past_all() -> bool:
+            return (await self._committed_all())[0] == 4
+
+        worker = self.consumer(keep, transport=self.transport(tombstones=tombstones))
+        with caplog.at_level(logging.ERROR, logger="oncely.broker"):
+            async with running(worker):
+                await wait_until(lambda: sum(worker.counts.values()) == 4, what="four records")
+                await wait_until(committed_past_all, what="the commit past all four")
+        handled = tombstones == "handle"
+        assert worker.counts == Counter({"rejected": 3 - handled, "processed": 1 + handled})
+        assert seen == ([Tombstone(None)] if handled else []) + [{"k": "after"}]
+        assert self.ledger.counts() == {"after": 1}
+        copies = await self._read_all(f"{self.source}.dead")
+        assert all(copy.value is None and copy.key is None for copy in copies)
+        headers = [dict(copy.headers) for copy in copies]
+        offsets = sorted(h["x-oncely-offset"] for h in headers)
+        assert offsets == ([b"0", b"1"] if handled else [b"0", b"1", b"2"])
+        assert [h.get("message-id") for h in headers].count(b"keyless-del") == 1 - handled
+        lines = [r.getMessage() for r in caplog.records if "action=dead_letter" in r.getMessage()]
+        assert len(lines) == len(copies)
+        for h in headers:
+            reason = h["x-oncely-reason"].decode()
+            if handled:
+                assert "no producer-assigned message id" in reason
+            else:
+                assert "tombstone" in reason and "tombstones='handle'" in reason
+            where = f"partition=0 offset={h['x-oncely-offset'].decode()} "
+            assert [line for line in lines if where in line and reason in line]
 
     async def test_the_tombstones_option_takes_dead_letter_or_handle_only(self) -> None:
         assert self.transport().tombstones == "dead_letter"

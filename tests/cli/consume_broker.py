@@ -29,10 +29,13 @@ async def _publish(url: str, source: str) -> None:
         await producer.close()
 
 
-def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path, *options: str) -> None:
+def consume_orders_once(
+    broker: str, url: str, source: str, tmp_path: Path, *options: str, consumer: str | None = None
+) -> str:
     """Run ``oncely consume --broker url --source source`` while the orders are published,
     stop it with SIGTERM, and check it exited cleanly, applied orders 1, 2 and 3 once each,
-    logged its redelivery horizon and answered the two retries as duplicates."""
+    logged its redelivery horizon and answered the two retries as duplicates. Returns what
+    the command wrote to stderr (its log)."""
     effects = tmp_path / "effects.jsonl"
     effects.touch()
     command = [
@@ -41,7 +44,7 @@ def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path, *opt
         "--source", source,
         "--handler", "tests.brokers.handlers:record",
         "--store", f"sqlite:///{tmp_path / 'inbox.db'}",
-        "--consumer", unique("cli"),
+        "--consumer", consumer or unique("cli"),
         *options,
     ]  # fmt: skip
     env = {**os.environ, "ONCELY_TEST_EFFECTS": str(effects)}
@@ -64,3 +67,4 @@ def consume_orders_once(broker: str, url: str, source: str, tmp_path: Path, *opt
     assert done == [1, 2, 3]
     assert "redelivery horizon" in err
     assert err.count("outcome=duplicate") == 2, err
+    return err

@@ -51,7 +51,10 @@ Tombstone)`` tells the two apart. A tombstone is keyed like any record (its ``me
 header by default, R2): ``KafkaProducer.publish(None, message_id=..., key=...)`` writes one,
 and one without a key (most foreign producers write tombstones without headers) is
 dead-lettered as ``rejected``. Never key tombstones on the record key alone: a key deleted,
-written again and deleted again would be a duplicate the second time, and its row kept.
+written again and deleted again would be a duplicate the second time, and its row kept. A
+tombstone without a record key either (librdkafka writes one) is taken the same way: its copy
+has a null value and a null key, and ``tombstones="handle"`` hands it out as
+``Tombstone(None)`` only where it has a message id.
 
 How it reads and commits
 ------------------------
