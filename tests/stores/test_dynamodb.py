@@ -455,6 +455,41 @@ def test_r8_threads_claiming_the_same_keys_one_wins_each(url: str) -> None:
         store.close()
 
 
+def test_r8_a_claim_many_that_fails_leaves_no_claims_held(url: str) -> None:
+    """The batch's claims are separate writes: when one fails (here DynamoDB refuses an item
+    over 400 KB), the others that were won are given back before the error is raised, as a
+    store claiming the batch in one statement leaves nothing. Held, their redeliveries would
+    wait out the lease as in flight."""
+    requests = [
+        ClaimRequest("a", None, "ta"),
+        ClaimRequest("b", "x" * 500_000, "tb"),  # DynamoDB refuses this item
+        ClaimRequest("c", None, "tc"),
+    ]
+    store = oncely.open(url)
+    try:
+        store.claim("c", "c", fingerprint=None, token="other", lease_ms=60_000,
+                    keep_ms=HOUR, takeover=False)  # fmt: skip
+        with pytest.raises(oncely.StoreError, match="maximum allowed size"):
+            store.claim_many("c", requests, lease_ms=60_000, keep_ms=HOUR, takeover=False)
+        assert store.get("c", "a") is None and store.get("c", "b") is None
+        held = store.get("c", "c")  # another's claim, not this batch's: it stays
+        assert held is not None and held.token == "other"
+    finally:
+        store.close()
+
+    async def run() -> None:
+        astore = oncely.open_async(url)
+        try:
+            with pytest.raises(oncely.StoreError, match="maximum allowed size"):
+                await astore.claim_many("c", requests, lease_ms=60_000, keep_ms=HOUR,
+                                        takeover=False)  # fmt: skip
+            assert await astore.get("c", "a") is None and await astore.get("c", "b") is None
+        finally:
+            await astore.aclose()
+
+    asyncio.run(run())
+
+
 def _claim_in_process(url: str, n: int, keys: list[str], ready: Any, go: Any, out: Any) -> None:
     store = oncely.open(url)
     try:

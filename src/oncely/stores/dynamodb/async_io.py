@@ -82,12 +82,20 @@ async def each(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[
         return [await calls[0]()]
     if ASYNC:
         gate = asyncio.Semaphore(limit)
+        errors: list[BaseException] = []
 
-        async def bounded(run: Callable[[], Awaitable[T]]) -> T:
+        async def bounded(run: Callable[[], Awaitable[T]]) -> T | None:
             async with gate:
-                return await run()
+                try:
+                    return await run()
+                except Exception as exc:  # raised once they all ended, as the threads do
+                    errors.append(exc)
+                    return None
 
-        return list(await asyncio.gather(*(bounded(run) for run in calls)))
+        done = await asyncio.gather(*(bounded(run) for run in calls))
+        if errors:
+            raise errors[0]
+        return done  # type: ignore[return-value]
     else:
         with ThreadPoolExecutor(min(limit, len(calls))) as pool:
             futures = [pool.submit(run) for run in calls]

@@ -30,7 +30,9 @@ Design:
   revision is that write, landed the first time (a claim answers as won, not as another's
   record). A ``release`` sent twice answers False, its item gone already. ``claim_many``
   sends its claims at once (at most ``max_connections``), each its own conditional write:
-  not one ``TransactWriteItems``, where one conflict would fail the whole batch.
+  not one ``TransactWriteItems``, where one conflict would fail the whole batch; when one
+  of them fails, the batch's won claims are released before the error is raised, so a
+  failed batch leaves no claims held by tokens nobody has.
 * **Time.** DynamoDB has no clock a condition can read: leases and expiries are the store's
   clock, the worker's own (a :class:`~oncely.FakeClock` in tests). Workers sharing a table
   must have clocks that agree within a small fraction of the lease (NTP): a worker whose
@@ -534,8 +536,39 @@ class DynamoDBStore:
 
         if not self._ready:
             self._prepare()
-        each([run(indexes) for indexes in by_key.values()], self._options.max_connections)
+        try:
+            each([run(indexes) for indexes in by_key.values()], self._options.max_connections)
+        except Exception:
+            # The claims are separate writes, not one statement: those that were won would
+            # stay held by tokens nobody has, and their messages' redeliveries wait out the
+            # lease as in flight. Given back, the batch leaves nothing behind, as on a store
+            # that claims it in one statement.
+            self._release_won(consumer, claims)
+            raise
         return [c for c in claims if c is not None]
+
+    def _release_won(self, consumer: str, claims: Sequence[Claim | None]) -> None:
+        """Release the won ones of ``claims`` (a ``claim_many`` that failed), as far as the
+        store lets: one that cannot be released is left to its lease."""
+
+        def run(claim: Claim) -> Callable[[], Any]:
+            def release() -> None:
+                try:
+                    self.release(consumer, claim.record.key, token=claim.record.token)
+                except (StoreError, LeaseLost) as exc:
+                    LOGGER.warning(
+                        "oncely store=%s consumer=%s: a claim of a failed claim_many stays "
+                        "until its lease lapses (%s)",
+                        self._url,
+                        consumer,
+                        type(exc).__name__,
+                    )
+
+            return release
+
+        won = [run(c) for c in claims if c is not None and c.won]
+        if won:
+            each(won, self._options.max_connections)
 
     def takeover(
         self,
