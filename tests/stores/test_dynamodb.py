@@ -328,6 +328,37 @@ def test_no_aws_credentials_is_a_clear_error(
         store.close()
 
 
+@pytest.mark.parametrize(
+    "host",
+    ["dynamodb-fips.us-east-1.amazonaws.com", "vpce-0a1b.dynamodb.us-east-1.vpce.amazonaws.com"],
+)
+def test_an_aws_endpoint_url_takes_the_aws_configurations_credentials(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host: str
+) -> None:
+    """An endpoint of AWS's own (FIPS, a VPC endpoint) named in the URL is no emulator: its
+    credentials are the AWS chain's (here a credentials file; a role likewise), not the
+    placeholders an emulator gets. The client is only built, nothing is sent."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        "[default]\naws_access_key_id = AKIAFROMTHEFILE\naws_secret_access_key = s\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    store = oncely.open(f"dynamodb://{host}:443/t_1?secure=true&region=us-east-1")
+    emulator = oncely.open(f"dynamodb://{endpoint()}/t_1")
+    try:
+        signer = store._connected()._request_signer  # type: ignore[attr-defined]
+        assert signer._credentials.access_key == "AKIAFROMTHEFILE"
+        # An emulator's endpoint still gets the placeholders (it accepts any).
+        signer = emulator._connected()._request_signer  # type: ignore[attr-defined]
+        assert signer._credentials.access_key == "oncely"
+    finally:
+        store.close()
+        emulator.close()
+
+
 def test_credentials_the_endpoint_refuses_are_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

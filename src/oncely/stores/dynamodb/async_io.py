@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
 
 from oncely._twin import ASYNC
 from oncely.stores.dynamodb.dialect import Item
@@ -34,7 +35,8 @@ Client = Any
 
 async def connect(options: DynamoDBOptions) -> Client:
     """A DynamoDB client for ``options``' endpoint and region. Credentials come from the AWS
-    environment; an endpoint without any gets placeholder ones (an emulator accepts any)."""
+    environment and configuration; an emulator's endpoint (not AWS's own) with none in the
+    environment gets placeholder ones (an emulator accepts any)."""
     config = Config(
         connect_timeout=options.connect_timeout.total_seconds(),
         read_timeout=options.timeout.total_seconds(),
@@ -44,12 +46,35 @@ async def connect(options: DynamoDBOptions) -> Client:
     kwargs: dict[str, Any] = {"region_name": options.region, "config": config}
     if options.endpoint_url is not None:
         kwargs["endpoint_url"] = options.endpoint_url
-        if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
+        if not (_aws_endpoint(options.endpoint_url) or _credentials_in_environment()):
             kwargs.update(aws_access_key_id="oncely", aws_secret_access_key="oncely")
     if ASYNC:
         return await get_session().create_client("dynamodb", **kwargs).__aenter__()
     else:
         return get_session().create_client("dynamodb", **kwargs)
+
+
+_AWS_DOMAINS: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
+# Where credentials come from besides keys and profiles: a web identity (EKS), a container
+# role (ECS): set, the AWS configuration is the user's, not an emulator's stand-in.
+_CREDENTIAL_VARIABLES: Final = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+
+
+def _aws_endpoint(endpoint_url: str) -> bool:
+    """Whether ``endpoint_url`` is one of AWS's own (a FIPS, dual-stack or VPC endpoint):
+    its credentials are the AWS chain's (a role, a profile file), never placeholders."""
+    host = (urlsplit(endpoint_url).hostname or "").lower().rstrip(".")
+    return host.endswith(_AWS_DOMAINS)
+
+
+def _credentials_in_environment() -> bool:
+    return any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES)
 
 
 async def close(client: Client) -> None:

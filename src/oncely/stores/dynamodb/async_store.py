@@ -7,8 +7,10 @@ Design:
 * **URL.** ``dynamodb://HOST:PORT/TABLE`` is a plain-HTTP endpoint (moto's server, DynamoDB
   Local; ``?secure=true`` for HTTPS); ``dynamodb:///TABLE?region=eu-west-1`` (or the region of
   ``AWS_REGION``) is AWS over HTTPS. Credentials come from the usual AWS environment and
-  configuration chain, never from the URL. Options: ``region``, ``secure``, ``migrate``
-  (default true), ``max_connections``, ``timeout``, ``connect_timeout``; any other is refused.
+  configuration chain, never from the URL; an emulator's endpoint (any but AWS's own FIPS or
+  VPC endpoints, ``*.amazonaws.com``) gets placeholder ones when the environment names none.
+  Options: ``region``, ``secure``, ``migrate`` (default true), ``max_connections``,
+  ``timeout``, ``connect_timeout``; any other is refused.
 * **Table.** The partition key ``pk`` joins consumer and key unambiguously
   (``<length of consumer>:<consumer>:<key>``), with no sort key: one consumer's records
   spread over every partition instead of heating one. DynamoDB takes at most 2,048 bytes in
