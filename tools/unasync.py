@@ -13,7 +13,9 @@ rewrite that keeps comments and layout, then formatted with ruff so both read al
   ``asyncio`` -> ``threading`` for the locks, ...), any module name ``async_<name>`` ->
   ``sync_<name>``, any name ``<name>_async`` -> ``<name>`` (``handle_in_session_async``, in
   code and as a whole string, as in ``__all__``), and the ``Async...`` class names inside
-  strings too (``__all__``, string annotations, docs);
+  strings too (``__all__``, string annotations, docs); an f-string is one string on every
+  Python (3.12+ tokenizes it in parts), its ``{expressions}`` renamed as text, never as code:
+  keep an ``await`` out of them;
 * the few places where the two really differ are marked in the source::
 
       if ASYNC:
@@ -96,6 +98,39 @@ _ASYNC_MODULE = re.compile(r"(?<=[a-z])\.async_(\w+)")
 _ASYNC_NAME = re.compile(r"""^(['"])([A-Za-z_]\w*)_async\1$""")
 
 
+# The tokens that open and close an f-string on Python 3.12+ (none on 3.11).
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+
+
+def _renamed_string(string: str) -> str:
+    """A string literal's source with the class names inside renamed (``__all__`` entries,
+    string annotations, docstrings); a string that is a whole "<name>_async" is a name too
+    (``__all__``), and ``oncely.x.async_y`` a module."""
+    renamed = _CLASS_NAMES.sub(lambda m: RENAMES[m.group(0)], string)
+    renamed = _ASYNC_NAME.sub(r"\1\2\1", renamed)
+    return _ASYNC_MODULE.sub(r".sync_\1", renamed)  # oncely.inbox.async_inbox
+
+
+def _string_end(tokens: list[tokenize.TokenInfo], start: int) -> int | None:
+    """The index of the last token of the string literal that starts at ``tokens[start]``
+    (an f-string's closing token: f-strings nest inside its replacement fields); None when
+    no string starts there."""
+    if tokens[start].type == tokenize.STRING:
+        return start
+    if tokens[start].type != _FSTRING_START:
+        return None
+    depth = 0
+    for j in range(start, len(tokens)):
+        if tokens[j].type == _FSTRING_START:
+            depth += 1
+        elif tokens[j].type == _FSTRING_END:
+            depth -= 1
+            if depth == 0:
+                return j
+    raise SystemExit(f"unasync: line {tokens[start].start[0]}: an f-string without its end")
+
+
 def _offsets(text: str) -> list[int]:
     starts = [0]
     for line in text.splitlines(keepends=True):
@@ -115,7 +150,10 @@ def rewrite(text: str) -> str:
     verbatim = False  # inside sync code an `if ASYNC:` block kept (see unmark)
     depth = 0
     closing: list[int] = []  # bracket depths whose "]" closes an Awaitable[...]
+    resume = 0  # the index of the first token after the string just rewritten
     for i, tok in enumerate(tokens):
+        if i < resume:
+            continue  # inside the f-string just rewritten
         if tok.type == tokenize.COMMENT and tok.string in (_VERBATIM_START, _VERBATIM_END):
             verbatim = tok.string == _VERBATIM_START
             line_start = at((tok.start[0], 0))
@@ -130,14 +168,16 @@ def rewrite(text: str) -> str:
                 closing.pop()
                 edits.append((at(tok.start), at(tok.end), ""))
             depth -= 1
-        if tok.type == tokenize.STRING:
-            # Class names inside strings: __all__ entries, string annotations, docstrings;
-            # a string that is a whole "<name>_async" is a name too (__all__).
-            renamed = _CLASS_NAMES.sub(lambda m: RENAMES[m.group(0)], tok.string)
-            renamed = _ASYNC_NAME.sub(r"\1\2\1", renamed)
-            renamed = _ASYNC_MODULE.sub(r".sync_\1", renamed)  # oncely.inbox.async_inbox
-            if renamed != tok.string:
-                edits.append((at(tok.start), at(tok.end), renamed))
+        last = _string_end(tokens, i)
+        if last is not None:
+            # Python 3.12+ tokenizes an f-string into parts (PEP 701), 3.11 as one STRING:
+            # it is rewritten as one string on every version, so the twins do not depend on
+            # the Python that generates them.
+            resume = last + 1
+            whole = text[at(tok.start) : at(tokens[last].end)]
+            renamed = _renamed_string(whole)
+            if renamed != whole:
+                edits.append((at(tok.start), at(tokens[last].end), renamed))
             continue
         if tok.type != tokenize.NAME:
             continue
