@@ -8,6 +8,7 @@ import os
 import sqlite3
 import stat
 import threading
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def _claim_program(path: Path) -> list[str]:
     """The opcodes SQLite runs for the store's claim INSERT on the database at ``path``."""
     from oncely.stores.sqlite.dialect import SQLiteDialect
 
-    params = ("c", "k", "completed", None, "t", 1, 1, 2, None)
+    params = ("c", "k", "completed", None, "t", 1, 1, 1, 2, None, 2)
     with sqlite3.connect(path) as conn:
         return [row[1] for row in conn.execute("EXPLAIN " + SQLiteDialect().insert, params)]
 
@@ -243,6 +244,37 @@ def test_the_status_check_costs_the_claim_no_temporary_table(tmp_path: Path) -> 
             "INSERT INTO oncely_inbox (consumer, key, status, token, attempt, created_ms, "
             "updated_ms, lease_until_ms, expires_ms) VALUES ('c', 'k', 'done', 't', 1, 1, 1, 1, 2)"
         )
+
+
+def test_the_store_s_statements_warn_of_nothing(tmp_path: Path) -> None:
+    """Python 3.12.0 to 3.12.3 warn of numbered parameters ("?1") bound from a tuple as of
+    named ones, on every claim: a user who turns warnings into errors (pytest's
+    ``filterwarnings = error``) could not use the store there. The claim's INSERT binds plain
+    ones, so no Python warns."""
+
+    async def run_async() -> None:
+        store = oncely.open_async(f"sqlite:///{tmp_path / 'a.db'}")
+        try:
+            inbox = oncely.AsyncInbox(store, consumer="c")
+
+            async def handler(payload: object) -> str:
+                return "done"
+
+            assert (await inbox.handle("k", {"n": 1}, handler)).outcome is Outcome.PROCESSED
+            assert (await inbox.handle("k", {"n": 1}, handler)).outcome is Outcome.DUPLICATE
+        finally:
+            await store.aclose()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        store = oncely.SQLiteStore(tmp_path / "s.db")
+        try:
+            inbox = oncely.Inbox(store, consumer="c")
+            assert inbox.handle("k", {"n": 1}, lambda p: "done").outcome is Outcome.PROCESSED
+            assert inbox.handle("k", {"n": 1}, lambda p: "done").outcome is Outcome.DUPLICATE
+        finally:
+            store.close()
+        asyncio.run(run_async())
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])

@@ -635,8 +635,8 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
             await self._pool.execute(
                 conn,
                 self._dialect.insert,
-                (consumer, key, status, packed_fingerprint, packed_token, now, lease_until,
-                 expires, error),
+                (consumer, key, status, packed_fingerprint, packed_token, now, now,
+                 lease_until, expires, error, expires),
             )  # fmt: skip
         except sqlite3.Error as exc:
             raise translate(exc, "claim") from exc
@@ -694,7 +694,7 @@ class AsyncSQLiteStore(SQLStoreBase[str]):
                         conn,
                         dialect.insert,
                         (consumer, key, params["status"], params["fingerprint"],
-                         params["token"], now, lease_until, expires, error),
+                         params["token"], now, now, lease_until, expires, error, expires),
                     )  # fmt: skip
                     if conn.total_changes != before:
                         record = new_record(

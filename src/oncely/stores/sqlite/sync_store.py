@@ -631,8 +631,8 @@ class SQLiteStore(SQLStoreBase[str]):
             self._pool.execute(
                 conn,
                 self._dialect.insert,
-                (consumer, key, status, packed_fingerprint, packed_token, now, lease_until,
-                 expires, error),
+                (consumer, key, status, packed_fingerprint, packed_token, now, now,
+                 lease_until, expires, error, expires),
             )  # fmt: skip
         except sqlite3.Error as exc:
             raise translate(exc, "claim") from exc
@@ -690,7 +690,7 @@ class SQLiteStore(SQLStoreBase[str]):
                         conn,
                         dialect.insert,
                         (consumer, key, params["status"], params["fingerprint"],
-                         params["token"], now, lease_until, expires, error),
+                         params["token"], now, now, lease_until, expires, error, expires),
                     )  # fmt: skip
                     if conn.total_changes != before:
                         record = new_record(
