@@ -14,7 +14,15 @@ CHECK_PYTHON = -c 'import sys; want = tuple(map(int, "$(MIN_PYTHON)".split("."))
 	sys.exit(0 if sys.version_info >= want else "oncely needs Python $(MIN_PYTHON) or newer; " \
 	f"{sys.executable} is {sys.version.split()[0]}")'
 
-.PHONY: demo test lint typecheck generate bench clean
+# make smoke: a short run on another Python than the venv's, in a venv of its own (CI runs it
+# on the newest Python the classifiers list): the generated code, the core, the SQLite store,
+# and the contract tests on SQLite, memory and PostgreSQL. Skipped, saying why, when there is
+# no such interpreter.
+SMOKE_PYTHON ?= python3.13
+SMOKE_VENV ?= .venv-smoke
+SMOKE_PY := $(SMOKE_VENV)/bin/python
+
+.PHONY: demo test lint typecheck generate bench clean smoke
 
 # The version is checked before the venv is made: pip would fail on an older Python only
 # after the venv exists, and every later make would reuse that broken venv.
@@ -65,5 +73,20 @@ test: lint typecheck
 bench: $(VENV)/.installed-bench
 	$(PY) bench/run.py
 
+smoke:
+	@$(SMOKE_PYTHON) -c '' 2>/dev/null || { echo "make smoke: skipped, $(SMOKE_PYTHON) \
+	does not run here; name one with make smoke SMOKE_PYTHON=/path/to/python3.13"; exit 0; }; \
+	set -e; \
+	$(SMOKE_PYTHON) $(CHECK_PYTHON); \
+	version='import sys; print(sys.version)'; \
+	if [ "$$($(SMOKE_PY) -c "$$version" 2>/dev/null)" != "$$($(SMOKE_PYTHON) -c "$$version")" ]; \
+	then $(SMOKE_PYTHON) -m venv --clear $(SMOKE_VENV); fi; \
+	echo "make smoke: $$($(SMOKE_PY) -c 'import sys; print(sys.version.split()[0])') in $(SMOKE_VENV)"; \
+	$(SMOKE_PY) -m pip install --quiet --upgrade pip; \
+	$(SMOKE_PY) -m pip install --quiet -e '.[dev]'; \
+	$(SMOKE_PY) tools/unasync.py --check; \
+	$(SMOKE_VENV)/bin/pytest -q tests/core tests/test_unasync.py tests/test_sqlite_store.py; \
+	$(SMOKE_VENV)/bin/pytest -q tests/contract -k "sqlite or memory or postgres"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist src/*.egg-info
+	rm -rf $(VENV) $(SMOKE_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist src/*.egg-info

@@ -66,3 +66,32 @@ def test_a_venv_of_an_old_python_is_refused_with_make_clean(tmp_path: Path, goal
     assert f"oncely needs Python {NEWER} or newer" in done.stderr
     assert f"make clean, then make {goal} PYTHON=python{NEWER}" in done.stderr
     assert "ran python -m" not in done.stderr  # pip never ran in it
+
+
+def _smoke(venv: Path, python: Path, min_python: str = "3.11") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "-C", str(ROOT), "smoke", f"SMOKE_VENV={venv}", f"SMOKE_PYTHON={python}",
+         f"MIN_PYTHON={min_python}"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_smoke_run_is_skipped_saying_why_without_its_python(tmp_path: Path) -> None:
+    """A machine without the newer Python CI's short run uses: ``make smoke`` passes, says
+    which interpreter did not run and how to name another, and makes no venv."""
+    venv = tmp_path / "smoke"
+    missing = tmp_path / "python3.13"  # not there
+    done = _smoke(venv, missing)
+    assert done.returncode == 0, done.stderr
+    assert f"make smoke: skipped, {missing} does not run here" in done.stdout
+    assert "SMOKE_PYTHON=" in done.stdout
+    assert not venv.exists()
+
+
+def test_the_smoke_run_refuses_a_python_older_than_oncely_needs(tmp_path: Path) -> None:
+    venv = tmp_path / "smoke"
+    done = _smoke(venv, _wrapper(tmp_path / "python"), min_python=NEWER)
+    assert done.returncode != 0
+    assert f"oncely needs Python {NEWER} or newer" in done.stderr
+    assert "ran python -m" not in done.stderr
+    assert not venv.exists()
