@@ -1457,6 +1457,45 @@ class TestKafka(BrokerSuite):
         assert self.ledger.counts() == {"A": 1, "B": 1, "C": 1}
         await self.assert_settled()
 
+    async def test_r8_r15_a_partition_goes_on_once_the_holder_of_its_held_record_completes(
+        self,
+    ) -> None:
+        """One partition: A's key is held by another worker under a two-minute lease, B and
+        C follow it. A is ``in_flight`` and kept while the consumer watches its key; B and C
+        wait behind it (the partition's order). Once the holder completes, A is finished as
+        a ``duplicate`` on its one delivery, and B and C run, in order. Before, A was given
+        back for all that was left of the lease (two minutes) and the partition waited that
+        long behind it: the wait below gives up long before (R8, R15)."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        held = await self._claimed_by_hand(inbox, "A")
+        producer = self.producer()
+        assert isinstance(producer, KafkaProducer)
+        for k in ("A", "B", "C"):
+            await producer.publish(body(k), message_id=k, key="one-entity")
+        handled: list[str] = []
+
+        async def handler(payload: dict[str, Any]) -> None:
+            handled.append(payload["k"])
+            await self.apply(payload)
+
+        watched = Watched(self.transport())
+        worker = self.consumer(handler, inbox=inbox, transport=watched)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["in_flight"] >= 1, what="A in_flight")
+            assert handled == []  # B and C wait behind A
+            assert (await held.complete(None)).outcome is oncely.Outcome.PROCESSED
+            await wait_until(
+                lambda: worker.counts["processed"] == 2,
+                timeout=timedelta(seconds=30),
+                what="A finished as a duplicate, then B and C run",
+            )
+        assert handled == ["B", "C"]
+        assert worker.counts["duplicate"] == 1
+        assert set(worker.counts) == {"in_flight", "duplicate", "processed"}, worker.counts
+        assert watched.counts("A") == [1]  # one delivery, never given back
+        assert self.ledger.counts() == {"B": 1, "C": 1}
+        await self.assert_settled()
+
     async def test_r13_a_record_held_back_behind_a_failing_one_keeps_its_own_retries(
         self,
     ) -> None:

@@ -466,7 +466,7 @@ class TestJetStream(BrokerSuite):
     async def test_e_r13_give_backs_and_failures_together_stop_at_max_deliver(self) -> None:
         """``max_deliveries`` (5) counts failures, not the give-backs of a copy that met a
         running one; the consumer's ``max_deliver`` (6) still counts both. A copy given back
-        at least 4 times while another worker holds its key, then failing each run, reaches
+        at least 3 times while another worker holds its key, then failing each run, reaches
         ``max_deliver`` before its 5th failure: the give-back asked for on that last delivery
         dead-letters it with the broker limit's reason, never strands it unacknowledged."""
         (inbox,) = self.inboxes("two_phase", 1)
@@ -483,11 +483,14 @@ class TestJetStream(BrokerSuite):
         async with key_held(inbox, "stuck", then=holder_fails) as holder:
             await self.publish("stuck")
             async with running(worker):
-                await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 give-backs")
+                await wait_until(lambda: worker.counts["in_flight"] >= 4, what="4 in_flight")
                 holder.release()
-                await wait_until(lambda: worker.counts["failed"] == 6 - worker.counts["in_flight"])
                 await wait_until(self.settled, what="nothing pending")
-        assert runs == 6 - worker.counts["in_flight"] < 5
+        in_flight = worker.counts["in_flight"]
+        # The copy held when the key was released ran on that delivery (unless it was released
+        # in the moment between a give-back and the next delivery): one give-back fewer.
+        assert runs in (7 - in_flight, 6 - in_flight) and runs < 5, (runs, in_flight)
+        assert worker.counts["failed"] == runs
         (copy,) = await self.dead_letters()
         assert "max_deliver" in copy.reason, copy.reason
         assert copy.deliveries == "6"

@@ -26,7 +26,7 @@ from oncely import Action, Handled, Outcome, RedeliveryHorizon, format_duration
 from oncely._core.clock import to_ms
 from oncely._core.handlers import called_misfit
 from oncely._core.observe import key_for_logs, log_error, redact_keys
-from oncely._core.records import Status
+from oncely._core.records import Record, Status
 from oncely.brokers._common import flag
 from oncely.brokers._give_backs import GiveBacks, failed_reason
 from oncely.brokers._shape import BrokerLimits, ConsumerSettings, DeadLetter, Delivery, Transport
@@ -498,20 +498,9 @@ class BrokerConsumer:
         self._log_keys: Literal["plain", "hash"] = getattr(self.processor, "log_keys", "plain")
         """How keys show in this consumer's log lines: as the inbox shows them in its own
         (``log_keys="hash"`` keeps a key that is personal data out of every line)."""
-        self._spans: ConsumerSpans | None = None
+        self._spans: ConsumerSpans | None = self._consumer_spans(tracing)
         """A span per delivery (``tracing``); None, and nothing of OpenTelemetry imported,
         with tracing off."""
-        if tracing is not False:
-            spans = consumer_spans(
-                tracing,
-                system=transport.name,
-                destination=_destination(transport),
-                consumer=self.processor.consumer,
-                log_keys=self._log_keys,
-            )
-            if spans is not None and isinstance(self.processor, InboxProcessor):
-                self.processor._wrap_handler(spans.handler)
-            self._spans = spans
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
@@ -522,10 +511,31 @@ class BrokerConsumer:
         self._room = asyncio.Event()
         """Set when a batch's delivery is settled: the next batch may be read."""
         self._heartbeats = AsyncHeartbeats()
+        self._draining = False
+        """Set once :meth:`run` is ending: no ``in_flight`` copy is held any more."""
+        self._rerunning: set[int] = set()
+        """The deliveries (by id) an ``in_flight`` copy's watch runs through the inbox again:
+        their spans are their own, not the batch's they came in."""
         self._given_back = GiveBacks()
         """How many times this process gave each unfinished message back unrun (a copy
         ``in_flight``, the store away, a shutdown), by its identity on the broker
         (:func:`_identity`): deliveries the broker counts that were no failures."""
+
+    def _consumer_spans(self, tracing: Tracing) -> ConsumerSpans | None:
+        """The spans of this consumer's deliveries (None with tracing off), the processor's
+        handler run under them."""
+        if tracing is False:
+            return None
+        spans = consumer_spans(
+            tracing,
+            system=self.transport.name,
+            destination=_destination(self.transport),
+            consumer=self.processor.consumer,
+            log_keys=self._log_keys,
+        )
+        if spans is not None and isinstance(self.processor, InboxProcessor):
+            self.processor._wrap_handler(spans.handler)
+        return spans
 
     # ------------------------------------------------------------------ running
 
@@ -550,6 +560,7 @@ class BrokerConsumer:
                 loop.add_signal_handler(sig, self.stop)
         purge: AsyncPurgeService | None = None
         purging: asyncio.Task[None] | None = None
+        self._draining = False
         try:
             await self._prepare()
             await self._open()
@@ -784,6 +795,7 @@ class BrokerConsumer:
             await asyncio.wait_for(self._stopping.wait(), delay.total_seconds())
 
     async def _drain(self) -> None:
+        self._draining = True  # the copies held (in_flight) are given back at once
         with contextlib.suppress(BrokerUnavailable):
             await self.transport.stop()
         if self._tasks:
@@ -823,7 +835,10 @@ class BrokerConsumer:
             await self._run_many(deliveries, left)
         finally:
             if spans is not None:
-                spans.ended(deliveries, "given back unprocessed")
+                spans.ended(
+                    [d for d in deliveries if id(d) not in self._rerunning],
+                    "given back unprocessed",
+                )
             self._done_with(len(left))
 
     async def _run_many(self, deliveries: list[Delivery], left: dict[int, Delivery]) -> None:
@@ -1237,6 +1252,140 @@ class BrokerConsumer:
             self._given_back.note(_identity(delivery))
         return _give_back(delivery, delay)
 
+    def _hold_or_give_back(self, delivery: Delivery, handled: Handled[Any]) -> Awaitable[None]:
+        """The broker action of an ``in_flight`` copy, which waits for
+        :func:`_in_flight_delay`: held here meanwhile and its key's record watched
+        (:meth:`_watch`) where the key is held under a lease, the inbox's store can be read
+        and the consumer goes on; else given back at once for a delivery after that wait."""
+        delay = _in_flight_delay(handled, self.settings.requeue_delay)
+        record = handled.record
+        if (
+            record is None
+            and getattr(delivery, "group", None) is not None
+            and isinstance(self.processor, InboxProcessor)
+        ):
+            # Held back behind an unfinished message of its ordering group (the inbox's
+            # in_flight always names the record it met, else): the broker hands out nothing
+            # of the group while that one is out (a Kafka partition's run, an SQS FIFO group
+            # with a message in flight), nor anything of it ahead of that one after. A wait
+            # of its own would only hold the group up once that one is finished (a held copy
+            # resolved as soon as its key's holder ended).
+            delay = timedelta(0)
+        inbox = getattr(self.processor, "inbox", None)
+        if record is None or record.status is not Status.IN_PROGRESS:
+            return self._give_back(delivery, delay)
+        if not isinstance(inbox, AsyncInbox):  # a Processor of your own: no record to watch
+            return self._give_back(delivery, delay)
+        if self._ending(delivery):
+            # The stop (or the revocation) waits for no lease: the next consumer to get the
+            # copy watches it in turn.
+            return self._give_back(delivery, timedelta(0))
+        return self._start_watch(delivery, inbox, record, delay)
+
+    async def _start_watch(
+        self, delivery: Delivery, inbox: AsyncInbox, record: Record, delay: timedelta
+    ) -> None:
+        task = asyncio.create_task(self._watch(delivery, inbox, record, delay))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ending(self, delivery: Delivery) -> bool:
+        """Whether nothing more of ``delivery`` may wait here: the consumer is stopping, or
+        its partition was taken away (Kafka)."""
+        return self.stopping or self._draining or _revoked(delivery)
+
+    async def _watch(
+        self, delivery: Delivery, inbox: AsyncInbox, record: Record, delay: timedelta
+    ) -> None:
+        """Hold an ``in_flight`` copy (kept alive on the broker) for up to ``delay``, what is
+        left of the lease it met, looking at its key's record meanwhile (:meth:`_freed`).
+        Once the record has changed (completed, released, taken over, its lease lapsed), the
+        copy goes through the inbox again at once, on this very delivery: a ``duplicate``
+        (acked) once the holder completed, run once it released, ``in_flight`` again (and
+        watched again) if another worker took it. Still held by the same claim at the end of
+        ``delay``, it is given back then, for a delivery at once (the wait is done); the
+        consumer stopping, or its partition revoked, gives it back at once too, so the stop
+        waits for no lease (the next consumer to get it watches it in turn)."""
+        every = self.transport.extend_every
+        ticket = None
+        if every is not None:
+            ticket = self._heartbeats.start(
+                functools.partial(self._extend, delivery), every.total_seconds()
+            )
+        elif not _keeps_order(delivery):
+            # Nothing keeps it alive (RabbitMQ): held at most half the broker's ack wait, as
+            # the transport holds a message it gives back later, past which the broker would
+            # close the channel and give back every message on it.
+            ack_wait = self._limits().ack_wait
+            if ack_wait is not None and ack_wait > timedelta(0):
+                delay = min(delay, ack_wait / 2)
+        end = time.monotonic() + delay.total_seconds()
+        rerun = False
+        try:
+            try:
+                freed = await self._freed(delivery, inbox, record, end)
+                # Kept alive while it waits for a slot to run in, too.
+                slot = freed and not self._ending(delivery) and await self._slot_or_stop()
+            finally:
+                if ticket is not None:
+                    await ticket.stop()
+            if slot:
+                if self._ending(delivery):  # revoked while it waited for a slot
+                    self._slots.release()
+                    await self._settle_quietly(
+                        self._give_back(delivery, timedelta(0)), delivery, "retry"
+                    )
+                    return
+                rerun = True
+                self._rerunning.add(id(delivery))
+                try:
+                    await self._finish_one(delivery)  # frees the slot
+                finally:
+                    self._rerunning.discard(id(delivery))
+                return
+            await self._settle_quietly(self._give_back(delivery, timedelta(0)), delivery, "retry")
+        except asyncio.CancelledError:
+            if not rerun:  # a rerun cancelled gives its delivery back itself (_outcome)
+                await self._settle_quietly(
+                    self._give_back(delivery, timedelta(0)), delivery, "retry"
+                )
+            raise
+
+    async def _freed(
+        self, delivery: Delivery, inbox: AsyncInbox, record: Record, end: float
+    ) -> bool:
+        """Whether the key held under ``record`` was freed before ``end`` (monotonic), or at
+        it: its record looked at after :data:`_WATCH_FIRST`, then less and less often (up to
+        every :data:`_WATCH_MOST`), one read each time, and once more at ``end``. False
+        when it is still held then, or as soon as the copy may not wait (a stop, a
+        revocation: looked for every :data:`_WATCH_TICK`). A store that fails to answer
+        is taken as no change (logged once)."""
+        pause = _WATCH_FIRST
+        look = time.monotonic() + pause
+        told = False
+        while not self._ending(delivery):
+            now = time.monotonic()
+            if now >= look or now >= end:
+                try:
+                    if _freed(await inbox.get(record.key), record, at_end=now >= end):
+                        return True
+                except Exception as exc:
+                    if not told:
+                        told = True
+                        self._log.warning(
+                            "oncely broker=%s could not look at the record of a key held "
+                            "elsewhere (%s); its copy waits for what is left of the lease",
+                            self.transport.name,
+                            self._said(exc, record.key),
+                        )
+                if now >= end:
+                    return False
+                pause = min(pause * 2, _WATCH_MOST)
+                look = time.monotonic() + pause
+            now = time.monotonic()
+            await asyncio.sleep(max(0.0, min(_WATCH_TICK, look - now, end - now)))
+        return False
+
     def _failures(self, delivery: Delivery, count: int) -> tuple[int, int]:
         """How many of the message's ``count`` deliveries failed, this one included, and how
         many this process gave back unrun (never more than ``count - 1``)."""
@@ -1277,10 +1426,7 @@ class BrokerConsumer:
         if action is Action.ACK:
             step, how = (delivery.ack() if ack else None), "ack"
         elif action is Action.REQUEUE_LATER:
-            step, how = (
-                self._give_back(delivery, _in_flight_delay(handled, settings.requeue_delay)),
-                "requeue",
-            )
+            step, how = self._hold_or_give_back(delivery, handled), "requeue"
         elif action is Action.RETRY and (failures is None or failures < settings.max_deliveries):
             step, how = delivery.retry(settings.backoff.delay(failures)), "retry"
         else:
@@ -1437,7 +1583,30 @@ class BrokerConsumer:
 
 _HOLD_AT_MOST = timedelta(minutes=5)
 """The longest an in_flight copy waits for another worker's lease in one go (a broker may
-close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min)."""
+close a consumer that holds a message unacknowledged for much longer: RabbitMQ after 30 min).
+It is resolved sooner once the key's record changes (:meth:`BrokerConsumer._watch`)."""
+
+_WATCH_FIRST = 0.05
+"""Seconds before the first look at the record of a key an in_flight copy met; each pause
+after is twice the one before, up to :data:`_WATCH_MOST`."""
+_WATCH_MOST = 1.5
+"""The longest pause between two looks at a held key's record: one store read per held copy
+every 1.5 s at most, once the first few are done."""
+_WATCH_TICK = 0.05
+"""How often a held copy checks that it may still wait (a stop, a revoked partition), without
+reading the store."""
+
+
+def _freed(found: Record | None, held: Record, *, at_end: bool) -> bool:
+    """Whether the key ``held`` was claimed under is free of that claim now (``found``: its
+    record as read): gone (released, forgotten), ended (completed, failed), taken by another
+    claim (another worker took over a lapsed lease), or, at the end of the wait (``at_end``),
+    its lease lapsed. A lease is taken for lapsed by the end of the wait only, as the wait was
+    reckoned from it: a clock that runs ahead of the store's does not make the copy claim
+    again and again before then."""
+    if found is None or found.status is not Status.IN_PROGRESS or found.token != held.token:
+        return True
+    return at_end and found.lease_until_ms <= time.time() * 1000
 
 
 def _identity(delivery: Delivery) -> Hashable | None:
@@ -1475,7 +1644,9 @@ def _in_flight_delay(handled: Handled[Any], floor: timedelta) -> timedelta:
     longer (up to :data:`_HOLD_AT_MOST`). A copy given back every second while a dead worker's
     30 s lease runs out would spend a delivery each time, and reach the broker's delivery
     limit (RabbitMQ's, NATS's ``max_deliver``) before the key is free: dead-lettered by the
-    broker, with no reason, never run."""
+    broker, with no reason, never run. The wait is a bound, not a sentence: a copy that met a
+    lease is held by the consumer meanwhile, its key's record watched, and goes through the
+    inbox again as soon as the holder ends (:meth:`BrokerConsumer._watch`)."""
     record = handled.record
     if record is None or record.status is not Status.IN_PROGRESS:
         return floor
@@ -1504,6 +1675,15 @@ def _positions(
             stopped.add(group)
         out.append(None if group in stopped else _position(delivery))
     return out
+
+
+def _keeps_order(delivery: Delivery) -> bool:
+    """Whether the delivery's transport keeps its group in order by itself, counting no
+    delivery for a give-back (a Kafka partition: ``requeue``)."""
+    return (
+        getattr(delivery, "requeue", None) is not None
+        and getattr(delivery, "group", None) is not None
+    )
 
 
 def _cancelled() -> bool:

@@ -219,7 +219,11 @@ class ConsumerSettings:
     unacknowledged (prefetch). ``requeue_delay`` is the least an ``in_flight`` message waits
     before it is given back; it waits for what is left of the lease the key is held under where
     that is longer (up to 5 minutes at a time), so a dead worker's claim does not spend the
-    message's deliveries while it runs out. A ``failed`` message is retried after ``backoff``
+    message's deliveries while it runs out. Meanwhile the consumer holds it and reads the key's
+    record (one read per held message every 1.5 s at most): once the holder completes, releases
+    its claim or lets its lease lapse, the message goes through the inbox again at once, on the
+    same delivery (a ``duplicate`` acknowledged, or run), rather than after the whole wait; a
+    stop gives it back at once. A ``failed`` message is retried after ``backoff``
     until it has failed ``max_deliveries`` times, then dead-lettered with the last error and
     the number of failures (R13: keep the broker's own limit at or above this one, or set it
     here to the broker's). Failures are the broker's delivery count less the deliveries this

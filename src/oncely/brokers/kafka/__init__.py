@@ -64,7 +64,11 @@ here): a poll's records go through the inbox together, one ``claim_many`` and on
 ``complete_many`` for all of them; the records of one partition run one after the other in
 offset order, partitions side by side up to the consumer's ``concurrency``, and once a record
 fails, or is given back because its key is held elsewhere (a copy still running, a dead
-worker's lease), the later ones of its partition wait for it (``in_flight``). A batch is shared
+worker's lease), the later ones of its partition wait for it (``in_flight``). A record whose
+key is held under a lease is kept while the consumer watches the key's record, up to what is
+left of that lease: it is finished (a ``duplicate``) or run as soon as the holder ends, and
+its partition goes on at once, not after the whole lease; a revocation gives it back at
+once. A batch is shared
 among the partitions with records ready (each its share, what one leaves going to the others):
 a backlog on one partition never holds back the records of another. With ``batch=1`` each
 partition hands out one record at a time. A partition hands out nothing new until its last

@@ -30,7 +30,9 @@ What is declared
 
 What each outcome does
     ``processed``, ``duplicate`` and ``stale_reclaimed`` are acknowledged (``+ACK``).
-    ``in_flight`` is given back with ``-NAK`` and a delay of ``requeue_delay``; ``failed`` with
+    ``in_flight`` is held (``+WPI``) while the key's record is watched, up to what is left of
+    the lease it met (at least ``requeue_delay``): acknowledged as a ``duplicate``, or run,
+    as soon as the holder ends; else given back with ``-NAK``; ``failed`` with
     ``-NAK`` and the backoff delay. ``key_conflict``, ``rejected`` and ``escalated`` are
     published to the dead-letter subject (same body, the original headers including
     ``Nats-Msg-Id``, plus ``x-oncely-outcome``, ``x-oncely-reason``, ``x-oncely-consumer``,

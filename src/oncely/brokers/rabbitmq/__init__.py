@@ -29,7 +29,10 @@ What each outcome does here:
 ===================  ==========================================================================
 processed/duplicate  ``basic.ack``
 stale_reclaimed      ``basic.ack``
-in_flight            held unacknowledged for ``requeue_delay``, then ``basic.nack`` with requeue
+in_flight            held unacknowledged for what is left of the lease the key is held under
+                     (at least ``requeue_delay``, at most 5 minutes), the key's record
+                     watched: acked as a ``duplicate``, or run, as soon as the holder ends;
+                     else ``basic.nack`` with requeue at the end of the wait
 failed               held for the backoff delay, then ``basic.nack`` with requeue; once it
                      has failed ``ConsumerSettings.max_deliveries`` times (the delivery count
                      less the ``in_flight`` requeues this process made of it) it is
