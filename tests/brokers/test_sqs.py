@@ -793,6 +793,35 @@ class TestSQS(BrokerSuite):
         assert not isinstance(raised.value, oncely.BrokerUnavailable)
         assert said in str(raised.value)
 
+    @pytest.mark.parametrize(
+        "host", ["sqs-fips.us-east-1.amazonaws.com", "vpce-0a1b.sqs.us-east-1.vpce.amazonaws.com"]
+    )
+    async def test_an_aws_endpoint_url_takes_the_aws_configurations_credentials(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, host: str
+    ) -> None:
+        """An endpoint of AWS's own (FIPS, a VPC endpoint) named in the URL is no emulator: a
+        user with an instance role or a credentials file and no AWS_ACCESS_KEY_ID was signed
+        with the placeholders an emulator gets, and refused. The client is only built,
+        nothing is sent to AWS."""
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            monkeypatch.delenv(name)
+        credentials = tmp_path / "credentials"
+        credentials.write_text(
+            "[default]\naws_access_key_id = AKIAFROMTHEFILE\naws_secret_access_key = s\n"
+        )
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        aws, _ = Endpoint.from_url(f"sqs://{host}:443?secure=true&region=us-east-1")
+        async with aws.client() as client:
+            signed = await client._request_signer._credentials.get_frozen_credentials()
+            assert signed.access_key == "AKIAFROMTHEFILE"
+        # An emulator's endpoint (moto's, here) still gets the placeholders: it accepts any.
+        emulator, _ = Endpoint.from_url(self.url)
+        async with emulator.client() as client:
+            signed = await client._request_signer._credentials.get_frozen_credentials()
+            assert signed.access_key == "oncely"
+            await client.list_queues()  # and they do for it
+
     async def test_a_missing_queue_to_read_is_created_with_a_warning_or_refused(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:

@@ -21,6 +21,7 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
+from oncely._aws import emulator_credentials
 from oncely._core.said import said
 from oncely._urls import UrlOptions, redact, split
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
@@ -68,8 +69,9 @@ def check_queue(what: str, name: str) -> str:
 class Endpoint:
     """``sqs://HOST:PORT`` (a plain-HTTP endpoint such as an emulator's; ``?secure=true``
     for HTTPS), ``sqs://REGION`` or ``sqs://`` (AWS itself, the region from the URL or the
-    usual AWS environment). Credentials come from the AWS environment; an emulator endpoint
-    without any gets placeholder ones (an emulator accepts any)."""
+    usual AWS environment). Credentials come from the AWS environment and configuration; an
+    emulator's endpoint (not AWS's own, ``sqs.us-east-1.amazonaws.com:443``) with none in the
+    environment gets placeholder ones (an emulator accepts any)."""
 
     region: str
     endpoint_url: str | None
@@ -127,8 +129,7 @@ class Endpoint:
         kwargs: dict[str, Any] = {"region_name": self.region, "config": config}
         if self.endpoint_url is not None:
             kwargs["endpoint_url"] = self.endpoint_url
-            if not (os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE")):
-                kwargs.update(aws_access_key_id="oncely", aws_secret_access_key="oncely")
+            kwargs.update(emulator_credentials(self.endpoint_url))
         async with get_session().create_client("sqs", **kwargs) as client:
             yield client
 

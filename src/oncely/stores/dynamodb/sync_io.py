@@ -8,15 +8,14 @@ marked ``if ASYNC:`` in ``async_io.py``, from which ``sync_io.py`` is generated 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, TypeVar
 
 from botocore.config import Config
 from botocore.session import get_session
 
+from oncely._aws import emulator_credentials
 from oncely.stores.dynamodb.dialect import Item
 from oncely.stores.dynamodb.errors import DynamoDBOptions, error_code
 
@@ -40,32 +39,8 @@ def connect(options: DynamoDBOptions) -> Client:
     kwargs: dict[str, Any] = {"region_name": options.region, "config": config}
     if options.endpoint_url is not None:
         kwargs["endpoint_url"] = options.endpoint_url
-        if not (_aws_endpoint(options.endpoint_url) or _credentials_in_environment()):
-            kwargs.update(aws_access_key_id="oncely", aws_secret_access_key="oncely")
+        kwargs.update(emulator_credentials(options.endpoint_url))
     return get_session().create_client("dynamodb", **kwargs)
-
-
-_AWS_DOMAINS: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
-# Where credentials come from besides keys and profiles: a web identity (EKS), a container
-# role (ECS): set, the AWS configuration is the user's, not an emulator's stand-in.
-_CREDENTIAL_VARIABLES: Final = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_PROFILE",
-    "AWS_WEB_IDENTITY_TOKEN_FILE",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-)
-
-
-def _aws_endpoint(endpoint_url: str) -> bool:
-    """Whether ``endpoint_url`` is one of AWS's own (a FIPS, dual-stack or VPC endpoint):
-    its credentials are the AWS chain's (a role, a profile file), never placeholders."""
-    host = (urlsplit(endpoint_url).hostname or "").lower().rstrip(".")
-    return host.endswith(_AWS_DOMAINS)
-
-
-def _credentials_in_environment() -> bool:
-    return any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES)
 
 
 def close(client: Client) -> None:

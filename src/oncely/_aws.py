@@ -1,0 +1,48 @@
+"""The credentials an AWS client gets for an endpoint named in a URL (the DynamoDB store's
+``dynamodb://HOST:PORT/TABLE``, the SQS broker's ``sqs://HOST:PORT``).
+
+An emulator (moto's server, DynamoDB Local, ElasticMQ) accepts any credentials, and a user
+running one has often set none: its endpoint gets placeholders. AWS's own endpoints named
+there (a FIPS, dual-stack or VPC endpoint) are no emulator: their credentials are the AWS
+chain's (an instance role, a web identity, a container role, a credentials file), never
+placeholders, and neither are an emulator's when the environment names credentials.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+from urllib.parse import urlsplit
+
+__all__ = ["emulator_credentials"]
+
+_AWS_DOMAINS: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
+# Where credentials come from besides keys and profiles: a web identity (EKS), a container
+# role (ECS): set, the AWS configuration is the user's, not an emulator's stand-in.
+_CREDENTIAL_VARIABLES: Final = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+_PLACEHOLDERS: Final = {"aws_access_key_id": "oncely", "aws_secret_access_key": "oncely"}
+
+
+def emulator_credentials(endpoint_url: str | None) -> dict[str, str]:
+    """The client's keyword arguments for the credentials of ``endpoint_url``: placeholders
+    for an emulator's endpoint when the environment names no credentials; none (the AWS
+    chain's, looked up by botocore) for AWS itself (``None``) or one of its endpoints."""
+    if endpoint_url is None or aws_endpoint(endpoint_url) or _credentials_in_environment():
+        return {}
+    return dict(_PLACEHOLDERS)
+
+
+def aws_endpoint(endpoint_url: str) -> bool:
+    """Whether ``endpoint_url`` is one of AWS's own (a FIPS, dual-stack or VPC endpoint)."""
+    host = (urlsplit(endpoint_url).hostname or "").lower().rstrip(".")
+    return host.endswith(_AWS_DOMAINS)
+
+
+def _credentials_in_environment() -> bool:
+    return any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES)
