@@ -615,13 +615,16 @@ class _LosingProxy:
     """A proxy in front of the test endpoint that passes the first ``target`` request (an
     ``X-Amz-Target`` such as ``DynamoDB_20120810.PutItem``) on, so it lands, and then drops
     the connection instead of the answer: botocore sends the request again, as after any
-    reply lost on the network."""
+    reply lost on the network. With ``strip``, it takes the item out of every answer of a
+    failed condition, as an emulator without ``ReturnValuesOnConditionCheckFailure`` answers
+    (dynalite, older DynamoDB Local)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str | None, *, strip: bool = False) -> None:
         import socket
 
-        self.target = target.encode()
-        self.dropped = 0
+        self.target = None if target is None else target.encode()
+        self.strip = strip
+        self.dropped = self.stripped = 0
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -660,12 +663,20 @@ class _LosingProxy:
                 upstream.request(method, path, body, headers)
                 reply = upstream.getresponse()
                 data = reply.read()
-                if self.target in head and self.dropped == 0:
+                if self.target is not None and self.target in head and self.dropped == 0:
                     self.dropped += 1
                     return  # the write landed; its answer is lost
+                if self.strip and b"ConditionalCheckFailedException" in data:
+                    import json
+
+                    answer = json.loads(data)
+                    if answer.pop("Item", None) is not None:
+                        self.stripped += 1
+                    data = json.dumps(answer).encode()
                 out = [f"HTTP/1.1 {reply.status} {reply.reason}"]
                 out += [f"{k}: {v}" for k, v in reply.getheaders() if k.lower() not in
-                        ("content-length", "transfer-encoding", "connection")]  # fmt: skip
+                        ("content-length", "transfer-encoding", "connection",
+                         "x-amz-crc32")]  # the body may be changed  # fmt: skip
                 out.append(f"Content-Length: {len(data)}")
                 conn.sendall(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + data)
 
@@ -687,6 +698,43 @@ def test_r9_a_write_whose_answer_was_lost_is_known_as_its_own_when_sent_again(
         assert proxy.dropped == 1  # the write was sent twice
         assert claim.won and claim.record.token == "t1" and claim.record.attempt == 1
         assert done.status is Status.COMPLETED and done.result == b"r"
+    finally:
+        store.close()
+        proxy.close()
+
+
+def test_r8_r9_an_endpoint_that_does_not_return_the_item_of_a_failed_condition(
+    scope: Scope,
+) -> None:
+    """Some emulators answer a failed condition without the item as it was (no
+    ``ReturnValuesOnConditionCheckFailure``): a duplicate claim then tried again 64 times and
+    raised StoreUnavailable ("changed 64 times"), and a completion botocore sent again was
+    answered LeaseLost. The store now reads the item (strongly consistent) and decides from
+    it: here moto's answers lose their item on the way, and the answers are the same as
+    with it."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _LosingProxy("DynamoDB_20120810.UpdateItem", strip=True)
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    try:
+        first = store.claim("c", "k", fingerprint=None, token="t1", lease_ms=60_000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        again = store.claim("c", "k", fingerprint=None, token="t2", lease_ms=60_000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        assert first.won and not again.won and again.record.token == "t1"  # (R8) in flight
+        done = store.complete("c", "k", token="t1", result=b"r", keep_ms=HOUR)
+        assert proxy.dropped == 1  # the completion was sent twice, and knew its own write
+        assert done.status is Status.COMPLETED and done.result == b"r"
+        # A repeat of the completion is answered with the record; another token loses.
+        assert store.complete("c", "k", token="t1", result=b"r", keep_ms=HOUR) == done
+        with pytest.raises(oncely.LeaseLost):
+            store.complete("c", "k", token="t2", result=b"x", keep_ms=HOUR)
+        late = store.claim("c", "k", fingerprint=None, token="t3", lease_ms=60_000,
+                           keep_ms=HOUR, takeover=False)  # fmt: skip
+        assert not late.won and late.record.result == b"r"  # (R9) a duplicate, its result
+        inbox = oncely.Inbox(store, consumer="c")
+        assert inbox.handle("m", None, lambda p: "done").outcome is Outcome.PROCESSED
+        assert inbox.handle("m", None, lambda p: "again").outcome is Outcome.DUPLICATE
+        assert proxy.stripped >= 5  # every failed condition above came without its item
     finally:
         store.close()
         proxy.close()

@@ -26,6 +26,9 @@ Design:
   change, fenced by the token; a condition that fails returns the item as it was
   (``ReturnValuesOnConditionCheckFailure=ALL_OLD``) in the same round trip, and the store
   answers from it by the same rules (the existing record, or :class:`~oncely.LeaseLost`).
+  A failure that comes back without the item (none was there, or an emulator that does not
+  return it: dynalite, older DynamoDB Local) is followed by a strongly consistent
+  ``GetItem``, and decided from that.
   A write decided from such a record (a takeover, a retry) applies only while the item is
   still that revision (``rev``), else it is decided again from the newer one. botocore sends
   a write again when its answer is lost; a condition that then fails on the write's own
@@ -254,9 +257,20 @@ class DynamoDBStore:
             self._prepare()
         client = self._connected()
         try:
-            return write(client, name, TableName=self._table, **kwargs)
+            ok, item = write(client, name, TableName=self._table, **kwargs)
+            if not ok and item is None:
+                # No item with the failed condition: there was none, or the endpoint does not
+                # return it (ReturnValuesOnConditionCheckFailure unsupported: dynalite, older
+                # DynamoDB Local). A strongly consistent read tells; deciding from a state
+                # newer than the failed condition's is safe, every write being conditional.
+                key = kwargs["Key"] if "Key" in kwargs else {"pk": kwargs["Item"]["pk"]}
+                found = call(
+                    client, "get_item", TableName=self._table, Key=key, ConsistentRead=True
+                )
+                item = found.get("Item")
         except DRIVER_ERRORS as exc:
             raise self._error(exc, doing) from exc
+        return ok, item
 
     def close(self) -> None:
         """Close the client. The store cannot be used afterwards."""
