@@ -22,7 +22,7 @@ from oncely.stores.dynamodb.dialect import MAX_PARTITION_KEY_BYTES, partition_ke
 from oncely.stores.dynamodb.errors import parse_url
 from oncely.testing import MemoryBroker
 from tests.backends import Scope
-from tests.backends.dynamodb import client, endpoint, store_url, table_name
+from tests.backends.dynamodb import client, drop_table, endpoint, store_url, table_name
 from tests.brokers.common import free_port
 
 HOUR = 3_600_000
@@ -611,20 +611,30 @@ def test_consume_refuses_the_transactional_mode_on_the_store(url: str) -> None:
 # ---------------------------------------------------------------- a reply lost on the way
 
 
-class _LosingProxy:
+class _FaultyProxy:
     """A proxy in front of the test endpoint that passes the first ``target`` request (an
     ``X-Amz-Target`` such as ``DynamoDB_20120810.PutItem``) on, so it lands, and then drops
     the connection instead of the answer: botocore sends the request again, as after any
     reply lost on the network. With ``strip``, it takes the item out of every answer of a
     failed condition, as an emulator without ``ReturnValuesOnConditionCheckFailure`` answers
-    (dynalite, older DynamoDB Local)."""
+    (dynalite, older DynamoDB Local). With ``refuse`` (a target), it answers that request
+    with AWS's ValidationException, after passing it on when ``refused_lands``."""
 
-    def __init__(self, target: str | None, *, strip: bool = False) -> None:
+    def __init__(
+        self,
+        target: str | None,
+        *,
+        strip: bool = False,
+        refuse: str | None = None,
+        refused_lands: bool = True,
+    ) -> None:
         import socket
 
         self.target = None if target is None else target.encode()
         self.strip = strip
-        self.dropped = self.stripped = 0
+        self.refuse = None if refuse is None else refuse.encode()
+        self.refused_lands = refused_lands
+        self.dropped = self.stripped = self.refused = 0
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -660,9 +670,26 @@ class _LosingProxy:
                 while len(buffer) < size:
                     buffer += conn.recv(65536)
                 body, buffer = buffer[:size], buffer[size:]
-                upstream.request(method, path, body, headers)
-                reply = upstream.getresponse()
-                data = reply.read()
+                refusing = self.refuse is not None and self.refuse in head
+                if refusing and not self.refused_lands:
+                    status, reason, answered, data = 200, "OK", [], b""
+                else:
+                    upstream.request(method, path, body, headers)
+                    reply = upstream.getresponse()
+                    status, reason, answered = reply.status, reply.reason, reply.getheaders()
+                    data = reply.read()
+                if refusing:
+                    self.refused += 1
+                    status, reason, answered = (
+                        400,
+                        "Bad Request",
+                        [("Content-Type", "application/x-amz-json-1.0")],
+                    )
+                    data = (
+                        b'{"__type": "com.amazon.coral.validate#ValidationException", '
+                        b'"message": "Time to live has been modified multiple times within '
+                        b'a fixed interval"}'
+                    )
                 if self.target is not None and self.target in head and self.dropped == 0:
                     self.dropped += 1
                     return  # the write landed; its answer is lost
@@ -673,8 +700,8 @@ class _LosingProxy:
                     if answer.pop("Item", None) is not None:
                         self.stripped += 1
                     data = json.dumps(answer).encode()
-                out = [f"HTTP/1.1 {reply.status} {reply.reason}"]
-                out += [f"{k}: {v}" for k, v in reply.getheaders() if k.lower() not in
+                out = [f"HTTP/1.1 {status} {reason}"]
+                out += [f"{k}: {v}" for k, v in answered if k.lower() not in
                         ("content-length", "transfer-encoding", "connection",
                          "x-amz-crc32")]  # the body may be changed  # fmt: skip
                 out.append(f"Content-Length: {len(data)}")
@@ -689,7 +716,7 @@ def test_r9_a_write_whose_answer_was_lost_is_known_as_its_own_when_sent_again(
     timeout): a claim or a completion that landed the first time then meets its own write,
     and answers as the write it is, not as somebody else's record."""
     oncely.open(store_url(scope)).migrate()
-    proxy = _LosingProxy(f"DynamoDB_20120810.{op}")
+    proxy = _FaultyProxy(f"DynamoDB_20120810.{op}")
     store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
     try:
         claim = store.claim("c", "k", fingerprint=None, token="t1", lease_ms=60_000,
@@ -713,7 +740,7 @@ def test_r8_r9_an_endpoint_that_does_not_return_the_item_of_a_failed_condition(
     it: here moto's answers lose their item on the way, and the answers are the same as
     with it."""
     oncely.open(store_url(scope)).migrate()
-    proxy = _LosingProxy("DynamoDB_20120810.UpdateItem", strip=True)
+    proxy = _FaultyProxy("DynamoDB_20120810.UpdateItem", strip=True)
     store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
     try:
         first = store.claim("c", "k", fingerprint=None, token="t1", lease_ms=60_000,
@@ -735,6 +762,34 @@ def test_r8_r9_an_endpoint_that_does_not_return_the_item_of_a_failed_condition(
         assert inbox.handle("m", None, lambda p: "done").outcome is Outcome.PROCESSED
         assert inbox.handle("m", None, lambda p: "again").outcome is Outcome.DUPLICATE
         assert proxy.stripped >= 5  # every failed condition above came without its item
+    finally:
+        store.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_a_concurrent_migrate_refused_ttl_is_settled_by_describing_it(
+    scope: Scope, lands: bool
+) -> None:
+    """Two migrates at once on AWS: the second UpdateTimeToLive may be refused with a
+    ValidationException worded otherwise than "already enabled" ("modified multiple times").
+    moto never refuses it: a proxy answers AWS's refusal instead, once after moto enabled TTL
+    (another process did, meanwhile: migrate succeeds) and once without (TTL still off: a
+    clear error saying what to do)."""
+    proxy = _FaultyProxy(None, refuse="DynamoDB_20120810.UpdateTimeToLive", refused_lands=lands)
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    scope.finalizers.append(lambda: drop_table(table_name(scope)))
+    try:
+        if lands:
+            assert store.migrate() == 1
+            assert store.get("c", "k") is None
+        else:
+            with pytest.raises(oncely.StoreError, match="was refused") as raised:
+                store.migrate()
+            assert "ValidationException" in str(raised.value)
+            assert "its TTL is DISABLED" in str(raised.value)
+            assert "enable TTL on the attribute ttl_s" in str(raised.value)
+        assert proxy.refused == 1
     finally:
         store.close()
         proxy.close()

@@ -435,9 +435,29 @@ class AsyncDynamoDBStore:
                 TimeToLiveSpecification={"Enabled": True, "AttributeName": "ttl_s"},
             )
         except DRIVER_ERRORS as exc:
-            if "already enabled" in str(exc).lower():  # another process, meanwhile
-                return
-            raise self._error(exc, "enabling TTL") from exc
+            if error_code(exc) != "ValidationException":
+                raise self._error(exc, "enabling TTL") from exc
+            refused = exc
+        else:
+            return
+        # Another process enabling it meanwhile (a migrate run at once): AWS refuses with a
+        # ValidationException, worded as it likes ("already enabled", "modified multiple
+        # times"). TTL enabled, or being enabled, on oncely's attribute is what was wanted.
+        try:
+            found = await call(client, "describe_time_to_live", TableName=self._table)
+        except DRIVER_ERRORS as exc:
+            raise self._error(exc, "enabling TTL") from refused
+        ttl = found.get("TimeToLiveDescription", {})
+        status, name = ttl.get("TimeToLiveStatus"), ttl.get("AttributeName")
+        if status in ("ENABLED", "ENABLING") and name == "ttl_s":
+            return
+        raise StoreError(
+            f"enabling TTL on dynamodb {self._where} table {self._table!r} was refused "
+            f"({refused}), and its TTL is {status or 'DISABLED'}"
+            f"{f' on {name!r}' if name else ''}: enable TTL on the attribute ttl_s (`aws "
+            "dynamodb update-time-to-live`) or give oncely a table of its own, then run "
+            "`oncely migrate --store URL` again"
+        ) from refused
 
     # ------------------------------------------------------------ deciding and writing
 
