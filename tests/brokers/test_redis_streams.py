@@ -127,6 +127,30 @@ class TestRedisStreams(BrokerSuite):
         assert again.describe()["entry_id"] == first.describe()["entry_id"]
         assert again.describe()["stream"] == self.source
 
+    async def test_r8_the_copies_held_while_their_key_is_held_elsewhere_are_bounded(
+        self,
+    ) -> None:
+        """Many copies of one key come while another worker holds it (a two-minute lease):
+        the consumer holds and watches at most as many at once as it reads ahead
+        (``max(concurrency, batch)``); the rest are given back after the wait, as before.
+        Redis Streams hands out new entries whatever a consumer holds pending: without a
+        bound, every copy read was held, each a task reading the store every 1.5 s and
+        extending its entry, without end as copies came in (R8)."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        held = await self._claimed_by_hand(inbox, "hot")
+        copies = 12
+        for _ in range(copies):
+            await self.publish("hot")
+        worker = self.consumer(self.apply, inbox=inbox, concurrency=2)
+        async with running(worker):
+            await wait_until(
+                lambda: worker.counts["in_flight"] >= copies, what="every copy in_flight"
+            )
+            # Watches, and at most one task per slot reading or settling a copy.
+            assert len(worker._tasks) <= 2 + 2, len(worker._tasks)
+            assert (await held.complete(None)).outcome is oncely.Outcome.PROCESSED
+        assert self.ledger.counts() == {}
+
     # ------------------------------------------------------------------ Redis's own state
 
     @cached_property

@@ -432,6 +432,9 @@ class BrokerConsumer:
     _horizon_advice: Callable[[RedeliveryHorizon], str] | None = None
     """What a retention shorter than the horizon should do, in the words of whoever set the
     consumer up (``oncely consume`` names its flags); None: the library's names."""
+    _watching: set[asyncio.Task[None]]
+    """The watches of the ``in_flight`` copies held while their key's record is read: at most
+    :attr:`_most_watched` at once."""
 
     def __init__(
         self,
@@ -513,6 +516,7 @@ class BrokerConsumer:
         self._heartbeats = AsyncHeartbeats()
         self._draining = False
         """Set once :meth:`run` is ending: no ``in_flight`` copy is held any more."""
+        self._watching: set[asyncio.Task[None]] = set()
         self._rerunning: set[int] = set()
         """The deliveries (by id) an ``in_flight`` copy's watch runs through the inbox again:
         their spans are their own, not the batch's they came in."""
@@ -1282,12 +1286,26 @@ class BrokerConsumer:
             return self._give_back(delivery, timedelta(0))
         return self._start_watch(delivery, inbox, record, delay)
 
+    @property
+    def _most_watched(self) -> int:
+        """How many ``in_flight`` copies are held at once, at most: as many as the consumer
+        reads ahead (the prefetch it opens the transport with). A watch holds no slot, so
+        the consumer goes on reading while it waits, and a broker that hands out new
+        messages whatever a consumer holds (Redis Streams, SQS) would otherwise have every
+        copy of a key held elsewhere held here, each reading the store and kept alive."""
+        return max(self.settings.concurrency, self.batch)
+
     async def _start_watch(
         self, delivery: Delivery, inbox: AsyncInbox, record: Record, delay: timedelta
     ) -> None:
+        if len(self._watching) >= self._most_watched:
+            await self._give_back(delivery, delay)  # as before watches: after the wait
+            return
         task = asyncio.create_task(self._watch(delivery, inbox, record, delay))
+        self._watching.add(task)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._watching.discard)
 
     def _ending(self, delivery: Delivery) -> bool:
         """Whether nothing more of ``delivery`` may wait here: the consumer is stopping, or
@@ -1327,6 +1345,8 @@ class BrokerConsumer:
                 # Kept alive while it waits for a slot to run in, too.
                 slot = freed and not self._ending(delivery) and await self._slot_or_stop()
             finally:
+                # No longer watched: a rerun met by another claim may be watched again.
+                self._watching.discard(cast("asyncio.Task[None]", asyncio.current_task()))
                 if ticket is not None:
                     await ticket.stop()
             if slot:

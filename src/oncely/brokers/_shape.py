@@ -223,20 +223,21 @@ class ConsumerSettings:
     record (one read per held message every 1.5 s at most): once the holder completes, releases
     its claim or lets its lease lapse, the message goes through the inbox again at once, on the
     same delivery (a ``duplicate`` acknowledged, or run), rather than after the whole wait; a
-    stop gives it back at once. A ``failed`` message is retried after ``backoff``
-    until it has failed ``max_deliveries`` times, then dead-lettered with the last error and
-    the number of failures (R13: keep the broker's own limit at or above this one, or set it
-    here to the broker's). Failures are the broker's delivery count less the deliveries this
-    consumer process gave back unrun (an ``in_flight`` copy, the store away): a message given
-    back while another copy held its key still gets all its runs. Give-backs made by another
-    process, or before a restart, are not known to this one and count as failures (the
-    message is dead-lettered sooner, never later); the broker's own delivery limit still
-    bounds every message, given back or failing. On
-    shutdown, running handlers get ``shutdown_grace`` to finish; the rest are cancelled, their
-    claims released and their messages given back. A body longer than ``max_body_bytes``
-    (``None``: no limit) is dead-lettered as ``rejected`` without being decoded. With
-    ``purge_every``, the consumer also runs a purge service on its inbox's store
-    (:class:`~oncely.AsyncPurgeService`): across a fleet, one consumer per table leads it.
+    stop gives it back at once. At most ``max(concurrency, batch)`` such messages are held at
+    once; more are given back after that wait, as they were before. A ``failed`` message is
+    retried after ``backoff`` until it has failed ``max_deliveries`` times, then dead-lettered
+    with the last error and the number of failures (R13: keep the broker's own limit at or above
+    this one, or set it here to the broker's). Failures are the broker's delivery count less the
+    deliveries this consumer process gave back unrun (an ``in_flight`` copy, the store away): a
+    message given back while another copy held its key still gets all its runs. Give-backs made
+    by another process, or before a restart, are not known to this one and count as failures
+    (the message is dead-lettered sooner, never later); the broker's own delivery limit still
+    bounds every message, given back or failing. On shutdown, running handlers get
+    ``shutdown_grace`` to finish; the rest are cancelled, their claims released and their
+    messages given back. A body longer than ``max_body_bytes`` (``None``: no limit) is
+    dead-lettered as ``rejected`` without being decoded. With ``purge_every``, the consumer also
+    runs a purge service on its inbox's store (:class:`~oncely.AsyncPurgeService`): across a
+    fleet, one consumer per table leads it.
 
     ``batch`` is how many deliveries are read and run through the inbox together: one
     ``claim_many`` per batch instead of a claim per message (R1), the messages of one ordering
