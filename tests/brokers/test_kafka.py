@@ -1127,6 +1127,48 @@ class TestKafka(BrokerSuite):
             where = f"partition=0 offset={h['x-oncely-offset'].decode()} "
             assert [line for line in lines if where in line and reason in line]
 
+    async def _dead_letter_order(self) -> dict[tuple[int, int], list[int]]:
+        """The ``x-oncely-offset`` of each copy in the dead-letter topic, by (partition of the
+        copy, partition of the record it copies), in the order of the copies."""
+        found: dict[tuple[int, int], list[int]] = {}
+        copies = await self._read_all(f"{self.source}.dead")
+        for copy in sorted(copies, key=lambda r: (r.partition, r.offset)):
+            headers = dict(copy.headers)
+            source = int(headers["x-oncely-partition"])
+            found.setdefault((copy.partition, source), []).append(int(headers["x-oncely-offset"]))
+        return found
+
+    async def test_r15_the_dead_letters_of_one_partition_keep_its_order(self) -> None:
+        """Fifty records of each of two partitions, every one refused (a body that is not
+        JSON), all read in one batch. Before, their outcomes were carried out all at once,
+        and the copies of the first batch's dead letters waited on the producer's first look
+        at the dead-letter topic side by side: they landed in the topic in any order (the
+        copy of offset 1 before that of offset 0), and a user re-sending dead letters in
+        order, or compacting the dead-letter topic by record key (a tombstone overtaking
+        the value it deletes), got them reordered. Now the outcomes of one partition are
+        carried out in its order, the partitions side by side: the copies of each follow
+        its offsets (R15). Each record of a partition has the partition's record key, so
+        its copies share a partition of the dead-letter topic."""
+        n = 50
+        for partition in (0, 1):
+            produce_raw(
+                self.url,
+                self.source,
+                [
+                    (b"not json %d" % i, b"entity-%d" % partition, [("message-id", b"m-%d" % i)])
+                    for i in range(n)
+                ],
+                partition=partition,
+            )
+        worker = self.consumer(self.apply, batch=4 * n)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["rejected"] == 2 * n, what="every record")
+        assert worker.counts == Counter({"rejected": 2 * n})
+        order = await self._dead_letter_order()
+        assert sorted(source for _, source in order) == [0, 1]
+        for offsets in order.values():
+            assert offsets == list(range(n)), offsets
+
     async def test_the_tombstones_option_takes_dead_letter_or_handle_only(self) -> None:
         assert self.transport().tombstones == "dead_letter"
         made = open_transport(f"{self.url}?tombstones=handle", self.source, group=self.group)

@@ -874,11 +874,12 @@ class BrokerConsumer:
             if not _cancelled():
                 outcomes = [self._not_cancelled(d) for d in deliveries]
             else:
-                await asyncio.gather(
-                    *(
-                        self._settle_quietly(self._give_back(d, timedelta(0)), d, "retry")
-                        for d in left.values()
-                    )
+                back = list(left.values())
+                await _by_group(
+                    back,
+                    lambda i: self._settle_quietly(
+                        self._give_back(back[i], timedelta(0)), back[i], "retry"
+                    ),
                 )
                 raise
         except Exception as exc:  # the store failed (StoreError) or a bug: never ack
@@ -907,13 +908,14 @@ class BrokerConsumer:
                 },
             )
             backoff = self.settings.backoff
-            await asyncio.gather(
-                *(
-                    self._settle_quietly(
-                        self._give_back(d, backoff.delay(d.delivery_count)), d, "retry"
-                    )
-                    for d in left.values()
-                )
+            back = list(left.values())
+            await _by_group(
+                back,
+                lambda i: self._settle_quietly(
+                    self._give_back(back[i], backoff.delay(back[i].delivery_count)),
+                    back[i],
+                    "retry",
+                ),
             )
             return
         rest = [(d, outcomes[i]) for i, d in left.items()]
@@ -923,11 +925,19 @@ class BrokerConsumer:
 
     async def _settle_all(self, settled: list[tuple[Delivery, Handled[Any]]]) -> list[bool]:
         """Carry out each delivery's outcome; the acks in one call where the transport takes
-        them so (SQS). Whether each is finished."""
+        them so (SQS). Whether each is finished.
+
+        ``settled`` comes in its source order. The outcomes of one ordering group (a Kafka
+        partition, an SQS FIFO message group) are carried out one after the other in that
+        order, the groups side by side: their dead-letter copies are written in the order
+        of their messages (carried out at once, the copy of a later record could land
+        before an earlier one's, and a user re-sending dead letters in order, or compacting
+        the dead-letter topic by record key, would get them reordered)."""
         ack_many = getattr(self.transport, "ack_many", None)
         together = ack_many is not None
-        finished = await asyncio.gather(
-            *(self._settle(d, handled, ack=not together) for d, handled in settled)
+        finished = await _by_group(
+            [d for d, _handled in settled],
+            lambda i: self._settle(*settled[i], ack=not together),
         )
         acks = [d for d, h in settled if h.action is Action.ACK]
         if ack_many is not None and acks:  # one call for the batch's acks (SQS)
@@ -1716,6 +1726,27 @@ def _cancelled() -> bool:
 def _revoked(delivery: Delivery) -> bool:
     """Whether the delivery's partition was taken from this consumer (Kafka)."""
     return getattr(delivery, "revoked", False) is True
+
+
+async def _by_group(
+    deliveries: Sequence[Delivery], step: Callable[[int], Awaitable[_T]]
+) -> list[_T]:
+    """``step(i)`` for each of ``deliveries`` (in their source order): those of one ordering
+    group (:func:`_group`) one after the other in that order, the groups side by side. What
+    each step returned, in the deliveries' order."""
+    chains: dict[Hashable, list[int]] = {}
+    for i, delivery in enumerate(deliveries):
+        chains.setdefault(_group(delivery), []).append(i)
+    if len(chains) == len(deliveries):  # no two of one group: all at once
+        return list(await asyncio.gather(*(step(i) for i in range(len(deliveries)))))
+    done: dict[int, _T] = {}
+
+    async def chain(indexes: list[int]) -> None:
+        for i in indexes:
+            done[i] = await step(i)
+
+    await asyncio.gather(*(chain(indexes) for indexes in chains.values()))
+    return [done[i] for i in range(len(deliveries))]
 
 
 def _group(delivery: Delivery) -> Hashable:
