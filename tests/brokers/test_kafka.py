@@ -1169,6 +1169,55 @@ class TestKafka(BrokerSuite):
         for offsets in order.values():
             assert offsets == list(range(n)), offsets
 
+    async def test_r15_a_refused_record_is_dead_lettered_before_the_later_ones_of_its_partition(
+        self,
+    ) -> None:
+        """One batch: in partition 0 a record refused before processing (not JSON), then one
+        whose handler fails (``max_deliveries=1``: dead-lettered); in partition 1 a record
+        whose handler blocks. Partition 0's run ends first and is settled while partition 1
+        runs. Before, its refused record was left for the end of the batch: the failed
+        record's copy was written first, the refused one's only once the blocked handler
+        ended, out of the partition's order. Now a refused record is settled with its
+        partition's run: its copy comes first (R15)."""
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            if payload["k"] == "blocks":
+                started.set()
+                await release.wait()
+            if payload["k"] == "fails":
+                raise RuntimeError("the handler fails")
+            await self.apply(payload)
+
+        produce_raw(
+            self.url,
+            self.source,
+            [
+                (b"not json", b"entity", [("message-id", b"refused")]),
+                (body("fails"), b"entity", [("message-id", b"fails")]),
+            ],
+        )
+        produce_raw(
+            self.url,
+            self.source,
+            [(body("blocks"), b"other", [("message-id", b"blocks")])],
+            partition=1,
+        )
+
+        async def copied() -> bool:
+            return bool(await self._dead_letter_order())
+
+        worker = self.consumer(handler, max_deliveries=1)
+        async with running(worker):
+            await asyncio.wait_for(started.wait(), 60)
+            await wait_until(copied, what="partition 0's first dead letter, while 1 runs")
+            release.set()
+            outcomes = ("processed", "rejected", "failed")
+            await wait_until(
+                lambda: [worker.counts[o] for o in outcomes] == [1, 1, 1], what="all three"
+            )
+        assert list((await self._dead_letter_order()).values()) == [[0, 1]]
+
     async def test_the_tombstones_option_takes_dead_letter_or_handle_only(self) -> None:
         assert self.transport().tombstones == "dead_letter"
         made = open_transport(f"{self.url}?tombstones=handle", self.source, group=self.group)

@@ -1013,9 +1013,7 @@ class BrokerConsumer:
                 elif isinstance(self.processor, InboxProcessor):
                     settled = None
                     if early is not None:
-
-                        async def settled(indexes: list[int], ended: list[Handled[Any]]) -> None:
-                            await early([ready[j] for j in indexes], ended)
+                        settled = _with_refused(early, ready, every, outcomes)
 
                     done = await self.processor.process_batch(
                         envelopes, groups, concurrency, stop, settled=settled, slots=slots
@@ -1726,6 +1724,33 @@ def _cancelled() -> bool:
 def _revoked(delivery: Delivery) -> bool:
     """Whether the delivery's partition was taken from this consumer (Kafka)."""
     return getattr(delivery, "revoked", False) is True
+
+
+def _with_refused(
+    early: Early[Any],
+    ready: Sequence[int],
+    groups: Sequence[Hashable],
+    outcomes: Sequence[Handled[Any] | None],
+) -> Early[Any]:
+    """What tells ``early`` (indexes into the batch's deliveries) the outcomes of the groups
+    that end while others run, told with indexes into ``ready`` (the deliveries processed).
+    The deliveries of those groups refused before processing (``outcomes``) come with them,
+    all in source order: a refused delivery left for the end of the batch would have its
+    dead letter written after those of the later deliveries of its group."""
+    refused: dict[Hashable, list[int]] = {}
+    for i, outcome in enumerate(outcomes):
+        if outcome is not None:
+            refused.setdefault(groups[i], []).append(i)
+
+    async def settled(indexes: list[int], ended: list[Handled[Any]]) -> None:
+        told = {ready[j]: handled for j, handled in zip(indexes, ended, strict=True)}
+        for i in list(told):
+            for r in refused.pop(groups[i], ()):
+                told[r] = cast("Handled[Any]", outcomes[r])
+        order = sorted(told)
+        await early(order, [told[i] for i in order])
+
+    return settled
 
 
 async def _by_group(
