@@ -338,6 +338,22 @@ class TestSQS(BrokerSuite):
         assert failed == ["f0"]
         assert applied == ["f0", "f1", "f2"]
 
+    async def test_r15_the_dead_letters_of_a_fifo_group_keep_its_order(self) -> None:
+        """Ten messages of one FIFO group, each refused (a body that is not JSON), in one
+        batch. Before, their outcomes were carried out all at once, and the copies reached
+        the dead-letter queue in whatever order their sends ended; now a group's outcomes are
+        carried out in its order: a user re-sending the dead letters gets the group's order
+        back (R15)."""
+        producer, transport = await self._fifo(ack_wait=timedelta(seconds=10))
+        sent = [f"d{n}" for n in range(10)]
+        for key in sent:
+            await producer.publish(b"not json " + key.encode(), message_id=key, group="g1")
+        worker = self.consumer(self.apply, transport=transport)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["rejected"] == len(sent), what="all ten")
+        dead = await self.dead_letters(transport.dead_letter)
+        assert [c.message_id for c in dead] == sent
+
     @pytest.mark.parametrize("payload", [False, True])
     async def test_r10_a_fifo_group_behind_a_message_whose_key_is_held_waits_for_it(
         self, payload: bool
