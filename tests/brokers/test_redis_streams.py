@@ -19,10 +19,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -38,9 +39,10 @@ from oncely.brokers import (
     open_transport,
 )
 from oncely.brokers.redis_streams import RedisStreams, RedisStreamsProducer
+from oncely.brokers.redis_streams._delivery import RedisStreamsDelivery
 from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
 from tests.brokers.foreign import stream_fields, xadd_raw
-from tests.brokers.suite import MS, BrokerSuite, DeadCopy, body, fetch_one
+from tests.brokers.suite import MS, BrokerSuite, DeadCopy, Watched, body, fetch_one
 from tests.services import REDIS_URL, require
 
 pytestmark = pytest.mark.services
@@ -149,6 +151,31 @@ class TestRedisStreams(BrokerSuite):
             # Watches, and at most one task per slot reading or settling a copy.
             assert len(worker._tasks) <= 2 + 2, len(worker._tasks)
             assert (await held.complete(None)).outcome is oncely.Outcome.PROCESSED
+        assert self.ledger.counts() == {}
+
+    async def test_r8_a_give_back_cut_short_by_the_grace_is_not_made_twice(self) -> None:
+        """A held ``in_flight`` copy (its key held under a two-minute lease) is given back
+        as the consumer stops, and that give-back is still being awaited when the shutdown
+        grace runs out: the cancel does not give the copy back a second time (on RabbitMQ a
+        second nack of one delivery tag closes the channel, giving back every message on
+        it). The give-back here does its work on Redis, then waits until it is cancelled
+        (R8)."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        await self._claimed_by_hand(inbox, "settling")
+        watched = SlowGiveBacks(self.transport())
+        worker = self.consumer(
+            self.apply, inbox=inbox, transport=watched, shutdown_grace=timedelta(milliseconds=200)
+        )
+        await self.publish("settling")
+        task = asyncio.create_task(worker.run())
+        try:
+            await wait_until(lambda: worker.counts["in_flight"] == 1, what="the copy in_flight")
+            worker.stop()
+            await wait_until(task.done, timeout=timedelta(seconds=30), what="the stop")
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 60)
+        assert watched.give_backs == {"settling": 1}, watched.give_backs
         assert self.ledger.counts() == {}
 
     # ------------------------------------------------------------------ Redis's own state
@@ -539,3 +566,31 @@ def test_registry_urls_and_options() -> None:
     assert never.prune_idle_consumers is None  # type: ignore[attr-defined]
     with pytest.raises(oncely.ConfigurationError, match="prune_idle_consumers"):
         RedisStreams(REDIS_URL, "orders", group=GROUP, prune_idle_consumers=timedelta(0))
+
+
+class SlowGiveBacks(Watched):
+    """A transport whose deliveries' first give-back does its work on Redis, then waits
+    until it is cancelled (a broker slow to confirm it); the give-backs counted by message
+    id."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner)
+        self.give_backs: Counter[str | None] = Counter()
+
+    def _saw(self, found: list[Delivery]) -> list[Delivery]:
+        for delivery in found:
+            assert isinstance(delivery, RedisStreamsDelivery)
+            delivery.__class__ = _SlowGiveBack
+        _SlowGiveBack.noted = self.give_backs
+        return super()._saw(found)
+
+
+class _SlowGiveBack(RedisStreamsDelivery):
+    __slots__ = ()
+    noted: ClassVar[Counter[str | None]]
+
+    async def retry(self, delay: timedelta) -> None:
+        await super().retry(delay)
+        self.noted[self.envelope.message_id] += 1
+        if self.noted[self.envelope.message_id] == 1:
+            await asyncio.Event().wait()  # until cancelled

@@ -1347,6 +1347,7 @@ class BrokerConsumer:
                 delay = min(delay, ack_wait / 2)
         end = time.monotonic() + delay.total_seconds()
         rerun = False
+        settling = False  # given back already: a cancel then must not give it back again
         try:
             try:
                 freed = await self._freed(delivery, inbox, record, end)
@@ -1360,6 +1361,7 @@ class BrokerConsumer:
             if slot:
                 if self._ending(delivery):  # revoked while it waited for a slot
                     self._slots.release()
+                    settling = True
                     await self._settle_quietly(
                         self._give_back(delivery, timedelta(0)), delivery, "retry"
                     )
@@ -1371,9 +1373,13 @@ class BrokerConsumer:
                 finally:
                     self._rerunning.discard(id(delivery))
                 return
+            settling = True
             await self._settle_quietly(self._give_back(delivery, timedelta(0)), delivery, "retry")
         except asyncio.CancelledError:
-            if not rerun:  # a rerun cancelled gives its delivery back itself (_outcome)
+            # A rerun cancelled gives its delivery back itself (_outcome); a give-back cut
+            # short by the cancel is not made twice (a second nack of one delivery tag
+            # closes a RabbitMQ channel, giving back every message on it).
+            if not rerun and not settling:
                 await self._settle_quietly(
                     self._give_back(delivery, timedelta(0)), delivery, "retry"
                 )
