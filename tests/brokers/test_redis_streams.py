@@ -23,7 +23,7 @@ from collections import Counter
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import pytest
 import redis
@@ -42,7 +42,7 @@ from oncely.brokers.redis_streams import RedisStreams, RedisStreamsProducer
 from oncely.brokers.redis_streams._delivery import RedisStreamsDelivery
 from tests.brokers.common import free_port, publish_until_confirmed, running, unique, wait_until
 from tests.brokers.foreign import stream_fields, xadd_raw
-from tests.brokers.suite import MS, BrokerSuite, DeadCopy, Watched, body, fetch_one
+from tests.brokers.suite import MS, SECOND, BrokerSuite, DeadCopy, Watched, body, fetch_one
 from tests.services import REDIS_URL, require
 
 pytestmark = pytest.mark.services
@@ -177,6 +177,40 @@ class TestRedisStreams(BrokerSuite):
             await asyncio.wait_for(task, 60)
         assert watched.give_backs == {"settling": 1}, watched.give_backs
         assert self.ledger.counts() == {}
+
+    async def test_r8_a_stop_is_not_held_up_by_a_store_that_does_not_answer(self) -> None:
+        """A held ``in_flight`` copy's watch reads its key's record from a store that never
+        answers (a hung connection): a stop gives the copy back at once all the same,
+        whatever the ``shutdown_grace`` (ten minutes here), and the next consumer gets it.
+        Before, the stop waited for the read, up to the whole grace (R8)."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        held = await self._claimed_by_hand(inbox, "hung")
+        hung = HungReads(inbox.store)
+        reading = oncely.AsyncInbox(
+            cast(Any, hung), consumer=self.group, lease=oncely.Lease(duration=SECOND)
+        )
+        first = self.consumer(self.apply, inbox=reading, shutdown_grace=timedelta(minutes=10))
+        await self.publish("hung")
+        task = asyncio.create_task(first.run())
+        try:
+            await wait_until(lambda: hung.reads > 0, what="the watch reading the record")
+            first.stop()
+            await wait_until(task.done, timeout=timedelta(seconds=30), what="the stop")
+        finally:
+            first.stop()
+            await asyncio.wait_for(task, 60)
+        assert set(first.counts) == {"in_flight"}, first.counts
+        second = self.consumer(self.apply, inbox=inbox)
+        async with running(second):
+            await wait_until(lambda: second.counts["in_flight"] >= 1, what="the copy again")
+            assert (await held.complete(None)).outcome is oncely.Outcome.PROCESSED
+            await wait_until(
+                lambda: second.counts["duplicate"] == 1,
+                timeout=timedelta(seconds=30),
+                what="the copy acknowledged as a duplicate by the next consumer",
+            )
+        assert self.ledger.counts() == {}
+        await self.assert_settled()
 
     # ------------------------------------------------------------------ Redis's own state
 
@@ -594,3 +628,19 @@ class _SlowGiveBack(RedisStreamsDelivery):
         self.noted[self.envelope.message_id] += 1
         if self.noted[self.envelope.message_id] == 1:
             await asyncio.Event().wait()  # until cancelled
+
+
+class HungReads:
+    """A store whose ``get`` never answers (a hung connection); everything else is the real
+    store's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def get(self, consumer: str, key: str) -> Any:
+        self.reads += 1
+        await asyncio.Event().wait()  # until cancelled

@@ -734,6 +734,9 @@ class BrokerConsumer:
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait([doing, stopping], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            doing.cancel()  # cancelled itself: the work is not left running on its own
+            raise
         finally:
             stopping.cancel()
         if not doing.done():
@@ -1400,8 +1403,12 @@ class BrokerConsumer:
         while not self._ending(delivery):
             now = time.monotonic()
             if now >= look or now >= end:
+                # A stop wins over a store slow to answer: the copy is given back at once.
+                reading = await self._unless_stopped(inbox.get(record.key))
+                if reading.cancelled():
+                    return False
                 try:
-                    if _freed(await inbox.get(record.key), record, at_end=now >= end):
+                    if _freed(reading.result(), record, at_end=now >= end):
                         return True
                 except Exception as exc:
                     if not told:
