@@ -14,10 +14,11 @@ import json
 import logging
 import re
 import subprocess
+import zlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 import pytest
@@ -39,7 +40,7 @@ from oncely.brokers.kafka._producer import topic_id
 from oncely.brokers.kafka._records import Cluster
 from oncely.brokers.kafka._transport import _DONE as DONE
 from oncely.brokers.kafka._transport import _RUNNING as RUNNING
-from oncely.brokers.kafka._transport import RETIRED_OFFSET
+from oncely.brokers.kafka._transport import RETIRED_OFFSET, KafkaDelivery
 from oncely.errors import BrokerError
 from tests.brokers.common import Proxy, free_port, running, unique, wait_until
 from tests.brokers.kafka_broker import (
@@ -1587,6 +1588,72 @@ class TestKafka(BrokerSuite):
         assert self.ledger.counts() == {"B": 1, "C": 1}
         await self.assert_settled()
 
+    async def test_r8_r15_a_freed_copy_waiting_for_a_slot_is_given_back_on_revocation(
+        self,
+    ) -> None:
+        """A's key is held by another worker; A is ``in_flight`` and watched. B, on another
+        partition, takes the one slot (its handler blocks). The holder completes: A is
+        freed and waits for the slot to run in. Another member joins the group and A's
+        partition is revoked: A is given back at once for its next owner, not kept until
+        B's handler ends. Before, the wait for a slot woke on a stop only: A stayed out
+        past the revocation, for as long as B ran (R8, R15)."""
+        (inbox,) = self.inboxes("two_phase", 1)
+        held = await self._claimed_by_hand(inbox, "A")
+        producer = self.producer()
+        assert isinstance(producer, KafkaProducer)
+        await producer.publish(body("A"), message_id="A", key="a-entity")
+        (a,) = await self._read_all(self.source)
+        count = await self._partitions(self.source)
+        b_key = next(  # B on a partition of its own (librdkafka's consistent partitioner)
+            k
+            for k in (f"b-{n}" for n in range(1000))
+            if zlib.crc32(k.encode()) % count != a.partition
+        )
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def handler(payload: dict[str, Any]) -> None:
+            if payload["k"] == "B":
+                started.set()
+                await release.wait()
+            await self.apply(payload)
+
+        watched = Requeues(self.transport())
+        worker = self.consumer(handler, inbox=inbox, transport=watched, concurrency=1)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["in_flight"] == 1, what="A in_flight")
+            await producer.publish(body("B"), message_id="B", key=b_key)
+            where = {r.value: r.partition for r in await self._read_all(self.source)}
+            assert where[body("B")] != a.partition, where
+            await asyncio.wait_for(started.wait(), 60)
+            assert (await held.complete(None)).outcome is oncely.Outcome.PROCESSED
+            await wait_until(
+                lambda: bool(worker._slots._waiters), what="A freed, waiting for the slot"
+            )
+            assert watched.requeued == []
+            other = AIOKafkaConsumer(
+                self.source,
+                bootstrap_servers=self._servers,
+                group_id=self.group,
+                enable_auto_commit=False,
+                session_timeout_ms=int(SESSION.total_seconds() * 1000),
+            )
+            await other.start()
+            try:
+                await wait_until(
+                    lambda: "A" in watched.requeued,
+                    timeout=timedelta(seconds=30),
+                    what="A given back on the revocation, while B still runs",
+                )
+                assert not release.is_set()
+            finally:
+                release.set()
+                await other.stop()
+            await wait_until(
+                lambda: worker.counts["duplicate"] == 1 and worker.counts["processed"] == 1,
+                what="A a duplicate at its next delivery, B processed",
+            )
+        assert self.ledger.counts() == {"B": 1}
+
     async def test_r13_a_record_held_back_behind_a_failing_one_keeps_its_own_retries(
         self,
     ) -> None:
@@ -1773,3 +1840,27 @@ class TestKafka(BrokerSuite):
         assert set(counts) <= {"processed", "duplicate", "in_flight"}
         assert sum(1 for w in workers if w.counts["processed"] > 0) >= 2
         assert await self.dead_letters() == []
+
+
+class Requeues(Watched):
+    """A transport that notes, by message id, every record given back unrun (``requeue``)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.requeued: list[str | None] = []
+
+    def _saw(self, found: list[Any]) -> list[Any]:
+        for delivery in found:
+            assert isinstance(delivery, KafkaDelivery)
+            delivery.__class__ = _NotedRequeue
+        _NotedRequeue.noted = self.requeued
+        return super()._saw(found)
+
+
+class _NotedRequeue(KafkaDelivery):
+    __slots__ = ()
+    noted: ClassVar[list[str | None]]
+
+    async def requeue(self, delay: timedelta) -> None:
+        self.noted.append(self.envelope.message_id)
+        await super().requeue(delay)

@@ -756,6 +756,33 @@ class BrokerConsumer:
             return False
         return acquiring.done() and not acquiring.cancelled()
 
+    async def _slot_or_ending(self, delivery: Delivery) -> bool:
+        """Take one slot for ``delivery`` (True), or give up once it may not wait any more
+        (False, no slot taken): a stop, or its partition revoked (Kafka), looked for every
+        :data:`_WATCH_TICK` while every slot is busy."""
+        if not self._slots.locked():
+            await self._slots.acquire()  # free now: no wait, no race
+            return True
+        acquiring = asyncio.ensure_future(self._slots.acquire())
+        try:
+            while not acquiring.done() and not self._ending(delivery):
+                await asyncio.wait([acquiring], timeout=_WATCH_TICK)
+        except BaseException:
+            acquiring.cancel()
+            if acquiring.done() and not acquiring.cancelled():
+                self._slots.release()  # taken as the cancel came: give it back
+            raise
+        if not acquiring.done():
+            acquiring.cancel()
+            with contextlib.suppress(BaseException):
+                await acquiring
+        if acquiring.cancelled():
+            return False
+        if self._ending(delivery):
+            self._slots.release()  # taken as the stop (or the revocation) came: give it back
+            return False
+        return True
+
     async def _read_batches(self) -> None:
         """Read up to ``batch`` deliveries, run them through the inbox together, settle each
         as its group ends. The next batch is read as soon as deliveries are settled, up to
@@ -1355,7 +1382,7 @@ class BrokerConsumer:
             try:
                 freed = await self._freed(delivery, inbox, record, end)
                 # Kept alive while it waits for a slot to run in, too.
-                slot = freed and not self._ending(delivery) and await self._slot_or_stop()
+                slot = freed and not self._ending(delivery) and await self._slot_or_ending(delivery)
             finally:
                 # No longer watched: a rerun met by another claim may be watched again.
                 self._watching.discard(cast("asyncio.Task[None]", asyncio.current_task()))
