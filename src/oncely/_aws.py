@@ -11,10 +11,14 @@ placeholders, and neither are an emulator's when the environment names credentia
 from __future__ import annotations
 
 import os
+import re
 from typing import Final
 from urllib.parse import urlsplit
 
-__all__ = ["emulator_credentials"]
+__all__ = ["REGION", "emulator_credentials", "error_code", "region_or_default"]
+
+REGION: Final = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
+"""The shape of an AWS region's name (``eu-west-1``, ``us-gov-west-1``)."""
 
 _AWS_DOMAINS: Final = (".amazonaws.com", ".amazonaws.com.cn", ".api.aws")
 # Where credentials come from besides keys and profiles: a web identity (EKS), a container
@@ -46,3 +50,22 @@ def aws_endpoint(endpoint_url: str) -> bool:
 
 def _credentials_in_environment() -> bool:
     return any(os.environ.get(name) for name in _CREDENTIAL_VARIABLES)
+
+
+def region_or_default(region: str | None, endpoint_url: str | None) -> str | None:
+    """``region``, else the AWS environment's (``AWS_REGION``, ``AWS_DEFAULT_REGION``), else
+    ``us-east-1`` for an endpoint named in the URL (an emulator takes any); ``None`` when AWS
+    itself is meant and no region is known (the caller says how to give one)."""
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region is None and endpoint_url is not None:
+        return "us-east-1"
+    return region
+
+
+def error_code(exc: BaseException) -> str:
+    """The AWS API's error code of a botocore ``ClientError`` (``ConditionalCheckFailedException``,
+    ``QueueDoesNotExist`` ...), or ``''`` for any other exception."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))

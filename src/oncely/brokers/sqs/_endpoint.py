@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
-from oncely._aws import emulator_credentials
+from oncely._aws import REGION, emulator_credentials, error_code, region_or_default
 from oncely._core.said import said
 from oncely._urls import UrlOptions, redact, split
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
@@ -40,7 +39,6 @@ CONSUMER_URL_OPTIONS = ("visibility_timeout", "create")
 """The URL options only the transport reads: the producer refuses them as the consumer's (it
 never creates a queue, nor sets its visibility timeout)."""
 _QUEUE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,75}(\.fifo)?$")
-_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
 _NO_CREDENTIALS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)
 """Credentials that cannot be found: a set-up to fix, not an outage that waiting rides out."""
 _UNAVAILABLE_CODES = frozenset(
@@ -102,19 +100,17 @@ class Endpoint:
             scheme = "https" if secure else "http"
             endpoint_url = f"{scheme}://{parts.netloc}"
         elif host:
-            if not _REGION.match(host):
+            if not REGION.match(host):
                 raise ConfigurationError(
                     f"{redact(url)}: {host!r} is neither an AWS region (sqs://eu-west-1) nor "
                     "host:port (sqs://localhost:9324)"
                 )
             region = region or host
-        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        region = region_or_default(region, endpoint_url)
         if region is None:
-            if endpoint_url is None:
-                raise ConfigurationError(
-                    f"{redact(url)}: no AWS region: sqs://REGION, ?region=, or AWS_REGION"
-                )
-            region = "us-east-1"
+            raise ConfigurationError(
+                f"{redact(url)}: no AWS region: sqs://REGION, ?region=, or AWS_REGION"
+            )
         shown = endpoint_url or f"aws {region}"
         return cls(region, endpoint_url, timeout, connect, shown), options
 
@@ -153,12 +149,6 @@ class Endpoint:
             ) from None
         except (BotoCoreError, OSError, TimeoutError) as exc:
             raise BrokerUnavailable(f"sqs {self.shown}: could not {what}: {said(exc)}") from None
-
-
-def error_code(exc: BaseException) -> str:
-    if isinstance(exc, ClientError):
-        return str(exc.response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 def queue_missing(exc: BaseException) -> bool:

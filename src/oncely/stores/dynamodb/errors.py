@@ -6,7 +6,6 @@ aiobotocore raises botocore's exception classes, so one translation serves both 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +20,7 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
+from oncely._aws import REGION, error_code, region_or_default
 from oncely._core.said import said
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
@@ -39,7 +39,6 @@ DRIVER_ERRORS: Final = (BotoCoreError, ClientError, OSError, TimeoutError)
 its own wrappers)."""
 
 _TABLE = re.compile(r"^[A-Za-z0-9_.-]{3,255}$")
-_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
 _NO_CREDENTIALS: Final = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)
 # "Not now, retry later": throttling (the table's or the account's), the service's own faults.
 _UNAVAILABLE_CODES: Final = frozenset(
@@ -69,13 +68,6 @@ _REFUSED_CODES: Final = frozenset(
         "IncompleteSignature",
     }
 )
-
-
-def error_code(exc: BaseException) -> str:
-    """The API's error code of ``exc`` (``ConditionalCheckFailedException`` ...), or ''."""
-    if isinstance(exc, ClientError):
-        return str(exc.response.get("Error", {}).get("Code", ""))
-    return ""
 
 
 def _status(exc: ClientError) -> int:
@@ -215,14 +207,12 @@ def build_options(
         raise ConfigurationError(
             f"{shown}: endpoint_url must be http://HOST:PORT or https://HOST:PORT"
         )
-    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    region = region_or_default(region, endpoint_url)
     if region is None:
-        if endpoint_url is None:
-            raise ConfigurationError(
-                f"{shown}: no AWS region: dynamodb:///TABLE?region=eu-west-1, or AWS_REGION"
-            )
-        region = "us-east-1"  # an emulator takes any
-    if not _REGION.match(region):
+        raise ConfigurationError(
+            f"{shown}: no AWS region: dynamodb:///TABLE?region=eu-west-1, or AWS_REGION"
+        )
+    if not REGION.match(region):
         raise ConfigurationError(f"{shown}: {region!r} is not an AWS region (eu-west-1)")
     return DynamoDBOptions(
         table=table,
