@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -304,6 +305,50 @@ def test_r8_r10_the_redis_brokers_visibility_timeout_redelivery_is_not_run_twice
         assert result.get(timeout=90) == {"order": "v1", "amount": 10}
         time.sleep(5.0)  # copies restored meanwhile arrive, and find it done
         assert run.effects("v1") == 1 and run.started("v1") == 1
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+def test_r8_on_the_redis_broker_copies_sent_again_never_multiply(tmp_path: Path) -> None:
+    """Celery's Redis broker, a 3 s visibility timeout, a task running 20 s: the copy Redis
+    hands out again while it runs meets the live claim and is sent again later. A worker
+    takes a message with a countdown at once and holds it unacknowledged until it is due,
+    and Redis hands out again one held longer than the visibility timeout. Before, the copy
+    was sent again after 1, 2, 4, 8, 16 s: each wait past 3 s came back as several copies,
+    each sent again in turn, so they multiplied (6 copies after 20 s, 32 after 25 s), each
+    ending as a duplicate. Now every wait oncely chooses stays under half the visibility
+    timeout: one copy, one duplicate. A worker whose tasks retry after a wait longer than
+    the visibility timeout says so at start, naming both."""
+    require("Redis", REDIS_URL, 6379)
+    run = Run(f"sqlite:///{tmp_path / 'inbox.db'}", broker=REDIS_URL)
+    log = tmp_path / "worker.log"
+    held = f"{run.ns}:kombu:unacked"  # the broker's held messages (global_keyprefix)
+    try:
+        run.worker(concurrency=2, log=log, loglevel="info")
+        result = run.app.charge.delay("m1", 10, sleep=20.0)
+        assert result.get(timeout=120) == {"order": "m1", "amount": 10}
+
+        def settled() -> bool:  # no copy held, none waiting, twice a restore sweep apart
+            for _ in range(2):
+                if run.redis.hlen(held) or run.redis.llen(f"{run.ns}:kombu:{run.queue}"):
+                    return False
+                time.sleep(1.5)
+            return run.outcomes("charge:m1", "duplicate") >= 1
+
+        run.until(settled, seconds=120)
+        # Each copy ends as one duplicate once the run completed: how many copies there were.
+        assert run.outcomes("charge:m1", "duplicate") == 1
+        assert run.effects("m1") == 1 and run.started("m1") == 1
+        said = log.read_text(errors="replace")
+        again = r"processed elsewhere; sent again in ([\d.]+) s"
+        waits = [float(wait) for wait in re.findall(again, said)]
+        assert waits and max(waits) <= 1.5, waits
+        assert (
+            "notify waits up to 180 s before a retry (default_retry_delay), but the Redis "
+            "broker's visibility_timeout is 3 s" in said
+        ), said
+        assert "charge waits" not in said, said
     finally:
         run.close()
 

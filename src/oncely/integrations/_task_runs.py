@@ -44,19 +44,24 @@ for much longer: RabbitMQ after 30 min; Celery holds a countdown's message unack
 and oncely's taskiq receiver holds the copy while it waits)."""
 
 
-def in_flight_delay(first: float, resends: int, handled: Handled[Any] | None) -> float:
+def in_flight_delay(
+    first: float, resends: int, handled: Handled[Any] | None, at_most: float | None = None
+) -> float:
     """Seconds before a copy that met its key in progress (or a store that did not answer) is
     tried again: ``first`` the first time, then twice as long each time (``resends``: how often
     it was sent again before), up to what is left of the lease the key is held under (the
     earliest moment the holder, if it died, can be taken over), never less than ``first``.
-    A fixed delay sent a copy of an hour-long task again 1,800 times in that hour."""
+    A fixed delay sent a copy of an hour-long task again 1,800 times in that hour.
+    ``at_most``, when given, bounds every wait, ``first`` included: the longest a broker lets
+    a message be held unacknowledged before it hands it out again (Celery's Redis broker)."""
     grown = first * 2.0 ** min(max(resends, 0), 32)
     record = handled.record if handled is not None else None
     if record is not None and record.status is Status.IN_PROGRESS:
         cap = (record.lease_until_ms - time.time() * 1000 + 100) / 1000
     else:
         cap = _STORE_AWAY_AT_MOST
-    return max(first, min(grown, cap, _HOLD_AT_MOST))
+    delay = max(first, min(grown, cap, _HOLD_AT_MOST))
+    return delay if at_most is None else min(delay, at_most)
 
 
 def resends_of(value: object) -> int:

@@ -3,8 +3,8 @@
 
 Tested with the real ``celery worker`` (prefork, and solo under a supervisor) on RabbitMQ, a
 worker and a pool process ``SIGKILL``ed mid-task included, a task that ends the whole worker on
-every run, and on the Redis broker with a visibility timeout shorter than the task
-(``tests/integrations/test_celery.py``).
+every run, and on the Redis broker with a visibility timeout shorter than the task, the copies
+it sends again counted (``tests/integrations/test_celery.py``).
 
 ::
 
@@ -51,9 +51,12 @@ machine down)                          lease lapses, one attempt higher; when th
 a copy while the first still runs      sent again ``retry_in_flight`` seconds later (not
 (Redis visibility timeout, a worker    one of its retries) and this copy acknowledged;
 killed mid-task)                       each time twice as long as the last, up to what is
-                                       left of the running claim's lease; taken over once
-                                       a dead worker's lease lapses
-the store cannot answer                sent again later the same way (up to 30 s apart),
+                                       left of the running claim's lease (on the Redis
+                                       broker, never more than half its visibility
+                                       timeout: see below); taken over once a dead
+                                       worker's lease lapses
+the store cannot answer                sent again later the same way (up to 30 s apart,
+                                       on Redis at most half its visibility timeout),
                                        never run unprotected
 the store is down when the worker      the worker stops before taking a message (exit
 starts, or its tables cannot be used   code 3, or 4 for the tables), the store named in
@@ -77,6 +80,20 @@ oncely sends again (a retry, a later try) keeps the message's headers, the produ
 included. A resend or retry the broker refuses (oncely's, or the task's own ``self.retry()``)
 becomes ``Reject(requeue=True)``: the claim is released and the broker keeps the message
 (Celery's own ``retry`` would drop it).
+On Celery's Redis broker a worker takes a message with a countdown at once and holds it
+unacknowledged until it is due, and Redis hands out again, as another copy, a message held
+longer than its ``visibility_timeout`` (``broker_transport_options``; an hour unless set):
+both copies then run when due. So every wait oncely chooses itself (a copy sent again after
+meeting its key running, or after the store did not answer) is at most half that timeout,
+the other half left for a busy pool to reach the copy: with a longer wait the copies that met
+a long task running came back as several, each sent again in turn, and multiplied (32 copies
+of one message after 25 s with a 3 s timeout). The waits of retries the task configured
+(``default_retry_delay``, ``retry_backoff_max``, ``autoretry_for``'s ``countdown``) are kept
+as set: a worker whose tasks retry after a wait as long as the timeout or longer logs a
+warning at start naming the task, the wait and the timeout, since each such retry arrives as
+about one copy per timeout waited (one runs; the others meet it running, or find it done, and
+end as duplicates). The same holds for a task's own ``self.retry(countdown=...)``, and for
+any task that runs longer than the timeout (its copy meets the running claim).
 Calling the task as a plain function runs it without a claim; ``apply()`` and eager mode
 claim, and raise oncely's typed errors instead of dead-lettering (:class:`DeadLettered` for
 what a worker would dead-letter with no typed error of its own, a keyless call say: its
@@ -386,7 +403,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if request.is_eager:
             raise StoreError(why)
         resends = resends_of(_header(request, IN_FLIGHT_RESENDS))
-        delay = in_flight_delay(self.retry_in_flight, resends, handled)
+        delay = in_flight_delay(
+            self.retry_in_flight, resends, handled, at_most=_held_at_most(self.app)
+        )
         headers = {**self._headers(key), IN_FLIGHT_RESENDS: resends + 1}
         signature = self.signature_from_request(request, countdown=delay, headers=headers)
         try:
@@ -584,6 +603,84 @@ class CheckStores(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             raise SystemExit(EXIT_USAGE)
         check_stores([task.inbox for task in tasks if isinstance(task.inbox, Inbox)], "celery")
+        _warn_long_retries(worker.app, tasks)
+
+
+def _redis_visibility_timeout(app: Any) -> float | None:
+    """The visibility timeout of ``app``'s broker when it is Redis, in seconds: its
+    ``broker_transport_options["visibility_timeout"]``, else kombu's default (one hour).
+    None for another broker, or when the broker's settings cannot be read."""
+    try:
+        connection = app.connection_for_read()
+    except Exception:
+        return None
+    try:
+        transport = connection.get_transport_cls()
+        if getattr(transport, "driver_type", None) != "redis":
+            return None
+        given = (connection.transport_options or {}).get("visibility_timeout")
+        return float(given if given is not None else transport.Channel.visibility_timeout)
+    except Exception:
+        return None
+    finally:
+        connection.release()  # never connected: only its settings were read
+
+
+def _held_at_most(app: Any) -> float | None:
+    """The longest wait oncely gives a copy it sends again on ``app``'s broker (None: no
+    bound of the broker's own). On Redis, half the visibility timeout: a worker takes a
+    message with a countdown at once and holds it unacknowledged until it is due, and Redis
+    hands a message held longer than the visibility timeout to a worker again, as a second
+    copy, while the first still waits; a copy sent again after a longer wait came back as
+    several, each of which met the running claim and was sent again in turn, their number
+    multiplying with every wait while a long task ran. The other half leaves room for a
+    busy pool to reach the copy once it is due."""
+    timeout = _redis_visibility_timeout(app)
+    return None if timeout is None else timeout / 2
+
+
+def _retry_waits(task: IdempotentTask) -> list[tuple[str, float]]:
+    """The longest wait before a retry of ``task`` that its options set (the option's name,
+    seconds): oncely's retries after a failure or a lost run, and Celery's ``autoretry_for``.
+    Empty when the task is never retried."""
+    limit = task._limit(None)
+    if limit == 0:
+        return []
+    given = getattr(task, "retry_kwargs", None) or {}
+    automatic = tuple(getattr(task, "autoretry_for", ()) or ())
+    backoff = getattr(task, "retry_backoff", False)
+    if backoff:
+        longest = float(getattr(task, "retry_backoff_max", 600))
+        if limit is not None:
+            longest = min(longest, float(int(backoff) * 2 ** (limit - 1)))
+        return [("retry_backoff_max", longest)]
+    waits = [("default_retry_delay", float(task.default_retry_delay or 0))]
+    if automatic and given.get("countdown") is not None:
+        waits.append(("retry_kwargs countdown", float(given["countdown"])))
+    return waits
+
+
+def _warn_long_retries(app: Any, tasks: list[IdempotentTask]) -> None:
+    """One warning per task whose retries wait as long as the Redis broker's visibility
+    timeout or longer: the worker holds a retry unacknowledged while it waits, and Redis
+    hands it out again every visibility timeout meanwhile, so each retry arrives as several
+    copies (one runs, the others end as in-flight resends and duplicates). oncely keeps the
+    delays the task chose; its own waits it keeps below the timeout (:func:`_held_at_most`)."""
+    timeout = _redis_visibility_timeout(app)
+    if timeout is None:
+        return
+    for task in sorted(tasks, key=lambda each: str(each.name)):
+        for option, wait in _retry_waits(task):
+            if wait >= timeout:
+                LOGGER.warning(
+                    "oncely celery: %s waits up to %g s before a retry (%s), but the Redis "
+                    "broker's visibility_timeout is %g s: Redis hands a message held that "
+                    "long to a worker again, so each retry arrives as about %d copies (one "
+                    "runs, the others are sent again and end as duplicates); set "
+                    "broker_transport_options['visibility_timeout'] above the longest retry "
+                    "wait plus the task's run time, or shorten %s",
+                    task.name, wait, option, timeout, int(wait // timeout) + 1, option,
+                )  # fmt: skip
 
 
 def _keep(consumer: Any, message: Any, reason: str) -> None:
