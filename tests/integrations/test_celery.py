@@ -316,8 +316,8 @@ def test_r8_on_the_redis_broker_copies_sent_again_never_multiply(tmp_path: Path)
     takes a message with a countdown at once and holds it unacknowledged until it is due,
     and Redis hands out again one held longer than the visibility timeout. Before, the copy
     was sent again after 1, 2, 4, 8, 16 s: each wait past 3 s came back as several copies,
-    each sent again in turn, so they multiplied (6 copies after 20 s, 32 after 25 s), each
-    ending as a duplicate. Now every wait oncely chooses stays under half the visibility
+    each sent again in turn, so they multiplied (33 copies here), each ending as a
+    duplicate. Now every wait oncely chooses stays under half the visibility
     timeout: one copy, one duplicate. A worker whose tasks retry after a wait longer than
     the visibility timeout says so at start, naming both."""
     require("Redis", REDIS_URL, 6379)
