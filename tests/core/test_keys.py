@@ -753,3 +753,48 @@ def test_r2_other_key_sources_do_not_warn(spec: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         key_source(spec)
+
+
+# ------------------------------------------------------------------ key specs a user mistypes
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ({"order_id": "A1", "amount": 5}, "no field 'orderId'; it has 'order_id', 'amount'"),
+        ([{"orderId": "A1"}], "the body is a list, not a JSON object with the field 'orderId'"),
+    ],
+)
+def test_a_body_field_not_found_names_the_fields_the_body_has(body: object, said: str) -> None:
+    """``body:orderId`` on bodies whose field is ``order_id``: every message is dead-lettered.
+    Before, the reason was ``KeyError('orderId')``, which left the reader to guess whether the
+    body, the spec or the decoding was wrong; it now names the fields that are there."""
+    with pytest.raises(MissingKey) as info:
+        key_source("body:orderId")(Envelope(body=body))
+    assert said in str(info.value)
+
+
+def test_a_nested_body_field_not_found_names_where_the_path_stopped() -> None:
+    with pytest.raises(MissingKey) as info:
+        key_source("body:order.ID")(Envelope(body={"order": {"id": 7}}))
+    assert "the body has no field 'order.ID': 'order' has 'id'" in str(info.value)
+
+
+def test_a_body_field_not_found_lists_a_few_fields_only() -> None:
+    body = {f"f{n:02}": n for n in range(30)}
+    with pytest.raises(MissingKey) as info:
+        key_source("body:id")(Envelope(body=body))
+    assert "'f09' and 20 more" in str(info.value)
+    assert "f10" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["messageId", "MessageId", "message_id"])
+def test_a_message_id_spelled_otherwise_says_which_id_is_meant(spec: str) -> None:
+    """A user coming from AWS Lambda Powertools (``event_key_jmespath="messageId"``) types
+    ``--key messageId``. Before: "unknown key source", with no word on why SQS's own
+    ``MessageId`` is not the producer's id. Now the refusal says so and names ``message-id``."""
+    with pytest.raises(ConfigurationError) as info:
+        key_source(spec)
+    said = str(info.value)
+    assert "use message-id" in said, said
+    assert "SQS's own MessageId" in said and "R4" in said, said

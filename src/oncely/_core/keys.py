@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 from oncely import cloudevents
 from oncely._core.policy import Limits
@@ -521,6 +521,17 @@ def key_source(spec: str) -> KeySource:
             raise ConfigurationError(refusal)
     if kind == "message-id" and not name:
         return MessageIdKey()
+    if _normal(kind) == "messageid" and not name:
+        # messageId is how AWS Lambda events (and AWS Lambda Powertools' event_key_jmespath)
+        # name SQS's own id: say why that one is no key rather than "unknown key source".
+        raise ConfigurationError(
+            f"{text!r} is not a key source: message-id is the producer's message id (the "
+            f"message-id attribute on SQS, a header on other brokers), which oncely's "
+            f"producers set and send again unchanged on every retry. SQS's own MessageId (the "
+            f"messageId of a Lambda event's record) is assigned by SQS to each send, so a "
+            f"producer's retry gets a new one and would pass as a new message (R4); use "
+            f"message-id, or a business key from the body (body:FIELD)"
+        )
     if kind == "cloudevents" and not name:
         return CloudEventsKey()
     if kind in ("correlation-id", "correlation_id") and not name:
@@ -539,9 +550,47 @@ class _FieldPath:
     path: tuple[str, ...]
 
     def __call__(self, body: object) -> object:
+        # A field that is not there is the usual sign of a mistyped spec (body:orderId for
+        # order_id): the refusal names the fields that are there, so the dead letter's
+        # reason says what to write instead.
         value = body
-        for name in self.path:
+        for at, name in enumerate(self.path):
             if not isinstance(value, Mapping):
-                raise KeyError(".".join(self.path))
+                whose = f"field {'.'.join(self.path[:at])!r}" if at else "body"
+                raise MissingKey(
+                    f"the {whose} is {_a_kind(value)}, not a JSON object with the field "
+                    f"{name if at else '.'.join(self.path)!r}"
+                )
+            if name not in value:
+                where = "" if not at else f": {'.'.join(self.path[:at])!r}"
+                raise MissingKey(
+                    f"the body has no field {'.'.join(self.path)!r}{where}"
+                    f"{'; it' if not at else ''} has {_some_names(value)}"
+                )
             value = value[name]
         return value
+
+
+_NAMES_SHOWN: Final = 10
+
+
+def _some_names(mapping: Mapping[Any, Any]) -> str:
+    """The first field names of ``mapping``, quoted, for a refusal: at most ten."""
+    names = [repr(str(name)[:64]) for name in list(mapping)[:_NAMES_SHOWN]]
+    if not names:
+        return "no fields"
+    more = len(mapping) - len(names)
+    return ", ".join(names) + (f" and {more} more" if more else "")
+
+
+def _a_kind(value: object) -> str:
+    kinds = {
+        list: "a list",
+        str: "a string",
+        bytes: "bytes",
+        type(None): "null",
+        bool: "true or false",
+        int: "a number",
+        float: "a number",
+    }
+    return kinds.get(type(value), f"a {type(value).__name__}")
