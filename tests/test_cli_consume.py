@@ -506,6 +506,8 @@ def test_consume_on_a_memory_store_warns_that_a_restart_forgets_it() -> None:
         asyncio.run(remove_destinations(RABBITMQ_URL, source))
     assert code == 0, err
     assert "the store is memory://, which lives in this process only" in err, err
+    # Every store that keeps records across restarts is named, DynamoDB too (it was left out).
+    assert "use SQLite, PostgreSQL, MariaDB/MySQL, Redis or DynamoDB for" in err, err
 
 
 @pytest.mark.slow

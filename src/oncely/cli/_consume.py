@@ -515,7 +515,7 @@ def consume(
             run.logger.warning(
                 "oncely consume: the store is memory://, which lives in this process only: "
                 "a restart forgets every record, and a redelivery after it runs again (use "
-                "SQLite, PostgreSQL, MariaDB or Redis for anything but a trial)"
+                "SQLite, PostgreSQL, MariaDB/MySQL, Redis or DynamoDB for anything but a trial)"
             )
         store = oncely.open_async(store_url)
         inbox = oncely.AsyncInbox(
