@@ -115,3 +115,31 @@ def test_the_oncely_commands_the_readme_shows_exist() -> None:
             check=False,
         )
         assert done.returncode == 0, (command, done.stderr)
+
+
+POWERTOOLS = ROOT / "docs" / "coming-from-powertools.md"
+POWERTOOLS_TABLE_URL = "dynamodb:///orders_inbox?region=eu-west-1"
+
+
+def test_the_powertools_guide_is_linked_from_the_readme() -> None:
+    assert "(docs/coming-from-powertools.md)" in README
+
+
+def test_the_powertools_guide_lambda_blocks_run_on_dynamodb(tmp_path: Path) -> None:
+    """The guide's Lambda handler, and the invocation that tries it, run as written on moto's
+    DynamoDB, the table's URL pointed at a table of the test's own (the guide names AWS's)."""
+    from tests.backends import dynamodb
+
+    text = POWERTOOLS.read_text()
+    blocks = [
+        code for lang, code in re.findall(r"```(\w+)\n(.*?)```", text, re.S) if lang == "python"
+    ]
+    assert len(blocks) == 2 and POWERTOOLS_TABLE_URL in blocks[0]
+    table = f"oncely_powertools_{os.getpid()}_{tmp_path.name}"[:60].replace("-", "_")
+    url = f"dynamodb://{dynamodb.endpoint()}/{table}"
+    try:
+        _run_in_order(
+            [blocks[0].replace(POWERTOOLS_TABLE_URL, url), blocks[1]], "powertools guide", tmp_path
+        )
+    finally:
+        dynamodb.drop_table(table)
