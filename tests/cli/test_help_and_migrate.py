@@ -47,6 +47,18 @@ def test_every_command_has_help(command: list[str]) -> None:
     assert any(line.strip() for line in description)
 
 
+@pytest.mark.parametrize("command", [["migrate"], ["consume"], ["inbox", "stats"]])
+def test_the_store_option_names_every_built_in_store(command: list[str]) -> None:
+    """``--store``'s help is where a user looks for a URL's form: DynamoDB's was missing,
+    though ``dynamodb://`` works there like the others."""
+    result = run(*command, "--help")
+    assert result.exit_code == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    for form in ("sqlite:///", "postgresql://", "mysql://", "redis://", "memory://"):
+        assert form in said, (form, said)
+    assert "dynamodb://host:port/table" in said and "dynamodb:///table?region=" in said, said
+
+
 # -------------------------------------------------------------------------- migrate
 
 

@@ -43,7 +43,8 @@ def store_option(fn: F) -> F:
         help=(
             "The dedup store: sqlite:///relative.db, sqlite:////absolute.db, "
             "postgresql://user@host/db, mysql://user@host/db (or mariadb://), "
-            "redis://host:6379/0 or memory://."
+            "redis://host:6379/0, dynamodb://host:port/table (an endpoint) or "
+            "dynamodb:///table?region=eu-west-1 (AWS), or memory://."
         ),
     )(fn)
 
