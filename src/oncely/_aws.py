@@ -10,12 +10,13 @@ placeholders, and neither are an emulator's when the environment names credentia
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Final
 from urllib.parse import urlsplit
 
-__all__ = ["REGION", "emulator_credentials", "error_code", "region_or_default"]
+__all__ = ["REGION", "emulator_credentials", "error_code", "region_hint", "region_or_default"]
 
 REGION: Final = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
 """The shape of an AWS region's name (``eu-west-1``, ``us-gov-west-1``)."""
@@ -69,3 +70,34 @@ def error_code(exc: BaseException) -> str:
     if not isinstance(response, dict):
         return ""
     return str(response.get("Error", {}).get("Code", ""))
+
+
+@functools.lru_cache(maxsize=32)
+def region_hint(service: str, region: str) -> str:
+    """A clause to add to a connection error on AWS's ``service`` in ``region`` when botocore's
+    endpoint data lists no such region in any partition, ``''`` otherwise.
+
+    A mistyped region (``eu-wset-1``) has a region's shape, so the URL's check passes it, and
+    its endpoint's host does not resolve: that reads as an outage to wait out. The clause
+    names the likelier cause. It is a hint, not a refusal: a region newer than the installed
+    botocore is not listed either, and works."""
+    try:
+        import botocore  # noqa: PLC0415 - the core needs no botocore
+        import botocore.session  # noqa: PLC0415
+    except ModuleNotFoundError:
+        return ""
+    session = botocore.session.get_session()
+    try:
+        for partition in session.get_available_partitions():
+            if region in session.get_available_regions(service, partition_name=partition):
+                return ""
+    except Exception:  # endpoint data it cannot read: no hint, rather than another error
+        return ""
+    return (
+        f"; botocore {botocore.__version__} knows no AWS region {region!r} for "
+        f"{_SERVICE_NAMES.get(service, service)}: check the region's spelling (a region newer "
+        "than this botocore is not listed, and works)"
+    )
+
+
+_SERVICE_NAMES: Final = {"sqs": "SQS", "dynamodb": "DynamoDB"}

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import oncely
+from oncely._aws import region_hint
 from oncely.brokers import (
     Backoff,
     BrokerLimits,
@@ -808,6 +809,25 @@ class TestSQS(BrokerSuite):
         await made.close()
         assert not isinstance(raised.value, oncely.BrokerUnavailable)
         assert said in str(raised.value)
+
+    async def test_a_mistyped_region_is_named_in_the_outage_it_causes(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``sqs://eu-wset-1`` has the shape of a region, so it passes the URL's check, and its
+        endpoint's name does not resolve: the consumer said "Could not connect to the endpoint
+        URL" and tried again for ever, never that the region was no region. The outage is
+        still waited out (botocore's list lags AWS's new regions), but its line now says that
+        botocore knows no such region. The name is looked up for real (and never found)."""
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+        made = SQS("sqs://eu-wset-1", "q", group="g")
+        with pytest.raises(oncely.BrokerUnavailable) as raised:
+            await made.open(1)
+        await made.close()
+        said = str(raised.value)
+        assert "knows no AWS region 'eu-wset-1' for SQS" in said, said
+        assert "check the region's spelling" in said, said
+        assert region_hint("sqs", "eu-west-1") == ""
 
     @pytest.mark.parametrize(
         "host", ["sqs-fips.us-east-1.amazonaws.com", "vpce-0a1b.sqs.us-east-1.vpce.amazonaws.com"]

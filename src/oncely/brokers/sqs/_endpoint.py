@@ -15,12 +15,13 @@ from aiobotocore.session import get_session
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    EndpointConnectionError,
     NoCredentialsError,
     PartialCredentialsError,
     ProfileNotFound,
 )
 
-from oncely._aws import REGION, emulator_credentials, error_code, region_or_default
+from oncely._aws import REGION, emulator_credentials, error_code, region_hint, region_or_default
 from oncely._core.said import said
 from oncely._urls import UrlOptions, redact, split
 from oncely.errors import BrokerError, BrokerUnavailable, ConfigurationError
@@ -148,7 +149,12 @@ class Endpoint:
                 "AWS_PROFILE, a role)"
             ) from None
         except (BotoCoreError, OSError, TimeoutError) as exc:
-            raise BrokerUnavailable(f"sqs {self.shown}: could not {what}: {said(exc)}") from None
+            hint = ""
+            if self.endpoint_url is None and isinstance(exc, EndpointConnectionError):
+                hint = region_hint("sqs", self.region)  # a mistyped region reads as an outage
+            raise BrokerUnavailable(
+                f"sqs {self.shown}: could not {what}: {said(exc)}{hint}"
+            ) from None
 
 
 def queue_missing(exc: BaseException) -> bool:
