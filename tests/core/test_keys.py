@@ -788,6 +788,15 @@ def test_a_body_field_not_found_lists_a_few_fields_only() -> None:
     assert "f10" not in str(info.value)
 
 
+def test_a_business_key_function_that_finds_no_field_names_the_fields_the_body_has() -> None:
+    """``BusinessKey(lambda o: o["orderId"])`` on bodies whose field is ``order_id``: the
+    dead letter's reason names the fields there, as ``body:FIELD`` does."""
+    with pytest.raises(MissingKey) as info:
+        BusinessKey(lambda o: o["orderId"])(Envelope(body={"order_id": "A1", "amount": 5}))  # type: ignore[index]
+    said = str(info.value)
+    assert "KeyError('orderId')" in said and "the body has 'order_id', 'amount'" in said, said
+
+
 @pytest.mark.parametrize("spec", ["messageId", "MessageId", "message_id"])
 def test_a_message_id_spelled_otherwise_says_which_id_is_meant(spec: str) -> None:
     """A user coming from AWS Lambda Powertools (``event_key_jmespath="messageId"``) types

@@ -423,7 +423,12 @@ class BusinessKey:
         try:
             value = self.read(envelope.body)
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise MissingKey(f"the business key is missing from the body ({exc!r})") from exc
+            has = (
+                f"; the body has {_some_names(envelope.body)}"
+                if isinstance(exc, KeyError) and isinstance(envelope.body, Mapping)
+                else ""
+            )
+            raise MissingKey(f"the business key is missing from the body ({exc!r}){has}") from exc
         if value is None or value == "":
             raise MissingKey("the business key is empty")
         if isinstance(value, bool) or not isinstance(value, (str, int)):
