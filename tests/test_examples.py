@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,29 @@ def test_r7_the_django_example_charges_once_and_refunds_once(tmp_path: Path) -> 
         "charges: [('o-1', -42), ('o-1', 42)]",
         "worker exit code: 0",
     ], done.stdout
+
+
+@pytest.mark.services
+def test_r7_the_dynamodb_example_books_the_payment_once() -> None:
+    """The transactional mode on DynamoDB (moto's server): the ledger item, the balance and
+    the marker in one TransactWriteItems, the second delivery a duplicate."""
+    from tests.backends.dynamodb import drop_table, endpoint
+
+    table = f"oncely_example_{uuid.uuid4().hex[:12]}"
+    try:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "dynamodb_ledger.py"),
+             f"http://{endpoint()}", table],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "AWS_ACCESS_KEY_ID": "example", "AWS_SECRET_ACCESS_KEY": "example",
+                 "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"},
+        )  # fmt: skip
+    finally:
+        for name in (f"{table}_ledger", f"{table}_accounts", table):
+            drop_table(name)  # the example deletes them; a failed run may not have
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "delivery 1: processed {'booked': 42}",
+        "delivery 2: duplicate {'booked': 42}",
+        "balance: 42",
+    ]

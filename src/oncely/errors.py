@@ -20,6 +20,8 @@
     │   │   ├── SchemaOutdated         an older revision this oncely needs migrated (online)
     │   │   └── SchemaTooNew           written by a newer oncely; upgrade
     │   ├── TransactionRequired        transactional mode outside an open transaction
+    │   ├── CommitRefused              the commit refused the handler's writes; nothing kept
+    │   │   └── KeyTaken               another worker recorded the key first (DynamoDB)
     │   └── TransactionsUnsupported    the store cannot join a caller's transaction
     ├── BrokerError                    a broker adapter failed; driver exceptions are wrapped
     │   └── BrokerUnavailable          cannot reach the broker now; the adapter reconnects
@@ -65,6 +67,7 @@ __all__ = [
     "InvalidIdentifier",
     "InvalidKey",
     "KeyConflict",
+    "KeyTaken",
     "KeyTooLong",
     "LeaseLost",
     "MissingKey",
@@ -220,6 +223,15 @@ class CommitRefused(StoreError):
     deferred foreign keys) that a handler's write broke. Nothing committed. In
     :meth:`Inbox.handle_in_transaction <oncely.Inbox.handle_in_transaction>` it is the
     handler's failure: the outcome is ``failed``, not this error."""
+
+
+class KeyTaken(CommitRefused):
+    """The commit of a DynamoDB transaction was refused because another worker recorded one of
+    its keys first (the marker's condition failed): nothing of the transaction was written. In
+    :meth:`Inbox.handle_in_transaction <oncely.Inbox.handle_in_transaction>` (oncely's own
+    transaction) the key is claimed again once, and the winner's record answers (a
+    ``duplicate`` with its result, or ``in_flight``); a transaction of yours raises it at its
+    end, and a redelivery is then answered the same way."""
 
 
 class TransactionsUnsupported(StoreError):

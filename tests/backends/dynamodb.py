@@ -1,13 +1,14 @@
 """The DynamoDB store on moto's server (``moto_server``, from the dev extras), started once per
 test session on a free loopback port (as the SQS tests start theirs), or on the endpoint
 ``ONCELY_TEST_DYNAMODB_URL`` names (``http://HOST:PORT``). Each test has a table of its own,
-deleted afterwards."""
+deleted afterwards, and for the transactional tests a ledger table beside it, deleted too."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+import uuid
 from typing import Any
 
 import oncely
@@ -80,9 +81,71 @@ def _async(scope: Scope, clock: FakeClock | None) -> oncely.AsyncStore:
     return oncely.open_async(store_url(scope), clock=clock)
 
 
+class DynamoDBLedger:
+    """A ledger without unique keys: one item per write (the key, and a random sort key), so
+    that a double application shows as two items. Written through the transaction's ``put``,
+    counted by a strongly consistent ``Query``."""
+
+    def __init__(self, scope: Scope, store: object) -> None:
+        self.table = f"oncely_ledger_{scope.unique}"
+        scope.finalizers.append(lambda: drop_table(self.table))
+        c = client()
+        try:
+            c.create_table(
+                TableName=self.table,
+                AttributeDefinitions=[
+                    {"AttributeName": "key", "AttributeType": "S"},
+                    {"AttributeName": "sk", "AttributeType": "S"},
+                ],
+                KeySchema=[
+                    {"AttributeName": "key", "KeyType": "HASH"},
+                    {"AttributeName": "sk", "KeyType": "RANGE"},
+                ],
+                BillingMode="PAY_PER_REQUEST",
+            )
+        finally:
+            c.close()
+
+    def put(self, tx: Any, key: str, amount: int) -> None:
+        tx.put(
+            self.table,
+            {"key": {"S": key}, "sk": {"S": uuid.uuid4().hex}, "amount": {"N": str(amount)}},
+        )
+
+    def count(self, key: str) -> int:
+        c = client()
+        try:
+            found = c.query(
+                TableName=self.table,
+                KeyConditionExpression="#k = :k",
+                ExpressionAttributeNames={"#k": "key"},
+                ExpressionAttributeValues={":k": {"S": key}},
+                ConsistentRead=True,
+                Select="COUNT",
+            )
+        finally:
+            c.close()
+        return int(found["Count"])
+
+
+class SyncDynamoDBLedger(DynamoDBLedger):
+    def write(self, tx: Any, key: str, amount: int) -> None:
+        self.put(tx, key, amount)
+
+
+class AsyncDynamoDBLedger(DynamoDBLedger):
+    async def write(self, tx: Any, key: str, amount: int) -> None:
+        self.put(tx, key, amount)
+
+    async def count(self, key: str) -> int:  # type: ignore[override]
+        return super().count(key)
+
+
 BACKEND = Backend(
     name="dynamodb",
     make_sync=_sync,
     make_async=_async,
+    sync_ledger=SyncDynamoDBLedger,
+    async_ledger=AsyncDynamoDBLedger,
     require=_require,
 )

@@ -1,11 +1,13 @@
 """The DynamoDB store's own tests, on moto's server (the contract suite runs the shared ones):
 its URL, a key too long for a partition key, TTL, expired items DynamoDB has not deleted yet,
-an endpoint that is down, no credentials, results near DynamoDB's 400 KB item, the modes it
-refuses, and competing threads and processes on the same keys (R8, R9)."""
+an endpoint that is down, no credentials, results near DynamoDB's 400 KB item, competing
+threads and processes on the same keys (R8, R9), and the transactional mode's own cases
+(R7: racing transactions, conditions, DynamoDB's limits, savepoints, a commit sent twice)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import threading
 from datetime import UTC, datetime, timedelta
@@ -20,9 +22,17 @@ from oncely.brokers import BrokerConsumer
 from oncely.stores import ClaimRequest
 from oncely.stores.dynamodb.dialect import MAX_PARTITION_KEY_BYTES, partition_key
 from oncely.stores.dynamodb.errors import parse_url
+from oncely.stores.dynamodb.transaction import DynamoTransaction
 from oncely.testing import MemoryBroker
 from tests.backends import Scope
-from tests.backends.dynamodb import client, drop_table, endpoint, store_url, table_name
+from tests.backends.dynamodb import (
+    SyncDynamoDBLedger,
+    client,
+    drop_table,
+    endpoint,
+    store_url,
+    table_name,
+)
 from tests.brokers.common import free_port
 
 HOUR = 3_600_000
@@ -91,13 +101,13 @@ def test_the_url_opens_both_stores_without_connecting() -> None:
     port = free_port()  # nothing listens: opening never waits for the endpoint
     store = oncely.open(f"dynamodb://127.0.0.1:{port}/t_1")
     assert type(store).__name__ == "DynamoDBStore" and store.url.endswith("/t_1")
-    assert not isinstance(store, oncely.TransactionalStore)
+    assert isinstance(store, oncely.TransactionalStore)
     assert isinstance(store, oncely.Store)
     astore = oncely.open_async(f"dynamodb://127.0.0.1:{port}/t_1")
     assert type(astore).__name__ == "AsyncDynamoDBStore"
     assert isinstance(astore, oncely.AsyncStore)
-    assert not isinstance(astore, oncely.AsyncTransactionalStore)
-    # Every capability of the built-in stores but the transactional mode and the offsets.
+    assert isinstance(astore, oncely.AsyncTransactionalStore)
+    # Every capability of the built-in stores but the offsets.
     from oncely.stores import async_protocols, sync_protocols
 
     for name in ("CompletesMany", "ForgetsByToken", "Prepares", "BoundsResults"):
@@ -423,24 +433,6 @@ def test_r10_a_result_as_large_as_the_room_is_kept_and_a_larger_one_is_not(url: 
         store.close()
 
 
-def test_the_transactional_mode_is_refused_clearly(url: str) -> None:
-    async def book(tx: object, payload: object) -> None:
-        raise AssertionError("never runs")
-
-    async def run() -> None:
-        store = oncely.open_async(url)
-        inbox = oncely.AsyncInbox(store, consumer="c")
-        try:
-            with pytest.raises(oncely.ConfigurationError, match="cannot join a transaction"):
-                BrokerConsumer(MemoryBroker(), inbox, book, mode="transactional")
-            with pytest.raises(oncely.TransactionsUnsupported):
-                await inbox.handle_in_transaction("k", None, book)
-        finally:
-            await store.aclose()
-
-    asyncio.run(run())
-
-
 # ---------------------------------------------------------------- competing claims
 
 
@@ -596,16 +588,6 @@ def test_the_inbox_commands_work_on_the_store(url: str) -> None:
     assert purged.exit_code == 0 and "purged 1 expired record" in purged.output
     migrated = run("migrate", "--store", url)
     assert migrated.exit_code == 0 and "schema version 1" in migrated.output
-
-
-def test_consume_refuses_the_transactional_mode_on_the_store(url: str) -> None:
-    from tests.cli.helpers import run
-
-    done = run("consume", "--broker", "amqp://guest:guest@127.0.0.1:1/", "--source", "q",
-               "--consumer", "c", "--store", url, "--mode", "transactional",
-               "--handler", "tests.brokers.handlers:record_in")  # fmt: skip
-    assert done.exit_code == 2
-    assert "AsyncDynamoDBStore cannot join a transaction" in done.output
 
 
 # ---------------------------------------------------------------- a reply lost on the way
@@ -790,6 +772,287 @@ def test_a_concurrent_migrate_refused_ttl_is_settled_by_describing_it(
             assert "its TTL is DISABLED" in str(raised.value)
             assert "enable TTL on the attribute ttl_s" in str(raised.value)
         assert proxy.refused == 1
+    finally:
+        store.close()
+        proxy.close()
+
+
+# ---------------------------------------------------------------- the transactional mode (R7)
+
+
+@pytest.fixture
+def ledger(scope: Scope) -> SyncDynamoDBLedger:
+    return SyncDynamoDBLedger(scope, None)
+
+
+def test_r7_a_broker_consumer_runs_transactional_handlers_on_the_store(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """Copies of a message through a consumer in the transactional mode: the handler's write
+    and the marker commit in one TransactWriteItems, once."""
+
+    async def book(tx: DynamoTransaction, payload: object) -> str:
+        ledger.put(tx, "order-1", 30)
+        return "booked"
+
+    async def run() -> None:
+        store = oncely.open_async(url)
+        inbox = oncely.AsyncInbox(store, consumer="c")
+        broker = MemoryBroker()
+        for _ in range(3):
+            broker.publish(b'{"order": 1}', message_id="order-1")
+        try:
+            consumer = BrokerConsumer(broker, inbox, book, mode="transactional")
+            await broker.run_until_idle(consumer)
+            assert consumer.counts == {"processed": 1, "duplicate": 2}
+            assert broker.acked == 3 and not broker.dead
+        finally:
+            await store.aclose()
+
+    asyncio.run(run())
+    assert ledger.count("order-1") == 1
+
+
+def test_r7_r8_threads_racing_one_key_in_transactions_apply_it_once(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """Every worker reads the key absent and runs its handler before any commits: one
+    TransactWriteItems lands; the others' are cancelled by the marker's condition, nothing of
+    them written, and they answer from the winner's record (duplicate, with its result), not
+    as failed handlers."""
+    oncely.open(url).migrate()
+    workers = 4
+    inside = threading.Barrier(workers)
+    outcomes: list[oncely.Handled[Any]] = []
+    errors: list[BaseException] = []
+
+    def book(tx: DynamoTransaction, payload: dict[str, int]) -> dict[str, int]:
+        ledger.put(tx, "order-1", payload["amount"])
+        if inside.n_waiting < workers and not inside.broken:
+            # Everyone claimed (read the key absent) before anyone commits; a retry (the
+            # loser claiming again) finds the winner's record and never gets here.
+            inside.wait(60)
+        return {"booked": payload["amount"]}
+
+    def worker() -> None:
+        store = oncely.open(url)
+        try:
+            inbox = oncely.Inbox(store, consumer="c")
+            outcomes.append(inbox.handle_in_transaction("order-1", {"amount": 30}, book))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    kinds = sorted(h.outcome.value for h in outcomes)
+    assert kinds == ["duplicate"] * (workers - 1) + ["processed"], outcomes
+    assert all(h.value == {"booked": 30} for h in outcomes)
+    assert ledger.count("order-1") == 1
+
+
+def test_r7_r8_async_transactions_racing_one_key_apply_it_once(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+
+    async def run() -> list[oncely.Handled[Any]]:
+        store = oncely.open_async(url)
+        await store.migrate()
+        inbox = oncely.AsyncInbox(store, consumer="c")
+        inside = asyncio.Barrier(3)
+        runs: list[int] = []
+
+        async def book(tx: DynamoTransaction, payload: object) -> str:
+            runs.append(1)
+            ledger.put(tx, "k", 1)
+            if len(runs) <= 3:
+                await asyncio.wait_for(inside.wait(), 60)
+            return "done"
+
+        try:
+            return await asyncio.gather(
+                *(inbox.handle_in_transaction("k", None, book) for _ in range(3))
+            )
+        finally:
+            await store.aclose()
+
+    outcomes = asyncio.run(run())
+    assert sorted(h.outcome.value for h in outcomes) == ["duplicate", "duplicate", "processed"]
+    assert all(h.value == "done" for h in outcomes) and ledger.count("k") == 1
+
+
+def test_r7_a_condition_of_the_handler_that_fails_at_the_commit_fails_it(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """A ConditionCheck of the handler's that fails cancels the whole TransactWriteItems: the
+    handler's failure (retried), nothing written, no marker; once the condition holds, the
+    retry processes it."""
+    store = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="c")
+    account = {"key": {"S": "account-1"}, "sk": {"S": "balance"}}
+
+    def book(tx: DynamoTransaction, payload: object) -> None:
+        tx.condition_check(ledger.table, account, "attribute_exists(#k)", names={"#k": "key"})
+        ledger.put(tx, "order-1", 30)
+
+    try:
+        failed = inbox.handle_in_transaction("order-1", None, book)
+        assert failed.outcome is Outcome.FAILED
+        assert isinstance(failed.error, oncely.CommitRefused)
+        assert not isinstance(failed.error, oncely.KeyTaken)
+        assert "ConditionalCheckFailed" in str(failed.error)
+        assert ledger.count("order-1") == 0 and inbox.get("order-1") is None
+        with store.transaction() as tx:
+            tx.put(ledger.table, {**account, "amount": {"N": "100"}})
+        assert inbox.handle_in_transaction("order-1", None, book).outcome is Outcome.PROCESSED
+        assert ledger.count("order-1") == 1
+    finally:
+        store.close()
+
+
+def test_r7_dynamodbs_limits_are_refused_before_anything_is_sent(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    store = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def row(n: int, size: int = 0) -> dict[str, Any]:
+        return {"key": {"S": "x"}, "sk": {"S": f"{n}"}, "pad": {"S": "p" * size}}
+
+    def hundred(tx: DynamoTransaction, payload: object) -> None:
+        for n in range(100):  # with the marker, 101 actions
+            tx.put(ledger.table, row(n))
+
+    try:
+        failed = inbox.handle_in_transaction("k", None, hundred)
+        assert failed.outcome is Outcome.FAILED and "at most 100 actions" in str(failed.error)
+        assert inbox.get("k") is None and ledger.count("x") == 0
+        with (
+            pytest.raises(oncely.ConfigurationError, match="inbox's own table"),
+            store.transaction() as tx,
+        ):
+            tx.put(store.table, {"pk": {"S": "1:c:k"}})
+        with (
+            pytest.raises(oncely.ConfigurationError, match="at most 4 MB"),
+            store.transaction() as tx,
+        ):
+            for n in range(11):
+                tx.put(ledger.table, row(n, 390_000))
+        key = {"key": {"S": "x"}, "sk": {"S": "1"}}
+        with (
+            pytest.raises(oncely.ConfigurationError, match="one action per item"),
+            store.transaction() as tx,
+        ):
+            tx.update(ledger.table, key, "SET amount = :a", values={":a": {"N": "1"}})
+            tx.delete(ledger.table, key)
+        with (
+            pytest.raises(oncely.CommitRefused, match="one action per item"),
+            store.transaction() as tx,
+        ):
+            # a Put's key is read from the table's key schema at the commit
+            tx.put(ledger.table, {**key, "amount": {"N": "1"}})
+            tx.update(ledger.table, key, "SET amount = :a", values={":a": {"N": "2"}})
+        with (
+            pytest.raises(oncely.ConfigurationError, match="one of Put, Update"),
+            store.transaction() as tx,
+        ):
+            tx.add({"Upsert": {"TableName": ledger.table}})
+        assert ledger.count("x") == 0  # nothing of them was sent
+        with store.transaction() as tx:
+            for n in range(100):
+                tx.put(ledger.table, row(n))
+        assert ledger.count("x") == 100
+    finally:
+        store.close()
+
+
+def test_r7_a_savepoint_drops_the_writes_of_its_block_only(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    store = oncely.open(url)
+    try:
+        with store.transaction() as tx:
+            ledger.put(tx, "before", 1)
+            with pytest.raises(ValueError, match="to the savepoint"), store.savepoint(tx):
+                ledger.put(tx, "inside", 1)
+                ledger.put(tx, "inside", 2)
+                assert len(tx) == 3
+                raise ValueError("rolled back to the savepoint")
+            assert len(tx) == 1
+            with store.savepoint(tx):
+                ledger.put(tx, "kept", 1)
+        assert tx.ended and len(tx) == 2
+        assert ledger.count("before") == 1 and ledger.count("kept") == 1
+        assert ledger.count("inside") == 0
+        with pytest.raises(RuntimeError), store.transaction() as tx:
+            ledger.put(tx, "dropped", 1)
+            raise RuntimeError("nothing is sent")
+        assert ledger.count("dropped") == 0
+    finally:
+        store.close()
+
+
+def test_r7_a_transaction_of_another_store_or_no_transaction_is_refused(url: str) -> None:
+    store = oncely.open(url)
+    elsewhere = oncely.open(f"dynamodb://127.0.0.1:{free_port()}/t_1")  # never connected
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: object, payload: object) -> None:
+        raise AssertionError("never runs")
+
+    try:
+        with (
+            elsewhere.transaction() as tx,
+            pytest.raises(oncely.ConfigurationError, match="one region"),
+        ):
+            inbox.handle_in_transaction("k", None, book, tx=tx)
+        with pytest.raises(oncely.TransactionRequired, match="has ended"):
+            inbox.handle_in_transaction("k", None, book, tx=tx)
+        with pytest.raises(oncely.TransactionRequired, match="not a DynamoDB transaction"):
+            inbox.handle_in_transaction("k", None, book, tx=object())
+        with pytest.raises(oncely.TransactionRequired, match="has ended"):
+            tx.put("other", {"key": {"S": "x"}})
+    finally:
+        store.close()
+        elsewhere.close()
+
+
+def test_r7_r9_a_commit_whose_answer_was_lost_is_applied_once(
+    scope: Scope, ledger: SyncDynamoDBLedger
+) -> None:
+    """botocore sends TransactWriteItems again when its answer is lost. AWS takes the resend,
+    same ClientRequestToken, as the same request; moto's server does not, and cancels it by
+    the marker's condition: the marker found is this very commit's (its revision), so the
+    store answers that the commit landed, once, instead of reporting another's win."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _FaultyProxy("DynamoDB_20120810.TransactWriteItems")
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    sent: list[dict[str, Any]] = []
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: DynamoTransaction, payload: object) -> str:
+        ledger.put(tx, "order-1", 30)
+        return "booked"
+
+    try:
+        store.prepare()
+        store._client.meta.events.register(  # what botocore sends, each time
+            "before-send.dynamodb.TransactWriteItems",
+            lambda request, **_: sent.append(json.loads(request.body)),
+        )
+        handled = inbox.handle_in_transaction("order-1", None, book)
+        assert proxy.dropped == 1  # the commit was sent twice
+        assert handled.outcome is Outcome.PROCESSED and handled.value == "booked"
+        assert ledger.count("order-1") == 1
+        record = inbox.get("order-1")
+        assert record is not None and record.status is Status.COMPLETED
+        tokens = {body["ClientRequestToken"] for body in sent}
+        assert len(sent) == 2 and tokens == {f"oncely-{record.token}"[:36]}
     finally:
         store.close()
         proxy.close()

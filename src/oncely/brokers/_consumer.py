@@ -405,9 +405,9 @@ class BrokerConsumer:
 
     ``mode="two_phase"`` calls ``handler(payload)`` under a lease (:meth:`AsyncInbox.handle`);
     ``mode="transactional"`` calls ``handler(transaction, payload)`` with the marker in the
-    same transaction (:meth:`AsyncInbox.handle_in_transaction`, SQL stores only). ``key`` reads
-    the dedup key of each message (default: the producer's message id, R2); a message without
-    one is dead-lettered as ``rejected``, never processed unprotected (R4).
+    same transaction (:meth:`AsyncInbox.handle_in_transaction`, SQL and DynamoDB stores).
+    ``key`` reads the dedup key of each message (default: the producer's message id, R2); a
+    message without one is dead-lettered as ``rejected``, never processed unprotected (R4).
 
     ``store_offsets=True`` (transactional mode on a SQL store, a Kafka transport) keeps each
     partition's next offset in the handler's transaction, beside the marker and the business

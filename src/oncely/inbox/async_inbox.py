@@ -82,6 +82,7 @@ from oncely.errors import (
     HandlerRefused,
     InvalidKey,
     KeyConflict,
+    KeyTaken,
     LeaseLost,
     PayloadError,
     Reject,
@@ -1503,7 +1504,11 @@ class AsyncInbox:
         writes were rolled back with the marker, so a redelivery retries; in oncely's own
         transaction, so does a COMMIT that a constraint checked at commit refused
         (:class:`~oncely.CommitRefused`). A result that cannot be stored also fails the
-        transaction (nothing happened, so nothing is lost).
+        transaction (nothing happened, so nothing is lost). On DynamoDB, whose claim is
+        checked at the commit, a commit refused because another worker recorded the key
+        meanwhile (:class:`~oncely.KeyTaken`: nothing was written) is followed by one more
+        claim in a new transaction, and the winner's record answers (``duplicate``,
+        ``in_flight``).
         """
         self._refuse_async(handler)
         started = perf_counter()
@@ -1517,71 +1522,116 @@ class AsyncInbox:
         if store is None:
             raise TransactionsUnsupported(
                 f"{type(self._store).__name__} cannot join a transaction; use the two-phase "
-                "mode (Inbox.handle) for it, or a SQL store for the transactional mode"
+                "mode (Inbox.handle) for it, or a SQL or DynamoDB store for the transactional mode"
             )
-        token = new_token()
         consumer = self._consumer
-        # One body for the three ways in: oncely's own transaction, a savepoint in the
-        # caller's, or the caller's transaction as it is.
-        block: AbstractAsyncContextManager[Any]
-        if tx is None:
-            block = store.transaction(claim_first=True)  # the claim is the first statement
-        else:
+        if tx is not None:
             await _joinable(store, tx)
-            block = store.savepoint(tx) if savepoint else nullcontext()
-        try:
-            async with block as opened:
-                # Any: mypy does not narrow ``Tx | None`` here; ``opened`` is the Tx then.
-                conn: Any = tx if tx is not None else opened
-                claim = await store.claim_in(
-                    conn,
-                    consumer,
-                    checked,
-                    fingerprint=fp,
-                    token=token,
-                    keep_ms=self._keep_ms,
-                    takeover=self._takeover,
-                )
-                step = decide(claim, fp)
-                record = claim.record
-                value: R | None = None
-                if step is Step.PROCEED:
-                    context = _CURRENT.set(
-                        (consumer, checked, record.attempt, correlation_id, "transactional")
+        # A commit refused because another worker recorded the key first (KeyTaken: a store
+        # that checks the claim at the commit, DynamoDB) wrote nothing: the key is claimed
+        # again, once, in a new transaction, and the winner's record answers.
+        for again in (True, False):
+            token = new_token()
+            # One body for the three ways in: oncely's own transaction, a savepoint in the
+            # caller's, or the caller's transaction as it is.
+            block: AbstractAsyncContextManager[Any]
+            if tx is None:
+                block = store.transaction(claim_first=True)  # the claim is the first statement
+            else:
+                block = store.savepoint(tx) if savepoint else nullcontext()
+            try:
+                async with block as opened:
+                    # Any: mypy does not narrow ``Tx | None`` here; ``opened`` is the Tx then.
+                    conn: Any = tx if tx is not None else opened
+                    claim = await store.claim_in(
+                        conn,
+                        consumer,
+                        checked,
+                        fingerprint=fp,
+                        token=token,
+                        keep_ms=self._keep_ms,
+                        takeover=self._takeover,
                     )
-                    try:
-                        value = await _called_in(store, handler, conn, payload)
-                        data = None if value is None else self._rules.encode(value, strict=True)[0]
-                    except (HandlerRefused, TransactionEnded):
-                        raise  # the transaction rolls back (or was ended): nothing recorded
-                    except Exception as exc:
-                        raise _HandlerError(exc) from exc
-                    finally:
-                        _CURRENT.reset(context)
-                    await _keep_result(store, conn, consumer, checked, token, data)
-                    if data is not None:
-                        record = with_result(record, data)
-        except (_HandlerError, CommitRefused) as failure:
-            # CommitRefused: oncely's own COMMIT refused the handler's writes (a deferred
-            # constraint they broke), so nothing committed, the marker neither. That is the
-            # handler's failure, retried and dead-lettered as one, not a store outage.
-            error = failure.error if isinstance(failure, _HandlerError) else failure
-            if tx is not None and not savepoint:
-                raise error from None  # the caller's transaction rolls back
-            if isinstance(error, Reject):
-                await self._reject_in(store, tx, checked, fp, error.reason)
-                return self._rules.rejected(checked, error.reason, started, correlation_id)
-            # The attempt this was (the claim that counted it was rolled back with the rest).
-            return self._rules.failed(checked, error, started, correlation_id, record.attempt)
+                    step = decide(claim, fp)
+                    record = claim.record
+                    value: R | None = None
+                    if step is Step.PROCEED:
+                        context = _CURRENT.set(
+                            (consumer, checked, record.attempt, correlation_id, "transactional")
+                        )
+                        try:
+                            value = await _called_in(store, handler, conn, payload)
+                            data = (
+                                None if value is None else self._rules.encode(value, strict=True)[0]
+                            )
+                        except (HandlerRefused, TransactionEnded):
+                            raise  # the transaction rolls back (or was ended): nothing recorded
+                        except Exception as exc:
+                            raise _HandlerError(exc) from exc
+                        finally:
+                            _CURRENT.reset(context)
+                        await _keep_result(store, conn, consumer, checked, token, data)
+                        if data is not None:
+                            record = with_result(record, data)
+            except (_HandlerError, CommitRefused) as failure:
+                if isinstance(failure, KeyTaken) and tx is None and again:
+                    continue
+                return await self._failed_in(
+                    store, tx, savepoint, failure, checked, fp, started, correlation_id, record
+                )
+            break
+        return self._settled_in(
+            step, claim, checked, started, value, record, correlation_id, handler, returns
+        )
+
+    async def _failed_in(
+        self,
+        store: AsyncTransactionalStore[Tx],
+        tx: Tx | None,
+        savepoint: bool,
+        failure: Exception,
+        key: str,
+        fp: str | None,
+        started: float,
+        correlation_id: str | None,
+        record: Record,
+    ) -> Handled[Any]:
+        """The outcome of a transaction that the handler failed (or rejected), or whose
+        COMMIT refused the handler's writes (:class:`~oncely.CommitRefused`: a deferred
+        constraint they broke, a DynamoDB condition of theirs), so that nothing committed, the
+        marker neither: the handler's failure, retried and dead-lettered as one, not a store
+        outage. Without a savepoint in a caller's transaction, the error reaches the caller."""
+        error = failure.error if isinstance(failure, _HandlerError) else failure
+        if tx is not None and not savepoint:
+            raise error from None  # the caller's transaction rolls back
+        if isinstance(error, Reject):
+            await self._reject_in(store, tx, key, fp, error.reason)
+            return self._rules.rejected(key, error.reason, started, correlation_id)
+        # The attempt this was (the claim that counted it was rolled back with the rest).
+        return self._rules.failed(key, error, started, correlation_id, record.attempt)
+
+    def _settled_in(
+        self,
+        step: Step,
+        claim: Claim,
+        key: str,
+        started: float,
+        value: R | None,
+        record: Record,
+        correlation_id: str | None,
+        handler: Callable[..., Any],
+        returns: Any,
+    ) -> Handled[R]:
+        """The outcome of a transaction that committed (or a claim that was no one's)."""
         if step is not Step.PROCEED:
             return typed_repeat(
                 self._rules.settle(step, claim, correlation_id, started), handler, returns
             )
         if claim.status is ClaimStatus.NEW:
-            return self._rules.processed(checked, started, value, record, correlation_id)
+            return self._rules.processed(key, started, value, record, correlation_id)
         return self._rules.done(
             Outcome.STALE_RECLAIMED,
-            checked,
+            key,
             started,
             value=value,
             record=record,

@@ -1,6 +1,7 @@
 """DynamoDB stores: :class:`DynamoDBStore` and :class:`AsyncDynamoDBStore`, a table of the
 DynamoDB API, on botocore and aiobotocore (``oncely[dynamodb]``). DynamoDB API, tested on
-moto's server (not on AWS).
+moto's server (not on AWS): two-phase mode, and the transactional mode in one
+``TransactWriteItems`` (:class:`~oncely.stores.dynamodb.transaction.DynamoTransaction`).
 
 The classes are imported on first use, so importing this package needs no driver; the
 entry point ``oncely.stores`` names :data:`backend`.

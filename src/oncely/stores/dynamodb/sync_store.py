@@ -51,8 +51,29 @@ Design:
   :meth:`purge_expired` (``oncely inbox purge``) deletes them sooner, from a ``Scan``.
 * **Size.** An item holds at most 400 KB: a larger result is completed without it
   (:meth:`result_room`).
-* **No transactional mode.** DynamoDB cannot join a SQL transaction: use the two-phase mode
-  (``Inbox.handle``, R10). Stream offsets are not kept here either.
+* **Transactional mode (R7).** :meth:`transaction` yields a
+  :class:`~oncely.stores.dynamodb.transaction.DynamoTransaction`: a buffer of writes in the
+  low-level client's ``TransactItems`` shape, your writes and the inbox's marker, sent as ONE
+  ``TransactWriteItems`` when the block ends (nothing when it raises), so the marker and your
+  DynamoDB writes are applied together or not at all. :meth:`claim_in` reads the item
+  (strongly consistent): a live record is the answer (duplicate, in flight ...), otherwise the
+  marker is put, as ``initial`` (completed), by an action whose condition is the item as read
+  (absent, expired, or that revision). A worker who won the key meanwhile makes the whole
+  transaction fail on that condition: nothing of it is written, the store raises
+  :class:`~oncely.KeyTaken`, and ``handle_in_transaction`` claims again once, in a new
+  transaction, answering from the winner's record (``duplicate`` with its result), not as a
+  failed handler. A condition of yours that fails is :class:`~oncely.CommitRefused`, the
+  handler's failure (retried); another transaction on one of the items, or throttling,
+  :class:`~oncely.StoreUnavailable`. The commit carries a ``ClientRequestToken`` made from
+  the claim's token, so a commit botocore sends again (its answer lost) is applied once by
+  DynamoDB; an endpoint that does not honour it (moto's server) cancels the resend on the
+  marker's condition, where the store finds its own revision and answers that the commit
+  landed. :meth:`savepoint` drops the actions added in its block when it raises (DynamoDB has
+  no savepoint; a buffer can). DynamoDB's limits are refused before anything is sent: 100
+  actions (the marker is one), about 4 MB, two actions on one item (a ``Put``'s key read from
+  its table's key schema, ``DescribeTable`` once per table), and any write of yours in the
+  inbox's table. Nothing can be read back from the buffer, and DynamoDB cannot join a SQL
+  transaction. Stream offsets are not kept here.
 """
 
 from __future__ import annotations
@@ -61,7 +82,9 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, Final, Self, TypeVar
 
 from oncely._core.clock import Clock, SystemClock
@@ -95,12 +118,16 @@ from oncely._core.state import (
 from oncely._core.table import lease_lost
 from oncely._urls import redact
 from oncely.errors import (
+    CommitRefused,
     ConfigurationError,
+    KeyTaken,
     LeaseLost,
     SchemaMissing,
     SchemaTooNew,
     StoreError,
     StoreUnavailable,
+    TransactionEnded,
+    TransactionRequired,
 )
 from oncely.stores.dynamodb.dialect import (
     ABSENT,
@@ -123,6 +150,7 @@ from oncely.stores.dynamodb.errors import (
     translate,
 )
 from oncely.stores.dynamodb.sync_io import Client, call, close, connect, each, write
+from oncely.stores.dynamodb.transaction import DynamoTransaction, Marker
 
 __all__ = ["DynamoDBStore"]
 
@@ -155,8 +183,28 @@ def _rev(item: Item) -> str | None:
     return found
 
 
+def _as_read(current: tuple[Record, str] | None, now: int) -> tuple[str, dict[str, Any]]:
+    """The condition that the item is still as read: absent (or expired), or that revision."""
+    if current is None:
+        return ABSENT, {":now": _n(now)}
+    return "rev = :rev", {":rev": {"S": current[1]}}
+
+
+# What a cancelled transaction's reasons say: not now (another transaction on one of its
+# items, throttling), or the writes themselves refused (the handler's).
+_BUSY_REASONS: Final = frozenset(
+    {
+        "TransactionConflict",
+        "ThrottlingError",
+        "ProvisionedThroughputExceeded",
+        "RequestLimitExceeded",
+    }
+)
+
+
 class DynamoDBStore:
-    """A dedup store in a DynamoDB table (two-phase mode only; see the module docstring).
+    """A dedup store in a DynamoDB table (two-phase and transactional modes; see the module
+    docstring).
 
     ``table`` is the table's name; ``endpoint_url`` (``http://HOST:PORT``) an endpoint other
     than AWS's (moto's server, DynamoDB Local); ``region`` AWS's region (else the AWS
@@ -169,7 +217,7 @@ class DynamoDBStore:
     open one store per loop. The threaded variant may be shared by any number of threads.
     """
 
-    supports_transactions = False
+    supports_transactions = True
 
     def __init__(
         self,
@@ -209,6 +257,9 @@ class DynamoDBStore:
         self._ready = False
         self._ready_lock = threading.Lock()
         self._closed = False
+        # The key attributes of the tables a transaction's Put actions write in (DescribeTable,
+        # once per table), to refuse two actions on one item before sending.
+        self._key_names: dict[str, list[str]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -481,10 +532,7 @@ class DynamoDBStore:
             new, answer = decide(None if current is None else current[0], now)
             if new is UNCHANGED:
                 return answer
-            if current is None:
-                condition, values = ABSENT, {":now": _n(now)}
-            else:
-                condition, values = "rev = :rev", {":rev": {"S": current[1]}}
+            condition, values = _as_read(current, now)
             if new is DELETE:
                 ok, old = self._write(
                     "delete_item",
@@ -1021,3 +1069,239 @@ class DynamoDBStore:
             if len(found) > limit:
                 found = {i: found[i] for i in sorted(found)[:limit]}
         return [found[i] for i in sorted(found)[:limit]]
+
+    # ------------------------------------------------------------ transactional mode (R7)
+
+    def transaction(self, *, claim_first: bool = False) -> _Block:
+        """A :class:`~oncely.stores.dynamodb.transaction.DynamoTransaction` whose writes are
+        sent as one ``TransactWriteItems`` when the block ends (nothing when it raises).
+        ``claim_first`` changes nothing: nothing is sent before the end anyway."""
+        return _Block(self)
+
+    def _owner(self) -> tuple[str | None, str]:
+        return self._options.endpoint_url, self._options.region
+
+    def check_transaction(self, tx: DynamoTransaction) -> None:
+        """Raise :class:`~oncely.TransactionRequired` unless ``tx`` is an open transaction of
+        a DynamoDB store, and :class:`~oncely.ConfigurationError` when it is one of another
+        endpoint or region (one ``TransactWriteItems`` writes in one region's tables)."""
+        if not isinstance(tx, DynamoTransaction):
+            raise TransactionRequired(
+                f"{type(tx).__name__} is not a DynamoDB transaction: open one with "
+                "store.transaction(), or call without tx= to let oncely open and commit one"
+            )
+        if tx.ended:
+            raise TransactionRequired(
+                "the DynamoDB transaction has ended (committed or rolled back): open another "
+                "with store.transaction(), or call without tx= to let oncely open one"
+            )
+        if tx._owner != self._owner():
+            raise ConfigurationError(
+                f"the transaction is a DynamoDB store's at {tx._owner[0] or 'aws'} (region "
+                f"{tx._owner[1]}), not of {self._url}: the marker and your writes must go in "
+                "one TransactWriteItems, in one region"
+            )
+
+    def in_transaction(self, tx: DynamoTransaction) -> bool:
+        """Whether ``tx`` is still open (its block has not ended)."""
+        return isinstance(tx, DynamoTransaction) and not tx.ended
+
+    @contextmanager
+    def savepoint(self, tx: DynamoTransaction) -> Iterator[None]:
+        """DynamoDB has no savepoint, but a buffer can: the actions added in the block are
+        dropped when it raises, those added before stay."""
+        self.check_transaction(tx)
+        length = len(tx)
+        try:
+            yield
+        except BaseException:
+            tx._truncate(length)
+            raise
+
+    def claim_in(
+        self,
+        tx: DynamoTransaction,
+        consumer: str,
+        key: str,
+        *,
+        fingerprint: str | None,
+        token: str,
+        keep_ms: int,
+        takeover: bool,
+        initial: Status = Status.COMPLETED,
+        error: str | None = None,
+    ) -> Claim:
+        """:meth:`claim` in ``tx``: a strongly consistent read of the item, and the claim
+        decided from it. A live record is the answer (nothing is added); otherwise the record
+        is put as ``initial`` by an action of ``tx`` conditional on the item being still as
+        read (absent, expired, or that revision), so that a worker who wins the key meanwhile
+        fails the whole transaction (:class:`~oncely.KeyTaken` at its end). A marker ``tx``
+        already puts for the key is read instead, as a SQL transaction reads its own rows."""
+        self.check_transaction(tx)
+        ev = claim_event(consumer, key, fingerprint, token, 0, keep_ms, takeover, initial, error)
+        pk = partition_key(consumer, key)
+        own = tx._marker(self._table, pk)
+        if own is not None:
+            index, marker = own
+            new, claim = apply_claim(marker.record, ev, self._clock.now_ms())
+            if isinstance(new, Record):
+                tx._set_marker(index, to_item(pk, new, marker.rev), Marker(
+                    self._table, pk, marker.rev, new))  # fmt: skip
+            return claim
+        if not self._ready:
+            self._prepare()
+        found = self._call("get_item", "claim", Key={"pk": {"S": pk}}, ConsistentRead=True)
+        item = found.get("Item")
+        current = None if item is None else from_item(item)
+        now = self._clock.now_ms()
+        new, claim = apply_claim(None if current is None else current[0], ev, now)
+        if not isinstance(new, Record):
+            return claim
+        condition, values = _as_read(current, now)
+        rev = new_rev()
+        body = {
+            "TableName": self._table,
+            "Item": to_item(pk, new, rev),
+            "ConditionExpression": condition,
+            "ExpressionAttributeValues": values,
+            "ReturnValuesOnConditionCheckFailure": "ALL_OLD",
+        }
+        tx._append({"Put": body}, body, Marker(self._table, pk, rev, new))
+        return claim
+
+    def set_result_in(
+        self,
+        tx: DynamoTransaction,
+        consumer: str,
+        key: str,
+        *,
+        token: str,
+        result: bytes | None,
+    ) -> None:
+        """Keep ``result`` on the marker ``tx`` puts for the key with ``token``."""
+        own = tx._marker(self._table, partition_key(consumer, key))
+        if own is None or own[1].record.token != token:
+            raise TransactionEnded(
+                f"the transaction puts no marker of key {key!r} (consumer {consumer!r}) with "
+                "this claim's token: it was rolled back to a savepoint"
+            )
+        index, marker = own
+        item = dict(tx.actions[index]["Put"]["Item"])
+        if result is None:
+            item.pop("res", None)
+        else:
+            item["res"] = {"B": bytes(result)}
+        tx._set_marker(index, item, marker)
+
+    def _commit(self, tx: DynamoTransaction) -> None:
+        """Send ``tx``'s actions as one ``TransactWriteItems`` (nothing without any)."""
+        tx._end()
+        actions = tx.actions
+        if not actions:
+            return
+        if not self._ready:
+            self._prepare()
+        client = self._connected()
+        try:
+            for action in actions:
+                table = action["Put"]["TableName"] if "Put" in action else None
+                if table is not None and table not in self._key_names:
+                    described = call(client, "describe_table", TableName=table)
+                    self._key_names[table] = [
+                        k["AttributeName"] for k in described["Table"]["KeySchema"]
+                    ]
+        except DRIVER_ERRORS as exc:
+            raise self._error(exc, "reading the key of a table the transaction writes in") from exc
+        try:
+            tx._identify(self._key_names)
+        except ConfigurationError as exc:
+            raise CommitRefused(str(exc)) from exc
+        kwargs: dict[str, Any] = {"TransactItems": actions}
+        request = tx._request_token()
+        if request is not None:
+            kwargs["ClientRequestToken"] = request
+        try:
+            call(client, "transact_write_items", **kwargs)
+        except DRIVER_ERRORS as exc:
+            self._refused(tx, exc)
+
+    def _refused(self, tx: DynamoTransaction, exc: BaseException) -> None:
+        """Return when the commit landed after all; otherwise raise what refused it."""
+        code = error_code(exc)
+        if code == "ValidationException":
+            # The request as a whole refused (an expression of yours that does not parse, an
+            # item over 400 KB): the handler's writes, not the store.
+            raise CommitRefused(str(self._error(exc, "commit"))) from exc
+        if code != "TransactionCanceledException":
+            raise self._error(exc, "commit") from exc
+        reasons = getattr(exc, "response", {}).get("CancellationReasons") or []
+        taken: list[Marker] = []
+        refused: list[str] = []
+        busy = False
+        for index, reason in enumerate(reasons):
+            kind = reason.get("Code") or "None"
+            if kind == "None":
+                continue
+            marker = tx._marker_at(index)
+            if marker is not None and kind == "ConditionalCheckFailed":
+                item = reason.get("Item")
+                if item is not None and _rev(item) == marker.rev:
+                    # botocore sent the commit again (its answer lost) and DynamoDB did not
+                    # take it as the same request: the first one landed, whole.
+                    return
+                taken.append(marker)
+            elif kind in _BUSY_REASONS:
+                busy = True
+            else:
+                refused.append(f"action {index + 1} ({kind}: {reason.get('Message', '')})")
+        if taken:
+            shown = ", ".join(
+                f"key {m.record.key!r} (consumer {m.record.consumer!r})" for m in taken
+            )
+            raise KeyTaken(
+                f"commit on dynamodb {self._where}: another worker recorded {shown} first; "
+                "nothing of the transaction was written"
+            ) from exc
+        if refused:
+            raise CommitRefused(
+                f"commit on dynamodb {self._where}: the transaction was cancelled by "
+                f"{'; '.join(refused)}; nothing of it was written"
+            ) from exc
+        if busy or not reasons:
+            raise StoreUnavailable(
+                f"commit on dynamodb {self._where}: the transaction was cancelled ({exc}); "
+                "nothing of it was written: try again"
+            ) from exc
+        raise self._error(exc, "commit") from exc
+
+
+class _Block:
+    """``async with store.transaction() as tx``: a :class:`DynamoTransaction`, sent when the
+    block ends, dropped when it raises."""
+
+    __slots__ = ("_store", "_tx")
+
+    def __init__(self, store: DynamoDBStore) -> None:
+        self._store = store
+        self._tx: DynamoTransaction | None = None
+
+    def __enter__(self) -> DynamoTransaction:
+        store = self._store
+        if store._closed:
+            raise StoreError(f"{store!r} is closed")
+        self._tx = DynamoTransaction(store._owner(), store._table)
+        return self._tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tx = self._tx
+        assert tx is not None
+        self._tx = None
+        if exc_type is not None:
+            tx._end()  # nothing was sent: nothing to roll back
+            return
+        self._store._commit(tx)
