@@ -107,13 +107,12 @@ def test_the_url_opens_both_stores_without_connecting() -> None:
     assert type(astore).__name__ == "AsyncDynamoDBStore"
     assert isinstance(astore, oncely.AsyncStore)
     assert isinstance(astore, oncely.AsyncTransactionalStore)
-    # Every capability of the built-in stores but the offsets.
+    # Every capability of the built-in stores.
     from oncely.stores import async_protocols, sync_protocols
 
-    for name in ("CompletesMany", "ForgetsByToken", "Prepares", "BoundsResults"):
+    for name in ("CompletesMany", "ForgetsByToken", "Prepares", "BoundsResults", "KeepsOffsets"):
         assert isinstance(store, getattr(sync_protocols, name)), name
         assert isinstance(astore, getattr(async_protocols, f"Async{name}")), name
-    assert not isinstance(astore, async_protocols.AsyncKeepsOffsets)
     store.close()
     asyncio.run(astore.aclose())
 
@@ -1056,3 +1055,41 @@ def test_r7_r9_a_commit_whose_answer_was_lost_is_applied_once(
     finally:
         store.close()
         proxy.close()
+
+
+def test_r7_stored_offsets_are_items_of_the_table_restored_by_a_savepoint(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """Each partition's offset is an item of its own (partitions consumed side by side write
+    apart), moved in the transaction only forward; a savepoint's rollback restores what was
+    moved before it; a transaction whose partition another moved meanwhile is cancelled,
+    never moving it back; the offsets items are no records."""
+    store = oncely.open(url)
+    try:
+        with store.transaction() as tx:
+            store.save_offset_in(tx, "c", "orders", 0, 5)
+            store.save_offset_in(tx, "c", "orders", 1, 3)
+            store.save_offset_in(tx, "c", "orders", 0, 4)  # lower than this transaction's 5
+            assert len(tx) == 2
+            with pytest.raises(ValueError, match="rolled back"), store.savepoint(tx):
+                store.save_offset_in(tx, "c", "orders", 1, 9)  # the same action, moved on
+                store.save_offset_in(tx, "c", "payments", 0, 1)
+                ledger.put(tx, "inside", 1)
+                raise ValueError("rolled back to the savepoint")
+            assert len(tx) == 2
+        assert store.offsets("c", "orders") == {0: 5, 1: 3}
+        assert store.offsets("c", "payments") == {} and ledger.count("inside") == 0
+        assert store.offsets("d", "orders") == {} and store.offsets("c", "order") == {}
+        assert store.stats().counts == {} and store.scan() == []
+        assert store.purge_expired() == 0
+        with (
+            pytest.raises(oncely.StoreUnavailable, match="cancelled"),
+            store.transaction() as tx,
+        ):
+            store.save_offset_in(tx, "c", "orders", 1, 7)  # read 3
+            ledger.put(tx, "raced", 1)
+            with store.transaction() as other:
+                store.save_offset_in(other, "c", "orders", 1, 8)
+        assert store.offsets("c", "orders") == {0: 5, 1: 8} and ledger.count("raced") == 0
+    finally:
+        store.close()

@@ -134,7 +134,8 @@ class InboxProcessor:
     from the whole message, and the fingerprint is the payload's. A message ``payload``
     cannot read is ``rejected`` with its reason.
 
-    ``store_offsets=True`` (transactional mode, a store that keeps offsets: the SQL stores)
+    ``store_offsets=True`` (transactional mode, a store that keeps offsets: the SQL and
+    DynamoDB stores)
     writes the message's position in its stream (a Kafka partition's next offset), when the
     consumer passes one, in the handler's transaction with the marker and the business
     writes."""
@@ -409,11 +410,11 @@ class BrokerConsumer:
     ``key`` reads the dedup key of each message (default: the producer's message id, R2); a
     message without one is dead-lettered as ``rejected``, never processed unprotected (R4).
 
-    ``store_offsets=True`` (transactional mode on a SQL store, a Kafka transport) keeps each
-    partition's next offset in the handler's transaction, beside the marker and the business
-    writes, and starts each assigned partition from it when it is ahead of the offset the
-    broker has committed: the database, not the broker's commit, says how far the consumer
-    got, whatever the inbox's retention.
+    ``store_offsets=True`` (transactional mode on a SQL or DynamoDB store, a Kafka transport)
+    keeps each partition's next offset in the handler's transaction, beside the marker and
+    the business writes, and starts each assigned partition from it when it is ahead of the
+    offset the broker has committed: the database, not the broker's commit, says how far the
+    consumer got, whatever the inbox's retention.
 
     Instead of an inbox and a handler, a :class:`Processor` can produce each outcome itself.
     :meth:`run` reads until :meth:`stop` (or SIGTERM/SIGINT with ``handle_signals=True``).

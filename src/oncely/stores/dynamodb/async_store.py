@@ -71,7 +71,13 @@ Design:
   actions (the marker is one), about 4 MB, two actions on one item (a ``Put``'s key read from
   its table's key schema, ``DescribeTable`` once per table), and any write of yours in the
   inbox's table. Nothing can be read back from the buffer, and DynamoDB cannot join a SQL
-  transaction. Stream offsets are not kept here.
+  transaction.
+* **Stored offsets.** :meth:`save_offset_in` keeps a stream's next offsets in the transaction,
+  as items of the inbox's table under partition keys ``#offsets:...`` (no record's can be):
+  one per consumer, stream and partition (partitions consumed side by side write apart),
+  conditional on the offset being still as read, and one listing the partitions kept, for
+  :meth:`offsets`. A Kafka consumer writing in DynamoDB is then effectively once, its
+  position committed with its writes.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ from oncely.errors import (
     TransactionEnded,
     TransactionRequired,
 )
+from oncely.stores._offsets import check_position
 from oncely.stores.dynamodb.async_io import Client, call, close, connect, each, write
 from oncely.stores.dynamodb.dialect import (
     ABSENT,
@@ -136,6 +143,8 @@ from oncely.stores.dynamodb.dialect import (
     from_item,
     is_record,
     new_rev,
+    offsets_key,
+    offsets_of,
     partition_key,
     to_item,
     ttl_seconds,
@@ -148,7 +157,7 @@ from oncely.stores.dynamodb.errors import (
     parse_url,
     translate,
 )
-from oncely.stores.dynamodb.transaction import DynamoTransaction, Marker
+from oncely.stores.dynamodb.transaction import DynamoTransaction, Marker, Offsets
 
 __all__ = ["AsyncDynamoDBStore"]
 
@@ -1113,11 +1122,11 @@ class AsyncDynamoDBStore:
         """DynamoDB has no savepoint, but a buffer can: the actions added in the block are
         dropped when it raises, those added before stay."""
         self.check_transaction(tx)
-        length = len(tx)
+        mark = tx._mark()
         try:
             yield
         except BaseException:
-            tx._truncate(length)
+            tx._restore(mark)
             raise
 
     async def claim_in(
@@ -1195,6 +1204,68 @@ class AsyncDynamoDBStore:
             item["res"] = {"B": bytes(result)}
         tx._set_marker(index, item, marker)
 
+    async def prepare_offsets(self) -> None:
+        """Connect and check the table: stored offsets are items of the inbox's own table,
+        nothing to create."""
+        if not self._ready:
+            await self._prepare()
+
+    async def offsets(self, consumer: str, stream: str) -> dict[int, int]:
+        """The next offset to read of each partition of ``stream`` that ``consumer`` kept in
+        its transactions (:meth:`save_offset_in`): strongly consistent reads of the item
+        listing the partitions, then of each partition's item."""
+        check_position(stream, 0, 0, consumer=consumer)
+        index = await self._get(offsets_key(consumer, stream), "reading stored offsets")
+        parts = sorted(int(p) for p in (index or {}).get("ps", {}).get("NS", []))
+
+        def run(part: int) -> Callable[[], Any]:
+            async def read() -> dict[int, int]:
+                pk = offsets_key(consumer, stream, part)
+                return offsets_of(await self._get(pk, "reading stored offsets"))
+
+            return read
+
+        kept: dict[int, int] = {}
+        if parts:
+            for found in await each([run(p) for p in parts], self._options.max_connections):
+                kept.update(found)
+        return kept
+
+    async def _get(self, pk: str, doing: str) -> Item | None:
+        if not self._ready:
+            await self._prepare()
+        found = await self._call("get_item", doing, Key={"pk": {"S": pk}}, ConsistentRead=True)
+        item: Item | None = found.get("Item")
+        return item
+
+    async def save_offset_in(
+        self, tx: DynamoTransaction, consumer: str, stream: str, part: int, next_offset: int
+    ) -> None:
+        """Keep ``next_offset`` as the offset to read next of ``stream``'s partition ``part``,
+        in ``tx`` (it never moves back). The partition's item (in the inbox's table) is read
+        once per transaction, and updated conditional on being still as read: a member of the
+        group that moved it meanwhile cancels the transaction
+        (:class:`~oncely.StoreUnavailable`, nothing written) rather than being moved back. A
+        partition kept for the first time is added to the item listing the stream's partitions
+        at once, outside ``tx`` (a set only grows; one listed whose transaction never
+        committed has no item, and is not read)."""
+        check_position(stream, part, next_offset, consumer=consumer)
+        self.check_transaction(tx)
+        pk = offsets_key(consumer, stream, part)
+        state = tx._offsets_of(pk)
+        if state is None:
+            read = offsets_of(await self._get(pk, "reading a stored offset"))
+            if not read:
+                await self._call(
+                    "update_item",
+                    "listing a stored offset's partition",
+                    Key={"pk": {"S": offsets_key(consumer, stream)}},
+                    UpdateExpression="ADD ps :p",
+                    ExpressionAttributeValues={":p": {"NS": [str(part)]}},
+                )
+            state = Offsets(pk, read, {})
+        tx._move(self._table, state, part, next_offset)
+
     async def _commit(self, tx: DynamoTransaction) -> None:
         """Send ``tx``'s actions as one ``TransactWriteItems`` (nothing without any)."""
         tx._end()
@@ -1254,6 +1325,8 @@ class AsyncDynamoDBStore:
                 taken.append(marker)
             elif kind in _BUSY_REASONS:
                 busy = True
+            elif kind == "ConditionalCheckFailed" and tx._is_offsets(index):
+                busy = True  # the offsets moved meanwhile (another member of the group)
             else:
                 refused.append(f"action {index + 1} ({kind}: {reason.get('Message', '')})")
         if taken:

@@ -36,16 +36,19 @@ import os
 from typing import Any, Final
 
 from oncely._core.records import Record, Status, new_record
-from oncely.errors import InvalidKey, KeyTooLong
+from oncely.errors import ConfigurationError, InvalidKey, KeyTooLong
 
 __all__ = [
     "ABSENT",
     "MARKER",
     "MAX_PARTITION_KEY_BYTES",
+    "OFFSETS",
     "SCHEMA_VERSION",
     "Item",
     "from_item",
     "new_rev",
+    "offsets_key",
+    "offsets_of",
     "partition_key",
     "to_item",
 ]
@@ -56,6 +59,8 @@ Item = dict[str, Any]
 SCHEMA_VERSION: Final = 1
 MARKER: Final = "#schema"
 """The partition key of the schema marker item."""
+OFFSETS: Final = "#offsets:"
+"""The start of the partition key of a stored offsets item."""
 MAX_PARTITION_KEY_BYTES: Final = 2048
 """DynamoDB's limit on a partition key value (UTF-8 bytes)."""
 
@@ -97,6 +102,34 @@ def ttl_seconds(expires_ms: int) -> int:
     """The TTL attribute's value: the expiry in epoch seconds, rounded up (DynamoDB never
     deletes an item before it expired)."""
     return -(-expires_ms // 1000)
+
+
+def offsets_key(consumer: str, stream: str, part: int | None = None) -> str:
+    """The partition key of the item keeping ``consumer``'s next offset of ``stream``'s
+    partition ``part`` (its attribute ``p<part>``), or with ``part`` None of the item listing
+    the partitions kept (its number set ``ps``); never a record's, whose key starts with a
+    digit. One item per partition: partitions consumed side by side write apart."""
+    pk = f"{OFFSETS}{len(consumer)}:{consumer}:{len(stream)}:{stream}"
+    if part is not None:
+        pk += f":{part}"
+    size = len(pk.encode())
+    if size > MAX_PARTITION_KEY_BYTES:
+        raise ConfigurationError(
+            f"the consumer and stream take {size} bytes in the DynamoDB partition key of "
+            f"their stored offsets, over its {MAX_PARTITION_KEY_BYTES}: use a shorter consumer"
+        )
+    return pk
+
+
+def offsets_of(item: Item | None) -> dict[int, int]:
+    """The partitions' next offsets an offsets item keeps."""
+    if not item:
+        return {}
+    return {
+        int(name[1:]): int(value["N"])
+        for name, value in item.items()
+        if name[:1] == "p" and name[1:].isdigit() and "N" in value
+    }
 
 
 def to_item(pk: str, rec: Record, rev: str) -> Item:

@@ -46,6 +46,44 @@ class Marker:
     record: Record
 
 
+@dataclass(slots=True)
+class Offsets:
+    """The stored offsets item of one consumer and stream that an action of the transaction
+    moves forward: its partitions as read, and those the transaction moves."""
+
+    pk: str
+    read: dict[int, int]
+    moved: dict[int, int]
+
+    def body(self, table: str) -> dict[str, Any]:
+        """The ``Update`` that sets the moved partitions, conditional on each being still as
+        read (a write of another transaction meanwhile cancels this one: never moved back)."""
+        sets, checks = [], []
+        names: dict[str, str] = {}
+        values: dict[str, Any] = {}
+        for i, (part, offset) in enumerate(sorted(self.moved.items())):
+            names[f"#p{i}"] = f"p{part}"
+            values[f":v{i}"] = {"N": str(offset)}
+            sets.append(f"#p{i} = :v{i}")
+            if part in self.read:
+                values[f":r{i}"] = {"N": str(self.read[part])}
+                checks.append(f"#p{i} = :r{i}")
+            else:
+                checks.append(f"attribute_not_exists(#p{i})")
+        return {
+            "TableName": table,
+            "Key": {"pk": {"S": self.pk}},
+            "UpdateExpression": "SET " + ", ".join(sets),
+            "ConditionExpression": " AND ".join(checks),
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
+        }
+
+
+Mark = tuple[int, dict[str, dict[int, int]]]
+"""What a savepoint restores: the number of actions, and the offsets each moved then."""
+
+
 def value_bytes(value: Any) -> int:
     """About how many bytes DynamoDB counts for a typed AttributeValue."""
     if not isinstance(value, Mapping) or len(value) != 1:
@@ -106,7 +144,16 @@ class DynamoTransaction:
     item, and any write in the inbox's own table.
     """
 
-    __slots__ = ("_actions", "_ended", "_ids", "_inbox_table", "_markers", "_owner", "_sizes")
+    __slots__ = (
+        "_actions",
+        "_ended",
+        "_ids",
+        "_inbox_table",
+        "_markers",
+        "_offsets",
+        "_owner",
+        "_sizes",
+    )
 
     def __init__(self, owner: tuple[str | None, str], inbox_table: str) -> None:
         self._owner = owner
@@ -117,6 +164,8 @@ class DynamoTransaction:
         # table's key schema at the commit).
         self._ids: list[tuple[str, tuple[tuple[str, str], ...]] | None] = []
         self._markers: list[Marker | None] = []
+        # The stored offsets items moved (by their partition key), and the action of each.
+        self._offsets: dict[str, tuple[int, Offsets]] = {}
         self._ended = False
 
     def __repr__(self) -> str:
@@ -264,10 +313,47 @@ class DynamoTransaction:
         self._sizes[index] = _action_bytes(self._actions[index]["Put"])
         self._markers[index] = marker
 
-    def _truncate(self, length: int) -> None:
-        """Forget the actions added after the first ``length`` (a savepoint's rollback)."""
+    def _offsets_of(self, pk: str) -> Offsets | None:
+        entry = self._offsets.get(pk)
+        return None if entry is None else entry[1]
+
+    def _is_offsets(self, index: int) -> bool:
+        return any(i == index for i, _ in self._offsets.values())
+
+    def _move(self, table: str, state: Offsets, part: int, next_offset: int) -> None:
+        """Move ``part`` of the offsets item ``state`` to ``next_offset`` in this transaction,
+        unless it is there or beyond already (as read, or as moved here)."""
+        kept = state.moved.get(part, state.read.get(part))
+        if kept is not None and next_offset <= kept:
+            return
+        moved = Offsets(state.pk, state.read, {**state.moved, part: next_offset})
+        body = moved.body(table)
+        entry = self._offsets.get(state.pk)
+        if entry is None:
+            self._append({"Update": body}, body, None)
+            self._offsets[state.pk] = (len(self._actions) - 1, moved)
+        else:  # one action per item: the partitions of one item move in one Update
+            self._actions[entry[0]] = {"Update": body}
+            self._sizes[entry[0]] = _action_bytes(body)
+            self._offsets[state.pk] = (entry[0], moved)
+
+    def _mark(self) -> Mark:
+        return len(self._actions), {pk: dict(o.moved) for pk, (_, o) in self._offsets.items()}
+
+    def _restore(self, mark: Mark) -> None:
+        """Forget what was added since ``mark`` (a savepoint's rollback): the actions added
+        after it, and the partitions moved since in an offsets item's action added before."""
+        length, moved = mark
         del self._actions[length:], self._sizes[length:], self._ids[length:]
         del self._markers[length:]
+        for pk, (index, state) in list(self._offsets.items()):
+            if pk not in moved:
+                del self._offsets[pk]
+                continue
+            restored = Offsets(pk, state.read, moved[pk])
+            table = self._actions[index]["Update"]["TableName"]
+            self._actions[index] = {"Update": restored.body(table)}
+            self._offsets[pk] = (index, restored)
 
     def _end(self) -> None:
         self._ended = True
