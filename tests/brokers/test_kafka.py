@@ -489,6 +489,53 @@ class TestKafka(BrokerSuite):
         assert control.counts["processed"] == 40 and control.counts["duplicate"] == 8
         assert self.ledger.counts() == {**dict.fromkeys(first, 2), **dict.fromkeys(later, 1)}
 
+    async def test_r7_offsets_kept_in_dynamodb_with_the_writes_outlive_the_commits_and_markers(
+        self,
+    ) -> None:
+        """``store_offsets`` on the DynamoDB store (moto's server): each record's ledger item,
+        marker and next offset in one TransactWriteItems; a group that lost its commits, on an
+        inbox without the markers, starts from the stored offsets and applies nothing twice."""
+        from tests.backends import Scope
+        from tests.backends.dynamodb import SyncDynamoDBLedger, drop_table, endpoint
+
+        table = unique("oncely_kafka_inbox")
+        scope = Scope(tmp_path=None, unique=unique("k"))  # type: ignore[arg-type]
+        ledger = SyncDynamoDBLedger(scope, None)
+
+        async def clean() -> None:
+            for name in (table, ledger.table):
+                await asyncio.to_thread(drop_table, name)
+
+        self.after(clean)
+        store = oncely.open_async(f"dynamodb://{endpoint()}/{table}")
+        self.after(store.aclose)
+        inbox = oncely.AsyncInbox(store, consumer=self.group)
+
+        async def apply(tx: Any, payload: dict[str, Any]) -> None:
+            ledger.put(tx, payload["k"], 1)
+
+        first = [f"d{i}" for i in range(24)]
+        for key in first:
+            await self.publish(key)
+        worker = self._keeping(inbox, self.group, handler=apply)
+        async with running(worker):
+            await wait_until(lambda: worker.counts["processed"] == 24, what="the first 24")
+        ends: Counter[int] = Counter()
+        for record in await self._read_all(self.source):
+            ends[record.partition] = max(ends[record.partition], record.offset + 1)
+        assert await self._stored(store, self.source) == dict(ends)  # type: ignore[arg-type]
+        for key in first:  # the markers are gone: only the stored offsets remember
+            assert await inbox.forget(key)
+        later = [f"e{n}" for n in range(6)]
+        for key in later:
+            await self.publish(key)
+        fresh = self._keeping(inbox, unique("lost-commits"), handler=apply)
+        async with running(fresh):
+            await wait_until(lambda: fresh.counts["processed"] == 6, what="the 6 later ones")
+        assert sum(fresh.counts.values()) == 6  # the first 24 were never read again
+        counts = await asyncio.to_thread(lambda: {k: ledger.count(k) for k in first + later})
+        assert counts == dict.fromkeys(first + later, 1)
+
     async def test_nothing_is_read_before_the_stored_offsets_answer(self) -> None:
         """The stored offsets are read when the group assigns the partitions; the client
         starts fetching from the group's commit meanwhile. Before, a database slow to answer
