@@ -1093,3 +1093,44 @@ def test_r7_stored_offsets_are_items_of_the_table_restored_by_a_savepoint(
         assert store.offsets("c", "orders") == {0: 5, 1: 8} and ledger.count("raced") == 0
     finally:
         store.close()
+
+
+def test_r7_a_write_in_a_table_that_does_not_exist_is_the_handlers_failure(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """Not a store outage (a consumer would retry it forever, the store answering the same):
+    the handler's failure, retried and dead-lettered as one, nothing written."""
+    store = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="c")
+    key = {"key": {"S": "x"}, "sk": {"S": "1"}}
+
+    def put(tx: DynamoTransaction, payload: object) -> None:
+        ledger.put(tx, "k", 1)
+        tx.put("oncely_no_such_table", key)
+
+    def update(tx: DynamoTransaction, payload: object) -> None:
+        ledger.put(tx, "k", 1)
+        tx.update("oncely_no_such_table", key, "SET a = :a", values={":a": {"N": "1"}})
+
+    try:
+        for handler in (put, update):
+            failed = inbox.handle_in_transaction("k", None, handler)
+            assert failed.outcome is Outcome.FAILED, failed
+            assert isinstance(failed.error, oncely.CommitRefused), failed.error
+            assert ledger.count("k") == 0 and inbox.get("k") is None
+    finally:
+        store.close()
+
+
+def test_a_single_write_meeting_a_transaction_on_its_item_is_retryable() -> None:
+    """DynamoDB refuses a PutItem or UpdateItem on an item a TransactWriteItems is writing at
+    that moment (TransactionConflictException): not now, not a broken store."""
+    from botocore.exceptions import ClientError
+
+    from oncely.stores.dynamodb.errors import translate
+
+    refused = ClientError(
+        {"Error": {"Code": "TransactionConflictException", "Message": "in a transaction"}},
+        "PutItem",
+    )
+    assert isinstance(translate(refused, "claim", "here", "t"), oncely.StoreUnavailable)

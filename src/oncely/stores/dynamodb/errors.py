@@ -53,6 +53,8 @@ _UNAVAILABLE_CODES: Final = frozenset(
         "ServiceUnavailable",
         "ServiceUnavailableException",
         "TransactionInProgressException",
+        # A single write on an item that a TransactWriteItems is writing at that moment.
+        "TransactionConflictException",
     }
 )
 # The credentials or the permissions refused: a set-up to fix (also any answer of HTTP 401 or

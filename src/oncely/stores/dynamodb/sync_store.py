@@ -1273,16 +1273,20 @@ class DynamoDBStore:
         if not self._ready:
             self._prepare()
         client = self._connected()
-        try:
-            for action in actions:
-                table = action["Put"]["TableName"] if "Put" in action else None
-                if table is not None and table not in self._key_names:
-                    described = call(client, "describe_table", TableName=table)
-                    self._key_names[table] = [
-                        k["AttributeName"] for k in described["Table"]["KeySchema"]
-                    ]
-        except DRIVER_ERRORS as exc:
-            raise self._error(exc, "reading the key of a table the transaction writes in") from exc
+        for action in actions:
+            table = action["Put"]["TableName"] if "Put" in action else None
+            if table is None or table in self._key_names:
+                continue
+            try:
+                described = call(client, "describe_table", TableName=table)
+            except DRIVER_ERRORS as exc:
+                if error_code(exc) == "ResourceNotFoundException":  # the handler's mistake
+                    raise CommitRefused(
+                        f"commit on dynamodb {self._where}: the transaction puts an item in "
+                        f"table {table!r}, which does not exist; nothing of it was written"
+                    ) from exc
+                raise self._error(exc, f"reading the key of table {table!r}") from exc
+            self._key_names[table] = [k["AttributeName"] for k in described["Table"]["KeySchema"]]
         try:
             tx._identify(self._key_names)
         except ConfigurationError as exc:
@@ -1299,10 +1303,16 @@ class DynamoDBStore:
     def _refused(self, tx: DynamoTransaction, exc: BaseException) -> None:
         """Return when the commit landed after all; otherwise raise what refused it."""
         code = error_code(exc)
-        if code == "ValidationException":
+        if code in ("ValidationException", "ResourceNotFoundException"):
             # The request as a whole refused (an expression of yours that does not parse, an
-            # item over 400 KB): the handler's writes, not the store.
-            raise CommitRefused(str(self._error(exc, "commit"))) from exc
+            # item over 400 KB, a table of yours that does not exist: the inbox's was checked):
+            # the handler's writes, not the store.
+            what = "a table it writes in does not exist" if code != "ValidationException" else ""
+            raise CommitRefused(
+                f"commit on dynamodb {self._where}: {code}: "
+                f"{getattr(exc, 'response', {}).get('Error', {}).get('Message', '') or what}; "
+                "nothing of the transaction was written"
+            ) from exc
         if code != "TransactionCanceledException":
             raise self._error(exc, "commit") from exc
         reasons = getattr(exc, "response", {}).get("CancellationReasons") or []
