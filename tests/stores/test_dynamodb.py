@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -853,6 +854,47 @@ def test_r7_r8_threads_racing_one_key_in_transactions_apply_it_once(
     assert kinds == ["duplicate"] * (workers - 1) + ["processed"], outcomes
     assert all(h.value == {"booked": 30} for h in outcomes)
     assert ledger.count("order-1") == 1
+
+
+def _handle_in_process(url: str, table: str, inside: Any, out: Any) -> None:
+    store = oncely.open(url)
+    try:
+        inbox = oncely.Inbox(store, consumer="c")
+        runs: list[int] = []
+
+        def book(tx: DynamoTransaction, payload: object) -> str:
+            runs.append(1)
+            tx.put(table, {"key": {"S": "k"}, "sk": {"S": os.urandom(8).hex()}})
+            if len(runs) == 1:
+                inside.wait(60)  # every process claimed before any commits
+            return "done"
+
+        handled = inbox.handle_in_transaction("k", None, book)
+        out.put((handled.outcome.value, handled.value, len(runs)))
+    finally:
+        store.close()
+
+
+def test_r7_r8_processes_racing_one_key_in_transactions_apply_it_once(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    oncely.open(url).migrate()
+    context = multiprocessing.get_context("spawn")
+    inside, out = context.Barrier(3), context.Queue()
+    processes = [
+        context.Process(target=_handle_in_process, args=(url, ledger.table, inside, out))
+        for _ in range(3)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in processes]
+    finally:
+        for p in processes:
+            p.join(60)
+    assert sorted(r[0] for r in results) == ["duplicate", "duplicate", "processed"], results
+    assert all(r[1] == "done" and r[2] == 1 for r in results)  # each handler ran once
+    assert ledger.count("k") == 1
 
 
 def test_r7_r8_async_transactions_racing_one_key_apply_it_once(
