@@ -19,7 +19,7 @@ from typing import Any
 import botocore.session
 
 import oncely
-from oncely.stores.dynamodb.transaction import DynamoTransaction
+from oncely.stores.dynamodb import DynamoTransaction
 
 
 def main(endpoint: str, table: str) -> None:

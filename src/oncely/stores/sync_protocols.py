@@ -4,7 +4,8 @@
 
 Two capability levels. Every store can claim, take over, complete, fail, renew, release, get and
 purge (two-phase mode, R10). A *transactional* store can also claim inside a transaction the
-caller's code writes in, so the marker and the business writes commit together (R7): SQL stores.
+caller's code writes in, so the marker and the business writes commit together (R7): the SQL
+stores, and DynamoDB's (whose transaction is one ``TransactWriteItems`` sent at its end).
 
 All times are epoch milliseconds from the store's clock, never the worker's. Every fenced write
 (complete, fail, renew, release) carries the claim's token and raises :class:`~oncely.LeaseLost`,
@@ -215,8 +216,8 @@ class BoundsResults(Protocol):
 @runtime_checkable
 class KeepsOffsets(Protocol[Tx_contra]):
     """A store that keeps a partitioned stream's consumed offsets beside the inbox, written in
-    the handler's transaction (the SQL stores): a consumer in the transactional mode then
-    starts each partition from what its database says it finished."""
+    the handler's transaction (the SQL and DynamoDB stores): a consumer in the transactional
+    mode then starts each partition from what its database says it finished."""
 
     def save_offset_in(
         self, tx: Tx_contra, consumer: str, stream: str, part: int, next_offset: int

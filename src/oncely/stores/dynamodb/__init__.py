@@ -3,8 +3,9 @@ DynamoDB API, on botocore and aiobotocore (``oncely[dynamodb]``). DynamoDB API, 
 moto's server (not on AWS): two-phase mode, and the transactional mode in one
 ``TransactWriteItems`` (:class:`~oncely.stores.dynamodb.transaction.DynamoTransaction`).
 
-The classes are imported on first use, so importing this package needs no driver; the
-entry point ``oncely.stores`` names :data:`backend`.
+The store classes are imported on first use, so importing this package needs no driver (nor
+does :class:`DynamoTransaction`, the transaction a handler of the transactional mode writes
+in); the entry point ``oncely.stores`` names :data:`backend`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from oncely.stores._backend import Backend
+from oncely.stores.dynamodb.transaction import DynamoTransaction
 
 if TYPE_CHECKING:
     from oncely.stores.dynamodb.async_store import AsyncDynamoDBStore as AsyncDynamoDBStore
     from oncely.stores.dynamodb.sync_store import DynamoDBStore as DynamoDBStore
 
-__all__ = ["AsyncDynamoDBStore", "DynamoDBStore", "backend"]
+__all__ = ["AsyncDynamoDBStore", "DynamoDBStore", "DynamoTransaction", "backend"]
 
 backend = Backend(
     name="DynamoDB",
