@@ -59,11 +59,12 @@ Design:
   (strongly consistent): a live record is the answer (duplicate, in flight ...), otherwise the
   marker is put, as ``initial`` (completed), by an action whose condition is the item as read
   (absent, expired, or that revision). A worker who won the key meanwhile makes the whole
-  transaction fail on that condition: nothing of it is written, the store raises
+  transaction fail on that condition (or, writing it at that moment, conflict with it):
+  nothing of it is written, the store raises
   :class:`~oncely.KeyTaken`, and ``handle_in_transaction`` claims again once, in a new
   transaction, answering from the winner's record (``duplicate`` with its result), not as a
   failed handler. A condition of yours that fails is :class:`~oncely.CommitRefused`, the
-  handler's failure (retried); another transaction on one of the items, or throttling,
+  handler's failure (retried); another transaction on one of your items, or throttling,
   :class:`~oncely.StoreUnavailable`. The commit carries a ``ClientRequestToken`` made from
   the claim's token, so a commit botocore sends again (its answer lost) is applied once by
   DynamoDB; an endpoint that does not honour it (moto's server) cancels the resend on the
@@ -1331,6 +1332,10 @@ class DynamoDBStore:
                     # take it as the same request: the first one landed, whole.
                     return
                 taken.append(marker)
+            elif marker is not None and kind == "TransactionConflict":
+                # Another transaction was writing the key's item at that moment: claimed
+                # again, the key is answered by what it left (its record, or none).
+                taken.append(marker)
             elif kind in _BUSY_REASONS:
                 busy = True
             elif kind == "ConditionalCheckFailed" and tx._is_offsets(index):
@@ -1342,8 +1347,8 @@ class DynamoDBStore:
                 f"key {m.record.key!r} (consumer {m.record.consumer!r})" for m in taken
             )
             raise KeyTaken(
-                f"commit on dynamodb {self._where}: another worker recorded {shown} first; "
-                "nothing of the transaction was written"
+                f"commit on dynamodb {self._where}: another worker recorded {shown} first (or "
+                "was writing it at that moment); nothing of the transaction was written"
             ) from exc
         if refused:
             raise CommitRefused(
