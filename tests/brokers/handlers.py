@@ -59,3 +59,15 @@ def note_outcome(handled: oncely.Handled[Any]) -> None:
 def broken_hook(handled: oncely.Handled[Any]) -> None:
     """A hook whose exporter is down: it raises for every outcome."""
     raise RuntimeError("metrics exporter down")
+
+
+async def book_in_dynamodb(tx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """The transactional mode on the DynamoDB store: one ledger item per application, under a
+    fresh id (a second application of an order would show as a second item), buffered in the
+    :class:`~oncely.stores.dynamodb.DynamoTransaction` that commits it with the marker. The
+    ledger table is named by ``ONCELY_TEST_LEDGER``."""
+    import uuid
+
+    item = {"id": {"S": uuid.uuid4().hex}, "order": {"N": str(payload["order"])}}
+    tx.put(os.environ["ONCELY_TEST_LEDGER"], item)
+    return {"booked": payload["order"]}

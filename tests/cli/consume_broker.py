@@ -19,7 +19,8 @@ from tests.brokers.common import unique
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _publish(url: str, source: str) -> None:
+async def publish_orders(url: str, source: str) -> None:
+    """Five orders to ``source``, two of them a producer's retries (the same message id)."""
     producer = open_producer(url, source)
     try:
         for order in (1, 2, 1, 3, 2):  # two producer retries
@@ -52,7 +53,7 @@ def consume_orders_once(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        asyncio.run(_publish(url, source))
+        asyncio.run(publish_orders(url, source))
         deadline = time.monotonic() + 60
         while len(effects.read_text().splitlines()) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)

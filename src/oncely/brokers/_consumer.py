@@ -155,7 +155,8 @@ class InboxProcessor:
         if mode == "transactional" and not isinstance(inbox.store, AsyncTransactionalStore):
             raise ConfigurationError(
                 f"{type(inbox.store).__name__} cannot join a transaction; the transactional "
-                "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite), or use two_phase"
+                "mode needs a SQL store (PostgreSQL, MariaDB/MySQL, SQLite) or DynamoDB, or use "
+                "two_phase"
             )
         wrong = handler_misfit(handler, mode)
         if wrong is not None:

@@ -429,7 +429,7 @@ def _horizon_advice(horizon: RedeliveryHorizon) -> str:
     type=click.Choice(["two-phase", "transactional"]),
     default="two-phase",
     show_default=True,
-    help="transactional needs a SQL store and a handler(tx, payload).",
+    help="transactional needs a SQL or DynamoDB store and a handler(tx, payload).",
 )
 @click.option(
     "--store-offsets",
