@@ -338,6 +338,38 @@ def test_no_aws_credentials_is_a_clear_error(
         store.close()
 
 
+def test_a_mistyped_region_is_named_in_the_outage_it_causes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dynamodb:///t?region=eu-wset-1`` has the shape of a region, so it passes the URL's
+    check, and its endpoint's name does not resolve: the store said "Could not connect to the
+    endpoint URL", an outage to wait out, never that the region was no region. It is still
+    unavailable (botocore's list lags AWS's new regions), but its message now says that
+    botocore knows no such region. The name is looked up for real (and never found)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    store = oncely.open("dynamodb:///t_region?region=eu-wset-1&connect_timeout=2")
+    try:
+        with pytest.raises(oncely.StoreUnavailable) as raised:
+            store.get("c", "k")
+    finally:
+        store.close()
+    said = str(raised.value)
+    assert "knows no AWS region 'eu-wset-1' for DynamoDB" in said, said
+    assert "check the region's spelling" in said, said
+
+    async def run() -> str:
+        astore = oncely.open_async("dynamodb:///t_region?region=eu-wset-1&connect_timeout=2")
+        try:
+            with pytest.raises(oncely.StoreUnavailable) as raised:
+                await astore.prepare()
+        finally:
+            await astore.aclose()
+        return str(raised.value)
+
+    assert "knows no AWS region 'eu-wset-1'" in asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "host",
     ["dynamodb-fips.us-east-1.amazonaws.com", "vpce-0a1b.dynamodb.us-east-1.vpce.amazonaws.com"],

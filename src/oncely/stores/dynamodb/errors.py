@@ -14,13 +14,14 @@ from typing import Final
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    EndpointConnectionError,
     NoCredentialsError,
     NoRegionError,
     PartialCredentialsError,
     ProfileNotFound,
 )
 
-from oncely._aws import REGION, error_code, region_or_default
+from oncely._aws import REGION, error_code, region_hint, region_or_default
 from oncely._core.said import said
 from oncely._urls import UrlOptions, path_of, redact, split
 from oncely.errors import ConfigurationError, SchemaMissing, StoreError, StoreUnavailable
@@ -76,9 +77,13 @@ def _status(exc: ClientError) -> int:
     return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
-def translate(exc: BaseException, doing: str, where: str, table: str) -> StoreError:
+def translate(
+    exc: BaseException, doing: str, where: str, table: str, *, region: str | None = None
+) -> StoreError:
     """The oncely error for a botocore error raised while ``doing`` something on the table
-    ``table`` at ``where`` (an endpoint or ``aws REGION``)."""
+    ``table`` at ``where`` (an endpoint or ``aws REGION``). ``region`` is AWS's region when
+    AWS itself is meant (no endpoint named): a connection error there names a region that
+    botocore does not know, as a mistyped one (``eu-wset-1``) reads as an outage."""
     doing = f"{doing} on dynamodb {where} table {table!r}"
     if isinstance(exc, ClientError):
         code = error_code(exc)
@@ -103,7 +108,10 @@ def translate(exc: BaseException, doing: str, where: str, table: str) -> StoreEr
         )
     if isinstance(exc, NoRegionError):
         return StoreError(f"{doing}: no AWS region: add ?region= to the URL, or set AWS_REGION")
-    return StoreUnavailable(f"{doing}: {said(exc)}")
+    hint = ""
+    if region is not None and isinstance(exc, EndpointConnectionError):
+        hint = region_hint("dynamodb", region)
+    return StoreUnavailable(f"{doing}: {said(exc)}{hint}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -294,7 +294,8 @@ class DynamoDBStore:
     # ------------------------------------------------------------ the client
 
     def _error(self, exc: BaseException, doing: str) -> StoreError:
-        return translate(exc, doing, self._where, self._table)
+        aws = self._options.region if self._options.endpoint_url is None else None
+        return translate(exc, doing, self._where, self._table, region=aws)
 
     def _connected(self) -> Client:
         if self._closed:
