@@ -632,7 +632,10 @@ class _FaultyProxy:
     reply lost on the network. With ``strip``, it takes the item out of every answer of a
     failed condition, as an emulator without ``ReturnValuesOnConditionCheckFailure`` answers
     (dynalite, older DynamoDB Local). With ``refuse`` (a target), it answers that request
-    with AWS's ValidationException, after passing it on when ``refused_lands``."""
+    with AWS's ValidationException, after passing it on when ``refused_lands``. With
+    ``idempotent``, it keeps TransactWriteItems' ClientRequestToken as AWS does (moto's
+    server ignores it): a token sent again with the same request is answered as the first
+    time, without passing it on; with another request, IdempotentParameterMismatchException."""
 
     def __init__(
         self,
@@ -641,9 +644,14 @@ class _FaultyProxy:
         strip: bool = False,
         refuse: str | None = None,
         refused_lands: bool = True,
+        idempotent: bool = False,
     ) -> None:
         import socket
 
+        self.idempotent = idempotent
+        self.tokens: dict[str, tuple[bytes, tuple[int, str, list[Any], bytes]]] = {}
+        self.mismatched = 0
+        self._lock = threading.Lock()
         self.target = None if target is None else target.encode()
         self.strip = strip
         self.refuse = None if refuse is None else refuse.encode()
@@ -685,13 +693,31 @@ class _FaultyProxy:
                     buffer += conn.recv(65536)
                 body, buffer = buffer[:size], buffer[size:]
                 refusing = self.refuse is not None and self.refuse in head
-                if refusing and not self.refused_lands:
+                token = None
+                if self.idempotent and b"DynamoDB_20120810.TransactWriteItems" in head:
+                    token = json.loads(body).get("ClientRequestToken")
+                kept = None if token is None else self.tokens.get(token)
+                if kept is not None and kept[0] == body:
+                    status, reason, answered, data = kept[1]  # the same request: its answer
+                elif kept is not None:
+                    with self._lock:
+                        self.mismatched += 1
+                    status, reason = 400, "Bad Request"
+                    answered = [("Content-Type", "application/x-amz-json-1.0")]
+                    data = (
+                        b'{"__type": "com.amazonaws.dynamodb.v20120810#'
+                        b'IdempotentParameterMismatchException", "message": "Request '
+                        b'parameters do not match the original request with this token"}'
+                    )
+                elif refusing and not self.refused_lands:
                     status, reason, answered, data = 200, "OK", [], b""
                 else:
                     upstream.request(method, path, body, headers)
                     reply = upstream.getresponse()
                     status, reason, answered = reply.status, reply.reason, reply.getheaders()
                     data = reply.read()
+                    if token is not None:
+                        self.tokens[token] = (body, (status, reason, answered, data))
                 if refusing:
                     self.refused += 1
                     status, reason, answered = (
@@ -708,8 +734,6 @@ class _FaultyProxy:
                     self.dropped += 1
                     return  # the write landed; its answer is lost
                 if self.strip and b"ConditionalCheckFailedException" in data:
-                    import json
-
                     answer = json.loads(data)
                     if answer.pop("Item", None) is not None:
                         self.stripped += 1
@@ -1164,7 +1188,38 @@ def test_r7_r9_a_commit_whose_answer_was_lost_is_applied_once(
         record = inbox.get("order-1")
         assert record is not None and record.status is Status.COMPLETED
         tokens = {body["ClientRequestToken"] for body in sent}
-        assert len(sent) == 2 and tokens == {f"oncely-{record.token}"[:36]}
+        assert len(sent) == 2 and len(tokens) == 1  # one token: one request, sent twice
+    finally:
+        store.close()
+        proxy.close()
+
+
+def test_r7_r9_each_commit_has_a_client_request_token_of_its_own(
+    scope: Scope, ledger: SyncDynamoDBLedger
+) -> None:
+    """AWS keeps a TransactWriteItems' ClientRequestToken for 10 minutes and refuses it on
+    another request (IdempotentParameterMismatchException). The token was ``oncely-`` and the
+    claim's token cut to 36 characters, which cut off the last digits of the claim tokens'
+    counter: every commit of a process after its first, for 4096 claims, reused its token,
+    and AWS refused them all. The proxy keeps tokens as AWS does (moto's server ignores
+    them); a lost answer is then answered by AWS's token, not the marker's condition."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _FaultyProxy("DynamoDB_20120810.TransactWriteItems", idempotent=True)
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: DynamoTransaction, payload: Any) -> str:
+        ledger.put(tx, payload, 1)
+        return "booked"
+
+    try:
+        for n in range(5):
+            handled = inbox.handle_in_transaction(f"order-{n}", f"order-{n}", book)
+            assert handled.outcome is Outcome.PROCESSED, handled
+            assert ledger.count(f"order-{n}") == 1
+        assert proxy.dropped == 1 and proxy.mismatched == 0
+        assert len(proxy.tokens) == 5
+        assert all(1 <= len(token) <= 36 for token in proxy.tokens)
     finally:
         store.close()
         proxy.close()

@@ -15,6 +15,7 @@ of yours in the inbox's own table (its items are oncely's records).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -361,10 +362,17 @@ class DynamoTransaction:
     def _request_token(self) -> str | None:
         """A ``ClientRequestToken`` for the commit, from the first marker's claim token: a
         commit botocore sends again (its answer lost) is then the same request to DynamoDB,
-        which applies it once. None without a marker (botocore then makes one up per call)."""
+        which applies it once. None without a marker (botocore makes one up per call, and
+        sends it again with the call).
+
+        DynamoDB keeps a token 10 minutes and refuses it on another request
+        (IdempotentParameterMismatchException), so it must be as unique as the claim's token:
+        a digest of all of it (at most 36 characters), never a cut (the claim tokens of one
+        process differ in their last digits)."""
         for marker in self._markers:
             if marker is not None:
-                return f"oncely-{marker.record.token}"[:36]
+                digest = hashlib.blake2b(marker.record.token.encode(), digest_size=18)
+                return digest.hexdigest()
         return None
 
 
