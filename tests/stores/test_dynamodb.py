@@ -1340,3 +1340,40 @@ def test_r7_a_commit_cancelled_on_the_marker_is_known_by_its_reason(
             tx._restore((0, {}))  # nothing sent
     finally:
         store.close()
+
+
+def test_r7_a_reject_whose_marker_meets_another_workers_claim_is_rejected(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """A handler's Reject is recorded by a FAILED marker in a new transaction, conditional on
+    the key's item being as read. Another worker claiming the key between that read and the
+    commit cancelled it, and ``handle_in_transaction`` raised KeyTaken at its caller (the
+    consumer saw a store error for a poison message). It now claims again once, finds the
+    other worker's record and leaves it, as a SQL store's claim does: ``rejected``."""
+    store = oncely.open(url)
+    other = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="c")
+    meddled: list[Any] = []
+
+    def meddle(**_: Any) -> None:  # another worker claims the key as the marker is sent
+        if not meddled:
+            meddled.append(other.claim("c", "k", fingerprint=None, token="t9",
+                                       lease_ms=60_000, keep_ms=HOUR, takeover=False))  # fmt: skip
+
+    def poison(tx: DynamoTransaction, payload: object) -> None:
+        ledger.put(tx, "k", 1)
+        raise oncely.Reject("not an order")
+
+    try:
+        store.prepare()
+        store._client.meta.events.register("before-send.dynamodb.TransactWriteItems", meddle)
+        handled = inbox.handle_in_transaction("k", None, poison)
+        assert meddled and meddled[0].won
+        assert handled.outcome is Outcome.REJECTED and "not an order" in str(handled.reason)
+        record = store.get("c", "k")
+        assert record is not None and record.token == "t9"  # the other worker's, untouched
+        assert record.status is Status.IN_PROGRESS
+        assert ledger.count("k") == 0
+    finally:
+        store.close()
+        other.close()

@@ -1673,22 +1673,32 @@ class AsyncInbox:
     ) -> None:
         # The handler's writes were rolled back; record the poison key so redeliveries are
         # rejected without running the handler again (in the caller's transaction, or in one
-        # of oncely's own).
-        block: AbstractAsyncContextManager[Tx] = (
-            store.transaction() if tx is None else nullcontext(tx)
-        )
-        async with block as conn:
-            await store.claim_in(
-                conn,
-                self._consumer,
-                key,
-                fingerprint=fp,
-                token=new_token(),
-                keep_ms=self._keep_failed_ms,
-                takeover=self._takeover,
-                initial=Status.FAILED,
-                error=reason[: self._limits.max_error_chars],
+        # of oncely's own). A store that checks the claim at the commit (DynamoDB) refuses
+        # it when another worker recorded the key since it was read (KeyTaken, nothing
+        # written): in oncely's own transaction the key is claimed again, once, and the
+        # record found is kept, as a SQL store's claim finds it.
+        for again in (True, False):
+            block: AbstractAsyncContextManager[Tx] = (
+                store.transaction() if tx is None else nullcontext(tx)
             )
+            try:
+                async with block as conn:
+                    await store.claim_in(
+                        conn,
+                        self._consumer,
+                        key,
+                        fingerprint=fp,
+                        token=new_token(),
+                        keep_ms=self._keep_failed_ms,
+                        takeover=self._takeover,
+                        initial=Status.FAILED,
+                        error=reason[: self._limits.max_error_chars],
+                    )
+            except KeyTaken:
+                if tx is None and again:
+                    continue
+                raise
+            return
 
 
 class _BatchRun(Generic[R]):
