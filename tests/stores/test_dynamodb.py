@@ -1377,3 +1377,34 @@ def test_r7_a_reject_whose_marker_meets_another_workers_claim_is_rejected(
     finally:
         store.close()
         other.close()
+
+
+def test_r7_a_result_taking_the_transaction_over_4_mb_fails_it_before_sending(
+    url: str, ledger: SyncDynamoDBLedger
+) -> None:
+    """The 4 MB of one TransactWriteItems were checked as each write was added, but the
+    handler's result is put on the marker after the handler: writes just under 4 MB and a
+    result of a few hundred KB went out over the limit, which AWS refuses as a whole (moto's
+    server took it). The result is now counted too: the handler's failure, nothing sent."""
+    store = oncely.open(url)
+    inbox = oncely.Inbox(store, consumer="c")
+    sent: list[object] = []
+
+    def big(tx: DynamoTransaction, payload: object) -> str:
+        for n in range(10):  # about 4,000,000 bytes of 4 MB (4,194,304)
+            tx.put(ledger.table, {"key": {"S": "big"}, "sk": {"S": f"{n}"},
+                                  "pad": {"S": "p" * 400_000}})  # fmt: skip
+        return "r" * 200_000  # fits an item (and max_result_bytes), not the transaction
+
+    try:
+        store.prepare()
+        store._client.meta.events.register(
+            "before-send.dynamodb.TransactWriteItems", lambda **_: sent.append(1)
+        )
+        failed = inbox.handle_in_transaction("k", None, big)
+        assert failed.outcome is Outcome.FAILED, failed
+        assert isinstance(failed.error, oncely.ResultTooLarge), failed.error
+        assert "4 MB" in str(failed.error)
+        assert sent == [] and inbox.get("k") is None and ledger.count("big") == 0
+    finally:
+        store.close()

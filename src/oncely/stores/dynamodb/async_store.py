@@ -127,6 +127,7 @@ from oncely.errors import (
     ConfigurationError,
     KeyTaken,
     LeaseLost,
+    ResultTooLarge,
     SchemaMissing,
     SchemaTooNew,
     StoreError,
@@ -158,7 +159,7 @@ from oncely.stores.dynamodb.errors import (
     parse_url,
     translate,
 )
-from oncely.stores.dynamodb.transaction import DynamoTransaction, Marker, Offsets
+from oncely.stores.dynamodb.transaction import MAX_BYTES, DynamoTransaction, Marker, Offsets
 
 __all__ = ["AsyncDynamoDBStore"]
 
@@ -1204,6 +1205,15 @@ class AsyncDynamoDBStore:
             item.pop("res", None)
         else:
             item["res"] = {"B": bytes(result)}
+        size = tx._bytes_with(index, item)
+        if size > MAX_BYTES:
+            # Refused here, as a write of the handler's over the limit is when it is added:
+            # DynamoDB would refuse the whole commit (the handler's failure either way).
+            raise ResultTooLarge(
+                f"a result of {len(result or b''):,} bytes takes the transaction to about "
+                f"{size:,} bytes, over DynamoDB's 4 MB for one TransactWriteItems (the "
+                "handler's writes and the marker with its result): nothing was written"
+            )
         tx._set_marker(index, item, marker)
 
     async def prepare_offsets(self) -> None:

@@ -129,6 +129,7 @@ from oncely.errors import (
     ConfigurationError,
     KeyTaken,
     LeaseLost,
+    ResultTooLarge,
     SchemaMissing,
     SchemaTooNew,
     StoreError,
@@ -160,7 +161,7 @@ from oncely.stores.dynamodb.errors import (
     translate,
 )
 from oncely.stores.dynamodb.sync_io import Client, call, close, connect, each, write
-from oncely.stores.dynamodb.transaction import DynamoTransaction, Marker, Offsets
+from oncely.stores.dynamodb.transaction import MAX_BYTES, DynamoTransaction, Marker, Offsets
 
 __all__ = ["DynamoDBStore"]
 
@@ -1202,6 +1203,15 @@ class DynamoDBStore:
             item.pop("res", None)
         else:
             item["res"] = {"B": bytes(result)}
+        size = tx._bytes_with(index, item)
+        if size > MAX_BYTES:
+            # Refused here, as a write of the handler's over the limit is when it is added:
+            # DynamoDB would refuse the whole commit (the handler's failure either way).
+            raise ResultTooLarge(
+                f"a result of {len(result or b''):,} bytes takes the transaction to about "
+                f"{size:,} bytes, over DynamoDB's 4 MB for one TransactWriteItems (the "
+                "handler's writes and the marker with its result): nothing was written"
+            )
         tx._set_marker(index, item, marker)
 
     def prepare_offsets(self) -> None:

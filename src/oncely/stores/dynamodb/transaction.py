@@ -309,6 +309,12 @@ class DynamoTransaction:
     def _marker_at(self, index: int) -> Marker | None:
         return self._markers[index] if 0 <= index < len(self._markers) else None
 
+    def _bytes_with(self, index: int, item: Item) -> int:
+        """About how many bytes the transaction holds with the ``Put`` at ``index`` putting
+        ``item`` instead."""
+        body = {**self._actions[index]["Put"], "Item": item}
+        return sum(self._sizes) - self._sizes[index] + _action_bytes(body)
+
     def _set_marker(self, index: int, item: Item, marker: Marker) -> None:
         self._actions[index]["Put"]["Item"] = item
         self._sizes[index] = _action_bytes(self._actions[index]["Put"])
