@@ -631,8 +631,9 @@ class _FaultyProxy:
     the connection instead of the answer: botocore sends the request again, as after any
     reply lost on the network. With ``strip``, it takes the item out of every answer of a
     failed condition, as an emulator without ``ReturnValuesOnConditionCheckFailure`` answers
-    (dynalite, older DynamoDB Local). With ``refuse`` (a target), it answers that request
-    with AWS's ValidationException, after passing it on when ``refused_lands``. With
+    (dynalite, older DynamoDB Local), a cancelled transaction's reasons too. With ``refuse``
+    (a target), it answers that request with AWS's ValidationException, after passing it on
+    when ``refused_lands``. With
     ``idempotent``, it keeps TransactWriteItems' ClientRequestToken as AWS does (moto's
     server ignores it): a token sent again with the same request is answered as the first
     time, without passing it on; with another request, IdempotentParameterMismatchException."""
@@ -737,6 +738,12 @@ class _FaultyProxy:
                     answer = json.loads(data)
                     if answer.pop("Item", None) is not None:
                         self.stripped += 1
+                    data = json.dumps(answer).encode()
+                if self.strip and b"TransactionCanceledException" in data:
+                    answer = json.loads(data)
+                    for cancelled in answer.get("CancellationReasons") or []:
+                        if cancelled.pop("Item", None) is not None:
+                            self.stripped += 1
                     data = json.dumps(answer).encode()
                 out = [f"HTTP/1.1 {status} {reason}"]
                 out += [f"{k}: {v}" for k, v in answered if k.lower() not in
@@ -1189,6 +1196,36 @@ def test_r7_r9_a_commit_whose_answer_was_lost_is_applied_once(
         assert record is not None and record.status is Status.COMPLETED
         tokens = {body["ClientRequestToken"] for body in sent}
         assert len(sent) == 2 and len(tokens) == 1  # one token: one request, sent twice
+    finally:
+        store.close()
+        proxy.close()
+
+
+def test_r7_r9_a_lost_commit_is_known_without_the_item_of_the_failed_condition(
+    scope: Scope, ledger: SyncDynamoDBLedger
+) -> None:
+    """An endpoint that ignores the ClientRequestToken cancels a commit botocore sent again
+    on the marker's condition; one that also leaves the item out of the cancellation reasons
+    (no ReturnValuesOnConditionCheckFailure) left the store nothing to know its own marker
+    by: KeyTaken, claimed again, and a commit that landed once was answered ``duplicate`` of
+    itself. The store now reads the item, as its single writes do: ``processed``."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _FaultyProxy("DynamoDB_20120810.TransactWriteItems", strip=True)
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: DynamoTransaction, payload: object) -> str:
+        ledger.put(tx, "order-1", 30)
+        return "booked"
+
+    try:
+        handled = inbox.handle_in_transaction("order-1", None, book)
+        assert proxy.dropped == 1 and proxy.stripped == 1  # sent twice, the item left out
+        assert handled.outcome is Outcome.PROCESSED and handled.value == "booked", handled
+        assert ledger.count("order-1") == 1
+        again = inbox.handle_in_transaction("order-1", None, book)
+        assert again.outcome is Outcome.DUPLICATE and again.value == "booked"
+        assert ledger.count("order-1") == 1
     finally:
         store.close()
         proxy.close()

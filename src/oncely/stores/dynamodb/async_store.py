@@ -1312,9 +1312,9 @@ class AsyncDynamoDBStore:
         try:
             await call(client, "transact_write_items", **kwargs)
         except DRIVER_ERRORS as exc:
-            self._refused(tx, exc)
+            await self._refused(tx, exc)
 
-    def _refused(self, tx: DynamoTransaction, exc: BaseException) -> None:
+    async def _refused(self, tx: DynamoTransaction, exc: BaseException) -> None:
         """Return when the commit landed after all; otherwise raise what refused it."""
         code = error_code(exc)
         if code in ("ValidationException", "ResourceNotFoundException"):
@@ -1340,6 +1340,10 @@ class AsyncDynamoDBStore:
             marker = tx._marker_at(index)
             if marker is not None and kind == "ConditionalCheckFailed":
                 item = reason.get("Item")
+                if item is None:
+                    # An endpoint that does not return the item of a failed condition
+                    # (ReturnValuesOnConditionCheckFailure): read it, as a single write does.
+                    item = await self._get(marker.pk, "reading the item of a failed commit")
                 if item is not None and _rev(item) == marker.rev:
                     # botocore sent the commit again (its answer lost) and DynamoDB did not
                     # take it as the same request: the first one landed, whole.

@@ -1338,6 +1338,10 @@ class DynamoDBStore:
             marker = tx._marker_at(index)
             if marker is not None and kind == "ConditionalCheckFailed":
                 item = reason.get("Item")
+                if item is None:
+                    # An endpoint that does not return the item of a failed condition
+                    # (ReturnValuesOnConditionCheckFailure): read it, as a single write does.
+                    item = self._get(marker.pk, "reading the item of a failed commit")
                 if item is not None and _rev(item) == marker.rev:
                     # botocore sent the commit again (its answer lost) and DynamoDB did not
                     # take it as the same request: the first one landed, whole.
