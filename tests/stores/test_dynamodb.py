@@ -1445,3 +1445,46 @@ def test_r7_a_result_taking_the_transaction_over_4_mb_fails_it_before_sending(
         assert sent == [] and inbox.get("k") is None and ledger.count("big") == 0
     finally:
         store.close()
+
+
+def test_r7_a_transaction_taking_over_a_lapsed_claim_fences_its_owner(
+    url: str, scope: Scope, clock: FakeClock, ledger: SyncDynamoDBLedger
+) -> None:
+    """A two-phase claim whose lease lapsed is taken over by a transactional claim (a new
+    token and revision, completed with the handler's writes): the owner's later renew and
+    completion are LeaseLost, never written over the transaction's record. A record expired
+    but not deleted yet is claimed afresh (attempt 1)."""
+    store = oncely.open(url, clock=clock)
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: DynamoTransaction, payload: Any) -> str:
+        ledger.put(tx, payload, 1)
+        return "booked"
+
+    try:
+        owner = store.claim("c", "k", fingerprint=None, token="t1", lease_ms=1000,
+                            keep_ms=HOUR, takeover=False)  # fmt: skip
+        assert owner.won
+        clock.advance(timedelta(seconds=5))
+        taken = inbox.handle_in_transaction("k", "k", book)
+        assert taken.outcome is Outcome.STALE_RECLAIMED and taken.record is not None
+        assert taken.record.attempt == 2 and taken.record.token != "t1"
+        with pytest.raises(oncely.LeaseLost):
+            store.renew("c", "k", token="t1", lease_ms=1000, keep_ms=HOUR)
+        with pytest.raises(oncely.LeaseLost):
+            store.complete("c", "k", token="t1", result=b"late", keep_ms=HOUR)
+        record = store.get("c", "k")
+        assert record is not None and record.status is Status.COMPLETED
+        assert record.result == b'"booked"' and ledger.count("k") == 1
+        clock.advance(timedelta(days=30))  # expired, still in the table
+        key = {"pk": {"S": partition_key("c", "k")}}
+        dynamodb = client()
+        try:
+            assert "Item" in dynamodb.get_item(TableName=table_name(scope), Key=key)
+        finally:
+            dynamodb.close()
+        again = inbox.handle_in_transaction("k", "k", book)
+        assert again.outcome is Outcome.PROCESSED and again.record is not None
+        assert again.record.attempt == 1 and ledger.count("k") == 2
+    finally:
+        store.close()
