@@ -636,7 +636,9 @@ class _FaultyProxy:
     when ``refused_lands``. With
     ``idempotent``, it keeps TransactWriteItems' ClientRequestToken as AWS does (moto's
     server ignores it): a token sent again with the same request is answered as the first
-    time, without passing it on; with another request, IdempotentParameterMismatchException."""
+    time, without passing it on; with another request, IdempotentParameterMismatchException.
+    With ``deny`` (a table's name), it answers DescribeTable of that table AccessDenied, as
+    AWS does to credentials allowed the writes only."""
 
     def __init__(
         self,
@@ -646,9 +648,12 @@ class _FaultyProxy:
         refuse: str | None = None,
         refused_lands: bool = True,
         idempotent: bool = False,
+        deny: str | None = None,
     ) -> None:
         import socket
 
+        self.deny = None if deny is None else json.dumps(deny).encode()
+        self.denied = 0
         self.idempotent = idempotent
         self.tokens: dict[str, tuple[bytes, tuple[int, str, list[Any], bytes]]] = {}
         self.mismatched = 0
@@ -698,7 +703,20 @@ class _FaultyProxy:
                 if self.idempotent and b"DynamoDB_20120810.TransactWriteItems" in head:
                     token = json.loads(body).get("ClientRequestToken")
                 kept = None if token is None else self.tokens.get(token)
-                if kept is not None and kept[0] == body:
+                denying = (
+                    self.deny is not None
+                    and b"DynamoDB_20120810.DescribeTable" in head
+                    and self.deny in body
+                )
+                if denying:
+                    self.denied += 1
+                    status, reason = 400, "Bad Request"
+                    answered = [("Content-Type", "application/x-amz-json-1.0")]
+                    data = (
+                        b'{"__type": "com.amazon.coral.service#AccessDeniedException", '
+                        b'"message": "not authorized to perform: dynamodb:DescribeTable"}'
+                    )
+                elif kept is not None and kept[0] == body:
                     status, reason, answered, data = kept[1]  # the same request: its answer
                 elif kept is not None:
                     with self._lock:
@@ -1488,3 +1506,34 @@ def test_r7_a_transaction_taking_over_a_lapsed_claim_fences_its_owner(
         assert again.record.attempt == 1 and ledger.count("k") == 2
     finally:
         store.close()
+
+
+def test_r7_credentials_allowed_the_writes_only_commit(
+    scope: Scope, ledger: SyncDynamoDBLedger
+) -> None:
+    """A transaction's Put actions had their tables described (DescribeTable) to refuse two
+    actions on one item before sending; credentials allowed the writes only (least
+    privilege, as a Lambda function's role often is) failed every commit with a Put on a
+    permissions error. The check is now DynamoDB's for such a table: the commit goes out, and
+    two actions on one item are still refused, by DynamoDB, nothing written."""
+    oncely.open(store_url(scope)).migrate()
+    proxy = _FaultyProxy(None, deny=ledger.table)
+    store = oncely.open(f"dynamodb://127.0.0.1:{proxy.port}/{table_name(scope)}")
+    inbox = oncely.Inbox(store, consumer="c")
+
+    def book(tx: DynamoTransaction, payload: Any) -> str:
+        ledger.put(tx, payload, 1)
+        return "booked"
+
+    try:
+        handled = inbox.handle_in_transaction("k", "k", book)
+        assert handled.outcome is Outcome.PROCESSED, handled
+        assert ledger.count("k") == 1 and proxy.denied == 1
+        key = {"key": {"S": "twice"}, "sk": {"S": "1"}}
+        with pytest.raises(oncely.CommitRefused), store.transaction() as tx:
+            tx.put(ledger.table, {**key, "amount": {"N": "1"}})
+            tx.update(ledger.table, key, "SET amount = :a", values={":a": {"N": "2"}})
+        assert ledger.count("twice") == 0 and proxy.denied == 1  # described (denied) once
+    finally:
+        store.close()
+        proxy.close()

@@ -267,8 +267,9 @@ class AsyncDynamoDBStore:
         self._ready_lock = asyncio.Lock()
         self._closed = False
         # The key attributes of the tables a transaction's Put actions write in (DescribeTable,
-        # once per table), to refuse two actions on one item before sending.
-        self._key_names: dict[str, list[str]] = {}
+        # once per table), to refuse two actions on one item before sending; None for a table
+        # whose description the credentials may not read.
+        self._key_names: dict[str, list[str] | None] = {}
 
     @classmethod
     def from_url(cls, url: str, *, clock: Clock | None = None) -> Self:
@@ -1299,6 +1300,11 @@ class AsyncDynamoDBStore:
                         f"commit on dynamodb {self._where}: the transaction puts an item in "
                         f"table {table!r}, which does not exist; nothing of it was written"
                     ) from exc
+                if error_code(exc) == "AccessDeniedException":
+                    # Permissions for the writes only (least privilege): the check is
+                    # DynamoDB's then, which refuses two actions on one item itself.
+                    self._key_names[table] = None
+                    continue
                 raise self._error(exc, f"reading the key of table {table!r}") from exc
             self._key_names[table] = [k["AttributeName"] for k in described["Table"]["KeySchema"]]
         try:

@@ -284,14 +284,17 @@ class DynamoTransaction:
         self._ids.append(ident)
         self._markers.append(marker)
 
-    def _identify(self, key_names: Mapping[str, Sequence[str]]) -> None:
+    def _identify(self, key_names: Mapping[str, Sequence[str] | None]) -> None:
         """Name the items the ``Put`` actions write from their tables' key attributes, and
-        refuse a second action on one item (:class:`~oncely.ConfigurationError`)."""
+        refuse a second action on one item (:class:`~oncely.ConfigurationError`). A table
+        whose key attributes are not known (None) is left to DynamoDB's own check."""
         for i, action in enumerate(self._actions):
             if self._ids[i] is not None or "Put" not in action:
                 continue
             body = action["Put"]
-            names = key_names[body["TableName"]]
+            names = key_names.get(body["TableName"])
+            if names is None:
+                continue
             ident = _identity(body["TableName"], {n: body["Item"].get(n, {}) for n in names})
             if ident in self._ids:
                 raise ConfigurationError(
