@@ -1537,3 +1537,44 @@ def test_r7_credentials_allowed_the_writes_only_commit(
     finally:
         store.close()
         proxy.close()
+
+
+def test_r7_an_expired_record_deleted_before_the_commit_is_no_other_workers_win(
+    url: str, scope: Scope, clock: FakeClock, ledger: SyncDynamoDBLedger
+) -> None:
+    """A transactional claim over a record expired but still in the table put its marker
+    conditional on that revision: DynamoDB's TTL (or a purge) deleting the item before the
+    commit cancelled it as if another worker had won the key (KeyTaken), and the handler ran
+    a second time. An expired record is as good as none: the marker goes over it, or in its
+    place, and the handler runs once."""
+    store = oncely.open(url, clock=clock)
+    inbox = oncely.Inbox(store, consumer="c")
+    runs: list[object] = []
+
+    def book(tx: DynamoTransaction, payload: Any) -> str:
+        runs.append(payload)
+        ledger.put(tx, payload, 1)
+        return "booked"
+
+    try:
+        assert inbox.handle_in_transaction("k", "k", book).outcome is Outcome.PROCESSED
+        clock.advance(timedelta(days=30))  # expired, still in the table
+        runs.clear()
+        deleted: list[object] = []
+
+        def ttl(**_: Any) -> None:  # DynamoDB's TTL deletes the item as the commit goes out
+            if not deleted:
+                dynamodb = client()
+                try:
+                    deleted.append(dynamodb.delete_item(
+                        TableName=table_name(scope),
+                        Key={"pk": {"S": partition_key("c", "k")}}))  # fmt: skip
+                finally:
+                    dynamodb.close()
+
+        store._client.meta.events.register("before-send.dynamodb.TransactWriteItems", ttl)
+        again = inbox.handle_in_transaction("k", "k", book)
+        assert deleted and again.outcome is Outcome.PROCESSED, again
+        assert runs == ["k"] and ledger.count("k") == 2  # once before it expired, once now
+    finally:
+        store.close()

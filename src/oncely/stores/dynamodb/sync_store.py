@@ -1170,7 +1170,12 @@ class DynamoDBStore:
         new, claim = apply_claim(None if current is None else current[0], ev, now)
         if not isinstance(new, Record):
             return claim
-        condition, values = _as_read(current, now)
+        # A record read expired is as good as none: the whole item is put over it whether it
+        # is still there or DynamoDB's TTL (or a purge) deleted it meanwhile, which is not
+        # another worker's win (that would cancel the transaction: KeyTaken, the handler run
+        # again). A put over a live record needs it as read (that revision).
+        expired = current is not None and current[0].expires_ms <= now
+        condition, values = _as_read(None if expired else current, now)
         rev = new_rev()
         body = {
             "TableName": self._table,
