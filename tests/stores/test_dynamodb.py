@@ -1272,8 +1272,15 @@ def test_r7_r9_each_commit_has_a_client_request_token_of_its_own(
             handled = inbox.handle_in_transaction(f"order-{n}", f"order-{n}", book)
             assert handled.outcome is Outcome.PROCESSED, handled
             assert ledger.count(f"order-{n}") == 1
+        # A caller of claim_in may give one claim token to several transactions.
+        for key in ("a", "b"):
+            with store.transaction() as tx:
+                store.claim_in(tx, "c", key, fingerprint=None, token="t1", keep_ms=HOUR,
+                               takeover=False)  # fmt: skip
+                ledger.put(tx, key, 1)
+            assert ledger.count(key) == 1
         assert proxy.dropped == 1 and proxy.mismatched == 0
-        assert len(proxy.tokens) == 5
+        assert len(proxy.tokens) == 7
         assert all(1 <= len(token) <= 36 for token in proxy.tokens)
     finally:
         store.close()

@@ -375,13 +375,14 @@ class DynamoTransaction:
         sends it again with the call).
 
         DynamoDB keeps a token 10 minutes and refuses it on another request
-        (IdempotentParameterMismatchException), so it must be as unique as the claim's token:
-        a digest of all of it (at most 36 characters), never a cut (the claim tokens of one
-        process differ in their last digits)."""
+        (IdempotentParameterMismatchException), so it must be the commit's own: a digest (36
+        characters) of all of the claim's token and of the marker's revision, drawn for this
+        claim (a caller of ``claim_in`` may give one token to several), never a cut (the
+        claim tokens of one process differ in their last digits)."""
         for marker in self._markers:
             if marker is not None:
-                digest = hashlib.blake2b(marker.record.token.encode(), digest_size=18)
-                return digest.hexdigest()
+                seed = f"{marker.record.token}\0{marker.rev}".encode()
+                return hashlib.blake2b(seed, digest_size=18).hexdigest()
         return None
 
 
