@@ -716,8 +716,12 @@ class IdempotencyMiddleware(_Policy):
         fingerprint: dict[str, Any],
     ) -> None:
         """The app inside :meth:`AsyncInbox.handle_in_transaction
-        <oncely.AsyncInbox.handle_in_transaction>`, its response held until the commit."""
-        replay_body = _body_once(body, receive)
+        <oncely.AsyncInbox.handle_in_transaction>`, its response held until the commit.
+
+        The handler may run more than once in one request: on DynamoDB a commit that another
+        request's won meanwhile is cancelled and the key claimed again, and a second claim
+        that finds that record gone (expired) runs the app again. Each run gets the body
+        anew, and only the last run's response, the one committed, is held."""
         held: list[Message] = []
         raised: list[BaseException] = []
 
@@ -727,8 +731,9 @@ class IdempotencyMiddleware(_Policy):
         async def handler(tx: Any, _request: object) -> dict[str, Any]:
             entered = _TX.set(tx)
             inside = CLIENT_KEYS.set(False)  # the app's own inboxes log as they always do
+            held.clear()  # a run before this one: its transaction was cancelled
             try:
-                await self.app(_in_messages(scope), replay_body, hold)
+                await self.app(_in_messages(scope), _body_once(body, receive), hold)
             except Exception as exc:
                 raised.append(exc)
                 raise
@@ -1343,8 +1348,11 @@ class WSGIIdempotencyMiddleware(_Policy):
         held: list[tuple[str, list[tuple[str, str]], list[bytes]]] = []
 
         def handler(tx: Any, _request: object) -> dict[str, Any]:
+            # Run more than once on DynamoDB (see IdempotencyMiddleware._run_in_transaction):
+            # only the last run's response, the one committed, is held.
             entered = _TX.set(tx)
             inside = CLIENT_KEYS.set(False)  # the app's own inboxes log as they always do
+            held.clear()
             try:
                 held.append(self._call_app(environ, body))
             except Exception as exc:

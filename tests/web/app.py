@@ -7,13 +7,18 @@ app's shape come from the environment (``ONCELY_TEST_HTTP_STORE``, ``ONCELY_TEST
 ``ONCELY_TEST_HTTP_KEEP`` and ``ONCELY_TEST_HTTP_LEASE`` are the inbox's retention and lease
 in seconds; ``ONCELY_TEST_HTTP_FAST=1`` skips the requests' sleeps; ``ONCELY_TEST_HTTP_TX``
 names a ledger table: the middleware is then transactional and each run writes its order there
-through ``oncely.http.transaction()``)."""
+through ``oncely.http.transaction()``). A run whose body says ``"gate": true`` stops, once its
+ledger write is made, at the gate its ``X-Gate`` header names until ``GET /open?gate=NAME``
+opens it; ``GET /gates`` lists the gates runs wait at: a test orders concurrent runs with them
+(two requests with one key and body, each run stopped until the test lets it go on)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -49,12 +54,24 @@ WAIT = (
 EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 LEDGER = os.environ.get("ONCELY_TEST_HTTP_TX", "")
+GATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("gate", default=None)
+"""The ``X-Gate`` header of the request being handled."""
+GATES: dict[str, asyncio.Event] = {}
+WAITING: set[str] = set()
+
+
+def gate(name: str) -> asyncio.Event:
+    return GATES.setdefault(name, asyncio.Event())
 
 
 async def write_ledger(order: str, run: int) -> None:
-    """The run's business row, in the request's transaction (transactional mode)."""
+    """The run's business row, in the request's transaction (transactional mode): on DynamoDB
+    an item of its own (a random sort key), so that two writes show as two items."""
     tx = transaction()
-    if type(tx).__module__.startswith("aiosqlite"):
+    if type(tx).__name__ == "DynamoTransaction":
+        item = {"order_id": {"S": order}, "sk": {"S": uuid.uuid4().hex}, "run": {"N": str(run)}}
+        tx.put(LEDGER, item)
+    elif type(tx).__module__.startswith("aiosqlite"):
         await tx.execute(f'INSERT INTO "{LEDGER}" VALUES (?, ?)', (order, run))
     else:
         await tx.execute(f'INSERT INTO "{LEDGER}" VALUES (%s, %s)', (order, run))
@@ -76,6 +93,11 @@ async def book(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     said = downstream(body)
     if LEDGER:
         await write_ledger(order, EFFECTS[order] + 1)
+    name = GATE.get()
+    if body.get("gate") and name is not None:
+        WAITING.add(name)
+        await gate(name).wait()
+        WAITING.discard(name)
     if not os.environ.get("ONCELY_TEST_HTTP_FAST"):
         await asyncio.sleep(float(body.get("sleep", 0)))
     if body.get("fail_once") and order not in FAILED_ONCE:
@@ -195,6 +217,15 @@ class Lazy:
             assert message["type"] == "lifespan.shutdown"
             await send({"type": "lifespan.shutdown.complete"})
             return
+        if scope.get("method") == "GET" and scope["path"] in ("/gates", "/open"):
+            if scope["path"] == "/open":
+                gate(scope["query_string"].decode().partition("gate=")[2]).set()
+            payload = json.dumps(sorted(WAITING)).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        named = dict(scope["headers"]).get(b"x-gate")
+        GATE.set(None if named is None else named.decode())
         if self.app is None:
             inner = SHAPES[os.environ.get("ONCELY_TEST_HTTP_APP", "plain")]()
             keep = os.environ.get("ONCELY_TEST_HTTP_KEEP")

@@ -1,8 +1,12 @@
 """The Flask app ``tests/web/test_wsgi.py`` serves, with the WSGI middleware on a sync Inbox,
 from a threaded ``wsgiref`` server in a process of its own: ``python -m tests.web.wsgi_app
-PORT`` (the store from ``ONCELY_TEST_HTTP_STORE``). Routes as in ``tests/web/app.py``; with
-``ONCELY_TEST_HTTP_TX`` (a ledger table) the middleware is transactional and each run writes
-its order there through ``oncely.http.transaction()``."""
+PORT`` (the store from ``ONCELY_TEST_HTTP_STORE``, the inbox's retention and lease in seconds
+from ``ONCELY_TEST_HTTP_KEEP`` and ``ONCELY_TEST_HTTP_LEASE``). Routes as in
+``tests/web/app.py``; with ``ONCELY_TEST_HTTP_TX`` (a ledger table) the middleware is
+transactional and each run writes its order there through ``oncely.http.transaction()`` (on
+DynamoDB an item of its own). A run whose body says ``"gate": true`` stops, once its ledger
+write is made, at the gate its ``X-Gate`` header names until ``GET /open?gate=NAME`` opens it
+(``GET /gates`` lists the gates runs wait at), as in ``tests/web/app.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 from flask import Flask, jsonify, request
@@ -23,7 +29,14 @@ EFFECTS: Counter[str] = Counter()
 FAILED_ONCE: set[str] = set()
 LOCK = threading.Lock()
 LEDGER = os.environ.get("ONCELY_TEST_HTTP_TX", "")
+GATES: dict[str, threading.Event] = {}
+WAITING: set[str] = set()
 flask_app = Flask(__name__)
+
+
+def gate(name: str) -> threading.Event:
+    with LOCK:
+        return GATES.setdefault(name, threading.Event())
 
 
 @flask_app.post("/orders")
@@ -39,8 +52,20 @@ def orders() -> Any:
     time.sleep(float(body.get("sleep", 0)))
     if LEDGER:
         tx = transaction()
-        mark = "?" if type(tx).__module__.startswith("sqlite3") else "%s"
-        tx.execute(f'INSERT INTO "{LEDGER}" VALUES ({mark}, {mark})', (order, EFFECTS[order] + 1))
+        if type(tx).__name__ == "DynamoTransaction":
+            run = {"N": str(EFFECTS[order] + 1)}
+            tx.put(LEDGER, {"order_id": {"S": order}, "sk": {"S": uuid.uuid4().hex}, "run": run})
+        else:
+            mark = "?" if type(tx).__module__.startswith("sqlite3") else "%s"
+            ledger = f'INSERT INTO "{LEDGER}" VALUES ({mark}, {mark})'
+            tx.execute(ledger, (order, EFFECTS[order] + 1))
+    name = request.headers.get("X-Gate")
+    if body.get("gate") and name is not None:
+        with LOCK:
+            WAITING.add(name)
+        gate(name).wait(60)
+        with LOCK:
+            WAITING.discard(name)
     with LOCK:
         EFFECTS[order] += 1
         if body.get("fail_once") and order not in FAILED_ONCE:
@@ -60,6 +85,18 @@ def notes() -> Any:
         return jsonify({"size": size, "run": EFFECTS[f"note:{size}"]}), 201
 
 
+@flask_app.get("/gates")
+def gates() -> Any:
+    with LOCK:
+        return jsonify(sorted(WAITING))
+
+
+@flask_app.get("/open")
+def open_gate() -> Any:
+    gate(request.args["gate"]).set()
+    return gates()
+
+
 @flask_app.get("/effects")
 def effects() -> Any:
     with LOCK:
@@ -67,7 +104,14 @@ def effects() -> Any:
 
 
 def main() -> None:
-    inbox = oncely.Inbox(oncely.open(os.environ["ONCELY_TEST_HTTP_STORE"]), consumer="orders-api")
+    keep = os.environ.get("ONCELY_TEST_HTTP_KEEP")
+    lease = os.environ.get("ONCELY_TEST_HTTP_LEASE")
+    inbox = oncely.Inbox(
+        oncely.open(os.environ["ONCELY_TEST_HTTP_STORE"]),
+        consumer="orders-api",
+        retention=oncely.Retention(keep=timedelta(seconds=float(keep))) if keep else None,
+        lease=oncely.Lease(duration=timedelta(seconds=float(lease))) if lease else None,
+    )
     app = WSGIIdempotencyMiddleware(
         flask_app.wsgi_app,
         inbox=inbox,
