@@ -49,19 +49,34 @@ statement's answer and ``connect_timeout`` for a connection (10 s each by defaul
 gone silent answers the claim ``503`` and sends the response after about that long), on
 Redis ``timeout`` (5 s).
 
-With ``transactional=True`` (a SQL store: PostgreSQL, MariaDB/MySQL, SQLite) the app runs
-inside one database transaction on the store's database instead, which :func:`transaction`
-hands to the app: the key's marker, the app's own writes through that connection and the
-stored response commit together, and the response reaches the client only after the commit.
-An app that raises, or answers with a response that is not kept (a 5xx by default), rolls the
-whole transaction back: the request leaves no trace and its retry runs. A repeat that arrives
-while the first runs waits on the database's row lock and then gets the first response
-(``wait=`` and the 409 of the two-phase mode do not apply). The response is buffered whole
-before the commit.
+With ``transactional=True`` (a store with a transactional mode: PostgreSQL, MariaDB/MySQL,
+SQLite, DynamoDB) the app runs inside one transaction on the store instead, which
+:func:`transaction` hands to the app: the key's marker, the app's own writes through it and
+the stored response commit together, and the response reaches the client only after the
+commit. An app that raises, or answers with a response that is not kept (a 5xx by default),
+rolls the whole transaction back: the request leaves no trace and its retry runs. On a SQL
+store a repeat that arrives while the first runs waits on the database's row lock and then
+gets the first response (``wait=`` and the 409 of the two-phase mode do not apply). The
+response is buffered whole before the commit.
+
+DynamoDB has no transaction to hold open, nor a row lock: :func:`transaction` is a
+:class:`~oncely.stores.dynamodb.DynamoTransaction`, a buffer the app adds its writes to
+(``tx.put(table, item)``, DynamoDB's typed values; nothing can be read back from it), sent
+with the marker as one ``TransactWriteItems`` once the app has answered. A repeat that arrives
+while the first runs finds the key unclaimed and runs the app too. The first to commit wins;
+the other's commit is cancelled on the marker's condition, nothing of its writes applied, and
+its client gets the first response, replayed (``Idempotent-Replayed: true``), as a repeat
+that came after it would. What such a run does outside the transaction (a call to a payment
+provider, an email) is done twice: pass such calls ``oncely.handling().downstream_key(...)``,
+one key for every run of one Idempotency-Key, so the provider sees one. A repeat whose own
+run fails (raises, or answers a response that is not kept) gets its own failure, nothing of
+it committed. (A run whose second claim finds the first request's record gone, its retention
+shorter than the run, runs the app once more; that last run is what commits and is sent.)
 
 Tested with uvicorn (a plain ASGI app, a Starlette one, a FastAPI one) and a threaded
 ``wsgiref`` server (a Flask app) on SQLite, PostgreSQL and Redis, the transactional mode on
-SQLite and PostgreSQL (``tests/web``).
+SQLite, PostgreSQL and DynamoDB (moto's server, not AWS; two requests with one key whose
+commits come one after the other, as moto needs) (``tests/web``).
 """
 
 from __future__ import annotations
@@ -323,11 +338,13 @@ def default_store_status(status: int) -> bool:
 
 def transaction() -> Any:
     """The open transaction of the request being handled by a middleware with
-    ``transactional=True``: a connection of the store's driver (psycopg's ``AsyncConnection``
-    or ``Connection``, aiosqlite's or sqlite3's, aiomysql's or PyMySQL's) whose transaction
-    commits with the key's marker and the stored response. Write through it; never commit or
-    roll it back yourself. Raises :class:`~oncely.TransactionRequired` outside such a
-    request."""
+    ``transactional=True``, which commits with the key's marker and the stored response: on a
+    SQL store a connection of the store's driver (psycopg's ``AsyncConnection`` or
+    ``Connection``, aiosqlite's or sqlite3's, aiomysql's or PyMySQL's), on DynamoDB a
+    :class:`~oncely.stores.dynamodb.DynamoTransaction` (its writes buffered, ``tx.put(...)``
+    without ``await``, and sent with the marker in one ``TransactWriteItems``). Write through
+    it; never commit or roll it back yourself. Raises :class:`~oncely.TransactionRequired`
+    outside such a request."""
     try:
         return _TX.get()
     except LookupError:
@@ -428,8 +445,9 @@ class _Policy:
         self._log_keys: Literal["plain", "hash"] = "plain"  # the inbox's, once it is known
         if transactional and wait is not None:
             raise ConfigurationError(
-                "wait= is for the two-phase mode: with transactional=True a repeat already "
-                "waits on the database's row lock for the first request's commit"
+                "wait= is for the two-phase mode: with transactional=True a repeat gets the "
+                "first request's response once it commits (on a SQL store it waits on the "
+                "row lock; on DynamoDB it runs too, and its commit loses to the first one's)"
             )
 
     def _check_inbox(self, inbox: AsyncInbox | Inbox) -> None:
@@ -450,8 +468,8 @@ class _Policy:
         if self._transactional and not isinstance(inbox.store, protocol):
             raise ConfigurationError(
                 f"transactional=True needs a store with a transactional mode (PostgreSQL, "
-                f"MariaDB/MySQL, SQLite); {type(inbox.store).__name__} has none: use the "
-                "two-phase mode (the default)"
+                f"MariaDB/MySQL, SQLite, DynamoDB); {type(inbox.store).__name__} has none: use "
+                "the two-phase mode (the default)"
             )
 
     def _decide(
@@ -621,8 +639,8 @@ class IdempotencyMiddleware(_Policy):
     waits for a running first request instead of getting 409; ``max_request_bytes`` and
     ``max_stored_bytes``: the request body read for the fingerprint, the response body kept;
     ``max_key_chars``: the longest ``Idempotency-Key`` taken (255; a longer one is a 400);
-    ``transactional``: run the app in the store's database transaction (see the module
-    docstring and :func:`transaction`).
+    ``transactional``: run the app in a transaction of the store's (a SQL database's, or
+    DynamoDB's ``TransactWriteItems``; see the module docstring and :func:`transaction`).
 
     ``key``: for webhooks, where the provider's delivery id is (:func:`github`,
     :func:`stripe`, :func:`standard_webhooks`, :func:`shopify`, or your own :data:`KeyFrom`)

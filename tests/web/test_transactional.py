@@ -268,7 +268,7 @@ def test_r7_transactional_needs_a_store_with_transactions_and_refuses_wait() -> 
         raise AssertionError("never called")
 
     memory = oncely.AsyncInbox(oncely.open_async("memory://"), consumer="api")
-    with pytest.raises(ConfigurationError, match="transactional mode"):
+    with pytest.raises(ConfigurationError, match=r"transactional mode .*SQLite, DynamoDB"):
         IdempotencyMiddleware(app, inbox=memory, transactional=True)
     with pytest.raises(ConfigurationError, match="transactional mode"):
         WSGIIdempotencyMiddleware(
@@ -279,6 +279,13 @@ def test_r7_transactional_needs_a_store_with_transactions_and_refuses_wait() -> 
     sqlite = oncely.AsyncInbox(oncely.open_async("sqlite:///:memory:"), consumer="api")
     with pytest.raises(ConfigurationError, match="row lock"):
         IdempotencyMiddleware(app, inbox=sqlite, transactional=True, wait=timedelta(seconds=1))
+    # DynamoDB has a transactional mode (nothing is sent to the endpoint until a request).
+    dynamodb = oncely.Inbox(oncely.open("dynamodb://127.0.0.1:9/api_inbox"), consumer="api")
+    WSGIIdempotencyMiddleware(lambda e, s: [], inbox=dynamodb, transactional=True)
+    with pytest.raises(ConfigurationError, match="on DynamoDB it runs too"):
+        WSGIIdempotencyMiddleware(
+            lambda e, s: [], inbox=dynamodb, transactional=True, wait=timedelta(seconds=1)
+        )
 
 
 def test_r7_transaction_outside_a_request_says_where_it_works() -> None:
