@@ -6,16 +6,26 @@ on RabbitMQ (``taskiq-aio-pika``) and oncely's receiver: tasks behind
 ``ONCELY_TEST_TASKIQ_NS`` (the Redis key prefix of the effects and results),
 ``ONCELY_TEST_TASKIQ_LEASE`` (seconds), ``ONCELY_TEST_TASKIQ_LETTERS`` (a dead-letter queue of
 the middleware's own, when set), ``ONCELY_TEST_TASKIQ_LOG_KEYS`` (``hash`` for the inbox's
-``log_keys="hash"``)."""
+``log_keys="hash"``), ``ONCELY_TEST_TASKIQ_SLOW_ACKS`` (``1``: :class:`SlowAcks`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from datetime import timedelta
+from typing import Any
 
 import redis.asyncio
-from taskiq import Context, TaskiqDepends, TaskiqEvents, TaskiqState
+from taskiq import (
+    Context,
+    TaskiqDepends,
+    TaskiqEvents,
+    TaskiqMessage,
+    TaskiqMiddleware,
+    TaskiqState,
+)
+from taskiq.exceptions import NoResultError
 from taskiq_aio_pika import AioPikaBroker, Queue, QueueType
 from taskiq_redis import RedisAsyncResultBackend
 
@@ -36,6 +46,24 @@ inbox = oncely.AsyncInbox(
     ),
     log_keys="hash" if os.environ.get("ONCELY_TEST_TASKIQ_LOG_KEYS") == "hash" else "plain",
 )
+
+
+class SlowAcks(TaskiqMiddleware):
+    """A busy worker's slow acknowledgement, made sure of: a ``fatal`` copy that oncely sent
+    again is acknowledged only once the copy it sent has run (a ``started`` count more), or
+    after 3 s if that copy is not run meanwhile. taskiq runs ``post_execute`` between a
+    task's end and its message's acknowledgement."""
+
+    async def post_execute(self, message: TaskiqMessage, result: Any) -> None:
+        if not message.task_name.endswith(":fatal") or not isinstance(result.error, NoResultError):
+            return
+        counted = f"{NS}:started:fatal:{message.args[0]}"
+        before = int(await REDIS.get(counted) or 0)
+        deadline = time.monotonic() + 3.0
+        while int(await REDIS.get(counted) or 0) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
 broker = (
     AioPikaBroker(
         RABBITMQ,
@@ -50,7 +78,8 @@ broker = (
             retry_delay=0.2,
             retry_in_flight=1.0,
             dead_letter_queue=os.environ.get("ONCELY_TEST_TASKIQ_LETTERS") or None,
-        )
+        ),
+        *([SlowAcks()] if os.environ.get("ONCELY_TEST_TASKIQ_SLOW_ACKS") == "1" else []),
     )
 )
 

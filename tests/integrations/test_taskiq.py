@@ -28,6 +28,7 @@ import pika
 from tests.integrations.workers import (
     WorkerRun,
     assert_resends_back_off,
+    holding,
     stopped_at_start,
     store_url,
     until,
@@ -523,6 +524,63 @@ def test_r10_a_task_that_kills_its_worker_process_every_time_is_dead_lettered(st
         assert run.started("fatal:w2") == 2 and run.effects("fatal:w2") == 1
         assert run.worker_starts() >= starts + 1
         assert run.dead_letters() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+def test_r10_a_copy_sent_again_runs_only_once_the_one_it_came_from_is_acknowledged(
+    tmp_path: Path,
+) -> None:
+    """A copy of ``fatal`` meets its key held (by this test) and is sent again, then
+    acknowledged; the key is let go meanwhile. The copy sent again came back to the same
+    worker process at once and could run before that acknowledgement went out (the app's
+    ``SlowAcks`` makes sure it would): its run ended the process, so RabbitMQ handed out the
+    unacknowledged copy again too. Two copies of one message from then on: after three runs
+    the first was dead-lettered, its key given back, and the second ran the task three more
+    times (three more deaths, a second dead letter). The copy now waits for that
+    acknowledgement: three runs, one dead letter."""
+    store = f"sqlite:///{tmp_path / 'inbox.db'}"
+    run = Run(store, lease=2.0)
+    run.env["ONCELY_TEST_TASKIQ_SLOW_ACKS"] = "1"
+    log = tmp_path / "worker.log"
+    body = json.dumps({"args": ["w5"], "kwargs": {"deaths": 99}}).encode()
+    try:
+        run.worker(workers=1, log=log, loglevel="INFO")
+        with holding(store, "fatal:w5", body) as fail:
+
+            async def send(app: ModuleType) -> str:
+                return str((await app.fatal.kiq("w5", deaths=99)).task_id)
+
+            task_id = run.drive(send)
+            said = "key fatal:w5 is being processed elsewhere"
+            run.until(lambda: said in log.read_text(errors="replace"))
+            fail()
+
+        async def result(app: ModuleType) -> Any:
+            from taskiq import AsyncTaskiqTask
+
+            return await AsyncTaskiqTask(task_id, app.broker.result_backend).wait_result(
+                timeout=120
+            )
+
+        answer = run.drive(result)
+        assert answer.is_err and "none of its 3 runs finished" in str(answer.error), answer
+
+        async def charged(app: ModuleType) -> Any:
+            return await _value(await app.charge.kiq("w0", 10))
+
+        assert run.drive(charged) == {"order": "w0", "amount": 10}
+        # A second copy shows at once: it meets the run that gives up (in flight, attempt 4),
+        # or runs the task again after it.
+        met = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if "in_flight" in line and "key=fatal:w5 attempt=4" in line
+        ]
+        assert met == [], met
+        assert run.started("fatal:w5") == 3 and run.effects("fatal:w5") == 0
+        assert [name for name, _ in run.dead_letters()] == ["fatal"]
     finally:
         run.close()
 

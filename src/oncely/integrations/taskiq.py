@@ -42,7 +42,11 @@ a copy while the first still runs      sent again ``retry_in_flight`` s later (n
 (a worker killed mid-task)             its retries) and this copy acknowledged; each time
                                        twice as long as the last, up to what is left of
                                        the running claim's lease; taken over once a dead
-                                       worker's lease lapses
+                                       worker's lease lapses. A copy sent again (this way
+                                       or as a retry) that comes back to the process that
+                                       sent it runs once the copy it came from is
+                                       acknowledged: else a run that ended the process
+                                       left two copies of the message
 a run that took its worker process     taskiq sees no failure: the message goes to the
 with it (``os._exit``, the OOM         process taskiq starts again, for ever. The next
 killer)                                copy takes the dead run's claim over once its lease
@@ -98,6 +102,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 try:
@@ -146,6 +151,11 @@ _RETRYING = (SimpleRetryMiddleware, SmartRetryMiddleware)
 """taskiq's retry middlewares: they turn a failure into ``NoResultError`` (refused)."""
 
 LOGGER = logging.getLogger("oncely.taskiq")
+
+_IN_HAND: ContextVar[asyncio.Event | None] = ContextVar("oncely_taskiq_in_hand", default=None)
+"""Set by :meth:`Receiver.callback` for the copy it handles: the event set once its callback
+ended (the copy acknowledged); None for a copy no acknowledgement is awaited of."""
+
 KEY_LABEL = "oncely_key"
 """The label :func:`send_with_key` sets: the producer's key."""
 REQUEUE_LABEL = "X-Taskiq-requeue"
@@ -351,6 +361,10 @@ class Receiver(_TaskiqReceiver):
                 "when_saved, the default, or when_executed)"
             )
         self.idempotency.receiver = self
+        self._sent_again: dict[str, asyncio.Event] = {}
+        """The task ids this process sent again (a retry, a copy that met its key running)
+        while the copy it came from is not acknowledged yet: each one's event is set once that
+        copy's callback ended, its acknowledgement sent."""
 
     async def callback(self, message: bytes | AckableMessage, raise_err: bool = False) -> None:
         data = message.data if isinstance(message, AckableMessage) else message
@@ -362,6 +376,18 @@ class Receiver(_TaskiqReceiver):
             why = f"no task {parsed.task_name!r} is registered on this worker"
             named = {"task_id": parsed.task_id, "task_name": parsed.task_name}
             return await self._unreadable(message, data, why, named)
+        earlier = self._sent_again.get(parsed.task_id)
+        if earlier is not None:
+            # This process sent the copy again and has not yet acknowledged the one it came
+            # from, which the broker hands out again if the process ends first: a run that
+            # ends it (os._exit, the OOM killer) made two copies of one message, the second
+            # run again once the first was dead-lettered. The copy runs after that
+            # acknowledgement.
+            await earlier.wait()
+        ended = asyncio.Event()
+        # Only a copy the broker awaits an acknowledgement of (InMemoryBroker's copy sent
+        # again runs inside the send, while the one it came from is still in hand).
+        token = _IN_HAND.set(ended if isinstance(message, AckableMessage) else None)
         try:
             await super().callback(message, raise_err)
         except Exception:  # a resend or a dead letter the broker refused
@@ -371,6 +397,19 @@ class Receiver(_TaskiqReceiver):
                 parsed.task_name,
                 parsed.task_id,
             )
+        finally:
+            _IN_HAND.reset(token)
+            if self._sent_again.get(parsed.task_id) is ended:
+                del self._sent_again[parsed.task_id]
+            ended.set()
+
+    async def _send_again(self, message: TaskiqMessage, **labels: Any) -> None:
+        """Send ``message`` again with ``labels`` (:meth:`Idempotency.kick_again`); a copy
+        that comes back to this process waits until the one in hand is acknowledged."""
+        ended = _IN_HAND.get()
+        if ended is not None:
+            self._sent_again[message.task_id] = ended
+        await self.idempotency.kick_again(message, **labels)
 
     async def _unreadable(
         self,
@@ -545,7 +584,7 @@ class Receiver(_TaskiqReceiver):
                 key=key,
             )
         await asyncio.sleep(mw.retry_delay)
-        await mw.kick_again(message, **{RETRIES_LABEL: retries + 1})
+        await self._send_again(message, **{RETRIES_LABEL: retries + 1})
         return _result(message, None, NoResultError())
 
     async def _later(
@@ -560,7 +599,7 @@ class Receiver(_TaskiqReceiver):
         resends = resends_of(message.labels.get(IN_FLIGHT_RESENDS))
         delay = in_flight_delay(mw.retry_in_flight, resends, handled)
         await asyncio.sleep(delay)
-        await mw.kick_again(message, **{IN_FLIGHT_RESENDS: resends + 1})
+        await self._send_again(message, **{IN_FLIGHT_RESENDS: resends + 1})
         LOGGER.info(
             "oncely taskiq %s[%s]: %s; sent again after %.1f s (resend %d)",
             message.task_name, message.task_id, why, delay, resends + 1,
