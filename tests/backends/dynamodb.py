@@ -68,6 +68,27 @@ def drop_table(table: str) -> None:
         c.close()
 
 
+def create_ledger(table: str, key: str) -> None:
+    """Create ``table``, a ledger without unique keys: partition key ``key`` and a sort key
+    ``sk`` the writer draws at random, so that two writes of one key are two items."""
+    c = client()
+    try:
+        c.create_table(
+            TableName=table,
+            AttributeDefinitions=[
+                {"AttributeName": key, "AttributeType": "S"},
+                {"AttributeName": "sk", "AttributeType": "S"},
+            ],
+            KeySchema=[
+                {"AttributeName": key, "KeyType": "HASH"},
+                {"AttributeName": "sk", "KeyType": "RANGE"},
+            ],
+            BillingMode="PAY_PER_REQUEST",
+        )
+    finally:
+        c.close()
+
+
 def _require() -> None:
     """Start moto's server (or skip, or in CI fail, without one)."""
     endpoint()
@@ -89,22 +110,7 @@ class DynamoDBLedger:
     def __init__(self, scope: Scope, store: object) -> None:
         self.table = f"oncely_ledger_{scope.unique}"
         scope.finalizers.append(lambda: drop_table(self.table))
-        c = client()
-        try:
-            c.create_table(
-                TableName=self.table,
-                AttributeDefinitions=[
-                    {"AttributeName": "key", "AttributeType": "S"},
-                    {"AttributeName": "sk", "AttributeType": "S"},
-                ],
-                KeySchema=[
-                    {"AttributeName": "key", "KeyType": "HASH"},
-                    {"AttributeName": "sk", "KeyType": "RANGE"},
-                ],
-                BillingMode="PAY_PER_REQUEST",
-            )
-        finally:
-            c.close()
+        create_ledger(self.table, "key")
 
     def put(self, tx: Any, key: str, amount: int) -> None:
         tx.put(

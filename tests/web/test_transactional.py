@@ -35,24 +35,9 @@ Rows = Callable[[str], list[tuple[str, int]]]
 def _dynamodb_ledger(name: str, ledger: str) -> tuple[str, str, Rows, Callable[[], None]]:
     """:func:`_ledger` on moto's server: the inbox's table ``name`` (the store makes it) and
     the ledger table, keyed by order and a random sort key (two writes are two items)."""
-    from tests.backends.dynamodb import client, drop_table, endpoint
+    from tests.backends.dynamodb import client, create_ledger, drop_table, endpoint
 
-    c = client()
-    try:
-        c.create_table(
-            TableName=ledger,
-            AttributeDefinitions=[
-                {"AttributeName": "order_id", "AttributeType": "S"},
-                {"AttributeName": "sk", "AttributeType": "S"},
-            ],
-            KeySchema=[
-                {"AttributeName": "order_id", "KeyType": "HASH"},
-                {"AttributeName": "sk", "KeyType": "RANGE"},
-            ],
-            BillingMode="PAY_PER_REQUEST",
-        )
-    finally:
-        c.close()
+    create_ledger(ledger, "order_id")
 
     def rows_dynamodb(order: str) -> list[tuple[str, int]]:
         c = client()
